@@ -1,0 +1,58 @@
+"""`agentrl` command line. Each subcommand lives in a light module exposing `add_arguments(parser)` and
+`main(args) -> int`; those modules import nothing heavy at top level, so every `--help` answers without
+torch or ray (a test checks it). Heavy imports happen inside `main`, after the arguments are parsed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from agentrl import __version__
+from agentrl.errors import AgentRLError
+
+# (name, module, one-line help)
+COMMANDS = [
+    ("run", "agentrl.runner.cli", "train: rollout -> replay queue -> learner -> publish (sync, or --async)"),
+    ("serve-queue", "agentrl.queue.cli", "serve the replay queue over HTTP for external agents"),
+    ("serve-engine", "agentrl.engines.cli", "serve the embedded engine with SGLang's HTTP routes"),
+    ("make-tiny-model", "agentrl.engines.tiny_cli", "write a tiny random Hugging Face model + tokenizer offline"),
+    ("export", "agentrl.learners.cli", "write a Hugging Face directory from a learner checkpoint"),
+    ("envs", "agentrl.envs.cli", "list the registered agent environments"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agentrl", description="Asynchronous RL post-training for LLM agents.")
+    parser.add_argument("--version", action="version", version=f"agentrl {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module, help_text in COMMANDS:
+        mod = importlib.import_module(module)
+        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip().splitlines()[0])
+        mod.add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    if extra and not getattr(args, "accepts_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides = extra
+    try:
+        return int(importlib.import_module(args._module).main(args) or 0)
+    except AgentRLError as exc:
+        print(f"agentrl {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"agentrl {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

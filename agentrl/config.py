@@ -1,0 +1,303 @@
+"""Run configuration: msgspec Structs, loaded from TOML plus dotted command-line overrides.
+
+Invariants: importing this module imports no torch or ray; every key is checked (unknown keys are errors
+naming the key and the closest valid one); CLI spelling `--queue.max-staleness 2` equals TOML
+`[queue] max_staleness = 2`. Sections are owned by the subsystem of the same name.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from agentrl.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class RunSection(_Section):
+    name: str = "default"
+    root: str = "runs"
+    mode: Literal["sync", "async"] = "sync"
+    steps: int = 20
+    seed: int = 0
+    time_limit_s: float = 0.0
+    eval_every: int = 0
+    eval_prompts: int = 32
+    checkpoint_every: int = 5
+    ray_address: str = ""
+    ray_num_cpus: int = 0
+    progress: bool = True
+    tensorboard: bool = True
+
+
+class ModelSection(_Section):
+    path: str = "runs/tiny-model"
+    make_tiny: bool = True
+    arch: Literal["qwen3", "qwen2", "llama"] = "qwen2"
+    seed: int = 0
+
+
+class QueueSection(_Section):
+    host: str = "127.0.0.1"
+    port: int = 0
+    token: str = ""
+    max_staleness: int = 1
+    stale_policy: Literal["drop", "keep"] = "drop"
+    group_size: int = 1
+    group_timeout_s: float = 120.0
+    straggler_policy: Literal["release", "drop"] = "release"
+    max_trajectories: int = 100_000
+    max_bytes: int = 2 << 30
+    max_body_bytes: int = 64 << 20
+    wal: bool = True
+    fsync: bool = False
+    compact_every: int = 50
+
+
+class SGLangSection(_Section):
+    python: str = "python3"
+    args: dict[str, Any] = {}
+    startup_timeout_s: float = 300.0
+    restart_on_crash: bool = True
+
+
+class EngineSection(_Section):
+    kind: Literal["embedded", "sglang"] = "embedded"
+    num_engines: int = 1
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_batch_size: int = 64
+    max_seq_len: int = 1024
+    external_urls: list[str] = []
+    request_timeout_s: float = 300.0
+    update_timeout_s: float = 120.0
+    update_mode: Literal["keep", "abort", "wait"] = "keep"
+    sglang: SGLangSection = msgspec.field(default_factory=SGLangSection)
+
+
+class LearnerSection(_Section):
+    kind: Literal["torch", "megatron"] = "torch"
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 8192
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    publish: Literal["auto", "tensor", "object_store", "nccl", "disk"] = "auto"
+    reference_model: bool = False
+
+
+class AlgorithmSection(_Section):
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "cispo", "ppo"] = (
+        "grpo"
+    )
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float = 0.0
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_mode: Literal["loss", "reward"] = "loss"
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    off_policy: Literal["none", "tis", "decoupled"] = "decoupled"
+    tis_cap: float = 2.0
+    max_token_age: int = 0
+    gamma: float = 1.0
+    lam: float = 1.0
+    value_clip: float = 0.2
+
+
+class RolloutSection(_Section):
+    generator: str = "multi_turn"
+    num_workers: int = 1
+    concurrency: int = 32
+    n_samples_per_prompt: int = 8
+    prompts_per_step: int = 8
+    max_new_tokens: int = 32
+    max_turns: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    dynamic_sampling: bool = False
+
+
+class EnvSection(_Section):
+    name: str = "guess_number"
+    kwargs: dict[str, Any] = {}
+    reward: str = ""
+
+
+class DataSection(_Section):
+    path: str = ""
+    eval_path: str = ""
+    input_key: str = "prompt"
+    label_key: str = "answer"
+    metadata_key: str = ""
+    apply_chat_template: bool = True
+    shuffle: bool = True
+    seed: int = 0
+    epochs: int = 1
+
+
+class WarmupSection(_Section):
+    steps: int = 0
+    batch_size: int = 32
+    lr: float = 1e-3
+
+
+class Config(_Section):
+    run: RunSection = msgspec.field(default_factory=RunSection)
+    model: ModelSection = msgspec.field(default_factory=ModelSection)
+    queue: QueueSection = msgspec.field(default_factory=QueueSection)
+    engine: EngineSection = msgspec.field(default_factory=EngineSection)
+    learner: LearnerSection = msgspec.field(default_factory=LearnerSection)
+    algorithm: AlgorithmSection = msgspec.field(default_factory=AlgorithmSection)
+    rollout: RolloutSection = msgspec.field(default_factory=RolloutSection)
+    env: EnvSection = msgspec.field(default_factory=EnvSection)
+    data: DataSection = msgspec.field(default_factory=DataSection)
+    warmup: WarmupSection = msgspec.field(default_factory=WarmupSection)
+
+
+# Keys whose values are free-form tables: anything below them is passed through unchecked.
+_OPEN_TABLES = {"env.kwargs", "engine.sglang.args"}
+
+
+def _check_keys(data: dict[str, Any], struct: type[msgspec.Struct], prefix: str = "") -> None:
+    fields = {f.name: f for f in msgspec.structs.fields(struct)}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in fields:
+            hint = difflib.get_close_matches(key, list(fields), n=1)
+            near = f"; did you mean '{prefix}{hint[0]}'?" if hint else f"; valid keys: {', '.join(sorted(fields))}"
+            raise ConfigError(f"unknown config key '{path}'{near}")
+        sub = fields[key].type
+        if path not in _OPEN_TABLES and isinstance(sub, type) and issubclass(sub, msgspec.Struct):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key '{path}' must be a table, got {type(value).__name__}")
+            _check_keys(value, sub, path + ".")
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """`['--queue.max-staleness', '2', '--run.name=x']` -> nested dict. Flags use dashes or underscores."""
+    tree: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"unexpected argument '{arg}': overrides look like --section.key VALUE")
+        key, sep, value = arg[2:].partition("=")
+        if not sep:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override '{arg}' needs a value")
+            value = args[i + 1]
+            i += 1
+        i += 1
+        parts = key.replace("-", "_").split(".")
+        node = tree
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = _parse_value(value)
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def validate(cfg: Config) -> Config:
+    """Cross-field checks; each message names the conflicting settings."""
+    if cfg.run.mode == "sync" and cfg.queue.max_staleness != 0:
+        cfg.queue.max_staleness = 0
+    if cfg.queue.max_staleness < 0:
+        raise ConfigError("queue.max_staleness must be >= 0")
+    if cfg.rollout.n_samples_per_prompt < 1:
+        raise ConfigError("rollout.n_samples_per_prompt must be >= 1")
+    if cfg.engine.kind == "sglang" and cfg.engine.device == "cpu" and not cfg.engine.external_urls:
+        raise ConfigError("engine.kind = 'sglang' needs engine.device = 'cuda' or engine.external_urls")
+    if cfg.learner.kind == "megatron" and cfg.learner.device == "cpu" and cfg.learner.tensor_parallel > 1:
+        raise ConfigError("learner.tensor_parallel > 1 needs learner.device = 'cuda' (CPU runs TP=PP=1)")
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
+    """Load TOML (optional), apply overrides, check every key and type, and return a validated Config."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    extra = parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {})
+    data = _merge(data, extra)
+    _check_keys(data, Config)
+    try:
+        cfg = msgspec.convert(data, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid config value: {exc} (path $.section.key)") from None
+    return validate(cfg)
+
+
+def to_toml_dict(cfg: Config) -> dict[str, Any]:
+    return msgspec.to_builtins(cfg)
+
+
+def dump_toml(cfg: Config) -> str:
+    """Render the resolved config as TOML (what --dry-run prints and what the run directory keeps)."""
+    lines: list[str] = []
+
+    def emit(table: dict[str, Any], prefix: str) -> None:
+        scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
+        tables = {k: v for k, v in table.items() if isinstance(v, dict)}
+        if prefix and (scalars or not tables):
+            lines.append(f"[{prefix}]")
+        for key, value in scalars.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        if prefix and scalars:
+            lines.append("")
+        for key, value in tables.items():
+            emit(value, f"{prefix}.{key}" if prefix else key)
+
+    emit(to_toml_dict(cfg), "")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return msgspec.json.encode(value).decode()
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise ConfigError(f"cannot render {value!r} as TOML")

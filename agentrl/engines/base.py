@@ -1,0 +1,101 @@
+"""The engine interface every inference engine implements (embedded, SGLang over HTTP, a Ray actor handle).
+
+Invariants: every generated token carries the policy version of the weights that produced it (`versions`
+holds runs of `(policy_version, n_tokens)` summing to `len(output_ids)`); `logprobs[i]` is
+`log_softmax(logits / temperature)[output_ids[i]]`: the distribution sampled from when top_p = 1 and
+top_k = -1, and the same quantity the learner computes, so importance ratios compare like with like
+(top-p/top-k truncation is left out of the logprob on purpose, as in slime and SGLang). Greedy
+(temperature 0) reports the temperature-1 logprob.
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "abort"]
+PauseMode = Literal["abort", "wait", "keep"]
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, kw_only=True):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] = []
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+class GenerateOutput(msgspec.Struct, kw_only=True):
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    versions: list[tuple[int, int]]
+    prompt_tokens: int = 0
+
+
+@dataclass
+class TensorSource:
+    """Weights as in-memory `(hf_name, tensor)` pairs (same process, or shipped through Ray's object store)."""
+
+    tensors: Any  # iterable of (str, torch.Tensor) or dict[str, torch.Tensor]
+
+
+@dataclass
+class DiskSource:
+    """A Hugging Face model directory on disk (safetensors)."""
+
+    path: str
+
+
+@dataclass
+class DistributedSource:
+    """Tensors arrive by `torch.distributed.broadcast` from rank 0 of an already-initialised group."""
+
+    group_name: str
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+WeightSource = TensorSource | DiskSource | DistributedSource
+
+
+class Engine(abc.ABC):
+    """An async inference engine. Implementations must be safe to call from many coroutines at once."""
+
+    @abc.abstractmethod
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+    ) -> GenerateOutput: ...
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None: ...
+
+    @abc.abstractmethod
+    async def pause(self, mode: PauseMode = "keep") -> None: ...
+
+    @abc.abstractmethod
+    async def resume(self) -> None: ...
+
+    @abc.abstractmethod
+    async def update_weights(self, version: int, source: WeightSource) -> None: ...
+
+    @abc.abstractmethod
+    async def flush_cache(self) -> None: ...
+
+    @abc.abstractmethod
+    async def health(self) -> dict[str, Any]: ...
+
+    @property
+    @abc.abstractmethod
+    def policy_version(self) -> int: ...
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources (threads, subprocesses, sessions)."""

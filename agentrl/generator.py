@@ -1,0 +1,49 @@
+"""The generator contract: a rollout program turns one task into one trajectory.
+
+A generator is an async function `generate(ctx: RolloutContext, task: dict, trajectory_id: str,
+group_id: str) -> Trajectory`, named in the config as `rollout.generator` ("multi_turn" means
+`generators.multi_turn:generate`; anything with a colon is `module:function`). agentrl never imports
+`generators` statically; it resolves the name at run time. The rollout worker runs n generators per task
+with one `group_id`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentrl.engines.base import Engine, SamplingParams
+from agentrl.envs.base import AgentEnv
+from agentrl.errors import ConfigError
+from agentrl.types import Trajectory
+
+
+@dataclass
+class RolloutContext:
+    engine: Engine
+    tokenizer: Any  # a Hugging Face tokenizer with a chat template
+    make_env: Callable[[], AgentEnv]
+    env_name: str
+    sampling: SamplingParams
+    max_turns: int = 4
+    max_seq_len: int = 1024
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+GeneratorFn = Callable[[RolloutContext, dict[str, Any], str, str], Awaitable[Trajectory]]
+
+
+def resolve_generator(name: str) -> GeneratorFn:
+    """'multi_turn' -> generators.multi_turn:generate; 'pkg.mod:fn' -> that function."""
+    module, _, attr = name.partition(":")
+    if not attr:
+        module, attr = f"generators.{name}", "generate"
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"rollout.generator = '{name}' cannot be loaded: {exc}") from None
+    if not callable(fn):
+        raise ConfigError(f"rollout.generator = '{name}' is not callable")
+    return fn
