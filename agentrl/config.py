@@ -40,6 +40,10 @@ class RunSection(_Section):
     ray_num_cpus: int = 0
     progress: bool = True
     tensorboard: bool = True
+    placement: Literal["colocated", "split", "disaggregated"] = "split"
+    torch_threads: int = 1
+    max_restarts: int = 3
+    publish_timeout_s: float = 120.0
 
 
 class ModelSection(_Section):
@@ -61,6 +65,8 @@ class QueueSection(_Section):
     max_trajectories: int = 100_000
     max_bytes: int = 2 << 30
     max_body_bytes: int = 64 << 20
+    batch_size: int = 0  # trajectories per learner step for the admission window; 0 = no window (runner sets it)
+    retry_after_s: float = 1.0
     wal: bool = True
     fsync: bool = False
     compact_every: int = 50
@@ -120,6 +126,8 @@ class AlgorithmSection(_Section):
     gamma: float = 1.0
     lam: float = 1.0
     value_clip: float = 0.2
+    vf_coef: float = 0.5
+    norm_eps: float = 1e-6
 
 
 class RolloutSection(_Section):
@@ -158,6 +166,8 @@ class WarmupSection(_Section):
     steps: int = 0
     batch_size: int = 32
     lr: float = 1e-3
+    time_limit_s: float = 0.0
+    seed: int = 12345
 
 
 class Config(_Section):

@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from agentrl.errors import EngineError
+
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "wait", "keep"]
 
@@ -37,6 +39,14 @@ class GenerateOutput(msgspec.Struct, kw_only=True):
     finish_reason: FinishReason
     versions: list[tuple[int, int]]
     prompt_tokens: int = 0
+
+
+class InvalidRequest(EngineError):
+    """A generate request is malformed (empty input, ids outside the vocabulary, bad sampling value)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
 
 
 @dataclass

@@ -1,1 +1,16 @@
-"""agentrl.envs."""
+"""agentrl.envs: the AgentEnv interface, the registry (decorator + `agentrl.envs` entry points) and the
+built-in environments (arithmetic, guess_number, calculator, math), loaded lazily on first lookup."""
+
+from agentrl.envs.base import AgentEnv, StepResult
+from agentrl.envs.registry import EnvInfo, env_factory, get_env_class, list_envs, make_env, register_env
+
+__all__ = [
+    "AgentEnv",
+    "EnvInfo",
+    "StepResult",
+    "env_factory",
+    "get_env_class",
+    "list_envs",
+    "make_env",
+    "register_env",
+]

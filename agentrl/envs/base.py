@@ -45,5 +45,10 @@ class AgentEnv(abc.ABC):
     async def step(self, action: str) -> StepResult:
         """Apply the assistant's reply; return feedback, reward and whether the episode is over."""
 
+    def demonstration(self, task: dict[str, Any]) -> list[Message]:
+        """The ideal conversation for `task` (opening messages, assistant replies, feedback), used to build
+        supervised warm-up data. Optional: envs without one raise NotImplementedError."""
+        raise NotImplementedError(f"env '{self.name}' has no demonstration")
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release per-episode resources."""

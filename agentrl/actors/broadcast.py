@@ -1,0 +1,130 @@
+"""Weight-version publishing: learner -> engines by the cheapest path the placement allows.
+
+Paths (`learner.publish`, "auto" picks by placement and engine kind):
+- `tensor`: learner and engines share a process; the engines copy the learner's tensors directly.
+- `object_store`: the learner puts one `{hf_name: tensor}` dict into Ray's object store; every engine host
+  fetches it by reference (one copy per node, zero-copy reads).
+- `nccl`: the learner broadcasts each tensor over a torch.distributed group it shares with the engines
+  (engine side: `DistributedSource`, e.g. SGLang `update_weights_from_distributed`). GPUs only.
+- `disk`: the learner writes a Hugging Face directory; engines load it (SGLang `update_weights_from_disk`).
+Every publish has a timeout (`run.publish_timeout_s`) and fails with `WeightSyncError` naming the path and
+the engine. After a publish, every engine host and the queue know the new `policy_version`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from agentrl.config import Config
+from agentrl.engines.base import DiskSource, DistributedSource, Engine, TensorSource
+from agentrl.errors import WeightSyncError
+
+PATHS = ("tensor", "object_store", "nccl", "disk")
+
+
+def choose_path(cfg: Config) -> str:
+    """The publish path for this config: explicit `learner.publish`, else the cheapest for the placement."""
+    if cfg.learner.publish != "auto":
+        return cfg.learner.publish
+    if cfg.run.placement == "colocated":
+        return "tensor"
+    if cfg.engine.kind == "sglang":
+        return "nccl" if cfg.engine.device.startswith("cuda") and not cfg.engine.external_urls else "disk"
+    return "object_store"
+
+
+def as_source(payload: Any) -> TensorSource | DiskSource | DistributedSource:
+    """What arrived over Ray (a tensor dict, a path, or a source) as an engine `WeightSource`."""
+    if isinstance(payload, TensorSource | DiskSource | DistributedSource):
+        return payload
+    if isinstance(payload, str):
+        return DiskSource(payload)
+    if isinstance(payload, dict):
+        return TensorSource(payload)
+    raise WeightSyncError(f"cannot load weights from {type(payload).__name__}")
+
+
+async def load_into_engines(engines: list[Engine], version: int, payload: Any, update_mode: str = "keep") -> None:
+    """Pause each engine (`keep`: in-flight requests resume on the new weights; `abort`: they end with
+    finish_reason 'abort'; `wait`: drain first), load `version`, resume."""
+    source = as_source(payload)
+    for engine in engines:
+        await engine.pause(update_mode)  # type: ignore[arg-type]
+        try:
+            await engine.update_weights(version, source)
+        finally:
+            await engine.resume()
+
+
+async def _guard(awaitable: Any, path: str, target: str, version: int, timeout_s: float) -> Any:
+    try:
+        return await asyncio.wait_for(awaitable, timeout_s)
+    except asyncio.TimeoutError:
+        raise WeightSyncError(
+            f"publishing policy_version {version} by '{path}' to {target} timed out after {timeout_s:.0f}s "
+            "(raise run.publish_timeout_s or check the engine)"
+        ) from None
+    except WeightSyncError:
+        raise
+    except Exception as exc:
+        raise WeightSyncError(f"publishing policy_version {version} by '{path}' to {target} failed: {exc!r}") from exc
+
+
+class Publisher:
+    """Driver-side publisher: pulls version `v` out of the learner actor and pushes it to engine hosts.
+
+    `targets` are Ray actor handles with `update_weights(version, payload)` (rollout workers owning engines,
+    or engine actors). The queue is told the version through `set_policy_version` when it has one.
+    """
+
+    def __init__(self, cfg: Config, learner: Any, targets: list[Any], queue: Any = None, run_dir: str = ""):
+        self.cfg = cfg
+        self.path = choose_path(cfg)
+        self.learner = learner
+        self.targets = list(targets)
+        self.queue = queue
+        self.run_dir = run_dir
+        self.timeout_s = cfg.run.publish_timeout_s
+        self.last_payload: Any = None
+        self.version = -1
+        self.last_publish_s = 0.0
+
+    async def publish(self, version: int) -> float:
+        """Publish `version` to every target; returns seconds taken. Raises WeightSyncError."""
+        t0 = time.perf_counter()
+        payload = await self._payload(version)
+        jobs = [
+            _guard(t.update_weights.remote(version, payload), self.path, f"engine host {i}", version, self.timeout_s)
+            for i, t in enumerate(self.targets)
+        ]
+        if self.path == "nccl":
+            jobs.append(
+                _guard(self.learner.broadcast_weights.remote(), self.path, "learner", version, self.timeout_s)
+            )
+        await asyncio.gather(*jobs)
+        self.last_payload, self.version = payload, version
+        if self.queue is not None:
+            await self.queue.set_policy_version.remote(version)
+        self.last_publish_s = time.perf_counter() - t0
+        return self.last_publish_s
+
+    async def catch_up(self, target: Any) -> None:
+        """Load the latest published version into a (re)started engine host."""
+        if self.version < 0:
+            return
+        payload = self.last_payload
+        if self.path == "nccl":  # a restarted engine left the group: fall back to a full copy
+            payload = await self.learner.weights_payload.remote()
+        await _guard(target.update_weights.remote(self.version, payload), self.path, "restarted host",
+                     self.version, self.timeout_s)  # fmt: skip
+
+    async def _payload(self, version: int) -> Any:
+        if self.path == "disk":
+            path = f"{self.run_dir}/published/v{version}"
+            return await _guard(self.learner.save_hf.remote(path), "disk", "learner", version, self.timeout_s)
+        if self.path == "nccl":
+            return await self.learner.distributed_source.remote()
+        # object_store (and tensor across a process boundary): a reference, resolved by each target.
+        return self.learner.weights_payload.remote()

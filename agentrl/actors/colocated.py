@@ -1,0 +1,50 @@
+"""ColocatedHost: learner, engines and rollout worker in ONE process (tiny runs, or one GPU shared).
+
+Publishing is a direct tensor copy from the learner's parameters into the engines (no serialization).
+Training runs in a worker thread (`asyncio.to_thread`), so the event loop keeps generating while the
+learner steps; torch releases the GIL inside its kernels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from agentrl.actors.learner import LearnerWorker
+from agentrl.actors.rollout import RolloutWorker
+from agentrl.config import Config
+from agentrl.engines.base import TensorSource
+from agentrl.types import Trajectory
+
+
+class ColocatedHost(RolloutWorker):
+    def __init__(self, cfg: Config, model_path: str, queue: Any, worker_id: int = 0):
+        self.learner = LearnerWorker(cfg, model_path)
+        super().__init__(cfg, model_path, queue, None, worker_id)
+
+    async def train(self, trajectories: list[Trajectory]) -> dict[str, Any]:
+        return await asyncio.to_thread(self.learner.train, trajectories)
+
+    async def warmup(self) -> dict[str, Any]:
+        return await asyncio.to_thread(self.learner.warmup)
+
+    async def learner_version(self) -> int:
+        return self.learner.policy_version()
+
+    async def update_weights(self, version: int, source: Any = None) -> int:
+        """`source` None: copy straight from this process's learner (the `tensor` publish path)."""
+        if source is None:
+            source = TensorSource(dict(self.learner.local_weights()))
+        return await super().update_weights(version, source)
+
+    async def save(self, path: str) -> None:
+        await asyncio.to_thread(self.learner.save, path)
+
+    async def load(self, path: str) -> int:
+        return await asyncio.to_thread(self.learner.load, path)
+
+    async def weights_payload(self) -> dict[str, Any]:
+        return self.learner.weights_payload()
+
+    async def save_hf(self, path: str) -> str:
+        return await asyncio.to_thread(self.learner.save_hf, path)

@@ -1,0 +1,249 @@
+"""Coordinator: places the actors, dispatches rollout groups, supervises, publishes, shuts down.
+
+Placements (`run.placement`):
+- `colocated`: one `ColocatedHost` process holds learner, engines and rollout worker (publish = tensor copy);
+  the queue has its own small process (it serves HTTP).
+- `split` (CPU default): learner in one process; each rollout worker owns its embedded engines in another
+  (publish = one object-store put, fetched by each worker). Fewest processes that still train and generate
+  in parallel.
+- `disaggregated`: a placement group with one bundle per learner / engine (GPU when `*.device` is cuda) /
+  rollout worker (CPU); engine actors are separate and workers reach them by handle (least-loaded,
+  episode-sticky routing). `run.ray_address` joins an existing cluster.
+Supervision: a rollout worker (or engine) that dies is replaced, loaded with the latest published version,
+and the groups it had in flight are re-issued under the same ids (the queue's idempotency makes re-issue
+safe). `shutdown()` closes the queue (WAL flushed) and kills every actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from agentrl.actors.broadcast import Publisher, choose_path
+from agentrl.config import Config
+from agentrl.errors import AgentRLError, ConfigError, EngineError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Slot:
+    """A supervised actor and how to recreate it."""
+
+    kind: str
+    index: int
+    handle: Any
+    args: tuple
+    options: dict
+    in_flight: int = 0
+    generation: int = 0
+
+
+class Coordinator:
+    def __init__(self, cfg: Config, run_dir: str, model_path: str, policy_version: int = 0):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.model_path = model_path
+        self.policy_version = policy_version
+        self.placement = cfg.run.placement
+        self.queue: Any = None
+        self.learner: Any = None
+        self.workers: list[Slot] = []
+        self.engines: list[Slot] = []
+        self.publisher: Publisher | None = None
+        self.pg: Any = None
+        self.restarts = 0
+        self.reissued = 0
+        self.queue_url = ""
+        self._lock = asyncio.Lock()
+
+    # -- placement ---------------------------------------------------------------------------------------
+
+    def _bundle_options(self, index: int, cpu: float, gpu: float) -> dict[str, Any]:
+        if self.pg is None:
+            return {"num_cpus": 0, "num_gpus": gpu}
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index)
+        return {"num_cpus": cpu, "num_gpus": gpu, "scheduling_strategy": strategy}
+
+    async def _make_placement_group(self) -> list[tuple[float, float]]:
+        """Bundles: learner, engines..., workers...; returns (cpu, gpu) per bundle."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        c = self.cfg
+        learner_gpus = c.learner.tensor_parallel * c.learner.pipeline_parallel if "cuda" in c.learner.device else 0
+        engine_gpus = 1 if "cuda" in c.engine.device and not c.engine.external_urls else 0
+        n_bundles = 1 + c.engine.num_engines + c.rollout.num_workers
+        cpus = float(ray.cluster_resources().get("CPU", 1))
+        cpu = min(1.0, cpus / n_bundles)
+        shapes = [(cpu, float(learner_gpus))] + [(cpu, float(engine_gpus))] * c.engine.num_engines
+        shapes += [(cpu, 0.0)] * c.rollout.num_workers
+        bundles = [{"CPU": s[0], **({"GPU": s[1]} if s[1] else {})} for s in shapes]
+        self.pg = placement_group(bundles, strategy="PACK")
+        try:
+            await asyncio.wait_for(self.pg.ready(), timeout=max(60.0, c.engine.sglang.startup_timeout_s))
+        except asyncio.TimeoutError:
+            raise ConfigError(
+                f"run.placement = 'disaggregated': the cluster cannot place bundles {bundles} "
+                f"(have {ray.cluster_resources()}); lower engine.num_engines / rollout.num_workers"
+            ) from None
+        return shapes
+
+    async def start(self) -> None:
+        from agentrl.actors.remote import spawn
+
+        c = self.cfg
+        self.queue = spawn("queue", c, self.run_dir, self.policy_version, None, self.model_path, name=None)
+        self.queue_url = await self.queue.start.remote()
+        if self.placement == "colocated":
+            if c.rollout.num_workers != 1:
+                raise ConfigError("run.placement = 'colocated' runs exactly one rollout worker (rollout.num_workers = 1)")
+            host = self._slot("colocated", 0, (c, self.model_path, self.queue, 0), {"num_cpus": 0})
+            self.learner = host.handle
+            self.workers = [host]
+            targets = [host.handle]
+        elif self.placement == "split":
+            self.learner = spawn("learner", c, self.model_path, options={"num_cpus": 0})
+            self.workers = [
+                self._slot("rollout", i, (c, self.model_path, self.queue, None, i), {"num_cpus": 0})
+                for i in range(c.rollout.num_workers)
+            ]
+            targets = [w.handle for w in self.workers]
+        else:
+            shapes = await self._make_placement_group()
+            cpu, gpu = shapes[0]
+            self.learner = spawn("learner", c, self.model_path, options=self._bundle_options(0, cpu, gpu))
+            self.engines = []
+            for i in range(c.engine.num_engines):
+                cpu, gpu = shapes[1 + i]
+                self.engines.append(self._slot("engine", i, (c, self.model_path, i), self._bundle_options(1 + i, cpu, gpu)))
+            handles = [e.handle for e in self.engines]
+            base = 1 + c.engine.num_engines
+            for i in range(c.rollout.num_workers):
+                cpu, gpu = shapes[base + i]
+                args = (c, self.model_path, self.queue, handles, i)
+                self.workers.append(self._slot("rollout", i, args, self._bundle_options(base + i, cpu, gpu)))
+            targets = handles
+        await self.learner.learner_version.remote()  # fail fast if the learner cannot build
+        self.publisher = Publisher(c, self.learner, targets, self.queue, self.run_dir)
+        if choose_path(c) == "nccl":
+            await self._init_nccl(targets)
+
+    def _slot(self, kind: str, index: int, args: tuple, options: dict) -> Slot:
+        from agentrl.actors.remote import spawn
+
+        return Slot(kind, index, spawn(kind, *args, options=options), args, options)
+
+    async def _init_nccl(self, targets: list[Any]) -> None:
+        import ray
+
+        addr = ray.util.get_node_ip_address()
+        port = 29_500 + (hash(self.run_dir) % 1000)
+        world = 1 + len(targets)
+        jobs = [self.learner.init_weight_group.remote(addr, port, world, "agentrl-weights")]
+        jobs += [t.init_weight_group.remote(addr, port, world, i + 1, "agentrl-weights") for i, t in enumerate(targets)]
+        await asyncio.gather(*jobs)
+
+    # -- supervision -------------------------------------------------------------------------------------
+
+    async def _replace(self, slot: Slot, generation: int) -> None:
+        """Kill and recreate `slot` (once per death), then load the latest published weights into it."""
+        import ray
+
+        from agentrl.actors.remote import spawn
+
+        async with self._lock:
+            if slot.generation != generation:
+                return  # someone already replaced it
+            if slot.kind == "colocated" or self.restarts >= self.cfg.run.max_restarts * max(1, len(self.workers)):
+                raise AgentRLError(f"{slot.kind} actor {slot.index} died and cannot be restarted (restarts: {self.restarts})")
+            try:
+                ray.kill(slot.handle, no_restart=True)
+            except Exception:
+                pass
+            old = slot.handle
+            slot.handle = spawn(slot.kind, *slot.args, options=slot.options)
+            slot.generation += 1
+            self.restarts += 1
+            log.warning("restarted %s actor %d (restart %d)", slot.kind, slot.index, self.restarts)
+            assert self.publisher is not None
+            self.publisher.targets = [slot.handle if t is old else t for t in self.publisher.targets]
+            await self.publisher.catch_up(slot.handle)
+            if slot.kind == "engine":
+                await asyncio.gather(*(w.handle.replace_engine.remote(slot.index, slot.handle) for w in self.workers))
+
+    async def check_engines(self, timeout_s: float = 10.0) -> None:
+        """Ping every engine actor; replace the ones that do not answer."""
+        for slot in self.engines:
+            generation = slot.generation
+            try:
+                await asyncio.wait_for(slot.handle.health.remote(), timeout_s)
+            except Exception:
+                await self._replace(slot, generation)
+
+    async def run_group(self, task_index: int, task: dict[str, Any]) -> dict[str, Any]:
+        """Reserve admission, run the group on the least-busy worker; on a worker/engine death, recover and
+        re-issue. Returns the worker's summary."""
+        from ray.exceptions import RayActorError
+
+        key = f"t{task_index}"
+        await self.queue.reserve.remote(self.cfg.rollout.n_samples_per_prompt, key)
+        for _attempt in range(self.cfg.run.max_restarts + 1):
+            slot = min(self.workers, key=lambda s: s.in_flight)
+            generation = slot.generation
+            slot.in_flight += 1
+            try:
+                return await slot.handle.run_group.remote(task_index, task)
+            except RayActorError:
+                await self._replace(slot, generation)
+            except EngineError:
+                await self.check_engines()
+            finally:
+                slot.in_flight -= 1
+            self.reissued += 1
+        await self.queue.release.remote(key)
+        raise AgentRLError(f"task {task_index}: rollout failed {self.cfg.run.max_restarts + 1} times")
+
+    async def evaluate(self, tasks: list[dict[str, Any]]) -> dict[str, float]:
+        return await self.workers[0].handle.evaluate.remote(tasks)
+
+    # -- learner -----------------------------------------------------------------------------------------
+
+    async def train(self, trajectories: list[Any]) -> dict[str, Any]:
+        return await self.learner.train.remote(trajectories)
+
+    async def publish(self, version: int) -> float:
+        assert self.publisher is not None
+        seconds = await self.publisher.publish(version)
+        self.policy_version = version
+        return seconds
+
+    # -- shutdown ----------------------------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        import ray
+
+        if self.queue is not None:
+            try:
+                await asyncio.wait_for(self.queue.close.remote(), 10)
+            except Exception as exc:  # the WAL is append-only and fsync'd per record: nothing to lose
+                log.warning("queue close: %r", exc)
+        for slot in self.workers + self.engines:
+            try:
+                await asyncio.wait_for(slot.handle.close.remote(), 10)
+            except Exception:
+                pass
+        for handle in [s.handle for s in self.workers + self.engines] + [self.learner, self.queue]:
+            if handle is not None:
+                try:
+                    ray.kill(handle)
+                except Exception:
+                    pass
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pg)

@@ -1,0 +1,88 @@
+"""Engine construction from the config, and `EngineActor`: one engine served to other processes.
+
+`make_engines(cfg, model_path)` builds the engines a process owns: embedded engines in this process, or
+SGLang clients (each either to a server launched here by `SGLangServer` or to one of
+`engine.external_urls`). `EngineActor` wraps one of them with plain async methods (agentrl.actors.remote makes
+it a Ray actor); payloads arriving from the learner are turned into `WeightSource`s by
+agentrl.actors.broadcast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agentrl.config import Config
+from agentrl.engines.base import Engine, GenerateOutput, SamplingParams
+
+
+def make_engine(cfg: Config, model_path: str, index: int = 0) -> Engine:
+    e = cfg.engine
+    if e.kind == "embedded":
+        from agentrl.engines.embedded import EmbeddedEngine
+
+        return EmbeddedEngine(
+            model_path, device=e.device, dtype=e.dtype, max_batch_size=e.max_batch_size, max_seq_len=e.max_seq_len,
+            seed=cfg.run.seed + 1000 * index,
+        )  # fmt: skip
+    from agentrl.engines.sglang import SGLangEngine
+
+    if e.external_urls:
+        return SGLangEngine(e.external_urls[index % len(e.external_urls)], timeout_s=e.request_timeout_s)
+    from agentrl.engines.sglang import SGLangServer
+
+    server = SGLangServer(model_path, python=e.sglang.python, args=e.sglang.args, startup_timeout_s=e.sglang.startup_timeout_s)
+    server.start()
+    engine = SGLangEngine(server.url, timeout_s=e.request_timeout_s)
+    engine._server = server  # type: ignore[attr-defined]  # kept alive with the client, stopped on close
+    return engine
+
+
+def make_engines(cfg: Config, model_path: str, count: int | None = None) -> list[Engine]:
+    n = cfg.engine.num_engines if count is None else count
+    return [make_engine(cfg, model_path, i) for i in range(max(1, n))]
+
+
+class EngineActor:
+    """One engine behind Ray: the `Engine` methods, plus weight updates from broadcast payloads."""
+
+    def __init__(self, cfg: Config, model_path: str, index: int = 0):
+        from agentrl.actors.common import set_threads
+
+        set_threads(cfg)
+        self.cfg = cfg
+        self.index = index
+        self.engine = make_engine(cfg, model_path, index)
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+                       ) -> GenerateOutput:  # fmt: skip
+        return await self.engine.generate(input_ids, sampling, request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def pause(self, mode: str = "keep") -> None:
+        await self.engine.pause(mode)  # type: ignore[arg-type]
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    async def update_weights(self, version: int, payload: Any) -> int:
+        from agentrl.actors.broadcast import load_into_engines
+
+        await load_into_engines([self.engine], version, payload, self.cfg.engine.update_mode)
+        return version
+
+    async def flush_cache(self) -> None:
+        await self.engine.flush_cache()
+
+    async def health(self) -> dict[str, Any]:
+        return {"index": self.index, **(await self.engine.health())}
+
+    async def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    async def close(self) -> None:
+        await self.engine.close()
+        server = getattr(self.engine, "_server", None)
+        if server is not None:
+            server.stop()

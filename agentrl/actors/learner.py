@@ -1,0 +1,129 @@
+"""LearnerWorker: the learner (torch or Megatron) behind one process, fed trajectories by the driver.
+
+`train(trajectories)` builds a `Batch`, takes one optimizer step (the learner's `policy_version` becomes
+v+1) and returns metrics, among them the staleness of the batch (learner version minus the oldest token
+version of each trajectory). `warmup()` runs the supervised phase on env demonstrations (loss on assistant
+tokens only, tokenized exactly as the multi-turn generator does). `weights_payload()` /`save_hf()` /
+`distributed_source()` feed agentrl.actors.broadcast. Plain class: agentrl.actors.remote makes it a Ray actor.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from agentrl.actors.common import set_threads
+from agentrl.config import Config
+from agentrl.types import Trajectory, min_version, n_response
+
+
+def make_learner(cfg: Config, model_path: str):
+    if cfg.learner.kind == "megatron":
+        from agentrl.learners.megatron import MegatronLearner
+
+        return MegatronLearner(cfg, model_path)
+    from agentrl.learners.torch_learner import TorchLearner
+
+    return TorchLearner(cfg, model_path)
+
+
+class LearnerWorker:
+    def __init__(self, cfg: Config, model_path: str):
+        set_threads(cfg)
+        import torch
+
+        torch.manual_seed(cfg.run.seed)
+        from agentrl.engines.tiny import load_tokenizer
+
+        self.cfg = cfg
+        self.model_path = model_path
+        self.tokenizer = load_tokenizer(model_path)
+        self.learner = make_learner(cfg, model_path)
+        self._group = None
+
+    @property
+    def pad_id(self) -> int:
+        tok = self.tokenizer
+        return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+
+    def policy_version(self) -> int:
+        return int(self.learner.policy_version)
+
+    def learner_version(self) -> int:
+        return self.policy_version()
+
+    def info(self) -> dict[str, Any]:
+        return self.learner.info()
+
+    # -- training ----------------------------------------------------------------------------------------
+
+    def train(self, trajectories: list[Trajectory]) -> dict[str, Any]:
+        from agentrl.learners.batch import build_batch
+
+        t0 = time.perf_counter()
+        version = self.policy_version()
+        staleness = np.array([version - min_version(t) for t in trajectories], dtype=np.float64)
+        rewards = np.array([t.reward for t in trajectories], dtype=np.float64)
+        batch = build_batch(trajectories, self.pad_id, self.cfg.learner.device)
+        stats = self.learner.train_step(batch)
+        dt = time.perf_counter() - t0
+        n_tokens = sum(n_response(t) for t in trajectories)
+        return {
+            **{f"train/{k}": float(v) for k, v in stats.items()},
+            "policy_version": self.policy_version(),
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "success_rate": float((rewards >= 0.999).mean()),
+            "staleness_mean": float(staleness.mean()),
+            "staleness_max": int(staleness.max()),
+            "n_trajectories": len(trajectories),
+            "response_tokens": n_tokens,
+            "response_len_mean": n_tokens / max(1, len(trajectories)),
+            "train_s": dt,
+        }
+
+    def warmup(self) -> dict[str, Any]:
+        """Supervised warm-up on env demonstrations for `warmup.steps` steps (or `warmup.time_limit_s`)."""
+        from agentrl.runner.warmup import run_warmup
+
+        return run_warmup(self.cfg, self.learner, self.tokenizer, self.pad_id)
+
+    # -- weights and checkpoints -------------------------------------------------------------------------
+
+    def weights_payload(self) -> dict[str, Any]:
+        """`{hf_name: cpu tensor}`: returned through Ray's object store (one put, shared by every engine)."""
+        return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in self.learner.weights()}
+
+    def local_weights(self):
+        return self.learner.weights()
+
+    def save_hf(self, path: str) -> str:
+        """Write the current weights as a Hugging Face directory (the `disk` publish path)."""
+        from agentrl.learners.export import save_hf_dir
+
+        save_hf_dir(self.learner.weights(), self.model_path, path)
+        return path
+
+    def init_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str) -> None:
+        from agentrl.actors.nccl import init_group
+
+        self._group = init_group(master_address, master_port, world_size, rank=0, group_name=group_name)
+
+    def distributed_source(self) -> Any:
+        from agentrl.actors.nccl import source_for
+
+        return source_for(self.learner.weights(), self._group)
+
+    def broadcast_weights(self) -> None:
+        from agentrl.actors.nccl import broadcast
+
+        broadcast(self.learner.weights(), self._group)
+
+    def save(self, path: str) -> None:
+        self.learner.save(path)
+
+    def load(self, path: str) -> int:
+        self.learner.load(path)
+        return self.policy_version()

@@ -1,0 +1,185 @@
+"""RolloutWorker: runs generators against engines and streams finished groups into the replay queue.
+
+One call, `run_group(task_index, task)`, samples `rollout.n_samples_per_prompt` trajectories of one task
+concurrently (ids `<prefix>t<task_index>-s<k>`, one `group_id`), then puts the whole group into the queue,
+waiting out admission control (`QueueFull.retry_after_s`). Ids are deterministic, so re-issuing a group after
+a crash is idempotent at the queue. With `engine.update_mode = "abort"`, an episode cut by a weight update is
+re-run from the start (re-queued); with "keep" the engine continues it with the new weights and the
+per-token versions record the switch. The worker either owns its engines (embedded engines in this process:
+the cheapest placement on CPU) or reaches engine actors through `RemoteEngine` handles; either way an
+`EngineRouter` sends each episode to the least-loaded engine and keeps all its turns there.
+Plain class: agentrl.actors.remote makes it a Ray actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from typing import Any
+
+import msgspec
+
+from agentrl.actors.router import EngineRouter, RemoteEngine
+from agentrl.config import Config
+from agentrl.engines.base import Engine, SamplingParams
+from agentrl.errors import EngineError, QueueFull
+from agentrl.generator import RolloutContext, resolve_generator
+from agentrl.types import Trajectory, n_response
+
+log = logging.getLogger(__name__)
+MAX_ABORT_RETRIES = 3
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        cfg: Config,
+        model_path: str,
+        queue: Any,
+        engines: list[Engine] | None = None,
+        worker_id: int = 0,
+        id_prefix: str = "",
+    ):
+        from agentrl.actors.engine import make_engines
+        from agentrl.engines.tiny import load_tokenizer
+        from agentrl.envs.registry import env_factory
+
+        self.cfg = cfg
+        self.worker_id = worker_id
+        self.id_prefix = id_prefix
+        self.queue = queue
+        self.local_engines = engines is None
+        if engines is None:
+            self.engines = make_engines(cfg, model_path)
+        else:  # engine actors elsewhere: Ray handles become RemoteEngines
+            self.engines = [e if isinstance(e, Engine) else RemoteEngine(e, f"engine-{i}") for i, e in enumerate(engines)]
+        self.router = EngineRouter(self.engines)
+        self.tokenizer = load_tokenizer(model_path)
+        self.make_env = env_factory(cfg.env.name, cfg.env.kwargs, cfg.env.reward)
+        self.generate_fn = resolve_generator(cfg.rollout.generator)
+        self.sem = asyncio.Semaphore(max(1, cfg.rollout.concurrency))
+        stop = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        r = cfg.rollout
+        self.sampling = SamplingParams(
+            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+            stop_token_ids=stop,
+        )  # fmt: skip
+        self.greedy = msgspec.structs.replace(self.sampling, temperature=0.0, top_p=1.0, top_k=-1)
+        self.policy_version = 0
+
+    # -- rollout -----------------------------------------------------------------------------------------
+
+    def _context(self, engine: Engine, sampling: SamplingParams) -> RolloutContext:
+        return RolloutContext(
+            engine=engine,
+            tokenizer=self.tokenizer,
+            make_env=self.make_env,
+            env_name=self.cfg.env.name,
+            sampling=sampling,
+            max_turns=self.cfg.rollout.max_turns,
+            max_seq_len=self.cfg.engine.max_seq_len,
+        )
+
+    async def _episode(self, task: dict[str, Any], traj_id: str, group_id: str, sampling: SamplingParams):
+        for _attempt in range(MAX_ABORT_RETRIES + 1):
+            async with self.sem:
+                with self.router.episode() as engine:
+                    traj = await self.generate_fn(self._context(engine, sampling), task, traj_id, group_id)
+            if traj.status != "aborted" or self.cfg.engine.update_mode != "abort":
+                break
+        if not traj.env:
+            traj.env = self.cfg.env.name
+        return traj
+
+    async def run_group(self, task_index: int, task: dict[str, Any]) -> dict[str, Any]:
+        """Sample one group for `task`, put it into the queue; returns a summary (rewards, tokens, failures)."""
+        t0 = time.perf_counter()
+        gid = f"{self.id_prefix}t{task_index}"
+        n = self.cfg.rollout.n_samples_per_prompt
+        jobs = [self._episode(task, f"{gid}-s{k}", gid, self.sampling) for k in range(n)]
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        trajs = [t for t in results if isinstance(t, Trajectory) and n_response(t) > 0]
+        errors = [repr(e) for e in results if isinstance(e, BaseException)]
+        for e in errors[:1]:
+            log.warning("rollout of task %d failed: %s", task_index, e)
+        if trajs and not any(_infrastructure(e) for e in results if isinstance(e, BaseException)):
+            put = await self._put(trajs, gid)
+        else:
+            put = {"accepted": 0, "duplicates": 0, "dropped": 0}
+            await self._call(self.queue.release, gid)
+            infra = [e for e in results if isinstance(e, BaseException) and _infrastructure(e)]
+            if infra:  # an engine died: the driver restarts it and re-issues the whole group
+                raise EngineError(f"rollout of task {task_index}: engine failed: {infra[0]!r}")
+        return {
+            "task_index": task_index,
+            "n": len(trajs),
+            "errors": errors,
+            "rewards": [t.reward for t in trajs],
+            "tokens": sum(n_response(t) for t in trajs),
+            "gen_s": time.perf_counter() - t0,
+            **put,
+        }
+
+    @staticmethod
+    async def _call(method: Any, *args: Any) -> Any:
+        """Call a queue method on a Ray actor handle or on an in-process object alike."""
+        result = method.remote(*args) if hasattr(method, "remote") else method(*args)
+        return await result if inspect.isawaitable(result) else result
+
+    async def _put(self, trajs: list[Trajectory], key: str) -> dict[str, int]:
+        while True:
+            try:
+                return await self._call(self.queue.put, trajs, key)
+            except QueueFull as exc:
+                await asyncio.sleep(max(0.01, exc.retry_after_s))
+
+    async def evaluate(self, tasks: list[dict[str, Any]]) -> dict[str, float]:
+        """Greedy rollouts of held-out tasks (not queued): mean reward and success rate."""
+        jobs = [self._episode(task, f"eval-{i}", f"eval-{i}", self.greedy) for i, task in enumerate(tasks)]
+        trajs = await asyncio.gather(*jobs)
+        rewards = [t.reward for t in trajs]
+        return {
+            "eval_reward_mean": sum(rewards) / max(1, len(rewards)),
+            "eval_success": sum(r >= 0.999 for r in rewards) / max(1, len(rewards)),
+            "eval_n": float(len(rewards)),
+        }
+
+    # -- weights -----------------------------------------------------------------------------------------
+
+    async def update_weights(self, version: int, source: Any) -> int:
+        """Load weight version `version` into every engine this worker owns (see agentrl.actors.broadcast)."""
+        from agentrl.actors.broadcast import load_into_engines
+
+        await load_into_engines(self.engines, version, source, self.cfg.engine.update_mode)
+        self.policy_version = version
+        return version
+
+    async def replace_engine(self, index: int, handle: Any) -> None:
+        """Route to a restarted engine actor from now on."""
+        self.engines[index] = RemoteEngine(handle, f"engine-{index}")
+        self.router.replace(index, self.engines[index])
+
+    async def health(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.worker_id,
+            "policy_version": self.policy_version,
+            "in_flight": list(self.router.in_flight),
+        }
+
+    async def close(self) -> None:
+        if self.local_engines:
+            for engine in self.engines:
+                await engine.close()
+
+
+def _infrastructure(exc: BaseException) -> bool:
+    """Failures of the machinery (a dead engine actor or server), as opposed to a bug in one episode."""
+    if isinstance(exc, EngineError):
+        return True
+    try:
+        from ray.exceptions import RayActorError
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(exc, RayActorError)

@@ -1,0 +1,127 @@
+"""Engine routing for rollout workers: least-loaded choice per episode, and every turn of an episode on the
+engine it started on (so the engine's prefix cache holds the conversation).
+
+`EngineRouter.episode()` returns a `StickyEngine`: an `Engine` bound to the engine with the fewest episodes
+in flight at the moment the episode starts; generators receive it as `ctx.engine` and never see the others.
+`RemoteEngine` adapts a Ray actor handle (an engine actor, see agentrl.actors.engine) to the `Engine`
+interface. Load is counted here, per worker, in episodes; ties go to the engine used least recently.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from agentrl.engines.base import Engine, GenerateOutput, PauseMode, SamplingParams, WeightSource
+
+
+class RemoteEngine(Engine):
+    """An engine living in another process, reached through a Ray actor handle with the same methods."""
+
+    def __init__(self, handle: Any, name: str = "engine"):
+        self.handle = handle
+        self.name = name
+        self._version = 0
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+    ) -> GenerateOutput:
+        out = await self.handle.generate.remote(input_ids, sampling, request_id)
+        if out.versions:
+            self._version = max(self._version, max(v for v, _ in out.versions))
+        return out
+
+    async def abort(self, request_id: str) -> None:
+        await self.handle.abort.remote(request_id)
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        await self.handle.pause.remote(mode)
+
+    async def resume(self) -> None:
+        await self.handle.resume.remote()
+
+    async def update_weights(self, version: int, source: WeightSource) -> None:
+        await self.handle.update_weights.remote(version, source)
+        self._version = version
+
+    async def flush_cache(self) -> None:
+        await self.handle.flush_cache.remote()
+
+    async def health(self) -> dict[str, Any]:
+        return await self.handle.health.remote()
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+
+class StickyEngine(Engine):
+    """One episode's view of the router: all calls go to the engine chosen when the episode began."""
+
+    def __init__(self, router: EngineRouter, index: int):
+        self.router = router
+        self.index = index
+        self.engine = router.engines[index]
+        self._closed = False
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+    ) -> GenerateOutput:
+        return await self.engine.generate(input_ids, sampling, request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        await self.engine.pause(mode)
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    async def update_weights(self, version: int, source: WeightSource) -> None:
+        await self.engine.update_weights(version, source)
+
+    async def flush_cache(self) -> None:
+        await self.engine.flush_cache()
+
+    async def health(self) -> dict[str, Any]:
+        return await self.engine.health()
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def release(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.router.in_flight[self.index] -= 1
+
+    def __enter__(self) -> StickyEngine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+class EngineRouter:
+    def __init__(self, engines: list[Engine]):
+        if not engines:
+            raise ValueError("EngineRouter needs at least one engine")
+        self.engines = list(engines)
+        self.in_flight = [0] * len(self.engines)
+        self._last_used = [0] * len(self.engines)
+        self._clock = itertools.count(1)
+
+    def least_loaded(self) -> int:
+        return min(range(len(self.engines)), key=lambda i: (self.in_flight[i], self._last_used[i]))
+
+    def episode(self) -> StickyEngine:
+        """Bind a new episode to the least-loaded engine; release it with `with` or `.release()`."""
+        index = self.least_loaded()
+        self.in_flight[index] += 1
+        self._last_used[index] = next(self._clock)
+        return StickyEngine(self, index)
+
+    def replace(self, index: int, engine: Engine) -> None:
+        """Swap in a restarted engine (episodes bound to the dead one fail and are re-issued by their worker)."""
+        self.engines[index] = engine

@@ -1,0 +1,173 @@
+"""The one objective both learners call, so the torch and Megatron learners compute identical losses.
+
+Per train step:
+1. the learner fills `batch.old_logprobs` (proximal, `needs_old_logprobs`), `batch.ref_logprobs` (when a
+   reference model is used) and `batch.old_values` (ppo), all over the whole batch before any update;
+2. `prepare_batch(cfg, batch, policy_version)` drops tokens older than `max_token_age`, applies KL reward shaping
+   and fills `batch.advantages` (and `batch.returns` for ppo) over the whole batch (groups must be complete);
+3. for each micro-batch `compute_loss(cfg, mb, logprobs, entropy=..., values=...)` returns (loss, metrics);
+   the learner backpropagates each loss (already scaled by the full-batch normalisers: no extra division) and
+   merges metrics with `merge_metrics(parts)` weighted by `mb.n_loss_tokens`.
+Without `old_logprobs` the ratio is taken against `logprobs.detach()`, so an on-policy step has ratio exactly 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agentrl.algorithms import advantages as adv_lib
+from agentrl.algorithms.kl import kl_estimate
+from agentrl.algorithms.losses import agg_weights, cispo, gspo, ppo_clip, value_loss
+from agentrl.algorithms.off_policy import age_mask, importance_weights
+from agentrl.config import AlgorithmSection
+from agentrl.errors import ConfigError, LearnerError
+from agentrl.learners.batch import Batch
+
+SEQUENCE_LEVEL = {"grpo": "grpo", "gspo": "grpo", "cispo": "grpo", "dr_grpo": "dr_grpo", "rloo": "rloo"}
+
+
+def check(cfg: AlgorithmSection, has_reference: bool) -> None:
+    """Raise ConfigError for settings that cannot work together."""
+    if cfg.dual_clip and cfg.dual_clip <= 1.0:
+        raise ConfigError(f"algorithm.dual_clip must be 0 (off) or > 1, got {cfg.dual_clip}")
+    if cfg.kl_coef > 0 and not has_reference:
+        raise ConfigError("algorithm.kl_coef > 0 needs a reference model (learner.reference_model = true)")
+    if cfg.off_policy == "tis" and cfg.tis_cap <= 0:
+        raise ConfigError("algorithm.off_policy = 'tis' needs algorithm.tis_cap > 0")
+
+
+def needs_old_logprobs(cfg: AlgorithmSection) -> bool:
+    """Whether the learner must compute proximal log-probs before the update."""
+    return cfg.off_policy != "none" or (cfg.kl_coef > 0 and cfg.kl_mode == "reward")
+
+
+def prepare_batch(cfg: AlgorithmSection, batch: Batch, policy_version: int) -> dict[str, float]:
+    """Age masking, KL reward shaping and advantages over the whole batch (in place); returns metrics."""
+    before = batch.total_loss_tokens
+    batch.loss_mask = batch.loss_mask * age_mask(batch.token_versions, policy_version, cfg.max_token_age)
+    batch.total_loss_tokens = float(batch.loss_mask.sum())
+    mask, seq = batch.loss_mask, batch.seq_index
+    metrics = {"stale_frac": 1.0 - batch.total_loss_tokens / before if before else 0.0}
+
+    kl_tokens = None
+    if cfg.kl_coef > 0 and cfg.kl_mode == "reward":
+        if batch.ref_logprobs is None:
+            raise LearnerError("algorithm.kl_mode = 'reward' needs batch.ref_logprobs (a reference model)")
+        base = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
+        kl_tokens = kl_estimate(base, batch.ref_logprobs, cfg.kl_estimator) * mask
+        metrics["kl_reward"] = float(kl_tokens.sum() / max(batch.total_loss_tokens, 1.0))
+
+    rewards = batch.rewards.float()
+    if cfg.advantage in SEQUENCE_LEVEL:
+        if kl_tokens is not None:
+            per_seq = torch.zeros_like(rewards).index_add_(
+                0, seq.clamp(min=0).reshape(-1), kl_tokens.reshape(-1)
+            )
+            rewards = rewards - cfg.kl_coef * per_seq
+        kind = SEQUENCE_LEVEL[cfg.advantage]
+        if kind == "grpo":
+            seq_adv = adv_lib.grpo(rewards, batch.group_index, batch.n_groups, cfg.norm_eps)
+        elif kind == "dr_grpo":
+            seq_adv = adv_lib.dr_grpo(rewards, batch.group_index, batch.n_groups)
+        else:
+            seq_adv = adv_lib.rloo(rewards, batch.group_index, batch.n_groups)
+        batch.advantages = adv_lib.to_tokens(seq_adv, seq, mask)
+    else:
+        if cfg.advantage == "reinforce_pp_baseline":
+            _, _, mean, _ = adv_lib.group_stats(rewards, batch.group_index, batch.n_groups)
+            rewards = (rewards.double() - mean).float()
+        token_rewards = adv_lib.terminal_rewards(rewards, mask, seq, batch.n_seqs)
+        if kl_tokens is not None:
+            token_rewards = token_rewards - cfg.kl_coef * kl_tokens
+        if cfg.advantage == "ppo":
+            if batch.old_values is None:
+                raise LearnerError("algorithm.advantage = 'ppo' needs batch.old_values (the critic's values)")
+            raw, batch.returns = adv_lib.gae(token_rewards, batch.old_values, mask, seq, cfg.gamma, cfg.lam)
+        else:
+            raw, _ = adv_lib.gae(token_rewards, None, mask, seq, cfg.gamma, 1.0)
+        batch.advantages = adv_lib.whiten(raw, mask, cfg.norm_eps)
+    n = max(batch.total_loss_tokens, 1.0)
+    metrics["advantage_mean"] = float(batch.advantages.sum() / n)
+    metrics["advantage_abs_mean"] = float(batch.advantages.abs().sum() / n)
+    metrics["reward_mean"] = float(batch.rewards.float().mean())
+    return metrics
+
+
+def _masked_stats(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    m = mask > 0
+    n = m.sum().clamp(min=1)
+    mean = (x * mask).sum() / n
+    return (
+        mean,
+        torch.where(m, x, torch.full_like(x, -torch.inf)).max(),
+        torch.where(m, x, torch.full_like(x, torch.inf)).min(),
+    )
+
+
+def compute_loss(
+    cfg: AlgorithmSection,
+    batch: Batch,
+    logprobs: torch.Tensor,
+    *,
+    entropy: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Loss of one micro-batch (a `Batch.select` of a prepared batch) scaled by full-batch normalisers."""
+    mask, seq = batch.loss_mask, batch.seq_index
+    logprobs = logprobs.float()
+    weights = agg_weights(cfg.loss_agg, mask, seq, batch.total_loss_tokens, batch.n_seqs)
+    old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+    advantages = batch.advantages if batch.advantages is not None else torch.zeros_like(logprobs)
+    has_rollout = batch.has_rollout_logprobs[seq.clamp(min=0)] & (seq >= 0)
+    is_weight, keep = importance_weights(
+        cfg.off_policy, old, batch.rollout_logprobs, has_rollout, cfg.tis_cap
+    )
+
+    if cfg.advantage == "gspo":
+        per_token, ratio, clipped = gspo(logprobs, old, advantages, mask, seq, cfg.clip_low, cfg.clip_high)
+    elif cfg.advantage == "cispo":
+        per_token, ratio, clipped = cispo(logprobs, old, advantages, cfg.clip_low, cfg.clip_high)
+    else:
+        per_token, ratio, clipped = ppo_clip(
+            logprobs, old, advantages, cfg.clip_low, cfg.clip_high, cfg.dual_clip
+        )
+    loss_policy = (per_token * is_weight * weights).sum()
+    loss = loss_policy
+    stats: dict[str, torch.Tensor] = {"loss_policy": loss_policy.detach()}
+
+    if entropy is not None:
+        loss_entropy = -cfg.entropy_coef * (entropy * weights).sum()
+        loss = loss + loss_entropy
+        stats["loss_entropy"] = loss_entropy.detach()
+        stats["entropy"] = _masked_stats(entropy.detach(), mask)[0]
+    if cfg.kl_coef > 0 and cfg.kl_mode == "loss":
+        if batch.ref_logprobs is None:
+            raise LearnerError("algorithm.kl_coef > 0 with kl_mode = 'loss' needs batch.ref_logprobs")
+        kl = kl_estimate(logprobs, batch.ref_logprobs, cfg.kl_estimator)
+        loss_kl = cfg.kl_coef * (kl * weights).sum()
+        loss = loss + loss_kl
+        stats["loss_kl"] = loss_kl.detach()
+        stats["kl"] = _masked_stats(kl.detach(), mask)[0]
+    if cfg.advantage == "ppo":
+        if values is None or batch.old_values is None or batch.returns is None:
+            raise LearnerError("algorithm.advantage = 'ppo' needs values, batch.old_values and batch.returns")
+        v_loss, v_clipped = value_loss(values.float(), batch.old_values, batch.returns, cfg.value_clip)
+        loss_value = cfg.vf_coef * (v_loss * weights).sum()
+        loss = loss + loss_value
+        stats["loss_value"] = loss_value.detach()
+        stats["value_clip_frac"] = _masked_stats(v_clipped, mask)[0]
+    stats["loss"] = loss.detach()
+
+    r = ratio.detach()
+    stats["ratio_mean"], stats["ratio_max"], stats["ratio_min"] = _masked_stats(r, mask)
+    stats["clip_frac"] = _masked_stats(clipped, mask)[0]
+    stats["ppo_kl"] = _masked_stats(old - logprobs.detach(), mask)[0]
+    rollout_mask = mask * has_rollout
+    stats["logprob_mismatch"] = _masked_stats((old - batch.rollout_logprobs).abs(), rollout_mask)[0]
+    stats["is_weight_mean"] = _masked_stats(is_weight, mask)[0]
+    stats["is_dropped_frac"] = 1.0 - _masked_stats(keep, mask)[0]
+    if not mask.any():
+        stats = {k: v for k, v in stats.items() if k.startswith("loss")}
+    keys = list(stats)
+    values_list = torch.stack([stats[k].float().reshape(()) for k in keys]).tolist()
+    return loss, dict(zip(keys, values_list, strict=True))

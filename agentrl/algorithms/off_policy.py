@@ -1,0 +1,44 @@
+"""Off-policy correction from the trajectory's rollout log-probs (behaviour policy) and per-token versions.
+
+behaviour mu = rollout_logprobs (the engine that sampled, possibly several versions old),
+proximal pi_prox = old_logprobs (the learner's log-probs before this update; the PPO ratio is taken against it),
+current pi = the log-probs being optimised. Per token, w = pi_prox / mu (detached):
+- "none": w = 1.
+- "tis": truncated importance sampling, w = min(pi_prox / mu, c) with c = tis_cap.
+- "decoupled": decoupled PPO (AReaL): w = pi_prox / mu; tokens with w > c are dropped (weight 0) when c > 0.
+Sequences without rollout log-probs (external agents that sent none) get w = 1.
+Tokens older than `max_token_age` versions (policy_version - token_version > max_token_age) are removed from the
+loss mask before anything else (`age_mask`), so they leave every normaliser too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def age_mask(token_versions: torch.Tensor, policy_version: int, max_token_age: int) -> torch.Tensor:
+    """1 where a token is young enough to train on (always 1 when max_token_age <= 0)."""
+    if max_token_age <= 0:
+        return torch.ones_like(token_versions, dtype=torch.float32)
+    return ((token_versions < 0) | (policy_version - token_versions <= max_token_age)).float()
+
+
+def importance_weights(
+    mode: str,
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    has_rollout: torch.Tensor,
+    cap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, keep) per token, both detached [R, T]; `keep` is 0 on tokens the correction drops."""
+    old = old_logprobs.detach()
+    if mode == "none":
+        return torch.ones_like(old), torch.ones_like(old)
+    raw = torch.exp(old - rollout_logprobs)
+    raw = torch.where(has_rollout, raw, torch.ones_like(raw))
+    if mode == "tis":
+        return raw.clamp(max=cap) if cap > 0 else raw, torch.ones_like(raw)
+    if mode == "decoupled":
+        keep = (raw <= cap).float() if cap > 0 else torch.ones_like(raw)
+        return raw * keep, keep
+    raise ValueError(f"algorithm.off_policy: unknown mode {mode!r} (expected none, tis or decoupled)")

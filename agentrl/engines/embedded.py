@@ -1,0 +1,432 @@
+"""The embedded engine: in-process continuous batching over `CausalLM` with a preallocated slot KV cache.
+
+Scheduling: one asyncio task owns all bookkeeping (waiting queue, running list, slots); each iteration it
+either prefills newly admitted requests (batched, right-padded, bounded by `max_prefill_tokens`) or runs one
+decode step for every running request. The torch work of an iteration runs on one dedicated worker thread,
+so the event loop stays responsive. Requests join and leave between iterations; running request `i` lives
+in KV slot `i` (when one finishes, the last one moves into its slot: one KV copy per finish, none per step).
+Versions: the token sampled from logits of weights version `v` is stamped `v`. Weight updates take the
+compute lock, so they land between two iterations and never drop requests; tokens sampled afterwards carry
+the new version while the KV cache of running requests is kept (as SGLang does).
+Pause: `abort` returns every request with its partial output, `wait` stops admitting and waits for the
+running ones to finish, `keep` freezes between steps. All three hold new requests until `resume()`.
+One event loop per engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from agentrl.engines.base import (
+    DiskSource,
+    DistributedSource,
+    Engine,
+    GenerateOutput,
+    InvalidRequest,
+    PauseMode,
+    SamplingParams,
+    TensorSource,
+    WeightSource,
+)
+from agentrl.engines.model import CausalLM, KVCache, ModelSpec
+from agentrl.engines.sampling import BatchSampling, sample
+from agentrl.errors import EngineError, WeightSyncError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(eq=False)
+class _Request:
+    rid: str
+    prompt: list[int]
+    sampling: SamplingParams
+    future: asyncio.Future
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[list[int]] = field(default_factory=list)
+    abort_requested: bool = False
+
+    def kv_len(self) -> int:
+        """Tokens already in the KV cache (the last sampled token is fed on the next step)."""
+        return len(self.prompt) + len(self.output_ids) - 1
+
+    def add(self, token: int, logprob: float, version: int) -> None:
+        self.output_ids.append(token)
+        self.logprobs.append(logprob)
+        if self.versions and self.versions[-1][0] == version:
+            self.versions[-1][1] += 1
+        else:
+            self.versions.append([version, 1])
+
+
+class EmbeddedEngine(Engine):
+    """See the module docstring. `model_path` is a Hugging Face directory (config.json + safetensors)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_batch_size: int = 64,
+        max_seq_len: int = 1024,
+        max_prefill_tokens: int = 8192,
+        policy_version: int = 0,
+        seed: int = 0,
+    ):
+        if dtype not in DTYPES:
+            raise EngineError(f"engine.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        self.model_path = str(model_path)
+        self.device = torch.device(device)
+        self.spec = ModelSpec.from_dir(model_path)
+        self.model = CausalLM(self.spec, self.device, DTYPES[dtype])
+        self.model.load_dir(model_path)
+        self.dtype_name = dtype
+        self.max_seq_len = min(max_seq_len, self.spec.max_position)
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max(max_prefill_tokens, self.max_seq_len)
+        self.cache = KVCache(self.spec, max_batch_size, self.max_seq_len, self.device, DTYPES[dtype])
+        self.model.ensure_rope(self.max_seq_len)
+        self._version = policy_version
+        self._global_gen = torch.Generator(device=self.device)
+        self._global_gen.manual_seed(seed)
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._by_rid: dict[str, _Request] = {}
+        self._pending_moves: list[tuple[int, int, int]] = []
+        self._pause_mode: PauseMode | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentrl-engine")
+        self._lock: asyncio.Lock | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._sampling_cache: tuple[tuple[int, ...], BatchSampling] | None = None
+        self._groups: dict[str, Any] = {}
+        self.steps = 0
+
+    # -- Engine API ----------------------------------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    def validate(self, input_ids: list[int], sampling: SamplingParams) -> None:
+        """Raise InvalidRequest naming the field when a request cannot run."""
+        if not input_ids:
+            raise InvalidRequest("input_ids", "must not be empty")
+        bad = next((t for t in input_ids if not 0 <= t < self.spec.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest("input_ids", f"token id {bad} is outside the vocabulary [0, {self.spec.vocab_size})")
+        if len(input_ids) >= self.max_seq_len:
+            raise InvalidRequest("input_ids", f"{len(input_ids)} tokens; the engine's max_seq_len is {self.max_seq_len}")
+        if sampling.max_new_tokens <= 0:
+            raise InvalidRequest("sampling_params.max_new_tokens", f"must be > 0, got {sampling.max_new_tokens}")
+        if sampling.temperature < 0:
+            raise InvalidRequest("sampling_params.temperature", f"must be >= 0, got {sampling.temperature}")
+        if not 0 < sampling.top_p <= 1:
+            raise InvalidRequest("sampling_params.top_p", f"must be in (0, 1], got {sampling.top_p}")
+        if sampling.top_k == 0 or sampling.top_k < -1:
+            raise InvalidRequest("sampling_params.top_k", f"must be -1 (off) or >= 1, got {sampling.top_k}")
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+    ) -> GenerateOutput:
+        self.validate(input_ids, sampling)
+        self._ensure_loop()
+        rid = request_id or uuid.uuid4().hex
+        if rid in self._by_rid:
+            raise InvalidRequest("rid", f"request id {rid!r} is already running")
+        stop = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop.update(self.spec.eos_token_ids)
+        req = _Request(rid, list(input_ids), sampling, asyncio.get_running_loop().create_future(), frozenset(stop))
+        if sampling.seed is not None:
+            req.generator = torch.Generator(device=self.device)
+            req.generator.manual_seed(sampling.seed)
+        self._by_rid[rid] = req
+        self._waiting.append(req)
+        self._wakeup.set()
+        try:
+            return await asyncio.shield(req.future)
+        except asyncio.CancelledError:
+            await self.abort(rid)
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        req = self._by_rid.get(request_id)
+        if req is None:
+            return
+        if req in self._waiting:
+            self._waiting.remove(req)
+            self._finish(req, "abort")
+        else:
+            req.abort_requested = True
+            self._wakeup.set()
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        if mode not in ("abort", "wait", "keep"):
+            raise InvalidRequest("mode", f"must be abort, wait or keep, got {mode!r}")
+        self._ensure_loop()
+        self._pause_mode = mode
+        if mode == "abort":
+            for req in list(self._waiting) + self._running:
+                req.abort_requested = True
+            self._wakeup.set()
+        if mode == "wait" or mode == "abort":
+            self._wakeup.set()
+            while self._running:
+                self._idle.clear()
+                await self._idle.wait()
+        async with self._lock:  # the step in flight (if any) has ended
+            pass
+        if mode == "abort":
+            self._reap()
+
+    async def resume(self) -> None:
+        self._pause_mode = None
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    @property
+    def paused(self) -> PauseMode | None:
+        return self._pause_mode
+
+    async def update_weights(self, version: int, source: WeightSource) -> None:
+        self._ensure_loop()
+        async with self._lock:
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.run_in_executor(self._executor, self._load, source)
+            except WeightSyncError:
+                raise
+            except Exception as exc:
+                raise WeightSyncError(f"weight update to version {version} failed: {exc}") from exc
+            self._version = version
+
+    async def flush_cache(self) -> None:
+        """No prefix cache exists; KV of running requests is kept. Frees cached CUDA blocks when idle."""
+        if not self._running and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    async def health(self) -> dict[str, Any]:
+        return {
+            "ok": self._task is None or not self._task.done(),
+            "policy_version": self._version,
+            "running": len(self._running),
+            "waiting": len(self._waiting),
+            "paused": self._pause_mode,
+            "device": str(self.device),
+            "steps": self.steps,
+        }
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str = "gloo") -> None:  # fmt: skip
+        """Join a weight-broadcast group as rank `rank_offset` (the trainer is rank 0); blocks until all join."""
+        from agentrl.engines.weight_sync import init_weights_update_group
+
+        self._groups[group_name] = init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, backend=backend, group_name=group_name
+        )
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+        for req in list(self._waiting) + self._running:
+            self._finish(req, "abort")
+        self._waiting.clear()
+        self._running.clear()
+        self._executor.shutdown(wait=True)
+
+    # -- weights -------------------------------------------------------------------------------------------------
+
+    def _load(self, source: WeightSource) -> None:
+        if isinstance(source, TensorSource):
+            self.model.load_named(source.tensors)
+        elif isinstance(source, DiskSource):
+            spec = ModelSpec.from_dir(source.path)
+            if (spec.hidden, spec.layers, spec.vocab_size) != (self.spec.hidden, self.spec.layers, self.spec.vocab_size):
+                raise WeightSyncError(f"model path {source.path}: architecture differs from the served model")
+            self.model.load_dir(source.path)
+        elif isinstance(source, DistributedSource):
+            from agentrl.engines.weight_sync import receive_broadcast
+
+            group = self._groups.get(source.group_name)
+            if group is None:
+                raise WeightSyncError(f"weight update group {source.group_name!r} was not initialised")
+            self.model.load_named(receive_broadcast(group, source, self.device))
+        else:
+            raise WeightSyncError(f"unknown weight source {type(source).__name__}")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -- scheduler -----------------------------------------------------------------------------------------------
+
+    def _ensure_loop(self) -> None:
+        if self._task is None or self._task.done():
+            if self._task is not None and self._task.done() and not self._task.cancelled():
+                exc = self._task.exception()
+                if exc is not None:
+                    raise EngineError(f"engine scheduler died: {exc!r}") from exc
+            self._lock = self._lock or asyncio.Lock()
+            self._wakeup = self._wakeup or asyncio.Event()
+            self._idle = self._idle or asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="agentrl-engine-loop")
+
+    def _finish(self, req: _Request, reason: str) -> None:
+        self._by_rid.pop(req.rid, None)
+        if not req.future.done():
+            versions = [(v, n) for v, n in req.versions]
+            req.future.set_result(
+                GenerateOutput(
+                    output_ids=req.output_ids,
+                    logprobs=req.logprobs,
+                    finish_reason=reason,
+                    versions=versions,
+                    prompt_tokens=len(req.prompt),
+                )
+            )
+
+    def _release(self, index: int) -> None:
+        """Remove running request `index`; the last running request moves into its slot."""
+        last = self._running.pop()
+        if index < len(self._running):
+            self._running[index] = last
+            self._pending_moves.append((len(self._running), index, last.kv_len()))
+
+    def _reap(self) -> None:
+        """Finish aborted requests (running and waiting) between steps."""
+        for i in range(len(self._running) - 1, -1, -1):
+            if self._running[i].abort_requested:
+                req = self._running[i]
+                self._release(i)
+                self._finish(req, "abort")
+        for req in [r for r in self._waiting if r.abort_requested]:
+            self._waiting.remove(req)
+            self._finish(req, "abort")
+        if not self._running:
+            self._idle.set()
+
+    def _admit(self) -> list[_Request]:
+        admitted: list[_Request] = []
+        longest = 0
+        while self._waiting and len(self._running) + len(admitted) < self.max_batch_size:
+            nxt = self._waiting[0]
+            longest_next = max(longest, len(nxt.prompt))
+            if admitted and longest_next * (len(admitted) + 1) > self.max_prefill_tokens:
+                break
+            admitted.append(self._waiting.popleft())
+            longest = longest_next
+        return admitted
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._reap()
+            can_admit = self._pause_mode is None and self._waiting and len(self._running) < self.max_batch_size
+            can_decode = self._running and self._pause_mode in (None, "wait")
+            if not (can_admit or can_decode):
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            async with self._lock:
+                version = self._version
+                moves, self._pending_moves = self._pending_moves, []
+                if can_admit:
+                    batch = self._admit()
+                    slot0 = len(self._running)
+                    self._running.extend(batch)
+                    step = loop.run_in_executor(self._executor, self._prefill, batch, slot0, moves)
+                else:
+                    batch = list(self._running)
+                    step = loop.run_in_executor(self._executor, self._decode, batch, moves)
+                try:
+                    tokens, logps = await step
+                except Exception as exc:  # a failed step fails its requests, not the engine
+                    self._fail_running(EngineError(f"engine step failed: {exc!r}"))
+                    continue
+            self.steps += 1
+            self._record(batch, tokens, logps, version)
+
+    def _fail_running(self, exc: EngineError) -> None:
+        for req in self._running:
+            self._by_rid.pop(req.rid, None)
+            if not req.future.done():
+                req.future.set_exception(exc)
+        self._running.clear()
+        self._pending_moves.clear()
+        self._idle.set()
+
+    def _record(self, batch: list[_Request], tokens: list[int], logps: list[float], version: int) -> None:
+        done: list[tuple[_Request, str]] = []
+        for req, tok, lp in zip(batch, tokens, logps, strict=True):
+            req.add(tok, lp, version)
+            if tok in req.stop_ids:
+                done.append((req, "stop"))
+            elif len(req.output_ids) >= req.sampling.max_new_tokens or req.kv_len() + 1 >= self.max_seq_len:
+                done.append((req, "length"))
+        for req, reason in done:
+            self._release(self._running.index(req))
+            self._finish(req, reason)
+        if not self._running:
+            self._idle.set()
+
+    # -- worker-thread compute -----------------------------------------------------------------------------------
+
+    def _apply_moves(self, moves: list[tuple[int, int, int]]) -> None:
+        for src, dst, length in moves:
+            self.cache.move(src, dst, length)
+
+    def _batch_sampling(self, batch: list[_Request]) -> tuple[BatchSampling, dict[int, torch.Generator]]:
+        key = tuple(id(r) for r in batch)
+        if self._sampling_cache is None or self._sampling_cache[0] != key:
+            params = BatchSampling(
+                [r.sampling.temperature for r in batch],
+                [r.sampling.top_p for r in batch],
+                [r.sampling.top_k for r in batch],
+                self.device,
+            )
+            self._sampling_cache = (key, params)
+        gens = {i: r.generator for i, r in enumerate(batch) if r.generator is not None}
+        return self._sampling_cache[1], gens
+
+    def _sample(self, logits: torch.Tensor, batch: list[_Request]) -> tuple[list[int], list[float]]:
+        params, gens = self._batch_sampling(batch)
+        tokens, logps = sample(logits, params, gens)
+        return tokens.tolist(), logps.tolist()
+
+    def _prefill(self, batch: list[_Request], slot0: int, moves: list) -> tuple[list[int], list[float]]:
+        self._apply_moves(moves)
+        longest = max(len(r.prompt) for r in batch)
+        padded = [r.prompt + [0] * (longest - len(r.prompt)) for r in batch]
+        tokens = torch.tensor(padded, dtype=torch.int64, device=self.device)
+        lengths = torch.tensor([len(r.prompt) for r in batch], dtype=torch.int64, device=self.device)
+        slots = torch.arange(slot0, slot0 + len(batch), device=self.device)
+        logits = self.model.prefill(tokens, lengths, slots, self.cache)
+        return self._sample(logits, batch)
+
+    def _decode(self, batch: list[_Request], moves: list) -> tuple[list[int], list[float]]:
+        self._apply_moves(moves)
+        positions = [r.kv_len() for r in batch]
+        max_len = min(self.max_seq_len, (max(positions) + 1 + 31) // 32 * 32)
+        tokens = torch.tensor([r.output_ids[-1] for r in batch], dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        logits = self.model.decode(tokens, pos, self.cache, max_len)
+        return self._sample(logits, batch)

@@ -1,0 +1,319 @@
+"""Decoder-only transformer forward for the embedded engine (Qwen2, Qwen3, Llama), written directly in torch.
+
+Weights live in fused buffers (`qkv`, `gate_up`) and `params` maps every Hugging Face name to a view of them,
+so a learner's `(hf_name, tensor)` stream, or a safetensors file, loads by `params[name].copy_(tensor)` in
+place: no reallocation, so the KV cache, views and (later) captured graphs stay valid across weight updates.
+The KV cache is preallocated as `[slots, kv_heads, max_seq_len, head_dim]` per layer (head-major, so a slot
+range is directly an SDPA operand); the engine keeps running requests in slots `0..B-1`.
+Numerics follow transformers: RMSNorm in fp32, RoPE tables in fp32 cast to the model dtype, SDPA attention.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from agentrl.errors import EngineError, WeightSyncError
+
+
+@dataclass
+class ModelSpec:
+    arch: str
+    vocab_size: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    rms_eps: float
+    rope_theta: float
+    tie_embeddings: bool
+    attn_bias: bool
+    qk_norm: bool
+    mlp_bias: bool
+    eos_token_ids: list[int]
+    max_position: int
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelSpec:
+        model_type = cfg.get("model_type", "")
+        if model_type not in ("qwen2", "qwen3", "llama"):
+            raise EngineError(f"config.json: model_type {model_type!r} is not supported (qwen2, qwen3, llama)")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise EngineError(f"config.json: rope type {rope_type!r} is not supported (only 'default')")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        heads = cfg["num_attention_heads"]
+        eos: list[int] = []
+        for src in (cfg, generation or {}):
+            val = src.get("eos_token_id")
+            for tok in val if isinstance(val, list) else [val]:
+                if tok is not None and tok not in eos:
+                    eos.append(int(tok))
+        return cls(
+            arch=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden=cfg["hidden_size"],
+            layers=cfg["num_hidden_layers"],
+            heads=heads,
+            kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate=cfg["intermediate_size"],
+            rms_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attn_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            eos_token_ids=eos,
+            max_position=cfg.get("max_position_embeddings", 4096),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelSpec:
+        path = Path(path)
+        try:
+            cfg = json.loads((path / "config.json").read_text())
+        except FileNotFoundError:
+            raise EngineError(f"model path {path}: no config.json (not a Hugging Face model directory)") from None
+        gen_path = path / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
+        return cls.from_hf_config(cfg, gen)
+
+
+class KVCache:
+    """Preallocated keys/values: per layer `[slots, kv_heads, max_seq_len, head_dim]`."""
+
+    def __init__(self, spec: ModelSpec, slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype):
+        shape = (slots, spec.kv_heads, max_seq_len, spec.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.layers)]
+        self.slots, self.max_seq_len = slots, max_seq_len
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        for buf in (*self.k, *self.v):
+            buf[dst, :, :length] = buf[src, :, :length]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class CausalLM:
+    """Parameters + forward passes (prefill, decode) over a `KVCache`. Not an nn.Module: no autograd, no hooks."""
+
+    def __init__(self, spec: ModelSpec, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+        self.spec, self.device, self.dtype = spec, torch.device(device), dtype
+        s = spec
+        q_dim, kv_dim = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        self.q_dim, self.kv_dim = q_dim, kv_dim
+
+        def empty(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, device=self.device, dtype=dtype)
+
+        self.params: dict[str, torch.Tensor] = {"model.embed_tokens.weight": empty(s.vocab_size, s.hidden)}
+        self.layers: list[dict[str, torch.Tensor]] = []
+        for i in range(s.layers):
+            p = f"model.layers.{i}."
+            layer = {
+                "ln1": empty(s.hidden),
+                "ln2": empty(s.hidden),
+                "qkv": empty(q_dim + 2 * kv_dim, s.hidden),
+                "o": empty(s.hidden, q_dim),
+                "gate_up": empty(2 * s.intermediate, s.hidden),
+                "down": empty(s.hidden, s.intermediate),
+            }
+            names = {
+                p + "input_layernorm.weight": layer["ln1"],
+                p + "post_attention_layernorm.weight": layer["ln2"],
+                p + "self_attn.q_proj.weight": layer["qkv"][:q_dim],
+                p + "self_attn.k_proj.weight": layer["qkv"][q_dim : q_dim + kv_dim],
+                p + "self_attn.v_proj.weight": layer["qkv"][q_dim + kv_dim :],
+                p + "self_attn.o_proj.weight": layer["o"],
+                p + "mlp.gate_proj.weight": layer["gate_up"][: s.intermediate],
+                p + "mlp.up_proj.weight": layer["gate_up"][s.intermediate :],
+                p + "mlp.down_proj.weight": layer["down"],
+            }
+            if s.attn_bias:
+                layer["qkv_b"] = empty(q_dim + 2 * kv_dim)
+                names[p + "self_attn.q_proj.bias"] = layer["qkv_b"][:q_dim]
+                names[p + "self_attn.k_proj.bias"] = layer["qkv_b"][q_dim : q_dim + kv_dim]
+                names[p + "self_attn.v_proj.bias"] = layer["qkv_b"][q_dim + kv_dim :]
+            if s.qk_norm:
+                layer["q_norm"], layer["k_norm"] = empty(s.head_dim), empty(s.head_dim)
+                names[p + "self_attn.q_norm.weight"] = layer["q_norm"]
+                names[p + "self_attn.k_norm.weight"] = layer["k_norm"]
+            if s.mlp_bias:
+                layer["gate_up_b"], layer["down_b"] = empty(2 * s.intermediate), empty(s.hidden)
+                names[p + "mlp.gate_proj.bias"] = layer["gate_up_b"][: s.intermediate]
+                names[p + "mlp.up_proj.bias"] = layer["gate_up_b"][s.intermediate :]
+                names[p + "mlp.down_proj.bias"] = layer["down_b"]
+            self.layers.append(layer)
+            self.params.update(names)
+        self.params["model.norm.weight"] = empty(s.hidden)
+        if s.tie_embeddings:
+            self.lm_head = self.params["model.embed_tokens.weight"]
+        else:
+            self.lm_head = self.params["lm_head.weight"] = empty(s.vocab_size, s.hidden)
+        self.norm = self.params["model.norm.weight"]
+        self.embed = self.params["model.embed_tokens.weight"]
+        self._rope_len = 0
+        self._cos = self._sin = torch.empty(0)
+
+    # -- weights -------------------------------------------------------------------------------------------------
+
+    def load_named(self, tensors: Any, strict: bool = False) -> int:
+        """Copy `(hf_name, tensor)` pairs (or a dict) into place; returns how many were copied.
+
+        Unknown names and shape mismatches raise WeightSyncError naming the tensor; `lm_head.weight` of a tied
+        model is skipped. `strict` also requires every parameter to be present.
+        """
+        items = tensors.items() if isinstance(tensors, dict) else tensors
+        seen: set[str] = set()
+        with torch.no_grad():
+            for name, tensor in items:
+                if name == "lm_head.weight" and self.spec.tie_embeddings:
+                    continue
+                dst = self.params.get(name)
+                if dst is None:
+                    raise WeightSyncError(f"weight '{name}' is not a parameter of this {self.spec.arch} model")
+                if tuple(dst.shape) != tuple(tensor.shape):
+                    raise WeightSyncError(
+                        f"weight '{name}': shape {tuple(tensor.shape)} does not match {tuple(dst.shape)}"
+                    )
+                dst.copy_(tensor)
+                seen.add(name)
+        if strict and (missing := sorted(set(self.params) - seen)):
+            raise WeightSyncError(f"weights missing: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        return len(seen)
+
+    def load_dir(self, path: str | Path, strict: bool = True) -> int:
+        """Load every `*.safetensors` file of an HF directory."""
+        from safetensors import safe_open
+
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise WeightSyncError(f"model path {path}: no *.safetensors files")
+
+        def stream():
+            for file in files:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                        yield name, f.get_tensor(name)
+
+        return self.load_named(stream(), strict=strict)
+
+    def num_params(self) -> int:
+        return sum(t.numel() for t in self.params.values())
+
+    # -- forward -------------------------------------------------------------------------------------------------
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        if need > self._rope_len:
+            n = max(need, 2 * self._rope_len, 256)
+            dim = self.spec.head_dim
+            inv_freq = 1.0 / (
+                self.spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float().to(self.device) / dim)
+            )
+            freqs = torch.outer(torch.arange(n, device=self.device, dtype=torch.float32), inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos, self._sin, self._rope_len = emb.cos(), emb.sin(), n
+        return self._cos[positions].to(self.dtype), self._sin[positions].to(self.dtype)
+
+    def ensure_rope(self, max_len: int) -> None:
+        self._rope(torch.tensor([max_len - 1], device=self.device))
+
+    def _qkv(self, layer: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [..., hidden] -> q [..., heads, D], k/v [..., kv_heads, D] with RoPE applied."""
+        s = self.spec
+        h = _rms_norm(x, layer["ln1"], s.rms_eps)
+        qkv = F.linear(h, layer["qkv"], layer.get("qkv_b"))
+        q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
+        lead = x.shape[:-1]
+        q = q.view(*lead, s.heads, s.head_dim)
+        k = k.view(*lead, s.kv_heads, s.head_dim)
+        v = v.view(*lead, s.kv_heads, s.head_dim)
+        if s.qk_norm:
+            q = _rms_norm(q, layer["q_norm"], s.rms_eps)
+            k = _rms_norm(k, layer["k_norm"], s.rms_eps)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return q, k, v
+
+    def _mlp(self, layer: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        h = _rms_norm(x, layer["ln2"], self.spec.rms_eps)
+        gate, up = F.linear(h, layer["gate_up"], layer.get("gate_up_b")).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer["down"], layer.get("down_b"))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(_rms_norm(hidden, self.norm, self.spec.rms_eps), self.lm_head).float()
+
+    @torch.inference_mode()
+    def prefill(
+        self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, cache: KVCache, start: int = 0
+    ) -> torch.Tensor:
+        """Right-padded `tokens` [N, T] of prompts with `lengths` [N] written to cache `slots` [N] at positions
+        `start..start+T`; returns fp32 logits [N, vocab] at each prompt's last position."""
+        s = self.spec
+        n, t = tokens.shape
+        positions = torch.arange(start, start + t, device=self.device)
+        cos, sin = self._rope(positions)
+        key_ok = torch.arange(t, device=self.device)[None, :] < lengths[:, None]
+        mask = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()[None] & key_ok[:, None, :]
+        mask = mask[:, None]  # [N, 1, T, T]
+        groups = s.heads // s.kv_heads
+        x = F.embedding(tokens, self.embed)
+        for i, layer in enumerate(self.layers):
+            q, k, v = (y.transpose(1, 2) for y in self._qkv(layer, x, cos, sin))
+            cache.k[i][slots, :, start : start + t] = k
+            cache.v[i][slots, :, start : start + t] = v
+            if groups > 1:
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            x = x + F.linear(attn.transpose(1, 2).reshape(n, t, self.q_dim), layer["o"])
+            x = x + self._mlp(layer, x)
+        last = x[torch.arange(n, device=self.device), lengths - 1]
+        return self.logits(last)
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, max_len: int) -> torch.Tensor:
+        """One step for slots `0..B-1`: `tokens` [B] at `positions` [B]; attends over cache positions
+        `< max_len` (masked per slot to `<= position`). Returns fp32 logits [B, vocab]."""
+        s = self.spec
+        b = tokens.shape[0]
+        groups = s.heads // s.kv_heads
+        cos, sin = self._rope(positions)
+        rows = torch.arange(b, device=self.device)
+        mask = (torch.arange(max_len, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
+        x = F.embedding(tokens, self.embed)  # [B, hidden]
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, cos, sin)  # q [B, H, D], k/v [B, KV, D]
+            cache.k[i][rows, :, positions] = k
+            cache.v[i][rows, :, positions] = v
+            q = q.reshape(b, s.kv_heads, groups, s.head_dim)  # fold the GQA group into the query length
+            attn = F.scaled_dot_product_attention(
+                q, cache.k[i][:b, :, :max_len], cache.v[i][:b, :, :max_len], attn_mask=mask
+            )
+            x = x + F.linear(attn.reshape(b, self.q_dim), layer["o"])
+            x = x + self._mlp(layer, x)
+        return self.logits(x)

@@ -1,0 +1,172 @@
+"""Offline tiny-model kit: a Hugging Face model directory made locally, with no network.
+
+`make_tiny_model(dir)` writes a byte-level BPE tokenizer (trained here with `tokenizers` on generated text
+covering arithmetic, the guess-the-number game, calculator tool calls and `\\boxed{}` answers; digits are
+split one per token, Qwen2's pre-tokenizer), a ChatML chat template (`<|im_start|>role\\n...<|im_end|>\\n`), and a random-init
+causal LM (Qwen2, Qwen3 or Llama architecture, ~0.6M parameters by default) saved as safetensors.
+Invariants: the same `(arch, seed, sizes)` gives the same files; `AutoTokenizer` and
+`AutoModelForCausalLM.from_pretrained(dir)` load the result; eos is `<|im_end|>`, pad is `<|endoftext|>`;
+the model's vocab_size equals `len(tokenizer)`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+ARCHS = ("qwen2", "qwen3", "llama")
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
+# Qwen2's pre-tokenizer (one token per digit); transformers' Qwen2Tokenizer rebuilds exactly this pipeline, so
+# every tokenizer class that may load the directory tokenizes the same way.
+PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_WORDS = (
+    "the a is of to and what number guess higher lower correct too high low your my answer think try again "
+    "game between you have turns left win lose compute calculate add subtract multiply plus minus times "
+    "equals result tool call use calculator question solve final step first then so sum difference product "
+    "user assistant system please reply with only output format box boxed value i it be in on for yes no "
+    "right wrong good done is not that this let me check hint secret pick"
+).split()
+
+
+def _corpus(rng: random.Random, n_lines: int = 1500) -> list[str]:
+    """Generated training text: arithmetic, game feedback, tool calls, chat markup and common words."""
+    lines = []
+    for _ in range(n_lines):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        op = rng.choice("+-*")
+        val = {"+": a + b, "-": a - b, "*": a * b}[op]
+        guess, secret = rng.randint(1, 100), rng.randint(1, 100)
+        fb = "higher" if guess < secret else "lower" if guess > secret else "correct"
+        words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 10)))
+        lines += [
+            f"What is {a} {op} {b}? The answer is \\boxed{{{val}}}.",
+            f"{a}{op}{b}={val}",
+            f"<calc>{a}{op}{b}</calc>\n<result>{val}</result>",
+            f"Guess the number between 1 and 100. My guess: {guess}. Feedback: {fb}.",
+            f"{IM_START}user\n{words}{IM_END}\n{IM_START}assistant\n{words.capitalize()}.{IM_END}\n",
+        ]
+    return lines
+
+
+def train_tokenizer(vocab_size: int = 1024, seed: int = 0):
+    """Train a byte-level BPE (digits split individually) and wrap it as a `PreTrainedTokenizerFast`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    split = pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(random.Random(seed)), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=[IM_START],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def model_config(arch: str, vocab_size: int, hidden: int = 128, layers: int = 2, heads: int = 4,
+                 kv_heads: int = 2, intermediate: int | None = None, max_position: int = 2048,
+                 rope_theta: float = 10000.0, tie_embeddings: bool = True, init_std: float = 0.02,
+                 eos_token_id: int | None = None, pad_token_id: int | None = None):  # fmt: skip
+    """The transformers config for `arch` with the given sizes (head_dim = hidden // heads)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    if arch not in ARCHS:
+        from agentrl.errors import ConfigError
+
+        raise ConfigError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}[arch]
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=intermediate or 4 * hidden,
+        max_position_embeddings=max_position,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie_embeddings,
+        initializer_range=init_std,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        head_dim=hidden // heads,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+    )
+    if arch == "qwen2":
+        kwargs.pop("head_dim")  # Qwen2 derives head_dim = hidden // heads
+    return cls(**kwargs)
+
+
+def make_tiny_model(
+    path: str | Path,
+    arch: str = "qwen2",
+    seed: int = 0,
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    vocab_size: int = 1024,
+    init_std: float = 0.02,
+    tie_embeddings: bool = True,
+    max_position: int = 2048,
+) -> Path:
+    """Write tokenizer + random-init causal LM to `path` (created if missing) and return the path."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(vocab_size, seed)
+    eos_id = tokenizer.convert_tokens_to_ids(IM_END)
+    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+    config = model_config(
+        arch, len(tokenizer), hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+        intermediate=intermediate, max_position=max_position, tie_embeddings=tie_embeddings,
+        init_std=init_std, eos_token_id=eos_id, pad_token_id=pad_id,
+    )  # fmt: skip
+    devnull_rng = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    torch.random.set_rng_state(devnull_rng)
+    model.generation_config = GenerationConfig(eos_token_id=[eos_id, pad_id], pad_token_id=pad_id)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    meta = {"arch": arch, "seed": seed, "params": sum(p.numel() for p in model.parameters())}
+    (path / "agentrl_tiny.json").write_text(json.dumps(meta) + "\n")
+    return path
+
+
+def load_tokenizer(path: str | Path):
+    """Load the tokenizer of an HF directory (tiny or real) with `AutoTokenizer`."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))

@@ -1,0 +1,31 @@
+"""Write a tiny random Hugging Face model + tokenizer to DIR, offline (`agentrl make-tiny-model DIR`)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", help="output directory (created if missing)")
+    parser.add_argument("--arch", choices=["qwen2", "qwen3", "llama"], default="qwen2")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size target")
+
+
+def main(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from agentrl.engines.tiny import make_tiny_model
+
+    path = make_tiny_model(
+        args.dir, arch=args.arch, seed=args.seed, hidden=args.hidden, layers=args.layers,
+        heads=args.heads, kv_heads=args.kv_heads, vocab_size=args.vocab_size,
+    )  # fmt: skip
+    meta = json.loads((Path(path) / "agentrl_tiny.json").read_text())
+    print(f"wrote {meta['arch']} model with {meta['params']:,} params to {path}")
+    return 0

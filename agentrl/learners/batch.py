@@ -1,0 +1,261 @@
+"""Learner batches built from normalized trajectories, and their micro-batch splitter.
+
+Layout. A batch holds N sequences (sequence = prompt + response of one trajectory) in R rows of T tokens.
+Unpacked (default): R = N, row i = sequence i, right-padded. Packed: several whole sequences share a row,
+`position_ids` restart at 0 for each sequence (Hugging Face detects the segments from them when
+`attention_mask` is None; Megatron reads `seq_index`).
+
+Alignment (one convention, everywhere): every [R, T] tensor is indexed by TARGET token position. Column t
+describes token `input_ids[:, t]`: `loss_mask[:, t] = 1` iff token t is a response token whose trajectory loss
+mask is 1; `rollout_logprobs[:, t]` is the engine's log-prob of token t; `token_versions[:, t]` the policy
+version that sampled it; learner log-probs `logprobs[:, t] = log_softmax(logits[:, t - 1] / temperature)[token t]`,
+so column 0 (and the first token of every packed sequence) never carries loss and its log-prob is 0.
+
+`seq_index[:, t]` is the sequence (0..N-1) of token t, -1 on padding; per-sequence tensors (`rewards`,
+`group_index`, ...) have length N and stay whole when rows are selected into micro-batches, together with the
+full-batch normalisers `total_loss_tokens` and `n_seqs`, so summing micro-batch losses equals the big-batch loss.
+Building does no Python work per token: one loop per trajectory collects numpy views, the rest is
+concatenate/repeat/scatter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from agentrl import types
+from agentrl.errors import LearnerError
+
+ROW_TENSORS = (
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "loss_mask",
+    "rollout_logprobs",
+    "token_versions",
+    "seq_index",
+    "advantages",
+    "old_logprobs",
+    "ref_logprobs",
+    "old_values",
+    "returns",
+)
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [R, T] int64
+    attention_mask: torch.Tensor  # [R, T] int64, 1 on real tokens
+    position_ids: torch.Tensor  # [R, T] int64, restart at 0 per sequence
+    loss_mask: torch.Tensor  # [R, T] float32, target-aligned
+    rollout_logprobs: torch.Tensor  # [R, T] float32, target-aligned, 0 where unknown
+    token_versions: torch.Tensor  # [R, T] int64, -1 outside responses
+    seq_index: torch.Tensor  # [R, T] int64, sequence of each token, -1 on padding
+    rewards: torch.Tensor  # [N] float32
+    group_index: torch.Tensor  # [N] int64, 0..n_groups-1 from group_id
+    has_rollout_logprobs: torch.Tensor  # [N] bool
+    trajectory_ids: list[str]
+    n_groups: int
+    total_loss_tokens: float  # full-batch normaliser (kept by select)
+    n_seqs: int  # full-batch number of sequences (kept by select)
+    packed: bool = False
+    advantages: torch.Tensor | None = None  # [R, T] float32, filled by agentrl.algorithms
+    old_logprobs: torch.Tensor | None = None  # [R, T] proximal log-probs (learner, before the update)
+    ref_logprobs: torch.Tensor | None = None  # [R, T] reference-model log-probs
+    old_values: torch.Tensor | None = None  # [R, T] critic values before the update (ppo)
+    returns: torch.Tensor | None = None  # [R, T] value targets (ppo)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def n_tokens(self) -> int:
+        """Real (non-padding) tokens in these rows."""
+        return int(self.attention_mask.sum())
+
+    @property
+    def n_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def row_lengths(self) -> torch.Tensor:
+        """Used length of each row (padding is only at the end of a row)."""
+        return self.attention_mask.sum(dim=1)
+
+    def to(self, device: str | torch.device) -> Batch:
+        moved = {
+            name: (v.to(device) if isinstance(v, torch.Tensor) else v)
+            for name, v in ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+        }
+        return Batch(**moved)
+
+    def select(self, rows: torch.Tensor | Sequence[int]) -> Batch:
+        """The given rows, trimmed to their longest used length; sequence-level fields and normalisers stay whole.
+
+        `extra["rows"]` records the selected row indices (to scatter per-row results back into the batch).
+        """
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.input_ids.device)
+        width = max(int(self.row_lengths()[rows].max()), 1) if rows.numel() else 1
+        changes = {}
+        for name in ROW_TENSORS:
+            value = getattr(self, name)
+            if value is not None:
+                changes[name] = value[rows, :width]
+        return dataclasses.replace(self, **changes, extra={**self.extra, "rows": rows})
+
+
+def _group_indices(group_ids: list[str]) -> tuple[np.ndarray, int]:
+    _, index = np.unique(np.asarray(group_ids, dtype=object).astype(str), return_inverse=True)
+    return index.astype(np.int64).reshape(-1), int(index.max()) + 1 if len(group_ids) else 0
+
+
+def _pack_rows(lengths: np.ndarray, row_tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """First-fit-decreasing: row and column offset of each sequence; a sequence longer than a row gets its own."""
+    order = np.argsort(-lengths, kind="stable")
+    row_of = np.zeros(len(lengths), dtype=np.int64)
+    offset_of = np.zeros(len(lengths), dtype=np.int64)
+    used: list[int] = []
+    for i in order:
+        n = int(lengths[i])
+        for r, u in enumerate(used):
+            if u + n <= row_tokens:
+                row_of[i], offset_of[i] = r, u
+                used[r] += n
+                break
+        else:
+            row_of[i], offset_of[i] = len(used), 0
+            used.append(n)
+    return row_of, offset_of, len(used)
+
+
+def build_batch(
+    trajectories: Sequence[types.Trajectory],
+    pad_id: int,
+    device: str | torch.device = "cpu",
+    *,
+    pack_tokens: int = 0,
+) -> Batch:
+    """Batch of normalized trajectories; `pack_tokens > 0` packs sequences into rows of at most that many tokens."""
+    if not trajectories:
+        raise LearnerError("build_batch: no trajectories")
+    prompts, responses, masks, logprobs, versions = [], [], [], [], []
+    has_lp = np.zeros(len(trajectories), dtype=bool)
+    for i, traj in enumerate(trajectories):
+        p, r = types.tokens(traj.prompt_ids), types.tokens(traj.response_ids)
+        prompts.append(p)
+        responses.append(r)
+        masks.append(types.mask(traj))
+        if traj.logprobs is not None:
+            logprobs.append(types.floats(traj.logprobs))
+            has_lp[i] = True
+        else:
+            logprobs.append(np.zeros(len(r), dtype=np.float32))
+        versions.append(types.expand_versions(traj.versions, len(r), default=traj.policy_version or 0))
+        if len(masks[-1]) != len(r) or len(logprobs[-1]) != len(r) or len(versions[-1]) != len(r):
+            raise LearnerError(
+                f"build_batch: trajectory {traj.id!r} is not normalized (per-token arrays differ)"
+            )
+
+    n = len(trajectories)
+    p_len = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=n)
+    r_len = np.fromiter((len(r) for r in responses), dtype=np.int64, count=n)
+    s_len = p_len + r_len
+    if pack_tokens > 0:
+        row_of, col0, n_rows = _pack_rows(s_len, pack_tokens)
+    else:
+        row_of, col0, n_rows = np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64), n
+
+    # Flat token stream: sequence i occupies [starts[i], starts[i] + s_len[i]).
+    starts = np.concatenate(([0], np.cumsum(s_len)[:-1]))
+    total = int(s_len.sum())
+    flat_tokens = np.concatenate([a for pair in zip(prompts, responses, strict=True) for a in pair])
+    pos_in_seq = np.arange(total, dtype=np.int64) - np.repeat(starts, s_len)
+    seq_of = np.repeat(np.arange(n, dtype=np.int64), s_len)
+    rows = np.repeat(row_of, s_len)
+    cols = np.repeat(col0, s_len) + pos_in_seq
+
+    r_starts = np.concatenate(([0], np.cumsum(r_len)[:-1]))
+    resp_pos = np.repeat(starts + p_len, r_len) + np.arange(int(r_len.sum())) - np.repeat(r_starts, r_len)
+    flat_mask = np.zeros(total, dtype=np.float32)
+    flat_mask[resp_pos] = np.concatenate(masks)
+    flat_mask[pos_in_seq == 0] = 0.0  # the first token of a sequence has no predicting logit
+    flat_lp = np.zeros(total, dtype=np.float32)
+    flat_lp[resp_pos] = np.concatenate(logprobs)
+    flat_ver = np.full(total, -1, dtype=np.int64)
+    flat_ver[resp_pos] = np.concatenate(versions)
+
+    width = int((col0 + s_len).max())
+    used = np.zeros(n_rows, dtype=np.int64)
+    np.maximum.at(used, row_of, col0 + s_len)
+
+    def grid(fill, dtype, values) -> np.ndarray:
+        out = np.full((n_rows, width), fill, dtype=dtype)
+        out[rows, cols] = values
+        return out
+
+    position_ids = np.maximum(np.arange(width, dtype=np.int64)[None, :] - used[:, None], 0)
+    position_ids[rows, cols] = pos_in_seq
+    group_index, n_groups = _group_indices([t.group_id or t.id for t in trajectories])
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device)
+
+    loss_mask = grid(0.0, np.float32, flat_mask)
+    return Batch(
+        input_ids=t(grid(pad_id, np.int64, flat_tokens)),
+        attention_mask=t(grid(0, np.int64, 1)),
+        position_ids=t(position_ids),
+        loss_mask=t(loss_mask),
+        rollout_logprobs=t(grid(0.0, np.float32, flat_lp)),
+        token_versions=t(grid(-1, np.int64, flat_ver)),
+        seq_index=t(grid(-1, np.int64, seq_of)),
+        rewards=t(np.array([tr.reward for tr in trajectories], dtype=np.float32)),
+        group_index=t(group_index),
+        has_rollout_logprobs=t(has_lp),
+        trajectory_ids=[tr.id for tr in trajectories],
+        n_groups=n_groups,
+        total_loss_tokens=float(loss_mask.sum()),
+        n_seqs=n,
+        packed=pack_tokens > 0,
+        advantages=t(np.zeros((n_rows, width), dtype=np.float32)),
+    )
+
+
+def sft_batch(
+    pairs: Sequence[tuple[Sequence[int] | np.ndarray, Sequence[int] | np.ndarray]],
+    pad_id: int,
+    device: str | torch.device = "cpu",
+) -> Batch:
+    """Batch for supervised warm-up from (prompt_ids, response_ids) pairs: loss on every response token."""
+    trajs = [
+        types.Trajectory(id=str(i), prompt_ids=types.pack_tokens(p), response_ids=types.pack_tokens(r))
+        for i, (p, r) in enumerate(pairs)
+    ]
+    return build_batch(trajs, pad_id, device)
+
+
+def micro_batches(batch: Batch, micro_batch_tokens: int) -> list[Batch]:
+    """Split rows into micro-batches whose padded size (rows x longest row) fits `micro_batch_tokens`.
+
+    Rows are taken longest first, so similar lengths share a micro-batch; a row longer than the budget is alone.
+    """
+    lengths = batch.row_lengths().cpu()
+    order = torch.argsort(-lengths, stable=True).tolist()
+    groups: list[list[int]] = []
+    current: list[int] = []
+    width = 0
+    for r in order:
+        n = int(lengths[r])
+        if current and (len(current) + 1) * max(width, n) > micro_batch_tokens:
+            groups.append(current)
+            current, width = [], 0
+        current.append(r)
+        width = max(width, n)
+    if current:
+        groups.append(current)
+    return [batch.select(sorted(g)) for g in groups]

@@ -1,0 +1,118 @@
+"""Write and read Hugging Face model directories from `(hf_name, tensor)` pairs.
+
+Invariants: a directory is written under a temporary name and renamed into place, so readers never see a
+half-written one; with `tie_word_embeddings` in the config, `lm_head.weight` is not stored (transformers ties it
+on load); config, generation config and tokenizer files are copied from a source HF directory unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+HF_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+WEIGHTS_FILE = "model.safetensors"
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling directory; on success it replaces `path` (the old one is removed)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        _fsync_dir(tmp)
+        old = None
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+            os.rename(path, old)
+        os.rename(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    for f in path.iterdir():
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+
+
+def copy_hf_files(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
+    """Copy config and tokenizer files (no weights) that exist in `src_dir`; returns the names copied."""
+    src, dst = Path(src_dir), Path(dst_dir)
+    copied = []
+    for name in HF_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    if "config.json" not in copied:
+        from agentrl.errors import LearnerError
+
+        raise LearnerError(f"{src}: no config.json (not a Hugging Face model directory)")
+    return copied
+
+
+def tied_embeddings(config_dir: str | Path) -> bool:
+    config = json.loads((Path(config_dir) / "config.json").read_text())
+    return bool(config.get("tie_word_embeddings", False))
+
+
+def write_weights(path: str | Path, named_tensors: Iterable[tuple[str, torch.Tensor]], tied: bool) -> int:
+    """Write `(hf_name, tensor)` pairs to one safetensors file; returns the number of tensors written."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, tensor in named_tensors:
+        if tied and name == "lm_head.weight":
+            continue
+        tensors[name] = tensor.detach().to("cpu").contiguous().clone()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return len(tensors)
+
+
+def save_hf_dir(
+    out_dir: str | Path, named_tensors: Iterable[tuple[str, torch.Tensor]], config_dir: str | Path
+) -> Path:
+    """Atomically write a loadable HF directory: weights from the pairs, config + tokenizer from `config_dir`."""
+    out = Path(out_dir)
+    with atomic_dir(out) as tmp:
+        copy_hf_files(config_dir, tmp)
+        write_weights(tmp / WEIGHTS_FILE, named_tensors, tied_embeddings(tmp))
+    return out
+
+
+def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors file, or of every `*.safetensors` shard in a directory."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out

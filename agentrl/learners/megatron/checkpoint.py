@@ -1,0 +1,166 @@
+"""Megatron learner checkpoints and their conversion to a Hugging Face directory.
+
+Layout of a checkpoint directory (learner.json follows agentrl.learners.checkpoint):
+  learner.json                  {"kind": "megatron", step, policy_version, "hf_config_dir": "hf", tensor_parallel,
+                                 pipeline_parallel, dtype, model_path}
+  hf/                           the source model's config + tokenizer files (no weights)
+  model_tp{t}_pp{p}.pt          {global Megatron name: tensor} for TP rank t / PP rank p (written by DP rank 0)
+  optim_tp{t}_pp{p}.pt          optimizer state of that rank (CPU: torch AdamW state_dict; GPU: Megatron's)
+  optim_params.pt               GPU only: the distributed optimizer's parameter state (save_parameter_state)
+Names use global layer numbering, so `to_hf` rebuilds HF tensors from the files alone (no torch.distributed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from agentrl.errors import LearnerError
+from agentrl.learners import hf_io
+from agentrl.learners.checkpoint import hf_config_dir, read_metadata, write_metadata
+
+if TYPE_CHECKING:
+    from agentrl.learners.megatron.learner import MegatronLearner
+
+
+@contextlib.contextmanager
+def hf_reader(path: str | Path) -> Iterator[Callable[[str], torch.Tensor]]:
+    """`get(hf_name) -> tensor` over the safetensors files of an HF directory (opened lazily, one tensor read per call)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        where = json.loads(index.read_text())["weight_map"]
+    elif (path / "model.safetensors").exists():
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            where = dict.fromkeys(f.keys(), "model.safetensors")
+    else:
+        raise LearnerError(f"{path}: no model.safetensors or model.safetensors.index.json (model.path)")
+    with contextlib.ExitStack() as stack:
+        handles: dict[str, Any] = {}
+
+        def get(name: str) -> torch.Tensor:
+            if name not in where:
+                raise LearnerError(f"{path}: HF checkpoint has no tensor {name!r}")
+            file = where[name]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(str(path / file), "pt"))
+            return handles[file].get_tensor(name)
+
+        yield get
+
+
+# -- learner checkpoints ---------------------------------------------------------------------------------
+
+
+def _rank_suffix() -> str:
+    from megatron.core import parallel_state as ps
+
+    return f"tp{ps.get_tensor_model_parallel_rank()}_pp{ps.get_pipeline_model_parallel_rank()}"
+
+
+def save(learner: MegatronLearner, path: Path) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from agentrl.learners.megatron import convert
+    from agentrl.learners.megatron.model import unwrap
+
+    path.mkdir(parents=True, exist_ok=True)
+    rank = dist.get_rank()
+    if ps.get_data_parallel_rank() == 0:
+        params = convert.global_params(unwrap(learner.model))
+        torch.save({k: v.detach().cpu() for k, v in params.items()}, path / f"model_{_rank_suffix()}.pt")
+        torch.save(learner.optimizer.state_dict(), path / f"optim_{_rank_suffix()}.pt")
+    if learner.cuda:
+        learner.optimizer.save_parameter_state(str(path / "optim_params.pt"))
+    if rank == 0:
+        (path / "hf").mkdir(exist_ok=True)
+        hf_io.copy_hf_files(learner.model_path, path / "hf")
+        write_metadata(
+            path, "megatron", learner.step, learner.policy_version, "hf",
+            tensor_parallel=learner.tp_size, pipeline_parallel=ps.get_pipeline_model_parallel_world_size(),
+            dtype=learner.cfg.learner.dtype, model_path=learner.model_path,
+        )  # fmt: skip
+    if dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    meta = read_metadata(path)
+    if meta["kind"] != "megatron":
+        raise LearnerError(f"{path}: learner.json kind is {meta.get('kind')!r}, expected 'megatron'")
+    return meta
+
+
+@torch.no_grad()
+def load(learner: MegatronLearner, path: Path) -> None:
+    from megatron.core import parallel_state as ps
+
+    from agentrl.learners.megatron import convert
+    from agentrl.learners.megatron.model import unwrap
+
+    meta = read_meta(path)
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if (meta["tensor_parallel"], meta["pipeline_parallel"]) != (learner.tp_size, pp):
+        raise LearnerError(
+            f"{path}: saved with tensor_parallel={meta['tensor_parallel']} pipeline_parallel="
+            f"{meta['pipeline_parallel']}, learner runs {learner.tp_size}/{pp}; export it with `agentrl export` "
+            "and start from the HF directory instead"
+        )
+    saved = torch.load(path / f"model_{_rank_suffix()}.pt", map_location="cpu", weights_only=True)
+    params = convert.global_params(unwrap(learner.model))
+    if set(saved) != set(params):
+        raise LearnerError(
+            f"{path}: parameter names differ from the model: {sorted(set(saved) ^ set(params))[:4]}"
+        )
+    for name, param in params.items():
+        param.copy_(saved[name])
+    if learner.cuda:
+        # The distributed optimizer keeps fp32 main params: refresh them from the loaded model weights.
+        learner.optimizer.reload_model_params()
+        learner.optimizer.load_state_dict(
+            torch.load(path / f"optim_{_rank_suffix()}.pt", map_location="cpu", weights_only=False)
+        )
+        learner.optimizer.load_parameter_state(str(path / "optim_params.pt"))
+    else:
+        state = torch.load(path / f"optim_{_rank_suffix()}.pt", map_location="cpu", weights_only=False)
+        learner.optimizer.load_state_dict(state)
+    learner.step, learner.policy_version = int(meta["step"]), int(meta["policy_version"])
+
+
+def iter_checkpoint_hf(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF tensors of a Megatron checkpoint, from its rank files (offline: no process group needed)."""
+    from transformers import AutoConfig
+
+    from agentrl.learners.megatron import convert
+    from agentrl.learners.megatron.model import ArchSpec
+
+    path = Path(path)
+    meta = read_meta(path)
+    arch = ArchSpec.from_hf(AutoConfig.from_pretrained(str(hf_config_dir(path, meta))))
+    tp, pp = meta["tensor_parallel"], meta["pipeline_parallel"]
+    files = {(t, p): path / f"model_tp{t}_pp{p}.pt" for t in range(tp) for p in range(pp)}
+    stages = [torch.load(files[(0, p)], map_location="cpu", weights_only=True, mmap=True) for p in range(pp)]
+    te = any("layer_norm_weight" in name for stage in stages for name in stage)
+    for p in range(pp):
+        ranks = [stages[p]] + [torch.load(files[(t, p)], map_location="cpu", weights_only=True, mmap=True)
+                               for t in range(1, tp)]  # fmt: skip
+        for group in convert.groups(arch, te=te):
+            if group.mcore not in ranks[0] or (group.mcore == "output_layer.weight" and arch.tied):
+                continue
+            yield from zip(
+                group.hf, convert.unshard(group, [r[group.mcore] for r in ranks], arch), strict=True
+            )
+
+
+def to_hf(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write a Hugging Face directory (config, tokenizer, safetensors) from a Megatron learner checkpoint."""
+    config_dir = hf_config_dir(checkpoint_dir, read_meta(checkpoint_dir))
+    return hf_io.save_hf_dir(out_dir, iter_checkpoint_hf(checkpoint_dir), config_dir)

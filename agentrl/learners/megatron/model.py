@@ -1,0 +1,227 @@
+"""Build a megatron-core GPTModel that computes what a Hugging Face Qwen2 / Qwen3 / Llama model computes.
+
+Invariants: `ArchSpec.from_hf(config)` is the only place that reads HF config fields; every architectural
+choice Megatron needs (qkv bias, qk-norm, GQA groups, head_dim, RoPE theta and llama3 scaling, RMSNorm eps,
+SwiGLU, tied embeddings) is derived from it, and anything it cannot express raises LearnerError naming the
+field. Layer spec: Transformer Engine when importable, else the local (pure torch) spec, whose core attention
+is replaced by `SDPAttention` (torch scaled_dot_product_attention, causal; flash kernels on GPU) unless
+attention="local" asks for Megatron's own DotProductAttention. Batches are right-padded, so a causal mask
+alone is exact for every real token and RoPE positions are 0..T-1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from agentrl.errors import LearnerError
+from agentrl.learners.megatron import cpu_compat
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchSpec:
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+    max_position_embeddings: int
+    llama3_rope_factor: float = 0.0
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf(cls, cfg: Any) -> ArchSpec:
+        model_type = getattr(cfg, "model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise LearnerError(
+                f"model_type {model_type!r}: the Megatron learner supports {SUPPORTED_MODEL_TYPES}"
+            )
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise LearnerError(f"hidden_act {cfg.hidden_act!r}: only silu (SwiGLU) is supported")
+        if getattr(cfg, "mlp_bias", False):
+            raise LearnerError("mlp_bias = true is not supported by the Megatron learner")
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+        factor = 0.0
+        if rope_type == "llama3":
+            expected = {
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            }
+            if any(float(rope.get(k, v)) != v for k, v in expected.items()):
+                raise LearnerError(f"rope_parameters {rope}: Megatron's llama3 RoPE scaling fixes {expected}")
+            factor = float(rope["factor"])
+        elif rope_type != "default":
+            raise LearnerError(f"rope_parameters.rope_type {rope_type!r} is not supported (default, llama3)")
+        qkv_bias = True if model_type == "qwen2" else bool(getattr(cfg, "attention_bias", False))
+        return cls(
+            model_type=model_type,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            intermediate_size=cfg.intermediate_size,
+            vocab_size=cfg.vocab_size,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=float(theta),
+            tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            qk_norm=model_type == "qwen3",
+            max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
+            llama3_rope_factor=factor,
+        )
+
+
+def have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def transformer_config(arch: ArchSpec, *, dtype: torch.dtype, device: str, fused: bool = False, **extra):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cuda = device.startswith("cuda")
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=not cuda,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=fused and cuda,
+        bias_dropout_fusion=fused and cuda,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
+        **extra,
+    )
+
+
+class SDPAttention(torch.nn.Module):
+    """Core attention through torch scaled_dot_product_attention (causal, GQA), Megatron's tensor layout.
+
+    Takes q [sq, b, np, hn], k/v [sk, b, ng, hn] (heads of this TP rank) and returns [sq, b, np*hn].
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None):  # fmt: skip
+        super().__init__()
+        from megatron.core import parallel_state as ps
+
+        self.config = config
+        tp = ps.get_tensor_model_parallel_world_size() if pg_collection is None else pg_collection.tp.size()
+        self.heads = config.num_attention_heads // tp
+        self.groups = config.num_query_groups // tp
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):  # fmt: skip
+        if packed_seq_params is not None or attention_bias is not None:
+            raise LearnerError("SDPAttention supports neither packed sequences nor attention bias")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if self.heads != self.groups:
+            k = k.repeat_interleave(self.heads // self.groups, dim=1)
+            v = v.repeat_interleave(self.heads // self.groups, dim=1)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout_p if self.training else 0.0, scale=self.scale
+        )
+        sq, b = out.shape[2], out.shape[0]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        return {}
+
+
+def layer_spec(arch: ArchSpec, attention: str = "sdpa", use_te: bool | None = None):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_te is None:
+        use_te = have_transformer_engine()
+    if use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    if attention == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    elif attention != "local":
+        raise LearnerError(f"attention {attention!r}: choose 'sdpa' or 'local'")
+    return spec
+
+
+def build_gpt(arch: ArchSpec, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+              attention: str = "sdpa", use_te: bool | None = None, fused: bool = False, **config_extra):  # fmt: skip
+    """A GPTModel for this pipeline stage (parallel_state must be initialised), on `device`."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    for name, value in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
+                        ("vocab_size", arch.vocab_size)):  # fmt: skip
+        if value % tp:
+            raise LearnerError(f"{name} = {value} is not divisible by learner.tensor_parallel = {tp}")
+    config = transformer_config(arch, dtype=dtype, device=device, fused=fused, **config_extra)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(arch, attention, use_te),
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tied,
+        position_embedding_type="rope",
+        rotary_base=arch.rope_theta,
+        rope_scaling=arch.llama3_rope_factor > 0,
+        rope_scaling_factor=arch.llama3_rope_factor or 8.0,
+    )
+    if not device.startswith("cuda"):
+        cpu_compat.patch_model(model)
+    return model.to(device)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model

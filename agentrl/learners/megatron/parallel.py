@@ -1,0 +1,64 @@
+"""Idempotent setup of torch.distributed and megatron.core.parallel_state.
+
+Invariants: a process launched by torchrun (RANK/WORLD_SIZE set) joins that group with NCCL on GPU (gloo on
+CPU); a plain process starts a private world of size 1 through a FileStore in a fresh temp dir, so several
+learners (or test modules) in one process reuse one group instead of colliding on a port. Model-parallel groups
+are rebuilt only when the requested TP/PP sizes change. CUDA RNG seeding on GPU, CPU substitutes otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from agentrl.errors import LearnerError
+from agentrl.learners.megatron import cpu_compat
+
+
+def init_distributed(device: str) -> None:
+    if dist.is_initialized():
+        return
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = "nccl" if cuda else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, init_method="env://")
+        return
+    store_dir = tempfile.mkdtemp(prefix="agentrl-dist-")
+    store = dist.FileStore(os.path.join(store_dir, "store"), 1)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1)
+
+
+def init_parallel(tensor_parallel: int, pipeline_parallel: int, device: str, seed: int = 0) -> None:
+    """Make parallel_state hold TP x PP groups over the current world (DP = world / (TP*PP))."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel as mp_tensor_parallel
+
+    init_distributed(device)
+    world = dist.get_world_size()
+    if world % (tensor_parallel * pipeline_parallel):
+        raise LearnerError(
+            f"world size {world} is not divisible by learner.tensor_parallel * learner.pipeline_parallel "
+            f"= {tensor_parallel * pipeline_parallel}"
+        )
+    if not device.startswith("cuda") and (tensor_parallel > 1 or pipeline_parallel > 1):
+        raise LearnerError("learner.tensor_parallel/pipeline_parallel > 1 need learner.device = 'cuda'")
+    if ps.model_parallel_is_initialized():
+        same = (
+            ps.get_tensor_model_parallel_world_size() == tensor_parallel
+            and ps.get_pipeline_model_parallel_world_size() == pipeline_parallel
+        )
+        if same:
+            return
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel
+    )
+    if device.startswith("cuda"):
+        mp_tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        cpu_compat.install(seed)

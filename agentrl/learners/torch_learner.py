@@ -1,0 +1,259 @@
+"""The embedded learner: a Hugging Face causal LM trained with torch AdamW on agentrl batches.
+
+Invariants: log-probs are `log_softmax(logits / temperature)` of the target tokens, exactly the engines'
+definition (pass the rollout temperature); one `train_step` = one optimizer step over all micro-batches
+(micro-batches by token budget, each loss already scaled by full-batch normalisers, so accumulation equals one
+big batch); `policy_version` increases by one per `train_step` and per `sft_step`; parameters stay fp32, with bf16
+autocast on CUDA when `learner.dtype = "bfloat16"`; `weights()` streams HF names and omits `lm_head.weight` when
+the embeddings are tied. PPO uses a value head on the policy's last hidden state (shared trunk), saved with the
+optimizer state, never published. FSDP2 is not implemented (one device per learner).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from agentrl.algorithms import check, compute_loss, merge_metrics, needs_old_logprobs, prepare_batch, sft_loss
+from agentrl.config import AlgorithmSection, LearnerSection
+from agentrl.errors import LearnerError
+from agentrl.learners import checkpoint, hf_io
+from agentrl.learners.base import Learner
+from agentrl.learners.batch import Batch, micro_batches
+
+STATE_FILE = "trainer_state.pt"
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[R, T] target-aligned log-probs from [R, T, V] logits; column 0 is 0."""
+    logits = logits[:, :-1].float() / temperature
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    logp = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return F.pad(logp, (1, 0))
+
+
+def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[R, T] entropy of the distribution that predicted each target token; column 0 is 0."""
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    return F.pad(-(logp.exp() * logp).sum(-1), (1, 0))
+
+
+class TorchLearner(Learner):
+    def __init__(
+        self,
+        model_path: str | Path,
+        learner: LearnerSection | None = None,
+        algorithm: AlgorithmSection | None = None,
+        *,
+        temperature: float = 1.0,
+        seed: int = 0,
+    ):
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = learner or LearnerSection()
+        self.algo = algorithm or AlgorithmSection()
+        check(self.algo, has_reference=self.cfg.reference_model)
+        if temperature <= 0:
+            raise LearnerError(f"temperature must be > 0, got {temperature}")
+        self.model_path = Path(model_path)
+        self.temperature = temperature
+        self.device = torch.device(self.cfg.device)
+        torch.manual_seed(seed)
+
+        def load():
+            m = AutoModelForCausalLM.from_pretrained(str(self.model_path), dtype=torch.float32)
+            m.config.use_cache = False
+            return m.to(self.device)
+
+        self.model = load()
+        self.model.train()
+        self.ref_model = None
+        if self.cfg.reference_model:
+            self.ref_model = load().eval().requires_grad_(False)
+        self.value_head = None
+        if self.algo.advantage == "ppo":
+            self.value_head = torch.nn.Linear(self.model.config.hidden_size, 1).to(self.device)
+            torch.nn.init.zeros_(self.value_head.weight)
+            torch.nn.init.zeros_(self.value_head.bias)
+        self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        pad = self.model.config.pad_token_id
+        self.pad_id = int(pad if pad is not None else (self.model.config.eos_token_id or 0))
+        self.optimizer = torch.optim.AdamW(
+            self._params(), lr=self.cfg.lr, betas=tuple(self.cfg.betas), weight_decay=self.cfg.weight_decay
+        )
+        meta = self.model_path / checkpoint.METADATA_FILE
+        if meta.is_file() and (self.model_path / STATE_FILE).is_file():
+            self.load(str(self.model_path))
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        params = list(self.model.parameters())
+        if self.value_head is not None:
+            params += list(self.value_head.parameters())
+        return params
+
+    def _autocast(self):
+        if self.device.type == "cuda" and self.cfg.dtype == "bfloat16":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _forward(self, model, mb: Batch, *, entropy: bool = False, values: bool = False):
+        """(logprobs, entropy or None, values or None) of one micro-batch, all [R, T] float32."""
+        mb = mb.to(self.device)
+        with self._autocast():
+            out = model(
+                input_ids=mb.input_ids,
+                attention_mask=None if mb.packed else mb.attention_mask,
+                position_ids=mb.position_ids,
+                output_hidden_states=values,
+                use_cache=False,
+            )
+        logp = token_logprobs(out.logits, mb.input_ids, self.temperature)
+        ent = token_entropy(out.logits, self.temperature) if entropy else None
+        vals = None
+        if values:
+            hidden = out.hidden_states[-1].float()
+            vals = F.pad(self.value_head(hidden[:, :-1]).squeeze(-1), (1, 0))
+        return logp, ent, vals
+
+    def _whole_batch(self, model, batch: Batch, *, values: bool = False) -> torch.Tensor:
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
+        with torch.no_grad():
+            for rows, mb in self._split(batch):
+                logp, _, vals = self._forward(model, mb, values=values)
+                out[rows, : logp.shape[1]] = vals if values else logp
+        return out
+
+    def _split(self, batch: Batch) -> list[tuple[torch.Tensor, Batch]]:
+        parts = micro_batches(batch, self.cfg.micro_batch_tokens)
+        return [(mb.extra["rows"], mb) for mb in parts]
+
+    def compute_logprobs(self, batch: Batch) -> torch.Tensor:
+        return self._whole_batch(self.model, batch)
+
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        if self.value_head is None:
+            raise LearnerError("compute_values needs algorithm.advantage = 'ppo' (no value head)")
+        return self._whole_batch(self.model, batch, values=True)
+
+    def compute_ref_logprobs(self, batch: Batch) -> torch.Tensor:
+        if self.ref_model is None:
+            raise LearnerError("no reference model (learner.reference_model = false)")
+        return self._whole_batch(self.ref_model, batch)
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        start = time.perf_counter()
+        batch = batch.to(self.device)
+        if needs_old_logprobs(self.algo) and batch.old_logprobs is None:
+            batch.old_logprobs = self.compute_logprobs(batch)
+        if self.ref_model is not None and batch.ref_logprobs is None:
+            batch.ref_logprobs = self.compute_ref_logprobs(batch)
+        if self.value_head is not None and batch.old_values is None:
+            batch.old_values = self.compute_values(batch)
+        metrics = prepare_batch(self.algo, batch, self.policy_version)
+        want_entropy_grad = self.algo.entropy_coef != 0.0
+        self.optimizer.zero_grad(set_to_none=True)
+        parts = []
+        for _, mb in self._split(batch):
+            logp, ent, vals = self._forward(self.model, mb, entropy=True, values=self.value_head is not None)
+            if not want_entropy_grad:
+                ent = ent.detach()
+            loss, m = compute_loss(self.algo, mb, logp, entropy=ent, values=vals)
+            loss.backward()
+            parts.append((m, float(mb.n_loss_tokens)))
+        metrics.update(merge_metrics(parts))
+        metrics.update(self._optimizer_step())
+        self.step += 1
+        self.policy_version += 1
+        metrics.update(self._counters(batch, start, len(parts)))
+        return metrics
+
+    def sft_step(self, batch: Batch, lr: float | None = None) -> dict[str, float]:
+        """Supervised cross-entropy on the batch's loss tokens (one optimizer step); `lr` overrides for this step."""
+        start = time.perf_counter()
+        batch = batch.to(self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        parts = 0
+        for _, mb in self._split(batch):
+            logp, _, _ = self._forward(self.model, mb)
+            loss = sft_loss(logp, mb.loss_mask, batch.total_loss_tokens)
+            loss.backward()
+            total += float(loss.detach())
+            parts += 1
+        metrics = {"loss": total}
+        metrics.update(self._optimizer_step(lr))
+        self.policy_version += 1
+        metrics.update(self._counters(batch, start, parts))
+        return metrics
+
+    def _optimizer_step(self, lr: float | None = None) -> dict[str, float]:
+        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self._params(), clip)
+        saved = [g["lr"] for g in self.optimizer.param_groups]
+        if lr is not None:
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        for g, old in zip(self.optimizer.param_groups, saved, strict=True):
+            g["lr"] = old
+        return {"grad_norm": float(grad_norm), "lr": float(lr if lr is not None else saved[0])}
+
+    def _counters(self, batch: Batch, start: float, n_micro: int) -> dict[str, float]:
+        return {
+            "tokens": float(batch.n_tokens),
+            "loss_tokens": float(batch.total_loss_tokens),
+            "micro_batches": float(n_micro),
+            "time_s": time.perf_counter() - start,
+            "policy_version": float(self.policy_version),
+        }
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.model.state_dict().items():
+            if self.tied and name == "lm_head.weight":
+                continue
+            yield name, tensor.detach()
+
+    def save(self, path: str) -> None:
+        with hf_io.atomic_dir(path) as tmp:
+            hf_io.copy_hf_files(self._config_dir(), tmp)
+            hf_io.write_weights(tmp / hf_io.WEIGHTS_FILE, self.weights(), self.tied)
+            state = {
+                "optimizer": self.optimizer.state_dict(),
+                "step": self.step,
+                "policy_version": self.policy_version,
+            }
+            if self.value_head is not None:
+                state["value_head"] = self.value_head.state_dict()
+            torch.save(state, tmp / STATE_FILE)
+            checkpoint.write_metadata(
+                tmp, "torch", self.step, self.policy_version, ".", temperature=self.temperature
+            )
+
+    def _config_dir(self) -> Path:
+        meta = self.model_path / checkpoint.METADATA_FILE
+        if meta.is_file():
+            return checkpoint.hf_config_dir(self.model_path, checkpoint.read_metadata(self.model_path))
+        return self.model_path
+
+    def load(self, path: str) -> None:
+        meta = checkpoint.read_metadata(path)
+        if meta["kind"] != "torch":
+            raise LearnerError(f"{path}: a {meta['kind']!r} checkpoint cannot be loaded by the torch learner")
+        weights = hf_io.load_weights(Path(path) / hf_io.WEIGHTS_FILE)
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        missing = [k for k in missing if not (self.tied and k == "lm_head.weight")]
+        if missing or unexpected:
+            raise LearnerError(
+                f"{path}: weights do not match the model (missing {missing}, unexpected {unexpected})"
+            )
+        state = torch.load(Path(path) / STATE_FILE, map_location=self.device, weights_only=True)
+        if self.value_head is not None and "value_head" in state:
+            self.value_head.load_state_dict(state["value_head"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.policy_version = int(state["step"]), int(state["policy_version"])

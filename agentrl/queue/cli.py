@@ -1,0 +1,106 @@
+"""`agentrl serve-queue`: serve a replay queue over HTTP for external agents (WAL in --run-dir).
+
+Light module: nothing heavy is imported until `main`. The token may come from --token or the
+AGENTRL_QUEUE_TOKEN environment variable (preferred: it does not show in `ps`); it is never printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+TOKEN_ENV = "AGENTRL_QUEUE_TOKEN"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default=None, help="address to bind (default queue.host = 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="port (0 = pick a free one; default queue.port)")
+    parser.add_argument("--run-dir", default="runs/queue", help="directory of the write-ahead log and ledger")
+    parser.add_argument("--token", default=None, help=f"bearer token clients must send (or ${TOKEN_ENV})")
+    parser.add_argument("--model", default="", help="HF model/tokenizer dir: enables chat-form trajectories")
+    parser.add_argument("--config", default=None, help="TOML config file ([queue] section is used)")
+    parser.add_argument("--policy-version", type=int, default=0, help="policy version to stamp unversioned data")
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved [queue] config and exit")
+    parser.epilog = "Any --queue.KEY VALUE override is accepted, e.g. --queue.max-staleness 2 --queue.batch-size 64."
+    parser.set_defaults(accepts_overrides=True)
+
+
+def resolve(args: argparse.Namespace):
+    from agentrl.config import load_config, parse_overrides
+
+    extra = parse_overrides(list(args.overrides or []))
+    if args.config is None:  # standalone queue: honour max_staleness (sync mode would force it to 0)
+        extra.setdefault("run", {}).setdefault("mode", "async")
+    cfg = load_config(args.config, extra)
+    q = cfg.queue
+    if args.host is not None:
+        q.host = args.host
+    if args.port is not None:
+        q.port = args.port
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV, "")
+    if token:
+        q.token = token
+    return cfg
+
+
+def main(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import msgspec
+
+    from agentrl.config import dump_toml
+
+    cfg = resolve(args)
+    if args.dry_run:
+        shown = msgspec.structs.replace(cfg, queue=msgspec.structs.replace(cfg.queue, token="***" if cfg.queue.token else ""))
+        text = dump_toml(shown)
+        section = text[text.index("[queue]") :]
+        print(section[: section.find("\n[", 1) + 1 or None].rstrip())
+        return 0
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    runner(_serve(cfg, args))
+    return 0
+
+
+async def _serve(cfg, args: argparse.Namespace) -> None:
+    import asyncio
+    import logging
+    import signal
+
+    from agentrl.queue.core import ReplayQueue
+    from agentrl.queue.server import QueueServer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    queue = ReplayQueue(cfg.queue, args.run_dir, policy_version=args.policy_version)
+    server = QueueServer(queue, cfg.queue, tokenizer_path=args.model or None)
+    await server.start()
+    auth = "token required" if server.token else "no token"
+    print(f"agentrl queue listening on {server.url} (run dir {args.run_dir}, {auth})", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("agentrl queue: draining and stopping", file=sys.stderr, flush=True)
+    await server.stop()
+    queue.close()
+
+
+if __name__ == "__main__":  # `python -m agentrl.queue.cli ...` == `agentrl serve-queue ...`
+    from agentrl.errors import AgentRLError
+
+    _parser = argparse.ArgumentParser(prog="agentrl serve-queue", description=__doc__.strip().splitlines()[0])
+    add_arguments(_parser)
+    _args, _extra = _parser.parse_known_args()
+    _args.overrides = _extra
+    try:
+        sys.exit(main(_args))
+    except AgentRLError as exc:
+        print(f"agentrl serve-queue: error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,509 @@
+"""The versioned replay queue: producers `put` trajectories, the learner takes staleness-bounded batches.
+
+Invariants:
+- A trajectory is in the write-ahead log before `put` returns; the learner's `commit(step, ids)` is durable
+  before it returns. Reopening the queue on the same run dir brings back every uncommitted trajectory exactly
+  once (including ones sampled but not committed); every id ever accepted stays known, so re-sending it is
+  counted as a duplicate, never queued twice.
+- Groups (same `group_id`, `group_size` samples) reach the learner only whole: complete, or released partial /
+  dropped by `straggler_policy` after `group_timeout_s`. A trajectory sent without a `group_id` is a group of
+  one. Members arriving after their group was released are dropped and counted (`dropped_late`).
+- Staleness of a group = policy_version - oldest token version in the group. Groups staler than
+  `max_staleness` are dropped and counted, or with `stale_policy = "keep"` handed out and flagged.
+- Admission (AReaL): admitted + in_flight <= (policy_version + max_staleness + 1) * batch_size, where
+  admitted counts every trajectory accepted and not dropped (consumed ones included) and in_flight the
+  producers' reservations; plus hard caps on queued count and bytes. Refusals raise `QueueFull`.
+- FIFO: groups are handed out in the order they became complete. Waiting uses asyncio Events, never polling.
+Pure asyncio; no torch or ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentrl.config import QueueSection
+from agentrl.errors import InvalidTrajectory, QueueClosed, QueueFull, StorageError
+from agentrl.queue import wal as wal_mod
+from agentrl.queue.metrics import QueueMetrics
+from agentrl.types import Trajectory, min_version, nbytes, normalize
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Group:
+    group_id: str
+    size: int  # members needed to be complete (1 for ungrouped trajectories)
+    trajectories: list[Trajectory] = field(default_factory=list)
+    timer: asyncio.TimerHandle | None = None
+
+    @property
+    def oldest_version(self) -> int:
+        return min(min_version(t) for t in self.trajectories)
+
+
+@dataclass
+class PutResult:
+    accepted: int
+    duplicates: int
+    dropped: int = 0  # late members of groups that were already released
+
+
+@dataclass
+class SampledBatch:
+    """Whole groups in FIFO order; `stale[i]` marks trajectories kept past max_staleness (stale_policy=keep)."""
+
+    trajectories: list[Trajectory]
+    staleness: list[int]
+    stale: list[bool]
+    policy_version: int
+
+    @property
+    def ids(self) -> list[str]:
+        return [t.id for t in self.trajectories]
+
+
+class _Signal:
+    """Wake every current waiter at once: `fire()` sets the event waiters hold and starts a fresh one."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        while not predicate():
+            await self._event.wait()
+
+
+class Ticket:
+    """Admission reserved by `ReplayQueue.reserve(n)`; `put(..., ticket=)` uses it, `release()` returns the rest."""
+
+    def __init__(self, queue: ReplayQueue, n: int):
+        self._queue = queue
+        self.remaining = n
+
+    def take(self, n: int) -> int:
+        used = min(n, self.remaining)
+        self.remaining -= used
+        self._queue._in_flight -= used
+        return used
+
+    def release(self) -> None:
+        if self.remaining:
+            self._queue._in_flight -= self.remaining
+            self.remaining = 0
+            self._queue._space.fire()
+
+    def __enter__(self) -> Ticket:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class ReplayQueue:
+    def __init__(
+        self,
+        cfg: QueueSection | None = None,
+        run_dir: str | Path | None = None,
+        *,
+        batch_size: int | None = None,
+        vocab_size: int | None = None,
+        policy_version: int = 0,
+    ):
+        self.cfg = cfg or QueueSection()
+        self.batch_size = self.cfg.batch_size if batch_size is None else batch_size
+        self.vocab_size = vocab_size
+        self.policy_version = policy_version
+        self.metrics = QueueMetrics()
+        self.closed = False
+        self._seq = itertools.count()
+        self._pending: dict[str, _Group] = {}
+        self._ready: dict[int, _Group] = {}  # FIFO by release order
+        self._released: dict[str, int] = {}  # group_id -> members released (later members are late)
+        self._live: dict[str, Trajectory] = {}  # uncommitted (queued, pending or sampled), acceptance order
+        self._sampled: dict[str, Trajectory] = {}  # handed to the learner, not committed yet
+        self._known: set[str] = set()
+        self._committed_steps: list[int] = []
+        self._n_committed = 0
+        self._admitted = 0
+        self._in_flight = 0
+        self._n_queued = 0
+        self._n_ready = 0
+        self._bytes = 0
+        self._commits_since_compact = 0
+        self._ready_signal = _Signal()
+        self._space = _Signal()
+        self._untimed: list[_Group] = []
+        self._wal = wal_mod.WriteAheadLog(run_dir, fsync=self.cfg.fsync) if run_dir and self.cfg.wal else None
+        if self._wal is not None:
+            self._recover(self._wal.replay())
+
+    def _recover(self, state: wal_mod.WalState) -> None:
+        self._known = state.known_ids
+        self._committed_steps = state.committed_steps
+        self._n_committed = state.n_committed
+        self._admitted = state.n_committed + len(state.uncommitted)
+        for traj in state.uncommitted.values():
+            self._live[traj.id] = traj
+            self._n_queued += 1
+            self._bytes += nbytes(traj)
+            self._insert(traj, ungrouped=traj.group_id == traj.id)
+        if state.uncommitted or state.cut_bytes:
+            log.info("queue recovered %d uncommitted trajectories", len(state.uncommitted))
+
+    # ----------------------------------------------------------------- producers
+    async def put(self, trajectories: Trajectory | Iterable[Trajectory], *, ticket: Ticket | None = None) -> PutResult:
+        """Validate all, then log and queue the new ones (all or nothing). Raises InvalidTrajectory, QueueFull,
+        QueueClosed or StorageError, and then nothing of the call was accepted."""
+        self._schedule_timers()
+        if self.closed:
+            raise QueueClosed("the queue is draining and accepts no trajectories")
+        items = [trajectories] if isinstance(trajectories, Trajectory) else list(trajectories)
+        fresh, ungrouped, duplicates, late = self._validate(items)
+        n, new_bytes = len(fresh), sum(nbytes(t) for t in fresh)
+        self._admit(n, new_bytes, ticket)
+        used = ticket.take(n) if ticket is not None else 0
+        self._known.update(t.id for t in fresh)
+        self._admitted += n
+        self._n_queued += n
+        self._bytes += new_bytes
+        if fresh and self._wal is not None:
+            try:
+                await self._append(wal_mod.PutRecord(fresh))
+            except StorageError:
+                self._known.difference_update(t.id for t in fresh)
+                self._admitted -= n
+                self._n_queued -= n
+                self._bytes -= new_bytes
+                if ticket is not None:
+                    ticket.remaining += used
+                    self._in_flight += used
+                self.metrics.inc("storage_errors")
+                raise
+        for traj in fresh:
+            self._live[traj.id] = traj
+            self._insert(traj, ungrouped=traj.id in ungrouped)
+        self.metrics.inc("accepted", n)
+        self.metrics.inc("duplicates", duplicates)
+        self.metrics.inc("dropped_late", late)
+        self._schedule_timers()
+        return PutResult(accepted=n, duplicates=duplicates, dropped=late)
+
+    def _validate(self, items: list[Trajectory]) -> tuple[list[Trajectory], set[str], int, int]:
+        fresh: list[Trajectory] = []
+        ungrouped: set[str] = set()
+        seen: set[str] = set()
+        members: dict[str, int] = {}
+        duplicates = late = 0
+        for i, raw in enumerate(items):
+            try:
+                if not isinstance(raw, Trajectory):
+                    raise InvalidTrajectory("$", f"expected a Trajectory, got {type(raw).__name__}")
+                traj = normalize(raw, vocab_size=self.vocab_size, default_version=self.policy_version)
+            except InvalidTrajectory as exc:
+                self.metrics.inc("rejected_invalid", len(items))
+                where = f"[{i}].{exc.field}" if len(items) > 1 else exc.field
+                raise InvalidTrajectory(where, exc.message) from None
+            if traj.id in self._known or traj.id in seen:
+                duplicates += 1
+                continue
+            seen.add(traj.id)
+            if not raw.group_id or self.cfg.group_size <= 1:
+                ungrouped.add(traj.id)
+            else:
+                gid = traj.group_id
+                group = self._pending.get(gid)
+                members[gid] = members.get(gid, len(group.trajectories) if group else 0) + 1
+                if gid in self._released or members[gid] > self.cfg.group_size:
+                    late += 1
+                    continue
+            fresh.append(traj)
+        return fresh, ungrouped, duplicates, late
+
+    def _admit(self, n: int, new_bytes: int, ticket: Ticket | None) -> None:
+        if not n:
+            return
+        cfg = self.cfg
+        if self._n_queued + n > cfg.max_trajectories:
+            self._refuse(f"queue holds {self._n_queued} trajectories (queue.max_trajectories = {cfg.max_trajectories})")
+        if self._bytes + new_bytes > cfg.max_bytes:
+            self._refuse(f"queue holds {self._bytes} bytes (queue.max_bytes = {cfg.max_bytes})")
+        unreserved = n - (min(n, ticket.remaining) if ticket is not None else 0)
+        if unreserved and self.batch_size > 0 and self._admitted + self._in_flight + unreserved > self.window:
+            self._refuse(
+                f"rollout would run more than max_staleness + 1 = {cfg.max_staleness + 1} batches ahead of the "
+                f"learner (admitted {self._admitted} + in flight {self._in_flight} + {unreserved} > {self.window})"
+            )
+
+    def _refuse(self, message: str) -> None:
+        self.metrics.inc("rejected_full")
+        raise QueueFull(message, retry_after_s=self.cfg.retry_after_s)
+
+    @property
+    def window(self) -> int:
+        """Most trajectories that may be admitted or in flight at the current policy version (AReaL)."""
+        return (self.policy_version + self.cfg.max_staleness + 1) * self.batch_size
+
+    async def reserve(self, n: int, timeout_s: float | None = None) -> Ticket:
+        """Wait until `n` more trajectories fit in the staleness window and reserve them (in-process producers):
+        `with await queue.reserve(n) as ticket: ...; await queue.put(trajectories, ticket=ticket)`."""
+        if self.batch_size > 0 and n > (self.cfg.max_staleness + 1) * self.batch_size:
+            raise QueueFull(f"cannot reserve {n}: more than (queue.max_staleness + 1) * batch_size trajectories")
+        start = time.monotonic()
+
+        def fits() -> bool:
+            return self.closed or self.batch_size <= 0 or self._admitted + self._in_flight + n <= self.window
+
+        await asyncio.wait_for(self._space.wait_for(fits), timeout_s)
+        if self.closed:
+            raise QueueClosed("the queue is draining and accepts no trajectories")
+        self.metrics.reserve_wait.observe(time.monotonic() - start)
+        self._in_flight += n
+        return Ticket(self, n)
+
+    # ----------------------------------------------------------------- groups
+    def _insert(self, traj: Trajectory, *, ungrouped: bool) -> None:
+        if ungrouped or self.cfg.group_size <= 1:
+            self._release(_Group(traj.group_id, 1, [traj]))
+            return
+        group = self._pending.get(traj.group_id)
+        if group is None:
+            group = self._pending[traj.group_id] = _Group(traj.group_id, self.cfg.group_size)
+            self._untimed.append(group)
+        group.trajectories.append(traj)
+        if len(group.trajectories) >= group.size:
+            del self._pending[group.group_id]
+            self._release(group)
+
+    def _release(self, group: _Group) -> None:
+        if group.timer is not None:
+            group.timer.cancel()
+            group.timer = None
+        if group.size > 1:
+            self._released[group.group_id] = len(group.trajectories)
+        self._ready[next(self._seq)] = group
+        self._n_ready += len(group.trajectories)
+        self._ready_signal.fire()
+
+    def _schedule_timers(self) -> None:
+        if not self._untimed:
+            return
+        loop = asyncio.get_running_loop()
+        for group in self._untimed:
+            if self._pending.get(group.group_id) is group:
+                group.timer = loop.call_later(self.cfg.group_timeout_s, self._expire, group)
+        self._untimed.clear()
+
+    def _expire(self, group: _Group) -> None:
+        if self._pending.get(group.group_id) is not group:
+            return
+        del self._pending[group.group_id]
+        group.timer = None
+        if self.cfg.straggler_policy == "release":
+            self.metrics.inc("released_partial", len(group.trajectories))
+            self._release(group)
+        else:
+            self._released[group.group_id] = 0
+            self._drop([group], "dropped_straggler")
+
+    def _drop(self, groups: list[_Group], counter: str) -> None:
+        ids = [t.id for g in groups for t in g.trajectories]
+        for traj in (t for g in groups for t in g.trajectories):
+            self._live.pop(traj.id, None)
+            self._n_queued -= 1
+            self._bytes -= nbytes(traj)
+        self._admitted -= len(ids)
+        self.metrics.inc(counter, len(ids))
+        if self._wal is not None and ids:
+            try:  # never acknowledged to anyone: if lost, the ids come back and are dropped again
+                self._wal.append(wal_mod.DropRecord(ids, counter))
+            except StorageError:
+                self.metrics.inc("storage_errors")
+                log.warning("queue log: cannot record %d dropped trajectories", len(ids))
+        self._space.fire()
+
+    # ----------------------------------------------------------------- learner
+    def set_policy_version(self, version: int) -> None:
+        """The learner published `version`: stamp new unversioned trajectories with it and re-check staleness."""
+        if version <= self.policy_version:
+            return
+        self.policy_version = version
+        self._purge_stale()
+        self._space.fire()
+
+    def _purge_stale(self) -> None:
+        if self.cfg.stale_policy == "keep":
+            return
+        limit = self.policy_version - self.cfg.max_staleness
+        stale = [(k, g) for k, g in self._ready.items() if g.oldest_version < limit]
+        for key, group in stale:
+            del self._ready[key]
+            self._n_ready -= len(group.trajectories)
+        if stale:
+            self._drop([g for _, g in stale], "dropped_stale")
+
+    def _take(self, size: int) -> list[int] | None:
+        """Keys of FIFO whole groups filling `size`; short only when the next group does not fit (or closed)."""
+        chosen: list[int] = []
+        total = 0
+        for key, group in self._ready.items():
+            n = len(group.trajectories)
+            if n > size:
+                raise ValueError(f"sample_batch size {size} is smaller than group {group.group_id!r} ({n})")
+            if total + n > size:
+                return chosen
+            chosen.append(key)
+            total += n
+            if total == size:
+                return chosen
+        return chosen if (self.closed and chosen) else None
+
+    async def sample_batch(
+        self, size: int, learner_version: int | None = None, timeout_s: float | None = None
+    ) -> SampledBatch:
+        """Wait for `size` trajectories of whole, fresh-enough groups and hand them out (FIFO).
+
+        Raises TimeoutError after `timeout_s`, QueueClosed when the queue closes with nothing ready.
+        """
+        self._schedule_timers()
+        if learner_version is not None:
+            self.set_policy_version(learner_version)
+        start = time.monotonic()
+        keys: list[int] | None = None
+
+        def ready() -> bool:
+            nonlocal keys
+            self._purge_stale()
+            keys = self._take(size) if self._n_ready else None
+            return keys is not None or self.closed
+
+        await asyncio.wait_for(self._ready_signal.wait_for(ready), timeout_s)
+        if keys is None:
+            raise QueueClosed("the queue closed before a batch was ready")
+        self.metrics.sample_wait.observe(time.monotonic() - start)
+        return self._hand_out(keys)
+
+    def _hand_out(self, keys: list[int]) -> SampledBatch:
+        batch = SampledBatch([], [], [], self.policy_version)
+        for key in keys:
+            group = self._ready.pop(key)
+            n = len(group.trajectories)
+            self._n_ready -= n
+            age = self.policy_version - group.oldest_version
+            self.metrics.observe_staleness(age, n)
+            for traj in group.trajectories:
+                self._sampled[traj.id] = traj
+                self._n_queued -= 1
+                self._bytes -= nbytes(traj)
+                batch.trajectories.append(traj)
+                batch.staleness.append(self.policy_version - min_version(traj))
+                batch.stale.append(age > self.cfg.max_staleness)
+        self.metrics.inc("kept_stale", sum(batch.stale))
+        self.metrics.inc("sampled", len(batch.trajectories))
+        return batch
+
+    async def commit(self, step: int, ids: Iterable[str]) -> None:
+        """Record durably that learner `step` consumed `ids` (log, then ledger.jsonl); a repeated step is a no-op."""
+        ids = list(ids)
+        if step in self._committed_steps:
+            return
+        if self._wal is not None:
+            await self._append(wal_mod.CommitRecord(step, ids))
+        versions: dict[str, Any] = {}
+        for tid in ids:
+            traj = self._sampled.pop(tid, None)
+            if traj is not None:
+                versions[tid] = traj.versions
+                self._live.pop(tid, None)
+                self._n_committed += 1
+        self._committed_steps.append(step)
+        self.metrics.inc("committed", len(versions))
+        if self._wal is not None:
+            self._wal.ledger(step, ids, versions)
+            self._commits_since_compact += 1
+            if self.cfg.compact_every > 0 and self._commits_since_compact >= self.cfg.compact_every:
+                self.compact()
+
+    def compact(self) -> None:
+        """Rewrite the log as the known-id set plus the uncommitted trajectories (atomic rename)."""
+        if self._wal is None:
+            return
+        known = list(self._known.difference(self._live))
+        snapshot = wal_mod.SnapshotRecord(known, self._committed_steps, self._n_committed)
+        try:
+            self._wal.compact(snapshot, list(self._live.values()))
+            self._commits_since_compact = 0
+        except StorageError:
+            self.metrics.inc("storage_errors")
+            log.warning("queue log compaction failed; keeping the old log", exc_info=True)
+
+    async def _append(self, record: wal_mod.Record) -> None:
+        assert self._wal is not None
+        if self.cfg.fsync:
+            await asyncio.to_thread(self._wal.append, record)
+        else:
+            self._wal.append(record)
+
+    # ----------------------------------------------------------------- state
+    def pending_ids(self) -> list[str]:
+        """Uncommitted ids (queued, waiting for their group, or sampled), in acceptance order."""
+        return list(self._live)
+
+    def committed_steps(self) -> list[int]:
+        return list(self._committed_steps)
+
+    @property
+    def last_committed_step(self) -> int | None:
+        return max(self._committed_steps) if self._committed_steps else None
+
+    def is_known(self, trajectory_id: str) -> bool:
+        return trajectory_id in self._known
+
+    def __len__(self) -> int:
+        return self._n_queued
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "depth": self._n_queued,
+            "ready": self._n_ready,
+            "pending_groups": len(self._pending),
+            "in_sample": len(self._sampled),
+            "bytes": self._bytes,
+            "in_flight": self._in_flight,
+            "admitted": self._admitted,
+            "window": self.window if self.batch_size > 0 else None,
+            "policy_version": self.policy_version,
+            "max_staleness": self.cfg.max_staleness,
+            "group_size": self.cfg.group_size,
+            "batch_size": self.batch_size,
+            "known_ids": len(self._known),
+            "last_committed_step": self.last_committed_step,
+            "wal_bytes": self._wal.size_bytes if self._wal is not None else None,
+            "draining": self.closed,
+            **self.metrics.as_dict(),
+        }
+
+    def drain(self) -> None:
+        """Stop accepting trajectories; waiters wake (a sample_batch gets what is left, or QueueClosed)."""
+        self.closed = True
+        for group in self._pending.values():
+            if group.timer is not None:
+                group.timer.cancel()
+        self._ready_signal.fire()
+        self._space.fire()
+
+    def close(self) -> None:
+        self.drain()
+        if self._wal is not None:
+            self._wal.close()

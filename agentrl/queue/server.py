@@ -1,0 +1,228 @@
+"""HTTP front door of the replay queue (aiohttp): external agents submit trajectories, anyone reads status.
+
+Routes: POST /v1/trajectories, GET /v1/status, GET /metrics, GET /healthz, GET /openapi.json.
+Invariants: every error is JSON `{"error": message, "field": field-or-null}` with the status codes of
+docs/queue.md; a request body is decoded and validated entirely before anything in it is accepted; only
+/healthz and /openapi.json are open without the bearer token; the token is never logged; a non-loopback
+address is refused without a token. Runs in-process (`await QueueServer(queue, cfg).start()` -> port) or
+from `agentrl serve-queue`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import logging
+import math
+import re
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from agentrl.config import QueueSection
+from agentrl.errors import ConfigError, InvalidTrajectory, QueueClosed, QueueFull, StorageError
+from agentrl.queue.chat import NO_TOKENIZER, ChatTokenizer
+from agentrl.queue.core import ReplayQueue
+from agentrl.queue.metrics import prometheus_text
+from agentrl.queue.openapi import openapi_spec
+from agentrl.types import decode_trajectories
+
+log = logging.getLogger(__name__)
+
+MSGPACK_TYPES = {"application/msgpack", "application/x-msgpack", "application/vnd.msgpack"}
+JSON_TYPES = {"application/json"}
+OPEN_PATHS = {"/healthz", "/openapi.json"}
+_PATH_RE = re.compile(r"at `\$([^`]*)`")
+_json = msgspec.json.Encoder()
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, field: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.field, self.headers = status, message, field, headers or {}
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=_json.encode(body), status=status, content_type="application/json", headers=headers)
+
+
+def error_response(status: int, message: str, field: str | None = None, headers: dict[str, str] | None = None):
+    return json_response({"error": message, "field": field}, status, headers)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _validation_field(exc: msgspec.ValidationError) -> str | None:
+    match = _PATH_RE.search(str(exc))
+    return match.group(1).lstrip(".") or "$" if match else None
+
+
+class QueueServer:
+    def __init__(
+        self,
+        queue: ReplayQueue,
+        cfg: QueueSection | None = None,
+        *,
+        token: str | None = None,
+        tokenizer_path: str | None = None,
+        tokenizer: ChatTokenizer | None = None,
+    ):
+        self.queue = queue
+        self.cfg = cfg or queue.cfg
+        self.token = self.cfg.token if token is None else token
+        self.tokenizer = tokenizer or (ChatTokenizer(tokenizer_path) if tokenizer_path else None)
+        if self.tokenizer is not None and queue.vocab_size is None:
+            queue.vocab_size = self.tokenizer.vocab_size
+        self.draining = False
+        self.port = 0
+        self.host = self.cfg.host
+        self._runner: web.AppRunner | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._middleware])
+        app.router.add_post("/v1/trajectories", self.submit)
+        app.router.add_get("/v1/status", self.status)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/openapi.json", self.openapi)
+        return app
+
+    async def start(self, host: str | None = None, port: int | None = None) -> int:
+        """Bind and serve; returns the bound port (port 0 picks a free one)."""
+        self.host = self.cfg.host if host is None else host
+        if not self.token and not is_loopback(self.host):
+            raise ConfigError(
+                f"refusing to serve the queue on non-loopback address {self.host!r} without a token: "
+                "pass --token (or queue.token) or bind 127.0.0.1"
+            )
+        self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.cfg.port if port is None else port, backlog=1024)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        return self.port
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def drain(self) -> None:
+        """Answer 503 to new submissions (the queue keeps serving the learner)."""
+        self.draining = True
+
+    async def stop(self) -> None:
+        self.drain()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # ----------------------------------------------------------------- plumbing
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            if request.path not in OPEN_PATHS and self.token:
+                self._check_token(request)
+            return await handler(request)
+        except HTTPError as exc:
+            return error_response(exc.status, exc.message, exc.field, exc.headers)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return error_response(exc.status, exc.reason, None, {"Allow": exc.headers.get("Allow", "")})
+        except Exception:  # a bug, never a client's fault: log it, answer JSON
+            log.exception("queue server: %s %s failed", request.method, request.path)
+            return error_response(500, "internal error (see the server log)")
+
+    def _check_token(self, request: web.Request) -> None:
+        auth = request.headers.get("Authorization", "")
+        scheme, _, given = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.token.encode()):
+            raise HTTPError(401, "missing or wrong bearer token (header 'Authorization: Bearer <token>')",
+                            "Authorization", {"WWW-Authenticate": "Bearer"})  # fmt: skip
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.cfg.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise HTTPError(413, f"body of {request.content_length} bytes is over queue.max_body_bytes = {limit}")
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise HTTPError(413, f"body is over queue.max_body_bytes = {limit}") from None
+
+    def _retry_after(self, seconds: float) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(seconds)))}
+
+    # ----------------------------------------------------------------- routes
+    async def submit(self, request: web.Request) -> web.Response:
+        if self.draining or self.queue.closed:
+            raise HTTPError(503, "the queue is draining", None, self._retry_after(self.cfg.retry_after_s))
+        ctype = request.content_type
+        if ctype not in MSGPACK_TYPES and ctype not in JSON_TYPES:
+            raise HTTPError(415, f"unsupported content type {ctype!r}: use application/msgpack or application/json",
+                            "Content-Type")  # fmt: skip
+        body = await self._read_body(request)
+        try:
+            trajectories = decode_trajectories(body, ctype)
+        except msgspec.ValidationError as exc:
+            raise HTTPError(422, f"invalid trajectory: {exc}", _validation_field(exc)) from None
+        except (msgspec.DecodeError, UnicodeDecodeError, OverflowError, RecursionError) as exc:
+            raise HTTPError(400, f"malformed {ctype} body: {exc}", "body") from None
+        try:
+            if any(t.messages is not None for t in trajectories):
+                trajectories = await self._tokenize(trajectories)
+            result = await self.queue.put(trajectories)
+        except InvalidTrajectory as exc:
+            raise HTTPError(422, f"invalid trajectory: {exc}", exc.field) from None
+        except QueueFull as exc:
+            raise HTTPError(429, str(exc), None, self._retry_after(exc.retry_after_s)) from None
+        except QueueClosed as exc:
+            raise HTTPError(503, str(exc), None, self._retry_after(self.cfg.retry_after_s)) from None
+        except StorageError as exc:
+            raise HTTPError(507, f"not stored, nothing accepted: {exc}") from None
+        return json_response(
+            {"accepted": result.accepted, "duplicates": result.duplicates, "dropped": result.dropped}, 202
+        )
+
+    async def _tokenize(self, trajectories: list[Any]) -> list[Any]:
+        if self.tokenizer is None:
+            index = next(i for i, t in enumerate(trajectories) if t.messages is not None)
+            raise InvalidTrajectory(f"[{index}].messages" if len(trajectories) > 1 else "messages", NO_TOKENIZER)
+        tokenizer = self.tokenizer
+
+        def run() -> list[Any]:
+            out = []
+            for i, traj in enumerate(trajectories):
+                try:
+                    out.append(traj if traj.messages is None else tokenizer.tokenize(traj))
+                except InvalidTrajectory as exc:
+                    where = f"[{i}].{exc.field}" if len(trajectories) > 1 else exc.field
+                    raise InvalidTrajectory(where, exc.message) from None
+            return out
+
+        return await asyncio.to_thread(run)
+
+    async def status(self, request: web.Request) -> web.Response:
+        return json_response({**self.queue.status(), "draining": self.draining or self.queue.closed})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        status = {**self.queue.status(), "draining": self.draining or self.queue.closed}
+        headers = {"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+        return web.Response(body=prometheus_text(status).encode(), headers=headers)
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        draining = self.draining or self.queue.closed
+        return json_response({"status": "draining" if draining else "ok"}, 503 if draining else 200)
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return json_response(openapi_spec())

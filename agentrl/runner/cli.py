@@ -1,0 +1,69 @@
+"""`agentrl run CONFIG [--async] [--resume RUN_DIR] [--dry-run] [--ray-address ADDR] [--section.key VALUE ...]`.
+
+Light module: the config is parsed and validated here before anything heavy (torch, ray) is imported, so a
+wrong key fails in milliseconds. `--resume runs/NAME` reloads `runs/NAME/config.toml` (CONFIG is optional
+then); overrides still apply on top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="TOML config file (optional with --resume)")
+    parser.add_argument("--async", dest="async_mode", action="store_true", help="decoupled rollout and training")
+    parser.add_argument("--sync", dest="sync_mode", action="store_true", help="force run.mode = 'sync'")
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--ray-address", metavar="ADDR", help="join an existing Ray cluster (e.g. auto)")
+    parser.set_defaults(accepts_overrides=True)
+
+
+def resolve(args: argparse.Namespace):
+    """The validated Config for these arguments (no heavy imports)."""
+    from agentrl.config import load_config
+    from agentrl.errors import ConfigError
+
+    path = args.config
+    if args.resume:
+        saved = Path(args.resume) / "config.toml"
+        if not saved.exists():
+            raise ConfigError(f"--resume {args.resume}: no config.toml there (not a run directory)")
+        path = path or saved
+    if path is None:
+        raise ConfigError("agentrl run needs a CONFIG file (or --resume RUN_DIR)")
+    overrides: list[str] = list(getattr(args, "overrides", []) or [])
+    if args.async_mode and args.sync_mode:
+        raise ConfigError("--async and --sync are exclusive")
+    if args.async_mode:
+        overrides += ["--run.mode", "async"]
+    if args.sync_mode:
+        overrides += ["--run.mode", "sync"]
+    if args.ray_address:
+        overrides += ["--run.ray-address", args.ray_address]
+    if args.resume:
+        run_dir = Path(args.resume).resolve()
+        overrides += ["--run.name", _quote(run_dir.name), "--run.root", _quote(str(run_dir.parent))]
+    return load_config(path, overrides)
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def main(args: argparse.Namespace) -> int:
+    from agentrl.config import dump_toml
+
+    cfg = resolve(args)
+    if args.dry_run:
+        sys.stdout.write(dump_toml(cfg))
+        return 0
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from agentrl.runner.loop import run
+
+    summary = run(cfg, resume=bool(args.resume))
+    return 0 if summary.get("ok", True) else 1

@@ -1,0 +1,212 @@
+"""Replay-queue benchmark (not a test). Run: `python bench/queue_bench.py` (about a minute on 2 cores).
+
+(a) HTTP submission of trajectories of `--prompt-len + --response-len` tokens with float32 logprobs:
+    agentrl's queue server (`agentrl serve-queue`, msgpack, WAL on, fsync off) with batches of 1 and 64,
+    against a baseline shaped like slime's rollout buffer (FastAPI + uvicorn, JSON lists of ints and floats,
+    one trajectory per request, appended to a Python list). Each server runs in its own process; `--clients`
+    client processes submit over keep-alive connections. Prints traj/s and the ratio to the baseline.
+(b) `sample_batch` of 256 such trajectories from an in-process ReplayQueue, padded into torch tensors
+    (input ids, loss mask, logprobs, versions): milliseconds per batch (median).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import multiprocessing as mp
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import msgspec
+import numpy as np
+
+from agentrl.types import Trajectory, pack_floats, pack_tokens
+
+BASELINE_APP = '''
+from fastapi import FastAPI, Request
+app = FastAPI()
+buffer = []
+@app.post("/buffer/write")
+async def write(request: Request):
+    item = await request.json()
+    buffer.append(item)
+    return {"success": True}
+'''
+
+
+def make_trajectory(i: int, prompt_len: int, response_len: int, seed: int = 0) -> Trajectory:
+    rng = np.random.default_rng(seed + i)
+    return Trajectory(
+        id=f"t{i}",
+        prompt_ids=pack_tokens(rng.integers(0, 150_000, prompt_len)),
+        response_ids=pack_tokens(rng.integers(0, 150_000, response_len)),
+        logprobs=pack_floats(-rng.random(response_len)),
+        policy_version=0,
+        reward=1.0,
+    )
+
+
+def start_server(cmd: list[str], pattern: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        match = re.search(pattern, line)
+        if match:
+            return proc, int(match.group(1))
+    raise RuntimeError(f"server did not start: {cmd}")
+
+
+def ours_client(port: int, n_requests: int, batch: int, worker: int, args, barrier, out) -> None:
+    from agentrl.queue.client import QueueClient
+
+    templates = [make_trajectory(i, args.prompt_len, args.response_len) for i in range(batch)]
+    client = QueueClient(f"http://127.0.0.1:{port}", timeout_s=120)
+    client.status()
+    barrier.wait()
+    start = time.perf_counter()
+    accepted = 0
+    for r in range(n_requests):
+        trajs = [msgspec.structs.replace(t, id=f"w{worker}-b{batch}-r{r}-{k}") for k, t in enumerate(templates)]
+        accepted += client.submit(trajs)["accepted"]
+    out.put((start, time.perf_counter(), accepted))
+
+
+def baseline_client(port: int, n_requests: int, worker: int, args, barrier, out) -> None:
+    traj = make_trajectory(0, args.prompt_len, args.response_len)
+    item = {
+        "instance_id": "",
+        "prompt_tokens": np.frombuffer(traj.prompt_ids, np.int32).tolist(),
+        "response_tokens": np.frombuffer(traj.response_ids, np.int32).tolist(),
+        "log_probs": np.frombuffer(traj.logprobs, np.float32).tolist(),
+        "reward": 1.0,
+    }
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    barrier.wait()
+    start = time.perf_counter()
+    accepted = 0
+    for r in range(n_requests):
+        item["instance_id"] = f"w{worker}-{r}"
+        body = msgspec.json.encode(item)
+        conn.request("POST", "/buffer/write", body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        resp.read()
+        accepted += resp.status == 200
+    out.put((start, time.perf_counter(), accepted))
+
+
+def run_clients(target, n_clients: int, make_args) -> float:
+    """Start clients, release them together; returns trajectories per second over the whole run."""
+    ctx = mp.get_context("fork")
+    barrier, out = ctx.Barrier(n_clients), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*make_args(w), barrier, out)) for w in range(n_clients)]
+    for p in procs:
+        p.start()
+    results = [out.get() for _ in procs]
+    for p in procs:
+        p.join()
+    start = min(r[0] for r in results)
+    end = max(r[1] for r in results)
+    return sum(r[2] for r in results) / (end - start)
+
+
+def bench_http(args) -> dict[str, float]:
+    results: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as run_dir:
+        cmd = [sys.executable, "-m", "agentrl.queue.cli", "--port", "0", "--run-dir", run_dir,
+               "--queue.max-trajectories", "10000000", "--queue.max-bytes", str(64 << 30)]  # fmt: skip
+        proc, port = start_server(cmd, r"listening on http://[^:]+:(\d+)")
+        try:
+            for batch, total in ((1, args.n_single), (64, args.n_batched)):
+                per_client = max(1, total // batch // args.clients)
+                rate = run_clients(ours_client, args.clients, lambda w, b=batch, n=per_client: (port, n, b, w, args))
+                results[f"agentrl_batch{batch}_traj_s"] = rate
+                print(f"agentrl msgpack, batch {batch:3d}: {rate:10.0f} traj/s", flush=True)
+        finally:
+            proc.terminate()
+            proc.wait()
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "baseline_app.py"), "w") as f:
+            f.write(BASELINE_APP)
+        cmd = [sys.executable, "-m", "uvicorn", "baseline_app:app", "--port", "0", "--log-level", "info",
+               "--no-access-log"]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": tmp}
+        proc, port = start_server(cmd, r"running on http://[^:]+:(\d+)", env=env)
+        try:
+            per_client = max(1, args.n_baseline // args.clients)
+            rate = run_clients(baseline_client, args.clients, lambda w: (port, per_client, w, args))
+            results["baseline_traj_s"] = rate
+            print(f"baseline FastAPI JSON, 1/request: {rate:10.0f} traj/s", flush=True)
+        finally:
+            proc.terminate()
+            proc.wait()
+    for batch in (1, 64):
+        ratio = results[f"agentrl_batch{batch}_traj_s"] / results["baseline_traj_s"]
+        results[f"ratio_batch{batch}"] = ratio
+        print(f"ratio agentrl batch {batch} / baseline: {ratio:.1f}x")
+    return results
+
+
+def bench_sample(args) -> dict[str, float]:
+    import torch
+
+    from agentrl.config import QueueSection
+    from agentrl.queue.collate import pad_batch
+    from agentrl.queue.core import ReplayQueue
+
+    torch.set_num_threads(1)
+    templates = [make_trajectory(i, args.prompt_len, args.response_len) for i in range(256)]
+
+    async def run() -> list[float]:
+        with tempfile.TemporaryDirectory() as run_dir:
+            queue = ReplayQueue(QueueSection(group_size=8, max_staleness=4), run_dir)
+            times = []
+            for rep in range(args.sample_reps):
+                trajs = [msgspec.structs.replace(t, id=f"r{rep}-{k}", group_id=f"r{rep}-g{k // 8}")
+                         for k, t in enumerate(templates)]  # fmt: skip
+                await queue.put(trajs)
+                start = time.perf_counter()
+                batch = await queue.sample_batch(256, learner_version=0)
+                arrays = pad_batch(batch.trajectories)
+                tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
+                times.append((time.perf_counter() - start) * 1e3)
+                assert tensors["input_ids"].shape == (256, args.prompt_len + args.response_len)
+                await queue.commit(rep, batch.ids)
+            queue.close()
+            return times
+
+    times = asyncio.run(run())
+    median = statistics.median(times)
+    print(f"sample_batch(256) -> torch tensors: median {median:.2f} ms, min {min(times):.2f} ms", flush=True)
+    return {"sample_batch_256_ms": median}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--response-len", type=int, default=3072)
+    parser.add_argument("--clients", type=int, default=2, help="client processes per scenario")
+    parser.add_argument("--n-single", type=int, default=4000, help="trajectories sent one per request")
+    parser.add_argument("--n-batched", type=int, default=16384, help="trajectories sent 64 per request")
+    parser.add_argument("--n-baseline", type=int, default=1000)
+    parser.add_argument("--sample-reps", type=int, default=20)
+    parser.add_argument("--skip-http", action="store_true")
+    parser.add_argument("--json", default="", help="also write the results to this JSON file")
+    args = parser.parse_args()
+    print(f"trajectory: {args.prompt_len} prompt + {args.response_len} response tokens, float32 logprobs; "
+          f"{args.clients} client processes; {os.cpu_count()} CPUs", flush=True)  # fmt: skip
+    results = {} if args.skip_http else bench_http(args)
+    results.update(bench_sample(args))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

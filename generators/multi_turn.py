@@ -1,0 +1,166 @@
+"""`multi_turn`: env.reset -> engine.generate -> env.step -> ... with token-in/token-out.
+
+Invariants of the trajectory this returns:
+- `prompt_ids` are the chat-templated opening messages (generation prompt included); `response_ids` are
+  everything after: each model reply exactly as generated, then the template delta for the env's feedback
+  (see generators/chat.py). Turn k's engine input is prompt + response so far, so decoding
+  prompt + response reproduces the conversation, and no earlier token is ever re-tokenized.
+- `loss_mask` is 1 on model tokens and 0 on env/tool tokens; `logprobs` hold the engine's logprobs on model
+  tokens and 0.0 on env tokens; `versions` cover every response token: model tokens carry the policy version
+  the engine reported, env tokens the version of the model token before them.
+- `turn_rewards[k]` is the reward of env.step k; `reward` is `info["episode_reward"]` of the final step when
+  the env sets it, else the sum of turn rewards.
+- status: `completed` when the env said done; `truncated` when a reply hit max_new_tokens (length),
+  `max_turns` ran out, or the next turn would exceed `max_seq_len`; `aborted` when the engine aborted the
+  request and continuing was not possible. An aborted request (weight update in `abort` mode) is continued from
+  its partial output up to `ctx.extra["abort_retries"]` (default 3) times, so the reply spans two versions.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from agentrl.engines.base import GenerateOutput, SamplingParams
+from agentrl.generator import RolloutContext
+from agentrl.types import Status, Trajectory, pack_floats, pack_tokens, version_runs
+from generators.chat import chat_tokens
+
+
+class TokenLog:
+    """The growing token record of one episode."""
+
+    def __init__(self, prompt_ids: list[int]):
+        self.prompt_ids = prompt_ids
+        self.response_ids: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def add_model(self, out: GenerateOutput) -> None:
+        self.response_ids += out.output_ids
+        self.mask += [1] * len(out.output_ids)
+        self.logprobs += out.logprobs
+        for version, count in out.versions:
+            self.versions += [version] * count
+
+    def add_env(self, ids: list[int], version: int) -> None:
+        self.response_ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [self.versions[-1] if self.versions else version] * len(ids)
+
+    def rollback(self, n_response: int) -> None:
+        """Forget every response token past the first `n_response` (a reply that was not delivered)."""
+        for name in ("response_ids", "mask", "logprobs", "versions"):
+            del getattr(self, name)[n_response:]
+
+    def trajectory(self, **fields: Any) -> Trajectory:
+        all_ones = all(self.mask)
+        return Trajectory(
+            prompt_ids=pack_tokens(self.prompt_ids),
+            response_ids=pack_tokens(self.response_ids),
+            loss_mask=None if all_ones else np.asarray(self.mask, dtype=np.uint8).tobytes(),
+            logprobs=pack_floats(self.logprobs),
+            versions=version_runs(self.versions) if self.response_ids else None,
+            **fields,
+        )
+
+
+async def generate_turn(
+    ctx: RolloutContext, log: TokenLog, sampling: SamplingParams, request_id: str
+) -> tuple[GenerateOutput, list[int]]:
+    """One model reply appended to `log`; an abort is continued from the partial output (see docstring).
+    Returns the last engine output and the reply's ids (all pieces)."""
+    retries = int(ctx.extra.get("abort_retries", 3))
+    reply: list[int] = []
+    while True:
+        budget = min(sampling.max_new_tokens - len(reply), ctx.max_seq_len - len(log))
+        params = msgspec.structs.replace(sampling, max_new_tokens=max(budget, 1))
+        out = await ctx.engine.generate(log.input_ids, params, request_id=f"{request_id}.{len(reply)}")
+        log.add_model(out)
+        reply += out.output_ids
+        if out.finish_reason != "abort" or retries <= 0 or budget - len(out.output_ids) <= 0:
+            return out, reply
+        retries -= 1
+
+
+def turn_sampling(ctx: RolloutContext) -> SamplingParams:
+    stop = sorted(set(ctx.sampling.stop_token_ids) | set(chat_tokens(ctx.tokenizer).stop_ids))
+    return msgspec.structs.replace(ctx.sampling, stop_token_ids=stop)
+
+
+async def run_episode(
+    ctx: RolloutContext, task: dict[str, Any], trajectory_id: str, group_id: str, max_turns: int
+) -> Trajectory:
+    chat = chat_tokens(ctx.tokenizer)
+    sampling = turn_sampling(ctx)
+    created_at = time.time()
+    env = ctx.make_env()
+    turn_rewards: list[float] = []
+    finish_reasons: list[str] = []
+    info: dict[str, Any] = {}
+    status: Status = "truncated"
+    try:
+        opening = await env.reset(task)
+        log = TokenLog(chat.prompt_ids(opening, chat_template=task.get("apply_chat_template", True)))
+        for turn in range(max_turns):
+            if len(log) >= ctx.max_seq_len:
+                break
+            out, reply = await generate_turn(ctx, log, sampling, f"{trajectory_id}.t{turn}")
+            finish_reasons.append(out.finish_reason)
+            if out.finish_reason == "abort":
+                status = "aborted"
+                break
+            result = await env.step(chat.decode(reply))
+            turn_rewards.append(float(result.reward))
+            info = result.info
+            if out.finish_reason == "length":
+                break
+            if result.done:
+                status = "completed"
+                break
+            if turn + 1 == max_turns:
+                break
+            delta = chat.delta_ids(result.messages, reply)
+            if len(log) + len(delta) >= ctx.max_seq_len:
+                break
+            log.add_env(delta, ctx.engine.policy_version)
+    finally:
+        await env.close()
+    reward = info.get("episode_reward", sum(turn_rewards))
+    return log.trajectory(
+        id=trajectory_id,
+        group_id=group_id,
+        env=ctx.env_name,
+        reward=float(reward),
+        turn_rewards=turn_rewards,
+        status=status,
+        metadata={"turns": len(finish_reasons), "finish_reasons": finish_reasons, "env_info": _plain(info)},
+        created_at=created_at,
+        finished_at=time.time(),
+    )
+
+
+def _plain(info: dict[str, Any]) -> dict[str, Any]:
+    """Env info reduced to what the wire format can carry (msgspec-encodable builtins)."""
+    try:
+        return msgspec.to_builtins(info)
+    except (TypeError, msgspec.EncodeError):
+        return {k: repr(v) for k, v in info.items()}
+
+
+async def generate(
+    ctx: RolloutContext, task: dict[str, Any], trajectory_id: str, group_id: str
+) -> Trajectory:
+    return await run_episode(ctx, task, trajectory_id, group_id, max_turns=ctx.max_turns)

@@ -1,0 +1,453 @@
+"""`openai_proxy`: an OpenAI-compatible chat endpoint in front of the engines that records every session's
+tokens, so an agent written against the OpenAI SDK is trained unchanged.
+
+Routes (aiohttp):
+- `POST /v1/sessions/{sid}/chat/completions`: the primary form, so an SDK client needs only
+  `base_url="http://host:port/v1/sessions/{sid}"`. Also `POST /v1/chat/completions` with the session in the
+  `X-Session-Id` header, or else in the `user` field. Fields: model, messages, temperature,
+  top_p, max_tokens / max_completion_tokens, stop (strings that are one token each), n=1, logprobs, seed.
+  Reply shaped like OpenAI's: choices[0].message.content, finish_reason, usage, optional logprobs.
+- `POST /v1/sessions/{sid}/reward` `{reward, group_id?, turn_rewards?, metadata?}` closes the session into
+  trajectories handed to the sink (the runner passes the queue's put); `DELETE /v1/sessions/{sid}` drops it.
+- `GET /v1/models`, `GET /health`.
+
+Token-in/token-out: a session's turns form one segment as long as each request's messages extend the
+previous request's messages plus the reply it got (compared as role + text): the new messages are appended
+as template-delta tokens (loss-masked) after the exact reply tokens, never re-tokenizing earlier ones. When an
+agent rewrites history (drops, edits or summarises turns), a new segment starts from a fresh prompt; each
+segment closes into its own trajectory (`id` = sid, then `sid.1`, `sid.2`, ...; metadata `segment`,
+`segments`, `history_rewritten`). Turns of one session are served one at a time, on the engine chosen when the
+session opened (the least loaded). Bad input gets a 4xx whose `param` names the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from agentrl.engines.base import Engine, SamplingParams
+from agentrl.errors import AgentRLError, QueueClosed, QueueFull
+from agentrl.generator import RolloutContext
+from agentrl.types import Trajectory
+from generators.chat import chat_tokens
+from generators.multi_turn import TokenLog, generate_turn
+from generators.openai_schema import (
+    ChatRequest,
+    chat_decoder,
+    encoder,
+    error_body,
+    error_param,
+    message_text,
+    reward_decoder,
+)
+
+Sink = Callable[[list[Trajectory]], Any]
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, message: str, param: str = ""):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+@dataclass
+class Segment:
+    log: TokenLog
+    messages: list[tuple[str, str]] = field(default_factory=list)  # what the agent sent + the reply it got
+    last_reply: list[int] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Session:
+    id: str
+    engine_index: int
+    segments: list[Segment] = field(default_factory=list)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    created_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class OpenAIProxy:
+    def __init__(
+        self,
+        engines: list[Engine],
+        tokenizer: Any,
+        sink: Sink | None = None,
+        sampling: SamplingParams | None = None,
+        max_seq_len: int = 1024,
+        model_name: str = "agentrl",
+        env_name: str = "openai_proxy",
+        session_timeout_s: float = 3600.0,
+    ):
+        if not engines:
+            raise AgentRLError("OpenAIProxy needs at least one engine")
+        self.engines, self.tokenizer, self.sink = engines, tokenizer, sink
+        self.chat = chat_tokens(tokenizer)
+        self.sampling = sampling or SamplingParams()
+        self.max_seq_len, self.model_name, self.env_name = max_seq_len, model_name, env_name
+        self.session_timeout_s = session_timeout_s
+        self.sessions: dict[str, Session] = {}
+        self.in_flight = [0] * len(engines)
+        self.runner: web.AppRunner | None = None
+        self.base_url = ""
+
+    # -- HTTP ------------------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=16 << 20)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/sessions/{sid}/chat/completions", self._chat)
+        app.router.add_post("/v1/sessions/{sid}/reward", self._reward)
+        app.router.add_delete("/v1/sessions/{sid}", self._drop)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        self.runner = web.AppRunner(self.app(), access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # the bound port when 0 was asked for
+        self.base_url = f"http://{host}:{port}"
+        return self.base_url
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+    @staticmethod
+    def _json(obj: Any, status: int = 200) -> web.Response:
+        return web.Response(body=encoder.encode(obj), status=status, content_type="application/json")
+
+    @staticmethod
+    def _error(exc: RequestError) -> web.Response:
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        return web.Response(
+            body=error_body(exc.message, exc.param, kind), status=exc.status, content_type="application/json"
+        )
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.read()
+            try:
+                req = chat_decoder.decode(body)
+            except msgspec.ValidationError as exc:
+                raise RequestError(400, f"invalid request: {exc}", error_param(exc)) from None
+            except msgspec.DecodeError as exc:
+                raise RequestError(400, f"request body is not valid JSON: {exc}") from None
+            sid = request.match_info.get("sid") or request.headers.get("X-Session-Id") or req.user
+            if not sid:
+                raise RequestError(
+                    400, "no session: use /v1/sessions/{id}/chat/completions, X-Session-Id or user", "user"
+                )
+            return self._json(await self.complete(sid, req))
+        except RequestError as exc:
+            return self._error(exc)
+
+    async def _reward(self, request: web.Request) -> web.Response:
+        sid = request.match_info["sid"]
+        try:
+            try:
+                req = reward_decoder.decode(await request.read())
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                raise RequestError(
+                    400, f"invalid reward request: {exc}", error_param(exc) or "reward"
+                ) from None
+            session = self._existing(sid)
+            async with session.lock:
+                trajs = self.trajectories(
+                    session, req.reward, req.group_id, "", req.turn_rewards, req.metadata
+                )
+                try:
+                    result = self.sink(trajs) if self.sink is not None else None
+                    if inspect.isawaitable(result):
+                        await result
+                except QueueFull as exc:
+                    resp = self._error(RequestError(429, f"queue full, retry: {exc}"))
+                    resp.headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+                    return resp
+                except QueueClosed as exc:
+                    raise RequestError(503, f"queue closed: {exc}") from None
+                self.sessions.pop(sid, None)
+            return self._json({"session_id": sid, "trajectory_ids": [t.id for t in trajs]})
+        except RequestError as exc:
+            return self._error(exc)
+
+    async def _drop(self, request: web.Request) -> web.Response:
+        sid = request.match_info["sid"]
+        if self.sessions.pop(sid, None) is None:
+            return self._error(RequestError(404, f"unknown session '{sid}'", "session_id"))
+        return self._json({"session_id": sid, "dropped": True})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return self._json(
+            {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "agentrl"}]}
+        )
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return self._json({"ok": True, "sessions": len(self.sessions), "in_flight": self.in_flight})
+
+    # -- sessions --------------------------------------------------------------------------------------
+
+    def _session(self, sid: str) -> Session:
+        session = self.sessions.get(sid)
+        if session is None:
+            now = time.monotonic()
+            for old in [s for s in self.sessions.values() if now - s.last_used > self.session_timeout_s]:
+                self.sessions.pop(old.id, None)
+            index = min(range(len(self.engines)), key=self.in_flight.__getitem__)
+            session = self.sessions[sid] = Session(sid, index)
+        session.last_used = time.monotonic()
+        return session
+
+    def _sampling(self, req: ChatRequest) -> SamplingParams:
+        if req.n != 1:
+            raise RequestError(400, "only n = 1 is supported (run n sessions instead)", "n")
+        if req.stream:
+            raise RequestError(400, "streaming is not supported", "stream")
+        if req.temperature is not None and req.temperature < 0:
+            raise RequestError(400, "temperature must be >= 0", "temperature")
+        if req.top_p is not None and not 0 < req.top_p <= 1:
+            raise RequestError(400, "top_p must be in (0, 1]", "top_p")
+        max_tokens = req.max_completion_tokens or req.max_tokens or self.sampling.max_new_tokens
+        if max_tokens < 1:
+            raise RequestError(400, "max_tokens must be >= 1", "max_tokens")
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        stop_ids = set(self.sampling.stop_token_ids) | set(self.chat.stop_ids)
+        for text in stops:
+            ids = self.chat.encode(text)
+            if len(ids) != 1:
+                raise RequestError(
+                    400, f"stop string {text!r} is not a single token; only such stops are supported", "stop"
+                )
+            stop_ids.add(ids[0])
+        return msgspec.structs.replace(
+            self.sampling,
+            temperature=self.sampling.temperature if req.temperature is None else req.temperature,
+            top_p=self.sampling.top_p if req.top_p is None else req.top_p,
+            max_new_tokens=max_tokens,
+            seed=req.seed if req.seed is not None else self.sampling.seed,
+            stop_token_ids=sorted(stop_ids),
+        )
+
+    def _segment_for(self, session: Session, messages: list[tuple[str, str]]) -> tuple[Segment, int | None]:
+        """The segment this request continues (with its new delta tokens added) or a fresh one; returns it
+        and the response length to roll back to if the turn fails (None: a fresh segment, to drop)."""
+        seg = session.segments[-1] if session.segments else None
+        if (
+            seg is not None
+            and len(messages) > len(seg.messages)
+            and messages[: len(seg.messages)] == seg.messages
+        ):
+            new = [{"role": r, "content": c} for r, c in messages[len(seg.messages) :]]
+            mark = len(seg.log.response_ids)
+            delta = self.chat.delta_ids(new, seg.last_reply)
+            if len(seg.log) + len(delta) >= self.max_seq_len:
+                raise RequestError(
+                    400, f"conversation exceeds max_seq_len = {self.max_seq_len} tokens", "messages"
+                )
+            seg.log.add_env(delta, self.engines[session.engine_index].policy_version)
+            return seg, mark
+        prompt = self.chat.prompt_ids([{"role": r, "content": c} for r, c in messages])
+        if len(prompt) >= self.max_seq_len:
+            raise RequestError(
+                400, f"prompt of {len(prompt)} tokens exceeds max_seq_len = {self.max_seq_len}", "messages"
+            )
+        seg = Segment(TokenLog(prompt))
+        session.segments.append(seg)
+        return seg, None
+
+    async def complete(self, sid: str, req: ChatRequest) -> dict[str, Any]:
+        if not req.messages:
+            raise RequestError(400, "messages must not be empty", "messages")
+        sampling = self._sampling(req)
+        messages = [(m.role, message_text(m)) for m in req.messages]
+        session = self._session(sid)
+        async with session.lock:
+            seg, mark = self._segment_for(session, messages)
+            engine = self.engines[session.engine_index]
+            ctx = RolloutContext(engine=engine, tokenizer=self.tokenizer, make_env=_no_env, env_name=self.env_name,
+                                 sampling=sampling, max_seq_len=self.max_seq_len)  # fmt: skip
+            self.in_flight[session.engine_index] += 1
+            try:
+                start = len(seg.log.response_ids)
+                out, reply = await generate_turn(ctx, seg.log, sampling, f"{sid}.{len(seg.finish_reasons)}")
+            finally:
+                self.in_flight[session.engine_index] -= 1
+            if out.finish_reason == "abort":
+                if mark is None:
+                    session.segments.pop()
+                else:
+                    seg.log.rollback(mark)
+                raise RequestError(503, "the engine aborted the request (weight update); retry")
+            text = self.chat.decode(reply)
+            seg.messages = [*messages, ("assistant", text)]
+            seg.last_reply = reply
+            seg.finish_reasons.append(out.finish_reason)
+            logprobs = seg.log.logprobs[start:]
+        return self._response(req, text, out.finish_reason, len(seg.log) - len(reply), reply, logprobs)
+
+    def _response(
+        self, req: ChatRequest, text: str, finish: str, n_prompt: int, reply: list[int], logprobs: list[float]
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": "length" if finish == "length" else "stop",
+            "logprobs": None,
+        }
+        if req.logprobs:
+            pieces = [self.tokenizer.decode([t], skip_special_tokens=False) for t in reply]
+            choice["logprobs"] = {
+                "content": [
+                    {"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": [], "token_id": t}
+                    for p, lp, t in zip(pieces, logprobs, reply, strict=True)
+                ]
+            }
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": req.model or self.model_name,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": n_prompt,
+                "completion_tokens": len(reply),
+                "total_tokens": n_prompt + len(reply),
+            },
+        }
+
+    def _existing(self, sid: str) -> Session:
+        session = self.sessions.get(sid)
+        if session is None:
+            raise RequestError(404, f"unknown session '{sid}' (closed, expired or never used)", "session_id")
+        return session
+
+    async def close_session(
+        self,
+        sid: str,
+        reward: float,
+        group_id: str = "",
+        trajectory_id: str = "",
+        turn_rewards: list[float] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> list[Trajectory]:
+        """End session `sid` and return its trajectories (the in-process path; no sink involved)."""
+        session = self._existing(sid)
+        async with session.lock:
+            trajs = self.trajectories(session, reward, group_id, trajectory_id, turn_rewards, metadata)
+            self.sessions.pop(sid, None)
+        return trajs
+
+    def trajectories(
+        self,
+        session: Session,
+        reward: float,
+        group_id: str = "",
+        trajectory_id: str = "",
+        turn_rewards: list[float] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> list[Trajectory]:
+        """One trajectory per segment with at least one generated token."""
+        base = trajectory_id or session.id
+        segments = [s for s in session.segments if s.log.response_ids]
+        out = []
+        for k, seg in enumerate(segments):
+            last = seg.finish_reasons[-1] if seg.finish_reasons else "stop"
+            meta = {
+                **(metadata or {}),
+                "session_id": session.id,
+                "segment": k,
+                "segments": len(segments),
+                "history_rewritten": len(segments) > 1,
+                "turns": len(seg.finish_reasons),
+                "finish_reasons": seg.finish_reasons,
+            }
+            out.append(
+                seg.log.trajectory(
+                    id=base if k == 0 else f"{base}.{k}",
+                    group_id=group_id or session.id,
+                    env=self.env_name,
+                    reward=float(reward),
+                    turn_rewards=turn_rewards,
+                    status="truncated" if last == "length" else "completed",
+                    metadata=meta,
+                    created_at=session.created_at,
+                    finished_at=time.time(),
+                )
+            )
+        return out
+
+
+def _no_env() -> Any:
+    raise AgentRLError("the OpenAI proxy has no env: the agent drives the conversation")
+
+
+# -- as a generator: `rollout.generator = "openai_proxy"` --------------------------------------------------
+
+_proxies: dict[tuple[int, int], asyncio.Future] = {}
+
+
+async def proxy_for(ctx: RolloutContext) -> OpenAIProxy:
+    """One proxy per (event loop, engine), started on first use and shared by every episode on that engine."""
+    key = (id(asyncio.get_running_loop()), id(ctx.engine))
+    future = _proxies.get(key)
+    if future is None:
+
+        async def start() -> OpenAIProxy:
+            proxy = OpenAIProxy([ctx.engine], ctx.tokenizer, sampling=ctx.sampling, max_seq_len=ctx.max_seq_len, env_name=ctx.env_name)  # fmt: skip
+            await proxy.start(ctx.extra.get("proxy_host", "127.0.0.1"))
+            return proxy
+
+        future = _proxies[key] = asyncio.ensure_future(start())
+    return await future
+
+
+async def generate(
+    ctx: RolloutContext, task: dict[str, Any], trajectory_id: str, group_id: str
+) -> Trajectory:
+    """Run an agent (`ctx.extra["agent"]` = 'module:function', default `generators.proxy_agent:env_agent`)
+    against this worker's proxy: `await agent(base_url, task, env) -> reward`, where `base_url` is the
+    session's OpenAI base URL. The session's last segment is returned (id `trajectory_id`); earlier segments
+    (history rewritten) go to `ctx.extra["sink"]` when given, else they are dropped and counted in metadata."""
+    from urllib.parse import quote
+
+    from agentrl.generator import resolve_generator
+
+    proxy = await proxy_for(ctx)
+    agent = resolve_generator(ctx.extra.get("agent") or "generators.proxy_agent:env_agent")
+    env = ctx.make_env()
+    sid = trajectory_id
+    try:
+        reward = await agent(f"{proxy.base_url}/v1/sessions/{quote(sid, safe='')}", task, env)
+    except BaseException:
+        proxy.sessions.pop(sid, None)
+        raise
+    finally:
+        await env.close()
+    if sid not in proxy.sessions:
+        return Trajectory(id=trajectory_id, group_id=group_id, env=ctx.env_name, status="failed",
+                          metadata={"error": "the agent made no chat completion request"})  # fmt: skip
+    trajs = await proxy.close_session(
+        sid, float(reward or 0.0), group_id=group_id, trajectory_id=trajectory_id
+    )
+    earlier = [msgspec.structs.replace(t, id=f"{trajectory_id}.seg{k}") for k, t in enumerate(trajs[:-1])]
+    sink = ctx.extra.get("sink")
+    if earlier and sink is not None:
+        result = sink(earlier)
+        if inspect.isawaitable(result):
+            await result
+    last = trajs[-1]
+    meta = {**last.metadata, "dropped_segments": 0 if sink is not None else len(earlier)}
+    return msgspec.structs.replace(last, id=trajectory_id, metadata=meta)

@@ -1,0 +1,48 @@
+"""Config: TOML + dotted overrides, unknown keys named with the closest valid one, dry-run rendering."""
+
+import pytest
+
+from agentrl.config import dump_toml, load_config, parse_overrides
+from agentrl.errors import ConfigError
+
+
+def test_overrides_use_dashes_and_types(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[run]\nmode = "async"\n[queue]\nmax_staleness = 4\n')
+    cfg = load_config(path, ["--queue.max-staleness", "2", "--run.name=exp", "--engine.external-urls", '["http://a"]'])
+    assert cfg.queue.max_staleness == 2 and cfg.run.name == "exp" and cfg.engine.external_urls == ["http://a"]
+
+
+def test_unknown_key_names_closest():
+    with pytest.raises(ConfigError, match=r"queue\.max_stalenes.*did you mean 'queue\.max_staleness'"):
+        load_config(None, ["--queue.max-stalenes", "2"])
+    with pytest.raises(ConfigError, match="unknown config key 'qeue'"):
+        load_config(None, {"qeue": {}})
+
+
+def test_wrong_type_names_path():
+    with pytest.raises(ConfigError, match=r"queue\.max_staleness"):
+        load_config(None, ["--queue.max-staleness", '"many"'])
+
+
+def test_open_tables_pass_through():
+    cfg = load_config(None, ["--engine.sglang.args.mem-fraction-static", "0.7"])
+    assert cfg.engine.sglang.args == {"mem_fraction_static": 0.7}
+
+
+def test_sync_mode_forces_zero_staleness():
+    assert load_config(None, ["--run.mode", "sync", "--queue.max-staleness", "3"]).queue.max_staleness == 0
+
+
+def test_dump_round_trips(tmp_path):
+    cfg = load_config(None, ["--run.mode", "async", "--env.kwargs.max-number", "9"])
+    path = tmp_path / "out.toml"
+    path.write_text(dump_toml(cfg))
+    assert load_config(path) == cfg
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="needs a value"):
+        parse_overrides(["--run.name"])
+    with pytest.raises(ConfigError, match="unexpected argument"):
+        parse_overrides(["name"])

@@ -1,0 +1,89 @@
+"""The offline tiny-model kit: loads with transformers, tokenizes agent tasks compactly, is deterministic."""
+
+import argparse
+import hashlib
+
+import pytest
+
+from agentrl.engines import tiny_cli
+from agentrl.engines.tiny import ARCHS, make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: make_tiny_model(root / arch, arch=arch, seed=0) for arch in ARCHS}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_loads_with_transformers(model_dirs, arch):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dirs[arch])
+    model = AutoModelForCausalLM.from_pretrained(model_dirs[arch])
+    assert model.config.model_type == arch
+    assert model.config.vocab_size == len(tok)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert 0.5e6 <= n_params <= 5e6
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    assert model.config.eos_token_id == tok.eos_token_id
+    ids = torch.tensor([tok.encode("What is 2+3?")])
+    out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, ids.shape[1] + 4) or tok.eos_token_id in out[0].tolist()
+
+
+def test_chat_template_and_generation_prompt(model_dirs):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dirs["qwen2"])
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    plain = tok.apply_chat_template(msgs, tokenize=False)
+    assert not plain.endswith("assistant\n")
+    ids = tok.encode(text)
+    assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
+    assert ids.count(tok.eos_token_id) == 2
+    assert tok.decode(ids) == text
+
+
+def test_agent_text_tokenizes_compactly(model_dirs):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dirs["qwen3"])
+    digits = tok.encode("1234567890")
+    assert len(digits) == 10 and tok.decode(digits) == "1234567890"
+    for word in (" higher", " lower", " correct"):
+        assert len(tok.encode(word)) == 1, word
+    text = "<calc>12+34</calc>\n<result>46</result> \\boxed{46}"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert len(ids) <= 24
+
+
+def test_same_seed_same_files_other_seed_differs(tmp_path):
+    def digest(path):
+        return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+
+    a = make_tiny_model(tmp_path / "a", arch="llama", seed=3)
+    b = make_tiny_model(tmp_path / "b", arch="llama", seed=3)
+    c = make_tiny_model(tmp_path / "c", arch="llama", seed=4)
+    assert digest(a) == digest(b) != digest(c)
+    assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
+
+
+def test_cli_writes_model(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    tiny_cli.add_arguments(parser)
+    rc = tiny_cli.main(parser.parse_args([str(tmp_path / "m"), "--arch", "qwen3", "--seed", "1"]))
+    assert rc == 0
+    assert (tmp_path / "m" / "config.json").exists() and (tmp_path / "m" / "tokenizer.json").exists()
+    assert "qwen3" in capsys.readouterr().out
+
+
+def test_unknown_arch_is_a_config_error(tmp_path):
+    from agentrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="arch"):
+        make_tiny_model(tmp_path / "x", arch="gpt2")
