@@ -77,6 +77,7 @@ class SGLangSection(_Section):
     args: dict[str, Any] = {}
     startup_timeout_s: float = 300.0
     restart_on_crash: bool = True
+    max_restarts: int = 5
 
 
 class EngineSection(_Section):
@@ -86,6 +87,7 @@ class EngineSection(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_batch_size: int = 64
     max_seq_len: int = 1024
+    max_prefill_tokens: int = 8192
     external_urls: list[str] = []
     request_timeout_s: float = 300.0
     update_timeout_s: float = 120.0
@@ -141,17 +143,19 @@ class RolloutSection(_Section):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    dynamic_sampling: bool = False
+    dynamic_sampling: bool = False  # drop groups whose rewards all agree (agentrl.rewards.dynamic_sampling)
+    max_oversample: float = 4.0  # with dynamic_sampling: request at most this many times the prompts needed
+    agent: str = ""  # openai_proxy generator: 'module:function' agent (default generators.proxy_agent:env_agent)
 
 
 class EnvSection(_Section):
-    name: str = "guess_number"
-    kwargs: dict[str, Any] = {}
-    reward: str = ""
+    name: str = "guess_number"  # a registered env (`agentrl envs` lists them)
+    kwargs: dict[str, Any] = {}  # passed to the env's constructor
+    reward: str = ""  # override the env's episode reward: 'exact_match', 'math' or 'module:function'
 
 
 class DataSection(_Section):
-    path: str = ""
+    path: str = ""  # JSONL or Parquet prompts; empty: the env generates tasks (sample_tasks)
     eval_path: str = ""
     input_key: str = "prompt"
     label_key: str = "answer"

@@ -29,7 +29,7 @@ import numpy as np
 
 from agentrl.types import Trajectory, pack_floats, pack_tokens
 
-BASELINE_APP = '''
+BASELINE_APP = """
 from fastapi import FastAPI, Request
 app = FastAPI()
 buffer = []
@@ -38,7 +38,7 @@ async def write(request: Request):
     item = await request.json()
     buffer.append(item)
     return {"success": True}
-'''
+"""
 
 
 def make_trajectory(i: int, prompt_len: int, response_len: int, seed: int = 0) -> Trajectory:
@@ -53,7 +53,9 @@ def make_trajectory(i: int, prompt_len: int, response_len: int, seed: int = 0) -
     )
 
 
-def start_server(cmd: list[str], pattern: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
+def start_server(
+    cmd: list[str], pattern: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -73,7 +75,9 @@ def ours_client(port: int, n_requests: int, batch: int, worker: int, args, barri
     start = time.perf_counter()
     accepted = 0
     for r in range(n_requests):
-        trajs = [msgspec.structs.replace(t, id=f"w{worker}-b{batch}-r{r}-{k}") for k, t in enumerate(templates)]
+        trajs = [
+            msgspec.structs.replace(t, id=f"w{worker}-b{batch}-r{r}-{k}") for k, t in enumerate(templates)
+        ]
         accepted += client.submit(trajs)["accepted"]
     out.put((start, time.perf_counter(), accepted))
 
@@ -125,7 +129,9 @@ def bench_http(args) -> dict[str, float]:
         try:
             for batch, total in ((1, args.n_single), (64, args.n_batched)):
                 per_client = max(1, total // batch // args.clients)
-                rate = run_clients(ours_client, args.clients, lambda w, b=batch, n=per_client: (port, n, b, w, args))
+                rate = run_clients(
+                    ours_client, args.clients, lambda w, b=batch, n=per_client: (port, n, b, w, args)
+                )
                 results[f"agentrl_batch{batch}_traj_s"] = rate
                 print(f"agentrl msgpack, batch {batch:3d}: {rate:10.0f} traj/s", flush=True)
         finally:

@@ -5,7 +5,8 @@ Routes (aiohttp):
 - `POST /v1/sessions/{sid}/chat/completions`: the primary form, so an SDK client needs only
   `base_url="http://host:port/v1/sessions/{sid}"`. Also `POST /v1/chat/completions` with the session in the
   `X-Session-Id` header, or else in the `user` field. Fields: model, messages, temperature,
-  top_p, max_tokens / max_completion_tokens, stop (strings that are one token each), n=1, logprobs, seed.
+  top_p, max_tokens / max_completion_tokens, stop (strings that are one token each; as in OpenAI the
+  returned text omits the stop string, the recorded tokens keep it), n=1, logprobs, seed.
   Reply shaped like OpenAI's: choices[0].message.content, finish_reason, usage, optional logprobs.
 - `POST /v1/sessions/{sid}/reward` `{reward, group_id?, turn_rewards?, metadata?}` closes the session into
   trajectories handed to the sink (the runner passes the queue's put); `DELETE /v1/sessions/{sid}` drops it.
@@ -23,18 +24,20 @@ session opened (the least loaded). Bad input gets a 4xx whose `param` names the 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import inspect
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import msgspec
 from aiohttp import web
 
 from agentrl.engines.base import Engine, SamplingParams
-from agentrl.errors import AgentRLError, QueueClosed, QueueFull
+from agentrl.errors import AgentRLError, ConfigError, QueueClosed, QueueFull
 from agentrl.generator import RolloutContext
 from agentrl.types import Trajectory
 from generators.chat import chat_tokens
@@ -220,7 +223,10 @@ class OpenAIProxy:
             raise RequestError(400, "temperature must be >= 0", "temperature")
         if req.top_p is not None and not 0 < req.top_p <= 1:
             raise RequestError(400, "top_p must be in (0, 1]", "top_p")
-        max_tokens = req.max_completion_tokens or req.max_tokens or self.sampling.max_new_tokens
+        max_tokens = next(
+            (v for v in (req.max_completion_tokens, req.max_tokens) if v is not None),
+            self.sampling.max_new_tokens,
+        )
         if max_tokens < 1:
             raise RequestError(400, "max_tokens must be >= 1", "max_tokens")
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -280,18 +286,23 @@ class OpenAIProxy:
             ctx = RolloutContext(engine=engine, tokenizer=self.tokenizer, make_env=_no_env, env_name=self.env_name,
                                  sampling=sampling, max_seq_len=self.max_seq_len)  # fmt: skip
             self.in_flight[session.engine_index] += 1
+            start = len(seg.log.response_ids)
             try:
-                start = len(seg.log.response_ids)
                 out, reply = await generate_turn(ctx, seg.log, sampling, f"{sid}.{len(seg.finish_reasons)}")
-            finally:
-                self.in_flight[session.engine_index] -= 1
-            if out.finish_reason == "abort":
+                if out.finish_reason == "abort":
+                    raise RequestError(503, "the engine aborted the request (weight update); retry")
+            except Exception as exc:  # undo this turn so the session stays consistent for a retry
                 if mark is None:
                     session.segments.pop()
                 else:
                     seg.log.rollback(mark)
-                raise RequestError(503, "the engine aborted the request (weight update); retry")
-            text = self.chat.decode(reply)
+                if isinstance(exc, RequestError):
+                    raise
+                raise RequestError(502, f"engine error: {exc}") from exc
+            finally:
+                self.in_flight[session.engine_index] -= 1
+            user_stop = out.finish_reason == "stop" and reply and reply[-1] not in self.chat.stop_ids
+            text = self.chat.decode(reply[:-1] if user_stop else reply)  # OpenAI omits the stop sequence
             seg.messages = [*messages, ("assistant", text)]
             seg.last_reply = reply
             seg.finish_reasons.append(out.finish_reason)
@@ -414,6 +425,19 @@ async def proxy_for(ctx: RolloutContext) -> OpenAIProxy:
     return await future
 
 
+def load_agent(name: str) -> Callable[..., Any]:
+    module, _, attr = name.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(
+            f"rollout.agent = '{name}' cannot be loaded (want 'module:function'): {exc}"
+        ) from None
+    if not callable(fn):
+        raise ConfigError(f"rollout.agent = '{name}' is not callable")
+    return fn
+
+
 async def generate(
     ctx: RolloutContext, task: dict[str, Any], trajectory_id: str, group_id: str
 ) -> Trajectory:
@@ -421,12 +445,8 @@ async def generate(
     against this worker's proxy: `await agent(base_url, task, env) -> reward`, where `base_url` is the
     session's OpenAI base URL. The session's last segment is returned (id `trajectory_id`); earlier segments
     (history rewritten) go to `ctx.extra["sink"]` when given, else they are dropped and counted in metadata."""
-    from urllib.parse import quote
-
-    from agentrl.generator import resolve_generator
-
     proxy = await proxy_for(ctx)
-    agent = resolve_generator(ctx.extra.get("agent") or "generators.proxy_agent:env_agent")
+    agent = load_agent(ctx.extra.get("agent") or "generators.proxy_agent:env_agent")
     env = ctx.make_env()
     sid = trajectory_id
     try:

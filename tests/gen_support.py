@@ -53,6 +53,9 @@ class HFEngine(Engine):
     ) -> GenerateOutput:
         self.calls.append(list(input_ids))
         forced = self.script(list(input_ids)) if self.script else None
+        if forced is not None:  # a continued (aborted) reply: skip the part already in the input
+            done = next((k for k in range(len(forced), 0, -1) if input_ids[-k:] == forced[:k]), 0)
+            forced = forced[done:]
         gen = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else len(self.calls))
         ids, out, logprobs = list(input_ids), [], []
         finish = "length"
@@ -115,3 +118,90 @@ def real_model_logprob(model_dir: Path, context: list[int], token: int) -> float
     with torch.no_grad():
         logits = model(torch.tensor([context])).logits[0, -1]
     return float(torch.log_softmax(logits, -1)[token])
+
+
+def sft_on_demonstrations(model_dir: Path, out_dir: Path, env_name: str, steps: int, batch_size: int = 32,
+                          lr: float = 3e-3, seed: int = 0) -> dict[str, float]:  # fmt: skip
+    """Supervised training on env demonstrations tokenized by `generators.chat.demonstration_tokens`
+    (loss on assistant tokens only); saves the model to `out_dir`. Returns the first and last losses."""
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.engines.tiny import load_tokenizer
+    from agentrl.envs import make_env
+    from generators.chat import demonstration_tokens
+
+    torch.manual_seed(seed)
+    tok = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    env = make_env(env_name)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        rows = []
+        for task in env.sample_tasks(seed * 100_000 + step, batch_size):
+            prompt, response, mask = demonstration_tokens(tok, env.demonstration(task))
+            rows.append((prompt + response, [0] * len(prompt) + mask))
+        width = max(len(ids) for ids, _ in rows)
+        ids = torch.tensor([r + [0] * (width - len(r)) for r, _ in rows])
+        lab_mask = torch.tensor([m + [0] * (width - len(m)) for _, m in rows], dtype=torch.bool)
+        logits = model(ids).logits[:, :-1]
+        target, keep = ids[:, 1:], lab_mask[:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits[keep], target[keep])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return {"first_loss": losses[0], "last_loss": losses[-1]}
+
+
+class Recording(Engine):
+    """Wraps a real engine, records every request's input ids, and can run a hook before a given call."""
+
+    def __init__(self, inner: Engine, before_call: dict[int, Callable[[Engine], Any]] | None = None):
+        self.inner, self.before_call = inner, before_call or {}
+        self.calls: list[list[int]] = []
+
+    async def generate(self, input_ids, sampling, request_id=None):
+        hook = self.before_call.get(len(self.calls))
+        if hook is not None:
+            await hook(self.inner)
+        self.calls.append(list(input_ids))
+        return await self.inner.generate(input_ids, sampling, request_id)
+
+    async def abort(self, request_id):
+        await self.inner.abort(request_id)
+
+    async def pause(self, mode="keep"):
+        await self.inner.pause(mode)
+
+    async def resume(self):
+        await self.inner.resume()
+
+    async def update_weights(self, version, source):
+        await self.inner.update_weights(version, source)
+
+    async def flush_cache(self):
+        await self.inner.flush_cache()
+
+    async def health(self):
+        return await self.inner.health()
+
+    @property
+    def policy_version(self):
+        return self.inner.policy_version
+
+    async def close(self):
+        await self.inner.close()
+
+
+def embedded_engine(model_dir: Path, **kw: Any) -> Engine:
+    from agentrl.engines.embedded import EmbeddedEngine
+
+    return EmbeddedEngine(
+        str(model_dir),
+        max_seq_len=kw.pop("max_seq_len", 256),
+        max_batch_size=kw.pop("max_batch_size", 16),
+        **kw,
+    )

@@ -17,8 +17,8 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    out = {arch: make_tiny_model(root / arch, arch=arch, seed=1, init_std=0.2) for arch in ARCHS}
-    out["qwen2_b"] = make_tiny_model(root / "qwen2_b", arch="qwen2", seed=2, init_std=0.2)
+    out = {arch: make_tiny_model(root / arch, arch=arch, seed=1, init_std=0.1) for arch in ARCHS}
+    out["qwen2_b"] = make_tiny_model(root / "qwen2_b", arch="qwen2", seed=2, init_std=0.1)
     return out
 
 
@@ -144,7 +144,7 @@ async def test_invalid_requests_name_the_field(dirs):
 
 
 async def wait_tokens(eng, rid, n):
-    while len(eng._by_rid[rid].output_ids) < n:
+    while rid not in eng._by_rid or len(eng._by_rid[rid].output_ids) < n:
         await asyncio.sleep(0.001)
 
 
@@ -201,7 +201,9 @@ async def test_pause_wait_finishes_in_flight_first(dirs):
     task = asyncio.create_task(eng.generate([1, 2], sp, request_id="w"))
     await wait_tokens(eng, "w", 2)
     await eng.pause("wait")
-    assert task.done() and task.result().finish_reason == "length" and len(task.result().output_ids) == 30
+    assert eng._by_rid == {} and (await eng.health())["running"] == 0  # finished before pause() returned
+    out = await asyncio.wait_for(task, 1)
+    assert out.finish_reason == "length" and len(out.output_ids) == 30
     late = asyncio.create_task(eng.generate([5], GREEDY))
     await asyncio.sleep(0.05)
     assert not late.done()
@@ -271,8 +273,12 @@ async def test_disk_update_and_bad_sources(dirs):
     assert out.output_ids == hf_greedy(hf_model(dirs["qwen2_b"]), PROMPTS[0], 12) and out.versions == [(3, 12)]
     with pytest.raises(WeightSyncError, match="not a parameter"):
         await eng.update_weights(4, TensorSource({"model.bogus.weight": torch.zeros(2)}))
-    with pytest.raises(WeightSyncError, match="shape"):
+    before = eng.model.params["model.norm.weight"].clone()
+    with pytest.raises(WeightSyncError, match="lm_head.x"):  # checked before any copy: nothing changes
+        await eng.update_weights(4, TensorSource({"model.norm.weight": torch.ones(128), "lm_head.x": torch.zeros(3)}))
+    with pytest.raises(WeightSyncError, match="'model.norm.weight': shape"):
         await eng.update_weights(4, TensorSource({"model.norm.weight": torch.zeros(3)}))
+    assert torch.equal(eng.model.params["model.norm.weight"], before)
     with pytest.raises(WeightSyncError, match="architecture"):
         await eng.update_weights(4, DiskSource(str(dirs["qwen3"])))
     assert eng.policy_version == 3

@@ -71,6 +71,7 @@ def test_same_seed_same_files_other_seed_differs(tmp_path):
     c = make_tiny_model(tmp_path / "c", arch="llama", seed=4)
     assert digest(a) == digest(b) != digest(c)
     assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
+    assert (a / "tokenizer.json").read_bytes() == (c / "tokenizer.json").read_bytes()  # seed changes weights only
 
 
 def test_cli_writes_model(tmp_path, capsys):

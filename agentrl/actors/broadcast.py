@@ -51,11 +51,26 @@ async def load_into_engines(engines: list[Engine], version: int, payload: Any, u
     finish_reason 'abort'; `wait`: drain first), load `version`, resume."""
     source = as_source(payload)
     for engine in engines:
+        if update_mode == "keep":  # engines swap weights between two decode steps on their own
+            await engine.update_weights(version, source)
+            continue
         await engine.pause(update_mode)  # type: ignore[arg-type]
         try:
             await engine.update_weights(version, source)
         finally:
             await engine.resume()
+
+
+async def join_weight_group(engines: list[Engine], address: str, port: int, world_size: int, rank: int,
+                            group_name: str, backend: str) -> None:  # fmt: skip
+    """Engines of one host join the learner's broadcast group (ranks `rank`, `rank + 1`, ...)."""
+    for i, engine in enumerate(engines):
+        join = getattr(engine, "init_weights_update_group", None)
+        if join is None:
+            raise WeightSyncError(f"engine {type(engine).__name__} cannot join a weight-broadcast group")
+        result = await asyncio.to_thread(join, address, port, rank + i, world_size, group_name, backend)
+        if asyncio.iscoroutine(result):
+            await result
 
 
 async def _guard(awaitable: Any, path: str, target: str, version: int, timeout_s: float) -> Any:
@@ -121,6 +136,8 @@ class Publisher:
                      self.version, self.timeout_s)  # fmt: skip
 
     async def _payload(self, version: int) -> Any:
+        if self.path == "tensor":  # the target holds the learner: it copies in-process
+            return None
         if self.path == "disk":
             path = f"{self.run_dir}/published/v{version}"
             return await _guard(self.learner.save_hf.remote(path), "disk", "learner", version, self.timeout_s)

@@ -75,6 +75,12 @@ class EngineActor:
     async def flush_cache(self) -> None:
         await self.engine.flush_cache()
 
+    async def init_weight_group(self, address: str, port: int, world_size: int, rank: int, group_name: str) -> None:
+        from agentrl.actors.broadcast import join_weight_group
+
+        backend = "nccl" if "cuda" in self.cfg.engine.device else "gloo"
+        await join_weight_group([self.engine], address, port, world_size, rank, group_name, backend)
+
     async def health(self) -> dict[str, Any]:
         return {"index": self.index, **(await self.engine.health())}
 

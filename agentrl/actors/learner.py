@@ -26,7 +26,7 @@ def make_learner(cfg: Config, model_path: str):
         return MegatronLearner(cfg, model_path)
     from agentrl.learners.torch_learner import TorchLearner
 
-    return TorchLearner(cfg, model_path)
+    return TorchLearner(model_path, cfg.learner, cfg.algorithm, temperature=cfg.rollout.temperature, seed=cfg.run.seed)
 
 
 class LearnerWorker:
@@ -101,25 +101,31 @@ class LearnerWorker:
 
     def save_hf(self, path: str) -> str:
         """Write the current weights as a Hugging Face directory (the `disk` publish path)."""
-        from agentrl.learners.export import save_hf_dir
+        from agentrl.learners.hf_io import save_hf_dir
 
-        save_hf_dir(self.learner.weights(), self.model_path, path)
+        save_hf_dir(path, self.learner.weights(), self.model_path)
         return path
 
     def init_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str) -> None:
-        from agentrl.actors.nccl import init_group
+        """Host the weight-broadcast group as rank 0 (blocks until every engine joined)."""
+        from agentrl.engines.weight_sync import init_weights_update_group
 
-        self._group = init_group(master_address, master_port, world_size, rank=0, group_name=group_name)
+        backend = "nccl" if "cuda" in self.cfg.learner.device else "gloo"
+        self._group = init_weights_update_group(master_address, master_port, 0, world_size, backend, group_name)
 
     def distributed_source(self) -> Any:
-        from agentrl.actors.nccl import source_for
+        from agentrl.engines.weight_sync import describe
 
-        return source_for(self.learner.weights(), self._group)
+        return describe(self._group.name, [(n, t) for n, t in self.learner.weights()])
 
     def broadcast_weights(self) -> None:
-        from agentrl.actors.nccl import broadcast
+        """Rank 0 side of the `nccl` publish path; the engines receive concurrently."""
+        from agentrl.engines.weight_sync import send_broadcast
+        from agentrl.errors import WeightSyncError
 
-        broadcast(self.learner.weights(), self._group)
+        if self._group is None:
+            raise WeightSyncError("learner.publish = 'nccl': no weight-broadcast group (init_weight_group first)")
+        send_broadcast(self._group, self.learner.weights())
 
     def save(self, path: str) -> None:
         self.learner.save(path)

@@ -26,6 +26,7 @@ from agentrl.config import Config
 from agentrl.engines.base import Engine, SamplingParams
 from agentrl.errors import EngineError, QueueFull
 from agentrl.generator import RolloutContext, resolve_generator
+from agentrl.rewards.dynamic_sampling import is_informative
 from agentrl.types import Trajectory, n_response
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class RolloutWorker:
         )  # fmt: skip
         self.greedy = msgspec.structs.replace(self.sampling, temperature=0.0, top_p=1.0, top_k=-1)
         self.policy_version = 0
+        self.dropped_groups = 0
 
     # -- rollout -----------------------------------------------------------------------------------------
 
@@ -80,13 +82,14 @@ class RolloutWorker:
             sampling=sampling,
             max_turns=self.cfg.rollout.max_turns,
             max_seq_len=self.cfg.engine.max_seq_len,
+            extra={"agent": self.cfg.rollout.agent} if self.cfg.rollout.agent else {},
         )
 
     async def _episode(self, task: dict[str, Any], traj_id: str, group_id: str, sampling: SamplingParams):
         for _attempt in range(MAX_ABORT_RETRIES + 1):
             async with self.sem:
-                with self.router.episode() as engine:
-                    traj = await self.generate_fn(self._context(engine, sampling), task, traj_id, group_id)
+                with self.router.episode() as sticky:  # counts the load; the generator sees the engine itself
+                    traj = await self.generate_fn(self._context(sticky.engine, sampling), task, traj_id, group_id)
             if traj.status != "aborted" or self.cfg.engine.update_mode != "abort":
                 break
         if not traj.env:
@@ -104,7 +107,10 @@ class RolloutWorker:
         errors = [repr(e) for e in results if isinstance(e, BaseException)]
         for e in errors[:1]:
             log.warning("rollout of task %d failed: %s", task_index, e)
-        if trajs and not any(_infrastructure(e) for e in results if isinstance(e, BaseException)):
+        informative = not self.cfg.rollout.dynamic_sampling or is_informative(t.reward for t in trajs)
+        if not informative:
+            self.dropped_groups += 1
+        if trajs and informative and not any(_infrastructure(e) for e in results if isinstance(e, BaseException)):
             put = await self._put(trajs, gid)
         else:
             put = {"accepted": 0, "duplicates": 0, "dropped": 0}
@@ -119,6 +125,7 @@ class RolloutWorker:
             "rewards": [t.reward for t in trajs],
             "tokens": sum(n_response(t) for t in trajs),
             "gen_s": time.perf_counter() - t0,
+            "informative": informative,
             **put,
         }
 
@@ -160,6 +167,12 @@ class RolloutWorker:
         """Route to a restarted engine actor from now on."""
         self.engines[index] = RemoteEngine(handle, f"engine-{index}")
         self.router.replace(index, self.engines[index])
+
+    async def init_weight_group(self, address: str, port: int, world_size: int, rank: int, group_name: str) -> None:
+        from agentrl.actors.broadcast import join_weight_group
+
+        backend = "nccl" if "cuda" in self.cfg.engine.device else "gloo"
+        await join_weight_group(self.engines, address, port, world_size, rank, group_name, backend)
 
     async def health(self) -> dict[str, Any]:
         return {

@@ -181,18 +181,26 @@ class EmbeddedEngine(Engine):
         self._ensure_loop()
         self._pause_mode = mode
         if mode == "abort":
-            for req in list(self._waiting) + self._running:
-                req.abort_requested = True
+            await self.abort_all()
+        elif mode == "wait":
             self._wakeup.set()
-        if mode == "wait" or mode == "abort":
-            self._wakeup.set()
-            while self._running:
-                self._idle.clear()
-                await self._idle.wait()
+            await self._wait_idle()
         async with self._lock:  # the step in flight (if any) has ended
             pass
-        if mode == "abort":
-            self._reap()
+
+    async def abort_all(self) -> None:
+        """Abort every running and waiting request (partial outputs, finish_reason "abort"); keeps the pause state."""
+        self._ensure_loop()
+        for req in list(self._waiting) + self._running:
+            req.abort_requested = True
+        self._wakeup.set()
+        await self._wait_idle()
+        self._reap()
+
+    async def _wait_idle(self) -> None:
+        while self._running:
+            self._idle.clear()
+            await self._idle.wait()
 
     async def resume(self) -> None:
         self._pause_mode = None
@@ -262,7 +270,9 @@ class EmbeddedEngine(Engine):
             self.model.load_named(source.tensors)
         elif isinstance(source, DiskSource):
             spec = ModelSpec.from_dir(source.path)
-            if (spec.hidden, spec.layers, spec.vocab_size) != (self.spec.hidden, self.spec.layers, self.spec.vocab_size):
+            if (spec.arch, spec.hidden, spec.layers, spec.vocab_size) != (
+                self.spec.arch, self.spec.hidden, self.spec.layers, self.spec.vocab_size
+            ):  # fmt: skip
                 raise WeightSyncError(f"model path {source.path}: architecture differs from the served model")
             self.model.load_dir(source.path)
         elif isinstance(source, DistributedSource):
@@ -271,7 +281,8 @@ class EmbeddedEngine(Engine):
             group = self._groups.get(source.group_name)
             if group is None:
                 raise WeightSyncError(f"weight update group {source.group_name!r} was not initialised")
-            self.model.load_named(receive_broadcast(group, source, self.device))
+            self.model.check({n: tuple(shape) for n, shape in zip(source.names, source.shapes, strict=True)})
+            self.model.load_named(receive_broadcast(group, source, self.device), checked=True)
         else:
             raise WeightSyncError(f"unknown weight source {type(source).__name__}")
         if self.device.type == "cuda":

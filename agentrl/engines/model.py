@@ -181,46 +181,59 @@ class CausalLM:
 
     # -- weights -------------------------------------------------------------------------------------------------
 
-    def load_named(self, tensors: Any, strict: bool = False) -> int:
+    def check(self, shapes: dict[str, tuple[int, ...]], strict: bool = False) -> None:
+        """Raise WeightSyncError naming the first unknown or mis-shaped tensor (before anything is copied)."""
+        for name, shape in shapes.items():
+            if name == "lm_head.weight" and self.spec.tie_embeddings:
+                continue
+            dst = self.params.get(name)
+            if dst is None:
+                raise WeightSyncError(f"weight '{name}' is not a parameter of this {self.spec.arch} model")
+            if tuple(dst.shape) != tuple(shape):
+                raise WeightSyncError(f"weight '{name}': shape {tuple(shape)} does not match {tuple(dst.shape)}")
+        if strict and (missing := sorted(set(self.params) - set(shapes))):
+            raise WeightSyncError(f"weights missing: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+
+    def load_named(self, tensors: Any, strict: bool = False, checked: bool = False) -> int:
         """Copy `(hf_name, tensor)` pairs (or a dict) into place; returns how many were copied.
 
-        Unknown names and shape mismatches raise WeightSyncError naming the tensor; `lm_head.weight` of a tied
-        model is skipped. `strict` also requires every parameter to be present.
+        All names and shapes are checked first (`check`), so a bad update changes nothing; `lm_head.weight`
+        of a tied model is skipped. `checked=True` streams without the check (the caller already did it).
         """
         items = tensors.items() if isinstance(tensors, dict) else tensors
-        seen: set[str] = set()
+        if not checked:
+            items = list(items)
+            self.check({name: tuple(t.shape) for name, t in items}, strict)
+        n = 0
         with torch.no_grad():
             for name, tensor in items:
                 if name == "lm_head.weight" and self.spec.tie_embeddings:
                     continue
-                dst = self.params.get(name)
-                if dst is None:
-                    raise WeightSyncError(f"weight '{name}' is not a parameter of this {self.spec.arch} model")
-                if tuple(dst.shape) != tuple(tensor.shape):
-                    raise WeightSyncError(
-                        f"weight '{name}': shape {tuple(tensor.shape)} does not match {tuple(dst.shape)}"
-                    )
-                dst.copy_(tensor)
-                seen.add(name)
-        if strict and (missing := sorted(set(self.params) - seen)):
-            raise WeightSyncError(f"weights missing: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-        return len(seen)
+                self.params[name].copy_(tensor)
+                n += 1
+        return n
 
     def load_dir(self, path: str | Path, strict: bool = True) -> int:
-        """Load every `*.safetensors` file of an HF directory."""
+        """Load every `*.safetensors` file of an HF directory (headers are checked before any copy)."""
         from safetensors import safe_open
 
         files = sorted(Path(path).glob("*.safetensors"))
         if not files:
             raise WeightSyncError(f"model path {path}: no *.safetensors files")
+        shapes = {}
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+        self.check(shapes, strict)
 
         def stream():
             for file in files:
                 with safe_open(str(file), framework="pt", device="cpu") as f:
-                    for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    for name in f.keys():  # noqa: SIM118
                         yield name, f.get_tensor(name)
 
-        return self.load_named(stream(), strict=strict)
+        return self.load_named(stream(), checked=True)
 
     def num_params(self) -> int:
         return sum(t.numel() for t in self.params.values())

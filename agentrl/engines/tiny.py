@@ -4,7 +4,8 @@
 covering arithmetic, the guess-the-number game, calculator tool calls and `\\boxed{}` answers; digits are
 split one per token, Qwen2's pre-tokenizer), a ChatML chat template (`<|im_start|>role\\n...<|im_end|>\\n`), and a random-init
 causal LM (Qwen2, Qwen3 or Llama architecture, ~0.6M parameters by default) saved as safetensors.
-Invariants: the same `(arch, seed, sizes)` gives the same files; `AutoTokenizer` and
+Invariants: the same `(arch, seed, sizes)` gives the same files; the tokenizer does not depend on `seed`
+(models of every seed and arch share token ids); `AutoTokenizer` and
 `AutoModelForCausalLM.from_pretrained(dir)` load the result; eos is `<|im_end|>`, pad is `<|endoftext|>`;
 the model's vocab_size equals `len(tokenizer)`.
 """
@@ -63,7 +64,7 @@ def _corpus(rng: random.Random, n_lines: int = 1500) -> list[str]:
     return lines
 
 
-def train_tokenizer(vocab_size: int = 1024, seed: int = 0):
+def train_tokenizer(vocab_size: int = 1024, corpus_seed: int = 0):
     """Train a byte-level BPE (digits split individually) and wrap it as a `PreTrainedTokenizerFast`."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -80,7 +81,7 @@ def train_tokenizer(vocab_size: int = 1024, seed: int = 0):
         min_frequency=2,
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(random.Random(seed)), trainer=trainer)
+    tok.train_from_iterator(_corpus(random.Random(corpus_seed)), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=IM_END,
@@ -145,7 +146,7 @@ def make_tiny_model(
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(vocab_size, seed)
+    tokenizer = train_tokenizer(vocab_size)  # one tokenizer for every seed: models of any seed share ids
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     config = model_config(

@@ -54,7 +54,7 @@ def init_weights_update_group(master_address: str, master_port: int, rank: int, 
 
 
 def broadcast_tensor(group: WeightGroup, tensor: torch.Tensor) -> None:
-    group.pg.broadcast([tensor], 0).wait()
+    group.pg.broadcast(tensor, 0).wait()
 
 
 def send_broadcast(group: WeightGroup, named_tensors: Any) -> DistributedSource:

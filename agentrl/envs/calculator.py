@@ -70,7 +70,7 @@ class CalculatorEnv(AgentEnv):
     def __init__(
         self,
         low: int = 10,
-        high: int = 99,
+        high: int = 49,
         ops: str = "+",
         tool_bonus: float = 0.2,
         max_turns: int = 3,

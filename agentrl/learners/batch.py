@@ -88,11 +88,12 @@ class Batch:
         return self.attention_mask.sum(dim=1)
 
     def to(self, device: str | torch.device) -> Batch:
-        moved = {
-            name: (v.to(device) if isinstance(v, torch.Tensor) else v)
-            for name, v in ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
-        }
-        return Batch(**moved)
+        """Move every tensor to `device` in place (learners fill fields on the caller's batch); returns self."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                setattr(self, f.name, value.to(device))
+        return self
 
     def select(self, rows: torch.Tensor | Sequence[int]) -> Batch:
         """The given rows, trimmed to their longest used length; sequence-level fields and normalisers stay whole.
@@ -193,13 +194,15 @@ def build_batch(
     used = np.zeros(n_rows, dtype=np.int64)
     np.maximum.at(used, row_of, col0 + s_len)
 
+    flat_index = rows * width + cols
+
     def grid(fill, dtype, values) -> np.ndarray:
-        out = np.full((n_rows, width), fill, dtype=dtype)
-        out[rows, cols] = values
-        return out
+        out = np.full(n_rows * width, fill, dtype=dtype)
+        out[flat_index] = values
+        return out.reshape(n_rows, width)
 
     position_ids = np.maximum(np.arange(width, dtype=np.int64)[None, :] - used[:, None], 0)
-    position_ids[rows, cols] = pos_in_seq
+    position_ids.reshape(-1)[flat_index] = pos_in_seq
     group_index, n_groups = _group_indices([t.group_id or t.id for t in trajectories])
 
     def t(a: np.ndarray) -> torch.Tensor:

@@ -29,18 +29,40 @@ from agentrl.learners.batch import Batch, micro_batches
 STATE_FILE = "trainer_state.pt"
 
 
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = logits.float()
+    return logits if temperature == 1.0 else logits / temperature
+
+
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
     """[R, T] target-aligned log-probs from [R, T, V] logits; column 0 is 0."""
-    logits = logits[:, :-1].float() / temperature
+    logits = _scaled(logits[:, :-1], temperature)
     targets = input_ids[:, 1:].unsqueeze(-1)
     logp = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     return F.pad(logp, (1, 0))
 
 
-def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[R, T] entropy of the distribution that predicted each target token; column 0 is 0."""
-    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    return F.pad(-(logp.exp() * logp).sum(-1), (1, 0))
+def token_entropy(logits: torch.Tensor, temperature: float, chunk_tokens: int = 4096) -> torch.Tensor:
+    """[R, T] entropy of the distribution that predicted each target token; column 0 is 0.
+
+    Without grad it runs in chunks of `chunk_tokens` positions, so it never holds a second [R, T, V] fp32 copy.
+    """
+    rows, width, vocab = logits.shape
+    flat = logits.reshape(-1, vocab)  # a view: entropy of every position, the last one of each row is dropped
+    if torch.is_grad_enabled():
+        ent = _entropy_chunk(_scaled(flat, temperature))
+    else:
+        chunks = [
+            _entropy_chunk(_scaled(flat[i : i + chunk_tokens], temperature))
+            for i in range(0, len(flat), chunk_tokens)
+        ]
+        ent = torch.cat(chunks)
+    return F.pad(ent.view(rows, width)[:, :-1], (1, 0))
+
+
+def _entropy_chunk(x: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(x, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 class TorchLearner(Learner):
@@ -113,7 +135,10 @@ class TorchLearner(Learner):
                 use_cache=False,
             )
         logp = token_logprobs(out.logits, mb.input_ids, self.temperature)
-        ent = token_entropy(out.logits, self.temperature) if entropy else None
+        ent = None
+        if entropy:
+            with torch.set_grad_enabled(torch.is_grad_enabled() and self.algo.entropy_coef != 0.0):
+                ent = token_entropy(out.logits, self.temperature)
         vals = None
         if values:
             hidden = out.hidden_states[-1].float()
@@ -121,12 +146,13 @@ class TorchLearner(Learner):
         return logp, ent, vals
 
     def _whole_batch(self, model, batch: Batch, *, values: bool = False) -> torch.Tensor:
+        batch = batch.to(self.device)
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
         with torch.no_grad():
             for rows, mb in self._split(batch):
                 logp, _, vals = self._forward(model, mb, values=values)
                 out[rows, : logp.shape[1]] = vals if values else logp
-        return out
+        return out * batch.attention_mask
 
     def _split(self, batch: Batch) -> list[tuple[torch.Tensor, Batch]]:
         parts = micro_batches(batch, self.cfg.micro_batch_tokens)
@@ -148,20 +174,17 @@ class TorchLearner(Learner):
     def train_step(self, batch: Batch) -> dict[str, float]:
         start = time.perf_counter()
         batch = batch.to(self.device)
-        if needs_old_logprobs(self.algo) and batch.old_logprobs is None:
-            batch.old_logprobs = self.compute_logprobs(batch)
+        # Proximal log-probs and values belong to the weights before THIS update: always recomputed.
+        batch.old_logprobs = self.compute_logprobs(batch) if needs_old_logprobs(self.algo) else None
         if self.ref_model is not None and batch.ref_logprobs is None:
             batch.ref_logprobs = self.compute_ref_logprobs(batch)
-        if self.value_head is not None and batch.old_values is None:
+        if self.value_head is not None:
             batch.old_values = self.compute_values(batch)
         metrics = prepare_batch(self.algo, batch, self.policy_version)
-        want_entropy_grad = self.algo.entropy_coef != 0.0
         self.optimizer.zero_grad(set_to_none=True)
         parts = []
         for _, mb in self._split(batch):
             logp, ent, vals = self._forward(self.model, mb, entropy=True, values=self.value_head is not None)
-            if not want_entropy_grad:
-                ent = ent.detach()
             loss, m = compute_loss(self.algo, mb, logp, entropy=ent, values=vals)
             loss.backward()
             parts.append((m, float(mb.n_loss_tokens)))

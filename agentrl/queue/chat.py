@@ -66,7 +66,9 @@ class ChatTokenizer:
             start = len(self._ids(messages[:i], generation_prompt=True))
             end = len(self._ids(messages[: i + 1], generation_prompt=False))
             if not start < end <= len(full):
-                raise InvalidTrajectory(f"messages[{i}]", "the chat template does not render turns as prefixes")
+                raise InvalidTrajectory(
+                    f"messages[{i}]", "the chat template does not render turns as prefixes"
+                )
             mask[start:end] = 1
             prompt_len = start if prompt_len is None else prompt_len
         assert prompt_len is not None

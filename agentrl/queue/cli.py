@@ -15,14 +15,20 @@ TOKEN_ENV = "AGENTRL_QUEUE_TOKEN"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=None, help="address to bind (default queue.host = 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=None, help="port (0 = pick a free one; default queue.port)")
+    parser.add_argument(
+        "--port", type=int, default=None, help="port (0 = pick a free one; default queue.port)"
+    )
     parser.add_argument("--run-dir", default="runs/queue", help="directory of the write-ahead log and ledger")
     parser.add_argument("--token", default=None, help=f"bearer token clients must send (or ${TOKEN_ENV})")
     parser.add_argument("--model", default="", help="HF model/tokenizer dir: enables chat-form trajectories")
     parser.add_argument("--config", default=None, help="TOML config file ([queue] section is used)")
-    parser.add_argument("--policy-version", type=int, default=0, help="policy version to stamp unversioned data")
+    parser.add_argument(
+        "--policy-version", type=int, default=0, help="policy version to stamp unversioned data"
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the resolved [queue] config and exit")
-    parser.epilog = "Any --queue.KEY VALUE override is accepted, e.g. --queue.max-staleness 2 --queue.batch-size 64."
+    parser.epilog = (
+        "Any --queue.KEY VALUE override is accepted, e.g. --queue.max-staleness 2 --queue.batch-size 64."
+    )
     parser.set_defaults(accepts_overrides=True)
 
 
@@ -53,7 +59,9 @@ def main(args: argparse.Namespace) -> int:
 
     cfg = resolve(args)
     if args.dry_run:
-        shown = msgspec.structs.replace(cfg, queue=msgspec.structs.replace(cfg.queue, token="***" if cfg.queue.token else ""))
+        shown = msgspec.structs.replace(
+            cfg, queue=msgspec.structs.replace(cfg.queue, token="***" if cfg.queue.token else "")
+        )
         text = dump_toml(shown)
         section = text[text.index("[queue]") :]
         print(section[: section.find("\n[", 1) + 1 or None].rstrip())

@@ -75,14 +75,20 @@ class _Signal:
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
+        self._waiting = 0
 
     def fire(self) -> None:
-        self._event.set()
-        self._event = asyncio.Event()
+        if self._waiting:
+            self._event.set()
+            self._event = asyncio.Event()
 
     async def wait_for(self, predicate: Callable[[], bool]) -> None:
         while not predicate():
-            await self._event.wait()
+            self._waiting += 1
+            try:
+                await self._event.wait()
+            finally:
+                self._waiting -= 1
 
 
 class Ticket:
@@ -159,11 +165,15 @@ class ReplayQueue:
             self._n_queued += 1
             self._bytes += nbytes(traj)
             self._insert(traj, ungrouped=traj.group_id == traj.id)
+        if state.commits and self._wal is not None:
+            self._wal.repair_ledger(state.commits)
         if state.uncommitted or state.cut_bytes:
             log.info("queue recovered %d uncommitted trajectories", len(state.uncommitted))
 
     # ----------------------------------------------------------------- producers
-    async def put(self, trajectories: Trajectory | Iterable[Trajectory], *, ticket: Ticket | None = None) -> PutResult:
+    async def put(
+        self, trajectories: Trajectory | Iterable[Trajectory], *, ticket: Ticket | None = None
+    ) -> PutResult:
         """Validate all, then log and queue the new ones (all or nothing). Raises InvalidTrajectory, QueueFull,
         QueueClosed or StorageError, and then nothing of the call was accepted."""
         self._schedule_timers()
@@ -215,6 +225,9 @@ class ReplayQueue:
                 self.metrics.inc("rejected_invalid", len(items))
                 where = f"[{i}].{exc.field}" if len(items) > 1 else exc.field
                 raise InvalidTrajectory(where, exc.message) from None
+            except (OverflowError, ValueError, TypeError) as exc:  # e.g. a loss_mask value beyond int64
+                self.metrics.inc("rejected_invalid", len(items))
+                raise InvalidTrajectory(f"[{i}]" if len(items) > 1 else "$", f"value out of range ({exc})") from None
             if traj.id in self._known or traj.id in seen:
                 duplicates += 1
                 continue
@@ -236,7 +249,9 @@ class ReplayQueue:
             return
         cfg = self.cfg
         if self._n_queued + n > cfg.max_trajectories:
-            self._refuse(f"queue holds {self._n_queued} trajectories (queue.max_trajectories = {cfg.max_trajectories})")
+            self._refuse(
+                f"queue holds {self._n_queued} trajectories (queue.max_trajectories = {cfg.max_trajectories})"
+            )
         if self._bytes + new_bytes > cfg.max_bytes:
             self._refuse(f"queue holds {self._bytes} bytes (queue.max_bytes = {cfg.max_bytes})")
         unreserved = n - (min(n, ticket.remaining) if ticket is not None else 0)
@@ -259,7 +274,9 @@ class ReplayQueue:
         """Wait until `n` more trajectories fit in the staleness window and reserve them (in-process producers):
         `with await queue.reserve(n) as ticket: ...; await queue.put(trajectories, ticket=ticket)`."""
         if self.batch_size > 0 and n > (self.cfg.max_staleness + 1) * self.batch_size:
-            raise QueueFull(f"cannot reserve {n}: more than (queue.max_staleness + 1) * batch_size trajectories")
+            raise QueueFull(
+                f"cannot reserve {n}: more than (queue.max_staleness + 1) * batch_size trajectories"
+            )
         start = time.monotonic()
 
         def fits() -> bool:
@@ -418,19 +435,22 @@ class ReplayQueue:
         ids = list(ids)
         if step in self._committed_steps:
             return
+        versions = {tid: self._sampled[tid].versions for tid in ids if tid in self._sampled}
+        record = wal_mod.CommitRecord(step, ids, versions)
         if self._wal is not None:
-            await self._append(wal_mod.CommitRecord(step, ids))
-        versions: dict[str, Any] = {}
-        for tid in ids:
-            traj = self._sampled.pop(tid, None)
-            if traj is not None:
-                versions[tid] = traj.versions
-                self._live.pop(tid, None)
-                self._n_committed += 1
+            await self._append(record)
+        for tid in versions:
+            del self._sampled[tid]
+            self._live.pop(tid, None)
+        self._n_committed += len(versions)
         self._committed_steps.append(step)
         self.metrics.inc("committed", len(versions))
         if self._wal is not None:
-            self._wal.ledger(step, ids, versions)
+            try:  # the commit is durable in the log already; a missing ledger line is repaired on reopen
+                self._wal.ledger(record)
+            except StorageError:
+                self.metrics.inc("storage_errors")
+                log.warning("ledger: cannot record step %d (repaired when the queue reopens)", step)
             self._commits_since_compact += 1
             if self.cfg.compact_every > 0 and self._commits_since_compact >= self.cfg.compact_every:
                 self.compact()
@@ -489,6 +509,7 @@ class ReplayQueue:
             "batch_size": self.batch_size,
             "known_ids": len(self._known),
             "last_committed_step": self.last_committed_step,
+            "committed_total": self._n_committed,
             "wal_bytes": self._wal.size_bytes if self._wal is not None else None,
             "draining": self.closed,
             **self.metrics.as_dict(),

@@ -44,7 +44,9 @@ def openapi_spec() -> dict[str, Any]:
         "required": ["accepted", "duplicates"],
     }
     one_or_many = {"oneOf": [_ref("Trajectory"), {"type": "array", "items": _ref("Trajectory")}]}
-    errors = {code: {"description": text, "content": _json(_ref("Error"))} for code, text in _ERROR_CODES.items()}
+    errors = {
+        code: {"description": text, "content": _json(_ref("Error"))} for code, text in _ERROR_CODES.items()
+    }
     token_arrays = (
         "Token arrays (prompt_ids, response_ids, loss_mask) are lists of ints or little-endian int32 bytes "
         "(msgpack bin / base64 in JSON; loss_mask uint8); logprobs float32. Send either token ids or "

@@ -39,16 +39,22 @@ _json = msgspec.json.Encoder()
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, field: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self, status: int, message: str, field: str | None = None, headers: dict[str, str] | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.field, self.headers = status, message, field, headers or {}
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=_json.encode(body), status=status, content_type="application/json", headers=headers)
+    return web.Response(
+        body=_json.encode(body), status=status, content_type="application/json", headers=headers
+    )
 
 
-def error_response(status: int, message: str, field: str | None = None, headers: dict[str, str] | None = None):
+def error_response(
+    status: int, message: str, field: str | None = None, headers: dict[str, str] | None = None
+):
     return json_response({"error": message, "field": field}, status, headers)
 
 
@@ -154,7 +160,9 @@ class QueueServer:
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.cfg.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
-            raise HTTPError(413, f"body of {request.content_length} bytes is over queue.max_body_bytes = {limit}")
+            raise HTTPError(
+                413, f"body of {request.content_length} bytes is over queue.max_body_bytes = {limit}"
+            )
         try:
             return await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -197,7 +205,9 @@ class QueueServer:
     async def _tokenize(self, trajectories: list[Any]) -> list[Any]:
         if self.tokenizer is None:
             index = next(i for i, t in enumerate(trajectories) if t.messages is not None)
-            raise InvalidTrajectory(f"[{index}].messages" if len(trajectories) > 1 else "messages", NO_TOKENIZER)
+            raise InvalidTrajectory(
+                f"[{index}].messages" if len(trajectories) > 1 else "messages", NO_TOKENIZER
+            )
         tokenizer = self.tokenizer
 
         def run() -> list[Any]:
@@ -226,3 +236,41 @@ class QueueServer:
 
     async def openapi(self, request: web.Request) -> web.Response:
         return json_response(openapi_spec())
+
+
+class BackgroundServer:
+    """A QueueServer on its own event loop in a daemon thread (for synchronous code, notebooks and tests).
+
+    `call(coro_fn, *args)` runs a coroutine function on that loop (e.g. `bg.call(bg.queue.sample_batch, 8)`).
+    """
+
+    def __init__(self, queue_factory: Any, cfg: QueueSection | None = None, **server_kwargs: Any):
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="agentrl-queue", daemon=True)
+        self._thread.start()
+
+        async def boot() -> QueueServer:
+            queue = queue_factory() if callable(queue_factory) else queue_factory
+            server = QueueServer(queue, cfg, **server_kwargs)
+            await server.start()
+            return server
+
+        self.server = asyncio.run_coroutine_threadsafe(boot(), self.loop).result()
+        self.queue = self.server.queue
+        self.url = self.server.url
+
+    def call(self, fn: Any, *args: Any, timeout_s: float | None = 60.0, **kwargs: Any) -> Any:
+        async def run() -> Any:
+            out = fn(*args, **kwargs)
+            return await out if asyncio.iscoroutine(out) else out
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout_s)
+
+    def stop(self) -> None:
+        self.call(self.server.stop)
+        self.call(self.queue.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.loop.close()

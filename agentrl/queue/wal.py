@@ -17,10 +17,12 @@ import json
 import logging
 import os
 import struct
+import threading
 import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -47,6 +49,7 @@ class DropRecord(msgspec.Struct, tag="drop", array_like=True):
 class CommitRecord(msgspec.Struct, tag="commit", array_like=True):
     step: int
     ids: list[str]
+    versions: dict[str, list[tuple[int, int]] | None] = {}
 
 
 class SnapshotRecord(msgspec.Struct, tag="snapshot", array_like=True):
@@ -60,8 +63,8 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Record)
 
 
-def _writev(fd: int, buffers: list[bytes]) -> int:
-    """One syscall for header + payload (tests monkeypatch this to simulate a full disk)."""
+def _writev(fd: int, buffers: list[Any]) -> int:
+    """The log's write syscall (tests monkeypatch this to simulate a full disk)."""
     return os.writev(fd, buffers)
 
 
@@ -73,6 +76,7 @@ class WalState:
     known_ids: set[str] = field(default_factory=set)
     committed_steps: list[int] = field(default_factory=list)
     n_committed: int = 0
+    commits: list[CommitRecord] = field(default_factory=list)  # since the last snapshot (ledger repair)
     n_records: int = 0
     cut_bytes: int = 0
 
@@ -87,6 +91,7 @@ class WalState:
                 if self.uncommitted.pop(tid, None) is not None:
                     self.n_committed += 1
             self.committed_steps.append(record.step)
+            self.commits.append(record)
         elif isinstance(record, DropRecord):
             for tid in record.ids:
                 self.uncommitted.pop(tid, None)
@@ -94,6 +99,25 @@ class WalState:
             self.known_ids.update(record.known_ids)
             self.committed_steps = list(record.committed_steps)
             self.n_committed = record.n_committed
+            self.commits = []
+
+
+_IOV_MAX = 512
+
+
+def _array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes([0x90 | n])
+    return b"\xdc" + struct.pack(">H", n) if n < 1 << 16 else b"\xdd" + struct.pack(">I", n)
+
+
+_PUT_PREFIX = _encoder.encode(PutRecord([]))[:-1]  # msgpack of ["put", []] without the empty array
+
+
+def _put_chunks(record: PutRecord) -> list[bytes]:
+    """msgpack of the put record as pieces: the same bytes as `_encoder.encode(record)`, concatenated."""
+    trajectories = record.trajectories
+    return [_PUT_PREFIX + _array_header(len(trajectories)), *map(_encoder.encode, trajectories)]
 
 
 def frame(record: Record) -> list[bytes]:
@@ -112,6 +136,7 @@ class WriteAheadLog:
         self.fsync = fsync
         self._fd = -1
         self._offset = 0
+        self._lock = threading.Lock()
 
     def replay(self) -> WalState:
         """Read every intact record, cut a bad tail, and open the file for appending."""
@@ -137,7 +162,9 @@ class WriteAheadLog:
         state.cut_bytes = len(data) - pos
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         if state.cut_bytes:
-            log.warning("queue log %s: cut %d bytes of a truncated or corrupt tail", self.path, state.cut_bytes)
+            log.warning(
+                "queue log %s: cut %d bytes of a truncated or corrupt tail", self.path, state.cut_bytes
+            )
             os.ftruncate(self._fd, pos)
             os.fsync(self._fd)
         if not data:
@@ -148,23 +175,34 @@ class WriteAheadLog:
         return state
 
     def append(self, record: Record) -> None:
-        """Write one record durably (per `fsync`); raises StorageError and leaves the log unchanged on failure."""
-        if self._fd < 0:
-            raise StorageError("queue log is closed")
-        buffers = frame(record)
-        total = len(buffers[0]) + len(buffers[1])
-        try:
-            written = _writev(self._fd, buffers)
-            if written < total:
-                rest = b"".join(buffers)[written:]
-                while rest:
-                    rest = rest[os.write(self._fd, rest) :]
-            if self.fsync:
-                os.fsync(self._fd)
-        except OSError as exc:
-            self._rewind()
-            raise StorageError(f"queue log {self.path}: cannot append ({exc.strerror or exc})") from exc
-        self._offset += total
+        """Write one record durably (per `fsync`); raises StorageError and leaves the log unchanged on failure.
+
+        A put record is encoded per trajectory and written with one writev (no multi-MB contiguous buffer:
+        fresh large allocations cost a page fault per 4 KiB here, small ones are recycled by malloc).
+        """
+        chunks = _put_chunks(record) if isinstance(record, PutRecord) else [_encoder.encode(record)]
+        length = sum(len(c) for c in chunks)
+        crc = 0
+        for chunk in chunks:
+            crc = zlib.crc32(chunk, crc)
+        buffers = [HEADER.pack(length, crc), *chunks]
+        with self._lock:
+            if self._fd < 0:
+                raise StorageError("queue log is closed")
+            try:
+                for i in range(0, len(buffers), _IOV_MAX):
+                    part = buffers[i : i + _IOV_MAX]
+                    written, total = _writev(self._fd, part), sum(len(b) for b in part)
+                    if written < total:
+                        rest = memoryview(b"".join(part))[written:]
+                        while rest:
+                            rest = rest[os.write(self._fd, rest) :]
+                if self.fsync:
+                    os.fsync(self._fd)
+            except OSError as exc:
+                self._rewind()
+                raise StorageError(f"queue log {self.path}: cannot append ({exc.strerror or exc})") from exc
+            self._offset += HEADER.size + length
 
     def _rewind(self) -> None:
         try:
@@ -175,9 +213,9 @@ class WriteAheadLog:
             os.close(self._fd)
             self._fd = -1
 
-    def ledger(self, step: int, ids: list[str], versions: dict[str, list[tuple[int, int]]]) -> None:
+    def ledger(self, record: CommitRecord) -> None:
         """Append the learner step's consumption to ledger.jsonl (after its commit record is in the log)."""
-        line = {"step": step, "time": time.time(), "ids": ids, "versions": versions}
+        line = {"step": record.step, "time": time.time(), "ids": record.ids, "versions": record.versions}
         try:
             with open(self.ledger_path, "a") as f:
                 f.write(json.dumps(line, separators=(",", ":")) + "\n")
@@ -187,31 +225,51 @@ class WriteAheadLog:
         except OSError as exc:
             raise StorageError(f"ledger {self.ledger_path}: cannot append ({exc.strerror or exc})") from exc
 
+    def repair_ledger(self, commits: list[CommitRecord]) -> int:
+        """After a crash: cut a torn last line and re-append the logged commits the ledger lacks."""
+        if not self.ledger_path.exists():
+            data = b""
+        else:
+            data = self.ledger_path.read_bytes()
+            if data and not data.endswith(b"\n"):
+                data = data[: data.rfind(b"\n") + 1]
+                with open(self.ledger_path, "r+b") as f:
+                    f.truncate(len(data))
+        tail = data.splitlines()[-(len(commits) + 1) :] if commits else []
+        present = {json.loads(line)["step"] for line in tail if line.strip()}
+        missing = [c for c in commits if c.step not in present]
+        for record in missing:
+            self.ledger(record)
+        return len(missing)
+
     def compact(self, snapshot: SnapshotRecord, uncommitted: list[Trajectory]) -> int:
         """Rewrite the log as `snapshot` + the uncommitted trajectories; returns the new size in bytes."""
-        tmp = self.path.with_suffix(".wal.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(MAGIC)
-                for record in (snapshot, PutRecord(uncommitted)):
-                    f.write(b"".join(frame(record)))
-                f.flush()
-                os.fsync(f.fileno())
-                size = f.tell()
-            os.replace(tmp, self.path)
-            dir_fd = os.open(self.dir, os.O_RDONLY)
+        with self._lock:
+            tmp = self.path.with_suffix(".wal.tmp")
             try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise StorageError(f"queue log {self.path}: compaction failed ({exc.strerror or exc})") from exc
-        os.close(self._fd)
-        self._fd = os.open(self.path, os.O_RDWR)
-        os.lseek(self._fd, size, os.SEEK_SET)
-        self._offset = size
-        return size
+                with open(tmp, "wb") as f:
+                    f.write(MAGIC)
+                    for record in (snapshot, PutRecord(uncommitted)):
+                        f.write(b"".join(frame(record)))
+                    f.flush()
+                    os.fsync(f.fileno())
+                    size = f.tell()
+                os.replace(tmp, self.path)
+                dir_fd = os.open(self.dir, os.O_RDONLY)
+                try:
+                    os.fsync(dir_fd)
+                finally:
+                    os.close(dir_fd)
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                raise StorageError(
+                    f"queue log {self.path}: compaction failed ({exc.strerror or exc})"
+                ) from exc
+            os.close(self._fd)
+            self._fd = os.open(self.path, os.O_RDWR)
+            os.lseek(self._fd, size, os.SEEK_SET)
+            self._offset = size
+            return size
 
     @property
     def size_bytes(self) -> int:

@@ -4,7 +4,8 @@ Extraction: the last `\\boxed{...}` / `\\fbox{...}` (balanced braces); failing t
 the last number in the text. Normalisation drops `$`, spaces, `\\left`/`\\right`, `\\!`, `\\text{}`
 wrappers, degree marks, a leading `x =`, thousands separators and a trailing period, and rewrites `\\dfrac`,
 `\\tfrac`, `\\frac12`, `\\sqrt2`. Two answers are equal when the normalised strings match, or when both are
-numbers (integers, decimals, fractions `a/b` or `\\frac{a}{b}`, percentages) within 1e-6 relative, or when
+numbers (integers, decimals, fractions `a/b` or `\\frac{a}{b}`, percentages) that agree (integers exactly, others
+within 1e-6 + 1e-9 relative), or when
 both are tuples/intervals whose elements are pairwise equal.
 """
 
@@ -88,7 +89,9 @@ def answers_equal(got: str, ref: str) -> bool:
         return True
     x, y = to_number(a), to_number(b)
     if x is not None and y is not None:
-        return abs(x - y) <= Fraction(1, 10**6) * max(1, abs(y))
+        if x.denominator == 1 and y.denominator == 1:
+            return x == y
+        return abs(x - y) <= Fraction(1, 10**6) + abs(y) / 10**9
     pair = re.compile(r"^[\(\[](.*)[\)\]]$")
     ma, mb = pair.match(a), pair.match(b)
     if ma and mb and a[0] == b[0] and a[-1] == b[-1]:

@@ -86,7 +86,7 @@ def save(learner: MegatronLearner, path: Path) -> None:
         write_metadata(
             path, "megatron", learner.step, learner.policy_version, "hf",
             tensor_parallel=learner.tp_size, pipeline_parallel=ps.get_pipeline_model_parallel_world_size(),
-            dtype=learner.cfg.learner.dtype, model_path=learner.model_path,
+            dtype=learner.cfg.dtype, model_path=learner.model_path, temperature=learner.temperature,
         )  # fmt: skip
     if dist.get_world_size() > 1:
         dist.barrier()

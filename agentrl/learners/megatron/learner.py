@@ -1,25 +1,26 @@
-"""MegatronLearner: a megatron-core GPTModel trained with the shared objective (agentrl.algorithms.objective).
+"""MegatronLearner: a megatron-core GPTModel trained with the shared objective (agentrl.algorithms).
 
-Per `train_step`: proximal log-probs (and reference log-probs) over the whole batch, `prepare_batch`, then
-micro-batches by token budget; data-parallel rank d takes micro-batches d, d + dp, ... and every loss is already
-scaled by full-batch normalisers, so gradients are summed (not averaged) across DP ranks. GPU: Megatron DDP +
-distributed optimizer (fp32 main params, grad clip inside `optimizer.step`). CPU: TP = PP = 1, gloo world of 1,
-torch AdamW + clip_grad_norm_, CPU substitutes from cpu_compat. Batches must be right-padded (not packed):
-RoPE positions are 0..T-1 per row. Pipeline parallel > 1 is supported for conversion/streaming (convert.py)
-but not for `train_step` (it would need Megatron's pipeline schedule).
+Same API and semantics as agentrl.learners.torch_learner.TorchLearner (constructor, `sft_step`, metrics): per
+`train_step`, proximal (and reference) log-probs over the whole batch, `prepare_batch`, then micro-batches by
+token budget, each loss already scaled by full-batch normalisers. Data-parallel rank d takes micro-batches
+d, d + dp, ...; DDP sums (not averages) gradients across DP ranks (`calculate_per_token_loss`), so any DP size
+equals one big batch. GPU: Megatron DDP + distributed optimizer (fp32 main params, bf16 model when
+learner.dtype = "bfloat16", grad clip inside `optimizer.step`). CPU: TP = PP = 1, gloo world of 1, torch AdamW +
+clip_grad_norm_, with the cpu_compat substitutes. Batches must be right-padded (not packed): RoPE positions are
+0..T-1 per row. PP > 1 is handled by conversion/streaming (convert.py) but not by `train_step`.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from agentrl.algorithms.losses import merge_metrics
-from agentrl.algorithms.objective import check, compute_loss, needs_old_logprobs, prepare_batch
-from agentrl.config import Config
+from agentrl.algorithms import check, compute_loss, merge_metrics, needs_old_logprobs, prepare_batch, sft_loss
+from agentrl.config import AlgorithmSection, LearnerSection
 from agentrl.errors import LearnerError
 from agentrl.learners.base import Learner
 from agentrl.learners.batch import Batch, micro_batches
@@ -31,55 +32,77 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class MegatronLearner(Learner):
-    def __init__(self, cfg: Config, model_path: str, *, attention: str = "sdpa", fused: bool | None = None):
+    def __init__(
+        self,
+        model_path: str | Path,
+        learner: LearnerSection | None = None,
+        algorithm: AlgorithmSection | None = None,
+        *,
+        temperature: float = 1.0,
+        seed: int = 0,
+        attention: str = "sdpa",
+        fused: bool | None = None,
+        entropy_metric: bool = True,
+    ):
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
 
-        lc = cfg.learner
-        self.cfg, self.model_path, self.attention = cfg, str(model_path), attention
-        self.cuda = lc.device.startswith("cuda")
-        if self.cuda and not torch.cuda.is_available():
-            raise LearnerError("learner.device = 'cuda' but torch sees no GPU")
+        self.cfg = learner or LearnerSection(kind="megatron")
+        self.algo = algorithm or AlgorithmSection()
+        lc = self.cfg
+        check(self.algo, has_reference=lc.reference_model)
+        if temperature <= 0:
+            raise LearnerError(f"temperature must be > 0, got {temperature}")
         if lc.pipeline_parallel > 1:
             raise LearnerError(
                 "learner.pipeline_parallel > 1: train_step has no pipeline schedule yet (use TP/DP)"
             )
-        if cfg.algorithm.advantage == "ppo":
-            raise LearnerError("algorithm.advantage = 'ppo' needs a critic; the Megatron learner has none")
-        check(cfg.algorithm, has_reference=lc.reference_model)
-        init_parallel(lc.tensor_parallel, lc.pipeline_parallel, lc.device, cfg.run.seed)
+        if self.algo.advantage == "ppo":
+            raise LearnerError(
+                "algorithm.advantage = 'ppo' needs a value head; the Megatron learner has none"
+            )
+        self.cuda = lc.device.startswith("cuda")
+        if self.cuda and not torch.cuda.is_available():
+            raise LearnerError("learner.device = 'cuda' but torch sees no GPU")
+        init_parallel(lc.tensor_parallel, lc.pipeline_parallel, lc.device, seed)
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device(lc.device)
         )
+        self.model_path, self.temperature, self.attention = str(model_path), temperature, attention
         self.dtype = DTYPES[lc.dtype]
-        self.temperature = float(cfg.rollout.temperature) or 1.0
+        self.fused = self.cuda if fused is None else fused
+        self.entropy_metric = entropy_metric
         self.tp_rank, self.tp_size = (
             ps.get_tensor_model_parallel_rank(),
             ps.get_tensor_model_parallel_world_size(),
         )
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.arch = ArchSpec.from_hf(AutoConfig.from_pretrained(self.model_path))
-        self.fused = self.cuda if fused is None else fused
-        torch.manual_seed(cfg.run.seed)
+        hf_config = AutoConfig.from_pretrained(self.model_path)
+        self.arch = ArchSpec.from_hf(hf_config)
+        pad = hf_config.pad_token_id
+        self.pad_id = int(pad if pad is not None else (hf_config.eos_token_id or 0))
+        torch.manual_seed(seed)
         self.model = self._load_model()
         self.ref_model = self._load_model().eval().requires_grad_(False) if lc.reference_model else None
         self.optimizer = self._make_optimizer()
-        self.step, self.policy_version = 0, 0
 
     # -- construction ------------------------------------------------------------------------------------
 
     def _load_model(self) -> torch.nn.Module:
-        model = build_gpt(self.arch, dtype=self.dtype, device=str(self.device), attention=self.attention,
-                          fused=self.fused, calculate_per_token_loss=True)  # fmt: skip
+        model = build_gpt(
+            self.arch, dtype=self.dtype, device=str(self.device), attention=self.attention, fused=self.fused,
+            calculate_per_token_loss=True,
+        )  # fmt: skip
         with checkpoint.hf_reader(self.model_path) as get_hf:
             convert.load_hf(model, self.arch, lambda n: get_hf(n).to(self.dtype), self.tp_rank, self.tp_size)
         return model
 
     def _make_optimizer(self):
-        lc = self.cfg.learner
+        lc = self.cfg
         if not self.cuda:
-            return torch.optim.AdamW(self.model.parameters(), lr=lc.lr, betas=tuple(lc.betas),
-                                     weight_decay=lc.weight_decay)  # fmt: skip
+            return torch.optim.AdamW(
+                self.model.parameters(), lr=lc.lr, betas=tuple(lc.betas), weight_decay=lc.weight_decay
+            )
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -91,61 +114,99 @@ class MegatronLearner(Learner):
         )
         opt_config = OptimizerConfig(
             optimizer="adam", lr=lc.lr, min_lr=lc.lr, weight_decay=lc.weight_decay, adam_beta1=lc.betas[0],
-            adam_beta2=lc.betas[1], adam_eps=1e-8, clip_grad=lc.grad_clip, bf16=self.dtype == torch.bfloat16,
-            params_dtype=self.dtype, use_distributed_optimizer=True,
+            adam_beta2=lc.betas[1], adam_eps=1e-8, clip_grad=lc.grad_clip if lc.grad_clip > 0 else 0.0,
+            bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype, use_distributed_optimizer=True,
         )  # fmt: skip
         return get_megatron_optimizer(opt_config, [self.model])
 
     # -- forward -----------------------------------------------------------------------------------------
 
-    def _forward(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor:
+    def _logits(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor:
+        """[R, T, V/tp] vocab-parallel logits (right-padded rows: the causal mask is exact for real tokens)."""
         mask = None
         if self.attention == "local":
             width = mb.input_ids.shape[1]
             mask = torch.ones(width, width, dtype=torch.bool, device=self.device).triu(1)[None, None]
         return model(mb.input_ids, mb.position_ids, mask)
 
+    def _forward(self, model: torch.nn.Module, mb: Batch, *, entropy: bool = False):
+        """(logprobs, entropy or None), both [R, T] float32; entropy carries a gradient only if its coef != 0."""
+        logits = self._logits(model, mb)
+        ent = None
+        if entropy and self.algo.entropy_coef != 0.0:
+            ent = ops.entropy(logits, self.temperature)
+            logits = logits.clone()  # target_logprobs works in place on its input
+        elif entropy and self.entropy_metric:
+            with torch.no_grad():
+                ent = ops.entropy(logits.detach(), self.temperature)
+        return ops.target_logprobs(logits, mb.input_ids, self.temperature), ent
+
     @torch.no_grad()
-    def _logprobs(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)
+    def _whole_batch(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        _check_batch(batch)
+        batch = batch.to(self.device)
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
         model.eval()
-        for rows in row_groups(batch, self.cfg.learner.micro_batch_tokens):
-            mb = batch.select(rows)
-            lp = ops.target_logprobs(self._forward(model, mb), mb.input_ids, self.temperature)
-            out[torch.as_tensor(rows, device=out.device), : lp.shape[1]] = lp.to(out.device)
+        for mb in micro_batches(batch, self.cfg.micro_batch_tokens):
+            logp, _ = self._forward(model, mb)
+            out[mb.extra["rows"], : logp.shape[1]] = logp
         model.train()
         return out * batch.attention_mask
 
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
-        _check_batch(batch)
-        return self._logprobs(self.model, batch)
+        return self._whole_batch(self.model, batch)
+
+    def compute_ref_logprobs(self, batch: Batch) -> torch.Tensor:
+        if self.ref_model is None:
+            raise LearnerError("no reference model (learner.reference_model = false)")
+        return self._whole_batch(self.ref_model, batch)
 
     # -- training ----------------------------------------------------------------------------------------
 
+    def _my_micro_batches(self, batch: Batch) -> list[Batch]:
+        return micro_batches(batch, self.cfg.micro_batch_tokens)[self.dp_rank :: self.dp_size]
+
     def train_step(self, batch: Batch) -> dict[str, float]:
+        start = time.perf_counter()
         _check_batch(batch)
-        alg, lc = self.cfg.algorithm, self.cfg.learner
-        if needs_old_logprobs(alg):
-            batch.old_logprobs = self._logprobs(self.model, batch)
-        if self.ref_model is not None:
-            batch.ref_logprobs = self._logprobs(self.ref_model, batch)
-        prep = prepare_batch(alg, batch, self.policy_version)
-        mine = micro_batches(batch, lc.micro_batch_tokens)[self.dp_rank :: self.dp_size]
+        batch = batch.to(self.device)
+        if needs_old_logprobs(self.algo) and batch.old_logprobs is None:
+            batch.old_logprobs = self.compute_logprobs(batch)
+        if self.ref_model is not None and batch.ref_logprobs is None:
+            batch.ref_logprobs = self.compute_ref_logprobs(batch)
+        metrics = prepare_batch(self.algo, batch, self.policy_version)
         self._zero_grad()
         parts = []
-        for mb in mine:
-            logits = self._forward(self.model, mb)
-            ent = ops.entropy(logits, self.temperature) if alg.entropy_coef > 0 else None
-            source = logits.clone() if ent is not None else logits
-            lp = ops.target_logprobs(source, mb.input_ids, self.temperature)
-            loss, metrics = compute_loss(alg, mb, lp, entropy=ent)
+        for mb in self._my_micro_batches(batch):
+            logp, ent = self._forward(self.model, mb, entropy=True)
+            loss, m = compute_loss(self.algo, mb, logp, entropy=ent)
             loss.backward()
-            parts.append((metrics, float(mb.n_loss_tokens)))
-        grad_norm = self._optimizer_step()
+            parts.append((m, float(mb.n_loss_tokens)))
+        metrics.update(self._sum_over_dp(merge_metrics(parts)))
+        metrics.update(self._optimizer_step())
         self.step += 1
         self.policy_version += 1
-        metrics = self._reduce_losses(merge_metrics(parts))
-        return {**prep, **metrics, "grad_norm": grad_norm, "lr": lc.lr}
+        metrics.update(self._counters(batch, start, len(parts)))
+        return metrics
+
+    def sft_step(self, batch: Batch, lr: float | None = None) -> dict[str, float]:
+        """Supervised cross-entropy on the batch's loss tokens (one optimizer step); `lr` overrides for this step."""
+        start = time.perf_counter()
+        _check_batch(batch)
+        batch = batch.to(self.device)
+        self._zero_grad()
+        total, parts = 0.0, 0
+        for mb in self._my_micro_batches(batch):
+            logp, _ = self._forward(self.model, mb)
+            loss = sft_loss(logp, mb.loss_mask, batch.total_loss_tokens)
+            loss.backward()
+            total += float(loss.detach())
+            parts += 1
+        metrics = self._sum_over_dp({"loss": total})
+        metrics.update(self._optimizer_step(lr))
+        self.policy_version += 1
+        metrics.update(self._counters(batch, start, parts))
+        return metrics
 
     def _zero_grad(self) -> None:
         if self.cuda:
@@ -154,34 +215,47 @@ class MegatronLearner(Learner):
         else:
             self.optimizer.zero_grad(set_to_none=True)
 
-    def _optimizer_step(self) -> float:
-        if not self.cuda:
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            norm = (
-                torch.nn.utils.clip_grad_norm_(params, self.cfg.learner.grad_clip)
-                if params
-                else torch.zeros(())
-            )
-            self.optimizer.step()
-            return float(norm)
-        from megatron.core.distributed import finalize_model_grads
+    def _optimizer_step(self, lr: float | None = None) -> dict[str, float]:
+        groups = self.optimizer.param_groups
+        saved = [g["lr"] for g in groups]
+        if lr is not None:
+            for g in groups:
+                g["lr"] = lr
+        if self.cuda:
+            from megatron.core.distributed import finalize_model_grads
 
-        finalize_model_grads([self.model])
-        ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise LearnerError("Megatron optimizer step was skipped (non-finite gradients)")
-        return float(grad_norm or 0.0)
+            finalize_model_grads([self.model])
+            _, grad_norm, _ = self.optimizer.step()  # skips the update itself on non-finite gradients
+            grad_norm = float("nan") if grad_norm is None else float(grad_norm)
+        else:
+            clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+            norm = torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), clip)
+            if torch.isfinite(norm):
+                self.optimizer.step()
+            grad_norm = float(norm)
+        for g, old in zip(groups, saved, strict=True):
+            g["lr"] = old
+        return {"grad_norm": grad_norm, "lr": float(lr if lr is not None else saved[0])}
 
-    def _reduce_losses(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Loss terms are partial sums per DP rank; sum them across the data-parallel group."""
+    def _sum_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Loss terms are partial sums per DP rank (full-batch normalisers): add them up across ranks."""
         if self.dp_size == 1:
             return metrics
         from megatron.core import parallel_state as ps
 
         keys = sorted(k for k in metrics if k.startswith("loss"))
-        values = torch.tensor([metrics.get(k, 0.0) for k in keys], dtype=torch.float64, device=self.device)
+        values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(values, group=ps.get_data_parallel_group())
         return {**metrics, **dict(zip(keys, values.tolist(), strict=True))}
+
+    def _counters(self, batch: Batch, start: float, n_micro: int) -> dict[str, float]:
+        return {
+            "tokens": float(batch.n_tokens),
+            "loss_tokens": float(batch.total_loss_tokens),
+            "micro_batches": float(n_micro),
+            "time_s": time.perf_counter() - start,
+            "policy_version": float(self.policy_version),
+        }
 
     # -- weights and checkpoints -------------------------------------------------------------------------
 
@@ -200,21 +274,3 @@ def _check_batch(batch: Batch) -> None:
         raise LearnerError(
             "learner.kind = 'megatron' needs unpacked (right-padded) batches, got a packed batch"
         )
-
-
-def row_groups(batch: Batch, budget_tokens: int) -> list[list[int]]:
-    """Row indices of each micro-batch, the same grouping as agentrl.learners.batch.micro_batches."""
-    lengths = batch.row_lengths().cpu().tolist()
-    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
-    out: list[list[int]] = []
-    current: list[int] = []
-    width = 0
-    for r in order:
-        if current and (len(current) + 1) * max(width, lengths[r]) > budget_tokens:
-            out.append(sorted(current))
-            current, width = [], 0
-        current.append(r)
-        width = max(width, lengths[r])
-    if current:
-        out.append(sorted(current))
-    return out

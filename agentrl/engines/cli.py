@@ -1,0 +1,66 @@
+"""Serve the embedded engine over HTTP with SGLang's routes (`agentrl serve-engine --model DIR`).
+
+Prints one line `agentrl serve-engine: serving http://HOST:PORT` once it accepts requests (with --port 0 the
+chosen port is in it), then serves until interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", "--model-path", dest="model", required=True, help="Hugging Face model directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--max-batch-size", type=int, default=64, help="KV-cache slots (concurrent requests)")
+    parser.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens per request")
+    parser.add_argument("--max-prefill-tokens", type=int, default=8192)
+    parser.add_argument("--weight-version", type=int, default=0, help="policy version of the loaded weights")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    import asyncio
+
+    from agentrl.engines.embedded import EmbeddedEngine
+    from agentrl.engines.server import EngineServer
+
+    engine = EmbeddedEngine(
+        args.model, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
+        max_seq_len=args.max_seq_len, max_prefill_tokens=args.max_prefill_tokens,
+        policy_version=args.weight_version, seed=args.seed,
+    )  # fmt: skip
+    server = EngineServer(engine, args.host, args.port)
+    url = await server.start()
+    print(f"agentrl serve-engine: serving {url}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await server.stop(close_engine=True)
+
+
+def main(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        from uvloop import run
+    except ImportError:
+        run = asyncio.run
+    run(_serve(args))
+    return 0
+
+
+if __name__ == "__main__":  # `python -m agentrl.engines.cli --model DIR` (what tests and launchers spawn)
+    import sys
+
+    _parser = argparse.ArgumentParser(prog="agentrl serve-engine")
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))

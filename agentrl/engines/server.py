@@ -1,0 +1,249 @@
+"""HTTP front of the embedded engine with SGLang's routes (what `agentrl serve-engine` runs).
+
+Routes: POST /generate, /update_weights_from_disk, /update_weights_from_tensor, /init_weights_update_group,
+/update_weights_from_distributed, /pause_generation, /continue_generation, /flush_cache, /abort_request;
+GET /health, /health_generate, /get_model_info, /get_server_info. Bodies are JSON (msgpack is accepted for
+/update_weights_from_tensor). Every bad request is a 4xx `{"error": {"message", "field", "code"}}` naming the
+field; engine failures are 5xx. `EngineServer` hosts it in-process (start() returns the URL, stop()).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from agentrl.engines import wire
+from agentrl.engines.base import DiskSource, DistributedSource, InvalidRequest, TensorSource
+from agentrl.engines.embedded import EmbeddedEngine
+from agentrl.errors import EngineError, WeightSyncError
+
+_PAUSE_MODES = {"abort": "abort", "wait": "wait", "keep": "keep", "in_place": "keep", "retract": "keep"}
+_DECODERS: dict[type, msgspec.json.Decoder] = {}
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, field: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.field, self.status = field, status
+
+
+def _field_of(message: str) -> str | None:
+    """Dotted field path from a msgspec validation message."""
+    at = re.search(r"at `\$\.?([^`]*)`", message)
+    named = re.search(r"(?:unknown|missing required) field `([^`]+)`", message)
+    parts = [p for p in ((at.group(1) if at else ""), (named.group(1) if named else "")) if p]
+    return ".".join(parts) or None
+
+
+async def _decode(request: web.Request, cls: type) -> Any:
+    raw = await request.read()
+    try:
+        if request.content_type in ("application/msgpack", "application/x-msgpack"):
+            return msgspec.msgpack.decode(raw or b"\x80", type=cls)
+        decoder = _DECODERS.setdefault(cls, msgspec.json.Decoder(cls))
+        return decoder.decode(raw or b"{}")
+    except msgspec.ValidationError as exc:
+        raise BadRequest(str(exc), _field_of(str(exc))) from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"malformed body: {exc}", "body") from None
+
+
+def _version(text: str | None, engine: EmbeddedEngine) -> int:
+    if text is None:
+        return engine.policy_version + 1
+    try:
+        return int(text)
+    except ValueError:
+        raise BadRequest(f"agentrl weight versions are integers, got {text!r}", "weight_version") from None
+
+
+class EngineServer:
+    """The aiohttp app around one engine. `tokenizer_path` (optional) adds `text` to /generate responses."""
+
+    def __init__(self, engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 0, tokenizer_path: str | None = None):
+        self.engine, self.host, self.port = engine, host, port
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+        self._tokenizer = None
+        tok_file = Path(tokenizer_path or engine.model_path) / "tokenizer.json"
+        if tok_file.exists():
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(str(tok_file))
+        self.app = web.Application(client_max_size=8 << 30, middlewares=[self._errors])
+        post = {
+            "/generate": self.generate,
+            "/update_weights_from_disk": self.update_from_disk,
+            "/update_weights_from_tensor": self.update_from_tensor,
+            "/init_weights_update_group": self.init_group,
+            "/update_weights_from_distributed": self.update_from_distributed,
+            "/pause_generation": self.pause,
+            "/continue_generation": self.resume,
+            "/flush_cache": self.flush_cache,
+            "/abort_request": self.abort,
+        }
+        for path, handler in post.items():
+            self.app.router.add_post(path, handler)
+        self.app.router.add_get("/flush_cache", self.flush_cache)
+        for path in ("/health", "/health_generate"):
+            self.app.router.add_get(path, self.health)
+        self.app.router.add_get("/get_model_info", self.model_info)
+        self.app.router.add_get("/get_server_info", self.server_info)
+
+    async def start(self) -> str:
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        self.url = f"http://{self.host}:{self.port}"
+        return self.url
+
+    async def stop(self, close_engine: bool = False) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if close_engine:
+            await self.engine.close()
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except BadRequest as exc:
+            return web.json_response(wire.error_body(str(exc), exc.field, exc.status), status=exc.status)
+        except InvalidRequest as exc:
+            return web.json_response(wire.error_body(str(exc), exc.field), status=400)
+        except WeightSyncError as exc:
+            body = {"success": False, "message": str(exc), **wire.error_body(str(exc), None, 500)}
+            return web.json_response(body, status=500)
+        except EngineError as exc:
+            return web.json_response(wire.error_body(str(exc), None, 503), status=503)
+        except web.HTTPException:
+            raise
+        except Exception as exc:
+            return web.json_response(wire.error_body(f"internal error: {exc!r}", None, 500), status=500)
+
+    # -- generation ----------------------------------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.Response:
+        req = await _decode(request, wire.GenerateRequest)
+        if req.input_ids is None:
+            raise BadRequest("send token ids in input_ids (text prompts are not supported)", "input_ids")
+        if req.stream:
+            raise BadRequest("streaming is not supported", "stream")
+        sampling = req.sampling_params.to_sampling()
+        rid = req.rid or uuid.uuid4().hex
+        out = await self.engine.generate(req.input_ids, sampling, request_id=rid)
+        text = self._tokenizer.decode(out.output_ids, skip_special_tokens=False) if self._tokenizer else None
+        return web.json_response(wire.generate_response(out, rid, req.return_logprob, sampling, text))
+
+    async def abort(self, request: web.Request) -> web.Response:
+        req = await _decode(request, wire.AbortRequest)
+        if req.abort_all:
+            await self.engine.abort_all()
+        elif req.rid:
+            await self.engine.abort(req.rid)
+        else:
+            raise BadRequest("give rid or abort_all", "rid")
+        return web.json_response({"success": True})
+
+    async def pause(self, request: web.Request) -> web.Response:
+        req = await _decode(request, wire.PauseRequest)
+        await self.engine.pause(_PAUSE_MODES[req.mode])
+        return web.json_response({"success": True, "message": f"paused ({req.mode})"})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        await request.read()
+        await self.engine.resume()
+        return web.json_response({"success": True})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        await self.engine.flush_cache()
+        return web.json_response({"success": True})
+
+    # -- weights -------------------------------------------------------------------------------------------------
+
+    async def _update(self, version: int, source: Any, abort_all: bool) -> web.Response:
+        start = time.perf_counter()
+        if abort_all:
+            await self.engine.abort_all()
+        await self.engine.update_weights(version, source)
+        msg = f"weights updated to version {version} in {time.perf_counter() - start:.3f}s"
+        return web.json_response({"success": True, "message": msg, "weight_version": str(version)})
+
+    async def update_from_disk(self, request: web.Request) -> web.Response:
+        req = await _decode(request, wire.DiskUpdateRequest)
+        if not Path(req.model_path).is_dir():
+            raise BadRequest(f"model_path {req.model_path!r} is not a directory", "model_path")
+        version = _version(req.weight_version, self.engine)
+        return await self._update(version, DiskSource(req.model_path), req.abort_all_requests)
+
+    async def update_from_tensor(self, request: web.Request) -> web.Response:
+        req = await _decode(request, wire.TensorUpdateRequest)
+        if req.load_format != wire.AGENTRL_TENSOR_FORMAT:
+            raise BadRequest(
+                f"load_format must be {wire.AGENTRL_TENSOR_FORMAT!r} (safetensors bytes); SGLang's pickled "
+                f"CUDA-IPC payloads are not accepted here, got {req.load_format!r}",
+                "load_format",
+            )
+        if len(req.serialized_named_tensors) != 1:
+            raise BadRequest("expected one payload (tp_size 1)", "serialized_named_tensors")
+        version = _version(req.weight_version, self.engine)
+        try:
+            tensors = await asyncio.to_thread(wire.decode_safetensors, req.serialized_named_tensors[0])
+        except Exception as exc:
+            raise BadRequest(f"not a safetensors payload: {exc}", "serialized_named_tensors") from None
+        return await self._update(version, TensorSource(tensors), req.abort_all_requests)
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        req = await _decode(request, wire.InitGroupRequest)
+        backend = "gloo" if self.engine.device.type == "cpu" else req.backend
+        await asyncio.to_thread(
+            self.engine.init_weights_update_group,
+            req.master_address, req.master_port, req.rank_offset, req.world_size, req.group_name, backend,
+        )  # fmt: skip
+        return web.json_response({"success": True, "message": f"joined {req.group_name} as rank {req.rank_offset}"})
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        req = await _decode(request, wire.DistributedUpdateRequest)
+        if not len(req.names) == len(req.dtypes) == len(req.shapes):
+            raise BadRequest("names, dtypes and shapes must have the same length", "names")
+        version = _version(req.weight_version, self.engine)
+        source = DistributedSource(req.group_name, req.names, req.dtypes, req.shapes)
+        return await self._update(version, source, req.abort_all_requests)
+
+    # -- info ----------------------------------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        info = await self.engine.health()
+        return web.json_response(info, status=200 if info["ok"] else 503)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        e = self.engine
+        return web.json_response(
+            {
+                "model_path": e.model_path,
+                "tokenizer_path": e.model_path,
+                "is_generation": True,
+                "engine": "agentrl-embedded",
+                "weight_version": str(e.policy_version),
+                "vocab_size": e.vocab_size,
+                "max_seq_len": e.max_seq_len,
+                "max_batch_size": e.max_batch_size,
+                "device": str(e.device),
+                "dtype": e.dtype_name,
+                "arch": e.spec.arch,
+            }
+        )
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        info = await self.engine.health()
+        return web.json_response({**info, "engine": "agentrl-embedded", "tp_size": 1, "model_path": self.engine.model_path})

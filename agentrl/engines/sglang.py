@@ -1,0 +1,222 @@
+"""`SGLangEngine`: the Engine interface over HTTP to an SGLang-dialect server (real SGLang or serve-engine).
+
+Every call has a timeout and fails with EngineError (WeightSyncError for weight updates) naming the URL and
+route. Versions: per-token runs from `meta_info.agentrl_versions` when the server sends them (serve-engine),
+else every token is stamped with `meta_info.weight_version` (SGLang reports one version per request).
+Pause modes map to SGLang's: abort -> "abort", keep -> "in_place"; "wait" is done client-side (stop sending,
+wait for this client's in-flight requests, then "in_place"), since SGLang has no such mode.
+Hot reload: /update_weights_from_disk, /update_weights_from_tensor (SGLang's pickled CUDA-IPC payload for
+real SGLang on the same GPU; safetensors bytes for serve-engine), /init_weights_update_group +
+/update_weights_from_distributed (NCCL broadcast from the trainer, rank 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+
+from agentrl.engines import wire
+from agentrl.engines.base import (
+    DiskSource,
+    DistributedSource,
+    Engine,
+    GenerateOutput,
+    InvalidRequest,
+    PauseMode,
+    SamplingParams,
+    TensorSource,
+    WeightSource,
+)
+from agentrl.engines.sglang_launcher import SGLangServer
+from agentrl.errors import EngineError, WeightSyncError
+
+__all__ = ["SGLangEngine", "SGLangServer"]
+
+
+class SGLangEngine(Engine):
+    """Client of one server at `url`. `tensor_format`: "auto" (asks /get_model_info), "sglang" or "agentrl"."""
+
+    def __init__(self, url: str, request_timeout_s: float = 300.0, update_timeout_s: float = 120.0,
+                 policy_version: int = 0, tensor_format: str = "auto", tp_size: int = 1,
+                 retries: int = 3, timeout_s: float | None = None) -> None:  # fmt: skip
+        if timeout_s is not None:  # alias of request_timeout_s
+            request_timeout_s = timeout_s
+        self.url = url.rstrip("/")
+        self.request_timeout_s, self.update_timeout_s = request_timeout_s, update_timeout_s
+        self.tensor_format, self.tp_size, self.retries = tensor_format, tp_size, retries
+        self._version = policy_version
+        self._session: aiohttp.ClientSession | None = None
+        self._in_flight = 0
+        self._drained: asyncio.Event | None = None
+        self._gate: asyncio.Event | None = None
+        self._paused: PauseMode | None = None
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    # -- transport -----------------------------------------------------------------------------------------------
+
+    def _ensure(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True))
+            self._gate, self._drained = asyncio.Event(), asyncio.Event()
+            self._gate.set()
+            self._drained.set()
+        return self._session
+
+    async def _call(self, method: str, route: str, body: Any = None, timeout_s: float | None = None,
+                    error: type[EngineError] = EngineError) -> dict[str, Any]:  # fmt: skip
+        """One request with retries on dropped connections; 4xx/5xx and timeouts raise `error` naming the route."""
+        session = self._ensure()
+        timeout_s = timeout_s or self.request_timeout_s
+        where = f"{self.url}{route}"
+        for attempt in range(self.retries + 1):
+            try:
+                async with session.request(
+                    method, where, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+                ) as resp:
+                    data = await resp.json(content_type=None) if resp.content_length != 0 else {}
+                    if resp.status >= 400:
+                        err = (data or {}).get("error") if isinstance(data, dict) else None
+                        msg = (err or {}).get("message") if isinstance(err, dict) else None
+                        msg = msg or (data.get("message") if isinstance(data, dict) else None) or str(data)
+                        if resp.status == 400 and route == "/generate":
+                            raise InvalidRequest((err or {}).get("field") or "request", f"{where}: {msg}")
+                        raise error(f"{where}: HTTP {resp.status}: {msg}")
+                    if isinstance(data, dict) and data.get("success") is False:
+                        raise error(f"{where}: {data.get('message', 'failed')}")
+                    return data if isinstance(data, dict) else {"data": data}
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientConnectorError, aiohttp.ClientOSError) as exc:
+                if attempt == self.retries:
+                    raise error(f"{where}: {exc.__class__.__name__}: {exc}") from exc
+                await asyncio.sleep(min(0.1 * 2**attempt, 2.0))
+            except asyncio.TimeoutError:
+                raise error(f"{where}: no answer within {timeout_s:.0f}s") from None
+            except aiohttp.ContentTypeError as exc:
+                raise error(f"{where}: answer is not JSON: {exc}") from exc
+        raise AssertionError("unreachable")
+
+    # -- Engine API ----------------------------------------------------------------------------------------------
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+    ) -> GenerateOutput:
+        self._ensure()
+        await self._gate.wait()
+        body: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": wire.sampling_to_wire(sampling),
+            "return_logprob": True,
+        }
+        if request_id is not None:
+            body["rid"] = request_id
+        self._in_flight += 1
+        self._drained.clear()
+        try:
+            data = await self._call("POST", "/generate", body)
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._drained.set()
+        try:
+            return wire.parse_generate_response(data, self._version)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(f"{self.url}/generate: malformed response ({exc!r})") from exc
+
+    async def abort(self, request_id: str) -> None:
+        await self._call("POST", "/abort_request", {"rid": request_id})
+
+    async def abort_all(self) -> None:
+        await self._call("POST", "/abort_request", {"abort_all": True})
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        self._ensure()
+        if mode == "abort":
+            await self._call("POST", "/pause_generation", {"mode": "abort"})
+        elif mode == "keep":
+            await self._call("POST", "/pause_generation", {"mode": "in_place"})
+        elif mode == "wait":
+            self._gate.clear()
+            await asyncio.wait_for(self._drained.wait(), self.request_timeout_s)
+            await self._call("POST", "/pause_generation", {"mode": "in_place"})
+        else:
+            raise InvalidRequest("mode", f"must be abort, wait or keep, got {mode!r}")
+        self._paused = mode
+
+    async def resume(self) -> None:
+        self._ensure()
+        await self._call("POST", "/continue_generation", {})
+        self._paused = None
+        self._gate.set()
+
+    async def flush_cache(self) -> None:
+        await self._call("POST", "/flush_cache", {})
+
+    async def health(self) -> dict[str, Any]:
+        try:
+            await self._call("GET", "/health_generate", timeout_s=min(30.0, self.request_timeout_s))
+            return {"ok": True, "url": self.url, "policy_version": self._version}
+        except EngineError as exc:
+            return {"ok": False, "url": self.url, "error": str(exc), "policy_version": self._version}
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self._call("GET", "/get_model_info")
+
+    # -- weights -------------------------------------------------------------------------------------------------
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "weight_update_group",
+                                        backend: str = "nccl") -> None:  # fmt: skip
+        """Ask the server to join the trainer's broadcast group; the trainer (rank 0) must join concurrently."""
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        await self._call("POST", "/init_weights_update_group", body, self.update_timeout_s, WeightSyncError)
+
+    async def _tensor_format(self) -> str:
+        if self.tensor_format == "auto":
+            info = await self._call("GET", "/get_model_info", error=WeightSyncError)
+            self.tensor_format = "agentrl" if info.get("engine") == "agentrl-embedded" else "sglang"
+        return self.tensor_format
+
+    async def update_weights(self, version: int, source: WeightSource) -> None:
+        # SGLang refuses to flush while requests sit in the running batch (in-place pause): keep their KV.
+        common = {"weight_version": str(version), "flush_cache": self._paused != "keep"}
+        if isinstance(source, DiskSource):
+            route, body = "/update_weights_from_disk", {"model_path": source.path, **common}
+        elif isinstance(source, TensorSource):
+            route = "/update_weights_from_tensor"
+            if await self._tensor_format() == "agentrl":
+                payload = await asyncio.to_thread(wire.encode_safetensors, source.tensors)
+                import base64
+
+                blob, load_format = base64.b64encode(payload).decode("ascii"), wire.AGENTRL_TENSOR_FORMAT
+            else:
+                blob, load_format = await asyncio.to_thread(wire.encode_sglang_tensors, source.tensors), None
+            body = {"serialized_named_tensors": [blob] * self.tp_size, "load_format": load_format, **common}
+        elif isinstance(source, DistributedSource):
+            route = "/update_weights_from_distributed"
+            body = {
+                "names": source.names,
+                "dtypes": source.dtypes,
+                "shapes": source.shapes,
+                "group_name": source.group_name,
+                **common,
+            }
+        else:
+            raise WeightSyncError(f"unknown weight source {type(source).__name__}")
+        await self._call("POST", route, body, self.update_timeout_s, WeightSyncError)
+        self._version = version
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

@@ -1,0 +1,223 @@
+"""The SGLang HTTP dialect as agentrl speaks it: request bodies, response shaping, tensor payloads.
+
+Shared by `agentrl serve-engine` (server.py) and the SGLang client (sglang.py). Request bodies are msgspec
+Structs with `forbid_unknown_fields`, so a misspelt key is a 400 that names it. Field names follow SGLang
+0.5.x (`/generate`: input_ids, sampling_params, return_logprob, rid; `/update_weights_from_*`:
+weight_version as a string, flush_cache, abort_all_requests). agentrl's additions: `meta_info.agentrl_versions`
+(per-token version runs) and `load_format = "agentrl_safetensors"` for `/update_weights_from_tensor` (base64
+or raw-msgpack safetensors bytes, works on CPU; SGLang's own format is a pickled CUDA-IPC payload).
+Imports no torch at module level.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Literal
+
+import msgspec
+
+from agentrl.engines.base import GenerateOutput, SamplingParams
+
+AGENTRL_TENSOR_FORMAT = "agentrl_safetensors"
+VERSIONS_KEY = "agentrl_versions"
+
+
+class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class WireSamplingParams(_Body, omit_defaults=True):
+    """SGLang's sampling_params subset that agentrl implements (`sampling_seed` is SGLang's name for seed)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    sampling_seed: int | None = None
+
+    def to_sampling(self) -> SamplingParams:
+        seed = self.sampling_seed if self.sampling_seed is not None else self.seed
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_new_tokens=self.max_new_tokens,
+            stop_token_ids=list(self.stop_token_ids or []),
+            seed=seed,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+def sampling_to_wire(sp: SamplingParams) -> dict[str, Any]:
+    """Engine SamplingParams -> SGLang sampling_params (seed travels as `sampling_seed`)."""
+    out: dict[str, Any] = {
+        "temperature": sp.temperature,
+        "top_p": sp.top_p,
+        "top_k": sp.top_k,
+        "max_new_tokens": sp.max_new_tokens,
+        "ignore_eos": sp.ignore_eos,
+    }
+    if sp.stop_token_ids:
+        out["stop_token_ids"] = list(sp.stop_token_ids)
+    if sp.seed is not None:
+        out["sampling_seed"] = sp.seed
+    return out
+
+
+class GenerateRequest(_Body):
+    input_ids: list[int] | None = None
+    sampling_params: WireSamplingParams = msgspec.field(default_factory=WireSamplingParams)
+    return_logprob: bool = False
+    rid: str | None = None
+    stream: bool = False
+    logprob_start_len: int = -1
+
+
+class DiskUpdateRequest(_Body):
+    model_path: str
+    weight_version: str | None = None
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+
+
+class TensorUpdateRequest(_Body):
+    serialized_named_tensors: list[bytes]  # base64 strings in JSON, raw bytes in msgpack
+    load_format: str | None = None
+    weight_version: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+
+
+class InitGroupRequest(_Body):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class DistributedUpdateRequest(_Body):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    weight_version: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    load_format: str | None = None
+
+
+class PauseRequest(_Body):
+    mode: Literal["abort", "in_place", "retract", "keep", "wait"] = "abort"
+
+
+class AbortRequest(_Body):
+    rid: str = ""
+    abort_all: bool = False
+
+
+def finish_reason_dict(out: GenerateOutput, sampling: SamplingParams) -> dict[str, Any]:
+    """SGLang's finish_reason shape: {"type": "stop", "matched": id} | {"type": "length", "length": n} | abort."""
+    if out.finish_reason == "stop":
+        return {"type": "stop", "matched": out.output_ids[-1]}
+    if out.finish_reason == "length":
+        return {"type": "length", "length": len(out.output_ids)}
+    return {"type": "abort", "message": "request aborted"}
+
+
+def generate_response(out: GenerateOutput, rid: str, return_logprob: bool, sampling: SamplingParams,
+                      text: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """The `/generate` response body for one finished request."""
+    last_version = out.versions[-1][0] if out.versions else None
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": finish_reason_dict(out, sampling),
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": len(out.output_ids),
+        "cached_tokens": 0,
+        "weight_version": str(last_version) if last_version is not None else None,
+        VERSIONS_KEY: [[v, n] for v, n in out.versions],
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(out.logprobs, out.output_ids)]
+    body: dict[str, Any] = {"output_ids": out.output_ids, "meta_info": meta}
+    if text is not None:
+        body["text"] = text
+    return body
+
+
+def parse_version(text: Any, default: int) -> int:
+    """SGLang's weight_version is a free string ("default" until set); agentrl's are integers."""
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        return default
+
+
+def parse_generate_response(body: dict[str, Any], default_version: int) -> GenerateOutput:
+    """SGLang (or serve-engine) `/generate` response -> GenerateOutput; raises KeyError/TypeError if malformed."""
+    meta = body["meta_info"]
+    output_ids = list(body["output_ids"])
+    logprobs = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
+    if len(logprobs) != len(output_ids):
+        raise ValueError(f"{len(logprobs)} logprobs for {len(output_ids)} output ids (return_logprob off?)")
+    reason = meta.get("finish_reason") or {}
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    finish = kind if kind in ("stop", "length", "abort") else "stop"
+    runs = meta.get(VERSIONS_KEY)
+    if runs is not None:
+        versions = [(int(v), int(n)) for v, n in runs]
+    else:
+        version = parse_version(meta.get("weight_version"), default_version)
+        versions = [(version, len(output_ids))] if output_ids else []
+    return GenerateOutput(
+        output_ids=output_ids,
+        logprobs=logprobs,
+        finish_reason=finish,
+        versions=versions,
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+    )
+
+
+# -- tensor payloads -------------------------------------------------------------------------------------------
+
+
+def encode_safetensors(named_tensors: Any) -> bytes:
+    """`(name, tensor)` pairs or a dict -> safetensors bytes (CPU, contiguous)."""
+    from safetensors.torch import save
+
+    items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+    return save({name: t.detach().to("cpu").contiguous() for name, t in items})
+
+
+def decode_safetensors(payload: str | bytes) -> dict[str, Any]:
+    from safetensors.torch import load
+
+    data = base64.b64decode(payload, validate=True) if isinstance(payload, str) else payload
+    return load(data)
+
+
+def encode_sglang_tensors(named_tensors: Any) -> str:
+    """SGLang's `MultiprocessingSerializer.serialize(list_of_pairs, output_str=True)`: base64 of a
+    ForkingPickler dump. CUDA tensors travel as IPC handles, so sender and server must share the GPU."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 - registers the tensor reductions
+
+    items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(items)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def error_body(message: str, field: str | None = None, status: int = 400) -> dict[str, Any]:
+    err: dict[str, Any] = {"message": message, "code": status}
+    if field:
+        err["field"] = field
+    return {"error": err}

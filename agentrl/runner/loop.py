@@ -1,0 +1,325 @@
+"""The training loop behind `agentrl run`: one loop, two modes.
+
+Data flow per learner step: the dispatcher keeps rollout groups in flight (each first reserves admission in
+the queue's staleness window), workers stream finished groups into the queue, the learner takes a batch of
+`prompts_per_step * n_samples_per_prompt` trajectories, trains (version v -> v+1), publishes v+1 to every
+engine, and the step's ids are committed to the ledger once a checkpoint holding that step is on disk.
+
+- sync (`run.mode = "sync"`, max_staleness forced to 0): the window holds exactly one batch per version, so
+  generation of batch v+1 starts only when v+1 is published: generate -> train -> publish -> repeat.
+- async: the window is `(v + max_staleness + 1) * batch`, so rollout runs ahead while the learner trains;
+  engines reload between decode steps and tokens carry the version that sampled them.
+
+Resume (`--resume`): checkpoints are written every `run.checkpoint_every` steps *before* their steps are
+committed; on resume the newest checkpoint whose step the ledger has reached is loaded, and every
+trajectory sampled after it comes back from the queue's WAL. With checkpoint_every = 1 nothing is lost or
+trained twice even when the process is killed between any two writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from agentrl.config import Config
+from agentrl.runner.progress import Progress
+from agentrl.runner.rundir import RunDir, read_ledger
+
+log = logging.getLogger(__name__)
+
+
+def prepare(cfg: Config) -> Config:
+    """Derived settings: the queue's group size and batch size follow the rollout section; paths absolute."""
+    cfg = msgspec.convert(msgspec.to_builtins(cfg), Config)
+    n = cfg.rollout.n_samples_per_prompt
+    if cfg.queue.group_size == 1 and n > 1:
+        cfg.queue.group_size = n
+    cfg.queue.batch_size = cfg.rollout.prompts_per_step * n
+    cfg.model.path = str(Path(cfg.model.path).resolve())
+    cfg.run.root = str(Path(cfg.run.root).resolve())
+    if cfg.run.mode == "sync":
+        cfg.queue.max_staleness = 0
+    return cfg
+
+
+def ensure_model(cfg: Config) -> str:
+    path = Path(cfg.model.path)
+    if not (path / "config.json").exists():
+        if not cfg.model.make_tiny:
+            from agentrl.errors import ConfigError
+
+            raise ConfigError(f"model.path = '{path}' holds no model (config.json) and model.make_tiny = false")
+        from agentrl.engines.tiny import make_tiny_model
+
+        make_tiny_model(path, arch=cfg.model.arch, seed=cfg.model.seed)
+    return str(path)
+
+
+def init_ray(cfg: Config) -> bool:
+    """Start (or join) Ray; returns False when the caller had already initialised it (then it owns it)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if cfg.run.ray_address:
+        ray.init(address=cfg.run.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+    else:
+        ray.init(
+            num_cpus=cfg.run.ray_num_cpus or os.cpu_count() or 2,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+        )
+    return True
+
+
+def run(cfg: Config, resume: bool = False) -> dict[str, Any]:
+    """Run (or resume) training to `run.steps`; returns a summary. Ctrl-C shuts down cleanly."""
+    cfg = prepare(cfg)
+    rundir = RunDir(cfg, resume=resume)
+    model_path = ensure_model(cfg)
+    owns_ray = init_ray(cfg)
+    import ray
+
+    try:
+        return asyncio.run(Runner(cfg, rundir, model_path, resume).main())
+    finally:
+        rundir.close()
+        if owns_ray:
+            ray.shutdown()
+
+
+class Runner:
+    def __init__(self, cfg: Config, rundir: RunDir, model_path: str, resume: bool):
+        from agentrl.data import eval_tasks, task_source
+        from agentrl.envs.registry import make_env
+
+        self.cfg = cfg
+        self.rundir = rundir
+        self.model_path = model_path
+        self.resume = resume
+        env = make_env(cfg.env.name, cfg.env.kwargs)
+        self.tasks = task_source(env, cfg.data, seed=cfg.run.seed)
+        self.eval_tasks = eval_tasks(env, cfg.data, cfg.run.eval_prompts) if cfg.run.eval_every else []
+        self.step = 0
+        self.policy_version = 0
+        self.task_index = 0
+        self.inflight: dict[int, dict[str, Any]] = {}
+        self.reissue: list[tuple[int, dict[str, Any]]] = []
+        self.pending: list[tuple[int, list[str]]] = []
+        self.rollout_rewards: list[float] = []
+        self.groups_done = 0
+        self.wall_offset_s = 0.0
+        self.coord: Any = None
+        self.progress = Progress(cfg.run.steps, cfg.run.progress, title=cfg.run.name)
+        self.batch_size = cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt
+
+    # -- setup -------------------------------------------------------------------------------------------
+
+    def _pick_checkpoint(self) -> tuple[Path, dict[str, Any]] | None:
+        """Newest checkpoint whose step the ledger has reached (see the module docstring)."""
+        ledger = read_ledger(self.rundir.ledger_path)
+        last = max((int(r["step"]) for r in ledger), default=0)
+        candidates = []
+        for path in self.rundir.ckpt_root.glob("step_*"):
+            state_file = path / "state.json"
+            if state_file.exists():
+                import json
+
+                state = json.loads(state_file.read_text())
+                candidates.append((int(state["step"]), path, state))
+        ok = [c for c in candidates if c[0] <= last or (c[0] == 0)]
+        if not ok:
+            return None
+        ok.sort(key=lambda c: c[0])
+        step, path, state = ok[-1]
+        committed_after = [r for r in ledger if int(r["step"]) > step]
+        if committed_after:
+            log.warning("ledger has steps past checkpoint %d: %s", step, [r["step"] for r in committed_after])
+        return path, state
+
+    async def _setup(self) -> None:
+        from agentrl.actors.coordinator import Coordinator
+
+        ckpt = self._pick_checkpoint() if self.resume else None
+        if ckpt is not None:
+            _, state = ckpt
+            self.step, self.policy_version = int(state["step"]), int(state["policy_version"])
+        self.coord = Coordinator(self.cfg, str(self.rundir.path), self.model_path, self.policy_version)
+        self.progress.note(f"starting actors ({self.cfg.run.placement})")
+        await self.coord.start()
+        if ckpt is not None:
+            path, state = ckpt
+            await self.coord.learner.load.remote(str(path / "learner"))
+            self.task_index = int(state["task_index"])
+            self.tasks.load_state_dict(state["data_cursor"])
+            self.reissue = [(int(i), t) for i, t in state["inflight"]]
+            self.wall_offset_s = float(state.get("wall_s", 0.0))
+            self.rundir.truncate_metrics(self.step)
+            self.progress.note(f"resumed at step {self.step} (policy_version {self.policy_version})")
+        elif self.cfg.warmup.steps > 0:
+            self.progress.note(f"warm-up: {self.cfg.warmup.steps} SFT steps on {self.cfg.env.name} demonstrations")
+            stats = await self.coord.learner.warmup.remote()
+            self.progress.note(
+                f"warm-up done in {stats['warmup_s']:.0f}s, loss {stats['warmup_loss_first']:.2f} -> {stats['warmup_loss_last']:.2f}"
+            )
+            self.rundir.log({"step": 0, "phase": "warmup", **stats})
+        await self.coord.publish(self.policy_version)
+        if ckpt is None:
+            await self._checkpoint()
+
+    # -- tasks -------------------------------------------------------------------------------------------
+
+    def _next_task(self) -> tuple[int, dict[str, Any]] | None:
+        if self.reissue:
+            return self.reissue.pop(0)
+        batch = self.tasks.next_batch(1)
+        if not batch:
+            return None
+        index, self.task_index = self.task_index, self.task_index + 1
+        return index, batch[0]
+
+    async def _dispatcher(self) -> None:
+        c = self.cfg
+        limit = c.rollout.prompts_per_step
+        if c.run.mode == "async":
+            limit = max(limit, math.ceil(c.rollout.concurrency * c.rollout.num_workers / c.rollout.n_samples_per_prompt))
+        slots = asyncio.Semaphore(limit)
+        running: set[asyncio.Task] = set()
+        try:
+            while True:
+                await slots.acquire()
+                nxt = self._next_task()
+                if nxt is None:
+                    slots.release()
+                    break
+                index, task = nxt
+                self.inflight[index] = task
+                job = asyncio.create_task(self._group(index, task, slots))
+                running.add(job)
+                job.add_done_callback(running.discard)
+            await asyncio.gather(*running)
+        finally:
+            for job in running:
+                job.cancel()
+
+    async def _group(self, index: int, task: dict[str, Any], slots: asyncio.Semaphore) -> None:
+        try:
+            summary = await self.coord.run_group(index, task)
+            self.rollout_rewards.extend(summary["rewards"])
+            self.groups_done += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # surfaced by the supervisor's restart budget
+            log.error("rollout group %d failed: %r", index, exc)
+            self.failure = exc
+        finally:
+            self.inflight.pop(index, None)
+            slots.release()
+
+    # -- steps -------------------------------------------------------------------------------------------
+
+    async def _checkpoint(self) -> None:
+        tmp = self.rundir.begin_checkpoint(self.step)
+        await self.coord.learner.save.remote(str(tmp / "learner"))
+        state = {
+            "policy_version": self.policy_version,
+            "task_index": self.task_index,
+            "data_cursor": self.tasks.state_dict(),
+            "inflight": sorted(self.inflight.items()) + list(self.reissue),
+            "pending_commits": self.pending,
+            "wall_s": self._wall(),
+        }
+        self.rundir.finish_checkpoint(self.step, tmp, state)
+        for step, ids in self.pending:
+            await self.coord.queue.commit.remote(step, ids)
+        self.pending = []
+
+    def _wall(self) -> float:
+        return self.wall_offset_s + time.perf_counter() - self.t0
+
+    async def _evaluate(self) -> dict[str, float]:
+        if not self.eval_tasks:
+            return {}
+        return await self.coord.evaluate(self.eval_tasks)
+
+    async def _train_step(self, last_end: float) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        sampled = await self.coord.queue.sample_batch.remote(self.batch_size, self.policy_version)
+        wait_s = time.perf_counter() - t0
+        metrics = await self.coord.train(sampled.trajectories)
+        self.policy_version = int(metrics["policy_version"])
+        publish_s = await self.coord.publish(self.policy_version)
+        self.step += 1
+        self.pending.append((self.step, sampled.ids))
+        if self.step % max(1, self.cfg.run.checkpoint_every) == 0 or self.step >= self.cfg.run.steps:
+            await self._checkpoint()
+        now = time.perf_counter()
+        status = await self.coord.queue.status.remote()
+        metrics.update(
+            step=self.step,
+            sample_wait_s=wait_s,
+            publish_s=publish_s,
+            step_s=now - last_end,
+            tokens_per_s=metrics["response_tokens"] / max(1e-9, now - last_end),
+            wall_s=self._wall(),
+            queue_depth=status.get("depth", 0),
+            queue_dropped_stale=status.get("dropped_stale", 0),
+            rollout_reward_mean=_mean(self.rollout_rewards),
+            groups_done=self.groups_done,
+            restarts=self.coord.restarts,
+            reissued=self.coord.reissued,
+        )
+        self.rollout_rewards = []
+        return metrics
+
+    async def main(self) -> dict[str, Any]:
+        self.t0 = time.perf_counter()
+        self.failure: Exception | None = None
+        dispatcher: asyncio.Task | None = None
+        history: list[dict[str, Any]] = []
+        try:
+            await self._setup()
+            if self.cfg.run.eval_every and self.step == 0:
+                first = await self._evaluate()
+                self.rundir.log({"step": 0, "phase": "eval", "policy_version": self.policy_version, **first})
+                self.progress.note(f"eval before RL: reward {first.get('eval_reward_mean', 0):.3f}")
+            dispatcher = asyncio.create_task(self._dispatcher())
+            last_end = time.perf_counter()
+            while self.step < self.cfg.run.steps:
+                if self.cfg.run.time_limit_s and self._wall() > self.cfg.run.time_limit_s:
+                    self.progress.note(f"run.time_limit_s = {self.cfg.run.time_limit_s} reached")
+                    break
+                if self.failure is not None:
+                    raise self.failure
+                if dispatcher.done() and dispatcher.exception() is not None:
+                    raise dispatcher.exception()
+                metrics = await self._train_step(last_end)
+                last_end = time.perf_counter()
+                if self.cfg.run.eval_every and self.step % self.cfg.run.eval_every == 0:
+                    metrics.update(await self._evaluate())
+                self.rundir.log(metrics)
+                self.progress.update(metrics)
+                history.append(metrics)
+            if self.pending:
+                await self._checkpoint()
+            return {"ok": True, "steps": self.step, "policy_version": self.policy_version, "history": history}
+        finally:
+            if dispatcher is not None:
+                dispatcher.cancel()
+                await asyncio.gather(dispatcher, return_exceptions=True)
+            self.progress.close()
+            if self.coord is not None:
+                await self.coord.shutdown()
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")

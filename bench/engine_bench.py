@@ -1,0 +1,180 @@
+"""Embedded engine vs Hugging Face `generate`: output tokens/s on the same model in the same run.
+
+N requests with prompt lengths ~ U[a, b] and output lengths ~ U[c, d] (random token ids, eos ignored,
+temperature 1, logprobs on), all submitted at once to the embedded engine; HF `generate` runs the same
+requests in left-padded batches of --hf-batch-size (each batch runs to its longest output; only the
+requested tokens are counted). Prints one JSON line (and writes it to --out).
+
+    # CPU, tiny model (what the CPU numbers in docs/benchmarks use)
+    python bench/engine_bench.py --arch tiny --n 64 --prompt-len 16 64 --output-len 16 64
+    # GPU, Qwen3-0.6B architecture, random bf16 weights (the SGLang comparison workload)
+    python bench/engine_bench.py --device cuda --arch qwen3-0.6b --n 256 --prompt-len 100 1024 \
+        --output-len 100 1024 --hf-batch-size 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from agentrl.engines.base import SamplingParams  # noqa: E402
+from agentrl.engines.embedded import DTYPES, EmbeddedEngine  # noqa: E402
+
+QWEN3_06B = dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=151936)
+
+
+def build_model(arch: str, root: Path, dtype: str, device: str) -> Path:
+    """Write the model to `root` (tiny: the offline kit; qwen3-0.6b: random init of that architecture)."""
+    if arch == "tiny":
+        from agentrl.engines.tiny import make_tiny_model
+
+        return make_tiny_model(root / "tiny", arch="qwen3", seed=0)
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    s = QWEN3_06B
+    config = Qwen3Config(
+        vocab_size=s["vocab"], hidden_size=s["hidden"], num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
+        intermediate_size=s["intermediate"], max_position_embeddings=40960, tie_word_embeddings=True,
+        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        eos_token_id=151645, pad_token_id=151643, bos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+    path = root / "qwen3-0.6b"
+    model.save_pretrained(path, safe_serialization=True)
+    del model
+    return path
+
+
+def make_requests(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int):
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(vocab) for _ in range(rng.randint(*prompt_len))], rng.randint(*output_len)) for _ in range(n)
+    ]
+
+
+async def run_engine(engine: EmbeddedEngine, requests) -> tuple[int, float]:
+    params = [SamplingParams(temperature=1.0, max_new_tokens=m, ignore_eos=True, seed=i) for i, (_, m) in enumerate(requests)]
+    start = time.perf_counter()
+    outs = await asyncio.gather(*(engine.generate(p, sp) for (p, _), sp in zip(requests, params)))
+    elapsed = time.perf_counter() - start
+    assert all(len(o.output_ids) == m for o, (_, m) in zip(outs, requests)), "eos was not ignored"
+    return sum(len(o.output_ids) for o in outs), elapsed
+
+
+def bench_embedded(path: Path, requests, args) -> dict:
+    max_len = max(len(p) + m for p, m in requests)
+    engine = EmbeddedEngine(
+        str(path), device=args.device, dtype=args.dtype, max_batch_size=min(args.max_batch_size, len(requests)),
+        max_seq_len=max_len + 1, max_prefill_tokens=args.max_prefill_tokens,
+    )  # fmt: skip
+    warm = [(p[:8], 4) for p, _ in requests[: min(8, len(requests))]]
+
+    async def go():
+        await run_engine(engine, warm)
+        _sync(args.device)
+        steps0 = engine.steps
+        tokens, elapsed = await run_engine(engine, requests)
+        _sync(args.device)
+        await engine.close()
+        return tokens, elapsed, engine.steps - steps0
+
+    tokens, elapsed, steps = asyncio.run(go())
+    cache_gb = engine.cache.nbytes() / 2**30
+    del engine
+    _free(args.device)
+    return {"tokens": tokens, "seconds": round(elapsed, 3), "tok_s": round(tokens / elapsed, 1), "steps": steps,
+            "kv_cache_gib": round(cache_gb, 2)}  # fmt: skip
+
+
+def bench_hf(path: Path, requests, args) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype]).to(args.device).eval()
+    pad = model.config.pad_token_id or 0
+    useful, elapsed = 0, 0.0
+    bs = args.hf_batch_size or len(requests)
+    for i in range(0, len(requests), bs):
+        batch = requests[i : i + bs]
+        longest = max(len(p) for p, _ in batch)
+        ids = torch.tensor([[pad] * (longest - len(p)) + p for p, _ in batch], device=args.device)
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p, _ in batch], device=args.device)
+        new = max(m for _, m in batch)
+        _sync(args.device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=True,
+                           temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad)  # fmt: skip
+        _sync(args.device)
+        elapsed += time.perf_counter() - start
+        useful += sum(m for _, m in batch)
+    del model
+    _free(args.device)
+    return {"tokens": useful, "seconds": round(elapsed, 3), "tok_s": round(useful / elapsed, 1), "batch_size": bs}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", choices=["tiny", "qwen3-0.6b"], default="tiny")
+    ap.add_argument("--model", help="use this HF directory instead of building --arch")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    ap.add_argument("--n", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=[16, 64])
+    ap.add_argument("--output-len", type=int, nargs=2, default=[16, 64])
+    ap.add_argument("--max-batch-size", type=int, default=256)
+    ap.add_argument("--max-prefill-tokens", type=int, default=16384)
+    ap.add_argument("--hf-batch-size", type=int, default=0, help="0: all requests in one batch")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="also write the JSON result here")
+    args = ap.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(args.model) if args.model else build_model(args.arch, Path(tmp), args.dtype, args.device)
+        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+        requests = make_requests(args.n, tuple(args.prompt_len), tuple(args.output_len), vocab, args.seed)
+        result = {
+            "arch": args.model or args.arch, "device": args.device, "dtype": args.dtype, "n": args.n,
+            "prompt_len": args.prompt_len, "output_len": args.output_len, "torch_threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+        }  # fmt: skip
+        result["embedded"] = bench_embedded(path, requests, args)
+        if not args.skip_hf:
+            result["hf_generate"] = bench_hf(path, requests, args)
+            result["speedup_vs_hf"] = round(result["embedded"]["tok_s"] / result["hf_generate"]["tok_s"], 2)
+    line = json.dumps(result)
+    print(line)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""Megatron learner throughput and MFU vs Hugging Face + torch AdamW, on the Qwen3-0.6B architecture.
+
+One GPU:   python bench/megatron_bench.py                       (variants hf + megatron, 8 x 2048 tokens/step)
+TP = 2:    torchrun --nproc_per_node 2 bench/megatron_bench.py --tp 2 --variants megatron
+DP = 2:    torchrun --nproc_per_node 2 bench/megatron_bench.py --variants megatron
+CPU smoke: python bench/megatron_bench.py --device cpu --tiny
+
+Random-init weights (written once as an HF directory), bf16 on GPU. A step is one optimizer step over the whole
+batch (forward + backward + update). FLOPs per token = 6 N (N = all parameters, tied embedding counted once)
++ 12 L H d S (attention scores and values, fwd + bwd, full S x S as in PaLM); `mfu_6n` uses 6 N alone (the
+convention of the 17.6% HF baseline in the notes). Peak 989e12 FLOP/s (H100/H200 bf16 dense) per GPU.
+Each variant runs in its own try block: a failure is reported (with its traceback) and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+PEAK_FLOPS = 989e12
+QWEN3_06B = dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, ffn=3072, vocab=151936)
+TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=512)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--tiny", action="store_true", help="tiny model and batch (CPU smoke test)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size (launch with torchrun)")
+    p.add_argument("--variants", default="hf,megatron", help="comma list of hf, megatron, torch_learner")
+    p.add_argument("--batch", type=int, default=0, help="sequences per step (default 8; tiny 4)")
+    p.add_argument("--seq", type=int, default=0, help="tokens per sequence (default 2048; tiny 64)")
+    p.add_argument("--micro-batch-tokens", type=int, default=0, help="default: the whole per-DP-rank batch")
+    p.add_argument("--steps", type=int, default=0, help="timed steps (default 8; tiny 3)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--hf-chunks", type=int, default=1, help="gradient-accumulation chunks of the HF baseline")
+    p.add_argument("--attention", default="sdpa", choices=["sdpa", "local"])
+    p.add_argument("--model-dir", default="", help="where the random HF model is written (default /tmp/...)")
+    p.add_argument("--out", default="", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    dims = TINY if args.tiny else QWEN3_06B
+    args.dims = dims
+    args.batch = args.batch or (4 if args.tiny else 8)
+    args.seq = args.seq or (64 if args.tiny else 2048)
+    args.steps = args.steps or (3 if args.tiny else 8)
+    args.dtype = "float32" if args.device == "cpu" else "bfloat16"
+    name = "tiny" if args.tiny else "qwen3-0.6b"
+    args.model_dir = args.model_dir or f"/tmp/agentrl-bench-{name}-{args.dtype}"
+    return args
+
+
+def log(msg: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(msg, flush=True)
+
+
+def hf_config(dims: dict):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        hidden_size=dims["hidden"], num_hidden_layers=dims["layers"], num_attention_heads=dims["heads"],
+        num_key_value_heads=dims["kv_heads"], head_dim=dims["head_dim"], intermediate_size=dims["ffn"],
+        vocab_size=dims["vocab"], tie_word_embeddings=True, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+
+
+def ensure_model_dir(args) -> Path:
+    """Rank 0 writes a random-init HF directory once; everyone else waits on the process group."""
+    import torch.distributed as dist
+
+    path = Path(args.model_dir)
+    if int(os.environ.get("RANK", "0")) == 0 and not (path / "model.safetensors").exists():
+        from transformers import AutoModelForCausalLM
+
+        t0 = time.perf_counter()
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(hf_config(args.dims), dtype=getattr(torch, args.dtype))
+        path.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(str(path), safe_serialization=True)
+        log(f"wrote random model to {path} in {time.perf_counter() - t0:.1f}s")
+        del model
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+def n_params(dims: dict) -> int:
+    h, hd, ffn, v = dims["hidden"], dims["head_dim"], dims["ffn"], dims["vocab"]
+    q, kv = dims["heads"] * hd, dims["kv_heads"] * hd
+    layer = h * (q + 2 * kv) + q * h + 3 * h * ffn + 2 * h + 2 * hd
+    return v * h + dims["layers"] * layer + h
+
+
+def flops_per_token(dims: dict, seq: int) -> tuple[float, float]:
+    six_n = 6.0 * n_params(dims)
+    attention = 12.0 * dims["layers"] * dims["heads"] * dims["head_dim"] * seq
+    return six_n + attention, six_n
+
+
+def make_batch(args, device: str):
+    import numpy as np
+
+    from agentrl import types
+    from agentrl.learners.batch import build_batch
+
+    rng = np.random.default_rng(0)
+    prompt = min(256, args.seq // 4)
+    trajs = []
+    for i in range(args.batch):
+        ids = rng.integers(2, args.dims["vocab"], args.seq)
+        traj = types.Trajectory(
+            id=f"t{i}", group_id=f"g{i // 4}", prompt_ids=ids[:prompt].tolist(), response_ids=ids[prompt:].tolist(),
+            reward=float(rng.random()), policy_version=0,
+        )  # fmt: skip
+        trajs.append(types.normalize(traj))
+    return build_batch(trajs, pad_id=0, device=device)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(step, args) -> dict:
+    for _ in range(args.warmup):
+        step()
+    sync(args.device)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        out = step()
+    sync(args.device)
+    step_s = (time.perf_counter() - t0) / args.steps
+    mem = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
+    return {"step_s": step_s, "peak_mem_gib": round(mem, 2), "last": out}
+
+
+def run_hf(args, path: Path) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    device = args.device
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=getattr(torch, args.dtype), attn_implementation="sdpa"
+    ).to(device)
+    model.config.use_cache = False
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    batch = make_batch(args, device)
+    chunks = batch.input_ids.chunk(args.hf_chunks)
+
+    def step():
+        for ids in chunks:  # gradient accumulation only after an out-of-memory retry
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss / len(chunks)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return timed(step, args)
+
+
+def learner_section(args, kind: str, world: int):
+    from agentrl.config import LearnerSection
+
+    dp = world // args.tp
+    mbt = args.micro_batch_tokens or -(-args.batch // dp) * args.seq
+    args.micro_batch_tokens = mbt
+    return LearnerSection(
+        kind=kind, device=args.device, dtype=args.dtype, lr=1e-5, grad_clip=1.0, micro_batch_tokens=mbt,
+        tensor_parallel=args.tp if kind == "megatron" else 1,
+    )  # fmt: skip
+
+
+def run_megatron(args, path: Path, world: int) -> dict:
+    from agentrl.config import AlgorithmSection
+    from agentrl.learners.megatron.learner import MegatronLearner
+
+    algo = AlgorithmSection(advantage="grpo", off_policy="none")
+    learner = MegatronLearner(
+        path, learner_section(args, "megatron", world), algo, attention=args.attention, entropy_metric=False
+    )
+    batch = make_batch(args, args.device)
+    result = timed(lambda: learner.train_step(batch)["loss"], args)
+    t0 = time.perf_counter()
+    n = sum(1 for _ in learner.weights())
+    sync(args.device)
+    result["weights_stream_s"] = round(time.perf_counter() - t0, 3)
+    result["weights_tensors"] = n
+    return result
+
+
+def run_torch_learner(args, path: Path) -> dict:
+    from agentrl.config import AlgorithmSection
+    from agentrl.learners.torch_learner import TorchLearner
+
+    learner = TorchLearner(path, learner_section(args, "torch", 1), AlgorithmSection(off_policy="none"))
+    batch = make_batch(args, args.device)
+    return timed(lambda: learner.train_step(batch)["loss"], args)
+
+
+def run_variant(runner, args, path: Path, world: int, single: bool) -> dict:
+    """Run one variant; on CUDA out-of-memory retry with half the micro-batch (megatron) or 2x chunks (hf)."""
+    saved = args.micro_batch_tokens, args.hf_chunks
+    try:
+        for retry in range(3):
+            try:
+                res = runner(args, path) if single else runner(args, path, world)
+                res["micro_batch_tokens" if not single else "hf_chunks"] = (
+                    args.micro_batch_tokens if not single else args.hf_chunks
+                )
+                res["oom_retries"] = retry
+                return res
+            except torch.OutOfMemoryError:
+                if retry == 2 or (args.micro_batch_tokens and args.micro_batch_tokens <= args.seq):
+                    raise
+                log(f"out of memory: retrying with a smaller micro-batch ({traceback.format_exc(limit=1)})")
+                args.micro_batch_tokens //= 2
+                args.hf_chunks *= 2
+                gc.collect()
+                torch.cuda.empty_cache()
+        raise RuntimeError("unreachable")
+    finally:
+        args.micro_batch_tokens, args.hf_chunks = saved
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch.distributed as dist
+
+    from agentrl.learners.megatron.parallel import init_distributed
+
+    torch.set_num_threads(min(8, os.cpu_count() or 1) if args.device == "cuda" else 2)
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    init_distributed(args.device)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    log(f"torch {torch.__version__}, world {world}, tp {args.tp}, device {args.device}, dims {args.dims}")
+    if args.device == "cuda":
+        log(f"gpu: {torch.cuda.get_device_name()}")
+    path = ensure_model_dir(args)
+    tokens = args.batch * args.seq
+    flops, flops_6n = flops_per_token(args.dims, args.seq)
+    results = {}
+    runners = {"hf": run_hf, "megatron": run_megatron, "torch_learner": run_torch_learner}
+    for name in [v.strip() for v in args.variants.split(",") if v.strip()]:
+        single = name != "megatron"
+        if single and world > 1:
+            log(f"[{name}] skipped: single-GPU baseline (run it without torchrun)")
+            continue
+        try:
+            res = run_variant(runners[name], args, path, world, single)
+        except Exception as exc:  # a failing variant must not hide the others
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            log(f"[{name}] FAILED on rank {rank}:\n{traceback.format_exc()}")
+            continue
+        finally:
+            gc.collect()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+        gpus = world if not single else 1
+        res["tokens_per_s"] = tokens / res["step_s"]
+        if args.device == "cuda":
+            res["mfu"] = flops * res["tokens_per_s"] / (PEAK_FLOPS * gpus)
+            res["mfu_6n"] = flops_6n * res["tokens_per_s"] / (PEAK_FLOPS * gpus)
+        results[name] = res
+        log(
+            f"[{name}] " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()})
+        )
+    if "hf" in results and "megatron" in results and "error" not in results["hf"] | results["megatron"]:
+        results["speedup_megatron_vs_hf"] = results["hf"]["step_s"] / results["megatron"]["step_s"]
+        log(f"megatron / hf throughput: {results['speedup_megatron_vs_hf']:.2f}x")
+    summary = {"world": world, "tp": args.tp, "batch": args.batch, "seq": args.seq, "dims": args.dims,
+               "n_params": n_params(args.dims), "flops_per_token": flops, "results": results}  # fmt: skip
+    if args.out and rank == 0:
+        Path(args.out).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""Megatron-core learner on CPU: exact HF <-> Megatron conversion, HF-equal log-probs, torch-learner-equal loss.
+
+Tiny random models (agentrl.engines.tiny) for qwen2 (qkv bias), qwen3 (qk-norm) and llama, tied and untied.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from agentrl import types
+from agentrl.config import AlgorithmSection, LearnerSection
+from agentrl.engines.tiny import make_tiny_model
+from agentrl.errors import LearnerError
+from agentrl.learners import checkpoint as learner_checkpoint
+from agentrl.learners.batch import build_batch
+from agentrl.learners.megatron import checkpoint, convert, cpu_compat, ops
+from agentrl.learners.megatron.learner import MegatronLearner
+from agentrl.learners.megatron.model import ArchSpec, build_gpt
+from agentrl.learners.megatron.parallel import init_parallel
+
+ARCHS = [
+    ("qwen2", False),
+    ("qwen2", True),
+    ("qwen3", True),
+    ("qwen3", False),
+    ("llama", False),
+    ("llama", True),
+]
+SIZES = dict(hidden=64, layers=2, heads=4, kv_heads=2, vocab_size=300)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    torch.set_num_threads(2)
+    init_parallel(1, 1, "cpu")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron-models")
+    out = {}
+    for arch, tied in ARCHS:
+        out[(arch, tied)] = make_tiny_model(root / f"{arch}-{tied}", arch, seed=1, tie_embeddings=tied,
+                                            init_std=0.2, **SIZES)  # fmt: skip
+    return out
+
+
+def hf_state(path):
+    with checkpoint.hf_reader(path) as get:
+        from safetensors import safe_open
+
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            return {name: get(name) for name in f.keys()}  # noqa: SIM118
+
+
+def make_batch(vocab: int, n: int = 6, seed: int = 0, version: int = 0):
+    rng = np.random.default_rng(seed)
+    trajs = []
+    for i in range(n):
+        p_len, r_len = int(rng.integers(2, 8)), int(rng.integers(3, 12))
+        trajs.append(
+            types.normalize(
+                types.Trajectory(
+                    id=f"t{i}",
+                    group_id=f"g{i // 3}",
+                    prompt_ids=types.pack_tokens(rng.integers(0, vocab, p_len)),
+                    response_ids=types.pack_tokens(rng.integers(0, vocab, r_len)),
+                    loss_mask=(rng.random(r_len) > 0.2).astype(np.int64).tolist(),
+                    logprobs=types.pack_floats(-rng.random(r_len) * 2),
+                    reward=float(rng.random()),
+                    policy_version=version,
+                )
+            )
+        )
+    return build_batch(trajs, pad_id=0)
+
+
+def hf_logprobs(path, batch, temperature=1.0):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(
+            batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+        ).logits
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, -1).gather(
+        -1, batch.input_ids[:, 1:, None]
+    )
+    return torch.nn.functional.pad(logp[..., 0], (1, 0)) * batch.attention_mask
+
+
+@pytest.mark.parametrize(("arch", "tied"), ARCHS)
+def test_hf_megatron_hf_round_trip_is_exact(models, arch, tied):
+    path = models[(arch, tied)]
+    state = hf_state(path)
+    spec = ArchSpec.from_hf(__import__("transformers").AutoConfig.from_pretrained(str(path)))
+    assert spec.tied == tied and spec.qk_norm == (arch == "qwen3") and spec.qkv_bias == (arch == "qwen2")
+    model = build_gpt(spec)
+    convert.load_hf(model, spec, state.__getitem__)
+    out = dict(convert.iter_hf(model, spec))
+    assert set(out) == set(state) - {"lm_head.weight"} if tied else set(state)
+    for name, tensor in out.items():
+        assert torch.equal(tensor, state[name]), name
+    # TP layout, offline: shard into 2 ranks and back is exact; each rank's QKV block holds whole query groups.
+    for group in convert.groups(spec):
+        hf = [state[n] for n in group.hf]
+        shards = [convert.shard(group, hf, spec, r, 2) for r in range(2)]
+        assert all(torch.equal(a, b) for a, b in zip(convert.unshard(group, shards, spec), hf, strict=True))
+    qkv = next(g for g in convert.groups(spec) if g.mcore.endswith("linear_qkv.weight"))
+    q, k, v = (state[n] for n in qkv.hf)
+    hd, hpg = spec.head_dim, spec.heads_per_group
+    rank1 = convert.shard(qkv, [q, k, v], spec, 1, 2)  # group 1 of 2
+    assert torch.equal(rank1[: hpg * hd], q[hpg * hd : 2 * hpg * hd])
+    assert torch.equal(rank1[hpg * hd : hpg * hd + hd], k[hd : 2 * hd])
+    assert torch.equal(rank1[hpg * hd + hd :], v[hd : 2 * hd])
+
+
+@pytest.mark.parametrize(("arch", "tied"), [("qwen2", False), ("qwen3", True), ("llama", True)])
+@pytest.mark.parametrize("attention", ["sdpa", "local"])
+def test_logprobs_equal_hf(models, arch, tied, attention):
+    path = models[(arch, tied)]
+    learner = MegatronLearner(path, LearnerSection(kind="megatron", micro_batch_tokens=48), temperature=0.7,
+                              attention=attention)  # fmt: skip
+    batch = make_batch(learner.arch.vocab_size)
+    got = learner.compute_logprobs(batch)
+    want = hf_logprobs(path, batch, temperature=0.7)
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= 1e-4
+    assert got[:, 0].abs().max() == 0 and (got[batch.attention_mask == 0] == 0).all()
+
+
+@pytest.mark.parametrize(("arch", "tied"), [("qwen3", True), ("qwen2", False)])
+def test_train_step_matches_torch_learner(models, arch, tied):
+    from agentrl.learners.torch_learner import TorchLearner
+
+    path = models[(arch, tied)]
+    lc = LearnerSection(micro_batch_tokens=40, lr=1e-3, grad_clip=0.5)
+    algo = AlgorithmSection(
+        advantage="grpo", off_policy="decoupled", entropy_coef=0.01, loss_agg="seq_mean_token_mean"
+    )
+    mega = MegatronLearner(path, LearnerSection(kind="megatron", micro_batch_tokens=40, lr=1e-3, grad_clip=0.5),
+                           algo, temperature=0.9)  # fmt: skip
+    ref = TorchLearner(path, lc, algo, temperature=0.9)
+    vocab = mega.arch.vocab_size
+    for step in range(2):
+        m_mega = mega.train_step(make_batch(vocab, seed=step))
+        m_ref = ref.train_step(make_batch(vocab, seed=step))
+        for key in ("loss", "loss_policy", "loss_entropy", "entropy", "logprob_mismatch", "grad_norm"):
+            assert abs(m_mega[key] - m_ref[key]) <= 1e-4, (step, key, m_mega[key], m_ref[key])
+        assert m_mega["micro_batches"] == m_ref["micro_batches"] and mega.policy_version == ref.policy_version
+    # Two Adam steps of lr 1e-3 move weights by up to 2e-3; the learners agree far closer than that.
+    ref_weights = dict(ref.weights())
+    for name, tensor in mega.weights():
+        assert (tensor - ref_weights[name]).abs().max().item() <= 1e-4, name
+
+
+def test_sft_step_and_entropy_op(models):
+    path = models[("llama", False)]
+    learner = MegatronLearner(path, LearnerSection(kind="megatron", lr=1e-2))
+    batch = make_batch(learner.arch.vocab_size, seed=3)
+    first = learner.sft_step(batch)["loss"]
+    want = -(hf_logprobs(path, batch) * batch.loss_mask).sum() / batch.total_loss_tokens
+    assert abs(first - float(want)) <= 1e-4
+    assert learner.sft_step(batch)["loss"] < first and learner.policy_version == 2
+    logits = torch.randn(2, 5, 300)
+    logp = torch.log_softmax(logits[:, :-1], -1)
+    want_ent = torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
+    assert torch.allclose(ops.entropy(logits), want_ent, atol=1e-5)
+
+
+def test_save_load_resume_and_export(models, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = models[("qwen3", False)]
+    algo = AlgorithmSection(off_policy="none")
+    lc = LearnerSection(kind="megatron", lr=1e-3)
+    a = MegatronLearner(path, lc, algo)
+    batch = make_batch(a.arch.vocab_size, seed=5)
+    a.train_step(make_batch(a.arch.vocab_size, seed=4))
+    a.save(str(tmp_path / "ck"))
+    meta = learner_checkpoint.read_metadata(tmp_path / "ck")
+    assert meta["kind"] == "megatron" and meta["policy_version"] == 1
+    b = MegatronLearner(path, lc, algo)
+    b.load(str(tmp_path / "ck"))
+    assert b.policy_version == 1 and torch.equal(a.compute_logprobs(batch), b.compute_logprobs(batch))
+    assert a.train_step(batch)["loss"] == b.train_step(batch)["loss"]  # optimizer state restored too
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a.weights(), b.weights(), strict=True))
+    # `agentrl export` path: any learner checkpoint -> HF directory loadable by transformers, same log-probs.
+    a.save(str(tmp_path / "ck2"))
+    learner_checkpoint.export_checkpoint(tmp_path / "ck2", tmp_path / "hf")
+    assert (tmp_path / "hf" / "tokenizer.json").exists()
+    exported = dict(convert_state(tmp_path / "hf"))
+    assert all(torch.equal(exported[n], t) for n, t in a.weights())
+    AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    assert (hf_logprobs(tmp_path / "hf", batch) - a.compute_logprobs(batch)).abs().max() <= 1e-4
+
+
+def convert_state(path):
+    return hf_state(path).items()
+
+
+def test_cpu_substitutes_and_errors(models):
+    tracker = cpu_compat.CpuRNGStatesTracker()
+    tracker.add("a", 7)
+    before = torch.get_rng_state()
+    with tracker.fork("a"):
+        x = torch.rand(3)
+    with tracker.fork("a"):
+        y = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), before) and not torch.equal(x, y)
+    assert torch.equal(x, torch.rand(3, generator=torch.Generator().manual_seed(7)))
+    buf = cpu_compat.CpuMemoryBuffer()
+    t1 = buf.get_tensor((2, 3), torch.float32, "mpu")
+    t2 = buf.get_tensor((3, 2), torch.float32, "mpu")
+    assert t1.device.type == "cpu" and t2.data_ptr() == t1.data_ptr()
+    cfg = __import__("transformers").AutoConfig.from_pretrained(str(models[("qwen2", False)]))
+    cfg.model_type = "gemma"
+    with pytest.raises(LearnerError, match="model_type"):
+        ArchSpec.from_hf(cfg)
+    with pytest.raises(LearnerError, match="packed"):
+        learner = MegatronLearner(models[("qwen2", False)], LearnerSection(kind="megatron"))
+        trajs = [types.normalize(types.Trajectory(id="x", prompt_ids=[1, 2], response_ids=[3, 4]))]
+        learner.compute_logprobs(build_batch(trajs, pad_id=0, pack_tokens=16))

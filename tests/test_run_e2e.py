@@ -1,0 +1,187 @@
+"""`agentrl run` end to end on a real local Ray cluster (2 CPUs), with real tiny models, envs, queue and learner.
+
+One Ray session serves the module (started with PYTHONPATH pointing at a third-party env package that is
+found only through its `agentrl.envs` entry point, so the Ray workers see it too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+PLUGIN = '''
+import random
+from agentrl.envs.base import AgentEnv, StepResult
+from agentrl.types import Message
+
+
+class ParrotEnv(AgentEnv):
+    """Say the number back (third-party test env)."""
+    name = "parrot"
+    max_turns = 1
+
+    def sample_tasks(self, seed, n):
+        rng = random.Random(seed)
+        return [{"n": rng.randint(10, 99)} for _ in range(n)]
+
+    def demonstration(self, task):
+        return [Message("user", f"Say {task['n']}"), Message("assistant", str(task["n"]))]
+
+    async def reset(self, task):
+        self.task = task
+        return [Message("user", f"Say {task['n']}")]
+
+    async def step(self, action):
+        return StepResult(reward=float(action.strip() == str(self.task["n"])), done=True)
+'''
+
+
+@pytest.fixture(scope="module")
+def plugin_path(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("site")
+    (root / "parrot_envs").mkdir()
+    (root / "parrot_envs" / "__init__.py").write_text(PLUGIN)
+    info = root / "parrot_envs-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: parrot-envs\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[agentrl.envs]\nparrot = parrot_envs:ParrotEnv\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def ray_session(plugin_path):
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(plugin_path), os.environ.get("PYTHONPATH", "")])
+    sys.path.insert(0, str(plugin_path))
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield ray
+    ray.shutdown()
+    sys.path.remove(str(plugin_path))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from agentrl.engines.tiny import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("m") / "tiny", hidden=64, layers=1))
+
+
+def tiny_config(root: Path, model: str, **sections) -> Path:
+    base = {
+        "run": {"name": "t", "root": str(root), "steps": 3, "eval_every": 2, "eval_prompts": 4, "progress": False,
+                "checkpoint_every": 1, "ray_num_cpus": 2},
+        "model": {"path": model, "make_tiny": False},
+        "env": {"name": "calculator"},
+        "rollout": {"n_samples_per_prompt": 4, "prompts_per_step": 2, "max_new_tokens": 12, "max_turns": 3},
+        "warmup": {"steps": 2, "batch_size": 8},
+        "engine": {"max_batch_size": 16, "max_seq_len": 256},
+    }
+    for section, values in sections.items():
+        base.setdefault(section, {}).update(values)
+    lines = []
+    for section, values in base.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    path = root / "cfg.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def check_run_dir(run: Path, steps: int) -> tuple[list[dict], list[dict]]:
+    assert (run / "config.toml").exists()
+    metrics = [m for m in read_jsonl(run / "metrics.jsonl") if "phase" not in m]
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    for key in ("policy_version", "reward_mean", "staleness_mean", "staleness_max", "tokens_per_s", "wall_s"):
+        assert all(key in m for m in metrics), key
+    ledger = read_jsonl(run / "ledger.jsonl")
+    assert [row["step"] for row in ledger] == list(range(1, steps + 1))
+    ids = [i for row in ledger for i in row["ids"]]
+    assert len(ids) == len(set(ids)), "a trajectory was trained twice"
+    assert list((run / "events").iterdir()), "no TensorBoard events"
+    assert (run / "checkpoints" / f"step_{steps}" / "learner").is_dir()
+    return metrics, ledger
+
+
+def test_sync_run_with_plugin_env(ray_session, tmp_path, model_dir):
+    from agentrl.config import load_config
+    from agentrl.runner.loop import run
+
+    cfg = load_config(tiny_config(tmp_path, model_dir, env={"name": "parrot"}, rollout={"max_turns": 1}),
+                      ["--run.mode", "sync"])  # fmt: skip
+    summary = run(cfg)
+    assert summary["ok"] and summary["steps"] == 3
+    metrics, ledger = check_run_dir(tmp_path / "t", 3)
+    assert all(m["staleness_max"] == 0 for m in metrics)  # sync: every token from the learner's version
+    assert [m["policy_version"] for m in metrics] == [1, 2, 3]
+    assert all(len(row["ids"]) == 8 for row in ledger)
+    for row in ledger:  # the batch of step s was generated entirely by policy version s - 1
+        assert {v for runs in row["versions"].values() for v, _ in runs} == {row["step"] - 1}
+    evals = [m for m in read_jsonl(tmp_path / "t" / "metrics.jsonl") if "eval_reward_mean" in m]
+    assert len(evals) == 2  # before RL and at step 2
+
+
+def test_async_run_is_staleness_bounded(ray_session, tmp_path, model_dir):
+    from agentrl.config import load_config
+    from agentrl.runner.loop import run
+
+    cfg = load_config(
+        tiny_config(tmp_path, model_dir, run={"steps": 5, "eval_every": 0}, queue={"max_staleness": 1}),
+        ["--run.mode", "async"],
+    )
+    summary = run(cfg)
+    assert summary["ok"] and summary["steps"] == 5
+    metrics, ledger = check_run_dir(tmp_path / "t", 5)
+    assert max(m["staleness_max"] for m in metrics) <= 1
+    assert any(m["staleness_max"] == 1 for m in metrics), "async rollout never ran ahead of the learner"
+    for row in ledger:
+        for runs in row["versions"].values():
+            assert row["step"] - 1 - min(v for v, _ in runs) <= 1
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_other_placements(ray_session, tmp_path, model_dir, placement):
+    from agentrl.config import load_config
+    from agentrl.runner.loop import run
+
+    extra = {"engine": {"num_engines": 2, "max_batch_size": 16, "max_seq_len": 256}} if placement == "disaggregated" else {}
+    cfg = load_config(tiny_config(tmp_path, model_dir, run={"steps": 2, "eval_every": 0, "placement": placement}, **extra),
+                      ["--run.mode", "async"])  # fmt: skip
+    assert run(cfg)["steps"] == 2
+    check_run_dir(tmp_path / "t", 2)
+
+
+def test_openai_proxy_generator_in_a_run(ray_session, tmp_path, model_dir):
+    """Rollouts by an agent speaking plain HTTP to the OpenAI-compatible proxy in front of the engine."""
+    from agentrl.config import load_config
+    from agentrl.runner.loop import run
+
+    cfg = load_config(
+        tiny_config(tmp_path, model_dir, run={"steps": 2, "eval_every": 0}, rollout={"generator": "openai_proxy"}),
+        ["--run.mode", "sync"],
+    )
+    assert run(cfg)["steps"] == 2
+    _, ledger = check_run_dir(tmp_path / "t", 2)
+    assert sum(len(r["ids"]) for r in ledger) == 16
+
+
+def test_dry_run_prints_resolved_config(tmp_path, model_dir, capsys):
+    from agentrl.cli import main
+
+    cfg = tiny_config(tmp_path, model_dir)
+    assert main(["run", str(cfg), "--async", "--dry-run", "--queue.max-staleness", "3"]) == 0
+    out = capsys.readouterr().out
+    assert 'mode = "async"' in out and "max_staleness = 3" in out
+    assert main(["run", str(cfg), "--dry-run", "--queue.max-stalenes", "3"]) == 2
+    assert "did you mean" in capsys.readouterr().err

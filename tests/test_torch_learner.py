@@ -1,0 +1,192 @@
+"""The torch learner on a real tiny Qwen2 model made locally: alignment, log-probs, training, accumulation, resume."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from agentrl import types
+from agentrl.config import AlgorithmSection, LearnerSection
+from agentrl.engines.tiny import make_tiny_model
+from agentrl.learners.batch import build_batch, micro_batches, sft_batch
+from agentrl.learners.torch_learner import TorchLearner
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny"), "qwen2", seed=0, hidden=64, layers=2, vocab_size=512
+    )
+
+
+def make_trajs(n_groups=2, group_size=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for gi in range(n_groups):
+        prompt = torch.randint(10, 400, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+        for s in range(group_size):
+            n = int(torch.randint(1, 8, (1,), generator=g))
+            resp = torch.randint(10, 400, (n,), generator=g).tolist()
+            mask = [1] * n
+            if n > 2:
+                mask[1] = 0  # an env/tool token inside the response
+            out.append(types.normalize(types.Trajectory(
+                id=f"{gi}-{s}", group_id=f"g{gi}", prompt_ids=prompt, response_ids=resp, loss_mask=mask,
+                reward=float(s % 2), policy_version=0)))  # fmt: skip
+    return out
+
+
+def manual_logprobs(model, ids, temperature):
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]
+    logp = torch.log_softmax(logits[:-1] / temperature, -1).gather(-1, torch.tensor(ids[1:]).unsqueeze(-1))
+    return [0.0, *logp.squeeze(-1).tolist()]
+
+
+def test_build_batch_alignment_and_padding():
+    t = [types.normalize(types.Trajectory(id="a", prompt_ids=[5, 6], response_ids=[7, 8, 9], loss_mask=[1, 0, 1],
+                                          logprobs=[-1.0, -2.0, -3.0], versions=[(1, 2), (2, 1)])),
+         types.normalize(types.Trajectory(id="b", prompt_ids=[5], response_ids=[4], policy_version=3))]  # fmt: skip
+    b = build_batch(t, pad_id=0)
+    assert b.input_ids.tolist() == [[5, 6, 7, 8, 9], [5, 4, 0, 0, 0]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert b.position_ids[:, :2].tolist() == [[0, 1], [0, 1]] and b.position_ids[0].tolist() == [
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]
+    assert b.loss_mask.tolist() == [[0, 0, 1, 0, 1], [0, 1, 0, 0, 0]]
+    assert b.rollout_logprobs[0].tolist() == [0, 0, -1, -2, -3]
+    assert b.token_versions.tolist() == [[-1, -1, 1, 1, 2], [-1, 3, -1, -1, -1]]
+    assert b.has_rollout_logprobs.tolist() == [True, False] and b.total_loss_tokens == 3.0
+    assert b.group_index.tolist() in ([0, 1], [1, 0]) and b.n_groups == 2
+    p = build_batch(t, pad_id=0, pack_tokens=8)
+    assert p.input_ids.tolist() == [[5, 6, 7, 8, 9, 5, 4]] and p.position_ids.tolist() == [
+        [0, 1, 2, 3, 4, 0, 1]
+    ]
+    assert p.loss_mask.tolist() == [[0, 0, 1, 0, 1, 0, 1]] and p.seq_index.tolist() == [[0] * 5 + [1] * 2]
+
+
+@pytest.mark.parametrize("pack", [0, 24])
+def test_compute_logprobs_equals_manual_forward(model_dir, pack):
+    learner = TorchLearner(model_dir, LearnerSection(micro_batch_tokens=40), temperature=0.7)
+    trajs = make_trajs()
+    batch = build_batch(trajs, learner.pad_id, pack_tokens=pack)
+    logp = learner.compute_logprobs(batch)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    for i, traj in enumerate(trajs):
+        ids = types.tokens(traj.prompt_ids).tolist() + types.tokens(traj.response_ids).tolist()
+        row, cols = (batch.seq_index == i).nonzero(as_tuple=True)
+        got = logp[row, cols].tolist()
+        expected = manual_logprobs(model, ids, 0.7)
+        assert got[1:] == pytest.approx(expected[1:], abs=2e-5)
+
+
+def test_on_policy_step_ratio_exactly_one(model_dir):
+    learner = TorchLearner(
+        model_dir, LearnerSection(micro_batch_tokens=64), AlgorithmSection(off_policy="decoupled")
+    )
+    m = learner.train_step(build_batch(make_trajs(), learner.pad_id))
+    assert (m["ratio_mean"], m["ratio_max"], m["ratio_min"], m["ppo_kl"]) == (1.0, 1.0, 1.0, 0.0)
+    assert learner.policy_version == 1 and learner.step == 1 and math.isfinite(m["grad_norm"])
+
+
+def test_train_step_increases_reward_weighted_logprob(model_dir):
+    algo = AlgorithmSection(advantage="grpo", off_policy="none")
+    learner = TorchLearner(model_dir, LearnerSection(lr=3e-3, micro_batch_tokens=64), algo)
+    batch = build_batch(make_trajs(), learner.pad_id)
+    first = None
+    for _ in range(4):
+        b = build_batch(make_trajs(), learner.pad_id)
+        m = learner.train_step(b)
+        score = float((b.advantages * learner.compute_logprobs(batch)).sum())
+        first = score if first is None else first
+        assert m["tokens"] == batch.n_tokens
+    assert score > first + 0.5
+
+
+def test_grad_accumulation_equals_one_big_batch(model_dir):
+    for agg in ("token_mean", "seq_mean_token_mean"):
+        algo = AlgorithmSection(advantage="grpo", loss_agg=agg, entropy_coef=0.01)
+        grads = []
+        for budget in (10_000, 12):
+            learner = TorchLearner(model_dir, LearnerSection(micro_batch_tokens=budget, grad_clip=0.0), algo)
+            batch = build_batch(make_trajs(), learner.pad_id)
+            m = learner.train_step(batch)
+            assert m["micro_batches"] == len(micro_batches(batch, budget))
+            grads.append(([p.grad.clone() for p in learner.model.parameters()], m["loss"]))
+        assert grads[1][0] and len(micro_batches(batch, 12)) > 1
+        for a, b in zip(grads[0][0], grads[1][0], strict=True):
+            assert (a - b).abs().max().item() <= 1e-5
+        assert grads[0][1] == pytest.approx(grads[1][1], abs=1e-6)
+
+
+def test_save_load_resumes_identically(model_dir, tmp_path):
+    algo = AlgorithmSection(advantage="rloo")
+    a = TorchLearner(model_dir, LearnerSection(lr=1e-3), algo)
+    a.train_step(build_batch(make_trajs(seed=1), a.pad_id))
+    a.save(str(tmp_path / "ckpt"))
+    b = TorchLearner(
+        tmp_path / "ckpt", LearnerSection(lr=1e-3), algo
+    )  # resumes from the checkpoint directory
+    assert (b.step, b.policy_version) == (1, 1)
+    c = TorchLearner(model_dir, LearnerSection(lr=1e-3), algo)
+    c.load(str(tmp_path / "ckpt"))
+    batch = make_trajs(seed=2)
+    ma, mb, mc = (x.train_step(build_batch(batch, x.pad_id)) for x in (a, b, c))
+    assert ma["loss"] == mb["loss"] == mc["loss"]
+    for (na, pa), (nb, pb) in zip(a.weights(), b.weights(), strict=True):
+        assert na == nb and torch.equal(pa, pb)
+    assert (c.step, c.policy_version) == (2, 2)
+
+
+def test_weights_hf_names_and_tied_embeddings(model_dir):
+    learner = TorchLearner(model_dir)
+    names = [n for n, _ in learner.weights()]
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    assert learner.tied and "lm_head.weight" not in names
+    assert set(names) == set(hf.state_dict()) - {"lm_head.weight"}
+    assert all(not t.requires_grad for _, t in learner.weights())
+
+
+def test_sft_step_lowers_cross_entropy(model_dir):
+    learner = TorchLearner(model_dir, LearnerSection(lr=3e-3))
+    batch = sft_batch([([1, 2, 3], [40, 41, 42, 43]), ([7, 8], [50, 51])], learner.pad_id)
+    losses = [learner.sft_step(batch)["loss"] for _ in range(8)]
+    assert losses[-1] < losses[0] - 0.5 and learner.policy_version == 8 and learner.step == 0
+
+
+def test_ppo_critic_and_reference_kl(model_dir):
+    algo = AlgorithmSection(advantage="ppo", kl_coef=0.1, gamma=0.99, lam=0.95)
+    learner = TorchLearner(model_dir, LearnerSection(lr=1e-3, reference_model=True), algo)
+    values = []
+    for _ in range(3):
+        batch = build_batch(make_trajs(), learner.pad_id)
+        m = learner.train_step(batch)
+        values.append(m["loss_value"])
+        assert math.isfinite(m["loss"]) and m["kl"] >= 0.0
+    assert values[-1] < values[0]  # the critic learns the returns
+    shaped = AlgorithmSection(advantage="reinforce_pp", kl_coef=0.1, kl_mode="reward", kl_estimator="k1")
+    learner = TorchLearner(model_dir, LearnerSection(reference_model=True), shaped)
+    m = learner.train_step(build_batch(make_trajs(), learner.pad_id))
+    assert m["kl_reward"] == 0.0  # policy == reference before the first update
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_bf16_matches_cpu_fp32(model_dir):
+    cpu = TorchLearner(model_dir, temperature=0.8)
+    gpu = TorchLearner(model_dir, LearnerSection(device="cuda", dtype="bfloat16"), temperature=0.8)
+    batch = build_batch(make_trajs(), gpu.pad_id)
+    ref = cpu.compute_logprobs(batch)
+    got = gpu.compute_logprobs(batch).cpu()
+    mask = batch.loss_mask.cpu() > 0
+    assert (got - ref)[mask].abs().max().item() < 0.05
+    m = gpu.train_step(batch)
+    assert (m["ratio_mean"], m["ppo_kl"]) == (1.0, 0.0) and math.isfinite(m["grad_norm"])
+    assert next(iter(gpu.weights()))[1].dtype == torch.float32
