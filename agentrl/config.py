@@ -108,6 +108,7 @@ class LearnerSection(_Section):
     pipeline_parallel: int = 1
     publish: Literal["auto", "tensor", "object_store", "nccl", "disk"] = "auto"
     reference_model: bool = False
+    pack_tokens: int = 0
 
 
 class AlgorithmSection(_Section):
@@ -130,6 +131,7 @@ class AlgorithmSection(_Section):
     value_clip: float = 0.2
     vf_coef: float = 0.5
     norm_eps: float = 1e-6
+    recompute_proximal: bool = False
 
 
 class RolloutSection(_Section):

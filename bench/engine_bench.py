@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agentrl.engines.base import SamplingParams  # noqa: E402
-from agentrl.engines.embedded import DTYPES, EmbeddedEngine  # noqa: E402
+from agentrl.engines.base import SamplingParams
+from agentrl.engines.embedded import DTYPES, EmbeddedEngine
 
 QWEN3_06B = dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=151936)
 
@@ -62,16 +62,24 @@ def build_model(arch: str, root: Path, dtype: str, device: str) -> Path:
 def make_requests(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int):
     rng = random.Random(seed)
     return [
-        ([rng.randrange(vocab) for _ in range(rng.randint(*prompt_len))], rng.randint(*output_len)) for _ in range(n)
+        ([rng.randrange(vocab) for _ in range(rng.randint(*prompt_len))], rng.randint(*output_len))
+        for _ in range(n)
     ]
 
 
 async def run_engine(engine: EmbeddedEngine, requests) -> tuple[int, float]:
-    params = [SamplingParams(temperature=1.0, max_new_tokens=m, ignore_eos=True, seed=i) for i, (_, m) in enumerate(requests)]
+    params = [
+        SamplingParams(temperature=1.0, max_new_tokens=m, ignore_eos=True, seed=i)
+        for i, (_, m) in enumerate(requests)
+    ]
     start = time.perf_counter()
-    outs = await asyncio.gather(*(engine.generate(p, sp) for (p, _), sp in zip(requests, params)))
+    outs = await asyncio.gather(
+        *(engine.generate(p, sp) for (p, _), sp in zip(requests, params, strict=True))
+    )
     elapsed = time.perf_counter() - start
-    assert all(len(o.output_ids) == m for o, (_, m) in zip(outs, requests)), "eos was not ignored"
+    assert all(len(o.output_ids) == m for o, (_, m) in zip(outs, requests, strict=True)), (
+        "eos was not ignored"
+    )
     return sum(len(o.output_ids) for o in outs), elapsed
 
 
@@ -94,7 +102,7 @@ def bench_embedded(path: Path, requests, args) -> dict:
 
     tokens, elapsed, steps = asyncio.run(go())
     cache_gb = engine.cache.nbytes() / 2**30
-    del engine
+    engine = None
     _free(args.device)
     return {"tokens": tokens, "seconds": round(elapsed, 3), "tok_s": round(tokens / elapsed, 1), "steps": steps,
             "kv_cache_gib": round(cache_gb, 2)}  # fmt: skip
@@ -105,6 +113,7 @@ def bench_hf(path: Path, requests, args) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype]).to(args.device).eval()
     pad = model.config.pad_token_id or 0
+    model.generation_config.eos_token_id = None  # eos ignored (cheaper than min_new_tokens' logits processor)
     useful, elapsed = 0, 0.0
     bs = args.hf_batch_size or len(requests)
     for i in range(0, len(requests), bs):
@@ -116,14 +125,33 @@ def bench_hf(path: Path, requests, args) -> dict:
         _sync(args.device)
         start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=True,
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=True,
                            temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad)  # fmt: skip
         _sync(args.device)
         elapsed += time.perf_counter() - start
         useful += sum(m for _, m in batch)
     del model
     _free(args.device)
-    return {"tokens": useful, "seconds": round(elapsed, 3), "tok_s": round(useful / elapsed, 1), "batch_size": bs}
+    return {
+        "tokens": useful,
+        "seconds": round(elapsed, 3),
+        "tok_s": round(useful / elapsed, 1),
+        "batch_size": bs,
+    }
+
+
+def bench_hf_fitting(path: Path, requests, args) -> dict:
+    """HF generate, halving the batch size on CUDA out-of-memory (its KV cache grows by concatenation)."""
+    while True:
+        bs = args.hf_batch_size or len(requests)
+        try:
+            return bench_hf(path, requests, args)
+        except torch.cuda.OutOfMemoryError:
+            if bs <= 1:
+                raise
+        _free(args.device)  # outside the except block: the traceback no longer pins the model
+        args.hf_batch_size = bs // 2
+        print(f"hf generate: out of memory at batch {bs}, retrying with {bs // 2}", file=sys.stderr)
 
 
 def _sync(device: str) -> None:
@@ -142,7 +170,9 @@ def main() -> None:
     ap.add_argument("--arch", choices=["tiny", "qwen3-0.6b"], default="tiny")
     ap.add_argument("--model", help="use this HF directory instead of building --arch")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    ap.add_argument(
+        "--dtype", choices=list(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda"
+    )
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[16, 64])
     ap.add_argument("--output-len", type=int, nargs=2, default=[16, 64])
@@ -168,7 +198,7 @@ def main() -> None:
         }  # fmt: skip
         result["embedded"] = bench_embedded(path, requests, args)
         if not args.skip_hf:
-            result["hf_generate"] = bench_hf(path, requests, args)
+            result["hf_generate"] = bench_hf_fitting(path, requests, args)
             result["speedup_vs_hf"] = round(result["embedded"]["tok_s"] / result["hf_generate"]["tok_s"], 2)
     line = json.dumps(result)
     print(line)

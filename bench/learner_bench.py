@@ -153,17 +153,22 @@ def bench_train(args) -> None:
         f"Qwen3-0.6B architecture ({n_params / 1e6:.0f}M params), {rows} x {seq} tokens, {torch.cuda.get_device_name()}"
     )
     base = report("HF fwd+bwd+AdamW (bf16 autocast)", timed(hf_step_fn(model.cuda().train(), args)))
+    print(f"  peak memory: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     del model
     torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
 
     learner = TorchLearner(
         tmp,
         LearnerSection(device="cuda", dtype="bfloat16", lr=1e-6, micro_batch_tokens=args.micro_batch_tokens),
-        AlgorithmSection(advantage="grpo", off_policy=args.off_policy),
+        AlgorithmSection(
+            advantage="grpo", off_policy=args.off_policy, recompute_proximal=args.recompute_proximal
+        ),
     )
     trajs = make_trajs(rows, 256, seq - 256)
     batch = build_batch(trajs, learner.pad_id, device="cuda")
-    ours = report(f"TorchLearner.train_step ({args.off_policy})", timed(lambda: learner.train_step(batch)))
+    name = f"TorchLearner.train_step ({args.off_policy}{', recompute' if args.recompute_proximal else ''})"
+    ours = report(name, timed(lambda: learner.train_step(batch)))
     print(f"  ratio agentrl / HF baseline: {ours / base:.2f}")
     print(f"  peak memory: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
 
@@ -180,6 +185,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--micro-batch-tokens", type=int, default=16384)
     parser.add_argument("--off-policy", default="none", choices=["none", "tis", "decoupled"])
+    parser.add_argument("--recompute-proximal", action="store_true")
     args = parser.parse_args()
     bench_batch(args) if args.what == "batch" else bench_train(args)
     return 0

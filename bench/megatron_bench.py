@@ -1,7 +1,7 @@
 """Megatron learner throughput and MFU vs Hugging Face + torch AdamW, on the Qwen3-0.6B architecture.
 
-One GPU:   python bench/megatron_bench.py                       (variants hf + megatron, 8 x 2048 tokens/step)
-TP = 2:    torchrun --nproc_per_node 2 bench/megatron_bench.py --tp 2 --variants megatron
+One GPU:   python bench/megatron_bench.py            (hf, megatron, megatron_compile; 8 x 2048 tokens/step)
+TP = 2:    torchrun --nproc_per_node 2 bench/megatron_bench.py --tp 2 --variants megatron,megatron_compile
 DP = 2:    torchrun --nproc_per_node 2 bench/megatron_bench.py --variants megatron
 CPU smoke: python bench/megatron_bench.py --device cpu --tiny
 
@@ -37,7 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true", help="tiny model and batch (CPU smoke test)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (launch with torchrun)")
-    p.add_argument("--variants", default="hf,megatron", help="comma list of hf, megatron, torch_learner")
+    p.add_argument("--variants", default="hf,megatron,megatron_compile",
+                   help="comma list of hf, megatron, megatron_compile (torch.compile), torch_learner")  # fmt: skip
     p.add_argument("--batch", type=int, default=0, help="sequences per step (default 8; tiny 4)")
     p.add_argument("--seq", type=int, default=0, help="tokens per sequence (default 2048; tiny 64)")
     p.add_argument("--micro-batch-tokens", type=int, default=0, help="default: the whole per-DP-rank batch")
@@ -183,14 +184,19 @@ def learner_section(args, kind: str, world: int):
     )  # fmt: skip
 
 
-def run_megatron(args, path: Path, world: int) -> dict:
+def run_megatron_compile(args, path: Path, world: int) -> dict:
+    return run_megatron(args, path, world, compile=True)
+
+
+def run_megatron(args, path: Path, world: int, compile: bool = False) -> dict:
     from agentrl.config import AlgorithmSection
     from agentrl.learners.megatron.learner import MegatronLearner
 
     algo = AlgorithmSection(advantage="grpo", off_policy="none")
     learner = MegatronLearner(
-        path, learner_section(args, "megatron", world), algo, attention=args.attention, entropy_metric=False
-    )
+        path, learner_section(args, "megatron", world), algo, attention=args.attention, entropy_metric=False,
+        compile=compile,
+    )  # fmt: skip
     batch = make_batch(args, args.device)
     result = timed(lambda: learner.train_step(batch)["loss"], args)
     t0 = time.perf_counter()
@@ -253,9 +259,12 @@ def main(argv=None) -> int:
     tokens = args.batch * args.seq
     flops, flops_6n = flops_per_token(args.dims, args.seq)
     results = {}
-    runners = {"hf": run_hf, "megatron": run_megatron, "torch_learner": run_torch_learner}
+    runners = {
+        "hf": run_hf, "megatron": run_megatron, "megatron_compile": run_megatron_compile,
+        "torch_learner": run_torch_learner,
+    }  # fmt: skip
     for name in [v.strip() for v in args.variants.split(",") if v.strip()]:
-        single = name != "megatron"
+        single = not name.startswith("megatron")
         if single and world > 1:
             log(f"[{name}] skipped: single-GPU baseline (run it without torchrun)")
             continue
@@ -278,9 +287,10 @@ def main(argv=None) -> int:
         log(
             f"[{name}] " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()})
         )
-    if "hf" in results and "megatron" in results and "error" not in results["hf"] | results["megatron"]:
-        results["speedup_megatron_vs_hf"] = results["hf"]["step_s"] / results["megatron"]["step_s"]
-        log(f"megatron / hf throughput: {results['speedup_megatron_vs_hf']:.2f}x")
+    for name in ("megatron", "megatron_compile"):
+        if "error" not in results.get("hf", {"error": 1}) and "error" not in results.get(name, {"error": 1}):
+            results[f"speedup_{name}_vs_hf"] = results["hf"]["step_s"] / results[name]["step_s"]
+            log(f"{name} / hf throughput: {results[f'speedup_{name}_vs_hf']:.2f}x")
     summary = {"world": world, "tp": args.tp, "batch": args.batch, "seq": args.seq, "dims": args.dims,
                "n_params": n_params(args.dims), "flops_per_token": flops, "results": results}  # fmt: skip
     if args.out and rank == 0:

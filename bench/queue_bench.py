@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import http.client
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -105,6 +106,13 @@ def baseline_client(port: int, n_requests: int, worker: int, args, barrier, out)
     out.put((start, time.perf_counter(), accepted))
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc), to report the server's cost per trajectory."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_clients(target, n_clients: int, make_args) -> float:
     """Start clients, release them together; returns trajectories per second over the whole run."""
     ctx = mp.get_context("fork")
@@ -120,42 +128,85 @@ def run_clients(target, n_clients: int, make_args) -> float:
     return sum(r[2] for r in results) / (end - start)
 
 
-def bench_http(args) -> dict[str, float]:
-    results: dict[str, float] = {}
+async def serve_draining(run_dir: str, batch_size: int = 256) -> None:
+    """The queue server plus a learner on the same loop that takes and commits batches (steady state)."""
+    from agentrl.config import QueueSection
+    from agentrl.queue.core import ReplayQueue
+    from agentrl.queue.server import QueueServer
+
+    cfg = QueueSection(max_trajectories=10_000_000, max_bytes=64 << 30)
+    queue = ReplayQueue(cfg, run_dir)
+    server = QueueServer(queue, cfg)
+    await server.start()
+    print(f"listening on {server.url}", flush=True)
+    for step in itertools.count():
+        batch = await queue.sample_batch(batch_size)
+        await queue.commit(step, batch.ids)
+
+
+def server_env(args) -> dict[str, str]:
+    env = dict(os.environ)
+    if args.hugetlb:  # malloc asks for transparent huge pages: far fewer page faults on fresh memory
+        env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
+    return env
+
+
+def bench_ours(args, batch: int, total: int, drain: bool) -> tuple[float, float]:
+    """A fresh server per scenario (WAL on, fsync off): `agentrl serve-queue`, or with `drain` the same server
+    with a learner consuming 256-trajectory batches. Returns (traj/s, server CPU us per trajectory)."""
     with tempfile.TemporaryDirectory() as run_dir:
-        cmd = [sys.executable, "-m", "agentrl.queue.cli", "--port", "0", "--run-dir", run_dir,
-               "--queue.max-trajectories", "10000000", "--queue.max-bytes", str(64 << 30)]  # fmt: skip
-        proc, port = start_server(cmd, r"listening on http://[^:]+:(\d+)")
+        if drain:
+            cmd = [sys.executable, os.path.abspath(__file__), "--serve-draining", run_dir]
+        else:
+            cmd = [sys.executable, "-m", "agentrl.queue.cli", "--port", "0", "--run-dir", run_dir,
+                   "--queue.max-trajectories", "10000000", "--queue.max-bytes", str(64 << 30)]  # fmt: skip
+        proc, port = start_server(cmd, r"listening on http://[^:]+:(\d+)", server_env(args))
         try:
-            for batch, total in ((1, args.n_single), (64, args.n_batched)):
-                per_client = max(1, total // batch // args.clients)
-                rate = run_clients(
-                    ours_client, args.clients, lambda w, b=batch, n=per_client: (port, n, b, w, args)
-                )
-                results[f"agentrl_batch{batch}_traj_s"] = rate
-                print(f"agentrl msgpack, batch {batch:3d}: {rate:10.0f} traj/s", flush=True)
+            per_client = max(1, total // batch // args.clients)
+            cpu = cpu_seconds(proc.pid)
+            rate = run_clients(ours_client, args.clients, lambda w: (port, per_client, batch, w, args))
+            return rate, (cpu_seconds(proc.pid) - cpu) / (per_client * batch * args.clients) * 1e6
         finally:
             proc.terminate()
             proc.wait()
+
+
+def bench_http(args) -> dict[str, float]:
+    results: dict[str, float] = {}
+    for drain in (False, True):
+        mode = "learner draining" if drain else "no consumer"
+        for batch, total in ((1, args.n_single), (64, args.n_batched)):
+            rate, us = bench_ours(args, batch, total, drain)
+            key = f"agentrl_batch{batch}{'_drain' if drain else ''}"
+            results[f"{key}_traj_s"] = rate
+            results[f"{key}_server_cpu_us_per_traj"] = us
+            print(f"agentrl msgpack, batch {batch:3d}, {mode:16s}: {rate:8.0f} traj/s  "
+                  f"(server CPU {us:.0f} us/traj)", flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         with open(os.path.join(tmp, "baseline_app.py"), "w") as f:
             f.write(BASELINE_APP)
         cmd = [sys.executable, "-m", "uvicorn", "baseline_app:app", "--port", "0", "--log-level", "info",
                "--no-access-log"]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": tmp}
-        proc, port = start_server(cmd, r"running on http://[^:]+:(\d+)", env=env)
+        env = {"PYTHONPATH": tmp}
+        proc, port = start_server(cmd, r"running on http://[^:]+:(\d+)", env={**server_env(args), **env})
         try:
             per_client = max(1, args.n_baseline // args.clients)
+            cpu = cpu_seconds(proc.pid)
             rate = run_clients(baseline_client, args.clients, lambda w: (port, per_client, w, args))
+            us = (cpu_seconds(proc.pid) - cpu) / (per_client * args.clients) * 1e6
             results["baseline_traj_s"] = rate
-            print(f"baseline FastAPI JSON, 1/request: {rate:10.0f} traj/s", flush=True)
+            results["baseline_server_cpu_us_per_traj"] = us
+            print(
+                f"baseline FastAPI JSON, 1/request              : {rate:8.0f} traj/s  (server CPU {us:.0f} us/traj)",
+                flush=True,
+            )
         finally:
             proc.terminate()
             proc.wait()
-    for batch in (1, 64):
-        ratio = results[f"agentrl_batch{batch}_traj_s"] / results["baseline_traj_s"]
-        results[f"ratio_batch{batch}"] = ratio
-        print(f"ratio agentrl batch {batch} / baseline: {ratio:.1f}x")
+    for key in [k for k in results if k.startswith("agentrl") and k.endswith("_traj_s")]:
+        ratio = results[key] / results["baseline_traj_s"]
+        results[key.replace("_traj_s", "_ratio")] = ratio
+        print(f"ratio {key.removesuffix('_traj_s')} / baseline: {ratio:.1f}x")
     return results
 
 
@@ -199,16 +250,27 @@ def main() -> None:
     parser.add_argument("--response-len", type=int, default=3072)
     parser.add_argument("--clients", type=int, default=2, help="client processes per scenario")
     parser.add_argument("--n-single", type=int, default=4000, help="trajectories sent one per request")
-    parser.add_argument("--n-batched", type=int, default=16384, help="trajectories sent 64 per request")
+    parser.add_argument("--n-batched", type=int, default=32768, help="trajectories sent 64 per request")
     parser.add_argument("--n-baseline", type=int, default=1000)
     parser.add_argument("--sample-reps", type=int, default=20)
     parser.add_argument("--skip-http", action="store_true")
+    parser.add_argument("--skip-sample", action="store_true")
+    parser.add_argument(
+        "--hugetlb", action="store_true", help="run both servers with GLIBC_TUNABLES=glibc.malloc.hugetlb=1"
+    )
+    parser.add_argument("--serve-draining", metavar="RUN_DIR", help=argparse.SUPPRESS)
     parser.add_argument("--json", default="", help="also write the results to this JSON file")
     args = parser.parse_args()
+    if args.serve_draining:
+        import uvloop
+
+        uvloop.run(serve_draining(args.serve_draining))
+        return
     print(f"trajectory: {args.prompt_len} prompt + {args.response_len} response tokens, float32 logprobs; "
           f"{args.clients} client processes; {os.cpu_count()} CPUs", flush=True)  # fmt: skip
     results = {} if args.skip_http else bench_http(args)
-    results.update(bench_sample(args))
+    if not args.skip_sample:
+        results.update(bench_sample(args))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

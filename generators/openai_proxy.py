@@ -425,6 +425,15 @@ async def proxy_for(ctx: RolloutContext) -> OpenAIProxy:
     return await future
 
 
+async def stop_proxies() -> None:
+    """Stop the proxies this event loop started for the generator (call on worker shutdown)."""
+    loop_id = id(asyncio.get_running_loop())
+    for key in [k for k in _proxies if k[0] == loop_id]:
+        future = _proxies.pop(key)
+        if future.done() and not future.exception():
+            await future.result().stop()
+
+
 def load_agent(name: str) -> Callable[..., Any]:
     module, _, attr = name.partition(":")
     try:

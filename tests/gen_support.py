@@ -162,12 +162,14 @@ class Recording(Engine):
     def __init__(self, inner: Engine, before_call: dict[int, Callable[[Engine], Any]] | None = None):
         self.inner, self.before_call = inner, before_call or {}
         self.calls: list[list[int]] = []
+        self.request_ids: list[str | None] = []
 
     async def generate(self, input_ids, sampling, request_id=None):
         hook = self.before_call.get(len(self.calls))
         if hook is not None:
             await hook(self.inner)
         self.calls.append(list(input_ids))
+        self.request_ids.append(request_id)
         return await self.inner.generate(input_ids, sampling, request_id)
 
     async def abort(self, request_id):

@@ -54,9 +54,12 @@ PROMPTS = [[1, 5, 9, 13], [7, 3], [2, 4, 6, 8, 10, 12, 14, 16, 18], [11], [20, 3
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 async def test_logprobs_match_teacher_forced_hf(dirs, arch, temperature):
     eng, ref = engine(dirs[arch]), hf_model(dirs[arch])
-    sp = [SamplingParams(temperature=temperature, max_new_tokens=10 + i, seed=i, ignore_eos=True) for i in range(5)]
-    outs = await asyncio.gather(*[eng.generate(p, s) for p, s in zip(PROMPTS, sp)])
-    for prompt, out in zip(PROMPTS, outs):
+    sp = [
+        SamplingParams(temperature=temperature, max_new_tokens=10 + i, seed=i, ignore_eos=True)
+        for i in range(5)
+    ]
+    outs = await asyncio.gather(*[eng.generate(p, s) for p, s in zip(PROMPTS, sp, strict=True)])
+    for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out.finish_reason == "length" and out.versions == [(0, len(out.output_ids))]
         expected = teacher_logprobs(ref, prompt, out.output_ids, temperature)
         assert (torch.tensor(out.logprobs) - expected).abs().max().item() <= 1e-5
@@ -69,7 +72,9 @@ async def test_greedy_matches_hf_generate(dirs, arch):
     out = await eng.generate(PROMPTS[0], GREEDY)
     assert out.output_ids == hf_greedy(ref, PROMPTS[0], 12)
     # greedy reports the temperature-1 logprob
-    assert torch.allclose(torch.tensor(out.logprobs), teacher_logprobs(ref, PROMPTS[0], out.output_ids), atol=1e-5)
+    assert torch.allclose(
+        torch.tensor(out.logprobs), teacher_logprobs(ref, PROMPTS[0], out.output_ids), atol=1e-5
+    )
     await eng.close()
 
 
@@ -77,7 +82,7 @@ async def test_continuous_batching_equals_one_at_a_time(dirs):
     eng = engine(dirs["qwen3"], max_batch_size=3, max_prefill_tokens=128)
     prompts = [[i + 1, 2 * i + 3, 40 + i][: 1 + i % 3] for i in range(9)]
     params = [SamplingParams(temperature=0.0, max_new_tokens=3 + 2 * i, ignore_eos=True) for i in range(9)]
-    sequential = [(await eng.generate(p, s)).output_ids for p, s in zip(prompts, params)]
+    sequential = [(await eng.generate(p, s)).output_ids for p, s in zip(prompts, params, strict=True)]
 
     async def staggered(i):
         await asyncio.sleep(0.002 * i)  # requests join while others are decoding
@@ -95,15 +100,21 @@ async def test_seeded_sampling_is_reproducible_and_batch_independent(dirs):
     alone = await eng.generate([3, 4, 5], sp)
     crowd = await asyncio.gather(eng.generate([3, 4, 5], sp), *[eng.generate([9, i], sp) for i in range(4)])
     assert alone.output_ids == crowd[0].output_ids
-    other = await eng.generate([3, 4, 5], SamplingParams(temperature=1.0, max_new_tokens=16, seed=8, ignore_eos=True))
+    other = await eng.generate(
+        [3, 4, 5], SamplingParams(temperature=1.0, max_new_tokens=16, seed=8, ignore_eos=True)
+    )
     assert other.output_ids != alone.output_ids
     await eng.close()
 
 
 async def test_top_k_one_is_greedy_and_logprob_is_untruncated(dirs):
     eng, ref = engine(dirs["qwen2"]), hf_model(dirs["qwen2"])
-    out = await eng.generate(PROMPTS[1], SamplingParams(temperature=0.5, top_k=1, max_new_tokens=8, ignore_eos=True))
-    greedy = await eng.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+    out = await eng.generate(
+        PROMPTS[1], SamplingParams(temperature=0.5, top_k=1, max_new_tokens=8, ignore_eos=True)
+    )
+    greedy = await eng.generate(
+        PROMPTS[1], SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    )
     assert out.output_ids == greedy.output_ids
     expected = teacher_logprobs(ref, PROMPTS[1], out.output_ids, 0.5)
     assert (torch.tensor(out.logprobs) - expected).abs().max().item() <= 1e-5
@@ -114,7 +125,9 @@ async def test_top_k_one_is_greedy_and_logprob_is_untruncated(dirs):
 async def test_stop_token_and_eos(dirs):
     eng = engine(dirs["qwen2"])
     first = (await eng.generate(PROMPTS[0], GREEDY)).output_ids
-    out = await eng.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[first[2]]))
+    out = await eng.generate(
+        PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[first[2]])
+    )
     stop_at = first.index(first[2])
     assert out.finish_reason == "stop" and out.output_ids == first[: stop_at + 1]
     eos = eng.spec.eos_token_ids[0]
@@ -232,7 +245,9 @@ async def test_keep_mode_update_switches_versions_at_the_right_token(dirs):
     eng = engine(dirs["qwen2"])
     ref_a, ref_b = hf_model(dirs["qwen2"]), hf_model(dirs["qwen2_b"])
     prompt = [3, 1, 4, 1, 5]
-    task = asyncio.create_task(eng.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True), "u"))
+    task = asyncio.create_task(
+        eng.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True), "u")
+    )
     await wait_tokens(eng, "u", 4)
     await eng.pause("keep")
     n_old = len(eng._by_rid["u"].output_ids)
@@ -270,13 +285,17 @@ async def test_disk_update_and_bad_sources(dirs):
     eng = engine(dirs["qwen2"])
     await eng.update_weights(3, DiskSource(str(dirs["qwen2_b"])))
     out = await eng.generate(PROMPTS[0], GREEDY)
-    assert out.output_ids == hf_greedy(hf_model(dirs["qwen2_b"]), PROMPTS[0], 12) and out.versions == [(3, 12)]
+    assert out.output_ids == hf_greedy(hf_model(dirs["qwen2_b"]), PROMPTS[0], 12) and out.versions == [
+        (3, 12)
+    ]
     with pytest.raises(WeightSyncError, match="not a parameter"):
         await eng.update_weights(4, TensorSource({"model.bogus.weight": torch.zeros(2)}))
     before = eng.model.params["model.norm.weight"].clone()
-    with pytest.raises(WeightSyncError, match="lm_head.x"):  # checked before any copy: nothing changes
-        await eng.update_weights(4, TensorSource({"model.norm.weight": torch.ones(128), "lm_head.x": torch.zeros(3)}))
-    with pytest.raises(WeightSyncError, match="'model.norm.weight': shape"):
+    with pytest.raises(WeightSyncError, match=r"lm_head\.x"):  # checked before any copy: nothing changes
+        await eng.update_weights(
+            4, TensorSource({"model.norm.weight": torch.ones(128), "lm_head.x": torch.zeros(3)})
+        )
+    with pytest.raises(WeightSyncError, match=r"'model\.norm\.weight': shape"):
         await eng.update_weights(4, TensorSource({"model.norm.weight": torch.zeros(3)}))
     assert torch.equal(eng.model.params["model.norm.weight"], before)
     with pytest.raises(WeightSyncError, match="architecture"):
@@ -314,3 +333,34 @@ async def test_distributed_update_over_gloo(dirs):
     out = await eng.generate(PROMPTS[0], GREEDY)
     assert out.output_ids == hf_greedy(ref_b, PROMPTS[0], 12) and eng.policy_version == 5
     await eng.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ARCHS)
+async def test_cuda_bf16_logprobs_close_to_hf(dirs, arch):
+    from transformers import AutoModelForCausalLM
+
+    eng = engine(dirs[arch], device="cuda", dtype="bfloat16")
+    ref = AutoModelForCausalLM.from_pretrained(dirs[arch], dtype=torch.bfloat16).cuda().eval()
+    sp = SamplingParams(temperature=1.0, max_new_tokens=24, seed=0, ignore_eos=True)
+    outs = await asyncio.gather(*[eng.generate(p, sp) for p in PROMPTS])
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        ids = torch.tensor([prompt + out.output_ids], device="cuda")
+        with torch.no_grad():
+            logits = ref(ids).logits[0, len(prompt) - 1 : -1].float()
+        expected = torch.log_softmax(logits, -1).gather(
+            1, torch.tensor(out.output_ids, device="cuda")[:, None]
+        )[:, 0]
+        assert (torch.tensor(out.logprobs, device="cuda") - expected).abs().max().item() < 0.05
+    await eng.close()
+
+
+async def test_engine_seed_makes_unseeded_sampling_reproducible(dirs):
+    sp = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True)
+    runs = []
+    for seed in (3, 3, 4):
+        eng = engine(dirs["qwen2"], seed=seed)
+        runs.append([(await eng.generate(p, sp)).output_ids for p in PROMPTS[:2]])
+        await eng.close()
+    assert runs[0] == runs[1] != runs[2]

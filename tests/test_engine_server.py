@@ -17,7 +17,9 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("srv")
-    return make_tiny_model(root / "a", seed=1, init_std=0.1), make_tiny_model(root / "b", seed=2, init_std=0.1)
+    return make_tiny_model(root / "a", seed=1, init_std=0.1), make_tiny_model(
+        root / "b", seed=2, init_std=0.1
+    )
 
 
 @pytest.fixture
@@ -36,7 +38,7 @@ async def post(session, url, body):
 
 
 async def test_generate_shape_like_sglang(served):
-    url, session, engine = served
+    url, session, _ = served
     body = {"input_ids": [1, 2, 3], "sampling_params": {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True},
             "return_logprob": True, "rid": "abc"}  # fmt: skip
     status, out = await post(session, url + "/generate", body)
@@ -82,9 +84,13 @@ async def test_malformed_json_and_bad_update_bodies(served, model_dirs):
         assert resp.status == 400 and (await resp.json())["error"]["field"] == "body"
     status, out = await post(session, url + "/update_weights_from_disk", {"model_path": "/nonexistent"})
     assert status == 400 and out["error"]["field"] == "model_path"
-    status, out = await post(session, url + "/update_weights_from_disk", {"model_path": str(model_dirs[1]), "weight_version": "v7"})
+    status, out = await post(
+        session, url + "/update_weights_from_disk", {"model_path": str(model_dirs[1]), "weight_version": "v7"}
+    )
     assert status == 400 and out["error"]["field"] == "weight_version"
-    status, out = await post(session, url + "/update_weights_from_tensor", {"serialized_named_tensors": ["eA=="]})
+    status, out = await post(
+        session, url + "/update_weights_from_tensor", {"serialized_named_tensors": ["eA=="]}
+    )
     assert status == 400 and out["error"]["field"] == "load_format"
     status, out = await post(session, url + "/pause_generation", {"mode": "sleep"})
     assert status == 400 and out["error"]["field"] == "mode"
@@ -97,18 +103,30 @@ async def test_malformed_json_and_bad_update_bodies(served, model_dirs):
 
 async def test_weight_routes_and_info(served, model_dirs):
     url, session, engine = served
-    status, out = await post(session, url + "/update_weights_from_disk", {"model_path": str(model_dirs[1]), "weight_version": "4"})
+    status, out = await post(
+        session, url + "/update_weights_from_disk", {"model_path": str(model_dirs[1]), "weight_version": "4"}
+    )
     assert status == 200 and out["success"] and engine.policy_version == 4
     async with session.get(url + "/get_model_info") as resp:
         info = await resp.json()
-    assert info["weight_version"] == "4" and info["engine"] == "agentrl-embedded" and info["vocab_size"] == engine.vocab_size
+    assert (
+        info["weight_version"] == "4"
+        and info["engine"] == "agentrl-embedded"
+        and info["vocab_size"] == engine.vocab_size
+    )
     bad = {"model.norm.weight": torch.zeros(3)}
     import msgspec
 
     payload = msgspec.msgpack.encode(
-        {"serialized_named_tensors": [encode_safetensors(bad)], "load_format": AGENTRL_TENSOR_FORMAT, "weight_version": "5"}
+        {
+            "serialized_named_tensors": [encode_safetensors(bad)],
+            "load_format": AGENTRL_TENSOR_FORMAT,
+            "weight_version": "5",
+        }
     )
-    async with session.post(url + "/update_weights_from_tensor", data=payload, headers={"Content-Type": "application/msgpack"}) as resp:
+    async with session.post(
+        url + "/update_weights_from_tensor", data=payload, headers={"Content-Type": "application/msgpack"}
+    ) as resp:
         out = await resp.json()
         assert resp.status == 500 and out["success"] is False and "model.norm.weight" in out["message"]
     assert engine.policy_version == 4
@@ -122,7 +140,11 @@ async def test_weight_routes_and_info(served, model_dirs):
 
 async def test_pause_abort_over_http_returns_partial(served):
     url, session, engine = served
-    body = {"input_ids": [1, 2], "sampling_params": {"temperature": 0, "max_new_tokens": 100, "ignore_eos": True}, "rid": "x"}
+    body = {
+        "input_ids": [1, 2],
+        "sampling_params": {"temperature": 0, "max_new_tokens": 100, "ignore_eos": True},
+        "rid": "x",
+    }
     task = asyncio.create_task(post(session, url + "/generate", body))
     while "x" not in engine._by_rid or len(engine._by_rid["x"].output_ids) < 2:
         await asyncio.sleep(0.002)

@@ -35,7 +35,9 @@ def free_port():
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("sgl")
-    return make_tiny_model(root / "a", seed=1, init_std=0.1), make_tiny_model(root / "b", seed=2, init_std=0.1)
+    return make_tiny_model(root / "a", seed=1, init_std=0.1), make_tiny_model(
+        root / "b", seed=2, init_std=0.1
+    )
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +76,11 @@ async def test_generate_matches_the_embedded_engine(server_url, dirs):
     seeded = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=12, seed=3, ignore_eos=True)
     remote = await asyncio.gather(*[client.generate(p, seeded) for p in prompts])
     local = await local_outputs(dirs[0], prompts, seeded)
-    for r, lo in zip(remote, local):
+    for r, lo in zip(remote, local, strict=True):
         assert r.output_ids == lo.output_ids and r.finish_reason == "length" and r.versions == [(0, 12)]
-        assert max(abs(a - b) for a, b in zip(r.logprobs, lo.logprobs)) <= 1e-5  # batched vs alone
+        assert (
+            max(abs(a - b) for a, b in zip(r.logprobs, lo.logprobs, strict=True)) <= 1e-5
+        )  # batched vs alone
         assert r.prompt_tokens == lo.prompt_tokens
     assert (await client.health())["ok"]
     await client.close()
@@ -123,7 +127,7 @@ async def test_hot_reload_from_disk_and_tensor(server_url, dirs):
     assert client.tensor_format == "agentrl"
     again = await client.generate(prompt, GREEDY)
     assert again.output_ids == a.output_ids and again.versions == [(2, 10)] and client.policy_version == 2
-    with pytest.raises(WeightSyncError, match="update_weights_from_tensor.*model.bogus"):
+    with pytest.raises(WeightSyncError, match=r"update_weights_from_tensor.*model\.bogus"):
         await client.update_weights(3, TensorSource({"model.bogus": torch.zeros(1)}))
     assert client.policy_version == 2
     await client.close()
@@ -191,12 +195,16 @@ async def test_distributed_update_through_http(server_url, dirs):
     client = SGLangEngine(server_url)
     await reset(client, dirs)
     port = free_port()
-    named = [(n, p.detach().clone()) for n, p in AutoModelForCausalLM.from_pretrained(dirs[1]).named_parameters()]
+    named = [
+        (n, p.detach().clone()) for n, p in AutoModelForCausalLM.from_pretrained(dirs[1]).named_parameters()
+    ]
     result = {}
 
     def trainer():
         group = init_weights_update_group("127.0.0.1", port, 0, 2, group_name="wg")
-        result["source"] = send_broadcast(group, named) if result.setdefault("go", threading.Event()).wait(30) else None
+        result["source"] = (
+            send_broadcast(group, named) if result.setdefault("go", threading.Event()).wait(30) else None
+        )
 
     result["go"] = threading.Event()
     thread = threading.Thread(target=trainer, daemon=True)
@@ -219,14 +227,29 @@ def test_flag_passthrough_argv():
          "--sglang-attention-backend=triton", "--sglang-tp-size", "2"]
     )  # fmt: skip
     assert rest == ["--run.steps", "3"]
-    assert args == {"mem_fraction_static": 0.7, "disable_radix_cache": True, "attention_backend": "triton", "tp_size": 2}
+    assert args == {
+        "mem_fraction_static": 0.7,
+        "disable_radix_cache": True,
+        "attention_backend": "triton",
+        "tp_size": 2,
+    }
     argv = sglang_argv("py", "/m", "127.0.0.1", 30000, {**args, "skip_server_warmup": True, "enable_foo": False,
                                                          "cuda_graph_bs": [1, 2], "json_model_override_args": {"a": 1}})  # fmt: skip
-    assert argv[:9] == ["py", "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1", "--port", "30000"]
+    assert argv[:9] == [
+        "py",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/m",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "30000",
+    ]
     tail = " ".join(argv[9:])
     assert tail == ("--mem-fraction-static 0.7 --disable-radix-cache --attention-backend triton --tp-size 2 "
                     '--skip-server-warmup --cuda-graph-bs 1 2 --json-model-override-args {"a": 1}')  # fmt: skip
-    with pytest.raises(ConfigError, match="engine.sglang.args.port"):
+    with pytest.raises(ConfigError, match=r"engine\.sglang\.args\.port"):
         sglang_argv("py", "/m", "h", 1, {"port": 5})
 
 
@@ -289,7 +312,9 @@ async def test_launcher_starts_and_restarts_a_crashed_server(dirs, fake_sglang):
 async def test_launcher_reports_a_failed_start_with_the_log(dirs, fake_sglang):
     env, tmp = fake_sglang
     cfg = SGLangSection(python=sys.executable, startup_timeout_s=30, restart_on_crash=False)
-    server = SGLangServer(str(dirs[0]), cfg, env={**env, "FAKE_SGLANG_FAIL": "1"}, log_path=str(tmp / "bad.log"))
+    server = SGLangServer(
+        str(dirs[0]), cfg, env={**env, "FAKE_SGLANG_FAIL": "1"}, log_path=str(tmp / "bad.log")
+    )
     with pytest.raises(EngineError, match=r"exited with code 3(.|\n)*boom: cannot start"):
         server.start()
     server.stop()

@@ -277,3 +277,43 @@ def test_generator_names_resolve():
     assert resolve_generator("multi_turn") is generators.multi_turn.generate
     assert resolve_generator("openai_proxy") is generators.openai_proxy.generate
     assert resolve_generator("test_generators:always_07") is always_07
+
+
+LLAMA3_TEMPLATE = (
+    "{{ '<|begin_of_text|>' }}{% if messages[0]['role'] != 'system' %}"
+    "{{ '<|start_header_id|>system<|end_header_id|>\n\nYou are helpful.<|eot_id|>' }}{% endif %}"
+    "{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] + '<|eot_id|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+
+def test_deltas_with_a_llama3_style_template(tiny):
+    tok = load_tokenizer(tiny)
+    tok.add_special_tokens(
+        {
+            "additional_special_tokens": [
+                "<|begin_of_text|>",
+                "<|start_header_id|>",
+                "<|end_header_id|>",
+                "<|eot_id|>",
+            ]
+        }
+    )
+    tok.chat_template = LLAMA3_TEMPLATE
+    chat = chat_tokens(tok)
+    assert chat.eot_id == tok.convert_tokens_to_ids("<|eot_id|>") and chat.after_eot == ""
+    assert chat.eot_id in chat.stop_ids and tok.eos_token_id in chat.stop_ids
+    demo = make_env("calculator").demonstration(TASK)
+    prompt, response, loss_mask = demonstration_tokens(tok, demo)
+    rendered = chat.render([{"role": m.role, "content": m.content} for m in demo])
+    assert (
+        tok.decode(prompt + response, skip_special_tokens=False) == rendered
+    )  # default system prompt kept once
+    env_part = [t for t, m in zip(response, loss_mask, strict=True) if m == 0]
+    assert tok.decode(env_part, skip_special_tokens=False) == (
+        "<|start_header_id|>tool<|end_header_id|>\n\n<result>68</result><|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    # a reply that ended on a different stop token gets the template's whole end-of-turn suffix (masked)
+    reply = [*tok.encode("7", add_special_tokens=False), tok.eos_token_id]
+    delta = chat.delta_ids([Message("user", "Lower.")], reply)
+    assert tok.decode(delta, skip_special_tokens=False).startswith("<|eot_id|><|start_header_id|>user")

@@ -178,6 +178,9 @@ def test_save_load_resume_and_export(models, tmp_path):
     lc = LearnerSection(kind="megatron", lr=1e-3)
     a = MegatronLearner(path, lc, algo)
     batch = make_batch(a.arch.vocab_size, seed=5)
+    a.save(str(tmp_path / "ck0"))  # before any optimizer step: weights only
+    a.load(str(tmp_path / "ck0"))
+    assert a.policy_version == 0 and a.optimizer_steps == 0
     a.train_step(make_batch(a.arch.vocab_size, seed=4))
     a.save(str(tmp_path / "ck"))
     meta = learner_checkpoint.read_metadata(tmp_path / "ck")

@@ -13,7 +13,7 @@ from gen_support import HFEngine, embedded_engine, tiny_model_dir
 from agentrl.engines.base import SamplingParams
 from agentrl.engines.tiny import load_tokenizer
 from agentrl.envs import env_factory, make_env
-from agentrl.errors import QueueFull
+from agentrl.errors import EngineError, QueueFull
 from agentrl.generator import RolloutContext, resolve_generator
 from agentrl.types import floats, mask, n_response, tokens
 from generators.chat import chat_tokens, demonstration_tokens
@@ -265,3 +265,35 @@ async def test_openai_proxy_generator_matches_multi_turn(tiny, tok):
     )
     assert all(n_response(t) > 0 and t.env == "guess_number" for t in trajs)
     await engine.close()
+    from generators.openai_proxy import _proxies, stop_proxies
+
+    assert len(_proxies) == 2  # one per engine that served the generator
+    await stop_proxies()
+    assert not _proxies
+
+
+async def test_abort_continued_and_engine_error_rolled_back(tiny, tok):
+    engine = scripted(tiny, tok, "<calc>23+45</calc>", "<calc>23+45</calc>", "68")
+    engine.abort_after = 2  # a weight update aborts the first request after 2 tokens: it is continued
+    async with Proxy([engine], tok) as p:
+        assert (await p.chat("ab", Q))["choices"][0]["message"]["content"] == "<calc>23+45</calc>"
+        assert len(engine.calls) == 2 and engine.calls[1][:-2] == engine.calls[0]  # continued after 2 tokens
+        history = [
+            *Q,
+            {"role": "assistant", "content": "<calc>23+45</calc>"},
+            {"role": "tool", "content": "<result>68</result>"},
+        ]
+        before = list(p.proxy.sessions["ab"].segments[0].log.response_ids)
+
+        async def broken(*args, **kw):
+            raise EngineError("engine died")
+
+        real, engine.generate = engine.generate, broken
+        status, body, _ = await p.post("/v1/sessions/ab/chat/completions", {"messages": history})
+        assert status == 502 and "engine died" in body["error"]["message"]
+        assert p.proxy.sessions["ab"].segments[0].log.response_ids == before  # the failed turn left no tokens
+        engine.generate = real
+        assert (await p.chat("ab", history))["choices"][0]["message"]["content"] == "68"
+        await p.post("/v1/sessions/ab/reward", {"reward": 1})
+    _prompt, response, loss_mask = demonstration_tokens(tok, make_env("calculator").demonstration(TASK))
+    assert tokens(p.sunk[0].response_ids).tolist() == response and mask(p.sunk[0]).tolist() == loss_mask

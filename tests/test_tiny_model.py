@@ -39,7 +39,10 @@ def test_chat_template_and_generation_prompt(model_dirs):
     tok = AutoTokenizer.from_pretrained(model_dirs["qwen2"])
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        text
+        == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
     plain = tok.apply_chat_template(msgs, tokenize=False)
     assert not plain.endswith("assistant\n")
     ids = tok.encode(text)
@@ -71,7 +74,9 @@ def test_same_seed_same_files_other_seed_differs(tmp_path):
     c = make_tiny_model(tmp_path / "c", arch="llama", seed=4)
     assert digest(a) == digest(b) != digest(c)
     assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
-    assert (a / "tokenizer.json").read_bytes() == (c / "tokenizer.json").read_bytes()  # seed changes weights only
+    assert (a / "tokenizer.json").read_bytes() == (
+        c / "tokenizer.json"
+    ).read_bytes()  # seed changes weights only
 
 
 def test_cli_writes_model(tmp_path, capsys):

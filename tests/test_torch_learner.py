@@ -89,7 +89,9 @@ def test_compute_logprobs_equals_manual_forward(model_dir, pack):
 
 def test_on_policy_step_ratio_exactly_one(model_dir):
     learner = TorchLearner(
-        model_dir, LearnerSection(micro_batch_tokens=64), AlgorithmSection(off_policy="decoupled")
+        model_dir,
+        LearnerSection(micro_batch_tokens=64),
+        AlgorithmSection(off_policy="decoupled", recompute_proximal=True),
     )
     m = learner.train_step(build_batch(make_trajs(), learner.pad_id))
     assert (m["ratio_mean"], m["ratio_max"], m["ratio_min"], m["ppo_kl"]) == (1.0, 1.0, 1.0, 0.0)
@@ -181,7 +183,8 @@ def test_ppo_critic_and_reference_kl(model_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_bf16_matches_cpu_fp32(model_dir):
     cpu = TorchLearner(model_dir, temperature=0.8)
-    gpu = TorchLearner(model_dir, LearnerSection(device="cuda", dtype="bfloat16"), temperature=0.8)
+    algo = AlgorithmSection(recompute_proximal=True)
+    gpu = TorchLearner(model_dir, LearnerSection(device="cuda", dtype="bfloat16"), algo, temperature=0.8)
     batch = build_batch(make_trajs(), gpu.pad_id)
     ref = cpu.compute_logprobs(batch)
     got = gpu.compute_logprobs(batch).cpu()
@@ -190,3 +193,53 @@ def test_cuda_bf16_matches_cpu_fp32(model_dir):
     m = gpu.train_step(batch)
     assert (m["ratio_mean"], m["ppo_kl"]) == (1.0, 0.0) and math.isfinite(m["grad_norm"])
     assert next(iter(gpu.weights()))[1].dtype == torch.float32
+
+
+def test_token_logprobs_and_entropy_definitions():
+    from agentrl.learners.torch_learner import token_entropy, token_logprobs
+
+    logits = torch.randn(2, 5, 7)
+    ids = torch.randint(0, 7, (2, 5))
+    p = torch.softmax(logits[:, :-1] / 0.5, -1)
+    expected_lp = torch.log(p.gather(-1, ids[:, 1:, None])).squeeze(-1)
+    expected_ent = -(p * p.log()).sum(-1)
+    assert torch.allclose(token_logprobs(logits, ids, 0.5)[:, 1:], expected_lp, atol=1e-5)
+    with torch.no_grad():
+        chunked = token_entropy(logits, 0.5, chunk_tokens=3)
+    assert torch.allclose(chunked[:, 1:], expected_ent, atol=1e-5) and chunked[:, 0].eq(0).all()
+    assert torch.allclose(token_entropy(logits.requires_grad_(), 0.5), chunked, atol=1e-6)
+
+
+@pytest.mark.parametrize("pack", [0, 32])
+def test_build_batch_reconstructs_every_trajectory(pack):
+    rng = torch.Generator().manual_seed(3)
+    trajs = []
+    for i in range(40):
+        p, r = int(torch.randint(1, 9, (1,), generator=rng)), int(torch.randint(1, 20, (1,), generator=rng))
+        mask = torch.randint(0, 2, (r,), generator=rng).tolist()
+        runs = [(i % 3, r // 2), (i % 3 + 1, r - r // 2)] if r > 1 else [(i % 3, 1)]
+        trajs.append(types.normalize(types.Trajectory(
+            id=f"t{i}", group_id=f"g{i % 7}", prompt_ids=torch.randint(0, 99, (p,), generator=rng).tolist(),
+            response_ids=torch.randint(0, 99, (r,), generator=rng).tolist(), loss_mask=mask,
+            logprobs=(-torch.rand(r, generator=rng)).tolist(), versions=runs, reward=float(i))))  # fmt: skip
+    b = build_batch(trajs, pad_id=0, pack_tokens=pack)
+    assert b.n_tokens == sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs) // 4
+    for i, t in enumerate(trajs):
+        row, cols = (b.seq_index == i).nonzero(as_tuple=True)
+        assert row.unique().numel() == 1 and cols.tolist() == list(range(cols[0], cols[0] + len(cols)))
+        prompt, response = types.tokens(t.prompt_ids), types.tokens(t.response_ids)
+        assert b.input_ids[row, cols].tolist() == prompt.tolist() + response.tolist()
+        assert b.position_ids[row, cols].tolist() == list(range(len(cols)))
+        n_p = len(prompt)
+        expected_mask = [0.0] * n_p + types.mask(t).astype(float).tolist()
+        expected_mask[0] = 0.0
+        assert b.loss_mask[row, cols].tolist() == expected_mask
+        assert b.rollout_logprobs[row, cols][n_p:].tolist() == types.floats(t.logprobs).tolist()
+        assert (
+            b.token_versions[row, cols][n_p:].tolist()
+            == types.expand_versions(t.versions, len(response)).tolist()
+        )
+        assert b.rewards[i] == t.reward
+    assert b.n_groups == 7 and len(set(b.group_index.tolist())) == 7
+    if pack:
+        assert (b.row_lengths() <= pack).all() and b.n_rows < len(trajs)

@@ -37,8 +37,13 @@ def check(cfg: AlgorithmSection, has_reference: bool) -> None:
 
 
 def needs_old_logprobs(cfg: AlgorithmSection) -> bool:
-    """Whether the learner must compute proximal log-probs before the update."""
-    return cfg.off_policy != "none" or (cfg.kl_coef > 0 and cfg.kl_mode == "reward")
+    """Whether the learner must compute proximal log-probs with a separate forward before the update.
+
+    With one optimizer step per train step the proximal policy IS the current weights, so `compute_loss` takes
+    `logprobs.detach()` unless `recompute_proximal` asks for the extra forward; KL reward shaping needs them
+    before the advantages, hence always.
+    """
+    return cfg.recompute_proximal or (cfg.kl_coef > 0 and cfg.kl_mode == "reward")
 
 
 def prepare_batch(cfg: AlgorithmSection, batch: Batch, policy_version: int) -> dict[str, float]:

@@ -10,7 +10,9 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", "--model-path", dest="model", required=True, help="Hugging Face model directory")
+    parser.add_argument(
+        "--model", "--model-path", dest="model", required=True, help="Hugging Face model directory"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000, help="0 picks a free port")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")

@@ -19,53 +19,22 @@ import asyncio
 import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from agentrl.engines.base import (
-    DiskSource,
-    DistributedSource,
     Engine,
     GenerateOutput,
     InvalidRequest,
     PauseMode,
     SamplingParams,
-    TensorSource,
     WeightSource,
 )
-from agentrl.engines.model import CausalLM, KVCache, ModelSpec
-from agentrl.engines.sampling import BatchSampling, sample
+from agentrl.engines.runner import DTYPES, ModelRunner, Request
 from agentrl.errors import EngineError, WeightSyncError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(eq=False)
-class _Request:
-    rid: str
-    prompt: list[int]
-    sampling: SamplingParams
-    future: asyncio.Future
-    stop_ids: frozenset[int]
-    generator: torch.Generator | None = None
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[list[int]] = field(default_factory=list)
-    abort_requested: bool = False
-
-    def kv_len(self) -> int:
-        """Tokens already in the KV cache (the last sampled token is fed on the next step)."""
-        return len(self.prompt) + len(self.output_ids) - 1
-
-    def add(self, token: int, logprob: float, version: int) -> None:
-        self.output_ids.append(token)
-        self.logprobs.append(logprob)
-        if self.versions and self.versions[-1][0] == version:
-            self.versions[-1][1] += 1
-        else:
-            self.versions.append([version, 1])
+__all__ = ["DTYPES", "EmbeddedEngine"]
 
 
 class EmbeddedEngine(Engine):
@@ -82,25 +51,16 @@ class EmbeddedEngine(Engine):
         policy_version: int = 0,
         seed: int = 0,
     ):
-        if dtype not in DTYPES:
-            raise EngineError(f"engine.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         self.model_path = str(model_path)
-        self.device = torch.device(device)
-        self.spec = ModelSpec.from_dir(model_path)
-        self.model = CausalLM(self.spec, self.device, DTYPES[dtype])
-        self.model.load_dir(model_path)
-        self.dtype_name = dtype
-        self.max_seq_len = min(max_seq_len, self.spec.max_position)
+        self.runner = ModelRunner(self.model_path, device, dtype, max_batch_size, max_seq_len, seed)
+        self.spec, self.device, self.dtype_name = self.runner.spec, self.runner.device, dtype
+        self.max_seq_len = self.runner.max_seq_len
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max(max_prefill_tokens, self.max_seq_len)
-        self.cache = KVCache(self.spec, max_batch_size, self.max_seq_len, self.device, DTYPES[dtype])
-        self.model.ensure_rope(self.max_seq_len)
         self._version = policy_version
-        self._global_gen = torch.Generator(device=self.device)
-        self._global_gen.manual_seed(seed)
-        self._waiting: deque[_Request] = deque()
-        self._running: list[_Request] = []
-        self._by_rid: dict[str, _Request] = {}
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._by_rid: dict[str, Request] = {}
         self._pending_moves: list[tuple[int, int, int]] = []
         self._pause_mode: PauseMode | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentrl-engine")
@@ -108,15 +68,30 @@ class EmbeddedEngine(Engine):
         self._wakeup: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        self._sampling_cache: tuple[tuple[int, ...], BatchSampling] | None = None
-        self._groups: dict[str, Any] = {}
         self.steps = 0
+
+    @classmethod
+    def from_config(cls, cfg: Any, model_path: str, seed: int = 0, policy_version: int = 0) -> EmbeddedEngine:
+        """Build from an `EngineSection` (agentrl.config)."""
+        return cls(
+            model_path, device=cfg.device, dtype=cfg.dtype, max_batch_size=cfg.max_batch_size,
+            max_seq_len=cfg.max_seq_len, max_prefill_tokens=cfg.max_prefill_tokens,
+            policy_version=policy_version, seed=seed,
+        )  # fmt: skip
 
     # -- Engine API ----------------------------------------------------------------------------------------------
 
     @property
     def policy_version(self) -> int:
         return self._version
+
+    @property
+    def model(self):
+        return self.runner.model
+
+    @property
+    def cache(self):
+        return self.runner.cache
 
     @property
     def vocab_size(self) -> int:
@@ -128,11 +103,17 @@ class EmbeddedEngine(Engine):
             raise InvalidRequest("input_ids", "must not be empty")
         bad = next((t for t in input_ids if not 0 <= t < self.spec.vocab_size), None)
         if bad is not None:
-            raise InvalidRequest("input_ids", f"token id {bad} is outside the vocabulary [0, {self.spec.vocab_size})")
+            raise InvalidRequest(
+                "input_ids", f"token id {bad} is outside the vocabulary [0, {self.spec.vocab_size})"
+            )
         if len(input_ids) >= self.max_seq_len:
-            raise InvalidRequest("input_ids", f"{len(input_ids)} tokens; the engine's max_seq_len is {self.max_seq_len}")
+            raise InvalidRequest(
+                "input_ids", f"{len(input_ids)} tokens; the engine's max_seq_len is {self.max_seq_len}"
+            )
         if sampling.max_new_tokens <= 0:
-            raise InvalidRequest("sampling_params.max_new_tokens", f"must be > 0, got {sampling.max_new_tokens}")
+            raise InvalidRequest(
+                "sampling_params.max_new_tokens", f"must be > 0, got {sampling.max_new_tokens}"
+            )
         if sampling.temperature < 0:
             raise InvalidRequest("sampling_params.temperature", f"must be >= 0, got {sampling.temperature}")
         if not 0 < sampling.top_p <= 1:
@@ -151,7 +132,9 @@ class EmbeddedEngine(Engine):
         stop = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop.update(self.spec.eos_token_ids)
-        req = _Request(rid, list(input_ids), sampling, asyncio.get_running_loop().create_future(), frozenset(stop))
+        req = Request(
+            rid, list(input_ids), sampling, asyncio.get_running_loop().create_future(), frozenset(stop)
+        )
         if sampling.seed is not None:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(sampling.seed)
@@ -216,7 +199,7 @@ class EmbeddedEngine(Engine):
         async with self._lock:
             loop = asyncio.get_running_loop()
             try:
-                await loop.run_in_executor(self._executor, self._load, source)
+                await loop.run_in_executor(self._executor, self.runner.load, source)
             except WeightSyncError:
                 raise
             except Exception as exc:
@@ -245,7 +228,7 @@ class EmbeddedEngine(Engine):
         """Join a weight-broadcast group as rank `rank_offset` (the trainer is rank 0); blocks until all join."""
         from agentrl.engines.weight_sync import init_weights_update_group
 
-        self._groups[group_name] = init_weights_update_group(
+        self.runner.groups[group_name] = init_weights_update_group(
             master_address, master_port, rank_offset, world_size, backend=backend, group_name=group_name
         )
 
@@ -263,31 +246,6 @@ class EmbeddedEngine(Engine):
         self._running.clear()
         self._executor.shutdown(wait=True)
 
-    # -- weights -------------------------------------------------------------------------------------------------
-
-    def _load(self, source: WeightSource) -> None:
-        if isinstance(source, TensorSource):
-            self.model.load_named(source.tensors)
-        elif isinstance(source, DiskSource):
-            spec = ModelSpec.from_dir(source.path)
-            if (spec.arch, spec.hidden, spec.layers, spec.vocab_size) != (
-                self.spec.arch, self.spec.hidden, self.spec.layers, self.spec.vocab_size
-            ):  # fmt: skip
-                raise WeightSyncError(f"model path {source.path}: architecture differs from the served model")
-            self.model.load_dir(source.path)
-        elif isinstance(source, DistributedSource):
-            from agentrl.engines.weight_sync import receive_broadcast
-
-            group = self._groups.get(source.group_name)
-            if group is None:
-                raise WeightSyncError(f"weight update group {source.group_name!r} was not initialised")
-            self.model.check({n: tuple(shape) for n, shape in zip(source.names, source.shapes, strict=True)})
-            self.model.load_named(receive_broadcast(group, source, self.device), checked=True)
-        else:
-            raise WeightSyncError(f"unknown weight source {type(source).__name__}")
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     # -- scheduler -----------------------------------------------------------------------------------------------
 
     def _ensure_loop(self) -> None:
@@ -301,7 +259,7 @@ class EmbeddedEngine(Engine):
             self._idle = self._idle or asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="agentrl-engine-loop")
 
-    def _finish(self, req: _Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: str) -> None:
         self._by_rid.pop(req.rid, None)
         if not req.future.done():
             versions = [(v, n) for v, n in req.versions]
@@ -335,8 +293,8 @@ class EmbeddedEngine(Engine):
         if not self._running:
             self._idle.set()
 
-    def _admit(self) -> list[_Request]:
-        admitted: list[_Request] = []
+    def _admit(self) -> list[Request]:
+        admitted: list[Request] = []
         longest = 0
         while self._waiting and len(self._running) + len(admitted) < self.max_batch_size:
             nxt = self._waiting[0]
@@ -351,7 +309,9 @@ class EmbeddedEngine(Engine):
         loop = asyncio.get_running_loop()
         while True:
             self._reap()
-            can_admit = self._pause_mode is None and self._waiting and len(self._running) < self.max_batch_size
+            can_admit = (
+                self._pause_mode is None and self._waiting and len(self._running) < self.max_batch_size
+            )
             can_decode = self._running and self._pause_mode in (None, "wait")
             if not (can_admit or can_decode):
                 self._wakeup.clear()
@@ -364,10 +324,10 @@ class EmbeddedEngine(Engine):
                     batch = self._admit()
                     slot0 = len(self._running)
                     self._running.extend(batch)
-                    step = loop.run_in_executor(self._executor, self._prefill, batch, slot0, moves)
+                    step = loop.run_in_executor(self._executor, self.runner.prefill, batch, slot0, moves)
                 else:
                     batch = list(self._running)
-                    step = loop.run_in_executor(self._executor, self._decode, batch, moves)
+                    step = loop.run_in_executor(self._executor, self.runner.decode, batch, moves)
                 try:
                     tokens, logps = await step
                 except Exception as exc:  # a failed step fails its requests, not the engine
@@ -385,8 +345,8 @@ class EmbeddedEngine(Engine):
         self._pending_moves.clear()
         self._idle.set()
 
-    def _record(self, batch: list[_Request], tokens: list[int], logps: list[float], version: int) -> None:
-        done: list[tuple[_Request, str]] = []
+    def _record(self, batch: list[Request], tokens: list[int], logps: list[float], version: int) -> None:
+        done: list[tuple[Request, str]] = []
         for req, tok, lp in zip(batch, tokens, logps, strict=True):
             req.add(tok, lp, version)
             if tok in req.stop_ids:
@@ -398,46 +358,3 @@ class EmbeddedEngine(Engine):
             self._finish(req, reason)
         if not self._running:
             self._idle.set()
-
-    # -- worker-thread compute -----------------------------------------------------------------------------------
-
-    def _apply_moves(self, moves: list[tuple[int, int, int]]) -> None:
-        for src, dst, length in moves:
-            self.cache.move(src, dst, length)
-
-    def _batch_sampling(self, batch: list[_Request]) -> tuple[BatchSampling, dict[int, torch.Generator]]:
-        key = tuple(id(r) for r in batch)
-        if self._sampling_cache is None or self._sampling_cache[0] != key:
-            params = BatchSampling(
-                [r.sampling.temperature for r in batch],
-                [r.sampling.top_p for r in batch],
-                [r.sampling.top_k for r in batch],
-                self.device,
-            )
-            self._sampling_cache = (key, params)
-        gens = {i: r.generator for i, r in enumerate(batch) if r.generator is not None}
-        return self._sampling_cache[1], gens
-
-    def _sample(self, logits: torch.Tensor, batch: list[_Request]) -> tuple[list[int], list[float]]:
-        params, gens = self._batch_sampling(batch)
-        tokens, logps = sample(logits, params, gens)
-        return tokens.tolist(), logps.tolist()
-
-    def _prefill(self, batch: list[_Request], slot0: int, moves: list) -> tuple[list[int], list[float]]:
-        self._apply_moves(moves)
-        longest = max(len(r.prompt) for r in batch)
-        padded = [r.prompt + [0] * (longest - len(r.prompt)) for r in batch]
-        tokens = torch.tensor(padded, dtype=torch.int64, device=self.device)
-        lengths = torch.tensor([len(r.prompt) for r in batch], dtype=torch.int64, device=self.device)
-        slots = torch.arange(slot0, slot0 + len(batch), device=self.device)
-        logits = self.model.prefill(tokens, lengths, slots, self.cache)
-        return self._sample(logits, batch)
-
-    def _decode(self, batch: list[_Request], moves: list) -> tuple[list[int], list[float]]:
-        self._apply_moves(moves)
-        positions = [r.kv_len() for r in batch]
-        max_len = min(self.max_seq_len, (max(positions) + 1 + 31) // 32 * 32)
-        tokens = torch.tensor([r.output_ids[-1] for r in batch], dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        logits = self.model.decode(tokens, pos, self.cache, max_len)
-        return self._sample(logits, batch)

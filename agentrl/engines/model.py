@@ -44,7 +44,9 @@ class ModelSpec:
     def from_hf_config(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelSpec:
         model_type = cfg.get("model_type", "")
         if model_type not in ("qwen2", "qwen3", "llama"):
-            raise EngineError(f"config.json: model_type {model_type!r} is not supported (qwen2, qwen3, llama)")
+            raise EngineError(
+                f"config.json: model_type {model_type!r} is not supported (qwen2, qwen3, llama)"
+            )
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
@@ -82,7 +84,9 @@ class ModelSpec:
         try:
             cfg = json.loads((path / "config.json").read_text())
         except FileNotFoundError:
-            raise EngineError(f"model path {path}: no config.json (not a Hugging Face model directory)") from None
+            raise EngineError(
+                f"model path {path}: no config.json (not a Hugging Face model directory)"
+            ) from None
         gen_path = path / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
         return cls.from_hf_config(cfg, gen)
@@ -91,7 +95,9 @@ class ModelSpec:
 class KVCache:
     """Preallocated keys/values: per layer `[slots, kv_heads, max_seq_len, head_dim]`."""
 
-    def __init__(self, spec: ModelSpec, slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, spec: ModelSpec, slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype
+    ):
         shape = (slots, spec.kv_heads, max_seq_len, spec.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.layers)]
@@ -121,7 +127,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class CausalLM:
     """Parameters + forward passes (prefill, decode) over a `KVCache`. Not an nn.Module: no autograd, no hooks."""
 
-    def __init__(self, spec: ModelSpec, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, spec: ModelSpec, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ):
         self.spec, self.device, self.dtype = spec, torch.device(device), dtype
         s = spec
         q_dim, kv_dim = s.heads * s.head_dim, s.kv_heads * s.head_dim
@@ -190,9 +198,13 @@ class CausalLM:
             if dst is None:
                 raise WeightSyncError(f"weight '{name}' is not a parameter of this {self.spec.arch} model")
             if tuple(dst.shape) != tuple(shape):
-                raise WeightSyncError(f"weight '{name}': shape {tuple(shape)} does not match {tuple(dst.shape)}")
+                raise WeightSyncError(
+                    f"weight '{name}': shape {tuple(shape)} does not match {tuple(dst.shape)}"
+                )
         if strict and (missing := sorted(set(self.params) - set(shapes))):
-            raise WeightSyncError(f"weights missing: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+            raise WeightSyncError(
+                f"weights missing: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+            )
 
     def load_named(self, tensors: Any, strict: bool = False, checked: bool = False) -> int:
         """Copy `(hf_name, tensor)` pairs (or a dict) into place; returns how many were copied.
@@ -240,21 +252,20 @@ class CausalLM:
 
     # -- forward -------------------------------------------------------------------------------------------------
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        need = int(positions.max()) + 1 if positions.numel() else 1
-        if need > self._rope_len:
-            n = max(need, 2 * self._rope_len, 256)
-            dim = self.spec.head_dim
-            inv_freq = 1.0 / (
-                self.spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float().to(self.device) / dim)
-            )
-            freqs = torch.outer(torch.arange(n, device=self.device, dtype=torch.float32), inv_freq)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self._cos, self._sin, self._rope_len = emb.cos(), emb.sin(), n
-        return self._cos[positions].to(self.dtype), self._sin[positions].to(self.dtype)
-
     def ensure_rope(self, max_len: int) -> None:
-        self._rope(torch.tensor([max_len - 1], device=self.device))
+        """Build the fp32 cos/sin tables for positions < max_len (host-side check: no device sync)."""
+        if max_len <= self._rope_len:
+            return
+        n = max(max_len, 2 * self._rope_len, 256)
+        dim = self.spec.head_dim
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float().to(self.device) / dim
+        inv_freq = 1.0 / (self.spec.rope_theta**exponents)
+        freqs = torch.outer(torch.arange(n, device=self.device, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos, self._sin, self._rope_len = emb.cos(), emb.sin(), n
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._cos[positions].to(self.dtype), self._sin[positions].to(self.dtype)
 
     def _qkv(self, layer: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [..., hidden] -> q [..., heads, D], k/v [..., kv_heads, D] with RoPE applied."""
@@ -289,6 +300,7 @@ class CausalLM:
         `start..start+T`; returns fp32 logits [N, vocab] at each prompt's last position."""
         s = self.spec
         n, t = tokens.shape
+        self.ensure_rope(start + t)
         positions = torch.arange(start, start + t, device=self.device)
         cos, sin = self._rope(positions)
         key_ok = torch.arange(t, device=self.device)[None, :] < lengths[:, None]
@@ -309,12 +321,15 @@ class CausalLM:
         return self.logits(last)
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, max_len: int) -> torch.Tensor:
+    def decode(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, max_len: int
+    ) -> torch.Tensor:
         """One step for slots `0..B-1`: `tokens` [B] at `positions` [B]; attends over cache positions
         `< max_len` (masked per slot to `<= position`). Returns fp32 logits [B, vocab]."""
         s = self.spec
         b = tokens.shape[0]
         groups = s.heads // s.kv_heads
+        self.ensure_rope(max_len)
         cos, sin = self._rope(positions)
         rows = torch.arange(b, device=self.device)
         mask = (torch.arange(max_len, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]

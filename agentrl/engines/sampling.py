@@ -37,9 +37,14 @@ def _filter(probs: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> to
 
 
 def sample(
-    logits: torch.Tensor, params: BatchSampling, generators: dict[int, torch.Generator] | None = None
+    logits: torch.Tensor,
+    params: BatchSampling,
+    generators: dict[int, torch.Generator] | None = None,
+    default: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 `logits` [B, V] -> (tokens [B] int64, logprobs [B] fp32), both on the logits' device."""
+    """fp32 `logits` [B, V] -> (tokens [B] int64, logprobs [B] fp32), both on the logits' device.
+
+    Rows listed in `generators` draw their noise from their own generator, the others from `default`."""
     temps = params.temperature
     if params.all_greedy:
         tokens = logits.argmax(dim=-1)
@@ -50,7 +55,7 @@ def sample(
     probs = logp.exp()
     if params.any_filter:
         probs = _filter(probs, params.top_p, params.top_k)
-    noise = torch.empty_like(probs).exponential_()
+    noise = torch.empty_like(probs).exponential_(generator=default)
     for row, gen in (generators or {}).items():
         noise[row].exponential_(generator=gen)
     tokens = (probs / noise).argmax(dim=-1)

@@ -67,7 +67,13 @@ def _version(text: str | None, engine: EmbeddedEngine) -> int:
 class EngineServer:
     """The aiohttp app around one engine. `tokenizer_path` (optional) adds `text` to /generate responses."""
 
-    def __init__(self, engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 0, tokenizer_path: str | None = None):
+    def __init__(
+        self,
+        engine: EmbeddedEngine,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        tokenizer_path: str | None = None,
+    ):
         self.engine, self.host, self.port = engine, host, port
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -210,7 +216,9 @@ class EngineServer:
             self.engine.init_weights_update_group,
             req.master_address, req.master_port, req.rank_offset, req.world_size, req.group_name, backend,
         )  # fmt: skip
-        return web.json_response({"success": True, "message": f"joined {req.group_name} as rank {req.rank_offset}"})
+        return web.json_response(
+            {"success": True, "message": f"joined {req.group_name} as rank {req.rank_offset}"}
+        )
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
         req = await _decode(request, wire.DistributedUpdateRequest)
@@ -246,4 +254,6 @@ class EngineServer:
 
     async def server_info(self, request: web.Request) -> web.Response:
         info = await self.engine.health()
-        return web.json_response({**info, "engine": "agentrl-embedded", "tp_size": 1, "model_path": self.engine.model_path})
+        return web.json_response(
+            {**info, "engine": "agentrl-embedded", "tp_size": 1, "model_path": self.engine.model_path}
+        )

@@ -89,7 +89,11 @@ class SGLangEngine(Engine):
                     if isinstance(data, dict) and data.get("success") is False:
                         raise error(f"{where}: {data.get('message', 'failed')}")
                     return data if isinstance(data, dict) else {"data": data}
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientConnectorError, aiohttp.ClientOSError) as exc:
+            except (
+                aiohttp.ServerDisconnectedError,
+                aiohttp.ClientConnectorError,
+                aiohttp.ClientOSError,
+            ) as exc:
                 if attempt == self.retries:
                     raise error(f"{where}: {exc.__class__.__name__}: {exc}") from exc
                 await asyncio.sleep(min(0.1 * 2**attempt, 2.0))

@@ -67,11 +67,23 @@ def parse_sglang_flags(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
 
 def sglang_argv(python: str, model_path: str, host: str, port: int, args: dict[str, Any]) -> list[str]:
     """The launch command for one server (see the module docstring for the flag rules)."""
-    argv = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port)]
+    argv = [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
+    ]
     for key, value in args.items():
         name = key.replace("-", "_")
         if name in MANAGED:
-            raise ConfigError(f"engine.sglang.args.{key}: set by agentrl (use model.path / the launcher's port)")
+            raise ConfigError(
+                f"engine.sglang.args.{key}: set by agentrl (use model.path / the launcher's port)"
+            )
         flag = "--" + name.replace("_", "-")
         if value is True:
             argv.append(flag)
@@ -138,7 +150,9 @@ class SGLangServer:
         self._stopping.clear()
         self._spawn()
         if self.restart_on_crash and self._watcher is None:
-            self._watcher = threading.Thread(target=self._watch, name=f"sglang-watch-{self.port}", daemon=True)
+            self._watcher = threading.Thread(
+                target=self._watch, name=f"sglang-watch-{self.port}", daemon=True
+            )
             self._watcher.start()
         return self.url
 
@@ -187,7 +201,9 @@ class SGLangServer:
             if self._stopping.is_set():
                 return
             if self.restarts >= self.max_restarts:
-                self.error = f"sglang server {self.url} crashed {self.restarts + 1} times; last exit code {code}"
+                self.error = (
+                    f"sglang server {self.url} crashed {self.restarts + 1} times; last exit code {code}"
+                )
                 return
             self.restarts += 1
             if self._stopping.wait(min(0.1 * 2.0**self.restarts, 5.0)):
@@ -220,13 +236,17 @@ class SGLangServer:
             self._watcher = None
 
 
-async def connect(cfg: EngineSection, model_path: str, log_dir: str = ".") -> tuple[list[str], list[SGLangServer]]:
+async def connect(
+    cfg: EngineSection, model_path: str, log_dir: str = "."
+) -> tuple[list[str], list[SGLangServer]]:
     """URLs of `engine.external_urls`, or of `engine.num_engines` launched servers (one GPU each, in order)."""
     if cfg.external_urls:
         return list(cfg.external_urls), []
     servers = []
     for i in range(cfg.num_engines):
-        env = {"CUDA_VISIBLE_DEVICES": str(i)} if cfg.device.startswith("cuda") and cfg.num_engines > 1 else {}
+        env = (
+            {"CUDA_VISIBLE_DEVICES": str(i)} if cfg.device.startswith("cuda") and cfg.num_engines > 1 else {}
+        )
         servers.append(SGLangServer(model_path, cfg.sglang, env=env, log_path=f"{log_dir}/sglang-{i}.log"))
     try:
         urls = list(await asyncio.gather(*(asyncio.to_thread(s.start) for s in servers)))

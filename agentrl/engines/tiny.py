@@ -24,9 +24,7 @@ IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
 # Qwen2's pre-tokenizer (one token per digit); transformers' Qwen2Tokenizer rebuilds exactly this pipeline, so
 # every tokenizer class that may load the directory tokenizes the same way.
-PRETOKENIZE_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+PRETOKENIZE_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -35,13 +33,95 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-_WORDS = (
-    "the a is of to and what number guess higher lower correct too high low your my answer think try again "
-    "game between you have turns left win lose compute calculate add subtract multiply plus minus times "
-    "equals result tool call use calculator question solve final step first then so sum difference product "
-    "user assistant system please reply with only output format box boxed value i it be in on for yes no "
-    "right wrong good done is not that this let me check hint secret pick"
-).split()
+_WORDS = [
+    "the",
+    "a",
+    "is",
+    "of",
+    "to",
+    "and",
+    "what",
+    "number",
+    "guess",
+    "higher",
+    "lower",
+    "correct",
+    "too",
+    "high",
+    "low",
+    "your",
+    "my",
+    "answer",
+    "think",
+    "try",
+    "again",
+    "game",
+    "between",
+    "you",
+    "have",
+    "turns",
+    "left",
+    "win",
+    "lose",
+    "compute",
+    "calculate",
+    "add",
+    "subtract",
+    "multiply",
+    "plus",
+    "minus",
+    "times",
+    "equals",
+    "result",
+    "tool",
+    "call",
+    "use",
+    "calculator",
+    "question",
+    "solve",
+    "final",
+    "step",
+    "first",
+    "then",
+    "so",
+    "sum",
+    "difference",
+    "product",
+    "user",
+    "assistant",
+    "system",
+    "please",
+    "reply",
+    "with",
+    "only",
+    "output",
+    "format",
+    "box",
+    "boxed",
+    "value",
+    "i",
+    "it",
+    "be",
+    "in",
+    "on",
+    "for",
+    "yes",
+    "no",
+    "right",
+    "wrong",
+    "good",
+    "done",
+    "is",
+    "not",
+    "that",
+    "this",
+    "let",
+    "me",
+    "check",
+    "hint",
+    "secret",
+    "pick",
+]
 
 
 def _corpus(rng: random.Random, n_lines: int = 1500) -> list[str]:
@@ -72,7 +152,9 @@ def train_tokenizer(vocab_size: int = 1024, corpus_seed: int = 0):
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     split = pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False)
-    tok.pre_tokenizer = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -144,7 +144,9 @@ def generate_response(out: GenerateOutput, rid: str, return_logprob: bool, sampl
         VERSIONS_KEY: [[v, n] for v, n in out.versions],
     }
     if return_logprob:
-        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(out.logprobs, out.output_ids)]
+        meta["output_token_logprobs"] = [
+            [lp, tok, None] for lp, tok in zip(out.logprobs, out.output_ids, strict=True)
+        ]
     body: dict[str, Any] = {"output_ids": out.output_ids, "meta_info": meta}
     if text is not None:
         body["text"] = text

@@ -36,10 +36,11 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
     """[R, T] target-aligned log-probs from [R, T, V] logits; column 0 is 0."""
-    logits = _scaled(logits[:, :-1], temperature)
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    logp = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    return F.pad(logp, (1, 0))
+    rows, width, vocab = logits.shape
+    logits = _scaled(logits[:, :-1], temperature).reshape(-1, vocab)
+    # cross_entropy = fused log_softmax + gather (one pass each way, unlike logsumexp)
+    logp = -F.cross_entropy(logits, input_ids[:, 1:].reshape(-1), reduction="none")
+    return F.pad(logp.view(rows, width - 1), (1, 0))
 
 
 def token_entropy(logits: torch.Tensor, temperature: float, chunk_tokens: int = 4096) -> torch.Tensor:
@@ -106,7 +107,11 @@ class TorchLearner(Learner):
         pad = self.model.config.pad_token_id
         self.pad_id = int(pad if pad is not None else (self.model.config.eos_token_id or 0))
         self.optimizer = torch.optim.AdamW(
-            self._params(), lr=self.cfg.lr, betas=tuple(self.cfg.betas), weight_decay=self.cfg.weight_decay
+            self._params(),
+            lr=self.cfg.lr,
+            betas=tuple(self.cfg.betas),
+            weight_decay=self.cfg.weight_decay,
+            fused=self.device.type == "cuda",
         )
         meta = self.model_path / checkpoint.METADATA_FILE
         if meta.is_file() and (self.model_path / STATE_FILE).is_file():

@@ -43,10 +43,7 @@ class _Group:
     size: int  # members needed to be complete (1 for ungrouped trajectories)
     trajectories: list[Trajectory] = field(default_factory=list)
     timer: asyncio.TimerHandle | None = None
-
-    @property
-    def oldest_version(self) -> int:
-        return min(min_version(t) for t in self.trajectories)
+    oldest_version: int = 0  # set on release: the oldest token version in the group
 
 
 @dataclass
@@ -149,6 +146,7 @@ class ReplayQueue:
         self._bytes = 0
         self._commits_since_compact = 0
         self._ready_signal = _Signal()
+        self._wanted: list[int] = []  # sizes the waiting sample_batch calls need
         self._space = _Signal()
         self._untimed: list[_Group] = []
         self._wal = wal_mod.WriteAheadLog(run_dir, fsync=self.cfg.fsync) if run_dir and self.cfg.wal else None
@@ -309,9 +307,11 @@ class ReplayQueue:
             group.timer = None
         if group.size > 1:
             self._released[group.group_id] = len(group.trajectories)
+        group.oldest_version = min(min_version(t) for t in group.trajectories)
         self._ready[next(self._seq)] = group
         self._n_ready += len(group.trajectories)
-        self._ready_signal.fire()
+        if self._wanted and self._n_ready >= min(self._wanted):  # wake samplers only when a batch may be ready
+            self._ready_signal.fire()
 
     def _schedule_timers(self) -> None:
         if not self._untimed:
@@ -358,6 +358,7 @@ class ReplayQueue:
         self.policy_version = version
         self._purge_stale()
         self._space.fire()
+        self._ready_signal.fire()
 
     def _purge_stale(self) -> None:
         if self.cfg.stale_policy == "keep":
@@ -405,7 +406,11 @@ class ReplayQueue:
             keys = self._take(size) if self._n_ready else None
             return keys is not None or self.closed
 
-        await asyncio.wait_for(self._ready_signal.wait_for(ready), timeout_s)
+        self._wanted.append(size)
+        try:
+            await asyncio.wait_for(self._ready_signal.wait_for(ready), timeout_s)
+        finally:
+            self._wanted.remove(size)
         if keys is None:
             raise QueueClosed("the queue closed before a batch was ready")
         self.metrics.sample_wait.observe(time.monotonic() - start)

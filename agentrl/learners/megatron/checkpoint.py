@@ -74,11 +74,14 @@ def save(learner: MegatronLearner, path: Path) -> None:
 
     path.mkdir(parents=True, exist_ok=True)
     rank = dist.get_rank()
+    # Megatron's distributed optimizer cannot export state before its first step (no Adam state yet).
+    has_state = learner.optimizer_steps > 0
     if ps.get_data_parallel_rank() == 0:
         params = convert.global_params(unwrap(learner.model))
         torch.save({k: v.detach().cpu() for k, v in params.items()}, path / f"model_{_rank_suffix()}.pt")
-        torch.save(learner.optimizer.state_dict(), path / f"optim_{_rank_suffix()}.pt")
-    if learner.cuda:
+        if has_state:
+            torch.save(learner.optimizer.state_dict(), path / f"optim_{_rank_suffix()}.pt")
+    if learner.cuda and has_state:
         learner.optimizer.save_parameter_state(str(path / "optim_params.pt"))
     if rank == 0:
         (path / "hf").mkdir(exist_ok=True)
@@ -87,6 +90,7 @@ def save(learner: MegatronLearner, path: Path) -> None:
             path, "megatron", learner.step, learner.policy_version, "hf",
             tensor_parallel=learner.tp_size, pipeline_parallel=ps.get_pipeline_model_parallel_world_size(),
             dtype=learner.cfg.dtype, model_path=learner.model_path, temperature=learner.temperature,
+            optimizer_steps=learner.optimizer_steps,
         )  # fmt: skip
     if dist.get_world_size() > 1:
         dist.barrier()
@@ -122,9 +126,13 @@ def load(learner: MegatronLearner, path: Path) -> None:
         )
     for name, param in params.items():
         param.copy_(saved[name])
-    if learner.cuda:
-        # The distributed optimizer keeps fp32 main params: refresh them from the loaded model weights.
+    learner.step, learner.policy_version = int(meta["step"]), int(meta["policy_version"])
+    learner.optimizer_steps = int(meta.get("optimizer_steps", 0))
+    if learner.cuda:  # the distributed optimizer keeps fp32 main params: refresh them from the loaded weights
         learner.optimizer.reload_model_params()
+    if learner.optimizer_steps == 0:
+        return
+    if learner.cuda:
         learner.optimizer.load_state_dict(
             torch.load(path / f"optim_{_rank_suffix()}.pt", map_location="cpu", weights_only=False)
         )
@@ -132,7 +140,6 @@ def load(learner: MegatronLearner, path: Path) -> None:
     else:
         state = torch.load(path / f"optim_{_rank_suffix()}.pt", map_location="cpu", weights_only=False)
         learner.optimizer.load_state_dict(state)
-    learner.step, learner.policy_version = int(meta["step"]), int(meta["policy_version"])
 
 
 def iter_checkpoint_hf(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

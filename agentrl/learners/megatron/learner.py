@@ -43,6 +43,7 @@ class MegatronLearner(Learner):
         attention: str = "sdpa",
         fused: bool | None = None,
         entropy_metric: bool = True,
+        compile: bool = False,
     ):
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
@@ -70,7 +71,7 @@ class MegatronLearner(Learner):
         )
         self.model_path, self.temperature, self.attention = str(model_path), temperature, attention
         self.dtype = DTYPES[lc.dtype]
-        self.fused = self.cuda if fused is None else fused
+        self.fused = (self.cuda and not compile) if fused is None else fused
         self.entropy_metric = entropy_metric
         self.tp_rank, self.tp_size = (
             ps.get_tensor_model_parallel_rank(),
@@ -85,6 +86,10 @@ class MegatronLearner(Learner):
         self.model = self._load_model()
         self.ref_model = self._load_model().eval().requires_grad_(False) if lc.reference_model else None
         self.optimizer = self._make_optimizer()
+        self.optimizer_steps = 0
+        if compile:  # inductor fuses RoPE, norms, SwiGLU and residual adds (no Transformer Engine needed)
+            inner = unwrap(self.model)
+            inner.forward = torch.compile(inner.forward)
 
     # -- construction ------------------------------------------------------------------------------------
 
@@ -235,6 +240,7 @@ class MegatronLearner(Learner):
             grad_norm = float(norm)
         for g, old in zip(groups, saved, strict=True):
             g["lr"] = old
+        self.optimizer_steps += 1
         return {"grad_norm": grad_norm, "lr": float(lr if lr is not None else saved[0])}
 
     def _sum_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:

@@ -1,0 +1,150 @@
+"""Worker-thread side of the embedded engine: model, KV cache, batched prefill/decode, sampling, weight loads.
+
+Everything here runs on the engine's single worker thread (never concurrently with itself); the asyncio
+scheduler in embedded.py owns the bookkeeping and hands over `Request`s, slot moves and weight sources.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from agentrl.engines.base import DiskSource, DistributedSource, SamplingParams, TensorSource, WeightSource
+from agentrl.engines.model import CausalLM, KVCache, ModelSpec
+from agentrl.engines.sampling import BatchSampling, sample
+from agentrl.errors import EngineError, WeightSyncError
+
+_SERIALS = itertools.count()
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt: list[int]
+    sampling: SamplingParams
+    future: asyncio.Future
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[list[int]] = field(default_factory=list)
+    abort_requested: bool = False
+    serial: int = field(default_factory=lambda: next(_SERIALS))
+
+    def kv_len(self) -> int:
+        """Tokens already in the KV cache (the last sampled token is fed on the next step)."""
+        return len(self.prompt) + len(self.output_ids) - 1
+
+    def add(self, token: int, logprob: float, version: int) -> None:
+        self.output_ids.append(token)
+        self.logprobs.append(logprob)
+        if self.versions and self.versions[-1][0] == version:
+            self.versions[-1][1] += 1
+        else:
+            self.versions.append([version, 1])
+
+
+class ModelRunner:
+    """Model + KV cache (`max_batch_size` slots x `max_seq_len`) + sampling on `device`."""
+
+    def __init__(
+        self, model_path: str, device: str, dtype: str, max_batch_size: int, max_seq_len: int, seed: int = 0
+    ):
+        if dtype not in DTYPES:
+            raise EngineError(f"engine.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        self.device = torch.device(device)
+        self.spec = ModelSpec.from_dir(model_path)
+        self.model = CausalLM(self.spec, self.device, DTYPES[dtype])
+        self.model.load_dir(model_path)
+        self.max_seq_len = min(max_seq_len, self.spec.max_position)
+        self._check_memory(max_batch_size, DTYPES[dtype])
+        self.cache = KVCache(self.spec, max_batch_size, self.max_seq_len, self.device, DTYPES[dtype])
+        self.model.ensure_rope(self.max_seq_len)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self._sampling_cache: tuple[tuple[int, ...], BatchSampling] | None = None
+        self.groups: dict[str, Any] = {}
+
+    def _check_memory(self, slots: int, dtype: torch.dtype) -> None:
+        s = self.spec
+        need = 2 * s.layers * slots * s.kv_heads * self.max_seq_len * s.head_dim * dtype.itemsize
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if need > 0.9 * free:
+                raise EngineError(
+                    f"KV cache needs {need / 2**30:.1f} GiB for engine.max_batch_size={slots} x "
+                    f"engine.max_seq_len={self.max_seq_len}, but {free / 2**30:.1f} GiB are free; lower one of them"
+                )
+
+    # -- weights -------------------------------------------------------------------------------------------------
+
+    def load(self, source: WeightSource) -> None:
+        if isinstance(source, TensorSource):
+            self.model.load_named(source.tensors)
+        elif isinstance(source, DiskSource):
+            spec = ModelSpec.from_dir(source.path)
+            if (spec.arch, spec.hidden, spec.layers, spec.vocab_size) != (
+                self.spec.arch, self.spec.hidden, self.spec.layers, self.spec.vocab_size
+            ):  # fmt: skip
+                raise WeightSyncError(f"model path {source.path}: architecture differs from the served model")
+            self.model.load_dir(source.path)
+        elif isinstance(source, DistributedSource):
+            from agentrl.engines.weight_sync import receive_broadcast
+
+            group = self.groups.get(source.group_name)
+            if group is None:
+                raise WeightSyncError(f"weight update group {source.group_name!r} was not initialised")
+            self.model.check({n: tuple(shape) for n, shape in zip(source.names, source.shapes, strict=True)})
+            self.model.load_named(receive_broadcast(group, source, self.device), checked=True)
+        else:
+            raise WeightSyncError(f"unknown weight source {type(source).__name__}")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -- compute -----------------------------------------------------------------------------------
+
+    def _apply_moves(self, moves: list[tuple[int, int, int]]) -> None:
+        for src, dst, length in moves:
+            self.cache.move(src, dst, length)
+
+    def _batch_sampling(self, batch: list[Request]) -> tuple[BatchSampling, dict[int, torch.Generator]]:
+        key = tuple(r.serial for r in batch)
+        if self._sampling_cache is None or self._sampling_cache[0] != key:
+            params = BatchSampling(
+                [r.sampling.temperature for r in batch],
+                [r.sampling.top_p for r in batch],
+                [r.sampling.top_k for r in batch],
+                self.device,
+            )
+            self._sampling_cache = (key, params)
+        gens = {i: r.generator for i, r in enumerate(batch) if r.generator is not None}
+        return self._sampling_cache[1], gens
+
+    def _sample(self, logits: torch.Tensor, batch: list[Request]) -> tuple[list[int], list[float]]:
+        params, gens = self._batch_sampling(batch)
+        tokens, logps = sample(logits, params, gens, self.generator)
+        return tokens.tolist(), logps.tolist()
+
+    def prefill(self, batch: list[Request], slot0: int, moves: list) -> tuple[list[int], list[float]]:
+        self._apply_moves(moves)
+        longest = max(len(r.prompt) for r in batch)
+        padded = [r.prompt + [0] * (longest - len(r.prompt)) for r in batch]
+        tokens = torch.tensor(padded, dtype=torch.int64, device=self.device)
+        lengths = torch.tensor([len(r.prompt) for r in batch], dtype=torch.int64, device=self.device)
+        slots = torch.arange(slot0, slot0 + len(batch), device=self.device)
+        logits = self.model.prefill(tokens, lengths, slots, self.cache)
+        return self._sample(logits, batch)
+
+    def decode(self, batch: list[Request], moves: list) -> tuple[list[int], list[float]]:
+        self._apply_moves(moves)
+        positions = [r.kv_len() for r in batch]
+        max_len = min(self.max_seq_len, (max(positions) + 1 + 31) // 32 * 32)
+        tokens = torch.tensor([r.output_ids[-1] for r in batch], dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        logits = self.model.decode(tokens, pos, self.cache, max_len)
+        return self._sample(logits, batch)
