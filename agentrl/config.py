@@ -109,6 +109,7 @@ class LearnerSection(_Section):
     publish: Literal["auto", "tensor", "object_store", "nccl", "disk"] = "auto"
     reference_model: bool = False
     pack_tokens: int = 0
+    gradient_checkpointing: bool = False
 
 
 class AlgorithmSection(_Section):

@@ -197,10 +197,10 @@ class EnvTaskSource:
     """Tasks an env generates itself (`sample_tasks`): batch k is `sample_tasks(seed=f(seed, k), n)`.
     Endless; the cursor is the number of batches drawn."""
 
+    exhausted = False
+
     def __init__(self, env: Any, seed: int = 0):
         self.env, self.seed, self.batches = env, seed, 0
-
-    exhausted = False
 
     def next_batch(self, n: int) -> list[dict[str, Any]]:
         tasks = self.env.sample_tasks(self.seed * 1_000_003 + self.batches, n)

@@ -26,6 +26,7 @@ LOGPROB_DTYPE = np.dtype("<f4")
 MASK_DTYPE = np.dtype("u1")
 MAX_ID_CHARS = 256
 _TOKEN_MAX = int(np.iinfo(TOKEN_DTYPE).max)
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # ndarray.min/max without the Python-level wrapper
 
 Status = Literal["completed", "truncated", "aborted", "failed"]
 TokenArray = bytes | list[int]
@@ -173,7 +174,7 @@ def _token_bytes(field: str, value: TokenArray, vocab_size: int | None) -> bytes
             raise InvalidTrajectory(field, "packed token bytes must be a multiple of 4 (little-endian int32)")
         arr = np.frombuffer(value, dtype=TOKEN_DTYPE)
     if arr.size:
-        lo, hi = int(arr.min()), int(arr.max())
+        lo, hi = int(_MIN(arr)), int(_MAX(arr))
         if lo < 0:
             raise InvalidTrajectory(field, f"token id {lo} is negative")
         if vocab_size is not None and hi >= vocab_size:
@@ -192,7 +193,7 @@ def _float_bytes(field: str, value: FloatArray, n: int) -> bytes:
         arr = np.frombuffer(value, dtype=LOGPROB_DTYPE)
     if arr.size != n:
         raise InvalidTrajectory(field, f"has {arr.size} values but response_ids has {n} tokens")
-    lo, hi = float(arr.min()), float(arr.max())  # two reductions: NaN propagates, +-inf shows at an end
+    lo, hi = float(_MIN(arr)), float(_MAX(arr))  # two reductions: NaN propagates, +-inf shows at an end
     if not (math.isfinite(lo) and math.isfinite(hi)):
         raise InvalidTrajectory(field, "contains NaN or infinity")
     if hi > 1e-3:

@@ -45,6 +45,7 @@ async def main(args: argparse.Namespace) -> None:
     gen = resolve_generator("multi_turn")
     await asyncio.gather(*[gen(ctx, t, f"w{i}", "g") for i, t in enumerate(tasks)])  # warm-up
     engine.calls.clear()
+    engine.request_ids.clear()
     t0 = time.perf_counter()
     trajs = await asyncio.gather(*[gen(ctx, t, f"e{i}", "g") for i, t in enumerate(tasks)])
     gen_s = time.perf_counter() - t0

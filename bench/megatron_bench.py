@@ -223,19 +223,20 @@ def run_variant(runner, args, path: Path, world: int, single: bool) -> dict:
         for retry in range(3):
             try:
                 res = runner(args, path) if single else runner(args, path, world)
-                res["micro_batch_tokens" if not single else "hf_chunks"] = (
-                    args.micro_batch_tokens if not single else args.hf_chunks
+                res["hf_chunks" if single else "micro_batch_tokens"] = (
+                    args.hf_chunks if single else args.micro_batch_tokens
                 )
                 res["oom_retries"] = retry
                 return res
             except torch.OutOfMemoryError:
-                if retry == 2 or (args.micro_batch_tokens and args.micro_batch_tokens <= args.seq):
+                if retry == 2 or (not single and args.micro_batch_tokens <= args.seq):
                     raise
-                log(f"out of memory: retrying with a smaller micro-batch ({traceback.format_exc(limit=1)})")
-                args.micro_batch_tokens //= 2
-                args.hf_chunks *= 2
-                gc.collect()
-                torch.cuda.empty_cache()
+                log(f"out of memory, retrying smaller: {traceback.format_exc(limit=1)}")
+            # Outside the except block the failed attempt's frames (and its GPU memory) are released.
+            args.micro_batch_tokens //= 2
+            args.hf_chunks *= 2
+            gc.collect()
+            torch.cuda.empty_cache()
         raise RuntimeError("unreachable")
     finally:
         args.micro_batch_tokens, args.hf_chunks = saved

@@ -10,6 +10,7 @@ How the delta is found without re-rendering the conversation: render a dummy con
 text past the dummy is what the template appends for the new messages. The model's reply normally ends with
 the end-of-turn token (the suffix's first token, a stop token); then only the rest of the suffix (`\\n`) is
 prepended to the delta. If the reply ended otherwise (e.g. on a different eos), the whole suffix is.
+Prompts and deltas are cached by their messages (a group's n samples share a prompt; env feedback repeats).
 """
 
 from __future__ import annotations
@@ -23,8 +24,15 @@ MARK = "QXZMARKZXQ"
 _cache: dict[int, tuple[Any, ChatTokens]] = {}
 
 
+CACHE_SIZE = 4096
+
+
 def _as_dicts(messages: list[Message] | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
+
+
+def _key(messages: list[Message] | list[dict[str, Any]]) -> tuple[tuple[str, str], ...]:
+    return tuple((m["role"], m["content"]) for m in _as_dicts(messages))
 
 
 class ChatTokens:
@@ -36,6 +44,10 @@ class ChatTokens:
         self.eos_id = tokenizer.eos_token_id
         self.eot_id: int | None = self.eos_id
         self.after_eot = self.suffix = ""
+        backend = getattr(tokenizer, "_tokenizer", None)  # the Rust tokenizer: same ids, ~5x less overhead
+        self._fast_encode = getattr(backend, "encode", None) if hasattr(backend, "encode_batch") else None
+        self._prompts: dict[tuple, list[int]] = {}
+        self._deltas: dict[tuple, list[int]] = {}
         if self.has_template:
             self._probe()
         self.stop_ids = sorted({i for i in (self.eos_id, self.eot_id) if i is not None})
@@ -60,6 +72,8 @@ class ChatTokens:
         )
 
     def encode(self, text: str) -> list[int]:
+        if self._fast_encode is not None:
+            return self._fast_encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:
@@ -69,21 +83,31 @@ class ChatTokens:
         self, messages: list[Message] | list[dict[str, Any]], chat_template: bool = True
     ) -> list[int]:
         """The opening prompt: the template with the generation prompt, or (raw) the contents joined by newlines."""
-        if chat_template and self.has_template:
-            return self.encode(self.render(_as_dicts(messages), add_generation_prompt=True))
-        text = "\n".join(m["content"] for m in _as_dicts(messages))
-        return list(self.tokenizer.encode(text, add_special_tokens=True))
+        key = (_key(messages), chat_template)
+        hit = self._prompts.get(key)
+        if hit is None:
+            if chat_template and self.has_template:
+                hit = self.encode(self.render(_as_dicts(messages), add_generation_prompt=True))
+            else:
+                hit = list(self.tokenizer.encode("\n".join(c for _, c in key[0]), add_special_tokens=True))
+            _remember(self._prompts, key, hit)
+        return list(hit)
 
     def delta_ids(self, messages: list[Message] | list[dict[str, Any]], reply_ids: list[int]) -> list[int]:
         """Tokens that follow a model reply `reply_ids` when the env adds `messages` and the model speaks next."""
         if not self.has_template:
             raise EnvError("multi-turn rollouts need a tokenizer with a chat template")
-        dummy = [{"role": "user", "content": "u"}, {"role": "assistant", "content": MARK}]
-        full = self.render(dummy + _as_dicts(messages), add_generation_prompt=True)
-        if not full.startswith(self._base):
-            raise EnvError("the chat template renders earlier turns differently once new messages follow")
         closed = bool(reply_ids) and reply_ids[-1] == self.eot_id
-        return self.encode((self.after_eot if closed else self.suffix) + full[len(self._base) :])
+        key = (_key(messages), closed)
+        hit = self._deltas.get(key)
+        if hit is None:
+            dummy = [{"role": "user", "content": "u"}, {"role": "assistant", "content": MARK}]
+            full = self.render(dummy + _as_dicts(messages), add_generation_prompt=True)
+            if not full.startswith(self._base):
+                raise EnvError("the chat template renders earlier turns differently once new messages follow")
+            hit = self.encode((self.after_eot if closed else self.suffix) + full[len(self._base) :])
+            _remember(self._deltas, key, hit)
+        return list(hit)
 
     def closing_ids(self, reply_ids: list[int]) -> list[int]:
         """End-of-turn tokens to append after a reply that did not end with one (for demonstrations)."""
@@ -94,6 +118,12 @@ class ChatTokens:
             if self.eot_id is not None
             else []
         )
+
+
+def _remember(cache: dict[tuple, list[int]], key: tuple, ids: list[int]) -> None:
+    if len(cache) >= CACHE_SIZE:
+        cache.pop(next(iter(cache)))  # oldest first (dicts keep insertion order)
+    cache[key] = ids
 
 
 def chat_tokens(tokenizer: Any) -> ChatTokens:

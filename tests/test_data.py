@@ -52,7 +52,12 @@ def test_parquet_matches_jsonl(tmp_path, jsonl):
 
 
 def test_chat_prompts_and_template_flag(tmp_path):
-    rows = [{"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], "answer": 1}]
+    rows = [
+        {
+            "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+            "answer": 1,
+        }
+    ]
     data = PromptDataset(write_jsonl(tmp_path / "c.jsonl", rows), apply_chat_template=False)
     task = data.next_batch(5)[0]
     assert task["prompt"][1] == {"role": "user", "content": "hi"} and task["apply_chat_template"] is False
@@ -67,7 +72,11 @@ def test_chat_prompts_and_template_flag(tmp_path):
         ([{"question": 5, "solution": "1"}], [], r"train\.jsonl:1: key 'question' must be"),
         ([{"question": "", "solution": "1"}], [], r"train\.jsonl:1: key 'question' is an empty string"),
         ([{"question": [{"role": "user"}], "solution": "1"}], [], r"train\.jsonl:1: key 'question'\[0\]"),
-        ([{"question": "q", "solution": "1", "meta": [1]}], [], r"train\.jsonl:1: key 'meta' \(data.metadata_key\)"),
+        (
+            [{"question": "q", "solution": "1", "meta": [1]}],
+            [],
+            r"train\.jsonl:1: key 'meta' \(data.metadata_key\)",
+        ),
         ([], ["[1, 2]"], r"train\.jsonl:1: a row must be a JSON object"),
     ],
 )
@@ -79,7 +88,9 @@ def test_malformed_rows_named(tmp_path, rows, raw, match):
 
 def test_malformed_parquet_row_named(tmp_path):
     path = tmp_path / "bad.parquet"
-    pq.write_table(pa.Table.from_pylist([{"question": "q", "solution": "1"}, {"question": "q", "solution": None}]), path)
+    pq.write_table(
+        pa.Table.from_pylist([{"question": "q", "solution": "1"}, {"question": "q", "solution": None}]), path
+    )
     with pytest.raises(DataError, match=r"bad\.parquet:row 2: missing key 'solution'"):
         ds(path, metadata_key="")
 
@@ -97,7 +108,11 @@ def test_missing_and_empty_files(tmp_path):
 
 def test_seeded_shuffle_and_epochs(jsonl):
     order = lambda d: [t["data_index"] for t in d]  # noqa: E731
-    a, b, c = order(ds(jsonl, seed=1, epochs=2)), order(ds(jsonl, seed=1, epochs=2)), order(ds(jsonl, seed=2, epochs=2))
+    a, b, c = (
+        order(ds(jsonl, seed=1, epochs=2)),
+        order(ds(jsonl, seed=1, epochs=2)),
+        order(ds(jsonl, seed=2, epochs=2)),
+    )
     assert a == b and a != c and len(a) == 20
     assert sorted(a[:10]) == list(range(10)) and sorted(a[10:]) == list(range(10))
     assert a[:10] != a[10:]  # each epoch reshuffles
@@ -142,7 +157,9 @@ def test_task_source_from_config(jsonl, tmp_path):
     arith = make_env("arithmetic")
     assert isinstance(task_source(arith, DataSection()), EnvTaskSource)
     held_out = eval_tasks(arith, DataSection(), 8)
-    assert held_out == eval_tasks(arith, DataSection(), 8) and held_out != task_source(arith, DataSection()).next_batch(8)
+    assert held_out == eval_tasks(arith, DataSection(), 8) and held_out != task_source(
+        arith, DataSection()
+    ).next_batch(8)
 
 
 async def test_math_env_scores_dataset_tasks(jsonl):

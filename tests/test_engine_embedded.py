@@ -364,3 +364,19 @@ async def test_engine_seed_makes_unseeded_sampling_reproducible(dirs):
         runs.append([(await eng.generate(p, sp)).output_ids for p in PROMPTS[:2]])
         await eng.close()
     assert runs[0] == runs[1] != runs[2]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+async def test_head_dim_other_than_hidden_over_heads(tmp_path, arch):
+    """Like Qwen3-0.6B (hidden 1024, 16 heads, head_dim 128): q/o projections are not square."""
+    path = make_tiny_model(
+        tmp_path / arch, arch=arch, seed=3, hidden=64, heads=4, kv_heads=2, head_dim=24, init_std=0.1
+    )
+    eng, ref = engine(path), hf_model(path)
+    assert eng.model.q_dim == 96 != eng.spec.hidden
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8, seed=1, ignore_eos=True)
+    outs = await asyncio.gather(*[eng.generate(p, sp) for p in PROMPTS[:3]])
+    for prompt, out in zip(PROMPTS, outs, strict=False):
+        expected = teacher_logprobs(ref, prompt, out.output_ids)
+        assert (torch.tensor(out.logprobs) - expected).abs().max().item() <= 1e-5
+    await eng.close()

@@ -324,3 +324,13 @@ async def test_launcher_reports_a_failed_start_with_the_log(dirs, fake_sglang):
     with pytest.raises(EngineError, match=r"startup_timeout_s=0.5s(.|\n)*loading"):
         timeout.start()
     assert timeout.returncode is not None
+
+
+async def test_connect_attaches_to_external_urls(dirs):
+    from agentrl.config import EngineSection
+    from agentrl.engines.sglang_launcher import connect
+
+    urls, servers = await connect(
+        EngineSection(kind="sglang", external_urls=["http://a:1", "http://b:2"]), str(dirs[0])
+    )
+    assert urls == ["http://a:1", "http://b:2"] and servers == []

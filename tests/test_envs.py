@@ -109,7 +109,11 @@ async def test_arithmetic_rewards():
 async def test_guess_number_feedback_and_rewards():
     env = make_env("guess_number", {"low": 1, "high": 16, "max_guesses": 4})
     rewards, results = await play(env, {"secret": 11}, ["8", "12", "banana", "11"])
-    assert [r.messages[0].content for r in results[:3]] == ["Higher.", "Lower.", "Reply with a number from 1 to 16."]
+    assert [r.messages[0].content for r in results[:3]] == [
+        "Higher.",
+        "Lower.",
+        "Reply with a number from 1 to 16.",
+    ]
     assert results[-1].done and rewards[-1] == pytest.approx(1 - 3 / 4)
     rewards, results = await play(env, {"secret": 3}, ["5", "5", "5", "5", "5"])
     assert len(results) == 4 and results[-1].done and sum(rewards) == 0.0
@@ -155,7 +159,9 @@ async def test_math_env_with_dataset_task():
     opening = await env.reset({"prompt": "What is 1/2 + 1/4?", "answer": "3/4"})
     assert opening == [Message("user", "What is 1/2 + 1/4?")]
     assert (await env.step("so it is \\boxed{\\frac{3}{4}}")).reward == 1.0
-    await env.reset({"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}], "answer": "2"})
+    await env.reset(
+        {"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}], "answer": "2"}
+    )
     assert (await env.step("\\boxed{3}")).reward == 0.0
     with pytest.raises(NotImplementedError, match=r"data\.path"):
         env.sample_tasks(0, 1)

@@ -20,7 +20,9 @@ PKG = Path(__file__).parent / "plugin_pkg"
 def plugin_path(tmp_path_factory):
     target = tmp_path_factory.mktemp("site")
     build = tmp_path_factory.mktemp("build")
-    src = shutil.copytree(PKG, build / "src", ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    src = shutil.copytree(
+        PKG, build / "src", ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
+    )
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "--quiet",
          "--target", str(target), str(src)],
@@ -32,7 +34,9 @@ def plugin_path(tmp_path_factory):
 
 def run(code_or_args: list[str], plugin_path: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin_path), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, *code_or_args], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, *code_or_args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def test_agentrl_envs_lists_plugins(plugin_path):

@@ -317,3 +317,23 @@ def test_deltas_with_a_llama3_style_template(tiny):
     reply = [*tok.encode("7", add_special_tokens=False), tok.eos_token_id]
     delta = chat.delta_ids([Message("user", "Lower.")], reply)
     assert tok.decode(delta, skip_special_tokens=False).startswith("<|eot_id|><|start_header_id|>user")
+
+
+def test_fast_encode_matches_the_tokenizer_and_caches_are_copies(tok):
+    chat = chat_tokens(tok)
+    texts = [
+        "<calc>23+45</calc>",
+        "\n<|im_start|>tool\n<result>68</result><|im_end|>\n",
+        "héllo wörld ∑ 🙂",
+        " a  b\t\n",
+        "",
+    ]
+    for text in texts:
+        assert chat.encode(text) == tok.encode(text, add_special_tokens=False)
+    opening = [Message("user", "What is 1+2?")]
+    first = chat.prompt_ids(opening)
+    first.append(-1)  # callers may mutate what they get: the cache must not change
+    assert chat.prompt_ids(opening) == first[:-1]
+    delta = chat.delta_ids([Message("user", "Lower.")], [chat.eot_id])
+    delta.clear()
+    assert chat.delta_ids([Message("user", "Lower.")], [chat.eot_id]) != []

@@ -269,3 +269,20 @@ async def test_async_client_retries_429_until_the_learner_makes_room(tmp_path):
     finally:
         await server.stop()
         queue.close()
+
+
+def test_http_submissions_logged_as_received_replay_exactly(background, tmp_path):
+    bg = background()
+    bg.call(bg.queue.set_policy_version, 4)
+    assert post_json(bg.url, [one("h1"), one("h2", policy_version=3), one("h1")])[2]["duplicates"] == 1
+    assert post_msgpack(bg.url, [one("h3", response_ids=np.array([7, 8, 9], "<i4").tobytes()), one("h2")])[0] == 202
+    live = {t.id: t for t in bg.call(bg.queue.sample_batch, 3).trajectories}
+    bg.stop()
+    reopened = ReplayQueue(QueueSection(), tmp_path / "q0")
+    assert reopened.pending_ids() == ["h1", "h2", "h3"]
+    for tid in ("h1", "h2", "h3"):
+        got = reopened._live[tid]
+        assert msgspec.structs.replace(got, created_at=0) == msgspec.structs.replace(live[tid], created_at=0)
+        assert abs(got.created_at - live[tid].created_at) < 1.0
+    assert reopened._live["h1"].versions == [(4, 2)] and reopened._live["h2"].versions == [(3, 2)]
+    reopened.close()

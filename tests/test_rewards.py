@@ -125,7 +125,13 @@ def traj(tid: str, gid: str, reward: float) -> Trajectory:
 
 
 def test_filter_groups_drops_zero_variance():
-    batch = [traj("a0", "a", 1.0), traj("b0", "b", 0.0), traj("a1", "a", 1.0), traj("b1", "b", 1.0), traj("c0", "c", 0.3)]
+    batch = [
+        traj("a0", "a", 1.0),
+        traj("b0", "b", 0.0),
+        traj("a1", "a", 1.0),
+        traj("b1", "b", 1.0),
+        traj("c0", "c", 0.3),
+    ]
     kept, dropped = filter_groups(batch)
     assert [t.id for t in kept] == ["b0", "b1"]
     assert sorted(dropped) == ["a", "c"]  # c: a group of one has no spread either

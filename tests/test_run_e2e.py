@@ -6,12 +6,12 @@ found only through its `agentrl.envs` entry point, so the Ray workers see it too
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
+from run_support import make_model, read_jsonl, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,9 @@ def plugin_path(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def ray_session(plugin_path):
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(plugin_path), os.environ.get("PYTHONPATH", "")])
+    here = str(Path(__file__).parent)  # run_support (test generators) for the Ray workers
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(plugin_path), here, os.environ.get("PYTHONPATH", "")])
+    os.environ["AGENTRL_TEST_CRASH_DIR"] = str(plugin_path)
     sys.path.insert(0, str(plugin_path))
     import ray
 
@@ -69,34 +71,7 @@ def ray_session(plugin_path):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    from agentrl.engines.tiny import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("m") / "tiny", hidden=64, layers=1))
-
-
-def tiny_config(root: Path, model: str, **sections) -> Path:
-    base = {
-        "run": {"name": "t", "root": str(root), "steps": 3, "eval_every": 2, "eval_prompts": 4, "progress": False,
-                "checkpoint_every": 1, "ray_num_cpus": 2},
-        "model": {"path": model, "make_tiny": False},
-        "env": {"name": "calculator"},
-        "rollout": {"n_samples_per_prompt": 4, "prompts_per_step": 2, "max_new_tokens": 12, "max_turns": 3},
-        "warmup": {"steps": 2, "batch_size": 8},
-        "engine": {"max_batch_size": 16, "max_seq_len": 256},
-    }
-    for section, values in sections.items():
-        base.setdefault(section, {}).update(values)
-    lines = []
-    for section, values in base.items():
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
-    path = root / "cfg.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return make_model(tmp_path_factory.mktemp("m"))
 
 
 def check_run_dir(run: Path, steps: int) -> tuple[list[dict], list[dict]]:
@@ -155,11 +130,34 @@ def test_other_placements(ray_session, tmp_path, model_dir, placement):
     from agentrl.config import load_config
     from agentrl.runner.loop import run
 
-    extra = {"engine": {"num_engines": 2, "max_batch_size": 16, "max_seq_len": 256}} if placement == "disaggregated" else {}
+    extra = (
+        {"engine": {"num_engines": 2, "max_batch_size": 16, "max_seq_len": 256}}
+        if placement == "disaggregated"
+        else {}
+    )
     cfg = load_config(tiny_config(tmp_path, model_dir, run={"steps": 2, "eval_every": 0, "placement": placement}, **extra),
                       ["--run.mode", "async"])  # fmt: skip
     assert run(cfg)["steps"] == 2
     check_run_dir(tmp_path / "t", 2)
+
+
+def test_dead_worker_is_replaced_and_its_groups_reissued(ray_session, tmp_path, model_dir):
+    from agentrl.config import load_config
+    from agentrl.runner.loop import run
+
+    cfg = load_config(
+        tiny_config(tmp_path, model_dir, run={"steps": 3, "eval_every": 0},
+                    rollout={"generator": "run_support:crashing_generate"}),
+        ["--run.mode", "async"],
+    )  # fmt: skip
+    summary = run(cfg)
+    assert summary["steps"] == 3
+    assert summary["history"][-1]["restarts"] >= 1 and summary["history"][-1]["reissued"] >= 1
+    check_run_dir(tmp_path / "t", 3)
+    from agentrl.queue.wal import WriteAheadLog
+
+    known = WriteAheadLog(tmp_path / "t").replay().known_ids
+    assert {f"t3-s{k}" for k in range(4)} <= known  # the crashed group was re-issued and accepted
 
 
 def test_openai_proxy_generator_in_a_run(ray_session, tmp_path, model_dir):
@@ -168,7 +166,9 @@ def test_openai_proxy_generator_in_a_run(ray_session, tmp_path, model_dir):
     from agentrl.runner.loop import run
 
     cfg = load_config(
-        tiny_config(tmp_path, model_dir, run={"steps": 2, "eval_every": 0}, rollout={"generator": "openai_proxy"}),
+        tiny_config(
+            tmp_path, model_dir, run={"steps": 2, "eval_every": 0}, rollout={"generator": "openai_proxy"}
+        ),
         ["--run.mode", "sync"],
     )
     assert run(cfg)["steps"] == 2

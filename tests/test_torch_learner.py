@@ -115,17 +115,24 @@ def test_train_step_increases_reward_weighted_logprob(model_dir):
 def test_grad_accumulation_equals_one_big_batch(model_dir):
     for agg in ("token_mean", "seq_mean_token_mean"):
         algo = AlgorithmSection(advantage="grpo", loss_agg=agg, entropy_coef=0.01)
-        grads = []
-        for budget in (10_000, 12):
-            learner = TorchLearner(model_dir, LearnerSection(micro_batch_tokens=budget, grad_clip=0.0), algo)
+        results = []
+        for budget, checkpointing in ((10_000, False), (24, False), (24, agg == "token_mean")):
+            cfg = LearnerSection(
+                micro_batch_tokens=budget, grad_clip=0.0, gradient_checkpointing=checkpointing
+            )
+            learner = TorchLearner(model_dir, cfg, algo)
+            on = getattr(learner.model, "is_activation_checkpointing", None)
+            assert (on if on is not None else learner.model.is_gradient_checkpointing) == checkpointing
             batch = build_batch(make_trajs(), learner.pad_id)
             m = learner.train_step(batch)
             assert m["micro_batches"] == len(micro_batches(batch, budget))
-            grads.append(([p.grad.clone() for p in learner.model.parameters()], m["loss"]))
-        assert grads[1][0] and len(micro_batches(batch, 12)) > 1
-        for a, b in zip(grads[0][0], grads[1][0], strict=True):
-            assert (a - b).abs().max().item() <= 1e-5
-        assert grads[0][1] == pytest.approx(grads[1][1], abs=1e-6)
+            results.append(([p.grad.clone() for p in learner.model.parameters()], m["loss"]))
+        assert len(micro_batches(batch, 24)) > 1
+        (big, big_loss), *others = results
+        for grads, loss in others:
+            for a, b in zip(big, grads, strict=True):
+                assert (a - b).abs().max().item() <= 1e-5
+            assert loss == pytest.approx(big_loss, abs=1e-6)
 
 
 def test_save_load_resumes_identically(model_dir, tmp_path):
@@ -243,3 +250,14 @@ def test_build_batch_reconstructs_every_trajectory(pack):
     assert b.n_groups == 7 and len(set(b.group_index.tolist())) == 7
     if pack:
         assert (b.row_lengths() <= pack).all() and b.n_rows < len(trajs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_reference_kl_and_checkpointing(model_dir):
+    cfg = LearnerSection(device="cuda", dtype="bfloat16", reference_model=True, gradient_checkpointing=True)
+    gpu = TorchLearner(model_dir, cfg, AlgorithmSection(kl_coef=0.1, entropy_coef=0.01))
+    assert next(gpu.ref_model.parameters()).dtype == torch.bfloat16
+    for _ in range(2):
+        m = gpu.train_step(build_batch(make_trajs(), gpu.pad_id))
+        assert math.isfinite(m["loss"]) and m["kl"] >= 0.0 and math.isfinite(m["entropy"])

@@ -46,7 +46,9 @@ def as_source(payload: Any) -> TensorSource | DiskSource | DistributedSource:
     raise WeightSyncError(f"cannot load weights from {type(payload).__name__}")
 
 
-async def load_into_engines(engines: list[Engine], version: int, payload: Any, update_mode: str = "keep") -> None:
+async def load_into_engines(
+    engines: list[Engine], version: int, payload: Any, update_mode: str = "keep"
+) -> None:
     """Pause each engine (`keep`: in-flight requests resume on the new weights; `abort`: they end with
     finish_reason 'abort'; `wait`: drain first), load `version`, resume."""
     source = as_source(payload)
@@ -84,7 +86,9 @@ async def _guard(awaitable: Any, path: str, target: str, version: int, timeout_s
     except WeightSyncError:
         raise
     except Exception as exc:
-        raise WeightSyncError(f"publishing policy_version {version} by '{path}' to {target} failed: {exc!r}") from exc
+        raise WeightSyncError(
+            f"publishing policy_version {version} by '{path}' to {target} failed: {exc!r}"
+        ) from exc
 
 
 class Publisher:
@@ -111,7 +115,13 @@ class Publisher:
         t0 = time.perf_counter()
         payload = await self._payload(version)
         jobs = [
-            _guard(t.update_weights.remote(version, payload), self.path, f"engine host {i}", version, self.timeout_s)
+            _guard(
+                t.update_weights.remote(version, payload),
+                self.path,
+                f"engine host {i}",
+                version,
+                self.timeout_s,
+            )
             for i, t in enumerate(self.targets)
         ]
         if self.path == "nccl":

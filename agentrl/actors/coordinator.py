@@ -75,7 +75,9 @@ class Coordinator:
         from ray.util.placement_group import placement_group
 
         c = self.cfg
-        learner_gpus = c.learner.tensor_parallel * c.learner.pipeline_parallel if "cuda" in c.learner.device else 0
+        learner_gpus = (
+            c.learner.tensor_parallel * c.learner.pipeline_parallel if "cuda" in c.learner.device else 0
+        )
         engine_gpus = 1 if "cuda" in c.engine.device and not c.engine.external_urls else 0
         n_bundles = 1 + c.engine.num_engines + c.rollout.num_workers
         cpus = float(ray.cluster_resources().get("CPU", 1))
@@ -101,7 +103,9 @@ class Coordinator:
         self.queue_url = await self.queue.start.remote()
         if self.placement == "colocated":
             if c.rollout.num_workers != 1:
-                raise ConfigError("run.placement = 'colocated' runs exactly one rollout worker (rollout.num_workers = 1)")
+                raise ConfigError(
+                    "run.placement = 'colocated' runs exactly one rollout worker (rollout.num_workers = 1)"
+                )
             host = self._slot("colocated", 0, (c, self.model_path, self.queue, 0), {"num_cpus": 0})
             self.learner = host.handle
             self.workers = [host]
@@ -120,7 +124,9 @@ class Coordinator:
             self.engines = []
             for i in range(c.engine.num_engines):
                 cpu, gpu = shapes[1 + i]
-                self.engines.append(self._slot("engine", i, (c, self.model_path, i), self._bundle_options(1 + i, cpu, gpu)))
+                self.engines.append(
+                    self._slot("engine", i, (c, self.model_path, i), self._bundle_options(1 + i, cpu, gpu))
+                )
             handles = [e.handle for e in self.engines]
             base = 1 + c.engine.num_engines
             for i in range(c.rollout.num_workers):
@@ -145,7 +151,10 @@ class Coordinator:
         port = 29_500 + (hash(self.run_dir) % 1000)
         world = 1 + len(targets)
         jobs = [self.learner.init_weight_group.remote(addr, port, world, "agentrl-weights")]
-        jobs += [t.init_weight_group.remote(addr, port, world, i + 1, "agentrl-weights") for i, t in enumerate(targets)]
+        jobs += [
+            t.init_weight_group.remote(addr, port, world, i + 1, "agentrl-weights")
+            for i, t in enumerate(targets)
+        ]
         await asyncio.gather(*jobs)
 
     # -- supervision -------------------------------------------------------------------------------------
@@ -159,8 +168,12 @@ class Coordinator:
         async with self._lock:
             if slot.generation != generation:
                 return  # someone already replaced it
-            if slot.kind == "colocated" or self.restarts >= self.cfg.run.max_restarts * max(1, len(self.workers)):
-                raise AgentRLError(f"{slot.kind} actor {slot.index} died and cannot be restarted (restarts: {self.restarts})")
+            if slot.kind == "colocated" or self.restarts >= self.cfg.run.max_restarts * max(
+                1, len(self.workers)
+            ):
+                raise AgentRLError(
+                    f"{slot.kind} actor {slot.index} died and cannot be restarted (restarts: {self.restarts})"
+                )
             try:
                 ray.kill(slot.handle, no_restart=True)
             except Exception:
@@ -174,7 +187,9 @@ class Coordinator:
             self.publisher.targets = [slot.handle if t is old else t for t in self.publisher.targets]
             await self.publisher.catch_up(slot.handle)
             if slot.kind == "engine":
-                await asyncio.gather(*(w.handle.replace_engine.remote(slot.index, slot.handle) for w in self.workers))
+                await asyncio.gather(
+                    *(w.handle.replace_engine.remote(slot.index, slot.handle) for w in self.workers)
+                )
 
     async def check_engines(self, timeout_s: float = 10.0) -> None:
         """Ping every engine actor; replace the ones that do not answer."""

@@ -26,13 +26,13 @@ def make_engine(cfg: Config, model_path: str, index: int = 0) -> Engine:
         )  # fmt: skip
     from agentrl.engines.sglang import SGLangEngine
 
+    timeouts = {"request_timeout_s": e.request_timeout_s, "update_timeout_s": e.update_timeout_s}
     if e.external_urls:
-        return SGLangEngine(e.external_urls[index % len(e.external_urls)], timeout_s=e.request_timeout_s)
-    from agentrl.engines.sglang import SGLangServer
+        return SGLangEngine(e.external_urls[index % len(e.external_urls)], **timeouts)
+    from agentrl.engines.sglang_launcher import SGLangServer
 
-    server = SGLangServer(model_path, python=e.sglang.python, args=e.sglang.args, startup_timeout_s=e.sglang.startup_timeout_s)
-    server.start()
-    engine = SGLangEngine(server.url, timeout_s=e.request_timeout_s)
+    server = SGLangServer(model_path, e.sglang)
+    engine = SGLangEngine(server.start(), **timeouts)
     engine._server = server  # type: ignore[attr-defined]  # kept alive with the client, stopped on close
     return engine
 
@@ -75,7 +75,9 @@ class EngineActor:
     async def flush_cache(self) -> None:
         await self.engine.flush_cache()
 
-    async def init_weight_group(self, address: str, port: int, world_size: int, rank: int, group_name: str) -> None:
+    async def init_weight_group(
+        self, address: str, port: int, world_size: int, rank: int, group_name: str
+    ) -> None:
         from agentrl.actors.broadcast import join_weight_group
 
         backend = "nccl" if "cuda" in self.cfg.engine.device else "gloo"

@@ -26,7 +26,9 @@ def make_learner(cfg: Config, model_path: str):
         return MegatronLearner(cfg, model_path)
     from agentrl.learners.torch_learner import TorchLearner
 
-    return TorchLearner(model_path, cfg.learner, cfg.algorithm, temperature=cfg.rollout.temperature, seed=cfg.run.seed)
+    return TorchLearner(
+        model_path, cfg.learner, cfg.algorithm, temperature=cfg.rollout.temperature, seed=cfg.run.seed
+    )
 
 
 class LearnerWorker:
@@ -106,12 +108,16 @@ class LearnerWorker:
         save_hf_dir(path, self.learner.weights(), self.model_path)
         return path
 
-    def init_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str) -> None:
+    def init_weight_group(
+        self, master_address: str, master_port: int, world_size: int, group_name: str
+    ) -> None:
         """Host the weight-broadcast group as rank 0 (blocks until every engine joined)."""
         from agentrl.engines.weight_sync import init_weights_update_group
 
         backend = "nccl" if "cuda" in self.cfg.learner.device else "gloo"
-        self._group = init_weights_update_group(master_address, master_port, 0, world_size, backend, group_name)
+        self._group = init_weights_update_group(
+            master_address, master_port, 0, world_size, backend, group_name
+        )
 
     def distributed_source(self) -> Any:
         from agentrl.engines.weight_sync import describe
@@ -124,7 +130,9 @@ class LearnerWorker:
         from agentrl.errors import WeightSyncError
 
         if self._group is None:
-            raise WeightSyncError("learner.publish = 'nccl': no weight-broadcast group (init_weight_group first)")
+            raise WeightSyncError(
+                "learner.publish = 'nccl': no weight-broadcast group (init_weight_group first)"
+            )
         send_broadcast(self._group, self.learner.weights())
 
     def save(self, path: str) -> None:

@@ -35,7 +35,9 @@ def actor_class(kind: str) -> Any:
     return _REMOTE[kind]
 
 
-def spawn(kind: str, *args: Any, name: str | None = None, options: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+def spawn(
+    kind: str, *args: Any, name: str | None = None, options: dict[str, Any] | None = None, **kwargs: Any
+) -> Any:
     opts = {"num_cpus": 0, "max_restarts": 0, **(options or {})}
     if name:
         opts["name"] = name

@@ -55,7 +55,9 @@ class RolloutWorker:
         if engines is None:
             self.engines = make_engines(cfg, model_path)
         else:  # engine actors elsewhere: Ray handles become RemoteEngines
-            self.engines = [e if isinstance(e, Engine) else RemoteEngine(e, f"engine-{i}") for i, e in enumerate(engines)]
+            self.engines = [
+                e if isinstance(e, Engine) else RemoteEngine(e, f"engine-{i}") for i, e in enumerate(engines)
+            ]
         self.router = EngineRouter(self.engines)
         self.tokenizer = load_tokenizer(model_path)
         self.make_env = env_factory(cfg.env.name, cfg.env.kwargs, cfg.env.reward)
@@ -89,7 +91,9 @@ class RolloutWorker:
         for _attempt in range(MAX_ABORT_RETRIES + 1):
             async with self.sem:
                 with self.router.episode() as sticky:  # counts the load; the generator sees the engine itself
-                    traj = await self.generate_fn(self._context(sticky.engine, sampling), task, traj_id, group_id)
+                    traj = await self.generate_fn(
+                        self._context(sticky.engine, sampling), task, traj_id, group_id
+                    )
             if traj.status != "aborted" or self.cfg.engine.update_mode != "abort":
                 break
         if not traj.env:
@@ -110,7 +114,11 @@ class RolloutWorker:
         informative = not self.cfg.rollout.dynamic_sampling or is_informative(t.reward for t in trajs)
         if not informative:
             self.dropped_groups += 1
-        if trajs and informative and not any(_infrastructure(e) for e in results if isinstance(e, BaseException)):
+        if (
+            trajs
+            and informative
+            and not any(_infrastructure(e) for e in results if isinstance(e, BaseException))
+        ):
             put = await self._put(trajs, gid)
         else:
             put = {"accepted": 0, "duplicates": 0, "dropped": 0}
@@ -168,7 +176,9 @@ class RolloutWorker:
         self.engines[index] = RemoteEngine(handle, f"engine-{index}")
         self.router.replace(index, self.engines[index])
 
-    async def init_weight_group(self, address: str, port: int, world_size: int, rank: int, group_name: str) -> None:
+    async def init_weight_group(
+        self, address: str, port: int, world_size: int, rank: int, group_name: str
+    ) -> None:
         from agentrl.actors.broadcast import join_weight_group
 
         backend = "nccl" if "cuda" in self.cfg.engine.device else "gloo"

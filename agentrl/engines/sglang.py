@@ -13,6 +13,7 @@ real SGLang on the same GPU; safetensors bytes for serve-engine), /init_weights_
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import aiohttp
@@ -33,6 +34,16 @@ from agentrl.engines.sglang_launcher import SGLangServer
 from agentrl.errors import EngineError, WeightSyncError
 
 __all__ = ["SGLangEngine", "SGLangServer"]
+
+
+def _parse_body(text: str) -> Any:
+    """JSON answer, or `{"text": ...}` (SGLang answers some control routes with plain text or nothing)."""
+    if not text.strip():
+        return {}
+    try:
+        return json.loads(text)
+    except ValueError:
+        return {"text": text}
 
 
 class SGLangEngine(Engine):
@@ -78,7 +89,7 @@ class SGLangEngine(Engine):
                 async with session.request(
                     method, where, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
                 ) as resp:
-                    data = await resp.json(content_type=None) if resp.content_length != 0 else {}
+                    data = _parse_body(await resp.text())
                     if resp.status >= 400:
                         err = (data or {}).get("error") if isinstance(data, dict) else None
                         msg = (err or {}).get("message") if isinstance(err, dict) else None
@@ -99,8 +110,6 @@ class SGLangEngine(Engine):
                 await asyncio.sleep(min(0.1 * 2**attempt, 2.0))
             except asyncio.TimeoutError:
                 raise error(f"{where}: no answer within {timeout_s:.0f}s") from None
-            except aiohttp.ContentTypeError as exc:
-                raise error(f"{where}: answer is not JSON: {exc}") from exc
         raise AssertionError("unreachable")
 
     # -- Engine API ----------------------------------------------------------------------------------------------
@@ -144,7 +153,14 @@ class SGLangEngine(Engine):
             await self._call("POST", "/pause_generation", {"mode": "in_place"})
         elif mode == "wait":
             self._gate.clear()
-            await asyncio.wait_for(self._drained.wait(), self.request_timeout_s)
+            try:
+                await asyncio.wait_for(self._drained.wait(), self.request_timeout_s)
+            except asyncio.TimeoutError:
+                self._gate.set()
+                raise EngineError(
+                    f"{self.url}: pause('wait'): {self._in_flight} requests still running after "
+                    f"{self.request_timeout_s:.0f}s"
+                ) from None
             await self._call("POST", "/pause_generation", {"mode": "in_place"})
         else:
             raise InvalidRequest("mode", f"must be abort, wait or keep, got {mode!r}")

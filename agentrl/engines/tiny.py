@@ -33,95 +33,14 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-_WORDS = [
-    "the",
-    "a",
-    "is",
-    "of",
-    "to",
-    "and",
-    "what",
-    "number",
-    "guess",
-    "higher",
-    "lower",
-    "correct",
-    "too",
-    "high",
-    "low",
-    "your",
-    "my",
-    "answer",
-    "think",
-    "try",
-    "again",
-    "game",
-    "between",
-    "you",
-    "have",
-    "turns",
-    "left",
-    "win",
-    "lose",
-    "compute",
-    "calculate",
-    "add",
-    "subtract",
-    "multiply",
-    "plus",
-    "minus",
-    "times",
-    "equals",
-    "result",
-    "tool",
-    "call",
-    "use",
-    "calculator",
-    "question",
-    "solve",
-    "final",
-    "step",
-    "first",
-    "then",
-    "so",
-    "sum",
-    "difference",
-    "product",
-    "user",
-    "assistant",
-    "system",
-    "please",
-    "reply",
-    "with",
-    "only",
-    "output",
-    "format",
-    "box",
-    "boxed",
-    "value",
-    "i",
-    "it",
-    "be",
-    "in",
-    "on",
-    "for",
-    "yes",
-    "no",
-    "right",
-    "wrong",
-    "good",
-    "done",
-    "is",
-    "not",
-    "that",
-    "this",
-    "let",
-    "me",
-    "check",
-    "hint",
-    "secret",
-    "pick",
-]
+_WORD_TEXT = (
+    "the a is of to and what number guess higher lower correct too high low your my answer think try "
+    "again game between you have turns left win lose compute calculate add subtract multiply plus minus "
+    "times equals result tool call use calculator question solve final step first then so sum difference "
+    "product user assistant system please reply with only output format box boxed value i it be in on for "
+    "yes no right wrong good done is not that this let me check hint secret pick"
+)
+_WORDS = _WORD_TEXT.split()
 
 
 def _corpus(rng: random.Random, n_lines: int = 1500) -> list[str]:
@@ -177,8 +96,9 @@ def train_tokenizer(vocab_size: int = 1024, corpus_seed: int = 0):
 def model_config(arch: str, vocab_size: int, hidden: int = 128, layers: int = 2, heads: int = 4,
                  kv_heads: int = 2, intermediate: int | None = None, max_position: int = 2048,
                  rope_theta: float = 10000.0, tie_embeddings: bool = True, init_std: float = 0.02,
-                 eos_token_id: int | None = None, pad_token_id: int | None = None):  # fmt: skip
-    """The transformers config for `arch` with the given sizes (head_dim = hidden // heads)."""
+                 eos_token_id: int | None = None, pad_token_id: int | None = None,
+                 head_dim: int | None = None):  # fmt: skip
+    """The transformers config for `arch` with the given sizes (head_dim defaults to hidden // heads)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     if arch not in ARCHS:
@@ -200,11 +120,9 @@ def model_config(arch: str, vocab_size: int, hidden: int = 128, layers: int = 2,
         bos_token_id=None,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
-        head_dim=hidden // heads,
+        head_dim=head_dim or hidden // heads,
         rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
     )
-    if arch == "qwen2":
-        kwargs.pop("head_dim")  # Qwen2 derives head_dim = hidden // heads
     return cls(**kwargs)
 
 
@@ -221,6 +139,7 @@ def make_tiny_model(
     init_std: float = 0.02,
     tie_embeddings: bool = True,
     max_position: int = 2048,
+    head_dim: int | None = None,
 ) -> Path:
     """Write tokenizer + random-init causal LM to `path` (created if missing) and return the path."""
     import torch
@@ -234,12 +153,12 @@ def make_tiny_model(
     config = model_config(
         arch, len(tokenizer), hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
         intermediate=intermediate, max_position=max_position, tie_embeddings=tie_embeddings,
-        init_std=init_std, eos_token_id=eos_id, pad_token_id=pad_id,
+        init_std=init_std, eos_token_id=eos_id, pad_token_id=pad_id, head_dim=head_dim,
     )  # fmt: skip
-    devnull_rng = torch.random.get_rng_state()
+    saved_rng = torch.random.get_rng_state()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    torch.random.set_rng_state(devnull_rng)
+    torch.random.set_rng_state(saved_rng)
     model.generation_config = GenerationConfig(eos_token_id=[eos_id, pad_id], pad_token_id=pad_id)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)

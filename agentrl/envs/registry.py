@@ -135,6 +135,7 @@ class _RewardOverride(AgentEnv):
     the final assistant reply (reported as `info["episode_reward"]` on the step that ends the episode)."""
 
     def __init__(self, env: AgentEnv, reward_fn: Callable[[str, dict[str, Any]], Any]):
+        super().__init__(**env.kwargs)
         self.env, self.reward_fn, self.task = env, reward_fn, {}
         self.name, self.max_turns = env.name, env.max_turns
 

@@ -5,8 +5,9 @@ definition (pass the rollout temperature); one `train_step` = one optimizer step
 (micro-batches by token budget, each loss already scaled by full-batch normalisers, so accumulation equals one
 big batch); `policy_version` increases by one per `train_step` and per `sft_step`; parameters stay fp32, with bf16
 autocast on CUDA when `learner.dtype = "bfloat16"`; `weights()` streams HF names and omits `lm_head.weight` when
-the embeddings are tied. PPO uses a value head on the policy's last hidden state (shared trunk), saved with the
-optimizer state, never published. FSDP2 is not implemented (one device per learner).
+the embeddings are tied; `learner.gradient_checkpointing` recomputes activations in the backward. PPO uses a
+value head on the policy's last hidden state (shared trunk), saved with the optimizer state, never published.
+FSDP2 is not implemented (one device per learner).
 """
 
 from __future__ import annotations
@@ -88,16 +89,24 @@ class TorchLearner(Learner):
         self.device = torch.device(self.cfg.device)
         torch.manual_seed(seed)
 
-        def load():
-            m = AutoModelForCausalLM.from_pretrained(str(self.model_path), dtype=torch.float32)
+        def load(dtype: torch.dtype):
+            m = AutoModelForCausalLM.from_pretrained(str(self.model_path), dtype=dtype)
             m.config.use_cache = False
             return m.to(self.device)
 
-        self.model = load()
+        self.model = load(torch.float32)
         self.model.train()
+        if self.cfg.gradient_checkpointing:
+            if hasattr(self.model, "activation_checkpointing_enable"):  # the newer transformers 5 name
+                self.model.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False}
+                )
         self.ref_model = None
-        if self.cfg.reference_model:
-            self.ref_model = load().eval().requires_grad_(False)
+        if self.cfg.reference_model:  # frozen: bf16 storage is enough where the forward runs in bf16 anyway
+            ref_dtype = torch.bfloat16 if self._autocast_dtype() is not None else torch.float32
+            self.ref_model = load(ref_dtype).eval().requires_grad_(False)
         self.value_head = None
         if self.algo.advantage == "ppo":
             self.value_head = torch.nn.Linear(self.model.config.hidden_size, 1).to(self.device)
@@ -123,10 +132,12 @@ class TorchLearner(Learner):
             params += list(self.value_head.parameters())
         return params
 
+    def _autocast_dtype(self) -> torch.dtype | None:
+        return torch.bfloat16 if self.device.type == "cuda" and self.cfg.dtype == "bfloat16" else None
+
     def _autocast(self):
-        if self.device.type == "cuda" and self.cfg.dtype == "bfloat16":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        dtype = self._autocast_dtype()
+        return torch.autocast("cuda", dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
     def _forward(self, model, mb: Batch, *, entropy: bool = False, values: bool = False):
         """(logprobs, entropy or None, values or None) of one micro-batch, all [R, T] float32."""

@@ -170,15 +170,24 @@ class ReplayQueue:
 
     # ----------------------------------------------------------------- producers
     async def put(
-        self, trajectories: Trajectory | Iterable[Trajectory], *, ticket: Ticket | None = None
+        self,
+        trajectories: Trajectory | Iterable[Trajectory],
+        *,
+        ticket: Ticket | None = None,
+        raw: tuple[str, Any] | None = None,
     ) -> PutResult:
         """Validate all, then log and queue the new ones (all or nothing). Raises InvalidTrajectory, QueueFull,
-        QueueClosed or StorageError, and then nothing of the call was accepted."""
+        QueueClosed or StorageError, and then nothing of the call was accepted.
+
+        `raw = (content_type, body)`: the request body the trajectories were decoded from, in order (the HTTP
+        server passes it); the log then stores those bytes instead of re-encoding the trajectories.
+        """
         self._schedule_timers()
         if self.closed:
             raise QueueClosed("the queue is draining and accepts no trajectories")
         items = [trajectories] if isinstance(trajectories, Trajectory) else list(trajectories)
-        fresh, ungrouped, duplicates, late = self._validate(items)
+        now = time.time()
+        fresh, indices, ungrouped, duplicates, late = self._validate(items)
         n, new_bytes = len(fresh), sum(nbytes(t) for t in fresh)
         self._admit(n, new_bytes, ticket)
         used = ticket.take(n) if ticket is not None else 0
@@ -188,7 +197,11 @@ class ReplayQueue:
         self._bytes += new_bytes
         if fresh and self._wal is not None:
             try:
-                await self._append(wal_mod.PutRecord(fresh))
+                if raw is not None:
+                    meta = wal_mod.BodyMeta(raw[0], indices, self.policy_version, now)
+                    await self._append(wal_mod.RawPut(meta, raw[1]))
+                else:
+                    await self._append(wal_mod.PutRecord(fresh))
             except StorageError:
                 self._known.difference_update(t.id for t in fresh)
                 self._admitted -= n
@@ -208,8 +221,9 @@ class ReplayQueue:
         self._schedule_timers()
         return PutResult(accepted=n, duplicates=duplicates, dropped=late)
 
-    def _validate(self, items: list[Trajectory]) -> tuple[list[Trajectory], set[str], int, int]:
+    def _validate(self, items: list[Trajectory]) -> tuple[list[Trajectory], list[int], set[str], int, int]:
         fresh: list[Trajectory] = []
+        indices: list[int] = []
         ungrouped: set[str] = set()
         seen: set[str] = set()
         members: dict[str, int] = {}
@@ -240,7 +254,8 @@ class ReplayQueue:
                     late += 1
                     continue
             fresh.append(traj)
-        return fresh, ungrouped, duplicates, late
+            indices.append(i)
+        return fresh, indices, ungrouped, duplicates, late
 
     def _admit(self, n: int, new_bytes: int, ticket: Ticket | None) -> None:
         if not n:
@@ -473,7 +488,7 @@ class ReplayQueue:
             self.metrics.inc("storage_errors")
             log.warning("queue log compaction failed; keeping the old log", exc_info=True)
 
-    async def _append(self, record: wal_mod.Record) -> None:
+    async def _append(self, record: wal_mod.Record | wal_mod.RawPut) -> None:
         assert self._wal is not None
         if self.cfg.fsync:
             await asyncio.to_thread(self._wal.append, record)

@@ -92,8 +92,7 @@ class QueueServer:
         self.port = 0
         self.host = self.cfg.host
         self._runner: web.AppRunner | None = None
-        self._spare: bytearray | None = None  # reused request buffer (fresh multi-MB buffers cost page faults)
-        self._spare_next: bytearray | None = None
+        self._spare: bytearray | None = None  # reused request buffer
 
     # ----------------------------------------------------------------- lifecycle
     def make_app(self) -> web.Application:
@@ -159,17 +158,18 @@ class QueueServer:
             raise HTTPError(401, "missing or wrong bearer token (header 'Authorization: Bearer <token>')",
                             "Authorization", {"WWW-Authenticate": "Bearer"})  # fmt: skip
 
-    async def _read_body(self, request: web.Request) -> memoryview | bytes:
-        """The body, at most max_body_bytes (checked against Content-Length first, then while reading).
+    async def _read_body(self, request: web.Request) -> tuple[memoryview | bytes, bytearray | None]:
+        """The body, at most max_body_bytes (checked against Content-Length first, then while reading), and the
+        reused buffer holding it (hand it back with `_recycle` once nothing reads the body any more).
 
-        With a Content-Length the chunks are copied once into a reused buffer (valid until the next read:
-        decode it at once); chunked bodies go through aiohttp's `read()` (client_max_size enforces the cap).
+        With a Content-Length the chunks are copied once into a reused buffer (fresh multi-MB buffers cost a
+        page fault per 4 KiB); chunked bodies go through aiohttp's `read()` (client_max_size enforces the cap).
         """
         limit = self.cfg.max_body_bytes
         size = request.content_length
         if size is None:
             try:
-                return await request.read()
+                return await request.read(), None
             except web.HTTPRequestEntityTooLarge:
                 raise HTTPError(413, f"body is over queue.max_body_bytes = {limit}") from None
         if size > limit:
@@ -178,7 +178,10 @@ class QueueServer:
         self._spare = None
         view = memoryview(buf)[:size]
         pos = 0
-        async for chunk in request.content.iter_any():
+        while True:
+            chunk, _ = await request.content.readchunk()  # one buffered chunk, never joined (no extra copy)
+            if not chunk:
+                break
             end = pos + len(chunk)
             if end > size:
                 raise HTTPError(400, "body is longer than its Content-Length", "body")
@@ -186,16 +189,13 @@ class QueueServer:
             pos = end
         if pos != size:
             raise HTTPError(400, f"body ended after {pos} of {size} bytes", "body")
-        self._spare_next = buf
-        return view
+        return view, buf
 
-    def _recycle(self, body: memoryview | bytes) -> None:
-        """Keep the read buffer for the next request (decoding copied everything out of it)."""
+    def _recycle(self, body: memoryview | bytes, buf: bytearray | None) -> None:
         if isinstance(body, memoryview):
             body.release()
-            if self._spare_next is not None and len(self._spare_next) <= 1 << 27:
-                self._spare = self._spare_next
-            self._spare_next = None
+        if buf is not None and len(buf) <= 1 << 27:
+            self._spare = buf
 
     def _retry_after(self, seconds: float) -> dict[str, str]:
         return {"Retry-After": str(max(1, math.ceil(seconds)))}
@@ -208,19 +208,24 @@ class QueueServer:
         if ctype not in MSGPACK_TYPES and ctype not in JSON_TYPES:
             raise HTTPError(415, f"unsupported content type {ctype!r}: use application/msgpack or application/json",
                             "Content-Type")  # fmt: skip
-        body = await self._read_body(request)
+        body, buf = await self._read_body(request)
+        try:
+            return await self._submit(body, ctype)
+        finally:
+            self._recycle(body, buf)
+
+    async def _submit(self, body: memoryview | bytes, ctype: str) -> web.Response:
         try:
             trajectories = decode_trajectories(body, ctype)
         except msgspec.ValidationError as exc:
             raise HTTPError(422, f"invalid trajectory: {exc}", _validation_field(exc)) from None
         except (msgspec.DecodeError, UnicodeDecodeError, OverflowError, RecursionError) as exc:
             raise HTTPError(400, f"malformed {ctype} body: {exc}", "body") from None
-        finally:
-            self._recycle(body)
         try:
+            raw: tuple[str, Any] | None = (ctype, body)  # the WAL stores the body as received (no re-encoding)
             if any(t.messages is not None for t in trajectories):
-                trajectories = await self._tokenize(trajectories)
-            result = await self.queue.put(trajectories)
+                trajectories, raw = await self._tokenize(trajectories), None
+            result = await self.queue.put(trajectories, raw=raw)
         except InvalidTrajectory as exc:
             raise HTTPError(422, f"invalid trajectory: {exc}", exc.field) from None
         except QueueFull as exc:
@@ -300,6 +305,8 @@ class BackgroundServer:
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout_s)
 
     def stop(self) -> None:
+        if self.loop.is_closed():
+            return
         self.call(self.server.stop)
         self.call(self.queue.close)
         self.loop.call_soon_threadsafe(self.loop.stop)

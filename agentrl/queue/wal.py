@@ -2,6 +2,9 @@
 
 Frame: `<u32 length><u32 crc32(payload)>payload`, little-endian, after an 8-byte file magic. Records:
 - `put`: trajectories accepted by one request (one record per request: batched writes);
+- raw put (payload starts with `B`): a request body exactly as received plus a small `BodyMeta` (content type,
+  accepted indices, the version stamp and time applied); replay decodes and normalizes it again. The HTTP
+  server logs this way, so the hot path writes the bytes it already holds instead of re-encoding them;
 - `drop`: ids dropped (stale, straggler) so they do not come back;
 - `commit`: ids the learner consumed at `step`;
 - `snapshot`: written first by compaction: every id ever known, committed steps, committed count.
@@ -26,8 +29,8 @@ from typing import Any
 
 import msgspec
 
-from agentrl.errors import StorageError
-from agentrl.types import Trajectory
+from agentrl.errors import InvalidTrajectory, StorageError
+from agentrl.types import Trajectory, decode_trajectories, normalize
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +61,25 @@ class SnapshotRecord(msgspec.Struct, tag="snapshot", array_like=True):
     n_committed: int
 
 
+class BodyMeta(msgspec.Struct, array_like=True):
+    content_type: str
+    indices: list[int]  # positions in the body that were accepted (not duplicates, not late)
+    default_version: int
+    created_at: float
+
+
+class RawPut(msgspec.Struct):
+    """Write-side only: `BodyMeta` + the request body, framed as `b"B" <u32 len(meta)> meta body`."""
+
+    meta: BodyMeta
+    body: Any
+
+
 Record = PutRecord | DropRecord | CommitRecord | SnapshotRecord
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Record)
+_meta_decoder = msgspec.msgpack.Decoder(BodyMeta)
+_RAW = b"B"  # a msgpack positive fixint: never the first byte of a tagged record (always an array)
 
 
 def _writev(fd: int, buffers: list[Any]) -> int:
@@ -120,6 +139,19 @@ def _put_chunks(record: PutRecord) -> list[bytes]:
     return [_PUT_PREFIX + _array_header(len(trajectories)), *map(_encoder.encode, trajectories)]
 
 
+def _decode_raw(payload: memoryview) -> PutRecord:
+    (meta_len,) = struct.unpack_from("<I", payload, 1)
+    meta = _meta_decoder.decode(payload[5 : 5 + meta_len])
+    items = decode_trajectories(payload[5 + meta_len :], meta.content_type)
+    out = []
+    for i in meta.indices:
+        traj = normalize(items[i], default_version=meta.default_version)
+        if not items[i].created_at:
+            traj.created_at = meta.created_at
+        out.append(traj)
+    return PutRecord(out)
+
+
 def frame(record: Record) -> list[bytes]:
     payload = _encoder.encode(record)
     return [HEADER.pack(len(payload), zlib.crc32(payload)), payload]
@@ -153,8 +185,8 @@ class WriteAheadLog:
             if len(payload) < length or zlib.crc32(payload) != crc:
                 break
             try:
-                record = _decoder.decode(payload)
-            except msgspec.DecodeError:
+                record = _decode_raw(payload) if payload[:1] == _RAW else _decoder.decode(payload)
+            except (msgspec.DecodeError, InvalidTrajectory, ValueError, struct.error):
                 break
             state.apply(record)
             state.n_records += 1
@@ -180,7 +212,13 @@ class WriteAheadLog:
         A put record is encoded per trajectory and written with one writev (no multi-MB contiguous buffer:
         fresh large allocations cost a page fault per 4 KiB here, small ones are recycled by malloc).
         """
-        chunks = _put_chunks(record) if isinstance(record, PutRecord) else [_encoder.encode(record)]
+        if isinstance(record, RawPut):
+            meta = _encoder.encode(record.meta)
+            chunks = [_RAW + struct.pack("<I", len(meta)) + meta, record.body]
+        elif isinstance(record, PutRecord):
+            chunks = _put_chunks(record)
+        else:
+            chunks = [_encoder.encode(record)]
         length = sum(len(c) for c in chunks)
         crc = 0
         for chunk in chunks:

@@ -15,9 +15,13 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="TOML config file (optional with --resume)")
-    parser.add_argument("--async", dest="async_mode", action="store_true", help="decoupled rollout and training")
+    parser.add_argument(
+        "--async", dest="async_mode", action="store_true", help="decoupled rollout and training"
+    )
     parser.add_argument("--sync", dest="sync_mode", action="store_true", help="force run.mode = 'sync'")
-    parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    parser.add_argument(
+        "--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint"
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--ray-address", metavar="ADDR", help="join an existing Ray cluster (e.g. auto)")
     parser.set_defaults(accepts_overrides=True)
@@ -29,6 +33,12 @@ def resolve(args: argparse.Namespace):
     from agentrl.errors import ConfigError
 
     path = args.config
+    overrides: list[str] = list(getattr(args, "overrides", []) or [])
+    if path and not Path(path).exists() and _dangling(overrides) is not None:
+        # argparse took an override's value for CONFIG (`--resume DIR --run.steps 7`): give it back.
+        i = _dangling(overrides)
+        overrides.insert(i + 1, path)
+        path = None
     if args.resume:
         saved = Path(args.resume) / "config.toml"
         if not saved.exists():
@@ -36,7 +46,6 @@ def resolve(args: argparse.Namespace):
         path = path or saved
     if path is None:
         raise ConfigError("agentrl run needs a CONFIG file (or --resume RUN_DIR)")
-    overrides: list[str] = list(getattr(args, "overrides", []) or [])
     if args.async_mode and args.sync_mode:
         raise ConfigError("--async and --sync are exclusive")
     if args.async_mode:
@@ -49,6 +58,18 @@ def resolve(args: argparse.Namespace):
         run_dir = Path(args.resume).resolve()
         overrides += ["--run.name", _quote(run_dir.name), "--run.root", _quote(str(run_dir.parent))]
     return load_config(path, overrides)
+
+
+def _dangling(overrides: list[str]) -> int | None:
+    """Index of the first `--section.key` flag that has no value after it (and no `=`)."""
+    for i, arg in enumerate(overrides):
+        if (
+            arg.startswith("--")
+            and "=" not in arg
+            and (i + 1 == len(overrides) or overrides[i + 1].startswith("--"))
+        ):
+            return i
+    return None
 
 
 def _quote(text: str) -> str:

@@ -55,7 +55,9 @@ def ensure_model(cfg: Config) -> str:
         if not cfg.model.make_tiny:
             from agentrl.errors import ConfigError
 
-            raise ConfigError(f"model.path = '{path}' holds no model (config.json) and model.make_tiny = false")
+            raise ConfigError(
+                f"model.path = '{path}' holds no model (config.json) and model.make_tiny = false"
+            )
         from agentrl.engines.tiny import make_tiny_model
 
         make_tiny_model(path, arch=cfg.model.arch, seed=cfg.model.seed)
@@ -119,6 +121,8 @@ class Runner:
         self.groups_done = 0
         self.wall_offset_s = 0.0
         self.coord: Any = None
+        self.dispatcher: asyncio.Task | None = None
+        self.failure: Exception | None = None
         self.progress = Progress(cfg.run.steps, cfg.run.progress, title=cfg.run.name)
         self.batch_size = cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt
 
@@ -166,7 +170,9 @@ class Runner:
             self.rundir.truncate_metrics(self.step)
             self.progress.note(f"resumed at step {self.step} (policy_version {self.policy_version})")
         elif self.cfg.warmup.steps > 0:
-            self.progress.note(f"warm-up: {self.cfg.warmup.steps} SFT steps on {self.cfg.env.name} demonstrations")
+            self.progress.note(
+                f"warm-up: {self.cfg.warmup.steps} SFT steps on {self.cfg.env.name} demonstrations"
+            )
             stats = await self.coord.learner.warmup.remote()
             self.progress.note(
                 f"warm-up done in {stats['warmup_s']:.0f}s, loss {stats['warmup_loss_first']:.2f} -> {stats['warmup_loss_last']:.2f}"
@@ -191,7 +197,10 @@ class Runner:
         c = self.cfg
         limit = c.rollout.prompts_per_step
         if c.run.mode == "async":
-            limit = max(limit, math.ceil(c.rollout.concurrency * c.rollout.num_workers / c.rollout.n_samples_per_prompt))
+            limit = max(
+                limit,
+                math.ceil(c.rollout.concurrency * c.rollout.num_workers / c.rollout.n_samples_per_prompt),
+            )
         slots = asyncio.Semaphore(limit)
         running: set[asyncio.Task] = set()
         try:
@@ -251,9 +260,24 @@ class Runner:
             return {}
         return await self.coord.evaluate(self.eval_tasks)
 
+    async def _sample(self) -> Any:
+        """The next batch; waits in slices so a rollout failure or a finished dispatcher is noticed."""
+        while True:
+            try:
+                return await self.coord.queue.sample_batch.remote(self.batch_size, self.policy_version, 5.0)
+            except TimeoutError:
+                if self.failure is not None:
+                    raise self.failure from None
+                if self.dispatcher is not None and self.dispatcher.done():
+                    if self.dispatcher.exception() is not None:
+                        raise self.dispatcher.exception() from None
+                    return None  # the data ran out (data.epochs) and less than a batch is left
+
     async def _train_step(self, last_end: float) -> dict[str, Any]:
         t0 = time.perf_counter()
-        sampled = await self.coord.queue.sample_batch.remote(self.batch_size, self.policy_version)
+        sampled = await self._sample()
+        if sampled is None:
+            return {}
         wait_s = time.perf_counter() - t0
         metrics = await self.coord.train(sampled.trajectories)
         self.policy_version = int(metrics["policy_version"])
@@ -283,8 +307,6 @@ class Runner:
 
     async def main(self) -> dict[str, Any]:
         self.t0 = time.perf_counter()
-        self.failure: Exception | None = None
-        dispatcher: asyncio.Task | None = None
         history: list[dict[str, Any]] = []
         try:
             await self._setup()
@@ -292,7 +314,7 @@ class Runner:
                 first = await self._evaluate()
                 self.rundir.log({"step": 0, "phase": "eval", "policy_version": self.policy_version, **first})
                 self.progress.note(f"eval before RL: reward {first.get('eval_reward_mean', 0):.3f}")
-            dispatcher = asyncio.create_task(self._dispatcher())
+            self.dispatcher = asyncio.create_task(self._dispatcher())
             last_end = time.perf_counter()
             while self.step < self.cfg.run.steps:
                 if self.cfg.run.time_limit_s and self._wall() > self.cfg.run.time_limit_s:
@@ -300,9 +322,10 @@ class Runner:
                     break
                 if self.failure is not None:
                     raise self.failure
-                if dispatcher.done() and dispatcher.exception() is not None:
-                    raise dispatcher.exception()
                 metrics = await self._train_step(last_end)
+                if not metrics:
+                    self.progress.note("the data is exhausted (data.epochs); stopping")
+                    break
                 last_end = time.perf_counter()
                 if self.cfg.run.eval_every and self.step % self.cfg.run.eval_every == 0:
                     metrics.update(await self._evaluate())
@@ -313,9 +336,9 @@ class Runner:
                 await self._checkpoint()
             return {"ok": True, "steps": self.step, "policy_version": self.policy_version, "history": history}
         finally:
-            if dispatcher is not None:
-                dispatcher.cancel()
-                await asyncio.gather(dispatcher, return_exceptions=True)
+            if self.dispatcher is not None:
+                self.dispatcher.cancel()
+                await asyncio.gather(self.dispatcher, return_exceptions=True)
             self.progress.close()
             if self.coord is not None:
                 await self.coord.shutdown()

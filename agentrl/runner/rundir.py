@@ -110,7 +110,9 @@ class RunDir:
 
     def _prune(self, keep: int) -> None:
         steps = sorted(
-            (int(p.name.split("_")[1]), p) for p in self.ckpt_root.glob("step_*") if p.name.split("_")[1].isdigit()
+            (int(p.name.split("_")[1]), p)
+            for p in self.ckpt_root.glob("step_*")
+            if p.name.split("_")[1].isdigit()
         )
         for _, path in steps[:-keep]:
             shutil.rmtree(path, ignore_errors=True)

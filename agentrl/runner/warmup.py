@@ -26,7 +26,9 @@ def demonstration_batch(cfg: Config, env: Any, tokenizer: Any, seed: int) -> lis
         try:
             messages = env.demonstration(task)
         except NotImplementedError:
-            raise EnvError(f"warmup.steps > 0 needs demonstrations, and env '{cfg.env.name}' has none") from None
+            raise EnvError(
+                f"warmup.steps > 0 needs demonstrations, and env '{cfg.env.name}' has none"
+            ) from None
         prompt, response, mask = demonstration_tokens(tokenizer, messages)
         trajs.append(
             Trajectory(
@@ -51,7 +53,9 @@ def run_warmup(cfg: Config, learner: Any, tokenizer: Any, pad_id: int) -> dict[s
     for step in range(w.steps):
         if w.time_limit_s and time.perf_counter() - t0 > w.time_limit_s:
             break
-        batch = build_batch(demonstration_batch(cfg, env, tokenizer, w.seed + step), pad_id, cfg.learner.device)
+        batch = build_batch(
+            demonstration_batch(cfg, env, tokenizer, w.seed + step), pad_id, cfg.learner.device
+        )
         stats = learner.sft_step(batch, lr=w.lr)
         losses.append(float(stats.get("loss", stats.get("sft_loss", float("nan")))))
     learner.policy_version = version

@@ -5,8 +5,8 @@ Layout of a checkpoint directory (learner.json follows agentrl.learners.checkpoi
                                  pipeline_parallel, dtype, model_path}
   hf/                           the source model's config + tokenizer files (no weights)
   model_tp{t}_pp{p}.pt          {global Megatron name: tensor} for TP rank t / PP rank p (written by DP rank 0)
-  optim_tp{t}_pp{p}.pt          optimizer state of that rank (CPU: torch AdamW state_dict; GPU: Megatron's)
-  optim_params.pt               GPU only: the distributed optimizer's parameter state (save_parameter_state)
+  optim_rank{r}.pt              optimizer of global rank r: its torch optimizer's state_dict and the (fp32 main)
+                                parameters it steps (GPU: the distributed optimizer's shard), once it has stepped
 Names use global layer numbering, so `to_hf` rebuilds HF tensors from the files alone (no torch.distributed).
 """
 
@@ -79,10 +79,12 @@ def save(learner: MegatronLearner, path: Path) -> None:
     if ps.get_data_parallel_rank() == 0:
         params = convert.global_params(unwrap(learner.model))
         torch.save({k: v.detach().cpu() for k, v in params.items()}, path / f"model_{_rank_suffix()}.pt")
-        if has_state:
-            torch.save(learner.optimizer.state_dict(), path / f"optim_{_rank_suffix()}.pt")
-    if learner.cuda and has_state:
-        learner.optimizer.save_parameter_state(str(path / "optim_params.pt"))
+    if has_state:
+        saved = [
+            {"params": [p.detach().cpu() for p in _params(o)], "state": o.state_dict()}
+            for o in _torch_optimizers(learner)
+        ]
+        torch.save(saved, path / f"optim_rank{rank}.pt")
     if rank == 0:
         (path / "hf").mkdir(exist_ok=True)
         hf_io.copy_hf_files(learner.model_path, path / "hf")
@@ -90,7 +92,7 @@ def save(learner: MegatronLearner, path: Path) -> None:
             path, "megatron", learner.step, learner.policy_version, "hf",
             tensor_parallel=learner.tp_size, pipeline_parallel=ps.get_pipeline_model_parallel_world_size(),
             dtype=learner.cfg.dtype, model_path=learner.model_path, temperature=learner.temperature,
-            optimizer_steps=learner.optimizer_steps,
+            optimizer_steps=learner.optimizer_steps, world_size=dist.get_world_size(),
         )  # fmt: skip
     if dist.get_world_size() > 1:
         dist.barrier()
@@ -132,14 +134,29 @@ def load(learner: MegatronLearner, path: Path) -> None:
         learner.optimizer.reload_model_params()
     if learner.optimizer_steps == 0:
         return
-    if learner.cuda:
-        learner.optimizer.load_state_dict(
-            torch.load(path / f"optim_{_rank_suffix()}.pt", map_location="cpu", weights_only=False)
+    import torch.distributed as dist
+
+    if meta.get("world_size", 1) != dist.get_world_size():
+        raise LearnerError(
+            f"{path}: optimizer saved by {meta.get('world_size')} ranks, this run has {dist.get_world_size()}"
         )
-        learner.optimizer.load_parameter_state(str(path / "optim_params.pt"))
-    else:
-        state = torch.load(path / f"optim_{_rank_suffix()}.pt", map_location="cpu", weights_only=False)
-        learner.optimizer.load_state_dict(state)
+    saved = torch.load(path / f"optim_rank{dist.get_rank()}.pt", map_location="cpu", weights_only=False)
+    for opt, entry in zip(_torch_optimizers(learner), saved, strict=True):
+        for param, value in zip(_params(opt), entry["params"], strict=True):
+            param.copy_(value)
+        opt.load_state_dict(entry["state"])
+
+
+def _torch_optimizers(learner: MegatronLearner) -> list[torch.optim.Optimizer]:
+    """The torch optimizers that hold Adam state: the learner's own (CPU) or those inside Megatron's (GPU)."""
+    opt = learner.optimizer
+    if isinstance(opt, torch.optim.Optimizer):
+        return [opt]
+    return [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]
+
+
+def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in opt.param_groups for p in group["params"]]
 
 
 def iter_checkpoint_hf(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

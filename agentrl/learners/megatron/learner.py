@@ -7,11 +7,12 @@ d, d + dp, ...; DDP sums (not averages) gradients across DP ranks (`calculate_pe
 equals one big batch. GPU: Megatron DDP + distributed optimizer (fp32 main params, bf16 model when
 learner.dtype = "bfloat16", grad clip inside `optimizer.step`). CPU: TP = PP = 1, gloo world of 1, torch AdamW +
 clip_grad_norm_, with the cpu_compat substitutes. Batches must be right-padded (not packed): RoPE positions are
-0..T-1 per row. PP > 1 is handled by conversion/streaming (convert.py) but not by `train_step`.
+0..T-1 per row. PP > 1 (GPU) runs Megatron's 1F1B schedule (pipeline.py); results come from the last stage.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from agentrl.config import AlgorithmSection, LearnerSection
 from agentrl.errors import LearnerError
 from agentrl.learners.base import Learner
 from agentrl.learners.batch import Batch, micro_batches
-from agentrl.learners.megatron import checkpoint, convert, ops
+from agentrl.learners.megatron import checkpoint, convert, ops, pipeline
 from agentrl.learners.megatron.model import ArchSpec, build_gpt, unwrap
 from agentrl.learners.megatron.parallel import init_parallel
 
@@ -54,17 +55,12 @@ class MegatronLearner(Learner):
         check(self.algo, has_reference=lc.reference_model)
         if temperature <= 0:
             raise LearnerError(f"temperature must be > 0, got {temperature}")
-        if lc.pipeline_parallel > 1:
-            raise LearnerError(
-                "learner.pipeline_parallel > 1: train_step has no pipeline schedule yet (use TP/DP)"
-            )
         if self.algo.advantage == "ppo":
             raise LearnerError(
                 "algorithm.advantage = 'ppo' needs a value head; the Megatron learner has none"
             )
         self.cuda = lc.device.startswith("cuda")
-        if self.cuda and not torch.cuda.is_available():
-            raise LearnerError("learner.device = 'cuda' but torch sees no GPU")
+        self._check_device()
         init_parallel(lc.tensor_parallel, lc.pipeline_parallel, lc.device, seed)
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device(lc.device)
@@ -77,6 +73,7 @@ class MegatronLearner(Learner):
             ps.get_tensor_model_parallel_rank(),
             ps.get_tensor_model_parallel_world_size(),
         )
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         hf_config = AutoConfig.from_pretrained(self.model_path)
         self.arch = ArchSpec.from_hf(hf_config)
@@ -93,10 +90,17 @@ class MegatronLearner(Learner):
 
     # -- construction ------------------------------------------------------------------------------------
 
+    def _check_device(self) -> None:
+        lc = self.cfg
+        if self.cuda and not torch.cuda.is_available():
+            raise LearnerError("learner.device = 'cuda' but torch sees no GPU")
+        if not self.cuda and (lc.tensor_parallel > 1 or lc.pipeline_parallel > 1):
+            raise LearnerError("learner.tensor_parallel/pipeline_parallel > 1 need learner.device = 'cuda'")
+
     def _load_model(self) -> torch.nn.Module:
         model = build_gpt(
             self.arch, dtype=self.dtype, device=str(self.device), attention=self.attention, fused=self.fused,
-            calculate_per_token_loss=True,
+            calculate_per_token_loss=True, variable_seq_lengths=self.cfg.pipeline_parallel > 1,
         )  # fmt: skip
         with checkpoint.hf_reader(self.model_path) as get_hf:
             convert.load_hf(model, self.arch, lambda n: get_hf(n).to(self.dtype), self.tp_rank, self.tp_size)
@@ -136,7 +140,9 @@ class MegatronLearner(Learner):
 
     def _forward(self, model: torch.nn.Module, mb: Batch, *, entropy: bool = False):
         """(logprobs, entropy or None), both [R, T] float32; entropy carries a gradient only if its coef != 0."""
-        logits = self._logits(model, mb)
+        return self._from_logits(self._logits(model, mb), mb, entropy=entropy)
+
+    def _from_logits(self, logits: torch.Tensor, mb: Batch, *, entropy: bool = False):
         ent = None
         if entropy and self.algo.entropy_coef != 0.0:
             ent = ops.entropy(logits, self.temperature)
@@ -151,12 +157,22 @@ class MegatronLearner(Learner):
         _check_batch(batch)
         batch = batch.to(self.device)
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
+        mbs = micro_batches(batch, self.cfg.micro_batch_tokens)
         model.eval()
-        for mb in micro_batches(batch, self.cfg.micro_batch_tokens):
-            logp, _ = self._forward(model, mb)
-            out[mb.extra["rows"], : logp.shape[1]] = logp
+        if self.pp_size == 1:
+            for mb in mbs:
+                logp, _ = self._forward(model, mb)
+                out[mb.extra["rows"], : logp.shape[1]] = logp
+        else:
+            for rows, logp in pipeline.run(self, mbs, self._logprob_payload, forward_only=True):
+                out[rows, : logp.shape[1]] = logp
+            pipeline.broadcast_from_last(out)
         model.train()
         return out * batch.attention_mask
+
+    def _logprob_payload(self, mb: Batch, logits: torch.Tensor) -> tuple:
+        logp, _ = self._from_logits(logits, mb)
+        return torch.zeros((), device=self.device), pipeline.one(self.device), (mb.extra["rows"], logp)
 
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
         return self._whole_batch(self.model, batch)
@@ -181,12 +197,16 @@ class MegatronLearner(Learner):
             batch.ref_logprobs = self.compute_ref_logprobs(batch)
         metrics = prepare_batch(self.algo, batch, self.policy_version)
         self._zero_grad()
-        parts = []
-        for mb in self._my_micro_batches(batch):
-            logp, ent = self._forward(self.model, mb, entropy=True)
-            loss, m = compute_loss(self.algo, mb, logp, entropy=ent)
-            loss.backward()
-            parts.append((m, float(mb.n_loss_tokens)))
+        if self.pp_size == 1:
+            parts = []
+            for mb in self._my_micro_batches(batch):
+                logp, ent = self._forward(self.model, mb, entropy=True)
+                loss, m = compute_loss(self.algo, mb, logp, entropy=ent)
+                loss.backward()
+                parts.append((m, float(mb.n_loss_tokens)))
+        else:
+            parts = pipeline.run(self, self._my_micro_batches(batch), self._loss_payload, forward_only=False)
+            parts = pipeline.broadcast_from_last(parts)
         metrics.update(self._sum_over_dp(merge_metrics(parts)))
         metrics.update(self._optimizer_step())
         self.step += 1
@@ -194,19 +214,33 @@ class MegatronLearner(Learner):
         metrics.update(self._counters(batch, start, len(parts)))
         return metrics
 
+    def _loss_payload(self, mb: Batch, logits: torch.Tensor) -> tuple:
+        logp, ent = self._from_logits(logits, mb, entropy=True)
+        loss, m = compute_loss(self.algo, mb, logp, entropy=ent)
+        return loss, pipeline.one(self.device), (m, float(mb.n_loss_tokens))
+
+    def _sft_payload(self, mb: Batch, logits: torch.Tensor, total_loss_tokens: float) -> tuple:
+        logp, _ = self._from_logits(logits, mb)
+        loss = sft_loss(logp, mb.loss_mask, total_loss_tokens)
+        return loss, pipeline.one(self.device), float(loss.detach())
+
     def sft_step(self, batch: Batch, lr: float | None = None) -> dict[str, float]:
         """Supervised cross-entropy on the batch's loss tokens (one optimizer step); `lr` overrides for this step."""
         start = time.perf_counter()
         _check_batch(batch)
         batch = batch.to(self.device)
         self._zero_grad()
-        total, parts = 0.0, 0
-        for mb in self._my_micro_batches(batch):
-            logp, _ = self._forward(self.model, mb)
-            loss = sft_loss(logp, mb.loss_mask, batch.total_loss_tokens)
-            loss.backward()
-            total += float(loss.detach())
-            parts += 1
+        mbs = self._my_micro_batches(batch)
+        payload = functools.partial(self._sft_payload, total_loss_tokens=batch.total_loss_tokens)
+        if self.pp_size == 1:
+            losses = []
+            for mb in mbs:
+                loss, _, value = payload(mb, self._logits(self.model, mb))
+                loss.backward()
+                losses.append(value)
+        else:
+            losses = pipeline.broadcast_from_last(pipeline.run(self, mbs, payload, forward_only=False))
+        total, parts = sum(losses), len(mbs)
         metrics = self._sum_over_dp({"loss": total})
         metrics.update(self._optimizer_step(lr))
         self.policy_version += 1

@@ -21,4 +21,6 @@ class CountdownEnv(AgentEnv):
         ok = action.strip() == str(self.next)
         self.next -= 1
         done = not ok or self.next < 0
-        return StepResult(reward=float(ok and self.next < 0), done=done, messages=[] if done else [Message("user", "next")])
+        return StepResult(
+            reward=float(ok and self.next < 0), done=done, messages=[] if done else [Message("user", "next")]
+        )

@@ -1,0 +1,59 @@
+"""Shared helpers of the `agentrl run` tests: a tiny config writer and a JSONL reader."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def make_model(root: Path) -> str:
+    from agentrl.engines.tiny import make_tiny_model
+
+    return str(make_tiny_model(root / "tiny", hidden=64, layers=1))
+
+
+def tiny_config(root: Path, model: str, **sections) -> Path:
+    base = {
+        "run": {
+            "name": "t",
+            "root": str(root),
+            "steps": 3,
+            "eval_every": 2,
+            "eval_prompts": 4,
+            "progress": False,
+            "checkpoint_every": 1,
+            "ray_num_cpus": 2,
+        },
+        "model": {"path": model, "make_tiny": False},
+        "env": {"name": "calculator"},
+        "rollout": {"n_samples_per_prompt": 4, "prompts_per_step": 2, "max_new_tokens": 12, "max_turns": 3},
+        "warmup": {"steps": 2, "batch_size": 8},
+        "engine": {"max_batch_size": 16, "max_seq_len": 256},
+    }
+    for section, values in sections.items():
+        base.setdefault(section, {}).update(values)
+    lines = []
+    for section, values in base.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    path = root / "cfg.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+async def crashing_generate(ctx, task, trajectory_id, group_id):
+    """A multi_turn generator whose process dies (os._exit) the first time it starts episode `t3-s0`:
+    a rollout-worker crash with groups in flight (the marker file makes it happen once per test)."""
+    import os
+
+    from generators.multi_turn import generate
+
+    marker = Path(os.environ["AGENTRL_TEST_CRASH_DIR"]) / "crashed"
+    if trajectory_id == "t3-s0" and not marker.exists():
+        marker.write_text("1")
+        os._exit(1)
+    return await generate(ctx, task, trajectory_id, group_id)

@@ -1,0 +1,79 @@
+"""Resume after SIGKILL: `agentrl run` (a real subprocess with its own Ray) is killed mid-run, then
+`agentrl run --resume` finishes it. Checked against the ledger and the queue's WAL: every step trained once,
+no trajectory id trained twice, none lost (each accepted id is in the ledger or still queued)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from run_support import make_model, read_jsonl, tiny_config
+
+pytestmark = pytest.mark.slow
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+
+
+def _trained_steps(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return max((r["step"] for r in rows if "phase" not in r), default=0)
+
+
+def test_resume_after_sigkill(tmp_path):
+    model_dir = make_model(tmp_path)
+    cfg = tiny_config(tmp_path, model_dir, run={"steps": 40, "eval_every": 0}, queue={"stale_policy": "keep"})
+    run = tmp_path / "t"
+    cmd = [sys.executable, "-m", "agentrl.cli", "run", str(cfg), "--async"]
+    with open(tmp_path / "first.log", "w") as log:
+        proc = subprocess.Popen(
+            cmd, env=_env(), start_new_session=True, stdout=subprocess.DEVNULL, stderr=log
+        )
+    deadline = time.time() + 150
+    try:
+        while _trained_steps(run) < 4:
+            assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            assert time.time() < deadline, "the first run made no progress"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started (Ray included)
+        proc.wait()
+    killed_at = _trained_steps(run)
+    assert killed_at < 40
+
+    steps = killed_at + 3
+    resume = [sys.executable, "-m", "agentrl.cli", "run", "--resume", str(run), "--run.steps", str(steps)]
+    out = subprocess.run(resume, env=_env(), capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    ledger = read_jsonl(run / "ledger.jsonl")
+    assert [r["step"] for r in ledger] == list(range(1, steps + 1)), (
+        "a step is missing or was committed twice"
+    )
+    trained = [i for r in ledger for i in r["ids"]]
+    assert len(trained) == len(set(trained)), "a trajectory was trained twice"
+    metrics = [m for m in read_jsonl(run / "metrics.jsonl") if "phase" not in m]
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert [m["policy_version"] for m in metrics] == list(range(1, steps + 1))
+
+    from agentrl.queue.wal import WriteAheadLog
+
+    state = WriteAheadLog(run).replay()
+    lost = state.known_ids - set(trained) - set(state.uncommitted)
+    assert not lost, f"accepted but neither trained nor queued: {sorted(lost)[:5]}"
+    assert not set(trained) & set(state.uncommitted)
