@@ -172,16 +172,19 @@ def bench_ours(args, batch: int, total: int, drain: bool) -> tuple[float, float]
 
 
 def bench_http(args) -> dict[str, float]:
+    """Each agentrl scenario runs `--repeats` times on a fresh server; the median is reported."""
     results: dict[str, float] = {}
     for drain in (False, True):
         mode = "learner draining" if drain else "no consumer"
         for batch, total in ((1, args.n_single), (64, args.n_batched)):
-            rate, us = bench_ours(args, batch, total, drain)
+            runs = sorted(bench_ours(args, batch, total, drain) for _ in range(args.repeats))
+            rate, us = runs[len(runs) // 2]
             key = f"agentrl_batch{batch}{'_drain' if drain else ''}"
             results[f"{key}_traj_s"] = rate
             results[f"{key}_server_cpu_us_per_traj"] = us
+            spread = ", ".join(f"{r:.0f}" for r, _ in runs)
             print(f"agentrl msgpack, batch {batch:3d}, {mode:16s}: {rate:8.0f} traj/s  "
-                  f"(server CPU {us:.0f} us/traj)", flush=True)  # fmt: skip
+                  f"(server CPU {us:.0f} us/traj; runs {spread})", flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         with open(os.path.join(tmp, "baseline_app.py"), "w") as f:
             f.write(BASELINE_APP)
@@ -253,6 +256,7 @@ def main() -> None:
     parser.add_argument("--n-batched", type=int, default=32768, help="trajectories sent 64 per request")
     parser.add_argument("--n-baseline", type=int, default=1000)
     parser.add_argument("--sample-reps", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per agentrl scenario (median reported)")
     parser.add_argument("--skip-http", action="store_true")
     parser.add_argument("--skip-sample", action="store_true")
     parser.add_argument(

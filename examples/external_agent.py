@@ -74,7 +74,9 @@ def main() -> None:
         except SubmitError as exc:
             print(f"chat form refused: {exc}")
         status = client.status()
-        print(f"queue depth {status['depth']}, policy version {status['policy_version']}, counts {status['counts']}")
+        print(
+            f"queue depth {status['depth']}, policy version {status['policy_version']}, counts {status['counts']}"
+        )
 
 
 if __name__ == "__main__":

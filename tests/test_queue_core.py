@@ -31,7 +31,12 @@ async def test_put_sample_commit_roundtrip_normalizes():
     batch = await q.sample_batch(2, learner_version=0)
     assert batch.ids == ["a", "b"]
     got = batch.trajectories[0]
-    assert isinstance(got.response_ids, bytes) and np.frombuffer(got.response_ids, "<i4").tolist() == [1, 2, 3, 4]
+    assert isinstance(got.response_ids, bytes) and np.frombuffer(got.response_ids, "<i4").tolist() == [
+        1,
+        2,
+        3,
+        4,
+    ]
     assert batch.trajectories[1].versions == [(0, 4)]  # unversioned: stamped with the current policy version
     await q.commit(1, batch.ids)
     assert q.pending_ids() == [] and q.committed_steps() == [1] and q.last_committed_step == 1
@@ -223,7 +228,9 @@ async def test_drain_wakes_sampler_and_refuses_puts():
 def test_pad_batch_shapes_and_values():
     a = Trajectory(id="a", prompt_ids=pack_tokens([5, 6]), response_ids=pack_tokens([7, 8, 9]),
                    logprobs=pack_floats([-1, -2, -3]), loss_mask=bytes([1, 0, 1]), versions=[(2, 1), (3, 2)])  # fmt: skip
-    b = Trajectory(id="b", prompt_ids=pack_tokens([1]), response_ids=pack_tokens([2]), versions=[(4, 1)], reward=1.5)
+    b = Trajectory(
+        id="b", prompt_ids=pack_tokens([1]), response_ids=pack_tokens([2]), versions=[(4, 1)], reward=1.5
+    )
     out = pad_batch([a, b])
     assert out["input_ids"].tolist() == [[5, 6, 7, 8, 9], [1, 2, 0, 0, 0]]
     assert out["loss_mask"].tolist() == [[0, 0, 1, 0, 1], [0, 1, 0, 0, 0]]

@@ -23,7 +23,11 @@ scalars = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**63), max_value=2**64 - 1),
     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20), st.binary(max_size=24),
 )  # fmt: skip
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
 trajectory_like = st.dictionaries(st.sampled_from(FIELDS), values, max_size=8).map(
     lambda d: {"id": "fz", "response_ids": [1, 2], **d}
 )
@@ -61,7 +65,9 @@ def check(server, body: bytes, ctype: str) -> None:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(body=st.binary(max_size=300), ctype=st.sampled_from(["application/json", "application/msgpack", "text/x"]))
+@given(
+    body=st.binary(max_size=300), ctype=st.sampled_from(["application/json", "application/msgpack", "text/x"])
+)
 def test_random_bytes_never_5xx(server, body, ctype):
     check(server, body, ctype)
 
@@ -78,7 +84,11 @@ def test_structured_garbage_never_5xx(server, obj):
 
 
 @pytest.mark.parametrize(
-    "obj", [{"id": "o", "response_ids": [1, 2], "loss_mask": [2**64 - 1, 1]}, {"id": "o", "response_ids": [2**64 - 1]}]
+    "obj",
+    [
+        {"id": "o", "response_ids": [1, 2], "loss_mask": [2**64 - 1, 1]},
+        {"id": "o", "response_ids": [2**64 - 1]},
+    ],
 )
 def test_out_of_range_values_are_422(server, obj):
     status, payload = post(server.url, msgspec.msgpack.encode(obj), "application/msgpack")
@@ -88,6 +98,8 @@ def test_out_of_range_values_are_422(server, obj):
 def test_server_still_answers_and_enforces_size_while_reading(server):
     status, payload = post(server.url, b"[" + b"1," * 5000 + b"1]", "application/json", chunked=True)
     assert status == 413 and "max_body_bytes" in payload["error"]  # no Content-Length: cut while reading
-    status, payload = post(server.url, json.dumps({"id": "alive", "response_ids": [3]}).encode(), "application/json")
+    status, payload = post(
+        server.url, json.dumps({"id": "alive", "response_ids": [3]}).encode(), "application/json"
+    )
     assert status == 202 and payload["accepted"] == 1
     assert server.call(server.queue.status)["counts"]["accepted"] >= 1

@@ -40,7 +40,13 @@ def serve_queue_cmd() -> list[str]:
     return [sys.executable, "-m", "agentrl.queue.cli"]
 
 
-def http(url: str, method: str = "GET", body: bytes | None = None, ctype: str | None = None, token: str | None = TOKEN):
+def http(
+    url: str,
+    method: str = "GET",
+    body: bytes | None = None,
+    ctype: str | None = None,
+    token: str | None = TOKEN,
+):
     """(status, headers, parsed body) with nothing but urllib: a client that is not agentrl's."""
     headers = {"Content-Type": ctype} if ctype else {}
     if token:
@@ -100,7 +106,9 @@ def test_cli_server_statuses_from_plain_urllib(served):
 
     status, _, body = post_json(url, [one("j1"), one("j2", policy_version=3)])
     assert (status, body["accepted"], body["duplicates"]) == (202, 2, 0)
-    status, _, body = post_msgpack(url, [one("m1", response_ids=np.array([4, 5], "<i4").tobytes()), one("j1")])
+    status, _, body = post_msgpack(
+        url, [one("m1", response_ids=np.array([4, 5], "<i4").tobytes()), one("j1")]
+    )
     assert (status, body["accepted"], body["duplicates"]) == (202, 1, 1)
 
     status, _, body = http(url + "/v1/trajectories", "POST", b'{"id": "x", "resp', "application/json")
@@ -126,7 +134,9 @@ def test_cli_server_statuses_from_plain_urllib(served):
     assert status == 422 and body["field"] == "reward"
     assert "b7" not in json.dumps(http(url + "/v1/status")[2])  # all or nothing: b7 was not accepted
 
-    status, _, body = post_json(url, one("chat", response_ids=[], messages=[{"role": "user", "content": "hi"}]))
+    status, _, body = post_json(
+        url, one("chat", response_ids=[], messages=[{"role": "user", "content": "hi"}])
+    )
     assert status == 422 and body["field"] == "messages" and "--model" in body["error"]
 
     status, _, body = http(url + "/v1/status")
@@ -226,7 +236,9 @@ def test_chat_form_tokenized_with_assistant_only_mask(background, tmp_path):
         {"role": "user", "content": "higher"},
         {"role": "assistant", "content": "My guess: 75"},
     ]
-    status, _, body = post_json(bg.url, {"id": "chat1", "messages": messages, "reward": 1.0, "policy_version": 0})
+    status, _, body = post_json(
+        bg.url, {"id": "chat1", "messages": messages, "reward": 1.0, "policy_version": 0}
+    )
     assert status == 202, body
     traj = bg.call(bg.queue.sample_batch, 1).trajectories[0]
     tok = bg.server.tokenizer.tokenizer
@@ -252,9 +264,9 @@ async def test_async_client_retries_429_until_the_learner_makes_room(tmp_path):
     await server.start()
     try:
         async with AsyncQueueClient(server.url, TOKEN, max_attempts=5, timeout_s=20) as client:
-            assert (await client.submit([{"id": "a", "response_ids": [1]}, {"id": "b", "response_ids": [1]}]))[
-                "accepted"
-            ] == 2
+            assert (
+                await client.submit([{"id": "a", "response_ids": [1]}, {"id": "b", "response_ids": [1]}])
+            )["accepted"] == 2
             submit = asyncio.create_task(client.submit({"id": "c", "response_ids": [1]}))
             await asyncio.sleep(0.3)
             assert not submit.done() and queue.status()["counts"]["rejected_full"] >= 1
@@ -275,7 +287,10 @@ def test_http_submissions_logged_as_received_replay_exactly(background, tmp_path
     bg = background()
     bg.call(bg.queue.set_policy_version, 4)
     assert post_json(bg.url, [one("h1"), one("h2", policy_version=3), one("h1")])[2]["duplicates"] == 1
-    assert post_msgpack(bg.url, [one("h3", response_ids=np.array([7, 8, 9], "<i4").tobytes()), one("h2")])[0] == 202
+    assert (
+        post_msgpack(bg.url, [one("h3", response_ids=np.array([7, 8, 9], "<i4").tobytes()), one("h2")])[0]
+        == 202
+    )
     live = {t.id: t for t in bg.call(bg.queue.sample_batch, 3).trajectories}
     bg.stop()
     reopened = ReplayQueue(QueueSection(), tmp_path / "q0")

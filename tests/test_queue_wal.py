@@ -21,7 +21,9 @@ from agentrl.types import Trajectory
 
 
 def traj(tid: str, group: str = "", version: int = 0, n: int = 8) -> Trajectory:
-    return Trajectory(id=tid, group_id=group, prompt_ids=[1, 2], response_ids=list(range(n)), policy_version=version)
+    return Trajectory(
+        id=tid, group_id=group, prompt_ids=[1, 2], response_ids=list(range(n)), policy_version=version
+    )
 
 
 def ledger(run_dir) -> list[dict]:
@@ -88,18 +90,18 @@ async def test_sigkill_mid_stream_loses_and_duplicates_nothing(tmp_path, seed):
     acked: list[str] = []
     committed: dict[int, list[str]] = {}
     for _round in range(2):  # kill, restart the writer on the same dir, kill again
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(run_dir), str(seed)], stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(run_dir), str(seed)], stdout=subprocess.PIPE, text=True
+        )
         stop_after = rng.randint(5, 120)
-        lines = 0
         assert proc.stdout is not None
-        for line in proc.stdout:
+        for n_lines, line in enumerate(proc.stdout, 1):
             kind, *rest = line.split()
             if kind == "acked":
                 acked.extend(rest)
             else:
                 committed[int(rest[0])] = rest[1:]
-            lines += 1
-            if lines >= stop_after:
+            if n_lines >= stop_after:
                 break
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -110,8 +112,9 @@ async def test_sigkill_mid_stream_loses_and_duplicates_nothing(tmp_path, seed):
     in_ledger = [tid for line in ledger(run_dir) for tid in line["ids"]]
     assert len(pending) == len(set(pending)) and len(in_ledger) == len(set(in_ledger))
     assert not set(pending) & set(in_ledger)
-    for step, ids in committed.items():
-        assert step in q.committed_steps()
+    ledger_steps = {line["step"]: line["ids"] for line in ledger(run_dir)}
+    for step, ids in committed.items():  # every commit the writer saw return is durable, ledger included
+        assert step in q.committed_steps() and ledger_steps[step] == ids
     recovered = set(pending) | set(in_ledger)
     missing = [tid for tid in acked if tid not in recovered]
     assert not missing, f"acknowledged but lost: {missing[:5]}"
@@ -187,7 +190,9 @@ async def test_compaction_runs_every_n_commits(tmp_path):
         await q.put([traj(f"s{step}-{k}", n=500) for k in range(4)])
         await q.commit(step, (await q.sample_batch(4)).ids)
         sizes.append(q.status()["wal_bytes"])
-    assert sizes[1] < sizes[0] and sizes[3] < sizes[2]  # everything consumed: only the known-id snapshot is left
+    assert (
+        sizes[1] < sizes[0] and sizes[3] < sizes[2]
+    )  # everything consumed: only the known-id snapshot is left
     q.close()
 
 

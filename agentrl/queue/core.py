@@ -239,7 +239,9 @@ class ReplayQueue:
                 raise InvalidTrajectory(where, exc.message) from None
             except (OverflowError, ValueError, TypeError) as exc:  # e.g. a loss_mask value beyond int64
                 self.metrics.inc("rejected_invalid", len(items))
-                raise InvalidTrajectory(f"[{i}]" if len(items) > 1 else "$", f"value out of range ({exc})") from None
+                raise InvalidTrajectory(
+                    f"[{i}]" if len(items) > 1 else "$", f"value out of range ({exc})"
+                ) from None
             if traj.id in self._known or traj.id in seen:
                 duplicates += 1
                 continue
@@ -325,7 +327,9 @@ class ReplayQueue:
         group.oldest_version = min(min_version(t) for t in group.trajectories)
         self._ready[next(self._seq)] = group
         self._n_ready += len(group.trajectories)
-        if self._wanted and self._n_ready >= min(self._wanted):  # wake samplers only when a batch may be ready
+        if self._wanted and self._n_ready >= min(
+            self._wanted
+        ):  # wake samplers only when a batch may be ready
             self._ready_signal.fire()
 
     def _schedule_timers(self) -> None:

@@ -222,7 +222,10 @@ class QueueServer:
         except (msgspec.DecodeError, UnicodeDecodeError, OverflowError, RecursionError) as exc:
             raise HTTPError(400, f"malformed {ctype} body: {exc}", "body") from None
         try:
-            raw: tuple[str, Any] | None = (ctype, body)  # the WAL stores the body as received (no re-encoding)
+            raw: tuple[str, Any] | None = (
+                ctype,
+                body,
+            )  # the WAL stores the body as received (no re-encoding)
             if any(t.messages is not None for t in trajectories):
                 trajectories, raw = await self._tokenize(trajectories), None
             result = await self.queue.put(trajectories, raw=raw)

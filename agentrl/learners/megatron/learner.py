@@ -100,11 +100,20 @@ class MegatronLearner(Learner):
     def _load_model(self) -> torch.nn.Module:
         model = build_gpt(
             self.arch, dtype=self.dtype, device=str(self.device), attention=self.attention, fused=self.fused,
-            calculate_per_token_loss=True, variable_seq_lengths=self.cfg.pipeline_parallel > 1,
+            calculate_per_token_loss=True, **self._pipeline_config(),
         )  # fmt: skip
         with checkpoint.hf_reader(self.model_path) as get_hf:
             convert.load_hf(model, self.arch, lambda n: get_hf(n).to(self.dtype), self.tp_rank, self.tp_size)
         return model
+
+    def _pipeline_config(self) -> dict:
+        """Micro-batches differ in rows and width: pipeline stages exchange shapes before activations."""
+        if self.cfg.pipeline_parallel == 1:
+            return {}
+        return {
+            "variable_seq_lengths": True,
+            "moe_token_dispatcher_type": "alltoall",
+        }  # no MoE: only a validity check
 
     def _make_optimizer(self):
         lc = self.cfg

@@ -3,7 +3,8 @@
 Invariants: a process launched by torchrun (RANK/WORLD_SIZE set) joins that group with NCCL on GPU (gloo on
 CPU); a plain process starts a private world of size 1 through a FileStore in a fresh temp dir, so several
 learners (or test modules) in one process reuse one group instead of colliding on a port. Model-parallel groups
-are rebuilt only when the requested TP/PP sizes change. CUDA RNG seeding on GPU, CPU substitutes otherwise.
+are rebuilt only when the requested TP/PP sizes change. CUDA RNG seeding on GPU, CPU substitutes otherwise
+(gloo groups carry TP/PP on CPU too; the learner itself limits CPU runs to TP = PP = 1).
 """
 
 from __future__ import annotations
@@ -45,8 +46,6 @@ def init_parallel(tensor_parallel: int, pipeline_parallel: int, device: str, see
             f"world size {world} is not divisible by learner.tensor_parallel * learner.pipeline_parallel "
             f"= {tensor_parallel * pipeline_parallel}"
         )
-    if not device.startswith("cuda") and (tensor_parallel > 1 or pipeline_parallel > 1):
-        raise LearnerError("learner.tensor_parallel/pipeline_parallel > 1 need learner.device = 'cuda'")
     if ps.model_parallel_is_initialized():
         same = (
             ps.get_tensor_model_parallel_world_size() == tensor_parallel
