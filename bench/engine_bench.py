@@ -67,9 +67,9 @@ def make_requests(n: int, prompt_len: tuple[int, int], output_len: tuple[int, in
     ]
 
 
-async def run_engine(engine: EmbeddedEngine, requests) -> tuple[int, float]:
+async def run_engine(engine, requests, seeded: bool = True) -> tuple[int, float]:
     params = [
-        SamplingParams(temperature=1.0, max_new_tokens=m, ignore_eos=True, seed=i)
+        SamplingParams(temperature=1.0, max_new_tokens=m, ignore_eos=True, seed=i if seeded else None)
         for i, (_, m) in enumerate(requests)
     ]
     start = time.perf_counter()
@@ -154,6 +154,40 @@ def bench_hf_fitting(path: Path, requests, args) -> dict:
         print(f"hf generate: out of memory at batch {bs}, retrying with {bs // 2}", file=sys.stderr)
 
 
+SGLANG_FLAGS = {
+    "attention_backend": "triton", "sampling_backend": "pytorch", "grammar_backend": "none",
+    "disable_piecewise_cuda_graph": True, "skip_server_warmup": True, "skip_tokenizer_init": True,
+    "mem_fraction_static": 0.6,
+}  # fmt: skip
+
+
+def bench_sglang(path: Path, requests, args) -> dict:
+    """Real SGLang (launched by agentrl's SGLangServer, driven by its SGLangEngine client) on the same requests."""
+    from agentrl.engines.sglang import SGLangEngine
+    from agentrl.engines.sglang_launcher import SGLangServer, free_port
+
+    server = SGLangServer(str(path), args=SGLANG_FLAGS, port=free_port(), log_path=args.sglang_log,
+                          startup_timeout_s=900, restart_on_crash=False)  # fmt: skip
+    start = time.perf_counter()
+    server.start()
+    startup_s = time.perf_counter() - start
+
+    async def go():
+        engine = SGLangEngine(server.url, request_timeout_s=1800)
+        try:
+            await run_engine(engine, [(p[:8], 4) for p, _ in requests[:8]])
+            return await run_engine(engine, requests, seeded=False)
+        finally:
+            await engine.close()
+
+    try:
+        tokens, elapsed = asyncio.run(go())
+    finally:
+        server.stop()
+    return {"tokens": tokens, "seconds": round(elapsed, 3), "tok_s": round(tokens / elapsed, 1),
+            "startup_s": round(startup_s, 1), "flags": SGLANG_FLAGS}  # fmt: skip
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -180,6 +214,10 @@ def main() -> None:
     ap.add_argument("--max-prefill-tokens", type=int, default=16384)
     ap.add_argument("--hf-batch-size", type=int, default=0, help="0: all requests in one batch")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument(
+        "--sglang", action="store_true", help="also run real SGLang (installed) on the same requests"
+    )
+    ap.add_argument("--sglang-log", default="sglang_bench_server.log")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="also write the JSON result here")
@@ -200,6 +238,9 @@ def main() -> None:
         if not args.skip_hf:
             result["hf_generate"] = bench_hf_fitting(path, requests, args)
             result["speedup_vs_hf"] = round(result["embedded"]["tok_s"] / result["hf_generate"]["tok_s"], 2)
+        if args.sglang:
+            result["sglang"] = bench_sglang(path, requests, args)
+            result["embedded_vs_sglang"] = round(result["embedded"]["tok_s"] / result["sglang"]["tok_s"], 3)
     line = json.dumps(result)
     print(line)
     if args.out:

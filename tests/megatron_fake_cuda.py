@@ -25,11 +25,17 @@ class CudaOnCpu(TorchFunctionMode):
         return out
 
 
+def fake_cuda() -> None:
+    """Process-wide: Megatron's CUDA-only allocations and syncs run on CPU from here on."""
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    CudaOnCpu().__enter__()
+
+
 def main() -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    torch.cuda.current_device = lambda: "cpu"
-    CudaOnCpu().__enter__()
+    fake_cuda()
     from agentrl.config import AlgorithmSection, LearnerSection
     from agentrl.engines.tiny import make_tiny_model
     from agentrl.learners.megatron.learner import MegatronLearner

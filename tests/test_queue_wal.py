@@ -65,7 +65,8 @@ CHILD = textwrap.dedent(
 
     async def main(run_dir, seed):
         q = ReplayQueue(QueueSection(compact_every=3, max_staleness=100), run_dir)
-        i, step = 0, 0
+        last = q.last_committed_step
+        i, step = q.status()["known_ids"], 0 if last is None else last + 1  # go on after a restart
         while True:
             batch = [Trajectory(id=f"t{i + k}", response_ids=list(range(1, 300)), policy_version=0)
                      for k in range(1 + i % 3)]

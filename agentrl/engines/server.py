@@ -225,7 +225,12 @@ class EngineServer:
         if not len(req.names) == len(req.dtypes) == len(req.shapes):
             raise BadRequest("names, dtypes and shapes must have the same length", "names")
         version = _version(req.weight_version, self.engine)
-        source = DistributedSource(req.group_name, req.names, req.dtypes, req.shapes)
+        if req.load_format not in (None, "flattened_bucket"):
+            raise BadRequest(
+                f"load_format must be null or 'flattened_bucket', got {req.load_format!r}", "load_format"
+            )
+        extra = {"load_format": req.load_format} if req.load_format else {}
+        source = DistributedSource(req.group_name, req.names, req.dtypes, req.shapes, extra)
         return await self._update(version, source, req.abort_all_requests)
 
     # -- info ----------------------------------------------------------------------------------------------------

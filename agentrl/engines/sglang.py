@@ -231,6 +231,8 @@ class SGLangEngine(Engine):
                 "group_name": source.group_name,
                 **common,
             }
+            if source.extra.get("load_format"):
+                body["load_format"] = source.extra["load_format"]
         else:
             raise WeightSyncError(f"unknown weight source {type(source).__name__}")
         await self._call("POST", route, body, self.update_timeout_s, WeightSyncError)

@@ -2,9 +2,15 @@
 
 Mirrors SGLang's `/init_weights_update_group` + `/update_weights_from_distributed`: the trainer and every
 engine rank rendezvous at `tcp://master_address:master_port` (the trainer hosts the store), then tensors are
-broadcast from rank 0 one by one in the order of `names`. The group is a standalone process group (no
-default group needed, none created), so an engine can join several groups and the learner keeps its own
-training groups. Backend: `nccl` between GPUs, `gloo` on CPU.
+broadcast from rank 0 in the order of `names`, one by one or (`bucket_bytes`) as flattened uint8 buckets
+(SGLang's `load_format="flattened_bucket"`: each tensor's bytes concatenated in order). The group is a
+standalone process group (no default group needed, none created, nothing registered globally), so an engine
+can join several groups and the learner keeps its own training groups. Backend: `nccl` between GPUs (NCCL
+refuses two ranks on one GPU), `gloo` on CPU or as a same-GPU fallback.
+Wire compatibility with SGLang: its side is `init_custom_process_group` (rendezvous store, then
+`PrefixStore(group_name)`, then torch's `_new_process_group_helper`, which adds `"{group_name}/"` and
+`"{device}/"` prefixes and sets gloo's sequence number through the store); `_backend_store` rebuilds the
+same key layout from public classes.
 """
 
 from __future__ import annotations
@@ -35,15 +41,19 @@ def init_weights_update_group(master_address: str, master_port: int, rank: int, 
                               timeout_s: float = 120.0) -> WeightGroup:  # fmt: skip
     """Join (rank > 0) or host (rank 0) a broadcast group; blocks until `world_size` members have joined."""
     timeout = timedelta(seconds=timeout_s)
+    if backend not in ("gloo", "nccl"):
+        raise WeightSyncError(f"weight group backend must be gloo or nccl, got {backend!r}")
     try:
         store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
-        prefixed = dist.PrefixStore(f"tcp://{master_address}:{master_port}/{group_name}", store)
+        prefixed = _backend_store(store, group_name, "cpu" if backend == "gloo" else "cuda")
         if backend == "gloo":
             pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-        elif backend == "nccl":
-            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size)
         else:
-            raise WeightSyncError(f"weight group backend must be gloo or nccl, got {backend!r}")
+            opts = dist.ProcessGroupNCCL.Options()
+            opts.is_high_priority_stream = False
+            opts._timeout = timeout
+            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        pg._set_sequence_number_for_group()
     except WeightSyncError:
         raise
     except Exception as exc:
@@ -51,6 +61,12 @@ def init_weights_update_group(master_address: str, master_port: int, rank: int, 
             f"weight group {group_name!r}: cannot join tcp://{master_address}:{master_port} as rank {rank}: {exc}"
         ) from exc
     return WeightGroup(group_name, rank, world_size, backend, pg, store)
+
+
+def _backend_store(store: Any, group_name: str, device: str) -> Any:
+    """The key layout of SGLang's `init_custom_process_group` + torch's `_new_process_group_helper`."""
+    outer = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
+    return dist.PrefixStore(f"{device}/", outer)
 
 
 def broadcast_tensor(group: WeightGroup, tensor: torch.Tensor) -> None:
@@ -68,19 +84,60 @@ def send_broadcast(group: WeightGroup, named_tensors: Any) -> DistributedSource:
     return describe(group.name, items)
 
 
-def describe(group_name: str, items: list[tuple[str, torch.Tensor]]) -> DistributedSource:
+def plan_buckets(
+    items: list[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> list[list[tuple[str, torch.Tensor]]]:
+    """Split `(name, tensor)` pairs, in order, into buckets of at most `bucket_bytes` (one tensor may exceed it)."""
+    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, tensor in items:
+        nbytes = tensor.numel() * tensor.element_size()
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, tensor))
+        size += nbytes
+    return [b for b in buckets if b]
+
+
+def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """SGLang's FlattenedTensorBucket layout: every tensor's bytes (uint8) concatenated in order."""
+    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
+
+
+def send_bucket(group: WeightGroup, bucket: list[tuple[str, torch.Tensor]]) -> DistributedSource:
+    """Rank 0: broadcast one flattened bucket (receivers use `load_format="flattened_bucket"`)."""
+    broadcast_tensor(group, flatten_bucket(bucket))
+    return describe(group.name, bucket, load_format="flattened_bucket")
+
+
+def describe(group_name: str, items: list[tuple[str, torch.Tensor]], load_format: str | None = None
+             ) -> DistributedSource:  # fmt: skip
     return DistributedSource(
         group_name=group_name,
         names=[n for n, _ in items],
         dtypes=[str(t.dtype).removeprefix("torch.") for _, t in items],
         shapes=[list(t.shape) for _, t in items],
+        extra={"load_format": load_format} if load_format else {},
     )
 
 
 def receive_broadcast(group: WeightGroup, source: DistributedSource, device: torch.device):
-    """Ranks > 0: yield `(name, tensor)` as each broadcast arrives (received into a fresh buffer)."""
+    """Ranks > 0: yield `(name, tensor)` as each broadcast (or the one flattened bucket) arrives."""
     dev = device if group.backend == "nccl" else torch.device("cpu")
-    for name, dtype, shape in zip(source.names, source.dtypes, source.shapes, strict=True):
+    specs = list(zip(source.names, source.dtypes, source.shapes, strict=True))
+    if source.extra.get("load_format") == "flattened_bucket":
+        bufs = [torch.empty(shape, dtype=getattr(torch, dtype), device=dev) for _, dtype, shape in specs]
+        flat = torch.empty(sum(b.numel() * b.element_size() for b in bufs), dtype=torch.uint8, device=dev)
+        broadcast_tensor(group, flat)
+        offset = 0
+        for (name, _, _), buf in zip(specs, bufs, strict=True):
+            n = buf.numel() * buf.element_size()
+            buf.reshape(-1).view(torch.uint8).copy_(flat[offset : offset + n])
+            offset += n
+            yield name, buf
+        return
+    for name, dtype, shape in specs:
         buf = torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
         broadcast_tensor(group, buf)
         yield name, buf

@@ -1,0 +1,108 @@
+"""Actor building blocks without Ray: engine routing, publish paths and timeouts, the run directory, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import pytest
+
+from agentrl.actors.broadcast import _guard, as_source, choose_path
+from agentrl.actors.router import EngineRouter
+from agentrl.config import load_config
+from agentrl.engines.base import DiskSource, SamplingParams, TensorSource
+from agentrl.errors import ConfigError, WeightSyncError
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    import torch
+
+    from agentrl.engines.embedded import EmbeddedEngine
+    from agentrl.engines.tiny import make_tiny_model
+
+    torch.set_num_threads(1)
+    path = make_tiny_model(tmp_path_factory.mktemp("m") / "tiny", hidden=64, layers=1)
+    return [EmbeddedEngine(str(path), max_batch_size=8, max_seq_len=128, seed=i) for i in range(2)]
+
+
+async def test_router_least_loaded_and_sticky(engines):
+    router = EngineRouter(engines)
+    episodes = [router.episode() for _ in range(4)]
+    assert [e.index for e in episodes] == [0, 1, 0, 1]
+    assert router.in_flight == [2, 2]
+    episodes[1].release()
+    episodes[1].release()  # idempotent
+    nxt = router.episode()
+    assert nxt.index == 1 and router.in_flight == [2, 2]
+    out1 = await nxt.generate([1, 2, 3], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    out2 = await nxt.generate([1, 2, 3, *out1.output_ids], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert nxt.engine is engines[1] and len(out1.output_ids) == 3 and len(out2.output_ids) == 2
+    assert engines[1].steps > 0
+    for e in [*episodes, nxt]:
+        e.release()
+    assert router.in_flight == [0, 0]
+
+
+def test_publish_path_follows_placement(tmp_path):
+    def cfg(**over):
+        return load_config(None, over)
+
+    assert choose_path(cfg(run={"placement": "colocated"})) == "tensor"
+    assert choose_path(cfg(run={"placement": "split"})) == "object_store"
+    gpu = {"kind": "sglang", "device": "cuda"}
+    assert choose_path(cfg(run={"placement": "disaggregated"}, engine=gpu)) == "nccl"
+    ext = {"kind": "sglang", "external_urls": ["http://h:1"]}
+    assert choose_path(cfg(run={"placement": "disaggregated"}, engine=ext)) == "disk"
+    assert choose_path(cfg(learner={"publish": "disk"})) == "disk"
+    assert isinstance(as_source({"w": 1}), TensorSource) and isinstance(as_source("/x"), DiskSource)
+    with pytest.raises(WeightSyncError):
+        as_source(3)
+
+
+async def test_publish_timeout_names_path_and_target():
+    with pytest.raises(WeightSyncError, match=r"policy_version 3 by 'object_store' to engine host 1 timed out"):
+        await _guard(asyncio.sleep(5), "object_store", "engine host 1", 3, 0.05)
+
+    async def boom():
+        raise RuntimeError("disk full")
+
+    with pytest.raises(WeightSyncError, match="by 'disk' to learner failed: RuntimeError"):
+        await _guard(boom(), "disk", "learner", 4, 1.0)
+
+
+def test_run_dir_checkpoints_are_atomic_and_metrics_truncate(tmp_path):
+    from agentrl.runner.rundir import RunDir
+
+    cfg = load_config(None, {"run": {"root": str(tmp_path), "name": "r", "tensorboard": False}})
+    rd = RunDir(cfg)
+    for step in (1, 2, 3):
+        tmp = rd.begin_checkpoint(step)
+        (tmp / "learner").mkdir()
+        rd.finish_checkpoint(step, tmp, {"policy_version": step})
+        rd.log({"step": step, "reward_mean": 0.1 * step})
+    path, state = rd.latest_checkpoint()
+    assert path.name == "step_3" and state["step"] == 3
+    assert sorted(p.name for p in rd.ckpt_root.glob("step_*")) == ["step_2", "step_3"]  # keeps 2
+    assert not list(rd.ckpt_root.glob(".tmp*"))
+    rd.truncate_metrics(2)
+    assert [r["step"] for r in rd.read_metrics()] == [1, 2]
+    with pytest.raises(ConfigError, match="not a run directory"):
+        RunDir(load_config(None, {"run": {"root": str(tmp_path), "name": "missing"}}), resume=True)
+
+
+def test_cli_resume_gives_back_an_override_value(tmp_path):
+    from agentrl.runner import cli
+
+    run = tmp_path / "runs" / "x"
+    run.mkdir(parents=True)
+    (run / "config.toml").write_text('[run]\nname = "x"\nsteps = 3\n')
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args, extra = parser.parse_known_args(["--resume", str(run), "--run.steps", "7", "--async"])
+    args.overrides = extra
+    cfg = cli.resolve(args)
+    assert cfg.run.steps == 7 and cfg.run.mode == "async" and cfg.run.name == "x"
+    assert cfg.run.root == str(run.parent)
+    assert json.loads(json.dumps(cfg.run.ray_address)) == ""
