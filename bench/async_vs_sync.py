@@ -71,7 +71,9 @@ def warm_model(root: Path, warmup_steps: int) -> str:
     out = root / f"warm{warmup_steps}"
     if (out / "config.json").exists():
         return str(out)
-    cfg = prepare(load_config(HERE.parent / "examples" / "quickstart.toml", {"model": {"path": str(root / "tiny")}}))
+    cfg = prepare(
+        load_config(HERE.parent / "examples" / "quickstart.toml", {"model": {"path": str(root / "tiny")}})
+    )
     base = ensure_model(cfg)
     cfg.warmup.steps = warmup_steps
     learner = LearnerWorker(cfg, base)
@@ -115,7 +117,7 @@ def one_run(mode: str, model: str, root: Path, args: argparse.Namespace) -> dict
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--max-staleness", type=int, default=4)
+    parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--latency-s", type=float, default=0.2)
     parser.add_argument("--tail-p", type=float, default=0.1)
     parser.add_argument("--warmup-steps", type=int, default=130)

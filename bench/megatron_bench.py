@@ -37,6 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true", help="tiny model and batch (CPU smoke test)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (launch with torchrun)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel size (launch with torchrun)")
     p.add_argument("--variants", default="hf,megatron,megatron_compile",
                    help="comma list of hf, megatron, megatron_compile (torch.compile), torch_learner")  # fmt: skip
     p.add_argument("--batch", type=int, default=0, help="sequences per step (default 8; tiny 4)")
@@ -86,7 +87,8 @@ def ensure_model_dir(args) -> Path:
 
         t0 = time.perf_counter()
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(hf_config(args.dims), dtype=getattr(torch, args.dtype))
+        with torch.device(args.device):  # random init on the GPU takes seconds, on CPU cores much longer
+            model = AutoModelForCausalLM.from_config(hf_config(args.dims), dtype=getattr(torch, args.dtype))
         path.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(str(path), safe_serialization=True)
         log(f"wrote random model to {path} in {time.perf_counter() - t0:.1f}s")
@@ -175,12 +177,12 @@ def run_hf(args, path: Path) -> dict:
 def learner_section(args, kind: str, world: int):
     from agentrl.config import LearnerSection
 
-    dp = world // args.tp
+    dp = world // (args.tp * args.pp)
     mbt = args.micro_batch_tokens or -(-args.batch // dp) * args.seq
     args.micro_batch_tokens = mbt
     return LearnerSection(
         kind=kind, device=args.device, dtype=args.dtype, lr=1e-5, grad_clip=1.0, micro_batch_tokens=mbt,
-        tensor_parallel=args.tp if kind == "megatron" else 1,
+        tensor_parallel=args.tp if kind == "megatron" else 1, pipeline_parallel=args.pp if kind == "megatron" else 1,
     )  # fmt: skip
 
 
@@ -242,6 +244,16 @@ def run_variant(runner, args, path: Path, world: int, single: bool) -> dict:
         args.micro_batch_tokens, args.hf_chunks = saved
 
 
+def write_summary(args, results: dict, world: int, rank: int, flops: float) -> None:
+    for name in ("megatron", "megatron_compile"):
+        if "error" not in results.get("hf", {"error": 1}) and "error" not in results.get(name, {"error": 1}):
+            results[f"speedup_{name}_vs_hf"] = results["hf"]["step_s"] / results[name]["step_s"]
+    summary = {"world": world, "tp": args.tp, "pp": args.pp, "batch": args.batch, "seq": args.seq,
+               "dims": args.dims, "n_params": n_params(args.dims), "flops_per_token": flops, "results": results}  # fmt: skip
+    if args.out and rank == 0:
+        Path(args.out).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch.distributed as dist
@@ -253,7 +265,9 @@ def main(argv=None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
     init_distributed(args.device)
     world, rank = dist.get_world_size(), dist.get_rank()
-    log(f"torch {torch.__version__}, world {world}, tp {args.tp}, device {args.device}, dims {args.dims}")
+    log(
+        f"torch {torch.__version__}, world {world}, tp {args.tp}, pp {args.pp}, device {args.device}, dims {args.dims}"
+    )
     if args.device == "cuda":
         log(f"gpu: {torch.cuda.get_device_name()}")
     path = ensure_model_dir(args)
@@ -288,14 +302,13 @@ def main(argv=None) -> int:
         log(
             f"[{name}] " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()})
         )
+        write_summary(
+            args, results, world, rank, flops
+        )  # after every variant: a run cut short keeps its results
     for name in ("megatron", "megatron_compile"):
         if "error" not in results.get("hf", {"error": 1}) and "error" not in results.get(name, {"error": 1}):
-            results[f"speedup_{name}_vs_hf"] = results["hf"]["step_s"] / results[name]["step_s"]
-            log(f"{name} / hf throughput: {results[f'speedup_{name}_vs_hf']:.2f}x")
-    summary = {"world": world, "tp": args.tp, "batch": args.batch, "seq": args.seq, "dims": args.dims,
-               "n_params": n_params(args.dims), "flops_per_token": flops, "results": results}  # fmt: skip
-    if args.out and rank == 0:
-        Path(args.out).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+            log(f"{name} / hf throughput: {results['hf']['step_s'] / results[name]['step_s']:.2f}x")
+    write_summary(args, results, world, rank, flops)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -194,15 +194,18 @@ def bench_http(args) -> dict[str, float]:
         proc, port = start_server(cmd, r"running on http://[^:]+:(\d+)", env={**server_env(args), **env})
         try:
             per_client = max(1, args.n_baseline // args.clients)
-            cpu = cpu_seconds(proc.pid)
-            rate = run_clients(baseline_client, args.clients, lambda w: (port, per_client, w, args))
-            us = (cpu_seconds(proc.pid) - cpu) / (per_client * args.clients) * 1e6
+            runs = []
+            for _ in range(args.repeats):
+                cpu = cpu_seconds(proc.pid)
+                rate = run_clients(baseline_client, args.clients, lambda w: (port, per_client, w, args))
+                runs.append((rate, (cpu_seconds(proc.pid) - cpu) / (per_client * args.clients) * 1e6))
+            runs.sort()
+            rate, us = runs[len(runs) // 2]
             results["baseline_traj_s"] = rate
             results["baseline_server_cpu_us_per_traj"] = us
-            print(
-                f"baseline FastAPI JSON, 1/request              : {rate:8.0f} traj/s  (server CPU {us:.0f} us/traj)",
-                flush=True,
-            )
+            spread = ", ".join(f"{r:.0f}" for r, _ in runs)
+            print(f"baseline FastAPI JSON, 1/request              : {rate:8.0f} traj/s  "
+                  f"(server CPU {us:.0f} us/traj; runs {spread})", flush=True)  # fmt: skip
         finally:
             proc.terminate()
             proc.wait()

@@ -1,11 +1,14 @@
-"""Drive the Megatron learner's GPU code path on CPU (run as a script by test_megatron_ddp_cpu.py).
+"""Drive the Megatron learner's GPU code path on CPU (used by test_megatron_ddp_cpu.py).
 
-Megatron DDP and the distributed optimizer only allocate with `device="cuda"` / `torch.cuda.current_device()`
-and check `tensor.type()` for "torch.cuda.*"; a TorchFunctionMode maps those to CPU so the real Megatron
-classes (DistributedDataParallel, DistributedOptimizer, finalize_model_grads) run unchanged. Prints one JSON line.
+Megatron DDP, the distributed optimizer and the pipeline schedule only allocate with `device="cuda"` /
+`torch.cuda.current_device()`, call `.cuda()` / `torch.cuda.synchronize()` and check `tensor.type()` for
+"torch.cuda.*"; `fake_cuda()` maps those to CPU for the whole process, so the real Megatron classes
+(DistributedDataParallel, DistributedOptimizer, finalize_model_grads, 1F1B schedule, p2p over gloo) run unchanged.
+Never import this into a process that should keep real CUDA semantics: run it as a script or a spawned worker.
 """
 
 import json
+import os
 import sys
 import tempfile
 import warnings
@@ -13,10 +16,14 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode
 
+SETTINGS = dict(micro_batch_tokens=40, lr=1e-3, grad_clip=0.5)
+
 
 class CudaOnCpu(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
         if "cuda" in str(kwargs.get("device", "")):
             kwargs["device"] = "cpu"
         out = func(*args, **kwargs)
@@ -27,49 +34,95 @@ class CudaOnCpu(TorchFunctionMode):
 
 def fake_cuda() -> None:
     """Process-wide: Megatron's CUDA-only allocations and syncs run on CPU from here on."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
     CudaOnCpu().__enter__()
 
 
-def main() -> None:
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    fake_cuda()
+def gpu_path_learner(model_dir, tp: int = 1, pp: int = 1, gpu_path: bool = True, **learner_kw):
+    """A MegatronLearner built as on a GPU (Megatron DDP + distributed optimizer), on CPU tensors."""
     from agentrl.config import AlgorithmSection, LearnerSection
-    from agentrl.engines.tiny import make_tiny_model
     from agentrl.learners.megatron.learner import MegatronLearner
-    from agentrl.learners.torch_learner import TorchLearner
-    from tests.test_megatron_learner import make_batch
+
+    lc = LearnerSection(kind="megatron", tensor_parallel=tp, pipeline_parallel=pp, **SETTINGS, **learner_kw)
+    if not gpu_path:  # the CPU learner itself (torch AdamW)
+        return MegatronLearner(model_dir, lc, AlgorithmSection(entropy_coef=0.01))
 
     class GpuPathLearner(MegatronLearner):
+        def _check_device(self):  # CPU tensors, GPU code path
+            pass
+
         def _make_optimizer(self):
-            self.cuda = True  # build Megatron DDP + distributed optimizer as on a GPU
+            self.cuda = True
             return super()._make_optimizer()
 
-    tmp = tempfile.mkdtemp()
-    path = make_tiny_model(f"{tmp}/m", "qwen2", seed=3, hidden=64, layers=2, heads=4, kv_heads=2, vocab_size=300,
-                           init_std=0.2, tie_embeddings=False)  # fmt: skip
-    algo = AlgorithmSection(entropy_coef=0.01)
-    lc = LearnerSection(kind="megatron", micro_batch_tokens=48, lr=1e-3, grad_clip=0.5)
-    mega = GpuPathLearner(path, lc, algo)
-    ref = TorchLearner(path, LearnerSection(micro_batch_tokens=48, lr=1e-3, grad_clip=0.5), algo)
-    out = {"model": type(mega.model).__name__, "optimizer": type(mega.optimizer).__name__, "steps": []}
-    for step in range(2):
-        a, b = mega.train_step(make_batch(300, seed=step)), ref.train_step(make_batch(300, seed=step))
-        out["steps"].append({k: [a[k], b[k]] for k in ("loss", "grad_norm", "entropy")})
+    return GpuPathLearner(model_dir, lc, AlgorithmSection(entropy_coef=0.01))
+
+
+def compare_with_torch_learner(learner, model_dir, steps: int = 2) -> dict:
+    """Train `learner` and a TorchLearner on the same batches; the numbers a test compares."""
+    from megatron_helpers import make_batch
+
+    from agentrl.config import AlgorithmSection, LearnerSection
+    from agentrl.learners.torch_learner import TorchLearner
+
+    ref = TorchLearner(model_dir, LearnerSection(**SETTINGS), AlgorithmSection(entropy_coef=0.01))
+    probe = make_batch(300, seed=11)
+    out = {"logprob_diff": (learner.compute_logprobs(probe) - ref.compute_logprobs(probe)).abs().max().item()}
+    out["steps"] = []
+    for step in range(steps):
+        a, b = learner.train_step(make_batch(300, seed=step)), ref.train_step(make_batch(300, seed=step))
+        out["steps"].append({k: [a[k], b[k]] for k in ("loss", "grad_norm")})
     ref_weights = dict(ref.weights())
-    out["weight_diff"] = max((t - ref_weights[n]).abs().max().item() for n, t in mega.weights())
-    mega.save(f"{tmp}/ck")
-    again = GpuPathLearner(path, lc, algo)
-    again.load(f"{tmp}/ck")
+    out["weight_diff"] = max((t - ref_weights[n]).abs().max().item() for n, t in learner.weights())
+    out["sft_loss"] = [
+        learner.sft_step(make_batch(300, seed=5))["loss"],
+        ref.sft_step(make_batch(300, seed=5))["loss"],
+    ]
+    return out
+
+
+def single_process(model_dir: str) -> dict:
+    """DP = 1 on the GPU path, plus a save/load resume."""
+    from megatron_helpers import make_batch
+
+    learner = gpu_path_learner(model_dir)
+    out = {"model": type(learner.model).__name__, "optimizer": type(learner.optimizer).__name__}
+    out.update(compare_with_torch_learner(learner, model_dir))
+    ckpt = tempfile.mkdtemp()
+    learner.save(ckpt)
+    again = gpu_path_learner(model_dir)
+    again.load(ckpt)
     batch = make_batch(300, seed=9)
-    out["reload_diff"] = (again.compute_logprobs(batch) - mega.compute_logprobs(batch)).abs().max().item()
-    out["resumed_losses"] = [again.train_step(batch)["loss"], mega.train_step(batch)["loss"]]
+    out["reload_diff"] = (again.compute_logprobs(batch) - learner.compute_logprobs(batch)).abs().max().item()
+    out["resumed_losses"] = [again.train_step(batch)["loss"], learner.train_step(batch)["loss"]]
     out["resumed_weight_diff"] = max(
-        (x - y).abs().max().item() for (_, x), (_, y) in zip(again.weights(), mega.weights(), strict=True)
+        (x - y).abs().max().item() for (_, x), (_, y) in zip(again.weights(), learner.weights(), strict=True)
     )
-    print(json.dumps(out), flush=True)
+    return out
+
+
+def parallel_worker(rank: int, world: int, runs: list, port: int, out_dir: str) -> None:
+    """One of `world` gloo ranks: for each (name, tp, pp, model_dir, gpu_path) train vs the torch learner."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    fake_cuda()
+    results = {}
+    for name, tp, pp, model_dir, gpu_path in runs:
+        results[name] = compare_with_torch_learner(gpu_path_learner(model_dir, tp, pp, gpu_path), model_dir)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+def main() -> None:
+    fake_cuda()
+    from agentrl.engines.tiny import make_tiny_model
+
+    path = make_tiny_model(f"{tempfile.mkdtemp()}/m", "qwen2", seed=3, hidden=64, layers=2, heads=4, kv_heads=2,
+                           vocab_size=300, init_std=0.2, tie_embeddings=False)  # fmt: skip
+    print(json.dumps(single_process(str(path))), flush=True)
 
 
 if __name__ == "__main__":

@@ -57,3 +57,19 @@ async def crashing_generate(ctx, task, trajectory_id, group_id):
         marker.write_text("1")
         os._exit(1)
     return await generate(ctx, task, trajectory_id, group_id)
+
+
+async def engine_killing_generate(ctx, task, trajectory_id, group_id):
+    """In `disaggregated` placement: kill the engine actor serving episode `t3-s0` (once), then carry on, so
+    the episode fails with the engine's death."""
+    import os
+
+    import ray
+
+    from generators.multi_turn import generate
+
+    marker = Path(os.environ["AGENTRL_TEST_CRASH_DIR"]) / "engine_killed"
+    if trajectory_id == "t3-s0" and not marker.exists():
+        marker.write_text("1")
+        ray.kill(ctx.engine.handle, no_restart=True)
+    return await generate(ctx, task, trajectory_id, group_id)

@@ -62,7 +62,9 @@ def test_publish_path_follows_placement(tmp_path):
 
 
 async def test_publish_timeout_names_path_and_target():
-    with pytest.raises(WeightSyncError, match=r"policy_version 3 by 'object_store' to engine host 1 timed out"):
+    with pytest.raises(
+        WeightSyncError, match=r"policy_version 3 by 'object_store' to engine host 1 timed out"
+    ):
         await _guard(asyncio.sleep(5), "object_store", "engine host 1", 3, 0.05)
 
     async def boom():

@@ -1,12 +1,12 @@
-"""The GPU code path (Megatron DDP + distributed optimizer + finalize_model_grads + checkpoint) on CPU.
-
-Runs tests/megatron_fake_cuda.py in a subprocess (it patches torch.cuda.current_device and maps device="cuda"
-to CPU, so it must not share this process): two train steps equal the torch learner's, and a save/load
-resume continues bit-exactly (optimizer shard state included).
+"""The GPU code path (Megatron DDP, distributed optimizer, finalize_model_grads, 1F1B pipeline schedule,
+checkpoint) run on CPU through tests/megatron_fake_cuda.py, in processes of its own (it patches torch.cuda
+process-wide): each configuration equals the torch learner (log-probs, loss, grad norm, weights after two Adam
+steps, SFT loss), and a save/load resume continues bit-exactly.
 """
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,21 +15,50 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
+from agentrl.engines.tiny import make_tiny_model
+
 ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, vocab_size=300, init_std=0.2)
 
 
-def test_megatron_ddp_and_distributed_optimizer_match_torch_learner():
+def check_against_torch_learner(out: dict) -> None:
+    assert out["logprob_diff"] <= 1e-4
+    for step in out["steps"]:
+        for key, (mega, ref) in step.items():
+            assert abs(mega - ref) <= 1e-4, (key, mega, ref)
+    assert out["weight_diff"] <= 1e-4  # two Adam steps of lr 1e-3 move weights by up to 2e-3
+    assert abs(out["sft_loss"][0] - out["sft_loss"][1]) <= 1e-4
+
+
+def test_ddp_distributed_optimizer_and_resume():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)
     proc = subprocess.run([sys.executable, str(ROOT / "tests/megatron_fake_cuda.py")], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["model"] == "DistributedDataParallel" and out["optimizer"] == "ChainedOptimizer"
-    for step in out["steps"]:
-        for key, (mega, ref) in step.items():
-            assert abs(mega - ref) <= 1e-4, (key, mega, ref)
-    assert out["weight_diff"] <= 1e-4
+    check_against_torch_learner(out)
     assert out["reload_diff"] == 0.0
     assert out["resumed_losses"][0] == out["resumed_losses"][1] and out["resumed_weight_diff"] == 0.0
+
+
+def test_tensor_pipeline_data_parallel_2_ranks(tmp_path):
+    """Two gloo ranks run TP = 2 (qwen2, untied), PP = 2 (qwen3, tied: embedding grads cross stages), DP = 2,
+    and DP = 2 of the CPU learner (torch AdamW, gradients all-reduced)."""
+    import torch.multiprocessing as mp
+    from megatron_fake_cuda import parallel_worker
+
+    qwen2 = make_tiny_model(tmp_path / "qwen2", "qwen2", seed=3, tie_embeddings=False, **TINY)
+    qwen3 = make_tiny_model(tmp_path / "qwen3", "qwen3", seed=4, tie_embeddings=True, **TINY)
+    runs = [("tp2", 2, 1, str(qwen2), True), ("pp2", 1, 2, str(qwen3), True), ("dp2", 1, 1, str(qwen2), True)]
+    runs.append(("dp2_cpu", 1, 1, str(qwen2), False))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(parallel_worker, args=(2, runs, port, str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for name in ("tp2", "pp2", "dp2", "dp2_cpu"):
+            check_against_torch_learner(results[name])

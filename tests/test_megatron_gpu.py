@@ -17,9 +17,10 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from megatron_helpers import hf_logprobs, make_batch  # noqa: E402
+
 from agentrl.config import AlgorithmSection, LearnerSection  # noqa: E402
 from agentrl.engines.tiny import make_tiny_model  # noqa: E402
-from tests.test_megatron_learner import hf_logprobs, make_batch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,11 +60,12 @@ def test_ddp_distributed_optimizer_matches_torch_learner(model_dir, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_tensor_parallel_2_via_torchrun(model_dir, tmp_path):
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_model_parallel_2_via_torchrun(model_dir, tp, pp):
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "tools/gpu/megatron_tp_check.py"), str(model_dir), "--tp", "2"]  # fmt: skip
+           str(ROOT / "tools/gpu/megatron_tp_check.py"), str(model_dir), "--tp", str(tp), "--pp", str(pp)]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])

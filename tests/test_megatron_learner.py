@@ -3,11 +3,12 @@
 Tiny random models (agentrl.engines.tiny) for qwen2 (qkv bias), qwen3 (qk-norm) and llama, tied and untied.
 """
 
-import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
+
+from megatron_helpers import hf_logprobs, hf_state, make_batch
 
 from agentrl import types
 from agentrl.config import AlgorithmSection, LearnerSection
@@ -15,7 +16,7 @@ from agentrl.engines.tiny import make_tiny_model
 from agentrl.errors import LearnerError
 from agentrl.learners import checkpoint as learner_checkpoint
 from agentrl.learners.batch import build_batch
-from agentrl.learners.megatron import checkpoint, convert, cpu_compat, ops
+from agentrl.learners.megatron import convert, cpu_compat, ops
 from agentrl.learners.megatron.learner import MegatronLearner
 from agentrl.learners.megatron.model import ArchSpec, build_gpt
 from agentrl.learners.megatron.parallel import init_parallel
@@ -45,50 +46,6 @@ def models(tmp_path_factory):
         out[(arch, tied)] = make_tiny_model(root / f"{arch}-{tied}", arch, seed=1, tie_embeddings=tied,
                                             init_std=0.2, **SIZES)  # fmt: skip
     return out
-
-
-def hf_state(path):
-    with checkpoint.hf_reader(path) as get:
-        from safetensors import safe_open
-
-        with safe_open(str(path / "model.safetensors"), "pt") as f:
-            return {name: get(name) for name in f.keys()}  # noqa: SIM118
-
-
-def make_batch(vocab: int, n: int = 6, seed: int = 0, version: int = 0):
-    rng = np.random.default_rng(seed)
-    trajs = []
-    for i in range(n):
-        p_len, r_len = int(rng.integers(2, 8)), int(rng.integers(3, 12))
-        trajs.append(
-            types.normalize(
-                types.Trajectory(
-                    id=f"t{i}",
-                    group_id=f"g{i // 3}",
-                    prompt_ids=types.pack_tokens(rng.integers(0, vocab, p_len)),
-                    response_ids=types.pack_tokens(rng.integers(0, vocab, r_len)),
-                    loss_mask=(rng.random(r_len) > 0.2).astype(np.int64).tolist(),
-                    logprobs=types.pack_floats(-rng.random(r_len) * 2),
-                    reward=float(rng.random()),
-                    policy_version=version,
-                )
-            )
-        )
-    return build_batch(trajs, pad_id=0)
-
-
-def hf_logprobs(path, batch, temperature=1.0):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(
-            batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
-        ).logits
-    logp = torch.log_softmax(logits[:, :-1].float() / temperature, -1).gather(
-        -1, batch.input_ids[:, 1:, None]
-    )
-    return torch.nn.functional.pad(logp[..., 0], (1, 0)) * batch.attention_mask
 
 
 @pytest.mark.parametrize(("arch", "tied"), ARCHS)
@@ -194,14 +151,10 @@ def test_save_load_resume_and_export(models, tmp_path):
     a.save(str(tmp_path / "ck2"))
     learner_checkpoint.export_checkpoint(tmp_path / "ck2", tmp_path / "hf")
     assert (tmp_path / "hf" / "tokenizer.json").exists()
-    exported = dict(convert_state(tmp_path / "hf"))
+    exported = hf_state(tmp_path / "hf")
     assert all(torch.equal(exported[n], t) for n, t in a.weights())
     AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     assert (hf_logprobs(tmp_path / "hf", batch) - a.compute_logprobs(batch)).abs().max() <= 1e-4
-
-
-def convert_state(path):
-    return hf_state(path).items()
 
 
 def test_cpu_substitutes_and_errors(models):

@@ -165,18 +165,33 @@ async def test_hard_caps_backpressure(cap):
     assert (await q.put(traj("d"))).accepted == 1
 
 
-async def test_fifo_across_producers():
+async def test_fifo_across_producers_in_completion_order():
     q = ReplayQueue(cfg(group_size=2))
-
-    async def producer(name: str, delays: list[float]) -> None:
-        for i, delay in enumerate(delays):
-            await asyncio.sleep(delay)
-            await q.put([traj(f"{name}{i}a", f"{name}{i}"), traj(f"{name}{i}b", f"{name}{i}")])
-
-    await asyncio.gather(producer("p", [0.0, 0.02, 0.02]), producer("q", [0.01, 0.02, 0.02]))
-    batch = await q.sample_batch(12)
+    await q.put(traj("p0a", "p0"))  # producer p starts a group first ...
+    await q.put([traj(f"q{i}{m}", f"q{i}") for i in range(3) for m in "ab"])  # ... q sends 3 whole groups
+    await q.put(traj("p0b", "p0"))  # ... then p completes its group
+    await q.put([traj("r0a", "r0"), traj("r0b", "r0")])
+    batch = await q.sample_batch(10)
     groups = [t.group_id for t in batch.trajectories[::2]]
-    assert groups == ["p0", "q0", "p1", "q1", "p2", "q2"]
+    assert groups == ["q0", "q1", "q2", "p0", "r0"]  # complete groups leave in the order they completed
+
+
+async def test_concurrent_producers_are_served_in_arrival_order():
+    q = ReplayQueue(cfg())
+    gate = asyncio.Event()
+
+    async def producer(name: str, n: int) -> None:
+        for i in range(n):
+            await gate.wait()
+            await q.put(traj(f"{name}{i}"))
+            await asyncio.sleep(0)  # yield: the other producer's put comes next
+
+    tasks = [asyncio.create_task(producer("a", 4)), asyncio.create_task(producer("b", 4))]
+    await asyncio.sleep(0)
+    gate.set()
+    await asyncio.gather(*tasks)
+    batch = await q.sample_batch(8)
+    assert batch.ids == ["a0", "b0", "a1", "b1", "a2", "b2", "a3", "b3"]  # no producer starves the other
 
 
 async def test_sample_batch_waits_on_events_not_polling():

@@ -268,7 +268,10 @@ async def test_async_client_retries_429_until_the_learner_makes_room(tmp_path):
                 await client.submit([{"id": "a", "response_ids": [1]}, {"id": "b", "response_ids": [1]}])
             )["accepted"] == 2
             submit = asyncio.create_task(client.submit({"id": "c", "response_ids": [1]}))
-            await asyncio.sleep(0.3)
+            for _ in range(200):  # until the first attempt has been refused
+                if queue.status()["counts"]["rejected_full"]:
+                    break
+                await asyncio.sleep(0.05)
             assert not submit.done() and queue.status()["counts"]["rejected_full"] >= 1
             await queue.sample_batch(2)
             assert (await asyncio.wait_for(submit, 10))["accepted"] == 1

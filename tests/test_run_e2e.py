@@ -141,13 +141,20 @@ def test_other_placements(ray_session, tmp_path, model_dir, placement):
     check_run_dir(tmp_path / "t", 2)
 
 
-def test_dead_worker_is_replaced_and_its_groups_reissued(ray_session, tmp_path, model_dir):
+@pytest.mark.parametrize(
+    "placement, generator",
+    [("split", "crashing_generate"), ("disaggregated", "engine_killing_generate")],
+    ids=["worker-dies", "engine-dies"],
+)
+def test_dead_actor_is_replaced_and_its_groups_reissued(
+    ray_session, tmp_path, model_dir, placement, generator
+):
     from agentrl.config import load_config
     from agentrl.runner.loop import run
 
     cfg = load_config(
-        tiny_config(tmp_path, model_dir, run={"steps": 3, "eval_every": 0},
-                    rollout={"generator": "run_support:crashing_generate"}),
+        tiny_config(tmp_path, model_dir, run={"steps": 3, "eval_every": 0, "placement": placement},
+                    rollout={"generator": f"run_support:{generator}"}),
         ["--run.mode", "async"],
     )  # fmt: skip
     summary = run(cfg)

@@ -191,7 +191,7 @@ class Coordinator:
                     *(w.handle.replace_engine.remote(slot.index, slot.handle) for w in self.workers)
                 )
 
-    async def check_engines(self, timeout_s: float = 10.0) -> None:
+    async def check_engines(self, timeout_s: float = 60.0) -> None:
         """Ping every engine actor; replace the ones that do not answer."""
         for slot in self.engines:
             generation = slot.generation

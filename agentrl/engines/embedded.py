@@ -50,9 +50,15 @@ class EmbeddedEngine(Engine):
         max_prefill_tokens: int = 8192,
         policy_version: int = 0,
         seed: int = 0,
+        cuda_graphs: bool | None = None,
+        attention: str = "auto",
     ):
+        """`cuda_graphs` (default: on for CUDA) replays decode steps from graphs captured per batch bucket;
+        `attention`: "auto" (Triton decode kernel on CUDA if available), "sdpa" or "triton"."""
         self.model_path = str(model_path)
-        self.runner = ModelRunner(self.model_path, device, dtype, max_batch_size, max_seq_len, seed)
+        self.runner = ModelRunner(
+            self.model_path, device, dtype, max_batch_size, max_seq_len, seed, cuda_graphs, attention
+        )
         self.spec, self.device, self.dtype_name = self.runner.spec, self.runner.device, dtype
         self.max_seq_len = self.runner.max_seq_len
         self.max_batch_size = max_batch_size

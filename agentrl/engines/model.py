@@ -322,26 +322,42 @@ class CausalLM:
 
     @torch.inference_mode()
     def decode(
-        self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, max_len: int
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        max_len: int,
+        attention: str = "sdpa",
     ) -> torch.Tensor:
         """One step for slots `0..B-1`: `tokens` [B] at `positions` [B]; attends over cache positions
-        `< max_len` (masked per slot to `<= position`). Returns fp32 logits [B, vocab]."""
+        `<= position` of each slot. `attention="sdpa"` reads positions `< max_len` of every slot (masked);
+        `"triton"` (CUDA) reads each slot's own length (engines/triton_attention.py; `max_len` unused).
+        No host synchronisation, fixed shapes for a given (B, max_len): CUDA-graph capturable.
+        Returns fp32 logits [B, vocab]."""
         s = self.spec
         b = tokens.shape[0]
         groups = s.heads // s.kv_heads
         self.ensure_rope(max_len)
         cos, sin = self._rope(positions)
         rows = torch.arange(b, device=self.device)
-        mask = (torch.arange(max_len, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
+        if attention == "triton":
+            from agentrl.engines.triton_attention import decode_attention
+        else:
+            mask = (torch.arange(max_len, device=self.device)[None, :] <= positions[:, None])[
+                :, None, None, :
+            ]
         x = F.embedding(tokens, self.embed)  # [B, hidden]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)  # q [B, H, D], k/v [B, KV, D]
             cache.k[i][rows, :, positions] = k
             cache.v[i][rows, :, positions] = v
-            q = q.reshape(b, s.kv_heads, groups, s.head_dim)  # fold the GQA group into the query length
-            attn = F.scaled_dot_product_attention(
-                q, cache.k[i][:b, :, :max_len], cache.v[i][:b, :, :max_len], attn_mask=mask
-            )
+            if attention == "triton":
+                attn = decode_attention(q.contiguous(), cache.k[i], cache.v[i], positions)
+            else:
+                q = q.reshape(b, s.kv_heads, groups, s.head_dim)  # fold the GQA group into the query length
+                attn = F.scaled_dot_product_attention(
+                    q, cache.k[i][:b, :, :max_len], cache.v[i][:b, :, :max_len], attn_mask=mask
+                )
             x = x + F.linear(attn.reshape(b, self.q_dim), layer["o"])
             x = x + self._mlp(layer, x)
         return self.logits(x)

@@ -53,8 +53,9 @@ class ModelRunner:
     """Model + KV cache (`max_batch_size` slots x `max_seq_len`) + sampling on `device`."""
 
     def __init__(
-        self, model_path: str, device: str, dtype: str, max_batch_size: int, max_seq_len: int, seed: int = 0
-    ):
+        self, model_path: str, device: str, dtype: str, max_batch_size: int, max_seq_len: int, seed: int = 0,
+        cuda_graphs: bool | None = None, attention: str = "auto",
+    ):  # fmt: skip
         if dtype not in DTYPES:
             raise EngineError(f"engine.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         self.device = torch.device(device)
@@ -69,6 +70,16 @@ class ModelRunner:
         self.generator.manual_seed(seed)
         self._sampling_cache: tuple[tuple[int, ...], BatchSampling] | None = None
         self.groups: dict[str, Any] = {}
+        self.attention = _pick_attention(attention, self.device)
+        self.graphs = None
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        if cuda_graphs:
+            if self.device.type != "cuda":
+                raise EngineError("engine cuda_graphs=True needs a CUDA device")
+            from agentrl.engines.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.cache, max_batch_size, self.attention)
 
     def _check_memory(self, slots: int, dtype: torch.dtype) -> None:
         s = self.spec
@@ -128,7 +139,8 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, batch: list[Request]) -> tuple[list[int], list[float]]:
         params, gens = self._batch_sampling(batch)
         tokens, logps = sample(logits, params, gens, self.generator)
-        return tokens.tolist(), logps.tolist()
+        both = torch.stack((tokens.to(torch.float64), logps.to(torch.float64))).tolist()  # one device sync
+        return [int(t) for t in both[0]], both[1]
 
     def prefill(self, batch: list[Request], slot0: int, moves: list) -> tuple[list[int], list[float]]:
         self._apply_moves(moves)
@@ -146,5 +158,25 @@ class ModelRunner:
         max_len = min(self.max_seq_len, (max(positions) + 1 + 31) // 32 * 32)
         tokens = torch.tensor([r.output_ids[-1] for r in batch], dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        logits = self.model.decode(tokens, pos, self.cache, max_len)
+        if self.graphs is not None:
+            logits = self.graphs(tokens, pos, max_len)
+        else:
+            logits = self.model.decode(tokens, pos, self.cache, max_len, attention=self.attention)
         return self._sample(logits, batch)
+
+
+def _pick_attention(attention: str, device: torch.device) -> str:
+    """ "auto": the Triton decode kernel on CUDA when triton imports, else SDPA."""
+    if attention not in ("auto", "sdpa", "triton"):
+        raise EngineError(f"engine attention must be auto, sdpa or triton, got {attention!r}")
+    if attention == "sdpa" or device.type != "cuda":
+        if attention == "triton":
+            raise EngineError("engine attention='triton' needs a CUDA device")
+        return "sdpa"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        if attention == "triton":
+            raise EngineError("engine attention='triton': triton is not installed") from None
+        return "sdpa"
+    return "triton"

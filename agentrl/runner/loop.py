@@ -160,6 +160,9 @@ class Runner:
         self.coord = Coordinator(self.cfg, str(self.rundir.path), self.model_path, self.policy_version)
         self.progress.note(f"starting actors ({self.cfg.run.placement})")
         await self.coord.start()
+        if self.coord.queue_url:
+            (self.rundir.path / "queue_url").write_text(self.coord.queue_url + "\n")
+            self.progress.note(f"replay queue: {self.coord.queue_url}/v1/trajectories (external agents)")
         if ckpt is not None:
             path, state = ckpt
             await self.coord.learner.load.remote(str(path / "learner"))

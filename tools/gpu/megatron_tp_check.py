@@ -1,6 +1,7 @@
-"""Tensor/data-parallel correctness check of the Megatron learner; run under torchrun on >= 2 GPUs.
+"""Tensor/pipeline/data-parallel correctness check of the Megatron learner; run under torchrun on >= 2 GPUs.
 
     torchrun --standalone --nproc_per_node 2 tools/gpu/megatron_tp_check.py MODEL_DIR --tp 2
+    torchrun --standalone --nproc_per_node 2 tools/gpu/megatron_tp_check.py MODEL_DIR --tp 1 --pp 2
 
 Checks, on every rank: log-probs equal the HF model's (fp32, max |d| <= 1e-3 with TF32 off), `weights()` streams
 tensors bit-equal to the HF checkpoint (TP gather + unpacking), one train step's loss equals the single-process
@@ -15,26 +16,27 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[2] / "tests")]
 
-import torch
+import torch  # noqa: E402
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("model_dir")
     p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ckpt", default="")
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     import torch.distributed as dist
+    from megatron_helpers import hf_logprobs, make_batch
     from transformers import AutoModelForCausalLM
 
     from agentrl.config import AlgorithmSection, LearnerSection
     from agentrl.learners.megatron.checkpoint import hf_reader
     from agentrl.learners.megatron.learner import MegatronLearner
-    from tests.test_megatron_learner import hf_logprobs, make_batch
 
     lc = LearnerSection(
         kind="megatron", device="cuda", tensor_parallel=args.tp, micro_batch_tokens=64, lr=1e-3

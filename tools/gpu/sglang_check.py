@@ -85,11 +85,18 @@ async def sample_and_compare(engine: SGLangEngine, model, prompts, version: int,
     return row
 
 
-def perturb(model, seed: int) -> None:
+def perturb(model, base: dict[str, torch.Tensor], seed: int) -> None:
+    """New weights at the scale of the initial ones: matrices 0.8 * base + 0.6 * fresh noise of the base's std
+    (same variance, a different function), 1-D norms base + N(0, 0.02)."""
     gen = torch.Generator(device=model.device).manual_seed(seed)
     with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype) * 0.02)
+        for name, p in model.named_parameters():
+            b = base[name]
+            noise = torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
+            if p.dim() > 1:
+                p.copy_(0.8 * b.float() + 0.6 * b.float().std() * noise)
+            else:
+                p.copy_(b.float() + 0.02 * noise)
 
 
 def snapshot(model):
@@ -121,11 +128,12 @@ async def main_async(args, flags: dict) -> dict:
     vocab = learner.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(vocab, (n,), generator=g).tolist() for n in (16, 32, 64, 128)]
+    base = {n: p.detach().clone() for n, p in learner.named_parameters()}
     try:
         result["checks"].append({"path": "initial", **await sample_and_compare(engine, learner, prompts, 0)})
         for version, path_name in enumerate(args.paths.split(","), start=1):
             prev = snapshot(learner)
-            perturb(learner, version)
+            perturb(learner, base, version)
             named = [(n, p.detach()) for n, p in learner.named_parameters()]
             torch.cuda.synchronize()
             timing = await publish(engine, path_name, version, named, learner, root, args)

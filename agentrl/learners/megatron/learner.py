@@ -5,9 +5,9 @@ Same API and semantics as agentrl.learners.torch_learner.TorchLearner (construct
 token budget, each loss already scaled by full-batch normalisers. Data-parallel rank d takes micro-batches
 d, d + dp, ...; DDP sums (not averages) gradients across DP ranks (`calculate_per_token_loss`), so any DP size
 equals one big batch. GPU: Megatron DDP + distributed optimizer (fp32 main params, bf16 model when
-learner.dtype = "bfloat16", grad clip inside `optimizer.step`). CPU: TP = PP = 1, gloo world of 1, torch AdamW +
-clip_grad_norm_, with the cpu_compat substitutes. Batches must be right-padded (not packed): RoPE positions are
-0..T-1 per row. PP > 1 (GPU) runs Megatron's 1F1B schedule (pipeline.py); results come from the last stage.
+learner.dtype = "bfloat16", grad clip inside `optimizer.step`). CPU: TP = PP = 1 over gloo, torch AdamW +
+clip_grad_norm_ (gradients all-reduced over DP ranks under torchrun), with the cpu_compat substitutes. Batches
+must be right-padded (not packed): RoPE positions are 0..T-1 per row. PP > 1 (GPU) runs Megatron's 1F1B schedule (pipeline.py); results come from the last stage.
 """
 
 from __future__ import annotations
@@ -276,8 +276,16 @@ class MegatronLearner(Learner):
             _, grad_norm, _ = self.optimizer.step()  # skips the update itself on non-finite gradients
             grad_norm = float("nan") if grad_norm is None else float(grad_norm)
         else:
+            params = list(self.model.parameters())
+            if self.dp_size > 1:  # CPU data parallel: sum gradients over DP ranks (no Megatron DDP on CPU)
+                from megatron.core import parallel_state as ps
+
+                for p in params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
             clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-            norm = torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), clip)
+            norm = torch.nn.utils.clip_grad_norm_(params, clip)
             if torch.isfinite(norm):
                 self.optimizer.step()
             grad_norm = float(norm)

@@ -200,6 +200,8 @@ def build_gpt(arch: ArchSpec, *, dtype: torch.dtype = torch.float32, device: str
                         ("vocab_size", arch.vocab_size)):  # fmt: skip
         if value % tp:
             raise LearnerError(f"{name} = {value} is not divisible by learner.tensor_parallel = {tp}")
+    config_extra.setdefault("tensor_model_parallel_size", tp)
+    config_extra.setdefault("pipeline_model_parallel_size", ps.get_pipeline_model_parallel_world_size())
     config = transformer_config(arch, dtype=dtype, device=device, fused=fused, **config_extra)
     model = GPTModel(
         config=config,

@@ -39,9 +39,11 @@ def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     exp = torch.exp(x - peak)
     sums = torch.stack([exp.sum(-1), (exp * x).sum(-1)])
     if tp > 1:
-        from torch.distributed.nn.functional import all_reduce
+        # Forward: sum the partial sums; backward: identity, since every TP rank computes the same loss from
+        # them (torch.distributed.nn's all_reduce would sum the identical gradients, scaling them by tp).
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-        sums = all_reduce(sums, group=ps.get_tensor_model_parallel_group())
+        sums = reduce_from_tensor_model_parallel_region(sums)
     z, zx = sums[0], sums[1]
     ent = torch.log(z) + peak.squeeze(-1) - zx / z
     return torch.nn.functional.pad(ent, (1, 0))

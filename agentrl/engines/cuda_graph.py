@@ -1,0 +1,82 @@
+"""CUDA graphs of the embedded engine's decode step, captured lazily per batch-size bucket.
+
+Invariants: a graph reads its inputs from static buffers (`tokens`, `positions`) and reads weights and the KV
+cache at fixed addresses; weight updates copy in place (model.py) and the cache is preallocated, so graphs
+stay valid across updates. A batch of `b` rows runs the graph of the smallest bucket `B >= b`; rows `b..B-1`
+are padding (token 0 at position 0) and write K/V only into slot rows `b..B-1`, which are free (running
+request `i` lives in slot `i`), so padding never touches a live request. With the Triton attention kernel the
+step's shapes depend on `B` alone (each row reads its own length); with SDPA the attended length is also
+bucketed (`length_bucket`), one graph per (B, length bucket). All graphs share one memory pool; they are
+replayed one at a time on the engine's worker thread, so their intermediate buffers may alias.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agentrl.engines.model import CausalLM, KVCache
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 8 up to 64, then of 16; always ending at `max_batch`."""
+    sizes = [1, 2, 4, *range(8, 65, 8), *range(80, max_batch + 1, 16)]
+    return sorted({s for s in sizes if s < max_batch} | {max_batch})
+
+
+class DecodeGraphs:
+    """`graphs(tokens [b], positions [b], max_len) -> fp32 logits [b, vocab]`, replaying a captured step."""
+
+    def __init__(self, model: CausalLM, cache: KVCache, max_batch: int, attention: str = "triton",
+                 length_bucket: int = 256) -> None:  # fmt: skip
+        self.model, self.cache, self.attention = model, cache, attention
+        self.length_bucket = length_bucket
+        self.buckets = batch_buckets(min(max_batch, cache.slots))
+        device = model.device
+        self.tokens = torch.zeros(self.buckets[-1], dtype=torch.int64, device=device)
+        self.positions = torch.zeros(self.buckets[-1], dtype=torch.int64, device=device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _bucket(self, b: int) -> int:
+        for size in self.buckets:
+            if size >= b:
+                return size
+        raise ValueError(f"decode batch {b} exceeds the largest graph bucket {self.buckets[-1]}")
+
+    def _length(self, max_len: int) -> int:
+        if self.attention == "triton":
+            return self.cache.max_seq_len  # unused by the kernel; one graph per batch bucket
+        step = self.length_bucket
+        return min(self.cache.max_seq_len, (max_len + step - 1) // step * step)
+
+    def _step(self, b: int, length: int) -> torch.Tensor:
+        return self.model.decode(
+            self.tokens[:b], self.positions[:b], self.cache, length, attention=self.attention
+        )
+
+    def _capture(self, b: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        stream = torch.cuda.Stream(device=self.model.device)
+        stream.wait_stream(torch.cuda.current_stream(self.model.device))
+        with torch.cuda.stream(stream):
+            for _ in range(
+                2
+            ):  # compiles kernels, picks algorithms; writes the same K/V the replay will write
+                self._step(b, length)
+        torch.cuda.current_stream(self.model.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._step(b, length)
+        self.graphs[(b, length)] = (graph, out)
+        return graph, out
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int) -> torch.Tensor:
+        b = tokens.shape[0]
+        size, length = self._bucket(b), self._length(max_len)
+        self.tokens[:b].copy_(tokens, non_blocking=True)
+        self.positions[:b].copy_(positions, non_blocking=True)
+        if size > b:
+            self.tokens[b:size].zero_()
+            self.positions[b:size].zero_()
+        graph, out = self.graphs.get((size, length)) or self._capture(size, length)
+        graph.replay()
+        return out[:b]

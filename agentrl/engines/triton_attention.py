@@ -1,0 +1,80 @@
+"""Decode attention over the slot KV cache as one Triton kernel (CUDA only; imported lazily).
+
+`decode_attention(q, k_cache, v_cache, positions)`: for every running row `b` (slot `b`) and query head `h`,
+softmax attention of `q[b, h]` over cache positions `0..positions[b]` (inclusive: the current token's K/V
+are written before the call) of kv head `h // group`. Unlike the SDPA path it reads only each row's own
+length (no padding to the longest row) and its launch shape depends on the batch size alone, so it can be
+captured in a CUDA graph once per batch bucket. One program per (row, kv head) handles the whole GQA group
+(query rows padded to 16 for `tl.dot`); scores and the running softmax are fp32, `p @ v` runs in the cache
+dtype with fp32 accumulation, as flash attention does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, POS, OUT, sm_scale,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    length = tl.load(POS + b).to(tl.int32) + 1
+    num_blocks = tl.cdiv(length, BLOCK_N)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    hmask = offs_h < GROUP
+    heads = kvh * GROUP + offs_h
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=hmask[:, None], other=0.0
+    )
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    k_base = K + b.to(tl.int64) * stride_kb + kvh * stride_kh
+    v_base = V + b.to(tl.int64) * stride_kb + kvh * stride_kh
+    for blk in range(0, num_blocks):
+        n = blk * BLOCK_N + offs_n
+        nmask = n < length
+        k = tl.load(k_base + n[:, None] * stride_ks + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * sm_scale
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + n[:, None] * stride_ks + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / l_sum[:, None]
+    tl.store(
+        OUT + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+        out.to(OUT.dtype.element_ty),
+        mask=hmask[:, None],
+    )
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """q [B, H, D] (contiguous), caches [slots, KV, S, D] (rows 0..B-1 used), positions [B] -> [B, H, D]."""
+    b, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("decode_attention: K and V caches must share a contiguous layout")
+    out = torch.empty_like(q)
+    _decode_kernel[(b, kv_heads)](
+        q, k_cache, v_cache, positions, out, dim**-0.5,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=64, D=dim,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return out

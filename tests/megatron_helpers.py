@@ -1,0 +1,52 @@
+"""Shared helpers of the Megatron tests (imported by test files, the fake-CUDA driver and GPU scripts)."""
+
+import numpy as np
+import torch
+
+from agentrl import types
+from agentrl.learners.batch import build_batch
+from agentrl.learners.megatron import checkpoint
+
+
+def hf_state(path):
+    with checkpoint.hf_reader(path) as get:
+        from safetensors import safe_open
+
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            return {name: get(name) for name in f.keys()}  # noqa: SIM118
+
+
+def make_batch(vocab: int, n: int = 6, seed: int = 0, version: int = 0):
+    rng = np.random.default_rng(seed)
+    trajs = []
+    for i in range(n):
+        p_len, r_len = int(rng.integers(2, 8)), int(rng.integers(3, 12))
+        trajs.append(
+            types.normalize(
+                types.Trajectory(
+                    id=f"t{i}",
+                    group_id=f"g{i // 3}",
+                    prompt_ids=types.pack_tokens(rng.integers(0, vocab, p_len)),
+                    response_ids=types.pack_tokens(rng.integers(0, vocab, r_len)),
+                    loss_mask=(rng.random(r_len) > 0.2).astype(np.int64).tolist(),
+                    logprobs=types.pack_floats(-rng.random(r_len) * 2),
+                    reward=float(rng.random()),
+                    policy_version=version,
+                )
+            )
+        )
+    return build_batch(trajs, pad_id=0)
+
+
+def hf_logprobs(path, batch, temperature=1.0):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(
+            batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+        ).logits
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, -1).gather(
+        -1, batch.input_ids[:, 1:, None]
+    )
+    return torch.nn.functional.pad(logp[..., 0], (1, 0)) * batch.attention_mask
