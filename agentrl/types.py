@@ -203,7 +203,10 @@ def _float_bytes(field: str, value: FloatArray, n: int) -> bytes:
 
 def _mask_bytes(value: TokenArray, n: int) -> bytes | None:
     if isinstance(value, list):
-        arr = np.asarray(value, dtype=np.int64)
+        try:
+            arr = np.asarray(value, dtype=np.int64)
+        except (OverflowError, ValueError) as exc:
+            raise InvalidTrajectory("loss_mask", f"values must be 0 or 1 ({exc})") from None
     else:
         arr = np.frombuffer(value, dtype=MASK_DTYPE)
     if arr.size != n:

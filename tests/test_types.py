@@ -104,3 +104,9 @@ def test_schema_names_fields():
     schema = T.trajectory_schema()
     props = schema["$defs"]["Trajectory"]["properties"]
     assert {"id", "group_id", "prompt_ids", "response_ids", "loss_mask", "logprobs", "versions"} <= set(props)
+
+
+def test_huge_mask_value_is_named():
+    with pytest.raises(InvalidTrajectory) as err:
+        T.normalize(make(loss_mask=[1, 2**70]))
+    assert err.value.field == "loss_mask"
