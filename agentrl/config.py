@@ -67,6 +67,7 @@ class QueueSection(_Section):
     max_body_bytes: int = 64 << 20
     batch_size: int = 0  # trajectories per learner step for the admission window; 0 = no window (runner sets it)
     retry_after_s: float = 1.0
+    read_timeout_s: float = 30.0  # a client must send headers and body within this (slowloris): 408
     wal: bool = True
     fsync: bool = False
     compact_every: int = 50

@@ -19,11 +19,15 @@ agent rewrites history (drops, edits or summarises turns), a new segment starts 
 segment closes into its own trajectory (`id` = sid, then `sid.1`, `sid.2`, ...; metadata `segment`,
 `segments`, `history_rewritten`). Turns of one session are served one at a time, on the engine chosen when the
 session opened (the least loaded). Bad input gets a 4xx whose `param` names the field.
+Hardening: with a `token` every route but /health needs `Authorization: Bearer <token>` (401; never logged)
+and a non-loopback host without one is refused; bodies over `max_body_bytes` get 413, bodies (and headers)
+not sent within `read_timeout_s` get 408 (or the connection is closed).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import importlib
 import inspect
 import time
@@ -53,6 +57,7 @@ from generators.openai_schema import (
 )
 
 Sink = Callable[[list[Trajectory]], Any]
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
 class RequestError(Exception):
@@ -90,6 +95,10 @@ class OpenAIProxy:
         model_name: str = "agentrl",
         env_name: str = "openai_proxy",
         session_timeout_s: float = 3600.0,
+        *,
+        token: str = "",
+        max_body_bytes: int = 16 << 20,
+        read_timeout_s: float = 30.0,
     ):
         if not engines:
             raise AgentRLError("OpenAIProxy needs at least one engine")
@@ -98,6 +107,7 @@ class OpenAIProxy:
         self.sampling = sampling or SamplingParams()
         self.max_seq_len, self.model_name, self.env_name = max_seq_len, model_name, env_name
         self.session_timeout_s = session_timeout_s
+        self.token, self.max_body_bytes, self.read_timeout_s = token, max_body_bytes, read_timeout_s
         self.sessions: dict[str, Session] = {}
         self.in_flight = [0] * len(engines)
         self.runner: web.AppRunner | None = None
@@ -106,7 +116,7 @@ class OpenAIProxy:
     # -- HTTP ------------------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=16 << 20)
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._guard])
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/sessions/{sid}/chat/completions", self._chat)
         app.router.add_post("/v1/sessions/{sid}/reward", self._reward)
@@ -116,7 +126,12 @@ class OpenAIProxy:
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        self.runner = web.AppRunner(self.app(), access_log=None)
+        from agentrl.queue.server import is_loopback
+
+        if not self.token and not is_loopback(host):
+            raise ConfigError(f"refusing to serve the OpenAI proxy on non-loopback address {host!r} without a token")
+        # keepalive_timeout also bounds a connection that never completes its headers (slowloris)
+        self.runner = web.AppRunner(self.app(), access_log=None, keepalive_timeout=self.read_timeout_s)
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port)
         await site.start()
@@ -140,15 +155,48 @@ class OpenAIProxy:
             body=error_body(exc.message, exc.param, kind), status=exc.status, content_type="application/json"
         )
 
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Bearer token (all routes but /health); HTTP errors of aiohttp as OpenAI-shaped JSON."""
+        if self.token and request.path != "/health":
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.token.encode()):
+                resp = self._error(RequestError(401, "missing or wrong bearer token", "Authorization"))
+                resp.headers["WWW-Authenticate"] = "Bearer"
+                return resp
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return self._error(RequestError(exc.status, exc.reason))
+
+    async def _body(self, request: web.Request) -> bytes:
+        """The body, at most `max_body_bytes` (413), received within `read_timeout_s` (408)."""
+        size = request.content_length
+        if size is not None and size > self.max_body_bytes:
+            raise RequestError(413, f"body of {size} bytes is over the limit of {self.max_body_bytes}", "body")
+        try:
+            return await asyncio.wait_for(request.read(), self.read_timeout_s)
+        except web.HTTPRequestEntityTooLarge:
+            raise RequestError(413, f"body is over the limit of {self.max_body_bytes} bytes", "body") from None
+        except asyncio.TimeoutError:
+            raise RequestError(408, f"body not received within {self.read_timeout_s}s", "body") from None
+
     async def _chat(self, request: web.Request) -> web.Response:
         try:
-            body = await request.read()
+            body = await self._body(request)
             try:
                 req = chat_decoder.decode(body)
             except msgspec.ValidationError as exc:
                 raise RequestError(400, f"invalid request: {exc}", error_param(exc)) from None
-            except msgspec.DecodeError as exc:
+            except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
                 raise RequestError(400, f"request body is not valid JSON: {exc}") from None
+            if not req.messages:
+                raise RequestError(400, "messages must hold at least one message", "messages")
+            for i, message in enumerate(req.messages):
+                if message.role not in ROLES:
+                    raise RequestError(400, f"role {message.role!r} is not one of {sorted(ROLES)}", f"messages[{i}].role")
             sid = request.match_info.get("sid") or request.headers.get("X-Session-Id") or req.user
             if not sid:
                 raise RequestError(
@@ -162,8 +210,8 @@ class OpenAIProxy:
         sid = request.match_info["sid"]
         try:
             try:
-                req = reward_decoder.decode(await request.read())
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                req = reward_decoder.decode(await self._body(request))
+            except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
                 raise RequestError(
                     400, f"invalid reward request: {exc}", error_param(exc) or "reward"
                 ) from None
@@ -229,6 +277,8 @@ class OpenAIProxy:
         )
         if max_tokens < 1:
             raise RequestError(400, "max_tokens must be >= 1", "max_tokens")
+        if max_tokens > self.max_seq_len:
+            raise RequestError(400, f"max_tokens {max_tokens} exceeds max_seq_len = {self.max_seq_len}", "max_tokens")
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         stop_ids = set(self.sampling.stop_token_ids) | set(self.chat.stop_ids)
         for text in stops:

@@ -73,3 +73,8 @@ async def engine_killing_generate(ctx, task, trajectory_id, group_id):
         marker.write_text("1")
         ray.kill(ctx.engine.handle, no_restart=True)
     return await generate(ctx, task, trajectory_id, group_id)
+
+
+async def broken_generate(ctx, task, trajectory_id, group_id):
+    """A generator with a bug: every episode raises."""
+    raise ValueError(f"env bug in {trajectory_id}")

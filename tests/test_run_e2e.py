@@ -167,6 +167,20 @@ def test_dead_actor_is_replaced_and_its_groups_reissued(
     assert {f"t3-s{k}" for k in range(4)} <= known  # the crashed group was re-issued and accepted
 
 
+def test_a_broken_generator_stops_the_run_with_its_error(ray_session, tmp_path, model_dir):
+    from agentrl.config import load_config
+    from agentrl.errors import AgentRLError
+    from agentrl.runner.loop import run
+
+    cfg = load_config(
+        tiny_config(tmp_path, model_dir, run={"steps": 3, "eval_every": 0}, warmup={"steps": 0},
+                    rollout={"generator": "run_support:broken_generate"}),
+        ["--run.mode", "sync"],
+    )  # fmt: skip
+    with pytest.raises(AgentRLError, match=r"every episode of task .* failed.*env bug in t"):
+        run(cfg)
+
+
 def test_openai_proxy_generator_in_a_run(ray_session, tmp_path, model_dir):
     """Rollouts by an agent speaking plain HTTP to the OpenAI-compatible proxy in front of the engine."""
     from agentrl.config import load_config

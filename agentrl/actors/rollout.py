@@ -24,7 +24,7 @@ import msgspec
 from agentrl.actors.router import EngineRouter, RemoteEngine
 from agentrl.config import Config
 from agentrl.engines.base import Engine, SamplingParams
-from agentrl.errors import EngineError, QueueFull
+from agentrl.errors import AgentRLError, EngineError, QueueFull
 from agentrl.generator import RolloutContext, resolve_generator
 from agentrl.rewards.dynamic_sampling import is_informative
 from agentrl.types import Trajectory, n_response
@@ -126,6 +126,8 @@ class RolloutWorker:
             infra = [e for e in results if isinstance(e, BaseException) and _infrastructure(e)]
             if infra:  # an engine died: the driver restarts it and re-issues the whole group
                 raise EngineError(f"rollout of task {task_index}: engine failed: {infra[0]!r}")
+            if len(errors) == n:  # a bug in the env or generator, not bad luck: stop the run with it
+                raise AgentRLError(f"every episode of task {task_index} failed; first: {errors[0]}")
         return {
             "task_index": task_index,
             "n": len(trajs),

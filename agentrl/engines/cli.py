@@ -23,6 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-version", type=int, default=0, help="policy version of the loaded weights")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--api-key", default=None,
+                        help="bearer token clients must send (or $AGENTRL_ENGINE_TOKEN); required off loopback")
+    parser.add_argument("--max-body-bytes", type=int, default=64 << 20, help="request body cap (not weights)")
+    parser.add_argument("--read-timeout-s", type=float, default=30.0, help="time a client has to send a request")
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -36,7 +40,13 @@ async def _serve(args: argparse.Namespace) -> None:
         max_seq_len=args.max_seq_len, max_prefill_tokens=args.max_prefill_tokens,
         policy_version=args.weight_version, seed=args.seed,
     )  # fmt: skip
-    server = EngineServer(engine, args.host, args.port)
+    import os
+
+    from agentrl.engines.server import TOKEN_ENV
+
+    token = args.api_key if args.api_key is not None else os.environ.get(TOKEN_ENV, "")
+    server = EngineServer(engine, args.host, args.port, token=token, max_body_bytes=args.max_body_bytes,
+                          read_timeout_s=args.read_timeout_s)  # fmt: skip
     url = await server.start()
     print(f"agentrl serve-engine: serving {url}", flush=True)
     try:

@@ -7,7 +7,8 @@ are padding (token 0 at position 0) and write K/V only into slot rows `b..B-1`, 
 request `i` lives in slot `i`), so padding never touches a live request. With the Triton attention kernel the
 step's shapes depend on `B` alone (each row reads its own length); with SDPA the attended length is also
 bucketed (`length_bucket`), one graph per (B, length bucket). All graphs share one memory pool; they are
-replayed one at a time on the engine's worker thread, so their intermediate buffers may alias.
+replayed one at a time on the engine's worker thread, so their intermediate buffers may alias. Capture is
+thread-local, so a learner training in another thread of the same process (colocated) does not break it.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class DecodeGraphs:
                 self._step(b, length)
         torch.cuda.current_stream(self.model.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = self._step(b, length)
         self.graphs[(b, length)] = (graph, out)
         return graph, out

@@ -5,11 +5,17 @@ Routes: POST /generate, /update_weights_from_disk, /update_weights_from_tensor, 
 GET /health, /health_generate, /get_model_info, /get_server_info. Bodies are JSON (msgpack is accepted for
 /update_weights_from_tensor). Every bad request is a 4xx `{"error": {"message", "field", "code"}}` naming the
 field; engine failures are 5xx. `EngineServer` hosts it in-process (start() returns the URL, stop()).
+Hardening: with a `token` every route but /health and /health_generate needs `Authorization: Bearer <token>`
+(401 otherwise; the token is never logged) and a non-loopback host without one is refused; bodies are
+capped at `max_body_bytes` (weight tensors at `max_tensor_bytes`): 413; a client must send its body within
+`read_timeout_s` (408) and its headers within that time too (the connection is closed).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import re
 import time
 import uuid
@@ -22,10 +28,12 @@ from aiohttp import web
 from agentrl.engines import wire
 from agentrl.engines.base import DiskSource, DistributedSource, InvalidRequest, TensorSource
 from agentrl.engines.embedded import EmbeddedEngine
-from agentrl.errors import EngineError, WeightSyncError
+from agentrl.errors import ConfigError, EngineError, WeightSyncError
 
 _PAUSE_MODES = {"abort": "abort", "wait": "wait", "keep": "keep", "in_place": "keep", "retract": "keep"}
 _DECODERS: dict[type, msgspec.json.Decoder] = {}
+_OPEN_PATHS = {"/health", "/health_generate"}
+TOKEN_ENV = "AGENTRL_ENGINE_TOKEN"
 
 
 class BadRequest(Exception):
@@ -42,8 +50,39 @@ def _field_of(message: str) -> str | None:
     return ".".join(parts) or None
 
 
+async def _read(request: web.Request) -> bytes:
+    """The body, at most the route's cap (413) and within the read timeout (408)."""
+    server: EngineServer = request.app["agentrl_server"]
+    limit = server.max_tensor_bytes if request.path == "/update_weights_from_tensor" else server.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise BadRequest(f"body of {request.content_length} bytes is over the limit of {limit}", "body", 413)
+
+    async def read() -> bytes:
+        parts, size = [], 0
+        while chunk := await request.content.readany():
+            size += len(chunk)
+            if size > limit:
+                raise BadRequest(f"body is over the limit of {limit} bytes", "body", 413)
+            parts.append(chunk)
+        return b"".join(parts)
+
+    try:
+        return await asyncio.wait_for(read(), server.read_timeout_s)
+    except asyncio.TimeoutError:
+        raise BadRequest(f"body not received within {server.read_timeout_s}s", "body", 408) from None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 async def _decode(request: web.Request, cls: type) -> Any:
-    raw = await request.read()
+    raw = await _read(request)
     try:
         if request.content_type in ("application/msgpack", "application/x-msgpack"):
             return msgspec.msgpack.decode(raw or b"\x80", type=cls)
@@ -51,7 +90,7 @@ async def _decode(request: web.Request, cls: type) -> Any:
         return decoder.decode(raw or b"{}")
     except msgspec.ValidationError as exc:
         raise BadRequest(str(exc), _field_of(str(exc))) from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError, OverflowError, RecursionError) as exc:
         raise BadRequest(f"malformed body: {exc}", "body") from None
 
 
@@ -73,8 +112,15 @@ class EngineServer:
         host: str = "127.0.0.1",
         port: int = 0,
         tokenizer_path: str | None = None,
+        *,
+        token: str = "",
+        max_body_bytes: int = 64 << 20,
+        max_tensor_bytes: int = 8 << 30,
+        read_timeout_s: float = 30.0,
     ):
         self.engine, self.host, self.port = engine, host, port
+        self.token, self.max_body_bytes, self.max_tensor_bytes = token, max_body_bytes, max_tensor_bytes
+        self.read_timeout_s = read_timeout_s
         self.url = ""
         self._runner: web.AppRunner | None = None
         self._tokenizer = None
@@ -83,7 +129,8 @@ class EngineServer:
             from tokenizers import Tokenizer
 
             self._tokenizer = Tokenizer.from_file(str(tok_file))
-        self.app = web.Application(client_max_size=8 << 30, middlewares=[self._errors])
+        self.app = web.Application(client_max_size=max_tensor_bytes, middlewares=[self._errors])
+        self.app["agentrl_server"] = self
         post = {
             "/generate": self.generate,
             "/update_weights_from_disk": self.update_from_disk,
@@ -104,7 +151,13 @@ class EngineServer:
         self.app.router.add_get("/get_server_info", self.server_info)
 
     async def start(self) -> str:
-        self._runner = web.AppRunner(self.app, access_log=None)
+        if not self.token and not is_loopback(self.host):
+            raise ConfigError(
+                f"refusing to serve the engine on non-loopback address {self.host!r} without a token: "
+                f"pass --api-key (or ${TOKEN_ENV}) or bind 127.0.0.1"
+            )
+        # keepalive_timeout also bounds a connection that never completes its headers (slowloris)
+        self._runner = web.AppRunner(self.app, access_log=None, keepalive_timeout=self.read_timeout_s)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -122,6 +175,11 @@ class EngineServer:
     @web.middleware
     async def _errors(self, request: web.Request, handler):
         try:
+            if self.token and request.path not in _OPEN_PATHS:
+                scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+                if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.token.encode()):
+                    body = wire.error_body("missing or wrong bearer token", "Authorization", 401)
+                    return web.json_response(body, status=401, headers={"WWW-Authenticate": "Bearer"})
             return await handler(request)
         except BadRequest as exc:
             return web.json_response(wire.error_body(str(exc), exc.field, exc.status), status=exc.status)
@@ -132,8 +190,10 @@ class EngineServer:
             return web.json_response(body, status=500)
         except EngineError as exc:
             return web.json_response(wire.error_body(str(exc), None, 503), status=503)
-        except web.HTTPException:
-            raise
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return web.json_response(wire.error_body(exc.reason, None, exc.status), status=exc.status)
         except Exception as exc:
             return web.json_response(wire.error_body(f"internal error: {exc!r}", None, 500), status=500)
 
@@ -167,7 +227,7 @@ class EngineServer:
         return web.json_response({"success": True, "message": f"paused ({req.mode})"})
 
     async def resume(self, request: web.Request) -> web.Response:
-        await request.read()
+        await _read(request)
         await self.engine.resume()
         return web.json_response({"success": True})
 

@@ -51,7 +51,10 @@ class SGLangEngine(Engine):
 
     def __init__(self, url: str, request_timeout_s: float = 300.0, update_timeout_s: float = 120.0,
                  policy_version: int = 0, tensor_format: str = "auto", tp_size: int = 1,
-                 retries: int = 3, timeout_s: float | None = None) -> None:  # fmt: skip
+                 retries: int = 3, timeout_s: float | None = None, api_key: str | None = None) -> None:  # fmt: skip
+        import os
+
+        self.api_key = os.environ.get("AGENTRL_ENGINE_TOKEN", "") if api_key is None else api_key
         if timeout_s is not None:  # alias of request_timeout_s
             request_timeout_s = timeout_s
         self.url = url.rstrip("/")
@@ -72,7 +75,10 @@ class SGLangEngine(Engine):
 
     def _ensure(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True))
+            auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, force_close=True), headers=auth
+            )
             self._gate, self._drained = asyncio.Event(), asyncio.Event()
             self._gate.set()
             self._drained.set()

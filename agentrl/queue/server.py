@@ -112,7 +112,9 @@ class QueueServer:
                 f"refusing to serve the queue on non-loopback address {self.host!r} without a token: "
                 "pass --token (or queue.token) or bind 127.0.0.1"
             )
-        self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False)
+        # keepalive_timeout also bounds a connection that never completes its headers (slowloris)
+        self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False,
+                                     keepalive_timeout=self.cfg.read_timeout_s)  # fmt: skip
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.cfg.port if port is None else port, backlog=1024)
         await site.start()
@@ -208,7 +210,11 @@ class QueueServer:
         if ctype not in MSGPACK_TYPES and ctype not in JSON_TYPES:
             raise HTTPError(415, f"unsupported content type {ctype!r}: use application/msgpack or application/json",
                             "Content-Type")  # fmt: skip
-        body, buf = await self._read_body(request)
+        try:
+            body, buf = await asyncio.wait_for(self._read_body(request), self.cfg.read_timeout_s)
+        except asyncio.TimeoutError:
+            raise HTTPError(408, f"body not received within queue.read_timeout_s = {self.cfg.read_timeout_s}s",
+                            "body", {"Connection": "close"}) from None  # fmt: skip
         try:
             return await self._submit(body, ctype)
         finally:

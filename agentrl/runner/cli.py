@@ -78,10 +78,13 @@ def _quote(text: str) -> str:
 
 def main(args: argparse.Namespace) -> int:
     from agentrl.config import dump_toml
+    from agentrl.runner.rundir import redact
 
     cfg = resolve(args)
+    if not cfg.queue.token:  # the queue's HTTP token, kept out of `ps` and of the run dir
+        cfg.queue.token = os.environ.get("AGENTRL_QUEUE_TOKEN", "")
     if args.dry_run:
-        sys.stdout.write(dump_toml(cfg))
+        sys.stdout.write(dump_toml(redact(cfg)))
         return 0
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from agentrl.runner.loop import run

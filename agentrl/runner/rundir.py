@@ -22,6 +22,16 @@ from agentrl.config import Config, dump_toml
 from agentrl.errors import ConfigError
 
 
+def redact(cfg: Config) -> Config:
+    """The config without secrets (queue.token): what is written to disk or printed. On `--resume` the token
+    comes back from $AGENTRL_QUEUE_TOKEN or `--queue.token`."""
+    import msgspec
+
+    if not cfg.queue.token:
+        return cfg
+    return msgspec.structs.replace(cfg, queue=msgspec.structs.replace(cfg.queue, token=""))
+
+
 class RunDir:
     def __init__(self, cfg: Config, resume: bool = False):
         self.path = Path(cfg.run.root) / cfg.run.name
@@ -30,7 +40,7 @@ class RunDir:
             raise ConfigError(f"--resume {self.path}: not a run directory (no config.toml)")
         self.path.mkdir(parents=True, exist_ok=True)
         self.ckpt_root.mkdir(exist_ok=True)
-        (self.path / "config.toml").write_text(dump_toml(cfg))
+        (self.path / "config.toml").write_text(dump_toml(redact(cfg)))
         self._tb = None
         if cfg.run.tensorboard:
             try:

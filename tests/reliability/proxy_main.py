@@ -1,0 +1,34 @@
+"""Serve the OpenAI proxy in front of one embedded engine on a tiny model (a subprocess for the suite).
+
+`python proxy_main.py MODEL_DIR [TOKEN [READ_TIMEOUT_S]]` prints `proxy serving http://127.0.0.1:PORT` once it accepts
+requests; trajectories of closed sessions are kept in memory (count on `/health`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+
+async def main(model_dir: str, token: str, read_timeout_s: float) -> None:
+    import torch
+
+    from agentrl.engines.base import SamplingParams
+    from agentrl.engines.embedded import EmbeddedEngine
+    from agentrl.engines.tiny import load_tokenizer
+    from generators.openai_proxy import OpenAIProxy
+
+    torch.set_num_threads(1)
+    engine = EmbeddedEngine(model_dir, max_batch_size=8, max_seq_len=256)
+    sunk: list = []
+    proxy = OpenAIProxy([engine], load_tokenizer(model_dir), sink=sunk.extend, max_seq_len=256,
+                        sampling=SamplingParams(max_new_tokens=4), token=token,
+                        read_timeout_s=read_timeout_s)  # fmt: skip
+    url = await proxy.start("127.0.0.1", 0)
+    print(f"proxy serving {url}", flush=True)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    args = [*sys.argv[1:], "", "30"]
+    asyncio.run(main(args[0], args[1], float(args[2])))

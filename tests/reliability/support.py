@@ -1,0 +1,155 @@
+"""Helpers of the reliability suite: real servers in subprocesses (so their RSS can be read and they
+can be killed), a raw HTTP client that sends any bytes, and a tiny model made locally.
+
+Everything binds 127.0.0.1; every wait is bounded in time.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+
+HERE = Path(__file__).parent
+TESTS = HERE.parent
+
+
+def env(**extra: str) -> dict[str, str]:
+    paths = [str(TESTS), str(HERE), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in paths if p), **extra}  # fmt: skip
+
+
+class Served:
+    """A server process started with `cmd` that prints a line matching `ready` (group 1 = its URL)."""
+
+    def __init__(self, cmd: list[str], ready: str, log_path: Path, timeout_s: float = 90.0, **extra_env):
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, env=env(**extra_env), stdout=subprocess.PIPE, stderr=self._log,
+                                     text=True, start_new_session=True)  # fmt: skip
+        self.url = ""
+        lines: list[str] = []
+        found = threading.Event()
+
+        def read() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                lines.append(line)
+                match = re.search(ready, line)
+                if match and not found.is_set():
+                    self.url = match.group(1)
+                    found.set()
+
+        self._reader = threading.Thread(target=read, daemon=True)
+        self._reader.start()
+        if not found.wait(timeout_s):
+            self.stop()
+            raise AssertionError(f"{cmd} did not start: {''.join(lines)}\n{log_path.read_text()[-3000:]}")
+        self.stdout = lines
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def output(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return "".join(self.stdout) + self.log_path.read_text()
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(15)
+        self._log.close()
+        return self.proc.returncode
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+class Raw:
+    """Keep-alive HTTP/1.1 to one server; sends any bytes, returns (status, headers, body bytes)."""
+
+    def __init__(self, url: str, timeout_s: float = 30.0):
+        parts = urllib.parse.urlsplit(url)
+        self.host, self.port, self.timeout_s = parts.hostname, parts.port, timeout_s
+        self.conn: http.client.HTTPConnection | None = None
+
+    def request(self, method: str, path: str, body: bytes | None = None,
+                headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:  # fmt: skip
+        for attempt in range(2):  # a keep-alive connection the server closed after an error: reconnect once
+            if self.conn is None:
+                self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+            try:
+                chunked = body is not None and not isinstance(body, bytes)  # an iterator: chunked encoding
+                self.conn.request(method, path, body=body, headers=headers or {}, encode_chunked=chunked)
+                resp = self.conn.getresponse()
+                data = resp.read()
+                if resp.getheader("Connection", "").lower() == "close":
+                    self.close()
+                return resp.status, dict(resp.getheaders()), data
+            except (ConnectionError, http.client.HTTPException):
+                self.close()
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
+def error_message(data: bytes) -> str:
+    """The message of a JSON error body (queue: {"error": str}; engine/OpenAI: {"error": {"message": str}})."""
+    body = json.loads(data)
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict):
+        err = err.get("message")
+    assert isinstance(err, str) and err.strip(), f"no error message in {body!r}"
+    return err
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f}s waiting for {what}"
+        time.sleep(interval_s)
+
+
+def serve_queue_cmd(run_dir: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "agentrl.cli", "serve-queue", "--port", "0", "--run-dir", str(run_dir), *args]
+
+
+def figure(name: str, **values) -> None:
+    """Print a figure line (`pytest -s` shows it; docs/reliability.md quotes the latest run) and append it
+    to $AGENTRL_FIGURES when set."""
+    line = json.dumps({"test": name, **values}, default=float)
+    print(f"FIGURE {line}")
+    path = os.environ.get("AGENTRL_FIGURES")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
