@@ -6,6 +6,7 @@ found only through its `agentrl.envs` entry point, so the Ray workers see it too
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -107,13 +108,14 @@ def test_sync_run_with_plugin_env(ray_session, tmp_path, model_dir):
     assert len(evals) == 2  # before RL and at step 2
 
 
-def test_async_run_is_staleness_bounded(ray_session, tmp_path, model_dir):
+@pytest.mark.parametrize("update_mode", ["keep", "abort"])
+def test_async_run_is_staleness_bounded(ray_session, tmp_path, model_dir, update_mode):
     from agentrl.config import load_config
     from agentrl.runner.loop import run
 
     cfg = load_config(
         tiny_config(tmp_path, model_dir, run={"steps": 5, "eval_every": 0}, queue={"max_staleness": 1}),
-        ["--run.mode", "async"],
+        ["--run.mode", "async", "--engine.update-mode", update_mode],
     )
     summary = run(cfg)
     assert summary["ok"] and summary["steps"] == 5
@@ -179,6 +181,53 @@ def test_a_broken_generator_stops_the_run_with_its_error(ray_session, tmp_path, 
     )  # fmt: skip
     with pytest.raises(AgentRLError, match=r"every episode of task .* failed.*env bug in t"):
         run(cfg)
+
+
+def test_external_agent_submits_over_http_during_a_run(ray_session, tmp_path, model_dir):
+    """A plain HTTP client posts a trajectory to the run's queue while the run trains; it is trained or queued."""
+    import threading
+    import time
+    import urllib.error
+    import urllib.request
+
+    from agentrl.config import load_config
+    from agentrl.queue.wal import WriteAheadLog
+    from agentrl.runner.loop import run
+
+    url_file = tmp_path / "t" / "queue_url"
+    body = json.dumps(
+        {"id": "ext-1", "prompt_ids": [1, 2, 3], "response_ids": [4, 5], "reward": 1.0}
+    ).encode()
+    answers: list[int] = []
+    errors: list[str] = []
+
+    def agent() -> None:
+        deadline = time.time() + 90
+        while time.time() < deadline and not answers:
+            if url_file.exists():
+                req = urllib.request.Request(
+                    url_file.read_text().strip() + "/v1/trajectories",
+                    body,
+                    {"Content-Type": "application/json"},
+                )
+                try:
+                    with urllib.request.urlopen(req, timeout=5) as resp:
+                        answers.append(resp.status)
+                except urllib.error.HTTPError as exc:  # 429 while the window is full
+                    errors.append(f"{exc.code} {exc.read()[:300]!r}")
+                except urllib.error.URLError as exc:
+                    errors.append(repr(exc))
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=agent, daemon=True)
+    thread.start()
+    cfg = load_config(
+        tiny_config(tmp_path, model_dir, run={"steps": 4, "eval_every": 0}), ["--run.mode", "async"]
+    )
+    assert run(cfg)["steps"] == 4
+    thread.join(5)
+    assert answers and answers[0] in (200, 201, 202), errors[-3:]
+    assert "ext-1" in WriteAheadLog(tmp_path / "t").replay().known_ids
 
 
 def test_openai_proxy_generator_in_a_run(ray_session, tmp_path, model_dir):

@@ -242,6 +242,7 @@ class QueueServer:
         except QueueClosed as exc:
             raise HTTPError(503, str(exc), None, self._retry_after(self.cfg.retry_after_s)) from None
         except StorageError as exc:
+            log.error("queue: storage failure, answering 507 (nothing of the request accepted): %s", exc)
             raise HTTPError(507, f"not stored, nothing accepted: {exc}") from None
         return json_response(
             {"accepted": result.accepted, "duplicates": result.duplicates, "dropped": result.dropped}, 202

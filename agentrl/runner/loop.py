@@ -19,6 +19,7 @@ trained twice even when the process is killed between any two writes.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import os
@@ -136,8 +137,6 @@ class Runner:
         for path in self.rundir.ckpt_root.glob("step_*"):
             state_file = path / "state.json"
             if state_file.exists():
-                import json
-
                 state = json.loads(state_file.read_text())
                 candidates.append((int(state["step"]), path, state))
         ok = [c for c in candidates if c[0] <= last or (c[0] == 0)]

@@ -15,10 +15,10 @@ def serve_queue(tmp_path) -> Iterator:
     """Factory: `serve_queue(*args, run_dir=..., **env)` -> Served; all stopped at teardown."""
     started: list[Served] = []
 
-    def start(*args: str, run_dir: Path | None = None, **extra_env) -> Served:
+    def start(*args: str, run_dir: Path | None = None, preexec_fn=None, **extra_env) -> Served:
         rd = run_dir or tmp_path / "q"
         served = Served(serve_queue_cmd(rd, *args), r"listening on (http://\S+)",
-                        tmp_path / f"queue{len(started)}.log", **extra_env)  # fmt: skip
+                        tmp_path / f"queue{len(started)}.log", preexec_fn=preexec_fn, **extra_env)  # fmt: skip
         started.append(served)
         return served
 

@@ -30,5 +30,5 @@ async def main(model_dir: str, token: str, read_timeout_s: float) -> None:
 
 
 if __name__ == "__main__":
-    args = [*sys.argv[1:], "", "30"]
-    asyncio.run(main(args[0], args[1], float(args[2])))
+    model, token, timeout_s = (sys.argv[1:] + ["", "30"][len(sys.argv) - 2 :])[:3]
+    asyncio.run(main(model, token, float(timeout_s)))

@@ -31,11 +31,12 @@ def env(**extra: str) -> dict[str, str]:
 class Served:
     """A server process started with `cmd` that prints a line matching `ready` (group 1 = its URL)."""
 
-    def __init__(self, cmd: list[str], ready: str, log_path: Path, timeout_s: float = 90.0, **extra_env):
+    def __init__(self, cmd: list[str], ready: str, log_path: Path, timeout_s: float = 90.0, preexec_fn=None,
+                 **extra_env):  # fmt: skip
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, env=env(**extra_env), stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, start_new_session=True)  # fmt: skip
+                                     text=True, start_new_session=True, preexec_fn=preexec_fn)  # fmt: skip
         self.url = ""
         lines: list[str] = []
         found = threading.Event()
@@ -153,3 +154,87 @@ def figure(name: str, **values) -> None:
     if path:
         with open(path, "a") as f:
             f.write(line + "\n")
+
+
+def run_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "agentrl.cli", "run", *args]
+
+
+def trained_steps(run: Path) -> int:
+    """The last RL step in metrics.jsonl (torn lines of a killed writer are skipped)."""
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    steps = [0]
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "phase" not in row:
+            steps.append(int(row["step"]))
+    return max(steps)
+
+
+class RunProcess:
+    """`agentrl run ...` in its own session (process group): the driver, Ray and every actor it started."""
+
+    def __init__(self, args: list[str], log_path: Path, **extra_env):
+        self.log_path = log_path
+        with open(log_path, "a") as log:
+            self.proc = subprocess.Popen(run_cmd(*args), env=env(**extra_env), stdout=log, stderr=log,
+                                         start_new_session=True)  # fmt: skip
+        self.started = time.monotonic()
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (driver, raylet, GCS, workers)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(30)
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"agentrl run did not finish in {timeout_s:.0f}s: {self.tail()}") from None
+        finally:
+            self.reap()
+
+    def reap(self) -> None:
+        """Kill what is left of the group (Ray daemons outlive a driver that exited)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def check_exactly_once(run: Path, steps: int) -> dict:
+    """Ledger steps 1..steps once each, no trajectory trained twice, every id the WAL ever accepted is trained
+    or still queued; metrics lines 1..steps. Returns the counts for the figures."""
+    from agentrl.queue.wal import WriteAheadLog
+
+    ledger = read_jsonl(run / "ledger.jsonl")
+    assert [r["step"] for r in ledger] == list(range(1, steps + 1)), [r["step"] for r in ledger]
+    trained = [i for r in ledger for i in r["ids"]]
+    twice = len(trained) - len(set(trained))
+    assert twice == 0, "a trajectory was trained twice"
+    wal = WriteAheadLog(run)
+    state = wal.replay()
+    wal.close()
+    lost = state.known_ids - set(trained) - set(state.uncommitted)
+    assert not lost, f"acknowledged but neither trained nor queued: {sorted(lost)[:5]}"
+    assert not set(trained) & set(state.uncommitted)
+    metrics = [m for m in read_jsonl(run / "metrics.jsonl") if "phase" not in m]
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    return {"trained": len(trained), "acknowledged": len(state.known_ids), "lost": len(lost), "trained_twice": twice,
+            "still_queued": len(state.uncommitted)}  # fmt: skip

@@ -1,0 +1,109 @@
+"""Storage faults under a real `agentrl serve-queue`: a disk that fills up during appends (the process runs
+under RLIMIT_FSIZE, so the kernel refuses writes past the limit with EFBIG, SIGXFSZ ignored) and a WAL whose
+last record is torn by a crash. Checked: refused submissions get 507 (never 202) and a clear log line, every
+acknowledged trajectory is intact after a restart and nothing refused was stored; a torn tail is cut with a
+log line naming it, the rest replays exactly and the log keeps working."""
+
+from __future__ import annotations
+
+import resource
+import signal
+import struct
+
+import msgspec
+import pytest
+
+from reliability.support import Raw, error_message, figure
+
+pytestmark = pytest.mark.slow
+
+MP = {"Content-Type": "application/msgpack"}
+
+
+def submit(raw: Raw, i: int) -> tuple[int, bytes]:
+    body = msgspec.msgpack.encode({"id": f"t{i}", "prompt_ids": list(range(1, 200)), "response_ids": [7] * 300})
+    status, _, data = raw.request("POST", "/v1/trajectories", body, MP)
+    return status, data
+
+
+def queued_ids(raw: Raw, ids: list[str]) -> set[str]:
+    """Which of `ids` the queue holds: re-send each (a duplicate means it was stored), then look at depth."""
+    held = set()
+    for tid in ids:
+        body = msgspec.msgpack.encode({"id": tid, "response_ids": [1]})
+        status, _, data = raw.request("POST", "/v1/trajectories", body, MP)
+        assert status == 202, data
+        if msgspec.json.decode(data)["duplicates"]:
+            held.add(tid)
+    return held
+
+
+def test_full_disk_refuses_with_507_and_keeps_acknowledged_data(serve_queue, tmp_path):
+    limit = 96 << 10
+
+    def small_disk() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    served = serve_queue(run_dir=tmp_path / "q", preexec_fn=small_disk)
+    raw = Raw(served.url)
+    acked, refused, i = [], [], 0
+    while len(refused) < 20:
+        assert i < 2000, "the disk never filled"
+        status, data = submit(raw, i)
+        assert status in (202, 507), (status, data)
+        (acked if status == 202 else refused).append(f"t{i}")
+        if status == 507:
+            assert "not stored" in error_message(data)
+        i += 1
+    assert acked and refused[0] == f"t{len(acked)}" and len(refused) == 20  # once full, nothing gets in
+    assert raw.request("GET", "/healthz")[0] == 200  # alive, still serving what it holds
+    served.stop()
+    log = served.output()
+    assert "storage failure, answering 507" in log and "File too large" in log, log[-2000:]
+    assert "Traceback" not in log
+
+    again = serve_queue(run_dir=tmp_path / "q")  # the disk has room again
+    raw = Raw(again.url)
+    depth = msgspec.json.decode(raw.request("GET", "/v1/status")[2])["depth"]
+    assert depth == len(acked), (depth, len(acked))
+    held = queued_ids(raw, acked + refused)
+    lost = set(acked) - held
+    stored_refused = set(refused) & held
+    assert not lost and not stored_refused, (sorted(lost), sorted(stored_refused))
+    figure("storage.full_disk", acked=len(acked), refused_507=len(refused), lost=len(lost),
+           refused_but_stored=len(stored_refused), wal_limit_kib=limit >> 10)  # fmt: skip
+
+
+@pytest.mark.parametrize("damage", ["torn-append", "cut-last-record"])
+def test_torn_wal_tail_is_cut_and_the_rest_replays(serve_queue, tmp_path, damage):
+    run_dir = tmp_path / "q"
+    served = serve_queue(run_dir=run_dir)
+    raw = Raw(served.url)
+    for i in range(40):
+        assert submit(raw, i)[0] == 202
+    served.stop(signal.SIGKILL)
+    wal = run_dir / "queue.wal"
+    size = wal.stat().st_size
+    with open(wal, "r+b") as f:
+        if damage == "torn-append":  # a crash in the middle of an (unacknowledged) append
+            f.seek(0, 2)
+            f.write(struct.pack("<II", 5000, 0xDEADBEEF) + b"\x93\xa3put" + b"\x00" * 300)
+            expected = {f"t{i}" for i in range(40)}
+        else:  # the disk lost the end of the last record
+            f.truncate(size - 17)
+            expected = {f"t{i}" for i in range(39)}
+
+    again = serve_queue(run_dir=run_dir)
+    raw = Raw(again.url)
+    status = msgspec.json.decode(raw.request("GET", "/v1/status")[2])
+    assert status["depth"] == len(expected)
+    assert submit(raw, 100)[0] == 202  # the log takes appends after the cut
+    again.stop(signal.SIGKILL)
+    log = again.output()
+    assert "truncated or corrupt tail" in log and "cut" in log, log[-2000:]
+
+    third = serve_queue(run_dir=run_dir)
+    held = queued_ids(Raw(third.url), [f"t{i}" for i in range(40)] + ["t100"])
+    assert held == expected | {"t100"}, sorted(held ^ (expected | {"t100"}))
+    figure(f"storage.{damage}", acknowledged=40, recovered=len(expected), cut_logged=True, lost_beyond_cut=0)
