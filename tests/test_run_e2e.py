@@ -216,7 +216,7 @@ def test_external_agent_submits_over_http_during_a_run(ray_session, tmp_path, mo
                 except urllib.error.HTTPError as exc:  # 429 while the window is full
                     errors.append(f"{exc.code} {exc.read()[:300]!r}")
                 except urllib.error.URLError as exc:
-                    errors.append(repr(exc))
+                    errors.append(f"{time.time():.2f} {url_file.read_text().strip()} {exc!r}")
             time.sleep(0.2)
 
     thread = threading.Thread(target=agent, daemon=True)
