@@ -124,7 +124,12 @@ def account(run_dir: Path, acked: list[str]) -> dict:
     """Acknowledged ids against ledger.jsonl (consumed) and the WAL (still queued)."""
     from agentrl.queue.wal import WriteAheadLog
 
-    consumed = [i for line in (run_dir / "ledger.jsonl").read_text().splitlines() if line for i in json.loads(line)["ids"]]
+    consumed = [
+        i
+        for line in (run_dir / "ledger.jsonl").read_text().splitlines()
+        if line
+        for i in json.loads(line)["ids"]
+    ]
     wal = WriteAheadLog(run_dir)
     state = wal.replay()
     wal.close()

@@ -129,7 +129,9 @@ class OpenAIProxy:
         from agentrl.queue.server import is_loopback
 
         if not self.token and not is_loopback(host):
-            raise ConfigError(f"refusing to serve the OpenAI proxy on non-loopback address {host!r} without a token")
+            raise ConfigError(
+                f"refusing to serve the OpenAI proxy on non-loopback address {host!r} without a token"
+            )
         # keepalive_timeout also bounds a connection that never completes its headers (slowloris)
         self.runner = web.AppRunner(self.app(), access_log=None, keepalive_timeout=self.read_timeout_s)
         await self.runner.setup()
@@ -160,7 +162,9 @@ class OpenAIProxy:
         """Bearer token (all routes but /health); HTTP errors of aiohttp as OpenAI-shaped JSON."""
         if self.token and request.path != "/health":
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.token.encode()):
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                given.strip().encode(), self.token.encode()
+            ):
                 resp = self._error(RequestError(401, "missing or wrong bearer token", "Authorization"))
                 resp.headers["WWW-Authenticate"] = "Bearer"
                 return resp
@@ -175,11 +179,15 @@ class OpenAIProxy:
         """The body, at most `max_body_bytes` (413), received within `read_timeout_s` (408)."""
         size = request.content_length
         if size is not None and size > self.max_body_bytes:
-            raise RequestError(413, f"body of {size} bytes is over the limit of {self.max_body_bytes}", "body")
+            raise RequestError(
+                413, f"body of {size} bytes is over the limit of {self.max_body_bytes}", "body"
+            )
         try:
             return await asyncio.wait_for(request.read(), self.read_timeout_s)
         except web.HTTPRequestEntityTooLarge:
-            raise RequestError(413, f"body is over the limit of {self.max_body_bytes} bytes", "body") from None
+            raise RequestError(
+                413, f"body is over the limit of {self.max_body_bytes} bytes", "body"
+            ) from None
         except asyncio.TimeoutError:
             raise RequestError(408, f"body not received within {self.read_timeout_s}s", "body") from None
 
@@ -196,7 +204,9 @@ class OpenAIProxy:
                 raise RequestError(400, "messages must hold at least one message", "messages")
             for i, message in enumerate(req.messages):
                 if message.role not in ROLES:
-                    raise RequestError(400, f"role {message.role!r} is not one of {sorted(ROLES)}", f"messages[{i}].role")
+                    raise RequestError(
+                        400, f"role {message.role!r} is not one of {sorted(ROLES)}", f"messages[{i}].role"
+                    )
             sid = request.match_info.get("sid") or request.headers.get("X-Session-Id") or req.user
             if not sid:
                 raise RequestError(
@@ -278,7 +288,9 @@ class OpenAIProxy:
         if max_tokens < 1:
             raise RequestError(400, "max_tokens must be >= 1", "max_tokens")
         if max_tokens > self.max_seq_len:
-            raise RequestError(400, f"max_tokens {max_tokens} exceeds max_seq_len = {self.max_seq_len}", "max_tokens")
+            raise RequestError(
+                400, f"max_tokens {max_tokens} exceeds max_seq_len = {self.max_seq_len}", "max_tokens"
+            )
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         stop_ids = set(self.sampling.stop_token_ids) | set(self.chat.stop_ids)
         for text in stops:

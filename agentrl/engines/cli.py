@@ -23,10 +23,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-version", type=int, default=0, help="policy version of the loaded weights")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    parser.add_argument("--api-key", default=None,
-                        help="bearer token clients must send (or $AGENTRL_ENGINE_TOKEN); required off loopback")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="bearer token clients must send (or $AGENTRL_ENGINE_TOKEN); required off loopback",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=64 << 20, help="request body cap (not weights)")
-    parser.add_argument("--read-timeout-s", type=float, default=30.0, help="time a client has to send a request")
+    parser.add_argument(
+        "--read-timeout-s", type=float, default=30.0, help="time a client has to send a request"
+    )
 
 
 async def _serve(args: argparse.Namespace) -> None:

@@ -53,7 +53,9 @@ def _field_of(message: str) -> str | None:
 async def _read(request: web.Request) -> bytes:
     """The body, at most the route's cap (413) and within the read timeout (408)."""
     server: EngineServer = request.app["agentrl_server"]
-    limit = server.max_tensor_bytes if request.path == "/update_weights_from_tensor" else server.max_body_bytes
+    limit = (
+        server.max_tensor_bytes if request.path == "/update_weights_from_tensor" else server.max_body_bytes
+    )
     if request.content_length is not None and request.content_length > limit:
         raise BadRequest(f"body of {request.content_length} bytes is over the limit of {limit}", "body", 413)
 
@@ -177,7 +179,9 @@ class EngineServer:
         try:
             if self.token and request.path not in _OPEN_PATHS:
                 scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-                if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.token.encode()):
+                if scheme.lower() != "bearer" or not hmac.compare_digest(
+                    given.strip().encode(), self.token.encode()
+                ):
                     body = wire.error_body("missing or wrong bearer token", "Authorization", 401)
                     return web.json_response(body, status=401, headers={"WWW-Authenticate": "Bearer"})
             return await handler(request)

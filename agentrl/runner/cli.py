@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -87,7 +88,18 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.write(dump_toml(redact(cfg)))
         return 0
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from ray.exceptions import RayActorError
+
+    from agentrl.errors import AgentRLError
     from agentrl.runner.loop import run
 
-    summary = run(cfg, resume=bool(args.resume))
+    try:
+        summary = run(cfg, resume=bool(args.resume))
+    except RayActorError as exc:  # an actor the coordinator does not restart (the queue, the learner)
+        name = re.search(r"class_name: (\w+)", str(exc))
+        run_dir = Path(cfg.run.root) / cfg.run.name
+        raise AgentRLError(
+            f"{name.group(1) if name else 'a Ray actor'} died ({type(exc).__name__}) and is not restarted "
+            f"during a run; checkpoints and the queue's WAL are on disk: `agentrl run --resume {run_dir}`"
+        ) from None
     return 0 if summary.get("ok", True) else 1

@@ -60,7 +60,11 @@ def queue_bodies(rng: random.Random, n_per_category: int) -> Iterator[tuple[str,
         yield "invalid-msgpack", MP, good_mp + rng.randbytes(rng.randint(1, 8))  # trailing bytes
         text = _json(good).decode()
         yield "invalid-json", JS, text[: rng.randint(0, len(text) - 1)].encode() or b"{"
-        yield "invalid-json", JS, rng.choice([b"{'id': 'x'}", b"[1,2,,]", b"nul", b'{"id": "x",}', b"\xff\xfe{"])
+        yield (
+            "invalid-json",
+            JS,
+            rng.choice([b"{'id': 'x'}", b"[1,2,,]", b"nul", b'{"id": "x",}', b"\xff\xfe{"]),
+        )
         yield "invalid-json", JS, rng.randbytes(rng.randint(1, 120))
         field, value = rng.choice([("id", 7), ("id", None), ("response_ids", "abc"), ("response_ids", {"a": 1}),
                                    ("reward", "high"), ("versions", {"0": 3}), ("metadata", [1, 2]),
@@ -70,10 +74,16 @@ def queue_bodies(rng: random.Random, n_per_category: int) -> Iterator[tuple[str,
         bad = {**good, field: value}
         ctype = rng.choice([MP, JS])
         yield "wrong-types", ctype, (_mp.encode(bad) if ctype == MP else _json(bad))
-        yield "wrong-types", rng.choice([MP, JS]), rng.choice([b"3", b'"x"', b"[1,2]", b"null"]) if rng.random() < 0.5 else _mp.encode(rng.choice([3, "x", [1], None]))
+        yield (
+            "wrong-types",
+            rng.choice([MP, JS]),
+            rng.choice([b"3", b'"x"', b"[1,2]", b"null"])
+            if rng.random() < 0.5
+            else _mp.encode(rng.choice([3, "x", [1], None])),
+        )
         yield "huge-length", MP, huge_msgpack_headers(rng)
         yield "huge-length", MP, _mp.encode({**good, "response_ids": b""})[:-1] + b"\xc6\xff\xff\xff\xf0"
-        yield "huge-length", JS, _json({**good, "response_ids": [2**rng.randint(31, 70)]})
+        yield "huge-length", JS, _json({**good, "response_ids": [2 ** rng.randint(31, 70)]})
         nan = rng.choice([float("nan"), float("inf"), float("-inf")])
         field = rng.choice(["reward", "created_at", "finished_at"])
         ctype = rng.choice([MP, JS])
@@ -92,11 +102,19 @@ def queue_bodies(rng: random.Random, n_per_category: int) -> Iterator[tuple[str,
         yield "deep-nesting", MP, deep_msgpack(rng.randint(1_000, 50_000))
         yield "deep-nesting", JS, b"[" * rng.randint(10_000, 60_000)
         bad_utf8 = rng.choice([b"\xff", b"\xc0\xaf", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80", b"a\x80"])
-        yield "odd-unicode", MP, b"\x82\xa2id" + bytes([0xA0 | len(bad_utf8)]) + bad_utf8 + b"\xacresponse_ids\x91\x01"
+        yield (
+            "odd-unicode",
+            MP,
+            b"\x82\xa2id" + bytes([0xA0 | len(bad_utf8)]) + bad_utf8 + b"\xacresponse_ids\x91\x01",
+        )
         yield "odd-unicode", JS, b'{"id": "' + bad_utf8 + b'", "response_ids": [1]}'
         surrogate = rng.choice(["\\ud800", "\\udfff", "\\ud83d"])
         yield "odd-unicode", JS, ('{"id": "a' + surrogate + '", "response_ids": []}').encode()
-        yield "odd-unicode", JS, ('{"id": "' + "\u202e\u0000" * 40 + '", "response_ids": [1]}').encode() + b"\x00"
+        yield (
+            "odd-unicode",
+            JS,
+            ('{"id": "' + "\u202e\u0000" * 40 + '", "response_ids": [1]}').encode() + b"\x00",
+        )
         yield "empty", rng.choice([MP, JS]), b""  # (an empty list is a valid no-op: 202, accepted 0)
 
 
@@ -117,13 +135,21 @@ def engine_bodies(rng: random.Random, n_per_category: int) -> Iterator[tuple[str
         yield "wrong-types", JS, _json({**good, "sampling_params": {sp_field: sp_value}})
         yield "huge-length", JS, _json({**good, "input_ids": [1] * rng.randint(3000, 6000)})  # > max_seq_len
         yield "huge-length", JS, _json({**good, "input_ids": [2 ** rng.randint(31, 70)]})
-        yield "huge-length", JS, _json({**good, "input_ids": [rng.randint(10**6, 10**8)]})  # outside the vocab
+        yield (
+            "huge-length",
+            JS,
+            _json({**good, "input_ids": [rng.randint(10**6, 10**8)]}),
+        )  # outside the vocab
         yield "huge-length", JS, _json({**good, "input_ids": [-rng.randint(1, 10**6)]})
         nan = rng.choice(["NaN", "Infinity", "-Infinity"])
         key = rng.choice(["temperature", "top_p"])
-        yield "nan-inf", JS, ('{"input_ids": [1], "sampling_params": {"%s": %s}}' % (key, nan)).encode()
+        yield "nan-inf", JS, f'{{"input_ids": [1], "sampling_params": {{"{key}": {nan}}}}}'.encode()
         yield "deep-nesting", JS, b'{"input_ids": ' + b"[" * rng.randint(1_000, 50_000)
-        yield "deep-nesting", JS, b'{"input_ids": [1], "sampling_params": ' + b'{"a":' * rng.randint(1000, 20000)
+        yield (
+            "deep-nesting",
+            JS,
+            b'{"input_ids": [1], "sampling_params": ' + b'{"a":' * rng.randint(1000, 20000),
+        )
         bad_utf8 = rng.choice([b"\xff", b"\xc0\xaf", b"\xed\xa0\x80", b"a\x80"])
         yield "odd-unicode", JS, b'{"input_ids": [1], "rid": "' + bad_utf8 + b'"}'
         yield "odd-unicode", JS, b'{"input_ids": [1], "rid": "\\udc00"}'
@@ -144,12 +170,28 @@ def proxy_bodies(rng: random.Random, n_per_category: int) -> Iterator[tuple[str,
                                    ("max_tokens", 0), ("temperature", "hot"), ("n", 3), ("stream", "yes"),
                                    ("stop", ["not one token at all"]), ("top_p", -1), ("seed", 1.5)])  # fmt: skip
         yield "wrong-types", JS, _json({**good, field: value})
-        yield "huge-length", JS, _json({**good, "messages": [{"role": "user", "content": "7" * rng.randint(5000, 20000)}]})
+        yield (
+            "huge-length",
+            JS,
+            _json({**good, "messages": [{"role": "user", "content": "7" * rng.randint(5000, 20000)}]}),
+        )
         yield "huge-length", JS, _json({**good, "max_tokens": 2 ** rng.randint(40, 70)})
         nan = rng.choice(["NaN", "Infinity", "-Infinity"])
-        yield "nan-inf", JS, ('{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": %s}' % nan).encode()
+        yield (
+            "nan-inf",
+            JS,
+            f'{{"model": "m", "messages": [{{"role": "user", "content": "x"}}], "temperature": {nan}}}'.encode(),
+        )
         yield "deep-nesting", JS, b'{"model": "m", "messages": ' + b"[" * rng.randint(1000, 50000)
-        yield "deep-nesting", JS, b'{"model": "m", "messages": [{"role": "user", "content": ' + b'{"a":' * rng.randint(1000, 20000)
+        yield (
+            "deep-nesting",
+            JS,
+            b'{"model": "m", "messages": [{"role": "user", "content": ' + b'{"a":' * rng.randint(1000, 20000),
+        )
         bad_utf8 = rng.choice([b"\xff", b"\xc0\xaf", b"\xed\xa0\x80", b"a\x80"])
-        yield "odd-unicode", JS, b'{"model": "m", "messages": [{"role": "user", "content": "' + bad_utf8 + b'"}]}'
+        yield (
+            "odd-unicode",
+            JS,
+            b'{"model": "m", "messages": [{"role": "user", "content": "' + bad_utf8 + b'"}]}',
+        )
         yield "odd-unicode", JS, b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}'

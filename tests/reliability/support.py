@@ -34,7 +34,7 @@ class Served:
     def __init__(self, cmd: list[str], ready: str, log_path: Path, timeout_s: float = 90.0, preexec_fn=None,
                  **extra_env):  # fmt: skip
         self.log_path = log_path
-        self._log = open(log_path, "w")
+        self._log = open(log_path, "w")  # noqa: SIM115 (open for the server's lifetime, closed in stop)
         self.proc = subprocess.Popen(cmd, env=env(**extra_env), stdout=subprocess.PIPE, stderr=self._log,
                                      text=True, start_new_session=True, preexec_fn=preexec_fn)  # fmt: skip
         self.url = ""
@@ -142,7 +142,17 @@ def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
 
 
 def serve_queue_cmd(run_dir: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "agentrl.cli", "serve-queue", "--port", "0", "--run-dir", str(run_dir), *args]
+    return [
+        sys.executable,
+        "-m",
+        "agentrl.cli",
+        "serve-queue",
+        "--port",
+        "0",
+        "--run-dir",
+        str(run_dir),
+        *args,
+    ]
 
 
 def figure(name: str, **values) -> None:
@@ -218,23 +228,108 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def replay_wal(run: Path):
+    """The WAL's recovered state and the ids its `drop` records removed (stale / straggler policy)."""
+    from unittest import mock
+
+    from agentrl.queue import wal as wal_mod
+
+    dropped: set[str] = set()
+
+    class Tracking(wal_mod.WalState):
+        def apply(self, record) -> None:
+            if isinstance(record, wal_mod.DropRecord):
+                dropped.update(record.ids)
+            super().apply(record)
+
+    with mock.patch.object(wal_mod, "WalState", Tracking):
+        log = wal_mod.WriteAheadLog(run)
+        state = log.replay()
+        log.close()
+    return state, dropped
+
+
 def check_exactly_once(run: Path, steps: int) -> dict:
     """Ledger steps 1..steps once each, no trajectory trained twice, every id the WAL ever accepted is trained
     or still queued; metrics lines 1..steps. Returns the counts for the figures."""
-    from agentrl.queue.wal import WriteAheadLog
-
     ledger = read_jsonl(run / "ledger.jsonl")
     assert [r["step"] for r in ledger] == list(range(1, steps + 1)), [r["step"] for r in ledger]
     trained = [i for r in ledger for i in r["ids"]]
     twice = len(trained) - len(set(trained))
     assert twice == 0, "a trajectory was trained twice"
-    wal = WriteAheadLog(run)
-    state = wal.replay()
-    wal.close()
-    lost = state.known_ids - set(trained) - set(state.uncommitted)
-    assert not lost, f"acknowledged but neither trained nor queued: {sorted(lost)[:5]}"
-    assert not set(trained) & set(state.uncommitted)
+    state, dropped = replay_wal(run)
+    lost = state.known_ids - set(trained) - set(state.uncommitted) - dropped
+    assert not lost, f"acknowledged but neither trained, queued nor dropped by policy: {sorted(lost)[:5]}"
+    assert not set(trained) & set(state.uncommitted) and not set(trained) & dropped
     metrics = [m for m in read_jsonl(run / "metrics.jsonl") if "phase" not in m]
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     return {"trained": len(trained), "acknowledged": len(state.known_ids), "lost": len(lost), "trained_twice": twice,
-            "still_queued": len(state.uncommitted)}  # fmt: skip
+            "still_queued": len(state.uncommitted), "dropped_by_policy": len(dropped)}  # fmt: skip
+
+
+class StallingProxy:
+    """A TCP forwarder on 127.0.0.1 in front of `target_url` (its own thread and event loop). The
+    `stall_at`-th request whose bytes contain `trigger` calls `on_stall()` first (the test SIGSTOPs the
+    engine there), so the fault hits exactly that request; `stall_at = 0` never stalls."""
+
+    def __init__(self, target_url: str, trigger: bytes, stall_at: int, on_stall=None):
+        import asyncio
+
+        parts = urllib.parse.urlsplit(target_url)
+        self.target = (parts.hostname, parts.port)
+        self.trigger, self.stall_at, self.on_stall = trigger, stall_at, on_stall
+        self.seen = 0
+        self.stalled_at: float | None = None
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._handle, "127.0.0.1", 0), self.loop
+        ).result(10)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _pipe(self, reader, writer, watch: bool) -> None:
+        try:
+            while data := await reader.read(65536):
+                if watch and self.trigger in data:
+                    self.seen += 1
+                    if self.seen == self.stall_at:
+                        self.stalled_at = time.monotonic()
+                        if self.on_stall is not None:
+                            self.on_stall()
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    async def _handle(self, client_r, client_w) -> None:
+        import asyncio
+
+        try:
+            server_r, server_w = await asyncio.open_connection(*self.target)
+        except OSError:
+            client_w.close()
+            return
+        await asyncio.gather(self._pipe(client_r, server_w, True), self._pipe(server_r, client_w, False))
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+def actor_pids(session_pid: int, name: str) -> list[int]:
+    """Pids of Ray worker processes of one run (same session as the driver) whose title is `ray::<name>...`."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            title = (entry / "cmdline").read_bytes().replace(b"\x00", b" ").decode(errors="replace")
+            if title.startswith(f"ray::{name}") and os.getsid(int(entry.name)) == session_pid:
+                out.append(int(entry.name))
+        except (OSError, ProcessLookupError):
+            continue
+    return out

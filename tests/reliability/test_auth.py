@@ -49,7 +49,7 @@ def check_routes(raw: Raw, protected: list[tuple[str, str, bytes | None, str]], 
 def no_token_in(*texts: str) -> None:
     for text in texts:
         for secret in (TOKEN, TOKEN[:-1], "wrong-7d1e0b"):
-            assert secret not in text, f"a token leaked: ...{text[max(0, text.find(secret) - 200):][:400]}"
+            assert secret not in text, f"a token leaked: ...{text[max(0, text.find(secret) - 200) :][:400]}"
 
 
 def test_public_bind_without_token_is_refused(tiny_model, tmp_path):
@@ -106,7 +106,7 @@ def test_engine_token(tiny_model, tmp_path):
                 await engine.close()
 
         assert asyncio.run(client_calls(TOKEN)) == 2
-        with pytest.raises(Exception, match="401|token"):
+        with pytest.raises(Exception, match=r"401|token"):
             asyncio.run(client_calls("wrong-7d1e0b"))
     finally:
         served.stop()

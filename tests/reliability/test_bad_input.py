@@ -25,7 +25,9 @@ MAX_RSS_GROWTH_MIB = 48.0
 READ_TIMEOUT_S = 2
 
 
-def fire(raw: Raw, path: str, bodies, headers: dict[str, str] | None = None) -> dict[str, collections.Counter]:
+def fire(
+    raw: Raw, path: str, bodies, headers: dict[str, str] | None = None
+) -> dict[str, collections.Counter]:
     """Send every body; assert each answer is a 4xx with a message; return status counts per category."""
     seen: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for category, ctype, body in bodies:
@@ -36,7 +38,9 @@ def fire(raw: Raw, path: str, bodies, headers: dict[str, str] | None = None) -> 
     return seen
 
 
-def oversized(raw: Raw, path: str, limit: int, ctype: str, headers: dict[str, str] | None = None) -> list[int]:
+def oversized(
+    raw: Raw, path: str, limit: int, ctype: str, headers: dict[str, str] | None = None
+) -> list[int]:
     """A body one byte over the limit, a chunked one twice the limit, and a lying Content-Length of 10 GB."""
     h = {"Content-Type": ctype, **(headers or {})}
     out = []
@@ -58,7 +62,9 @@ def oversized(raw: Raw, path: str, limit: int, ctype: str, headers: dict[str, st
     return out
 
 
-def slow_clients(raw: Raw, path: str, ctype: str, bound_s: float, headers: dict[str, str] | None = None) -> dict:
+def slow_clients(
+    raw: Raw, path: str, ctype: str, bound_s: float, headers: dict[str, str] | None = None
+) -> dict:
     """slowloris: 16 connections dribble header lines, 16 dribble a body. Meanwhile a normal request must be
     answered at once; within `bound_s` every slow connection is answered 408 (body) or closed (headers)."""
     extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
@@ -68,7 +74,9 @@ def slow_clients(raw: Raw, path: str, ctype: str, bound_s: float, headers: dict[
         s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\n".encode())
         heads.append(s)
         s = socket.create_connection((raw.host, raw.port), timeout=bound_s + 5)
-        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {ctype}\r\n{extra}Content-Length: 5000\r\n\r\n{{".encode())
+        s.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {ctype}\r\n{extra}Content-Length: 5000\r\n\r\n{{".encode()
+        )
         bodies.append(s)
     t0 = time.monotonic()
     status, _, _ = raw.request("GET", "/health" if "v1/traj" not in path else "/healthz")
@@ -126,10 +134,14 @@ def test_queue_server_rejects_malformed_input(serve_queue):
     served = serve_queue("--queue.max-body-bytes", str(limit), "--queue.read-timeout-s", str(READ_TIMEOUT_S))
     raw = Raw(served.url)
     good = [{"id": f"ok{i}", "prompt_ids": [1], "response_ids": [2, 3], "reward": 1.0} for i in range(20)]
-    assert raw.request("POST", "/v1/trajectories", msgspec.msgpack.encode(good), {"Content-Type": MP})[0] == 202
+    assert (
+        raw.request("POST", "/v1/trajectories", msgspec.msgpack.encode(good), {"Content-Type": MP})[0] == 202
+    )
     corpus = list(queue_bodies(random.Random(0), 45))
     check_server(served, raw, corpus, "/v1/trajectories", "bad_input.queue", limit, MP)
-    status, _, data = raw.request("POST", "/v1/trajectories", b'{"id":"last","response_ids":[5]}', {"Content-Type": JS})
+    status, _, data = raw.request(
+        "POST", "/v1/trajectories", b'{"id":"last","response_ids":[5]}', {"Content-Type": JS}
+    )
     assert status == 202, data
     assert raw.request("POST", "/v1/trajectories", b"x", {"Content-Type": "text/plain"})[0] == 415
     counts = msgspec.json.decode(raw.request("GET", "/v1/status")[2])

@@ -35,10 +35,12 @@ def test_sigkill_at_random_points_then_resume(tiny_model, tmp_path):
                 time.sleep(rng.uniform(2.0, 8.0))
             else:  # 1-4 steps into the resumed segment, at a random offset inside a step (~0.1 s each)
                 target = before + rng.randint(1, 4)
-                wait_for(lambda: trained_steps(run) > before or proc.proc.poll() is not None, 150,
+                wait_for(lambda b=before, p=proc: trained_steps(run) > b or p.proc.poll() is not None, 150,
                          f"progress after resume {k}")  # fmt: skip
                 recovery_s.append(round(time.monotonic() - proc.started, 1))
-                wait_for(lambda: trained_steps(run) >= target or proc.proc.poll() is not None, 60, "steps")
+                wait_for(
+                    lambda t=target, p=proc: trained_steps(run) >= t or p.proc.poll() is not None, 60, "steps"
+                )
                 time.sleep(rng.uniform(0.0, 0.12))
             assert proc.proc.poll() is None, f"the run exited before kill {k + 1}: {proc.tail()}"
             proc.kill()

@@ -21,7 +21,9 @@ MP = {"Content-Type": "application/msgpack"}
 
 
 def submit(raw: Raw, i: int) -> tuple[int, bytes]:
-    body = msgspec.msgpack.encode({"id": f"t{i}", "prompt_ids": list(range(1, 200)), "response_ids": [7] * 300})
+    body = msgspec.msgpack.encode(
+        {"id": f"t{i}", "prompt_ids": list(range(1, 200)), "response_ids": [7] * 300}
+    )
     status, _, data = raw.request("POST", "/v1/trajectories", body, MP)
     return status, data
 
