@@ -233,3 +233,26 @@ async def test_fsync_mode_and_torn_ledger_line_repaired(tmp_path):
     assert [line["step"] for line in ledger(tmp_path)] == [0]
     assert ledger(tmp_path)[0]["ids"] == ["a", "b"] and q2.pending_ids() == []
     q2.close()
+
+
+async def test_commit_rolled_forward_after_restart_removes_queued_ids(tmp_path):
+    """A resume re-commits steps its checkpoint trained on: their ids, back in the ready set, must leave it."""
+    cfg = QueueSection(group_size=2, max_staleness=3)
+    q = ReplayQueue(cfg, tmp_path)
+    await q.put([traj("a1", "a"), traj("a2", "a"), traj("b1", "b"), traj("b2", "b"), traj("c1", "c")])
+    trained = await q.sample_batch(2)
+    q.close()  # killed before the commit of `trained` reached the log
+
+    q2 = ReplayQueue(cfg, tmp_path)
+    assert set(trained.ids) <= set(q2.pending_ids())
+    before = q2.status()
+    await q2.commit(3, trained.ids)
+    assert not set(trained.ids) & set(q2.pending_ids())
+    assert q2.status()["depth"] == before["depth"] - 2
+    rest = await q2.sample_batch(2)
+    assert not set(rest.ids) & set(trained.ids)
+    assert [line["step"] for line in ledger(tmp_path)] == [3]
+    assert ledger(tmp_path)[0]["versions"][trained.ids[0]] == [[0, 8]]
+    q2.close()
+    q3 = ReplayQueue(cfg, tmp_path)
+    assert sorted(q3.pending_ids()) == sorted(rest.ids + ["c1"])

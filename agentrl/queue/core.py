@@ -459,12 +459,15 @@ class ReplayQueue:
         ids = list(ids)
         if step in self._committed_steps:
             return
-        versions = {tid: self._sampled[tid].versions for tid in ids if tid in self._sampled}
+        versions = {tid: self._live[tid].versions for tid in ids if tid in self._live}
         record = wal_mod.CommitRecord(step, ids, versions)
         if self._wal is not None:
             await self._append(record)
+        queued = {tid for tid in versions if tid not in self._sampled}
+        if queued:  # a resume rolls commits forward: their ids came back from the log into the ready set
+            self._forget_queued(queued)
         for tid in versions:
-            del self._sampled[tid]
+            self._sampled.pop(tid, None)
             self._live.pop(tid, None)
         self._n_committed += len(versions)
         self._committed_steps.append(step)
@@ -478,6 +481,27 @@ class ReplayQueue:
             self._commits_since_compact += 1
             if self.cfg.compact_every > 0 and self._commits_since_compact >= self.cfg.compact_every:
                 self.compact()
+
+    def _forget_queued(self, ids: set[str]) -> None:
+        """Take committed ids out of the ready and pending groups (they were trained before a restart)."""
+        for groups, is_ready in ((self._ready, True), (self._pending, False)):
+            for key, group in list(groups.items()):
+                keep = [t for t in group.trajectories if t.id not in ids]
+                gone = len(group.trajectories) - len(keep)
+                if not gone:
+                    continue
+                for traj in group.trajectories:
+                    if traj.id in ids:
+                        self._n_queued -= 1
+                        self._bytes -= nbytes(traj)
+                if is_ready:
+                    self._n_ready -= gone
+                group.trajectories = keep
+                if not keep:
+                    if group.timer is not None:
+                        group.timer.cancel()
+                    del groups[key]
+        self._space.fire()
 
     def compact(self) -> None:
         """Rewrite the log as the known-id set plus the uncommitted trajectories (atomic rename)."""

@@ -11,9 +11,10 @@ engine, and the step's ids are committed to the ledger once a checkpoint holding
   engines reload between decode steps and tokens carry the version that sampled them.
 
 Resume (`--resume`): checkpoints are written every `run.checkpoint_every` steps *before* their steps are
-committed; on resume the newest checkpoint whose step the ledger has reached is loaded, and every
-trajectory sampled after it comes back from the queue's WAL. With checkpoint_every = 1 nothing is lost or
-trained twice even when the process is killed between any two writes.
+committed, and each records the (step, ids) it covers that are not committed yet. On resume the newest
+complete checkpoint is loaded and its commits are rolled forward (a repeated step is a no-op in the queue,
+and ids that came back from the WAL leave the ready set); every trajectory sampled after it comes back from
+the WAL. So nothing is lost or trained twice, whatever `checkpoint_every` and wherever the process is killed.
 """
 
 from __future__ import annotations
@@ -132,18 +133,16 @@ class Runner:
     def _pick_checkpoint(self) -> tuple[Path, dict[str, Any]] | None:
         """Newest checkpoint whose step the ledger has reached (see the module docstring)."""
         ledger = read_ledger(self.rundir.ledger_path)
-        last = max((int(r["step"]) for r in ledger), default=0)
         candidates = []
         for path in self.rundir.ckpt_root.glob("step_*"):
             state_file = path / "state.json"
             if state_file.exists():
                 state = json.loads(state_file.read_text())
                 candidates.append((int(state["step"]), path, state))
-        ok = [c for c in candidates if c[0] <= last or (c[0] == 0)]
-        if not ok:
+        if not candidates:
             return None
-        ok.sort(key=lambda c: c[0])
-        step, path, state = ok[-1]
+        candidates.sort(key=lambda c: c[0])
+        step, path, state = candidates[-1]
         committed_after = [r for r in ledger if int(r["step"]) > step]
         if committed_after:
             log.warning("ledger has steps past checkpoint %d: %s", step, [r["step"] for r in committed_after])
@@ -165,6 +164,8 @@ class Runner:
         if ckpt is not None:
             path, state = ckpt
             await self.coord.learner.load.remote(str(path / "learner"))
+            for step, ids in state.get("pending_commits", []):  # roll forward what the checkpoint trained on
+                await self.coord.queue.commit.remote(int(step), list(ids))
             self.task_index = int(state["task_index"])
             self.tasks.load_state_dict(state["data_cursor"])
             self.reissue = [(int(i), t) for i, t in state["inflight"]]
