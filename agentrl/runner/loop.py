@@ -287,8 +287,6 @@ class Runner:
         publish_s = await self.coord.publish(self.policy_version)
         self.step += 1
         self.pending.append((self.step, sampled.ids))
-        if self.step % max(1, self.cfg.run.checkpoint_every) == 0 or self.step >= self.cfg.run.steps:
-            await self._checkpoint()
         now = time.perf_counter()
         status = await self.coord.queue.status.remote()
         metrics.update(
@@ -335,6 +333,9 @@ class Runner:
                 self.rundir.log(metrics)
                 self.progress.update(metrics)
                 history.append(metrics)
+                # after the step's metrics line: a kill right after the checkpoint's commit keeps the line
+                if self.step % max(1, self.cfg.run.checkpoint_every) == 0 or self.step >= self.cfg.run.steps:
+                    await self._checkpoint()
             if self.pending:
                 await self._checkpoint()
             return {"ok": True, "steps": self.step, "policy_version": self.policy_version, "history": history}
