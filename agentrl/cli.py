@@ -17,19 +17,27 @@ COMMANDS = [
     ("run", "agentrl.runner.cli", "train: rollout -> replay queue -> learner -> publish (sync, or --async)"),
     ("serve-queue", "agentrl.queue.cli", "serve the replay queue over HTTP for external agents"),
     ("serve-engine", "agentrl.engines.cli", "serve the embedded engine with SGLang's HTTP routes"),
-    ("make-tiny-model", "agentrl.engines.tiny_cli", "write a tiny random Hugging Face model + tokenizer offline"),
+    (
+        "make-tiny-model",
+        "agentrl.engines.tiny_cli",
+        "write a tiny random Hugging Face model + tokenizer offline",
+    ),
     ("export", "agentrl.learners.cli", "write a Hugging Face directory from a learner checkpoint"),
     ("envs", "agentrl.envs.cli", "list the registered agent environments"),
 ]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="agentrl", description="Asynchronous RL post-training for LLM agents.")
+    parser = argparse.ArgumentParser(
+        prog="agentrl", description="Asynchronous RL post-training for LLM agents."
+    )
     parser.add_argument("--version", action="version", version=f"agentrl {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module, help_text in COMMANDS:
         mod = importlib.import_module(module)
-        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip().splitlines()[0])
+        p = sub.add_parser(
+            name, help=help_text, description=(mod.__doc__ or help_text).strip().splitlines()[0]
+        )
         mod.add_arguments(p)
         p.set_defaults(_module=module)
     return parser

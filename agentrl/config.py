@@ -65,7 +65,9 @@ class QueueSection(_Section):
     max_trajectories: int = 100_000
     max_bytes: int = 2 << 30
     max_body_bytes: int = 64 << 20
-    batch_size: int = 0  # trajectories per learner step for the admission window; 0 = no window (runner sets it)
+    batch_size: int = (
+        0  # trajectories per learner step for the admission window; 0 = no window (runner sets it)
+    )
     retry_after_s: float = 1.0
     read_timeout_s: float = 30.0  # a client must send headers and body within this (slowloris): 408
     wal: bool = True
@@ -114,9 +116,9 @@ class LearnerSection(_Section):
 
 
 class AlgorithmSection(_Section):
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "cispo", "ppo"] = (
-        "grpo"
-    )
+    advantage: Literal[
+        "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "cispo", "ppo"
+    ] = "grpo"
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: float = 0.0
@@ -149,7 +151,9 @@ class RolloutSection(_Section):
     top_k: int = -1
     dynamic_sampling: bool = False  # drop groups whose rewards all agree (agentrl.rewards.dynamic_sampling)
     max_oversample: float = 4.0  # with dynamic_sampling: request at most this many times the prompts needed
-    agent: str = ""  # openai_proxy generator: 'module:function' agent (default generators.proxy_agent:env_agent)
+    agent: str = (
+        ""  # openai_proxy generator: 'module:function' agent (default generators.proxy_agent:env_agent)
+    )
 
 
 class EnvSection(_Section):
@@ -201,7 +205,11 @@ def _check_keys(data: dict[str, Any], struct: type[msgspec.Struct], prefix: str 
         path = f"{prefix}{key}"
         if key not in fields:
             hint = difflib.get_close_matches(key, list(fields), n=1)
-            near = f"; did you mean '{prefix}{hint[0]}'?" if hint else f"; valid keys: {', '.join(sorted(fields))}"
+            near = (
+                f"; did you mean '{prefix}{hint[0]}'?"
+                if hint
+                else f"; valid keys: {', '.join(sorted(fields))}"
+            )
             raise ConfigError(f"unknown config key '{path}'{near}")
         sub = fields[key].type
         if path not in _OPEN_TABLES and isinstance(sub, type) and issubclass(sub, msgspec.Struct):
@@ -265,7 +273,9 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None
+) -> Config:
     """Load TOML (optional), apply overrides, check every key and type, and return a validated Config."""
     data: dict[str, Any] = {}
     if path is not None:

@@ -189,7 +189,9 @@ def _float_bytes(field: str, value: FloatArray, n: int) -> bytes:
         arr = np.asarray(value, dtype=np.float64).astype(LOGPROB_DTYPE)
     else:
         if len(value) % LOGPROB_DTYPE.itemsize:
-            raise InvalidTrajectory(field, "packed float bytes must be a multiple of 4 (little-endian float32)")
+            raise InvalidTrajectory(
+                field, "packed float bytes must be a multiple of 4 (little-endian float32)"
+            )
         arr = np.frombuffer(value, dtype=LOGPROB_DTYPE)
     if arr.size != n:
         raise InvalidTrajectory(field, f"has {arr.size} values but response_ids has {n} tokens")
@@ -239,7 +241,9 @@ def _versions(traj: Trajectory, n: int, default_version: int | None) -> list[tup
     return traj.versions
 
 
-def normalize(traj: Trajectory, *, vocab_size: int | None = None, default_version: int | None = None) -> Trajectory:
+def normalize(
+    traj: Trajectory, *, vocab_size: int | None = None, default_version: int | None = None
+) -> Trajectory:
     """Validate a decoded trajectory and return it in the normalized form described in the module docstring.
 
     `default_version` stamps trajectories that carry no version (external agents that do not know it).

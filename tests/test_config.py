@@ -9,7 +9,9 @@ from agentrl.errors import ConfigError
 def test_overrides_use_dashes_and_types(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('[run]\nmode = "async"\n[queue]\nmax_staleness = 4\n')
-    cfg = load_config(path, ["--queue.max-staleness", "2", "--run.name=exp", "--engine.external-urls", '["http://a"]'])
+    cfg = load_config(
+        path, ["--queue.max-staleness", "2", "--run.name=exp", "--engine.external-urls", '["http://a"]']
+    )
     assert cfg.queue.max_staleness == 2 and cfg.run.name == "exp" and cfg.engine.external_urls == ["http://a"]
 
 

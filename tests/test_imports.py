@@ -12,7 +12,9 @@ HEAVY = ("torch", "ray", "transformers", "megatron")
 
 
 def _loaded_after(code: str) -> set[str]:
-    probe = f"{code}\nimport sys\nprint(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})))"
+    probe = (
+        f"{code}\nimport sys\nprint(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})))"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     return set(out.stdout.split())
 
@@ -33,6 +35,8 @@ def test_help_is_light(argv):
 
 
 def test_help_lists_every_command():
-    out = subprocess.run([sys.executable, "-m", "agentrl.cli", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", "--help"], capture_output=True, text=True, check=True
+    )
     for name, _, _ in COMMANDS:
         assert name in out.stdout

@@ -255,4 +255,4 @@ async def test_commit_rolled_forward_after_restart_removes_queued_ids(tmp_path):
     assert ledger(tmp_path)[0]["versions"][trained.ids[0]] == [[0, 8]]
     q2.close()
     q3 = ReplayQueue(cfg, tmp_path)
-    assert sorted(q3.pending_ids()) == sorted(rest.ids + ["c1"])
+    assert sorted(q3.pending_ids()) == sorted([*rest.ids, "c1"])

@@ -38,7 +38,10 @@ def _trained_steps(run: Path) -> int:
 def test_resume_after_sigkill(tmp_path):
     model_dir = make_model(tmp_path)
     cfg = tiny_config(
-        tmp_path, model_dir, run={"steps": 40, "eval_every": 0, "checkpoint_every": 3}, queue={"stale_policy": "keep"}
+        tmp_path,
+        model_dir,
+        run={"steps": 40, "eval_every": 0, "checkpoint_every": 3},
+        queue={"stale_policy": "keep"},
     )
     run = tmp_path / "t"
     cmd = [sys.executable, "-m", "agentrl.cli", "run", str(cfg), "--async"]

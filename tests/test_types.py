@@ -78,7 +78,10 @@ def test_version_runs_round_trip():
 
 def test_msgpack_and_json_round_trip():
     t = T.normalize(make(metadata={"k": [1, "x"]}, turn_rewards=[0.5]))
-    for body, ctype in ((T.encode_msgpack([t, t]), "application/msgpack"), (T.encode_json(t), "application/json")):
+    for body, ctype in (
+        (T.encode_msgpack([t, t]), "application/msgpack"),
+        (T.encode_json(t), "application/json"),
+    ):
         out = T.decode_trajectories(body, ctype)
         assert out[0] == t
 
