@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import re
 import time
 import uuid
@@ -29,6 +28,7 @@ from agentrl.engines import wire
 from agentrl.engines.base import DiskSource, DistributedSource, InvalidRequest, TensorSource
 from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.errors import ConfigError, EngineError, WeightSyncError
+from agentrl.queue.server import is_loopback
 
 _PAUSE_MODES = {"abort": "abort", "wait": "wait", "keep": "keep", "in_place": "keep", "retract": "keep"}
 _DECODERS: dict[type, msgspec.json.Decoder] = {}
@@ -72,15 +72,6 @@ async def _read(request: web.Request) -> bytes:
         return await asyncio.wait_for(read(), server.read_timeout_s)
     except asyncio.TimeoutError:
         raise BadRequest(f"body not received within {server.read_timeout_s}s", "body", 408) from None
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 async def _decode(request: web.Request, cls: type) -> Any:

@@ -8,6 +8,7 @@ streams `(hf_name, tensor)` pairs in Hugging Face naming, so any engine can load
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,16 @@ class Learner(abc.ABC):
 
     @abc.abstractmethod
     def load(self, path: str) -> None: ...
+
+    def _counters(self, batch: Batch, start: float, n_micro: int) -> dict[str, float]:
+        """Step counters every learner reports next to its loss metrics."""
+        return {
+            "tokens": float(batch.n_tokens),
+            "loss_tokens": float(batch.total_loss_tokens),
+            "micro_batches": float(n_micro),
+            "time_s": time.perf_counter() - start,
+            "policy_version": float(self.policy_version),
+        }
 
     def info(self) -> dict[str, Any]:
         return {"step": self.step, "policy_version": self.policy_version}

@@ -243,15 +243,6 @@ class TorchLearner(Learner):
             g["lr"] = old
         return {"grad_norm": float(grad_norm), "lr": float(lr if lr is not None else saved[0])}
 
-    def _counters(self, batch: Batch, start: float, n_micro: int) -> dict[str, float]:
-        return {
-            "tokens": float(batch.n_tokens),
-            "loss_tokens": float(batch.total_loss_tokens),
-            "micro_batches": float(n_micro),
-            "time_s": time.perf_counter() - start,
-            "policy_version": float(self.policy_version),
-        }
-
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.model.state_dict().items():
             if self.tied and name == "lm_head.weight":

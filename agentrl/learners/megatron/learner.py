@@ -305,15 +305,6 @@ class MegatronLearner(Learner):
         dist.all_reduce(values, group=ps.get_data_parallel_group())
         return {**metrics, **dict(zip(keys, values.tolist(), strict=True))}
 
-    def _counters(self, batch: Batch, start: float, n_micro: int) -> dict[str, float]:
-        return {
-            "tokens": float(batch.n_tokens),
-            "loss_tokens": float(batch.total_loss_tokens),
-            "micro_batches": float(n_micro),
-            "time_s": time.perf_counter() - start,
-            "policy_version": float(self.policy_version),
-        }
-
     # -- weights and checkpoints -------------------------------------------------------------------------
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
