@@ -1,6 +1,5 @@
 """`agentrl export`: a learner checkpoint becomes a Hugging Face directory that loads with identical logits."""
 
-import argparse
 import json
 
 import pytest
@@ -8,27 +7,16 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agentrl import types
+from agentrl.cli import main as cli_main
 from agentrl.config import AlgorithmSection, LearnerSection
 from agentrl.engines.tiny import make_tiny_model
 from agentrl.errors import LearnerError
-from agentrl.learners import cli as export_cli
 from agentrl.learners.batch import build_batch
 from agentrl.learners.checkpoint import export_checkpoint, read_metadata, write_metadata
 from agentrl.learners.hf_io import save_hf_dir
 from agentrl.learners.torch_learner import TorchLearner
 
 torch.set_num_threads(2)
-
-
-def cli_main(argv):
-    """`agentrl export ...` through the subcommand module (the full CLI table imports every subsystem)."""
-    parser = argparse.ArgumentParser(prog="agentrl export")
-    export_cli.add_arguments(parser)
-    args = parser.parse_args(argv[1:])
-    try:
-        return export_cli.main(args)
-    except LearnerError:
-        return 2
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -80,3 +68,15 @@ def test_export_errors_name_the_problem(tmp_path):
     with pytest.raises(LearnerError, match="missing key 'step'"):
         export_checkpoint(tmp_path, tmp_path / "out")
     assert cli_main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")]) == 2
+
+
+def test_export_finds_the_checkpoint_in_a_run_directory(tmp_path):
+    """`agentrl export runs/NAME` takes the newest complete checkpoint; `.../checkpoints/step_N` works too."""
+    model_dir = make_tiny_model(tmp_path / "tiny", "qwen2", seed=2, hidden=64, vocab_size=512)
+    learner = TorchLearner(model_dir, LearnerSection(), AlgorithmSection())
+    run = tmp_path / "runs" / "exp"
+    learner.save(str(run / "checkpoints" / "step_4" / "learner"))
+    (run / "checkpoints" / "latest").write_text("step_4\n")
+    for source, out in ((run, tmp_path / "a"), (run / "checkpoints" / "step_4", tmp_path / "b")):
+        assert cli_main(["export", str(source), "--out", str(out)]) == 0
+        assert (out / "model.safetensors").is_file()

@@ -11,14 +11,21 @@ Placements (`run.placement`):
   episode-sticky routing). `run.ray_address` joins an existing cluster.
 Supervision: a rollout worker (or engine) that dies is replaced, loaded with the latest published version,
 and the groups it had in flight are re-issued under the same ids (the queue's idempotency makes re-issue
-safe). `shutdown()` closes the queue (WAL flushed) and kills every actor.
+safe). The queue actor that dies is recreated on the same run dir (`queue_call`): its WAL replays the
+uncommitted trajectories, the ids the learner holds (`held_ids`: trained or training, commit pending) are
+reclaimed so they are not sampled twice, admission is re-reserved for the groups in flight, workers get the
+new handle, `queue_url` is rewritten, and the call in flight is retried on the new actor; at most
+`run.max_restarts` times. `shutdown()` closes the queue (WAL flushed) and kills every actor.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from agentrl.actors.broadcast import Publisher, choose_path
@@ -57,7 +64,13 @@ class Coordinator:
         self.restarts = 0
         self.reissued = 0
         self.queue_url = ""
+        self.queue_generation = 0
+        self.queue_restarts = 0
+        self.queue_recovery_s: list[float] = []
+        self.reserved: set[str] = set()
+        self.held_ids: Callable[[], list[str]] = list
         self._lock = asyncio.Lock()
+        self._queue_lock = asyncio.Lock()
 
     # -- placement ---------------------------------------------------------------------------------------
 
@@ -101,6 +114,7 @@ class Coordinator:
         c = self.cfg
         self.queue = spawn("queue", c, self.run_dir, self.policy_version, None, self.model_path, name=None)
         self.queue_url = await self.queue.start.remote()
+        self._write_queue_url()
         if self.placement == "colocated":
             if c.rollout.num_workers != 1:
                 raise ConfigError(
@@ -135,7 +149,7 @@ class Coordinator:
                 self.workers.append(self._slot("rollout", i, args, self._bundle_options(base + i, cpu, gpu)))
             targets = handles
         await self.learner.learner_version.remote()  # fail fast if the learner cannot build
-        self.publisher = Publisher(c, self.learner, targets, self.queue, self.run_dir)
+        self.publisher = Publisher(c, self.learner, targets, None, self.run_dir)  # the queue: see publish()
         if choose_path(c) == "nccl":
             await self._init_nccl(targets)
 
@@ -191,6 +205,71 @@ class Coordinator:
                     *(w.handle.replace_engine.remote(slot.index, slot.handle) for w in self.workers)
                 )
 
+    async def queue_call(self, name: str, *args: Any) -> Any:
+        """Call the queue actor's `name`; if the actor dies, restart it and retry the call on the new one."""
+        from ray.exceptions import RayActorError
+
+        for _attempt in range(self.cfg.run.max_restarts + 1):
+            handle, generation = self.queue, self.queue_generation
+            try:
+                return await getattr(handle, name).remote(*args)
+            except RayActorError:
+                await self._restart_queue(generation)
+        raise AgentRLError(f"queue call {name} failed {self.cfg.run.max_restarts + 1} times")
+
+    async def _restart_queue(self, generation: int) -> None:
+        """Recreate the dead queue actor (once per death) on the same run dir; see the module docstring."""
+        import ray
+
+        from agentrl.actors.remote import spawn
+
+        async with self._queue_lock:
+            if self.queue_generation != generation:
+                return  # someone already restarted it
+            if self.queue_restarts >= self.cfg.run.max_restarts:
+                raise AgentRLError(
+                    f"the queue actor died and cannot be restarted (run.max_restarts = {self.cfg.run.max_restarts})"
+                )
+            t0 = time.perf_counter()
+            try:
+                ray.kill(self.queue, no_restart=True)
+            except Exception:
+                pass
+            c = self.cfg
+            queue = spawn("queue", c, self.run_dir, self.policy_version, None, self.model_path, name=None)
+            url = await queue.start.remote()
+            reclaimed = await queue.reclaim.remote(self.held_ids())
+            n = c.rollout.n_samples_per_prompt
+            jobs = [asyncio.wait_for(queue.reserve.remote(n, key), 5.0) for key in sorted(self.reserved)]
+            failed = [
+                r for r in await asyncio.gather(*jobs, return_exceptions=True) if isinstance(r, Exception)
+            ]
+            if failed:  # their puts go unreserved (retried while the window is full)
+                log.warning("queue restart: %d in-flight groups not re-reserved: %r", len(failed), failed[0])
+            for slot in self.workers:
+                if slot.kind in (
+                    "rollout",
+                    "colocated",
+                ):  # (c, model_path, queue, ...): restarts get the new one
+                    slot.args = (*slot.args[:2], queue, *slot.args[3:])
+            await asyncio.gather(
+                *(w.handle.set_queue.remote(queue) for w in self.workers), return_exceptions=True
+            )
+            self.queue, self.queue_url = queue, url
+            self.queue_generation += 1
+            self.queue_restarts += 1
+            self.restarts += 1
+            self._write_queue_url()
+            self.queue_recovery_s.append(time.perf_counter() - t0)
+            log.warning(
+                "restarted the queue actor (restart %d) in %.1fs: %d held ids reclaimed, %d groups in flight",
+                self.queue_restarts, self.queue_recovery_s[-1], reclaimed, len(self.reserved),
+            )  # fmt: skip
+
+    def _write_queue_url(self) -> None:
+        if self.queue_url:
+            (Path(self.run_dir) / "queue_url").write_text(self.queue_url + "\n")
+
     async def check_engines(self, timeout_s: float = 60.0) -> None:
         """Ping every engine actor; replace the ones that do not answer."""
         for slot in self.engines:
@@ -206,22 +285,29 @@ class Coordinator:
         from ray.exceptions import RayActorError
 
         key = f"t{task_index}"
-        await self.queue.reserve.remote(self.cfg.rollout.n_samples_per_prompt, key)
-        for _attempt in range(self.cfg.run.max_restarts + 1):
-            slot = min(self.workers, key=lambda s: s.in_flight)
-            generation = slot.generation
-            slot.in_flight += 1
-            try:
-                return await slot.handle.run_group.remote(task_index, task)
-            except RayActorError:
-                await self._replace(slot, generation)
-            except EngineError:
-                await self.check_engines()
-            finally:
-                slot.in_flight -= 1
-            self.reissued += 1
-        await self.queue.release.remote(key)
-        raise AgentRLError(f"task {task_index}: rollout failed {self.cfg.run.max_restarts + 1} times")
+        await self.queue_call("reserve", self.cfg.rollout.n_samples_per_prompt, key)
+        self.reserved.add(key)
+        queue_generation = self.queue_generation
+        try:
+            for _attempt in range(self.cfg.run.max_restarts + 1):
+                slot = min(self.workers, key=lambda s: s.in_flight)
+                generation = slot.generation
+                slot.in_flight += 1
+                try:
+                    return await slot.handle.run_group.remote(task_index, task)
+                except RayActorError:
+                    await self._replace(slot, generation)
+                except EngineError:
+                    await self.check_engines()
+                finally:
+                    slot.in_flight -= 1
+                self.reissued += 1
+            await self.queue_call("release", key)
+            raise AgentRLError(f"task {task_index}: rollout failed {self.cfg.run.max_restarts + 1} times")
+        finally:
+            self.reserved.discard(key)
+            if self.queue_generation != queue_generation:  # a restarted queue may have re-reserved it
+                await self.queue_call("release", key)
 
     async def evaluate(self, tasks: list[dict[str, Any]]) -> dict[str, float]:
         return await self.workers[0].handle.evaluate.remote(tasks)
@@ -235,6 +321,7 @@ class Coordinator:
         assert self.publisher is not None
         seconds = await self.publisher.publish(version)
         self.policy_version = version
+        await self.queue_call("set_policy_version", version)
         return seconds
 
     # -- shutdown ----------------------------------------------------------------------------------------

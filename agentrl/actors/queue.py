@@ -65,6 +65,9 @@ class QueueActor:
     async def commit(self, step: int, ids: list[str]) -> None:
         await self.queue.commit(step, ids)
 
+    def reclaim(self, ids: list[str]) -> int:
+        return self.queue.reclaim(ids)
+
     def set_policy_version(self, version: int) -> None:
         self.queue.set_policy_version(version)
 

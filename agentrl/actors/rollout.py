@@ -5,7 +5,8 @@ concurrently (ids `<prefix>t<task_index>-s<k>`, one `group_id`), then puts the w
 waiting out admission control (`QueueFull.retry_after_s`). Ids are deterministic, so re-issuing a group after
 a crash is idempotent at the queue. With `engine.update_mode = "abort"`, an episode cut by a weight update is
 re-run from the start (re-queued); with "keep" the engine continues it with the new weights and the
-per-token versions record the switch. The worker either owns its engines (embedded engines in this process:
+per-token versions record the switch. If the queue actor dies, a put (or release) waits for the
+coordinator's restarted queue (`set_queue`) and is retried there, at most `QUEUE_WAIT_S`. The worker either owns its engines (embedded engines in this process:
 the cheapest placement on CPU) or reaches engine actors through `RemoteEngine` handles; either way an
 `EngineRouter` sends each episode to the least-loaded engine and keeps all its turns there.
 Plain class: agentrl.actors.remote makes it a Ray actor.
@@ -31,6 +32,7 @@ from agentrl.types import Trajectory, n_response
 
 log = logging.getLogger(__name__)
 MAX_ABORT_RETRIES = 3
+QUEUE_WAIT_S = 120.0
 
 
 class RolloutWorker:
@@ -122,7 +124,7 @@ class RolloutWorker:
             put = await self._put(trajs, gid)
         else:
             put = {"accepted": 0, "duplicates": 0, "dropped": 0}
-            await self._call(self.queue.release, gid)
+            await self._queue_call("release", gid)
             infra = [e for e in results if isinstance(e, BaseException) and _infrastructure(e)]
             if infra:  # an engine died: the driver restarts it and re-issues the whole group
                 raise EngineError(f"rollout of task {task_index}: engine failed: {infra[0]!r}")
@@ -148,9 +150,31 @@ class RolloutWorker:
     async def _put(self, trajs: list[Trajectory], key: str) -> dict[str, int]:
         while True:
             try:
-                return await self._call(self.queue.put, trajs, key)
+                return await self._queue_call("put", trajs, key)
             except QueueFull as exc:
                 await asyncio.sleep(max(0.01, exc.retry_after_s))
+
+    async def _queue_call(self, name: str, *args: Any) -> Any:
+        """A queue call that outlives the queue actor: on its death, wait for the new handle and retry."""
+        deadline = time.monotonic() + QUEUE_WAIT_S
+        while True:
+            queue = self.queue
+            try:
+                return await self._call(getattr(queue, name), *args)
+            except Exception as exc:
+                if not _actor_died(exc):
+                    raise
+                log.warning("queue actor died during %s; waiting for its restart", name)
+            while self.queue is queue:
+                if time.monotonic() > deadline:
+                    raise AgentRLError(
+                        f"the queue actor died and was not restarted within {QUEUE_WAIT_S:.0f}s"
+                    )
+                await asyncio.sleep(0.05)
+
+    async def set_queue(self, queue: Any) -> None:
+        """Put into a restarted queue actor from now on (the coordinator calls this)."""
+        self.queue = queue
 
     async def evaluate(self, tasks: list[dict[str, Any]]) -> dict[str, float]:
         """Greedy rollouts of held-out tasks (not queued): mean reward and success rate."""
@@ -201,8 +225,10 @@ class RolloutWorker:
 
 def _infrastructure(exc: BaseException) -> bool:
     """Failures of the machinery (a dead engine actor or server), as opposed to a bug in one episode."""
-    if isinstance(exc, EngineError):
-        return True
+    return isinstance(exc, EngineError) or _actor_died(exc)
+
+
+def _actor_died(exc: BaseException) -> bool:
     try:
         from ray.exceptions import RayActorError
     except ImportError:  # pragma: no cover

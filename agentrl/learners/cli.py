@@ -6,18 +6,35 @@ Works for checkpoints of every learner kind (torch or Megatron): `learner.json` 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="learner checkpoint directory (holds learner.json)")
+    parser.add_argument(
+        "checkpoint",
+        help="a learner checkpoint (holds learner.json), a run's checkpoints/step_N, or a run directory (its latest)",
+    )
     parser.add_argument("--out", required=True, help="output Hugging Face directory (replaced atomically)")
+
+
+def resolve_checkpoint(path: str) -> Path:
+    """The learner checkpoint inside `path`: itself, `step_N/learner`, or a run's newest complete checkpoint."""
+    root = Path(path)
+    latest = root / "checkpoints" / "latest"
+    if latest.is_file():
+        root = root / "checkpoints" / latest.read_text().strip()
+    for candidate in (root, root / "learner"):
+        if (candidate / "learner.json").is_file():
+            return candidate
+    return root  # export_checkpoint names what is missing
 
 
 def main(args: argparse.Namespace) -> int:
     from agentrl.learners.checkpoint import export_checkpoint, read_metadata
 
-    meta = read_metadata(args.checkpoint)
-    out = export_checkpoint(args.checkpoint, args.out)
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    meta = read_metadata(checkpoint)
+    out = export_checkpoint(checkpoint, args.out)
     print(
         f"exported {meta['kind']} checkpoint (step {meta['step']}, policy_version {meta['policy_version']}) to {out}"
     )

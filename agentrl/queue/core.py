@@ -482,6 +482,17 @@ class ReplayQueue:
             if self.cfg.compact_every > 0 and self._commits_since_compact >= self.cfg.compact_every:
                 self.compact()
 
+    def reclaim(self, ids: Iterable[str]) -> int:
+        """Mark uncommitted `ids` as handed to the learner (no log record): a restarted queue replays them from
+        the WAL, but the learner already holds them (trained or training, commit pending), so they must not be
+        sampled again. Their commit later works as usual; returns how many were taken back."""
+        held = {tid for tid in ids if tid in self._live and tid not in self._sampled}
+        if held:
+            self._forget_queued(held)
+            for tid in held:
+                self._sampled[tid] = self._live[tid]
+        return len(held)
+
     def _forget_queued(self, ids: set[str]) -> None:
         """Take committed ids out of the ready and pending groups (they were trained before a restart)."""
         for groups, is_ready in ((self._ready, True), (self._pending, False)):

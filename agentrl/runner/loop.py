@@ -15,6 +15,8 @@ committed, and each records the (step, ids) it covers that are not committed yet
 complete checkpoint is loaded and its commits are rolled forward (a repeated step is a no-op in the queue,
 and ids that came back from the WAL leave the ready set); every trajectory sampled after it comes back from
 the WAL. So nothing is lost or trained twice, whatever `checkpoint_every` and wherever the process is killed.
+The queue actor alone dying is recovered in-run (agentrl.actors.coordinator): the same WAL replay, with the
+ids the learner holds (`pending` + the batch in training) reclaimed rather than committed early.
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ class Runner:
         self.inflight: dict[int, dict[str, Any]] = {}
         self.reissue: list[tuple[int, dict[str, Any]]] = []
         self.pending: list[tuple[int, list[str]]] = []
+        self.training_ids: list[str] = []  # the batch being trained (sampled, not in `pending` yet)
         self.rollout_rewards: list[float] = []
         self.groups_done = 0
         self.wall_offset_s = 0.0
@@ -158,14 +161,14 @@ class Runner:
         self.coord = Coordinator(self.cfg, str(self.rundir.path), self.model_path, self.policy_version)
         self.progress.note(f"starting actors ({self.cfg.run.placement})")
         await self.coord.start()
-        if self.coord.queue_url:
-            (self.rundir.path / "queue_url").write_text(self.coord.queue_url + "\n")
+        self.coord.held_ids = self._held_ids
+        if self.coord.queue_url:  # (the coordinator writes runs/NAME/queue_url, again after a queue restart)
             self.progress.note(f"replay queue: {self.coord.queue_url}/v1/trajectories (external agents)")
         if ckpt is not None:
             path, state = ckpt
             await self.coord.learner.load.remote(str(path / "learner"))
             for step, ids in state.get("pending_commits", []):  # roll forward what the checkpoint trained on
-                await self.coord.queue.commit.remote(int(step), list(ids))
+                await self.coord.queue_call("commit", int(step), list(ids))
             self.task_index = int(state["task_index"])
             self.tasks.load_state_dict(state["data_cursor"])
             self.reissue = [(int(i), t) for i, t in state["inflight"]]
@@ -252,8 +255,12 @@ class Runner:
         }
         self.rundir.finish_checkpoint(self.step, tmp, state)
         for step, ids in self.pending:
-            await self.coord.queue.commit.remote(step, ids)
+            await self.coord.queue_call("commit", step, ids)
         self.pending = []
+
+    def _held_ids(self) -> list[str]:
+        """Ids the learner holds and the queue has not committed (a restarted queue must not sample them)."""
+        return [tid for _, ids in self.pending for tid in ids] + self.training_ids
 
     def _wall(self) -> float:
         return self.wall_offset_s + time.perf_counter() - self.t0
@@ -267,7 +274,7 @@ class Runner:
         """The next batch; waits in slices so a rollout failure or a finished dispatcher is noticed."""
         while True:
             try:
-                return await self.coord.queue.sample_batch.remote(self.batch_size, self.policy_version, 5.0)
+                return await self.coord.queue_call("sample_batch", self.batch_size, self.policy_version, 5.0)
             except TimeoutError:
                 if self.failure is not None:
                     raise self.failure from None
@@ -282,13 +289,15 @@ class Runner:
         if sampled is None:
             return {}
         wait_s = time.perf_counter() - t0
+        self.training_ids = sampled.ids
         metrics = await self.coord.train(sampled.trajectories)
         self.policy_version = int(metrics["policy_version"])
         publish_s = await self.coord.publish(self.policy_version)
         self.step += 1
         self.pending.append((self.step, sampled.ids))
+        self.training_ids = []
         now = time.perf_counter()
-        status = await self.coord.queue.status.remote()
+        status = await self.coord.queue_call("status")
         metrics.update(
             step=self.step,
             sample_wait_s=wait_s,
