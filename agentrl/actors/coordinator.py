@@ -237,7 +237,8 @@ class Coordinator:
                 pass
             c = self.cfg
             queue = spawn("queue", c, self.run_dir, self.policy_version, None, self.model_path, name=None)
-            url = await queue.start.remote()
+            old_port = int(self.queue_url.rsplit(":", 1)[1]) if self.queue_url else None
+            url = await queue.start.remote(old_port)
             reclaimed = await queue.reclaim.remote(self.held_ids())
             n = c.rollout.n_samples_per_prompt
             jobs = [asyncio.wait_for(queue.reserve.remote(n, key), 5.0) for key in sorted(self.reserved)]
@@ -246,11 +247,8 @@ class Coordinator:
             ]
             if failed:  # their puts go unreserved (retried while the window is full)
                 log.warning("queue restart: %d in-flight groups not re-reserved: %r", len(failed), failed[0])
-            for slot in self.workers:
-                if slot.kind in (
-                    "rollout",
-                    "colocated",
-                ):  # (c, model_path, queue, ...): restarts get the new one
+            for slot in self.workers:  # args (c, model_path, queue, ...): a later restart gets the new queue
+                if slot.kind in ("rollout", "colocated"):
                     slot.args = (*slot.args[:2], queue, *slot.args[3:])
             await asyncio.gather(
                 *(w.handle.set_queue.remote(queue) for w in self.workers), return_exceptions=True

@@ -27,14 +27,22 @@ class QueueActor:
         self.tokenizer_path = tokenizer_path
         self.serve_http = serve_http
 
-    async def start(self) -> str:
-        """Start the HTTP server (if enabled); returns its URL ('' when none)."""
+    async def start(self, port: int | None = None) -> str:
+        """Start the HTTP server (if enabled) on `port` (default `queue.port`; a restarted queue asks for its
+        predecessor's, so HTTP clients that retry reconnect; taken -> `queue.port`). Returns its URL ('' when none)."""
         if not self.serve_http or self.server is not None:
             return self.url()
         from agentrl.queue.server import QueueServer
 
         self.server = QueueServer(self.queue, self.cfg.queue, tokenizer_path=self.tokenizer_path or None)
-        await self.server.start()
+        try:
+            await self.server.start(port=port)
+        except OSError:
+            if port is None:
+                raise
+            await self.server.stop()
+            self.server = QueueServer(self.queue, self.cfg.queue, tokenizer_path=self.tokenizer_path or None)
+            await self.server.start()
         return self.url()
 
     def url(self) -> str:

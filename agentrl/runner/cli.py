@@ -31,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def resolve(args: argparse.Namespace):
     """The validated Config for these arguments (no heavy imports)."""
     from agentrl.config import load_config
+    from agentrl.engines.sglang_launcher import parse_sglang_flags
     from agentrl.errors import ConfigError
 
     path = args.config
@@ -58,7 +59,10 @@ def resolve(args: argparse.Namespace):
     if args.resume:
         run_dir = Path(args.resume).resolve()
         overrides += ["--run.name", _quote(run_dir.name), "--run.root", _quote(str(run_dir.parent))]
-    return load_config(path, overrides)
+    sglang_args, overrides = parse_sglang_flags(overrides)  # --sglang-mem-fraction-static 0.7 -> args
+    cfg = load_config(path, overrides)
+    cfg.engine.sglang.args.update(sglang_args)
+    return cfg
 
 
 def _dangling(overrides: list[str]) -> int | None:
