@@ -256,3 +256,26 @@ async def test_commit_rolled_forward_after_restart_removes_queued_ids(tmp_path):
     q2.close()
     q3 = ReplayQueue(cfg, tmp_path)
     assert sorted(q3.pending_ids()) == sorted([*rest.ids, "c1"])
+
+
+async def test_reclaim_after_restart_holds_ids_without_committing(tmp_path):
+    """A queue actor restarted mid-run: the learner's trained-but-uncommitted ids come back from the log;
+    `reclaim` keeps them out of sampling without a ledger line, and their later commit works as usual."""
+    cfg = QueueSection(group_size=2, max_staleness=3)
+    q = ReplayQueue(cfg, tmp_path)
+    await q.put([traj("a1", "a"), traj("a2", "a"), traj("b1", "b"), traj("b2", "b"), traj("c1", "c")])
+    held = await q.sample_batch(2)
+    q.close()  # died before the commit
+
+    q2 = ReplayQueue(cfg, tmp_path)
+    depth = q2.status()["depth"]
+    assert q2.reclaim([*held.ids, "unknown"]) == 2 and q2.reclaim(held.ids) == 0
+    assert q2.status()["depth"] == depth - 2 and q2.status()["in_sample"] == 2
+    assert not ledger(tmp_path)
+    rest = await q2.sample_batch(2)
+    assert not set(rest.ids) & set(held.ids)
+    await q2.commit(1, held.ids)
+    assert [line["ids"] for line in ledger(tmp_path)] == [held.ids]
+    assert sorted(q2.pending_ids()) == sorted([*rest.ids, "c1"])
+    q2.close()
+    assert sorted(ReplayQueue(cfg, tmp_path).pending_ids()) == sorted([*rest.ids, "c1"])

@@ -182,7 +182,8 @@ class Coordinator:
         async with self._lock:
             if slot.generation != generation:
                 return  # someone already replaced it
-            if slot.kind == "colocated" or self.restarts >= self.cfg.run.max_restarts * max(
+            actor_restarts = self.restarts - self.queue_restarts  # the queue has its own budget
+            if slot.kind == "colocated" or actor_restarts >= self.cfg.run.max_restarts * max(
                 1, len(self.workers)
             ):
                 raise AgentRLError(
@@ -228,7 +229,8 @@ class Coordinator:
                 return  # someone already restarted it
             if self.queue_restarts >= self.cfg.run.max_restarts:
                 raise AgentRLError(
-                    f"the queue actor died and cannot be restarted (run.max_restarts = {self.cfg.run.max_restarts})"
+                    f"the queue actor died and cannot be restarted (run.max_restarts = {self.cfg.run.max_restarts}); "
+                    f"`agentrl run --resume {self.run_dir}` continues from the last checkpoint"
                 )
             t0 = time.perf_counter()
             try:

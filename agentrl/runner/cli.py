@@ -99,7 +99,7 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         summary = run(cfg, resume=bool(args.resume))
-    except RayActorError as exc:  # an actor the coordinator does not restart (the queue, the learner)
+    except RayActorError as exc:  # an actor the coordinator does not restart (the learner)
         name = re.search(r"class_name: (\w+)", str(exc))
         run_dir = Path(cfg.run.root) / cfg.run.name
         raise AgentRLError(

@@ -2,10 +2,12 @@
 calculator task) in `disaggregated` placement, so learner, engine and rollout worker are separate processes.
 After step 8 the rollout worker's process is SIGKILLed, after step 16 the engine's: the run recovers by
 itself (actors restarted, latest weights loaded, in-flight groups re-issued under the same ids). After step
-21 the queue actor's process (the replay queue and its HTTP front door) is SIGKILLed: the run is not
-supervised for that yet, so it must stop with a clear error (not hang) and `--resume` must finish it.
-Checked: every step trained once, nothing lost or trained twice; the train reward still rises (mean of the
-last 8 steps above the first 8); the time from each kill to the next trained step is reported."""
+21 the queue actor's process (the replay queue and its HTTP front door) is SIGKILLed: it is recreated on
+the same run dir (WAL replayed, the learner's uncommitted ids reclaimed) and serves HTTP on the same port,
+so an HTTP client that started a request right after the kill gets its answer (it retries connection
+errors), and the run finishes by itself. Checked: every step trained once, nothing lost or trained twice
+(ledger + WAL); the train reward still rises (mean of the last 8 steps above the first 8); the time from
+each kill to the next trained step is reported."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import time
 
 import pytest
 
+from agentrl.queue.client import QueueClient
 from reliability.support import (
     TESTS,
     RunProcess,
@@ -29,11 +32,10 @@ from reliability.support import (
 pytestmark = pytest.mark.slow
 
 STEPS = 28
-FAULTS = [(8, "RolloutWorker"), (16, "EngineActor")]
-QUEUE_KILL_STEP = 21
+FAULTS = [(8, "RolloutWorker"), (16, "EngineActor"), (21, "QueueActor")]
 
 
-def test_worker_and_engine_killed_mid_run_recover(tmp_path):
+def test_worker_engine_and_queue_killed_mid_run_recover(tmp_path):
     quickstart = TESTS.parent / "examples" / "quickstart.toml"
     args = [str(quickstart), "--run.root", str(tmp_path), "--run.name", "qs", "--run.steps", str(STEPS),
             "--run.eval-every", "0", "--run.placement", "disaggregated", "--run.ray-num-cpus", "2",
@@ -41,6 +43,7 @@ def test_worker_and_engine_killed_mid_run_recover(tmp_path):
     run = tmp_path / "qs"
     proc = RunProcess(args, tmp_path / "run.log")
     recovery = {}
+    queue_status = None
     try:
         for after_step, actor in FAULTS:
             wait_for(lambda s=after_step: trained_steps(run) >= s or proc.proc.poll() is not None, 240,
@@ -49,31 +52,25 @@ def test_worker_and_engine_killed_mid_run_recover(tmp_path):
             pids = actor_pids(proc.proc.pid, actor)
             assert len(pids) == 1, (actor, pids)
             killed_at, t0 = trained_steps(run), time.monotonic()
+            url = (run / "queue_url").read_text().strip()
             os.kill(pids[0], signal.SIGKILL)
+            if actor == "QueueActor":  # connection refused until the restarted queue listens again
+                with QueueClient(url, timeout_s=90, max_attempts=40) as client:
+                    queue_status = client.status()
+                assert (run / "queue_url").read_text().strip() == url
             wait_for(lambda k=killed_at: trained_steps(run) > k or proc.proc.poll() is not None, 120,
                      f"a step after killing {actor}", 0.05)  # fmt: skip
             recovery[actor] = round(time.monotonic() - t0, 1)
-        wait_for(lambda: trained_steps(run) >= QUEUE_KILL_STEP or proc.proc.poll() is not None, 120,
-                 f"step {QUEUE_KILL_STEP}", 0.05)  # fmt: skip
-        pids = actor_pids(proc.proc.pid, "QueueActor")
-        assert len(pids) == 1, pids
-        t0 = time.monotonic()
-        os.kill(pids[0], signal.SIGKILL)  # the queue and its HTTP front door: not restarted in-run (yet)
-        code = proc.wait(90)
-        queue_stop_s = round(time.monotonic() - t0, 1)
-        assert code != 0, "the run went on without its queue"
-        assert "agentrl run: error:" in proc.tail(), proc.tail()
-        t0 = time.monotonic()
-        proc = RunProcess(["--resume", str(run)], tmp_path / "run.log")
         code = proc.wait(240)
-        recovery["QueueActor (stop + --resume)"] = round(queue_stop_s + time.monotonic() - t0, 1)
     finally:
         proc.kill()
     assert code == 0, proc.tail()
+    assert "restarted the queue actor" in proc.tail(100_000), proc.tail()
+    assert queue_status is not None and queue_status["policy_version"] >= 20, queue_status
     counts = check_exactly_once(run, STEPS)
     metrics = [m for m in read_jsonl(run / "metrics.jsonl") if "phase" not in m]
-    restarts = max(m["restarts"] for m in metrics)  # (the counters start again after --resume)
-    assert restarts >= 2 and max(m["reissued"] for m in metrics) >= 1, metrics[QUEUE_KILL_STEP - 1]
+    restarts = max(m["restarts"] for m in metrics)
+    assert restarts >= 3 and max(m["reissued"] for m in metrics) >= 1, metrics[-1]
     first = sum(m["reward_mean"] for m in metrics[:8]) / 8
     last = sum(m["reward_mean"] for m in metrics[-8:]) / 8
     assert last > first, f"reward did not rise: {first:.3f} -> {last:.3f}"
