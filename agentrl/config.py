@@ -68,6 +68,7 @@ class QueueSection(_Section):
     batch_size: int = (
         0  # trajectories per learner step for the admission window; 0 = no window (runner sets it)
     )
+    external_share: float = 0.0  # part of the staleness window rollout reservations leave to HTTP submissions
     retry_after_s: float = 1.0
     read_timeout_s: float = 30.0  # a client must send headers and body within this (slowloris): 408
     wal: bool = True
@@ -264,6 +265,8 @@ def validate(cfg: Config) -> Config:
         cfg.queue.max_staleness = 0
     if cfg.queue.max_staleness < 0:
         raise ConfigError("queue.max_staleness must be >= 0")
+    if not 0.0 <= cfg.queue.external_share < 1.0:
+        raise ConfigError(f"queue.external_share must be in [0, 1), got {cfg.queue.external_share}")
     if cfg.rollout.n_samples_per_prompt < 1:
         raise ConfigError("rollout.n_samples_per_prompt must be >= 1")
     if cfg.engine.kind == "sglang" and cfg.engine.device == "cpu" and not cfg.engine.external_urls:

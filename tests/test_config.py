@@ -48,3 +48,8 @@ def test_bad_override_syntax():
         parse_overrides(["--run.name"])
     with pytest.raises(ConfigError, match="unexpected argument"):
         parse_overrides(["name"])
+
+
+def test_external_share_range_named():
+    with pytest.raises(ConfigError, match=r"queue\.external_share"):
+        load_config(None, ["--queue.external-share", "1.5"])

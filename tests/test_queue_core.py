@@ -153,6 +153,24 @@ async def test_reserve_waits_for_the_window_and_ticket_spends_it():
         await q.reserve(3)  # larger than the whole window: would wait forever
 
 
+async def test_external_share_keeps_room_for_http_puts():
+    """Reservations (rollout) stop short of the window by external_share; unreserved puts (HTTP) use the rest."""
+    q = ReplayQueue(cfg(max_staleness=1, external_share=0.25), batch_size=4)  # window 8, 2 left to external
+    assert q.external_room == 2
+    tickets = [await q.reserve(3), await q.reserve(3)]
+    blocked = asyncio.create_task(q.reserve(1))
+    await asyncio.sleep(0.05)
+    assert not blocked.done()  # rollout may not take the external room
+    assert (await q.put([traj("ext1"), traj("ext2")])).accepted == 2
+    with pytest.raises(QueueFull):  # the window itself still bounds external puts
+        await q.put(traj("ext3"))
+    with pytest.raises(QueueFull, match="external_share"):
+        await q.reserve(7)  # can never fit beside the external room
+    blocked.cancel()
+    for t in tickets:
+        t.release()
+
+
 @pytest.mark.parametrize("cap", ["count", "bytes"])
 async def test_hard_caps_backpressure(cap):
     kw = {"max_trajectories": 3} if cap == "count" else {"max_bytes": 3 * 300}

@@ -223,12 +223,13 @@ def test_external_agent_submits_over_http_during_a_run(ray_session, tmp_path, mo
 
     thread = threading.Thread(target=agent, daemon=True)
     thread.start()
-    # A wide staleness window leaves admission room beside the rollout workers' reservations (with a
-    # narrow one they fill it, and external puts get 429 until it opens).
+    # queue.external_share keeps part of the narrow staleness window free of the rollout workers'
+    # reservations (without it they fill the window as soon as it opens and external puts get 429).
+    queue = {"max_staleness": 1, "external_share": 0.25}
     cfg = load_config(
-        tiny_config(tmp_path, model_dir, run={"steps": 4, "eval_every": 0}, queue={"max_staleness": 5}),
-        ["--run.mode", "async"],
+        tiny_config(tmp_path, model_dir, run={"steps": 4, "eval_every": 0}, queue=queue), ["--run.mode", "async"]
     )
+    assert cfg.queue.external_share == 0.25
     assert run(cfg)["steps"] == 4
     thread.join(5)
     assert answers and answers[0] in (200, 201, 202), errors[:3]

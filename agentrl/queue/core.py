@@ -285,17 +285,24 @@ class ReplayQueue:
         """Most trajectories that may be admitted or in flight at the current policy version (AReaL)."""
         return (self.policy_version + self.cfg.max_staleness + 1) * self.batch_size
 
+    @property
+    def external_room(self) -> int:
+        """Window slots reservations leave free for unreserved (HTTP) puts: `external_share` of the window span."""
+        return int(self.cfg.external_share * (self.cfg.max_staleness + 1) * self.batch_size)
+
     async def reserve(self, n: int, timeout_s: float | None = None) -> Ticket:
         """Wait until `n` more trajectories fit in the staleness window and reserve them (in-process producers):
         `with await queue.reserve(n) as ticket: ...; await queue.put(trajectories, ticket=ticket)`."""
-        if self.batch_size > 0 and n > (self.cfg.max_staleness + 1) * self.batch_size:
+        if self.batch_size > 0 and n > (self.cfg.max_staleness + 1) * self.batch_size - self.external_room:
             raise QueueFull(
                 f"cannot reserve {n}: more than (queue.max_staleness + 1) * batch_size trajectories"
+                f" less the {self.external_room} left to queue.external_share"
             )
         start = time.monotonic()
 
         def fits() -> bool:
-            return self.closed or self.batch_size <= 0 or self._admitted + self._in_flight + n <= self.window
+            limit = self.window - self.external_room
+            return self.closed or self.batch_size <= 0 or self._admitted + self._in_flight + n <= limit
 
         await asyncio.wait_for(self._space.wait_for(fits), timeout_s)
         if self.closed:
