@@ -227,7 +227,8 @@ def test_external_agent_submits_over_http_during_a_run(ray_session, tmp_path, mo
     # reservations (without it they fill the window as soon as it opens and external puts get 429).
     queue = {"max_staleness": 1, "external_share": 0.25}
     cfg = load_config(
-        tiny_config(tmp_path, model_dir, run={"steps": 4, "eval_every": 0}, queue=queue), ["--run.mode", "async"]
+        tiny_config(tmp_path, model_dir, run={"steps": 4, "eval_every": 0}, queue=queue),
+        ["--run.mode", "async"],
     )
     assert cfg.queue.external_share == 0.25
     assert run(cfg)["steps"] == 4
