@@ -23,8 +23,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -32,86 +31,10 @@ from agentrl.config import QueueSection
 from agentrl.errors import InvalidTrajectory, QueueClosed, QueueFull, StorageError
 from agentrl.queue import wal as wal_mod
 from agentrl.queue.metrics import QueueMetrics
+from agentrl.queue.primitives import PutResult, SampledBatch, Ticket, _Group, _Signal
 from agentrl.types import Trajectory, min_version, nbytes, normalize
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class _Group:
-    group_id: str
-    size: int  # members needed to be complete (1 for ungrouped trajectories)
-    trajectories: list[Trajectory] = field(default_factory=list)
-    timer: asyncio.TimerHandle | None = None
-    oldest_version: int = 0  # set on release: the oldest token version in the group
-
-
-@dataclass
-class PutResult:
-    accepted: int
-    duplicates: int
-    dropped: int = 0  # late members of groups that were already released
-
-
-@dataclass
-class SampledBatch:
-    """Whole groups in FIFO order; `stale[i]` marks trajectories kept past max_staleness (stale_policy=keep)."""
-
-    trajectories: list[Trajectory]
-    staleness: list[int]
-    stale: list[bool]
-    policy_version: int
-
-    @property
-    def ids(self) -> list[str]:
-        return [t.id for t in self.trajectories]
-
-
-class _Signal:
-    """Wake every current waiter at once: `fire()` sets the event waiters hold and starts a fresh one."""
-
-    def __init__(self) -> None:
-        self._event = asyncio.Event()
-        self._waiting = 0
-
-    def fire(self) -> None:
-        if self._waiting:
-            self._event.set()
-            self._event = asyncio.Event()
-
-    async def wait_for(self, predicate: Callable[[], bool]) -> None:
-        while not predicate():
-            self._waiting += 1
-            try:
-                await self._event.wait()
-            finally:
-                self._waiting -= 1
-
-
-class Ticket:
-    """Admission reserved by `ReplayQueue.reserve(n)`; `put(..., ticket=)` uses it, `release()` returns the rest."""
-
-    def __init__(self, queue: ReplayQueue, n: int):
-        self._queue = queue
-        self.remaining = n
-
-    def take(self, n: int) -> int:
-        used = min(n, self.remaining)
-        self.remaining -= used
-        self._queue._in_flight -= used
-        return used
-
-    def release(self) -> None:
-        if self.remaining:
-            self._queue._in_flight -= self.remaining
-            self.remaining = 0
-            self._queue._space.fire()
-
-    def __enter__(self) -> Ticket:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 class ReplayQueue:
@@ -470,9 +393,7 @@ class ReplayQueue:
         record = wal_mod.CommitRecord(step, ids, versions)
         if self._wal is not None:
             await self._append(record)
-        queued = {tid for tid in versions if tid not in self._sampled}
-        if queued:  # a resume rolls commits forward: their ids came back from the log into the ready set
-            self._forget_queued(queued)
+        self.reclaim(versions)  # a resume rolls commits forward: those ids came back from the log, unsampled
         for tid in versions:
             self._sampled.pop(tid, None)
             self._live.pop(tid, None)
@@ -501,21 +422,18 @@ class ReplayQueue:
         return len(held)
 
     def _forget_queued(self, ids: set[str]) -> None:
-        """Take committed ids out of the ready and pending groups (they were trained before a restart)."""
+        """Take `ids` out of the ready and pending groups (the learner holds them already)."""
         for groups, is_ready in ((self._ready, True), (self._pending, False)):
             for key, group in list(groups.items()):
-                keep = [t for t in group.trajectories if t.id not in ids]
-                gone = len(group.trajectories) - len(keep)
+                gone = [t for t in group.trajectories if t.id in ids]
                 if not gone:
                     continue
-                for traj in group.trajectories:
-                    if traj.id in ids:
-                        self._n_queued -= 1
-                        self._bytes -= nbytes(traj)
+                group.trajectories = [t for t in group.trajectories if t.id not in ids]
+                self._n_queued -= len(gone)
+                self._bytes -= sum(nbytes(t) for t in gone)
                 if is_ready:
-                    self._n_ready -= gone
-                group.trajectories = keep
-                if not keep:
+                    self._n_ready -= len(gone)
+                if not group.trajectories:
                     if group.timer is not None:
                         group.timer.cancel()
                     del groups[key]
