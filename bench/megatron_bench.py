@@ -39,7 +39,11 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (launch with torchrun)")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size (launch with torchrun)")
     p.add_argument("--variants", default="hf,megatron,megatron_compile",
-                   help="comma list of hf, megatron, megatron_compile (torch.compile), torch_learner")  # fmt: skip
+                   help="comma list of hf, megatron, megatron_compile (torch.compile), torch_learner; a "
+                        "'_unfused' suffix (megatron_compile_unfused) runs with AGENTRL_FUSED_LOGPROBS=0")  # fmt: skip
+    p.add_argument(
+        "--profile", action="store_true", help="print the top CUDA kernels of one step per variant"
+    )
     p.add_argument("--batch", type=int, default=0, help="sequences per step (default 8; tiny 4)")
     p.add_argument("--seq", type=int, default=0, help="tokens per sequence (default 2048; tiny 64)")
     p.add_argument("--micro-batch-tokens", type=int, default=0, help="default: the whole per-DP-rank batch")
@@ -150,6 +154,16 @@ def timed(step, args) -> dict:
     return {"step_s": step_s, "peak_mem_gib": round(mem, 2), "last": out}
 
 
+def profile_step(step) -> None:
+    """One step under torch.profiler: the 15 CUDA kernels with the most total time (rank 0)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    log(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
+
+
 def run_hf(args, path: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -201,6 +215,8 @@ def run_megatron(args, path: Path, world: int, compile: bool = False) -> dict:
     )  # fmt: skip
     batch = make_batch(args, args.device)
     result = timed(lambda: learner.train_step(batch)["loss"], args)
+    if args.profile:
+        profile_step(lambda: learner.train_step(batch)["loss"])
     t0 = time.perf_counter()
     n = sum(1 for _ in learner.weights())
     sync(args.device)
@@ -280,11 +296,12 @@ def main(argv=None) -> int:
     }  # fmt: skip
     for name in [v.strip() for v in args.variants.split(",") if v.strip()]:
         single = not name.startswith("megatron")
+        os.environ["AGENTRL_FUSED_LOGPROBS"] = "0" if name.endswith("_unfused") else "1"
         if single and world > 1:
             log(f"[{name}] skipped: single-GPU baseline (run it without torchrun)")
             continue
         try:
-            res = run_variant(runners[name], args, path, world, single)
+            res = run_variant(runners[name.removesuffix("_unfused")], args, path, world, single)
         except Exception as exc:  # a failing variant must not hide the others
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
             log(f"[{name}] FAILED on rank {rank}:\n{traceback.format_exc()}")

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from agentrl.algorithms import check, compute_loss, merge_metrics, needs_old_logprobs, prepare_batch, sft_loss
 from agentrl.config import AlgorithmSection, LearnerSection
 from agentrl.errors import LearnerError
+from agentrl.learners import fused_logprob
 from agentrl.learners.base import Learner
 from agentrl.learners.batch import Batch, micro_batches
 from agentrl.learners.megatron import checkpoint, convert, ops, pipeline
@@ -152,6 +153,11 @@ class MegatronLearner(Learner):
         return self._from_logits(self._logits(model, mb), mb, entropy=entropy)
 
     def _from_logits(self, logits: torch.Tensor, mb: Batch, *, entropy: bool = False):
+        if fused_logprob.enabled():
+            logp, ent = ops.target_logprobs_and_entropy(logits, mb.input_ids, self.temperature)
+            if entropy and self.algo.entropy_coef != 0.0:
+                return logp, ent
+            return logp, ent.detach() if entropy and self.entropy_metric else None
         ent = None
         if entropy and self.algo.entropy_coef != 0.0:
             ent = ops.entropy(logits, self.temperature)

@@ -9,6 +9,23 @@ from __future__ import annotations
 
 import torch
 
+from agentrl.learners import fused_logprob
+
+
+def target_logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0):
+    """([R, T] log-probs, [R, T] entropy), target-aligned (column 0 is 0), by the fused kernels: no fp32
+    copy of the [R, T, V/tp] logits; under TP the normalisers are all-reduced inside (agentrl.learners.fused_logprob).
+    """
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+    vocab_start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
+    targets = torch.nn.functional.pad(input_ids[:, 1:], (0, 1))
+    logp, ent = fused_logprob.logprobs_and_entropy(logits, targets, temperature, vocab_start, group)
+    pad = torch.nn.functional.pad
+    return pad(logp[:, :-1], (1, 0)), pad(ent[:, :-1], (1, 0))
+
 
 def target_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """[R, T] float32 log-probs of each token given its prefix, from [R, T, V/tp] logits (consumed in place)."""
