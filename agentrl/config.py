@@ -114,6 +114,7 @@ class LearnerSection(_Section):
     reference_model: bool = False
     pack_tokens: int = 0
     gradient_checkpointing: bool = False
+    fsdp: bool = False  # torch learner: FSDP2 over all ranks of a torchrun launch (one process per GPU)
 
 
 class AlgorithmSection(_Section):
@@ -273,6 +274,10 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("engine.kind = 'sglang' needs engine.device = 'cuda' or engine.external_urls")
     if cfg.learner.kind == "megatron" and cfg.learner.device == "cpu" and cfg.learner.tensor_parallel > 1:
         raise ConfigError("learner.tensor_parallel > 1 needs learner.device = 'cuda' (CPU runs TP=PP=1)")
+    if cfg.learner.fsdp and cfg.learner.kind != "torch":
+        raise ConfigError("learner.fsdp = true needs learner.kind = 'torch' (Megatron shards by its own DP)")
+    if cfg.learner.fsdp and cfg.algorithm.advantage == "ppo":
+        raise ConfigError("learner.fsdp = true does not support algorithm.advantage = 'ppo' (value head)")
     return cfg
 
 

@@ -52,12 +52,14 @@ class EmbeddedEngine(Engine):
         seed: int = 0,
         cuda_graphs: bool | None = None,
         attention: str = "auto",
+        compile: bool | None = None,
     ):
         """`cuda_graphs` (default: on for CUDA) replays decode steps from graphs captured per batch bucket;
-        `attention`: "auto" (Triton decode kernel on CUDA if available), "sdpa" or "triton"."""
+        `attention`: "auto" (Triton decode kernel on CUDA if available), "sdpa" or "triton"; `compile`
+        (default: with CUDA graphs) fuses each decode layer's elementwise work with torch.compile."""
         self.model_path = str(model_path)
         self.runner = ModelRunner(
-            self.model_path, device, dtype, max_batch_size, max_seq_len, seed, cuda_graphs, attention
+            self.model_path, device, dtype, max_batch_size, max_seq_len, seed, cuda_graphs, attention, compile
         )
         self.spec, self.device, self.dtype_name = self.runner.spec, self.runner.device, dtype
         self.max_seq_len = self.runner.max_seq_len

@@ -124,6 +124,32 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+def layer_in(x, ln1, qkv_w, qkv_b, q_norm, k_norm, cos, sin, heads: int, kv_heads: int, head_dim: int,
+             eps: float):  # fmt: skip
+    """Pre-attention half of a layer: x [..., hidden] -> q [..., heads, D], k/v [..., kv_heads, D], RoPE'd."""
+    h = _rms_norm(x, ln1, eps)
+    q, k, v = F.linear(h, qkv_w, qkv_b).split(
+        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1
+    )
+    lead = x.shape[:-1]
+    q, k, v = (
+        q.view(*lead, heads, head_dim),
+        k.view(*lead, kv_heads, head_dim),
+        v.view(*lead, kv_heads, head_dim),
+    )
+    if q_norm is not None:
+        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+
+def layer_out(x, attn, o_w, ln2, gate_up_w, gate_up_b, down_w, down_b, eps: float) -> torch.Tensor:
+    """Post-attention half: output projection + residual, then the SwiGLU MLP + residual."""
+    x = x + F.linear(attn, o_w)
+    gate, up = F.linear(_rms_norm(x, ln2, eps), gate_up_w, gate_up_b).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, down_w, down_b)
+
+
 class CausalLM:
     """Parameters + forward passes (prefill, decode) over a `KVCache`. Not an nn.Module: no autograd, no hooks."""
 
@@ -186,6 +212,7 @@ class CausalLM:
         self.embed = self.params["model.embed_tokens.weight"]
         self._rope_len = 0
         self._cos = self._sin = torch.empty(0)
+        self._layer_in, self._layer_out, self.compiled = layer_in, layer_out, False
 
     # -- weights -------------------------------------------------------------------------------------------------
 
@@ -267,27 +294,28 @@ class CausalLM:
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._cos[positions].to(self.dtype), self._sin[positions].to(self.dtype)
 
-    def _qkv(self, layer: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, layer: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             fused: bool = False):  # fmt: skip
         """x [..., hidden] -> q [..., heads, D], k/v [..., kv_heads, D] with RoPE applied."""
-        s = self.spec
-        h = _rms_norm(x, layer["ln1"], s.rms_eps)
-        qkv = F.linear(h, layer["qkv"], layer.get("qkv_b"))
-        q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
-        lead = x.shape[:-1]
-        q = q.view(*lead, s.heads, s.head_dim)
-        k = k.view(*lead, s.kv_heads, s.head_dim)
-        v = v.view(*lead, s.kv_heads, s.head_dim)
-        if s.qk_norm:
-            q = _rms_norm(q, layer["q_norm"], s.rms_eps)
-            k = _rms_norm(k, layer["k_norm"], s.rms_eps)
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        return q, k, v
+        s, fn = self.spec, self._layer_in if fused else layer_in
+        return fn(x, layer["ln1"], layer["qkv"], layer.get("qkv_b"), layer.get("q_norm"), layer.get("k_norm"),
+                  cos, sin, s.heads, s.kv_heads, s.head_dim, s.rms_eps)  # fmt: skip
 
-    def _mlp(self, layer: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        h = _rms_norm(x, layer["ln2"], self.spec.rms_eps)
-        gate, up = F.linear(h, layer["gate_up"], layer.get("gate_up_b")).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer["down"], layer.get("down_b"))
+    def _out(self, layer: dict[str, torch.Tensor], x: torch.Tensor, attn: torch.Tensor, fused: bool = False):
+        fn = self._layer_out if fused else layer_out
+        return fn(x, attn, layer["o"], layer["ln2"], layer["gate_up"], layer.get("gate_up_b"), layer["down"],
+                  layer.get("down_b"), self.spec.rms_eps)  # fmt: skip
+
+    def compile_decode(self, enable: bool = True) -> None:
+        """Decode through torch.compile'd layer halves (CUDA): inductor fuses the norms, RoPE, SwiGLU and
+        residual adds into a few kernels per layer, so a graph-replayed step is not bound by ~50 tiny kernel
+        launches per layer. One compilation serves every layer (weights are inputs) and every batch size;
+        prefill stays eager (its shapes vary in two dimensions and it is matmul-bound)."""
+        if not enable:
+            self._layer_in, self._layer_out, self.compiled = layer_in, layer_out, False
+            return
+        self._layer_in, self._layer_out = torch.compile(layer_in), torch.compile(layer_out)
+        self.compiled = True
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(_rms_norm(hidden, self.norm, self.spec.rms_eps), self.lm_head).float()
@@ -315,8 +343,7 @@ class CausalLM:
             if groups > 1:
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            x = x + F.linear(attn.transpose(1, 2).reshape(n, t, self.q_dim), layer["o"])
-            x = x + self._mlp(layer, x)
+            x = self._out(layer, x, attn.transpose(1, 2).reshape(n, t, self.q_dim))
         last = x[torch.arange(n, device=self.device), lengths - 1]
         return self.logits(last)
 
@@ -348,7 +375,7 @@ class CausalLM:
             ]
         x = F.embedding(tokens, self.embed)  # [B, hidden]
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, cos, sin)  # q [B, H, D], k/v [B, KV, D]
+            q, k, v = self._qkv(layer, x, cos, sin, fused=True)  # q [B, H, D], k/v [B, KV, D]
             cache.k[i][rows, :, positions] = k
             cache.v[i][rows, :, positions] = v
             if attention == "triton":
@@ -358,6 +385,5 @@ class CausalLM:
                 attn = F.scaled_dot_product_attention(
                     q, cache.k[i][:b, :, :max_len], cache.v[i][:b, :, :max_len], attn_mask=mask
                 )
-            x = x + F.linear(attn.reshape(b, self.q_dim), layer["o"])
-            x = x + self._mlp(layer, x)
+            x = self._out(layer, x, attn.reshape(b, self.q_dim), fused=True)
         return self.logits(x)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from agentrl.engines.model import CausalLM, KVCache, ModelSpec
 from agentrl.engines.sampling import BatchSampling, sample
 from agentrl.errors import EngineError, WeightSyncError
 
+log = logging.getLogger(__name__)
 _SERIALS = itertools.count()
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,7 +56,7 @@ class ModelRunner:
 
     def __init__(
         self, model_path: str, device: str, dtype: str, max_batch_size: int, max_seq_len: int, seed: int = 0,
-        cuda_graphs: bool | None = None, attention: str = "auto",
+        cuda_graphs: bool | None = None, attention: str = "auto", compile: bool | None = None,
     ):  # fmt: skip
         if dtype not in DTYPES:
             raise EngineError(f"engine.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -80,6 +82,27 @@ class ModelRunner:
             from agentrl.engines.cuda_graph import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.cache, max_batch_size, self.attention)
+        if compile and self.device.type != "cuda":
+            raise EngineError("engine compile=True needs a CUDA device")
+        self.compiled = (
+            self._compile() if (self.graphs is not None if compile is None else compile) else False
+        )
+
+    def _compile(self) -> bool:
+        """torch.compile the decode step's layer halves and compile them now (batch 2 then 3 makes the batch
+        dimension dynamic; 1 is specialised), so no request waits on inductor. On failure: eager, with a warning."""
+        try:
+            self.model.compile_decode()
+            for b in (2, 3, 1):  # K/V of token 0 at position 0 of free slots: nothing live is touched
+                tokens = torch.zeros(b, dtype=torch.int64, device=self.device)
+                self.model.decode(tokens, torch.zeros_like(tokens), self.cache, 1, attention=self.attention)
+            return True
+        except Exception as exc:  # a missing C compiler, an inductor bug: slower, never broken
+            log.warning(
+                "embedded engine: torch.compile of the decode step failed (%r); decoding eagerly", exc
+            )
+            self.model.compile_decode(False)
+            return False
 
     def _check_memory(self, slots: int, dtype: torch.dtype) -> None:
         s = self.spec

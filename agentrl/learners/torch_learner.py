@@ -7,7 +7,13 @@ big batch); `policy_version` increases by one per `train_step` and per `sft_step
 autocast on CUDA when `learner.dtype = "bfloat16"`; `weights()` streams HF names and omits `lm_head.weight` when
 the embeddings are tied; `learner.gradient_checkpointing` recomputes activations in the backward. PPO uses a
 value head on the policy's last hidden state (shared trunk), saved with the optimizer state, never published.
-FSDP2 is not implemented (one device per learner).
+`learner.fsdp = true` (agentrl.learners.fsdp): one process per device under torchrun, FSDP2-sharded fp32
+parameters and AdamW state (bf16 compute on CUDA through FSDP's mixed precision, not autocast); each rank runs its
+share of the micro-batches and of every log-prob pass, gradients are summed over ranks, metrics are merged over all
+ranks, so a step equals the single-process step. `weights()`, `save` and `load` are collectives that every rank
+must call; `weights()` yields full tensors on every rank (publish from rank 0), `save` writes from rank 0, and the
+checkpoint (name-keyed optimizer state) loads into FSDP learners of any world size and into a plain learner. The
+reference model stays a replicated frozen copy; PPO (value head) is not supported with FSDP.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import torch.nn.functional as F
 from agentrl.algorithms import check, compute_loss, merge_metrics, needs_old_logprobs, prepare_batch, sft_loss
 from agentrl.config import AlgorithmSection, LearnerSection
 from agentrl.errors import LearnerError
-from agentrl.learners import checkpoint, hf_io
+from agentrl.learners import checkpoint, fsdp, hf_io
 from agentrl.learners.base import Learner
 from agentrl.learners.batch import Batch, micro_batches
 
@@ -86,15 +92,20 @@ class TorchLearner(Learner):
             raise LearnerError(f"temperature must be > 0, got {temperature}")
         self.model_path = Path(model_path)
         self.temperature = temperature
-        self.device = torch.device(self.cfg.device)
+        self.world = fsdp.World(self.cfg.device) if self.cfg.fsdp else None
+        if self.world is not None and self.algo.advantage == "ppo":
+            raise LearnerError(
+                "learner.fsdp = true does not support algorithm.advantage = 'ppo' (value head)"
+            )
+        self.device = self.world.device if self.world is not None else torch.device(self.cfg.device)
         torch.manual_seed(seed)
 
-        def load(dtype: torch.dtype):
+        def load(dtype: torch.dtype, device: torch.device | None = self.device):
             m = AutoModelForCausalLM.from_pretrained(str(self.model_path), dtype=dtype)
             m.config.use_cache = False
-            return m.to(self.device)
+            return m.to(device) if device is not None else m
 
-        self.model = load(torch.float32)
+        self.model = load(torch.float32, None if self.world is not None else self.device)
         self.model.train()
         if self.cfg.gradient_checkpointing:
             if hasattr(self.model, "activation_checkpointing_enable"):  # the newer transformers 5 name
@@ -103,6 +114,8 @@ class TorchLearner(Learner):
                 self.model.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False}
                 )
+        if self.world is not None:  # shards move to the device; the full model never lands there
+            self.world.shard(self.model, self._autocast_dtype() is not None)
         self.ref_model = None
         if self.cfg.reference_model:  # frozen: bf16 storage is enough where the forward runs in bf16 anyway
             ref_dtype = torch.bfloat16 if self._autocast_dtype() is not None else torch.float32
@@ -120,7 +133,7 @@ class TorchLearner(Learner):
             lr=self.cfg.lr,
             betas=tuple(self.cfg.betas),
             weight_decay=self.cfg.weight_decay,
-            fused=self.device.type == "cuda",
+            fused=self.device.type == "cuda" and self.world is None,
         )
         meta = self.model_path / checkpoint.METADATA_FILE
         if meta.is_file() and (self.model_path / STATE_FILE).is_file():
@@ -135,14 +148,18 @@ class TorchLearner(Learner):
     def _autocast_dtype(self) -> torch.dtype | None:
         return torch.bfloat16 if self.device.type == "cuda" and self.cfg.dtype == "bfloat16" else None
 
-    def _autocast(self):
-        dtype = self._autocast_dtype()
+    def _autocast(self, model):
+        dtype = None if model is self.model and self.world is not None else self._autocast_dtype()
         return torch.autocast("cuda", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+    def _share(self, parts: list) -> list[tuple]:
+        """(part, weight): all parts alone, this rank's share padded by weight-0 repeats under FSDP."""
+        return [(p, 1.0) for p in parts] if self.world is None else self.world.share(parts)
 
     def _forward(self, model, mb: Batch, *, entropy: bool = False, values: bool = False):
         """(logprobs, entropy or None, values or None) of one micro-batch, all [R, T] float32."""
         mb = mb.to(self.device)
-        with self._autocast():
+        with self._autocast(model):
             out = model(
                 input_ids=mb.input_ids,
                 attention_mask=None if mb.packed else mb.attention_mask,
@@ -165,9 +182,12 @@ class TorchLearner(Learner):
         batch = batch.to(self.device)
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
         with torch.no_grad():
-            for rows, mb in self._split(batch):
+            for (rows, mb), weight in self._share(self._split(batch)):
                 logp, _, vals = self._forward(model, mb, values=values)
-                out[rows, : logp.shape[1]] = vals if values else logp
+                if weight:
+                    out[rows, : logp.shape[1]] = vals if values else logp
+        if self.world is not None:  # micro-batches hold disjoint rows: the sum is the whole batch
+            self.world.sum_(out)
         return out * batch.attention_mask
 
     def _split(self, batch: Batch) -> list[tuple[torch.Tensor, Batch]]:
@@ -199,11 +219,14 @@ class TorchLearner(Learner):
         metrics = prepare_batch(self.algo, batch, self.policy_version)
         self.optimizer.zero_grad(set_to_none=True)
         parts = []
-        for _, mb in self._split(batch):
+        for (_, mb), weight in self._share(self._split(batch)):
             logp, ent, vals = self._forward(self.model, mb, entropy=True, values=self.value_head is not None)
             loss, m = compute_loss(self.algo, mb, logp, entropy=ent, values=vals)
-            loss.backward()
-            parts.append((m, float(mb.n_loss_tokens)))
+            (loss if weight else loss * 0.0).backward()
+            if weight:
+                parts.append((m, float(mb.n_loss_tokens)))
+        if self.world is not None:
+            parts = [p for rank_parts in self.world.gather(parts) for p in rank_parts]
         metrics.update(merge_metrics(parts))
         metrics.update(self._optimizer_step())
         self.step += 1
@@ -216,15 +239,18 @@ class TorchLearner(Learner):
         start = time.perf_counter()
         batch = batch.to(self.device)
         self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         parts = 0
-        for _, mb in self._split(batch):
+        for (_, mb), weight in self._share(self._split(batch)):
             logp, _, _ = self._forward(self.model, mb)
-            loss = sft_loss(logp, mb.loss_mask, batch.total_loss_tokens)
+            loss = sft_loss(logp, mb.loss_mask, batch.total_loss_tokens) * weight
             loss.backward()
-            total += float(loss.detach())
-            parts += 1
-        metrics = {"loss": total}
+            total += loss.detach().double()
+            parts += int(weight)
+        if self.world is not None:
+            self.world.sum_(total)
+            parts = int(self.world.sum_(torch.tensor(parts, device=self.device)))
+        metrics = {"loss": float(total)}
         metrics.update(self._optimizer_step(lr))
         self.policy_version += 1
         metrics.update(self._counters(batch, start, parts))
@@ -232,7 +258,7 @@ class TorchLearner(Learner):
 
     def _optimizer_step(self, lr: float | None = None) -> dict[str, float]:
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self._params(), clip)
+        grad_norm = fsdp.local(torch.nn.utils.clip_grad_norm_(self._params(), clip))
         saved = [g["lr"] for g in self.optimizer.param_groups]
         if lr is not None:
             for g in self.optimizer.param_groups:
@@ -244,26 +270,39 @@ class TorchLearner(Learner):
         return {"grad_norm": float(grad_norm), "lr": float(lr if lr is not None else saved[0])}
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.world is not None:
+            yield from fsdp.full_weights(self.model, {"lm_head.weight"} if self.tied else set())
+            return
         for name, tensor in self.model.state_dict().items():
             if self.tied and name == "lm_head.weight":
                 continue
             yield name, tensor.detach()
 
     def save(self, path: str) -> None:
+        """Under FSDP a collective: every rank calls it, rank 0 writes (on a file system all ranks can read)."""
+        if self.world is not None and self.world.rank != 0:
+            for _ in self.weights():
+                pass
+            fsdp.optimizer_state(self.model, self.optimizer)
+            torch.distributed.barrier()
+            return
         with hf_io.atomic_dir(path) as tmp:
             hf_io.copy_hf_files(self._config_dir(), tmp)
             hf_io.write_weights(tmp / hf_io.WEIGHTS_FILE, self.weights(), self.tied)
-            state = {
-                "optimizer": self.optimizer.state_dict(),
-                "step": self.step,
-                "policy_version": self.policy_version,
-            }
+            state = {"step": self.step, "policy_version": self.policy_version}
+            if self.world is not None:  # name-keyed: loads at any world size and into a plain learner
+                state["optimizer"] = fsdp.optimizer_state(self.model, self.optimizer)
+                state["optimizer_format"] = "names"
+            else:
+                state["optimizer"] = self.optimizer.state_dict()
             if self.value_head is not None:
                 state["value_head"] = self.value_head.state_dict()
             torch.save(state, tmp / STATE_FILE)
             checkpoint.write_metadata(
                 tmp, "torch", self.step, self.policy_version, ".", temperature=self.temperature
             )
+        if self.world is not None:
+            torch.distributed.barrier()
 
     def _config_dir(self) -> Path:
         meta = self.model_path / checkpoint.METADATA_FILE
@@ -276,14 +315,29 @@ class TorchLearner(Learner):
         if meta["kind"] != "torch":
             raise LearnerError(f"{path}: a {meta['kind']!r} checkpoint cannot be loaded by the torch learner")
         weights = hf_io.load_weights(Path(path) / hf_io.WEIGHTS_FILE)
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        if self.world is not None:
+            names = set(self.model.state_dict())
+            missing, unexpected = sorted(names - set(weights)), sorted(set(weights) - names)
+            fsdp.load_weights(self.model, weights)
+        else:
+            missing, unexpected = self.model.load_state_dict(weights, strict=False)
         missing = [k for k in missing if not (self.tied and k == "lm_head.weight")]
         if missing or unexpected:
             raise LearnerError(
                 f"{path}: weights do not match the model (missing {missing}, unexpected {unexpected})"
             )
-        state = torch.load(Path(path) / STATE_FILE, map_location=self.device, weights_only=True)
+        location = "cpu" if self.world is not None else self.device
+        state = torch.load(Path(path) / STATE_FILE, map_location=location, weights_only=True)
         if self.value_head is not None and "value_head" in state:
             self.value_head.load_state_dict(state["value_head"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        named = state.get("optimizer_format") == "names"
+        if self.world is None and not named:
+            self.optimizer.load_state_dict(state["optimizer"])
+        elif self.value_head is not None:
+            raise LearnerError(f"{path}: an FSDP checkpoint has no value-head optimizer state (PPO)")
+        else:
+            optim = (
+                state["optimizer"] if named else fsdp.named_optimizer_state(self.model, state["optimizer"])
+            )
+            fsdp.load_optimizer_state(self.model, self.optimizer, optim)
         self.step, self.policy_version = int(state["step"]), int(state["policy_version"])

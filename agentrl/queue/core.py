@@ -10,9 +10,8 @@ Invariants:
   one. Members arriving after their group was released are dropped and counted (`dropped_late`).
 - Staleness of a group = policy_version - oldest token version in the group. Groups staler than
   `max_staleness` are dropped and counted, or with `stale_policy = "keep"` handed out and flagged.
-- Admission (AReaL): admitted + in_flight <= (policy_version + max_staleness + 1) * batch_size, where
-  admitted counts every trajectory accepted and not dropped (consumed ones included) and in_flight the
-  producers' reservations; plus hard caps on queued count and bytes. Refusals raise `QueueFull`.
+- Admission (AReaL staleness window, reservations, hard caps; see admission.py): a put that does not fit
+  raises `QueueFull` and nothing of it is accepted.
 - FIFO: groups are handed out in the order they became complete. Waiting uses asyncio Events, never polling.
 Pure asyncio; no torch or ray.
 """
@@ -28,11 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import QueueSection
-from agentrl.errors import InvalidTrajectory, QueueClosed, QueueFull, StorageError
+from agentrl.errors import QueueClosed, StorageError
 from agentrl.queue import wal as wal_mod
+from agentrl.queue.admission import Admission
 from agentrl.queue.metrics import QueueMetrics
 from agentrl.queue.primitives import PutResult, SampledBatch, Ticket, _Group, _Signal
-from agentrl.types import Trajectory, min_version, nbytes, normalize
+from agentrl.types import Trajectory, min_version, nbytes
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +62,13 @@ class ReplayQueue:
         self._known: set[str] = set()
         self._committed_steps: list[int] = []
         self._n_committed = 0
-        self._admitted = 0
-        self._in_flight = 0
+        self._admission = Admission(self)
         self._n_queued = 0
         self._n_ready = 0
         self._bytes = 0
         self._commits_since_compact = 0
         self._ready_signal = _Signal()
         self._wanted: list[int] = []  # sizes the waiting sample_batch calls need
-        self._space = _Signal()
         self._untimed: list[_Group] = []
         self._wal = wal_mod.WriteAheadLog(run_dir, fsync=self.cfg.fsync) if run_dir and self.cfg.wal else None
         if self._wal is not None:
@@ -80,7 +78,7 @@ class ReplayQueue:
         self._known = state.known_ids
         self._committed_steps = state.committed_steps
         self._n_committed = state.n_committed
-        self._admitted = state.n_committed + len(state.uncommitted)
+        self._admission.admitted = state.n_committed + len(state.uncommitted)
         for traj in state.uncommitted.values():
             self._live[traj.id] = traj
             self._n_queued += 1
@@ -110,12 +108,14 @@ class ReplayQueue:
             raise QueueClosed("the queue is draining and accepts no trajectories")
         items = [trajectories] if isinstance(trajectories, Trajectory) else list(trajectories)
         now = time.time()
-        fresh, indices, ungrouped, duplicates, late = self._validate(items)
+        fresh, indices, ungrouped, duplicates, late = self._admission.screen(
+            items, self._known, self._pending, self._released
+        )
         n, new_bytes = len(fresh), sum(nbytes(t) for t in fresh)
-        self._admit(n, new_bytes, ticket)
+        self._admission.check(n, new_bytes, ticket, self._n_queued, self._bytes)
         used = ticket.take(n) if ticket is not None else 0
         self._known.update(t.id for t in fresh)
-        self._admitted += n
+        self._admission.admitted += n
         self._n_queued += n
         self._bytes += new_bytes
         if fresh and self._wal is not None:
@@ -127,12 +127,12 @@ class ReplayQueue:
                     await self._append(wal_mod.PutRecord(fresh))
             except StorageError:
                 self._known.difference_update(t.id for t in fresh)
-                self._admitted -= n
+                self._admission.admitted -= n
                 self._n_queued -= n
                 self._bytes -= new_bytes
                 if ticket is not None:
                     ticket.remaining += used
-                    self._in_flight += used
+                    self._admission.in_flight += used
                 self.metrics.inc("storage_errors")
                 raise
         for traj in fresh:
@@ -144,95 +144,31 @@ class ReplayQueue:
         self._schedule_timers()
         return PutResult(accepted=n, duplicates=duplicates, dropped=late)
 
-    def _validate(self, items: list[Trajectory]) -> tuple[list[Trajectory], list[int], set[str], int, int]:
-        fresh: list[Trajectory] = []
-        indices: list[int] = []
-        ungrouped: set[str] = set()
-        seen: set[str] = set()
-        members: dict[str, int] = {}
-        duplicates = late = 0
-        for i, raw in enumerate(items):
-            try:
-                if not isinstance(raw, Trajectory):
-                    raise InvalidTrajectory("$", f"expected a Trajectory, got {type(raw).__name__}")
-                traj = normalize(raw, vocab_size=self.vocab_size, default_version=self.policy_version)
-            except InvalidTrajectory as exc:
-                self.metrics.inc("rejected_invalid", len(items))
-                where = f"[{i}].{exc.field}" if len(items) > 1 else exc.field
-                raise InvalidTrajectory(where, exc.message) from None
-            except (OverflowError, ValueError, TypeError) as exc:  # e.g. a loss_mask value beyond int64
-                self.metrics.inc("rejected_invalid", len(items))
-                raise InvalidTrajectory(
-                    f"[{i}]" if len(items) > 1 else "$", f"value out of range ({exc})"
-                ) from None
-            if traj.id in self._known or traj.id in seen:
-                duplicates += 1
-                continue
-            seen.add(traj.id)
-            if not raw.group_id or self.cfg.group_size <= 1:
-                ungrouped.add(traj.id)
-            else:
-                gid = traj.group_id
-                group = self._pending.get(gid)
-                members[gid] = members.get(gid, len(group.trajectories) if group else 0) + 1
-                if gid in self._released or members[gid] > self.cfg.group_size:
-                    late += 1
-                    continue
-            fresh.append(traj)
-            indices.append(i)
-        return fresh, indices, ungrouped, duplicates, late
-
-    def _admit(self, n: int, new_bytes: int, ticket: Ticket | None) -> None:
-        if not n:
-            return
-        cfg = self.cfg
-        if self._n_queued + n > cfg.max_trajectories:
-            self._refuse(
-                f"queue holds {self._n_queued} trajectories (queue.max_trajectories = {cfg.max_trajectories})"
-            )
-        if self._bytes + new_bytes > cfg.max_bytes:
-            self._refuse(f"queue holds {self._bytes} bytes (queue.max_bytes = {cfg.max_bytes})")
-        unreserved = n - (min(n, ticket.remaining) if ticket is not None else 0)
-        if unreserved and self.batch_size > 0 and self._admitted + self._in_flight + unreserved > self.window:
-            self._refuse(
-                f"rollout would run more than max_staleness + 1 = {cfg.max_staleness + 1} batches ahead of the "
-                f"learner (admitted {self._admitted} + in flight {self._in_flight} + {unreserved} > {self.window})"
-            )
-
-    def _refuse(self, message: str) -> None:
-        self.metrics.inc("rejected_full")
-        raise QueueFull(message, retry_after_s=self.cfg.retry_after_s)
-
     @property
     def window(self) -> int:
-        """Most trajectories that may be admitted or in flight at the current policy version (AReaL)."""
-        return (self.policy_version + self.cfg.max_staleness + 1) * self.batch_size
+        return self._admission.window
 
     @property
     def external_room(self) -> int:
-        """Window slots reservations leave free for unreserved (HTTP) puts: `external_share` of the window span."""
-        return int(self.cfg.external_share * (self.cfg.max_staleness + 1) * self.batch_size)
+        return self._admission.external_room
 
     async def reserve(self, n: int, timeout_s: float | None = None) -> Ticket:
         """Wait until `n` more trajectories fit in the staleness window and reserve them (in-process producers):
         `with await queue.reserve(n) as ticket: ...; await queue.put(trajectories, ticket=ticket)`."""
-        if self.batch_size > 0 and n > (self.cfg.max_staleness + 1) * self.batch_size - self.external_room:
-            raise QueueFull(
-                f"cannot reserve {n}: more than (queue.max_staleness + 1) * batch_size trajectories"
-                f" less the {self.external_room} left to queue.external_share"
-            )
-        start = time.monotonic()
+        return await self._admission.reserve(n, timeout_s)
 
-        def fits() -> bool:
-            limit = self.window - self.external_room
-            return self.closed or self.batch_size <= 0 or self._admitted + self._in_flight + n <= limit
+    # Ticket (primitives.py) settles its reservation through `queue._in_flight` and `queue._space`.
+    @property
+    def _in_flight(self) -> int:
+        return self._admission.in_flight
 
-        await asyncio.wait_for(self._space.wait_for(fits), timeout_s)
-        if self.closed:
-            raise QueueClosed("the queue is draining and accepts no trajectories")
-        self.metrics.reserve_wait.observe(time.monotonic() - start)
-        self._in_flight += n
-        return Ticket(self, n)
+    @_in_flight.setter
+    def _in_flight(self, n: int) -> None:
+        self._admission.in_flight = n
+
+    @property
+    def _space(self) -> _Signal:
+        return self._admission.space
 
     # ----------------------------------------------------------------- groups
     def _insert(self, traj: Trajectory, *, ungrouped: bool) -> None:
@@ -289,7 +225,7 @@ class ReplayQueue:
             self._live.pop(traj.id, None)
             self._n_queued -= 1
             self._bytes -= nbytes(traj)
-        self._admitted -= len(ids)
+        self._admission.admitted -= len(ids)
         self.metrics.inc(counter, len(ids))
         if self._wal is not None and ids:
             try:  # never acknowledged to anyone: if lost, the ids come back and are dropped again
@@ -297,7 +233,7 @@ class ReplayQueue:
             except StorageError:
                 self.metrics.inc("storage_errors")
                 log.warning("queue log: cannot record %d dropped trajectories", len(ids))
-        self._space.fire()
+        self._admission.space.fire()
 
     # ----------------------------------------------------------------- learner
     def set_policy_version(self, version: int) -> None:
@@ -306,7 +242,7 @@ class ReplayQueue:
             return
         self.policy_version = version
         self._purge_stale()
-        self._space.fire()
+        self._admission.space.fire()
         self._ready_signal.fire()
 
     def _purge_stale(self) -> None:
@@ -437,7 +373,7 @@ class ReplayQueue:
                     if group.timer is not None:
                         group.timer.cancel()
                     del groups[key]
-        self._space.fire()
+        self._admission.space.fire()
 
     def compact(self) -> None:
         """Rewrite the log as the known-id set plus the uncommitted trajectories (atomic rename)."""
@@ -484,8 +420,8 @@ class ReplayQueue:
             "pending_groups": len(self._pending),
             "in_sample": len(self._sampled),
             "bytes": self._bytes,
-            "in_flight": self._in_flight,
-            "admitted": self._admitted,
+            "in_flight": self._admission.in_flight,
+            "admitted": self._admission.admitted,
             "window": self.window if self.batch_size > 0 else None,
             "policy_version": self.policy_version,
             "max_staleness": self.cfg.max_staleness,
@@ -506,7 +442,7 @@ class ReplayQueue:
             if group.timer is not None:
                 group.timer.cancel()
         self._ready_signal.fire()
-        self._space.fire()
+        self._admission.space.fire()
 
     def close(self) -> None:
         self.drain()

@@ -3,7 +3,7 @@
 # GPU (run.placement colocated: SGLang gets --mem-fraction-static, publish = update_weights_from_tensor over
 # CUDA IPC), the quickstart's env + tiny model with its SFT warm-up, 20 learner steps each; summary to $OUT.
 # Needs ray/megatron (.whl) and SGLang (.sgl) installed: carry them in earlier calls of the same hold
-# (tools/gpu/setup.sh is idempotent). On a 2-GPU machine GPU 1 meanwhile profiles the embedded engine's decode.
+# (tools/gpu/setup.sh is idempotent). On a 2-GPU machine GPU 1 meanwhile runs the engine bench (embedded vs SGLang).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export RAY_AUTH_MODE=disabled RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1
@@ -12,7 +12,9 @@ tools/gpu/setup.sh megatron sglang 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD
 profile_pid=
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-  CUDA_VISIBLE_DEVICES=1 timeout 330 python3 tools/gpu/profile_decode.py --out "$out" > "$out/profile_decode.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout 420 python3 bench/engine_bench.py --device cuda --arch qwen3-0.6b --n 256 \
+    --prompt-len 100 1024 --output-len 100 1024 --skip-hf --embedded-variants "${VARIANTS:-graphs}" --check-logprobs \
+    --sglang --sglang-log "$out/sglang_bench_server.log" --out "$out/engine_bench.json" > "$out/engine_bench.log" 2>&1 &
   profile_pid=$!
 fi
 steps=${STEPS:-20}
@@ -30,5 +32,5 @@ for mode in async sync; do
 done
 python3 tools/gpu/run_summary.py runs/gpu_meg_sgl_async runs/gpu_meg_sgl_sync --out "$out/run_meg_sgl_summary.json"
 if [ -n "$profile_pid" ]; then
-  wait $profile_pid; echo "profile rc=$?"; grep '^{"batch' "$out/profile_decode.log" | cut -c1-300
+  wait $profile_pid; echo "engine bench rc=$?"; grep '^{' "$out/engine_bench.log" | cut -c1-600
 fi

@@ -1,0 +1,138 @@
+"""Admission to the replay queue: which trajectories of a `put` get in, and whether there is room for them.
+
+Invariants:
+- Screening is all or nothing: every item must normalize, else the whole put is refused with InvalidTrajectory
+  naming `[i].field` (the bare field for a single item). An id already known, or repeated in the call, is a
+  duplicate; a grouped member whose group was released, or past `group_size`, is late. Neither is queued.
+  Screening changes only the metrics.
+- Window (AReaL): admitted + in_flight <= window = (policy_version + max_staleness + 1) * batch_size, where
+  `admitted` counts every trajectory accepted and not dropped (consumed ones included) and `in_flight` the
+  producers' reservations. A put spends its ticket's reservation; only the unreserved rest is checked against
+  the window. batch_size <= 0 turns the window off. Hard caps on queued count and bytes hold ticket or not.
+- Reservations never take the last `external_room` = external_share * (max_staleness + 1) * batch_size slots
+  of the window: those stay for unreserved (HTTP) puts. A reservation that could never fit is refused at once.
+- Refusals raise QueueFull(retry_after_s) and change nothing but the `rejected_full` counter.
+- `reserve` waits on the `space` signal (fired whenever the window may have room), never polling.
+`Admission` reads its queue's cfg, batch_size, policy_version, closed flag and metrics live. Pure asyncio; no
+torch or ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, NoReturn
+
+from agentrl.errors import InvalidTrajectory, QueueClosed, QueueFull
+from agentrl.queue.primitives import Ticket, _Group, _Signal
+from agentrl.types import Trajectory, normalize
+
+if TYPE_CHECKING:
+    from agentrl.queue.core import ReplayQueue
+
+
+class Admission:
+    """The admission counters of one ReplayQueue and the rules over them."""
+
+    def __init__(self, queue: ReplayQueue):
+        self.queue = queue
+        self.admitted = 0  # accepted and not dropped, consumed ones included
+        self.in_flight = 0  # reserved by producers, not put yet
+        self.space = _Signal()  # fired whenever the window may have room again
+
+    @property
+    def window(self) -> int:
+        """Most trajectories that may be admitted or in flight at the current policy version (AReaL)."""
+        q = self.queue
+        return (q.policy_version + q.cfg.max_staleness + 1) * q.batch_size
+
+    @property
+    def external_room(self) -> int:
+        """Window slots reservations leave free for unreserved (HTTP) puts: `external_share` of the window span."""
+        q = self.queue
+        return int(q.cfg.external_share * (q.cfg.max_staleness + 1) * q.batch_size)
+
+    def screen(
+        self, items: list[Trajectory], known: set[str], pending: dict[str, _Group], released: dict[str, int]
+    ) -> tuple[list[Trajectory], list[int], set[str], int, int]:
+        """Normalize `items`; returns (fresh, their indices in items, ungrouped fresh ids, duplicates, late)."""
+        q = self.queue
+        fresh: list[Trajectory] = []
+        indices: list[int] = []
+        ungrouped: set[str] = set()
+        seen: set[str] = set()
+        members: dict[str, int] = {}
+        duplicates = late = 0
+        for i, raw in enumerate(items):
+            try:
+                if not isinstance(raw, Trajectory):
+                    raise InvalidTrajectory("$", f"expected a Trajectory, got {type(raw).__name__}")
+                traj = normalize(raw, vocab_size=q.vocab_size, default_version=q.policy_version)
+            except InvalidTrajectory as exc:
+                q.metrics.inc("rejected_invalid", len(items))
+                where = f"[{i}].{exc.field}" if len(items) > 1 else exc.field
+                raise InvalidTrajectory(where, exc.message) from None
+            except (OverflowError, ValueError, TypeError) as exc:  # e.g. a loss_mask value beyond int64
+                q.metrics.inc("rejected_invalid", len(items))
+                raise InvalidTrajectory(
+                    f"[{i}]" if len(items) > 1 else "$", f"value out of range ({exc})"
+                ) from None
+            if traj.id in known or traj.id in seen:
+                duplicates += 1
+                continue
+            seen.add(traj.id)
+            if not raw.group_id or q.cfg.group_size <= 1:
+                ungrouped.add(traj.id)
+            else:
+                gid = traj.group_id
+                group = pending.get(gid)
+                members[gid] = members.get(gid, len(group.trajectories) if group else 0) + 1
+                if gid in released or members[gid] > q.cfg.group_size:
+                    late += 1
+                    continue
+            fresh.append(traj)
+            indices.append(i)
+        return fresh, indices, ungrouped, duplicates, late
+
+    def check(self, n: int, new_bytes: int, ticket: Ticket | None, queued: int, queued_bytes: int) -> None:
+        """Raise QueueFull unless `n` more trajectories (`new_bytes`) fit beside `queued` (`queued_bytes`)."""
+        if not n:
+            return
+        q, cfg = self.queue, self.queue.cfg
+        if queued + n > cfg.max_trajectories:
+            self.refuse(
+                f"queue holds {queued} trajectories (queue.max_trajectories = {cfg.max_trajectories})"
+            )
+        if queued_bytes + new_bytes > cfg.max_bytes:
+            self.refuse(f"queue holds {queued_bytes} bytes (queue.max_bytes = {cfg.max_bytes})")
+        unreserved = n - (min(n, ticket.remaining) if ticket is not None else 0)
+        if unreserved and q.batch_size > 0 and self.admitted + self.in_flight + unreserved > self.window:
+            self.refuse(
+                f"rollout would run more than max_staleness + 1 = {cfg.max_staleness + 1} batches ahead of the "
+                f"learner (admitted {self.admitted} + in flight {self.in_flight} + {unreserved} > {self.window})"
+            )
+
+    def refuse(self, message: str) -> NoReturn:
+        self.queue.metrics.inc("rejected_full")
+        raise QueueFull(message, retry_after_s=self.queue.cfg.retry_after_s)
+
+    async def reserve(self, n: int, timeout_s: float | None = None) -> Ticket:
+        """Wait until `n` more trajectories fit in the staleness window and reserve them."""
+        q = self.queue
+        if q.batch_size > 0 and n > (q.cfg.max_staleness + 1) * q.batch_size - self.external_room:
+            raise QueueFull(
+                f"cannot reserve {n}: more than (queue.max_staleness + 1) * batch_size trajectories"
+                f" less the {self.external_room} left to queue.external_share"
+            )
+        start = time.monotonic()
+
+        def fits() -> bool:
+            limit = self.window - self.external_room
+            return q.closed or q.batch_size <= 0 or self.admitted + self.in_flight + n <= limit
+
+        await asyncio.wait_for(self.space.wait_for(fits), timeout_s)
+        if q.closed:
+            raise QueueClosed("the queue is draining and accepts no trajectories")
+        q.metrics.reserve_wait.observe(time.monotonic() - start)
+        self.in_flight += n
+        return Ticket(q, n)
