@@ -103,20 +103,23 @@ def bench_embedded(path: Path, requests, args, variant: str = "eager") -> dict:
     async def go():
         await run_engine(engine, warm)
         _sync(args.device)
-        steps0 = engine.steps
+        steps0, stats0 = engine.steps, dict(engine.stats)
         tokens, elapsed = await run_engine(engine, requests, seeded=args.seeded)
         _sync(args.device)
         steps = engine.steps - steps0
+        split = {k: round(v - stats0[k], 3) for k, v in engine.stats.items()}
+        split["host_s"] = round(elapsed - split["prefill_s"] - split["decode_s"], 3)
         check = await logprob_check(engine, path, args) if args.check_logprobs else None
         await engine.close()
-        return tokens, elapsed, steps, check
+        return tokens, elapsed, steps, check, split
 
-    tokens, elapsed, steps, check = asyncio.run(go())
+    tokens, elapsed, steps, check, split = asyncio.run(go())
     cache_gb = engine.cache.nbytes() / 2**30
     engine = None
     _free(args.device)
     out = {"tokens": tokens, "seconds": round(elapsed, 3), "tok_s": round(tokens / elapsed, 1), "steps": steps,
            "kv_cache_gib": round(cache_gb, 2), "cuda_graphs": graphs, "attention": attention, "compile": compiled}  # fmt: skip
+    out["time_split"] = split  # seconds in prefill / decode steps, and host work between them
     if check is not None:
         out["logprob_vs_hf"] = check
     return out
@@ -206,9 +209,9 @@ SGLANG_FLAGS = {
 def bench_sglang(path: Path, requests, args) -> dict:
     """Real SGLang (launched by agentrl's SGLangServer, driven by its SGLangEngine client) on the same requests."""
     from agentrl.engines.sglang import SGLangEngine
-    from agentrl.engines.sglang_launcher import SGLangServer, free_port
+    from agentrl.engines.sglang_launcher import SERVER_PORTS, SGLangServer, free_port
 
-    server = SGLangServer(str(path), args=SGLANG_FLAGS, port=free_port(), log_path=args.sglang_log,
+    server = SGLangServer(str(path), args=SGLANG_FLAGS, port=free_port(ports=SERVER_PORTS), log_path=args.sglang_log,
                           startup_timeout_s=900, restart_on_crash=False)  # fmt: skip
     start = time.perf_counter()
     server.start()

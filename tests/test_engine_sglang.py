@@ -334,3 +334,14 @@ async def test_connect_attaches_to_external_urls(dirs):
         EngineSection(kind="sglang", external_urls=["http://a:1", "http://b:2"]), str(dirs[0])
     )
     assert urls == ["http://a:1", "http://b:2"] and servers == []
+
+
+def test_server_port_leaves_room_for_sglang_grpc_port_and_keeps_nccl_cumem(monkeypatch, tmp_path):
+    from agentrl.engines.sglang_launcher import SERVER_PORTS, SGLangServer
+
+    monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
+    ports = {SGLangServer("/m", log_path=str(tmp_path / "s.log")).port for _ in range(20)}
+    assert all(SERVER_PORTS[0] <= p <= SERVER_PORTS[1] and p + 10_000 <= 65_535 for p in ports)
+    assert SGLangServer("/m").env["NCCL_CUMEM_ENABLE"] == "1"  # else SGLang sets 0 and NCCL P2P IPC fails
+    monkeypatch.setenv("NCCL_CUMEM_ENABLE", "0")
+    assert SGLangServer("/m").env["NCCL_CUMEM_ENABLE"] == "0"  # the user's choice wins

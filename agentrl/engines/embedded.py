@@ -1,7 +1,7 @@
 """The embedded engine: in-process continuous batching over `CausalLM` with a preallocated slot KV cache.
 
 Scheduling: one asyncio task owns all bookkeeping (waiting queue, running list, slots); each iteration it
-either prefills newly admitted requests (batched, right-padded, bounded by `max_prefill_tokens`) or runs one
+either prefills newly admitted requests (packed, no padding, at most `max_prefill_tokens` prompt tokens) or runs one
 decode step for every running request. The torch work of an iteration runs on one dedicated worker thread,
 so the event loop stays responsive. Requests join and leave between iterations; running request `i` lives
 in KV slot `i` (when one finishes, the last one moves into its slot: one KV copy per finish, none per step).
@@ -16,6 +16,7 @@ One event loop per engine.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -77,6 +78,9 @@ class EmbeddedEngine(Engine):
         self._idle: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self.steps = 0
+        # Seconds the loop waited on the worker thread per kind of step; the rest of a busy loop is host work.
+        self.stats = {"prefill_s": 0.0, "decode_s": 0.0, "prefill_steps": 0, "decode_steps": 0,
+                      "prefill_tokens": 0, "decode_rows": 0}  # fmt: skip
 
     @classmethod
     def from_config(cls, cfg: Any, model_path: str, seed: int = 0, policy_version: int = 0) -> EmbeddedEngine:
@@ -303,14 +307,13 @@ class EmbeddedEngine(Engine):
 
     def _admit(self) -> list[Request]:
         admitted: list[Request] = []
-        longest = 0
+        tokens = 0
         while self._waiting and len(self._running) + len(admitted) < self.max_batch_size:
-            nxt = self._waiting[0]
-            longest_next = max(longest, len(nxt.prompt))
-            if admitted and longest_next * (len(admitted) + 1) > self.max_prefill_tokens:
+            n = len(self._waiting[0].prompt)
+            if admitted and tokens + n > self.max_prefill_tokens:
                 break
             admitted.append(self._waiting.popleft())
-            longest = longest_next
+            tokens += n
         return admitted
 
     async def _loop(self) -> None:
@@ -336,13 +339,24 @@ class EmbeddedEngine(Engine):
                 else:
                     batch = list(self._running)
                     step = loop.run_in_executor(self._executor, self.runner.decode, batch, moves)
+                started = time.perf_counter()
                 try:
                     tokens, logps = await step
                 except Exception as exc:  # a failed step fails its requests, not the engine
                     self._fail_running(EngineError(f"engine step failed: {exc!r}"))
                     continue
+            self._count(can_admit, batch, time.perf_counter() - started)
             self.steps += 1
             self._record(batch, tokens, logps, version)
+
+    def _count(self, prefill: bool, batch: list[Request], seconds: float) -> None:
+        kind = "prefill" if prefill else "decode"
+        self.stats[f"{kind}_s"] += seconds
+        self.stats[f"{kind}_steps"] += 1
+        if prefill:
+            self.stats["prefill_tokens"] += sum(len(r.prompt) for r in batch)
+        else:
+            self.stats["decode_rows"] += len(batch)
 
     def _fail_running(self, exc: EngineError) -> None:
         for req in self._running:

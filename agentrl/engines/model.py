@@ -10,6 +10,8 @@ Numerics follow transformers: RMSNorm in fp32, RoPE tables in fp32 cast to the m
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,6 +150,16 @@ def layer_out(x, attn, o_w, ln2, gate_up_w, gate_up_b, down_w, down_b, eps: floa
     x = x + F.linear(attn, o_w)
     gate, up = F.linear(_rms_norm(x, ln2, eps), gate_up_w, gate_up_b).chunk(2, dim=-1)
     return x + F.linear(F.silu(gate) * up, down_w, down_b)
+
+
+def _prefill_backends():
+    """SDPA backends for prefill: never cuDNN, which builds an execution plan per new sequence length (every
+    prompt length is new: seconds per batch of prompts); flash and memory-efficient kernels need no plan."""
+    if not torch.cuda.is_available():
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 class CausalLM:
@@ -321,31 +333,39 @@ class CausalLM:
         return F.linear(_rms_norm(hidden, self.norm, self.spec.rms_eps), self.lm_head).float()
 
     @torch.inference_mode()
-    def prefill(
-        self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, cache: KVCache, start: int = 0
-    ) -> torch.Tensor:
-        """Right-padded `tokens` [N, T] of prompts with `lengths` [N] written to cache `slots` [N] at positions
-        `start..start+T`; returns fp32 logits [N, vocab] at each prompt's last position."""
+    def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor,
+                lengths: list[int], cache: KVCache) -> torch.Tensor:  # fmt: skip
+        """Packed prompts: `tokens`, `positions`, `token_slots` [S] are the prompts' tokens back to back (prompt
+        j has `lengths[j]` tokens at positions 0..len-1 of its cache slot). Writes their K/V into the cache and
+        returns fp32 logits [N, vocab] at each prompt's last token. The projections and MLP run on the S real
+        tokens (no padding); attention runs per prompt as causal SDPA (the flash kernel on CUDA, no mask)."""
         s = self.spec
-        n, t = tokens.shape
-        self.ensure_rope(start + t)
-        positions = torch.arange(start, start + t, device=self.device)
-        cos, sin = self._rope(positions)
-        key_ok = torch.arange(t, device=self.device)[None, :] < lengths[:, None]
-        mask = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()[None] & key_ok[:, None, :]
-        mask = mask[:, None]  # [N, 1, T, T]
         groups = s.heads // s.kv_heads
-        x = F.embedding(tokens, self.embed)
+        self.ensure_rope(max(lengths))
+        cos, sin = self._rope(positions)
+        ends = list(itertools.accumulate(lengths))
+        spans = list(zip([0, *ends[:-1]], ends, strict=True))
+        x = F.embedding(tokens, self.embed)  # [S, hidden]
+        with _prefill_backends():
+            x = self._prefill_layers(x, cos, sin, positions, token_slots, spans, cache, groups)
+        last = torch.tensor([e - 1 for e in ends], device=self.device)
+        return self.logits(x[last])
+
+    def _prefill_layers(self, x, cos, sin, positions, token_slots, spans, cache, groups: int) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
-            q, k, v = (y.transpose(1, 2) for y in self._qkv(layer, x, cos, sin))
-            cache.k[i][slots, :, start : start + t] = k
-            cache.v[i][slots, :, start : start + t] = v
-            if groups > 1:
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            x = self._out(layer, x, attn.transpose(1, 2).reshape(n, t, self.q_dim))
-        last = x[torch.arange(n, device=self.device), lengths - 1]
-        return self.logits(last)
+            q, k, v = self._qkv(layer, x, cos, sin)  # q [S, H, D], k/v [S, KV, D]
+            cache.k[i][token_slots, :, positions] = k
+            cache.v[i][token_slots, :, positions] = v
+            attn = torch.empty_like(q)
+            for a, b in spans:
+                qa, ka, va = (
+                    y[a:b].transpose(0, 1)[None].contiguous() for y in (q, k, v)
+                )  # [1, heads, L, D]
+                if groups > 1:
+                    ka, va = ka.repeat_interleave(groups, dim=1), va.repeat_interleave(groups, dim=1)
+                attn[a:b] = F.scaled_dot_product_attention(qa, ka, va, is_causal=True)[0].transpose(0, 1)
+            x = self._out(layer, x, attn.reshape(-1, self.q_dim))
+        return x
 
     @torch.inference_mode()
     def decode(

@@ -167,12 +167,14 @@ class ModelRunner:
 
     def prefill(self, batch: list[Request], slot0: int, moves: list) -> tuple[list[int], list[float]]:
         self._apply_moves(moves)
-        longest = max(len(r.prompt) for r in batch)
-        padded = [r.prompt + [0] * (longest - len(r.prompt)) for r in batch]
-        tokens = torch.tensor(padded, dtype=torch.int64, device=self.device)
-        lengths = torch.tensor([len(r.prompt) for r in batch], dtype=torch.int64, device=self.device)
-        slots = torch.arange(slot0, slot0 + len(batch), device=self.device)
-        logits = self.model.prefill(tokens, lengths, slots, self.cache)
+        lengths = [len(r.prompt) for r in batch]
+        tokens = [t for r in batch for t in r.prompt]
+        positions = [p for n in lengths for p in range(n)]
+        slots = [slot0 + j for j, n in enumerate(lengths) for _ in range(n)]
+        packed = torch.tensor([tokens, positions, slots], dtype=torch.int64).to(
+            self.device, non_blocking=True
+        )
+        logits = self.model.prefill(packed[0], packed[1], packed[2], lengths, self.cache)
         return self._sample(logits, batch)
 
     def decode(self, batch: list[Request], moves: list) -> tuple[list[int], list[float]]:

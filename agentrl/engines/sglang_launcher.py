@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -98,10 +99,23 @@ def sglang_argv(python: str, model_path: str, host: str, port: int, args: dict[s
     return argv
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+SERVER_PORTS = (20_000, 55_000)  # SGLang also binds port + 10_000 (its gRPC port), which must stay <= 65_535
+
+
+def free_port(host: str = "127.0.0.1", ports: tuple[int, int] | None = None) -> int:
+    """A port nobody listens on: any free one, or one in `ports` (inclusive range) when given."""
+    if ports is None:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    for port in random.Random().sample(range(ports[0], ports[1] + 1), 200):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise EngineError(f"no free port in {ports[0]}-{ports[1]} on {host}")
 
 
 class SGLangServer:
@@ -121,8 +135,10 @@ class SGLangServer:
         self.startup_timeout_s = cfg.startup_timeout_s if startup_timeout_s is None else startup_timeout_s
         self.restart_on_crash = cfg.restart_on_crash if restart_on_crash is None else restart_on_crash
         self.model_path, self.host = model_path, host
-        self.port = port or free_port(host)
-        self.env = {**os.environ, **(env or {})}
+        self.port = port or free_port(host, SERVER_PORTS)
+        # SGLang turns NCCL's cuMem off unless the variable is set, and NCCL's legacy-IPC P2P path then fails
+        # with "Cuda failure 'invalid argument'" when the learner (cuMem on) broadcasts weights to it.
+        self.env = {"NCCL_CUMEM_ENABLE": "1", **os.environ, **(env or {})}
         self.log_path = Path(log_path) if log_path else Path(f"sglang-{self.port}.log")
         self.max_restarts = cfg.max_restarts if max_restarts is None else max_restarts
         self.restarts = 0

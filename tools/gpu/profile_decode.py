@@ -83,6 +83,27 @@ def profile_point(runner: ModelRunner, b: int, length: int, args) -> dict:
     return row
 
 
+def kernel_profile(runner: ModelRunner, b: int, length: int, device: str) -> dict:
+    """CUDA kernels of one eager decode step (compiled layer halves if the runner compiled them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    tokens = torch.randint(runner.spec.vocab_size, (b,), device=device)
+    pos = torch.full((b,), length - 1, dtype=torch.int64, device=device)
+    step = lambda: runner.model.decode(tokens, pos, runner.cache, length, attention=runner.attention)  # noqa: E731
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    top: dict[str, float] = {}
+    for e in kernels:
+        top[e.name[:70]] = top.get(e.name[:70], 0.0) + e.device_time_total / 1e3
+    best = sorted(top.items(), key=lambda kv: -kv[1])[:10]
+    return {"batch": b, "kv_len": length, "compiled": runner.compiled, "kernels": len(kernels),
+            "kernel_ms": round(sum(top.values()), 3), "top_ms": [[n, round(t, 3)] for n, t in best]}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", choices=["qwen3-0.6b", "tiny"], default="qwen3-0.6b")
@@ -112,7 +133,14 @@ def main() -> None:
             rows.append(profile_point(runner, b, length, args))
             print(json.dumps(rows[-1]), flush=True)
     result = {"arch": args.arch, "device": args.device, "gpu": torch.cuda.get_device_name() if cuda else None,
-              "rows": rows}  # fmt: skip
+              "compiled": runner.compiled, "rows": rows}  # fmt: skip
+    if cuda:
+        result["kernels"] = [kernel_profile(runner, b, 1024, args.device) for b in (1, 64)]
+        runner.model.compile_decode(False)
+        runner.compiled = False
+        result["kernels"] += [kernel_profile(runner, b, 1024, args.device) for b in (1, 64)]
+        for k in result["kernels"]:
+            print(json.dumps(k), flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "profile_decode.json").write_text(json.dumps(result) + "\n")
