@@ -115,6 +115,8 @@ def test_fsdp_config_errors(tmp_path, monkeypatch):
         load_config(overrides=["learner.fsdp=true", "algorithm.advantage=ppo"])
     for key in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
+    # Earlier tests in this process may have left a default process group (a world of one): hide it.
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     model = make_tiny_model(tmp_path / "tiny", "qwen2", seed=0, hidden=32, layers=1, vocab_size=128)
     with pytest.raises(LearnerError, match=r"learner\.fsdp"):
         TorchLearner(model, learner_cfg(True), ALGO)
