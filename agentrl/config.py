@@ -110,6 +110,7 @@ class LearnerSection(_Section):
     micro_batch_tokens: int = 8192
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+    data_parallel: int = 1  # learner ranks = tensor x pipeline x data parallel (torch: data parallel, with fsdp)
     publish: Literal["auto", "tensor", "object_store", "nccl", "disk"] = "auto"
     reference_model: bool = False
     pack_tokens: int = 0
@@ -278,7 +279,28 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("learner.fsdp = true needs learner.kind = 'torch' (Megatron shards by its own DP)")
     if cfg.learner.fsdp and cfg.algorithm.advantage == "ppo":
         raise ConfigError("learner.fsdp = true does not support algorithm.advantage = 'ppo' (value head)")
+    for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
+        if getattr(cfg.learner, name) < 1:
+            raise ConfigError(f"learner.{name} must be >= 1, got {getattr(cfg.learner, name)}")
+    if cfg.learner.kind == "torch" and cfg.learner.data_parallel > 1 and not cfg.learner.fsdp:
+        raise ConfigError(
+            f"learner.data_parallel = {cfg.learner.data_parallel} with learner.kind = 'torch' needs "
+            "learner.fsdp = true (the torch learner shards with FSDP2)"
+        )
+    if cfg.run.placement == "colocated" and learner_ranks(cfg) > 1:
+        raise ConfigError(
+            f"run.placement = 'colocated' runs one learner process, but learner ranks = {learner_ranks(cfg)} "
+            "(tensor_parallel x pipeline_parallel x data_parallel); use 'split' or 'disaggregated'"
+        )
     return cfg
+
+
+def learner_ranks(cfg: Config) -> int:
+    """Processes of the learner: one per GPU (or CPU rank) of its TP x PP x DP grid."""
+    ln = cfg.learner
+    if ln.kind == "megatron":
+        return ln.tensor_parallel * ln.pipeline_parallel * ln.data_parallel
+    return ln.data_parallel
 
 
 def load_config(

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_torch_learner import make_trajs
 
-from agentrl.config import AlgorithmSection, ConfigError, LearnerSection, load_config
+from agentrl.config import AlgorithmSection, ConfigError, LearnerSection, learner_ranks, load_config
 from agentrl.engines.tiny import make_tiny_model
 from agentrl.errors import LearnerError
 from agentrl.learners.batch import build_batch
@@ -109,10 +109,15 @@ def test_fsdp_two_ranks_equals_single_process(tmp_path):
 
 
 def test_fsdp_config_errors(tmp_path, monkeypatch):
-    with pytest.raises(ConfigError, match=r"learner\.fsdp"):
-        load_config(overrides=["learner.fsdp=true", "learner.kind=megatron"])
-    with pytest.raises(ConfigError, match=r"learner\.fsdp"):
-        load_config(overrides=["learner.fsdp=true", "algorithm.advantage=ppo"])
+    with pytest.raises(ConfigError, match=r"learner\.fsdp = true needs learner\.kind = 'torch'"):
+        load_config(overrides={"learner": {"fsdp": True, "kind": "megatron"}})
+    with pytest.raises(ConfigError, match=r"learner\.fsdp = true does not support algorithm\.advantage"):
+        load_config(overrides={"learner": {"fsdp": True}, "algorithm": {"advantage": "ppo"}})
+    with pytest.raises(ConfigError, match=r"learner\.data_parallel = 2 .* needs learner\.fsdp = true"):
+        load_config(overrides={"learner": {"data_parallel": 2}})
+    with pytest.raises(ConfigError, match=r"run\.placement = 'colocated' runs one learner process"):
+        load_config(overrides={"learner": {"data_parallel": 2, "fsdp": True}, "run": {"placement": "colocated"}})
+    assert learner_ranks(load_config(overrides={"learner": {"data_parallel": 2, "fsdp": True}})) == 2
     for key in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
     # Earlier tests in this process may have left a default process group (a world of one): hide it.

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.actors.broadcast import Publisher, choose_path
-from agentrl.config import Config
+from agentrl.actors.learner_group import LearnerGroup, spawn_learner
+from agentrl.config import Config, learner_ranks
 from agentrl.errors import AgentRLError, ConfigError, EngineError
 
 log = logging.getLogger(__name__)
@@ -88,14 +89,13 @@ class Coordinator:
         from ray.util.placement_group import placement_group
 
         c = self.cfg
-        learner_gpus = (
-            c.learner.tensor_parallel * c.learner.pipeline_parallel if "cuda" in c.learner.device else 0
-        )
+        ranks = learner_ranks(c)
+        learner_gpus = 1 if "cuda" in c.learner.device else 0  # one bundle (one GPU) per learner rank
         engine_gpus = 1 if "cuda" in c.engine.device and not c.engine.external_urls else 0
-        n_bundles = 1 + c.engine.num_engines + c.rollout.num_workers
+        n_bundles = ranks + c.engine.num_engines + c.rollout.num_workers
         cpus = float(ray.cluster_resources().get("CPU", 1))
         cpu = min(1.0, cpus / n_bundles)
-        shapes = [(cpu, float(learner_gpus))] + [(cpu, float(engine_gpus))] * c.engine.num_engines
+        shapes = [(cpu, float(learner_gpus))] * ranks + [(cpu, float(engine_gpus))] * c.engine.num_engines
         shapes += [(cpu, 0.0)] * c.rollout.num_workers
         bundles = [{"CPU": s[0], **({"GPU": s[1]} if s[1] else {})} for s in shapes]
         self.pg = placement_group(bundles, strategy="PACK")
@@ -125,7 +125,9 @@ class Coordinator:
             self.workers = [host]
             targets = [host.handle]
         elif self.placement == "split":
-            self.learner = spawn("learner", c, self.model_path, options={"num_cpus": 0})
+            self.learner = await asyncio.to_thread(
+                spawn_learner, c, self.model_path, lambda rank: {"num_cpus": 0}
+            )
             self.workers = [
                 self._slot("rollout", i, (c, self.model_path, self.queue, None, i), {"num_cpus": 0})
                 for i in range(c.rollout.num_workers)
@@ -133,16 +135,20 @@ class Coordinator:
             targets = [w.handle for w in self.workers]
         else:
             shapes = await self._make_placement_group()
-            cpu, gpu = shapes[0]
-            self.learner = spawn("learner", c, self.model_path, options=self._bundle_options(0, cpu, gpu))
+            ranks = learner_ranks(c)
+            self.learner = await asyncio.to_thread(
+                spawn_learner, c, self.model_path, lambda r: self._bundle_options(r, *shapes[r])
+            )
             self.engines = []
             for i in range(c.engine.num_engines):
-                cpu, gpu = shapes[1 + i]
+                cpu, gpu = shapes[ranks + i]
                 self.engines.append(
-                    self._slot("engine", i, (c, self.model_path, i), self._bundle_options(1 + i, cpu, gpu))
+                    self._slot(
+                        "engine", i, (c, self.model_path, i), self._bundle_options(ranks + i, cpu, gpu)
+                    )
                 )
             handles = [e.handle for e in self.engines]
-            base = 1 + c.engine.num_engines
+            base = ranks + c.engine.num_engines
             for i in range(c.rollout.num_workers):
                 cpu, gpu = shapes[base + i]
                 args = (c, self.model_path, self.queue, handles, i)
@@ -339,7 +345,8 @@ class Coordinator:
                 await asyncio.wait_for(slot.handle.close.remote(), 10)
             except Exception:
                 pass
-        for handle in [s.handle for s in self.workers + self.engines] + [self.learner, self.queue]:
+        learners = self.learner.handles if isinstance(self.learner, LearnerGroup) else [self.learner]
+        for handle in [s.handle for s in self.workers + self.engines] + learners + [self.queue]:
             if handle is not None:
                 try:
                     ray.kill(handle)

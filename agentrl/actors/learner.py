@@ -5,10 +5,16 @@ v+1) and returns metrics, among them the staleness of the batch (learner version
 version of each trajectory). `warmup()` runs the supervised phase on env demonstrations (loss on assistant
 tokens only, tokenized exactly as the multi-turn generator does). `weights_payload()` /`save_hf()` /
 `distributed_source()` feed agentrl.actors.broadcast. Plain class: agentrl.actors.remote makes it a Ray actor.
+
+A learner of several ranks (TP x PP x DP > 1) is one LearnerWorker per rank (agentrl.actors.learner_group), each
+started with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in its environment. Every method runs on every rank
+(weights are gathered collectively), but only rank 0 returns payloads, writes HF directories and talks to the
+engines; the other ranks take part in the collectives and return nothing.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -34,6 +40,10 @@ class LearnerWorker:
 
         torch.manual_seed(cfg.run.seed)
         from agentrl.engines.tiny import load_tokenizer
+
+        self.rank = int(os.environ.get("RANK", "0"))
+        if os.environ.get("AGENTRL_LOCAL_RANK_FROM_RAY") == "1":
+            _local_rank_from_ray()
 
         self.cfg = cfg
         self.model_path = model_path
@@ -90,8 +100,16 @@ class LearnerWorker:
 
     # -- weights and checkpoints -------------------------------------------------------------------------
 
+    def _drain(self) -> None:
+        """Ranks > 0: take part in gathering the weights, keep nothing."""
+        for _ in self.learner.weights():
+            pass
+
     def weights_payload(self) -> dict[str, Any]:
         """`{hf_name: cpu tensor}`: returned through Ray's object store (one put, shared by every engine)."""
+        if self.rank != 0:
+            self._drain()
+            return {}
         return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in self.learner.weights()}
 
     def local_weights(self):
@@ -101,6 +119,9 @@ class LearnerWorker:
         """Write the current weights as a Hugging Face directory (the `disk` publish path)."""
         from agentrl.learners.hf_io import save_hf_dir
 
+        if self.rank != 0:
+            self._drain()
+            return path
         save_hf_dir(path, self.learner.weights(), self.model_path)
         return path
 
@@ -118,6 +139,8 @@ class LearnerWorker:
     def distributed_source(self) -> Any:
         from agentrl.engines.weight_sync import describe
 
+        if self.rank != 0:
+            return self._drain()
         return describe(self._group.name, [(n, t) for n, t in self.learner.weights()])
 
     def broadcast_weights(self) -> None:
@@ -125,6 +148,8 @@ class LearnerWorker:
         from agentrl.engines.weight_sync import send_broadcast
         from agentrl.errors import WeightSyncError
 
+        if self.rank != 0:
+            return self._drain()
         if self._group is None:
             raise WeightSyncError(
                 "learner.publish = 'nccl': no weight-broadcast group (init_weight_group first)"
@@ -137,3 +162,14 @@ class LearnerWorker:
     def load(self, path: str) -> int:
         self.learner.load(path)
         return self.policy_version()
+
+
+def _local_rank_from_ray() -> None:
+    """LOCAL_RANK = the device index of the GPU Ray gave this actor: 0 when Ray narrowed CUDA_VISIBLE_DEVICES to
+    it, its physical index when RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES keeps every GPU visible."""
+    import ray
+
+    gpus = ray.get_gpu_ids()
+    if gpus:
+        keep_all = os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES") == "1"
+        os.environ["LOCAL_RANK"] = str(int(gpus[0]) if keep_all else 0)

@@ -306,9 +306,14 @@ class MegatronLearner(Learner):
             return metrics
         from megatron.core import parallel_state as ps
 
-        keys = sorted(k for k in metrics if k.startswith("loss"))
-        values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
-        dist.all_reduce(values, group=ps.get_data_parallel_group())
+        group = ps.get_data_parallel_group()
+        # A rank can have no micro-batch (fewer micro-batches than DP ranks) and so no loss keys: agree first.
+        mine = sorted(k for k in metrics if k.startswith("loss"))
+        every: list = [None] * self.dp_size
+        dist.all_gather_object(every, mine, group=group)
+        keys = sorted(set().union(*every))
+        values = torch.tensor([metrics.get(k, 0.0) for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(values, group=group)
         return {**metrics, **dict(zip(keys, values.tolist(), strict=True))}
 
     # -- weights and checkpoints -------------------------------------------------------------------------

@@ -1,0 +1,89 @@
+"""A learner of several ranks (TP x PP x DP > 1) behind the interface of one learner actor.
+
+`spawn_learner(cfg, model_path, options_for)` returns a single LearnerWorker actor when the learner has one rank,
+else a `LearnerGroup`: one LearnerWorker actor per rank, started with RANK / WORLD_SIZE / LOCAL_RANK /
+MASTER_ADDR / MASTER_PORT in its environment, so the learner's own `torch.distributed` initialisation (Megatron's
+parallel_state, FSDP2's mesh) forms the group. Callers keep writing `await learner.train.remote(trajectories)`:
+
+- every method runs on every rank (training, checkpoints and weight gathering are collectives) and the call
+  returns rank 0's result once all ranks finished, so a failing rank fails the call;
+- `weights_payload` returns rank 0's ObjectRef without waiting (the object-store publish passes it by reference);
+- `init_weight_group` runs on rank 0 alone: only rank 0 joins the engines' broadcast group.
+The rendezvous address is the node of rank 0's placement (the driver's node when the learner is not placed in a
+placement group).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from agentrl.config import Config, learner_ranks
+
+RANK0_ONLY = frozenset({"init_weight_group"})
+BY_REFERENCE = frozenset({"weights_payload"})
+
+
+class LearnerGroup:
+    def __init__(self, handles: list[Any]):
+        self.handles = handles
+
+    def __getattr__(self, method: str) -> _Call:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return _Call(self.handles, method)
+
+
+class _Call:
+    def __init__(self, handles: list[Any], method: str):
+        self.handles, self.method = handles, method
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        if self.method in RANK0_ONLY:
+            return getattr(self.handles[0], self.method).remote(*args, **kwargs)
+        refs = [getattr(h, self.method).remote(*args, **kwargs) for h in self.handles]
+        if self.method in BY_REFERENCE:
+            return refs[0]
+        return _first(refs)
+
+
+async def _first(refs: list[Any]) -> Any:
+    return (await asyncio.gather(*refs))[0]
+
+
+def _rendezvous(options: dict[str, Any]) -> tuple[str, int]:
+    """(ip, free port) on the node where rank 0 will run (a task with rank 0's scheduling options)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def probe() -> tuple[str, int]:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    keep = {k: v for k, v in options.items() if k == "scheduling_strategy"}
+    return ray.get(probe.options(**keep).remote())
+
+
+def spawn_learner(cfg: Config, model_path: str, options_for: Callable[[int], dict[str, Any]]) -> Any:
+    """One learner actor, or a LearnerGroup of `learner_ranks(cfg)` of them; `options_for(rank)` gives each
+    rank's Ray options (resources, placement bundle)."""
+    from agentrl.actors.remote import spawn
+
+    world = learner_ranks(cfg)
+    if world == 1 and not cfg.learner.fsdp:
+        return spawn("learner", cfg, model_path, options=options_for(0))
+    address, port = _rendezvous(options_for(0))
+    handles = []
+    for rank in range(world):
+        options = dict(options_for(rank))
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": address, "MASTER_PORT": str(port),
+               "LOCAL_RANK": str(rank)}  # fmt: skip
+        if options.get("num_gpus"):
+            env["AGENTRL_LOCAL_RANK_FROM_RAY"] = "1"  # Ray picked this rank's GPU: derive LOCAL_RANK from it
+        options["runtime_env"] = {"env_vars": env}
+        handles.append(spawn("learner", cfg, model_path, options=options))
+    return LearnerGroup(handles)

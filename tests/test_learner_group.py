@@ -1,0 +1,87 @@
+"""A learner of two ranks started by `spawn_learner` (two Ray actors rendezvousing over gloo on CPU) trains and
+publishes exactly like one learner process: Megatron with data_parallel = 2, the torch learner with FSDP2."""
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from agentrl import types
+from agentrl.actors.learner_group import LearnerGroup, spawn_learner
+from agentrl.actors.remote import spawn
+from agentrl.config import load_config
+from agentrl.engines.tiny import load_tokenizer, make_tiny_model
+
+pytest.importorskip("megatron.core")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("group")
+    return str(make_tiny_model(root / "m", "qwen2", seed=3, hidden=32, layers=2, heads=4, kv_heads=2))
+
+
+def trajectories(vocab: int, n: int = 8, seed: int = 0) -> list[types.Trajectory]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        p_len, r_len = int(rng.integers(3, 9)), int(rng.integers(4, 12))
+        out.append(types.normalize(types.Trajectory(
+            id=f"t{seed}-{i}", group_id=f"g{i // 4}", prompt_ids=rng.integers(0, vocab, p_len).tolist(),
+            response_ids=rng.integers(0, vocab, r_len).tolist(), logprobs=(-rng.random(r_len)).tolist(),
+            reward=float(rng.random()), policy_version=0,
+        )))  # fmt: skip
+    return out
+
+
+def within(awaitable, timeout_s: float = 120.0):
+    """A hung collective fails the test instead of hanging it."""
+    return asyncio.wait_for(awaitable, timeout_s)
+
+
+def config(kind: str, ranks: int, model_dir: str, micro_batch_tokens: int = 40):
+    learner = {"kind": kind, "data_parallel": ranks, "fsdp": kind == "torch" and ranks > 1,
+               "micro_batch_tokens": micro_batch_tokens, "lr": 1e-2}  # fmt: skip
+    return load_config(
+        overrides={"learner": learner, "model": {"path": model_dir}, "run": {"placement": "split"}}
+    )
+
+
+# micro_batch_tokens 40: several micro-batches per rank; 4096: one micro-batch, so rank 1 has none to run.
+@pytest.mark.parametrize(("kind", "mbt"), [("megatron", 40), ("megatron", 4096), ("torch", 40)])
+async def test_two_ranks_equal_one_process(cluster, model_dir, tmp_path, kind, mbt):
+    vocab = len(load_tokenizer(model_dir))
+    single = spawn("learner", config(kind, 1, model_dir, mbt), model_dir)
+    group = spawn_learner(config(kind, 2, model_dir, mbt), model_dir, lambda rank: {"num_cpus": 0})
+    assert isinstance(group, LearnerGroup) and len(group.handles) == 2
+    try:
+        for step in range(2):
+            batch = trajectories(vocab, seed=step)
+            a, b = await within(group.train.remote(batch)), await within(single.train.remote(batch))
+            assert a["policy_version"] == b["policy_version"] == step + 1
+            for key in ("train/loss", "train/grad_norm", "train/tokens"):
+                assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (key, a[key], b[key])
+        got, want = (
+            await within(group.weights_payload.remote()),
+            await within(single.weights_payload.remote()),
+        )
+        assert got.keys() == want.keys()
+        assert max((got[n] - want[n]).abs().max().item() for n in want) <= 1e-5
+        path = await group.save_hf.remote(str(tmp_path / "hf"))  # rank 0 writes, rank 1 only gathers
+        assert os.path.exists(os.path.join(path, "config.json"))
+        assert await group.learner_version.remote() == 2
+    finally:
+        for handle in [single, *group.handles]:
+            ray.kill(handle)
+    assert torch.is_tensor(next(iter(got.values())))
