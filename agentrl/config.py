@@ -115,7 +115,7 @@ class LearnerSection(_Section):
     reference_model: bool = False
     pack_tokens: int = 0
     gradient_checkpointing: bool = False
-    fsdp: bool = False  # torch learner: FSDP2 over all ranks of a torchrun launch (one process per GPU)
+    fsdp: bool = False  # torch learner: FSDP2 over learner.data_parallel ranks (one process per GPU)
 
 
 class AlgorithmSection(_Section):

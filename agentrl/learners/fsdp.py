@@ -1,4 +1,4 @@
-"""FSDP2 (`torch.distributed.fsdp.fully_shard`) for the torch learner: one process per device under torchrun.
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) for the torch learner: one process per device (agentrl run or torchrun).
 
 Invariants: every rank holds the same batch and runs `share(parts)` of its micro-batches (the Megatron learner's
 `parts[rank::world]` split), padded with zero-weight repeats so every rank runs the same number of forwards and

@@ -7,7 +7,7 @@ big batch); `policy_version` increases by one per `train_step` and per `sft_step
 autocast on CUDA when `learner.dtype = "bfloat16"`; `weights()` streams HF names and omits `lm_head.weight` when
 the embeddings are tied; `learner.gradient_checkpointing` recomputes activations in the backward. PPO uses a
 value head on the policy's last hidden state (shared trunk), saved with the optimizer state, never published.
-`learner.fsdp = true` (agentrl.learners.fsdp): one process per device under torchrun, FSDP2-sharded fp32
+`learner.fsdp = true` (agentrl.learners.fsdp): one process per device (agentrl run or torchrun), FSDP2-sharded fp32
 parameters and AdamW state (bf16 compute on CUDA through FSDP's mixed precision, not autocast); each rank runs its
 share of the micro-batches and of every log-prob pass, gradients are summed over ranks, metrics are merged over all
 ranks, so a step equals the single-process step. `weights()`, `save` and `load` are collectives that every rank
