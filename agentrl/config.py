@@ -110,7 +110,7 @@ class LearnerSection(_Section):
     micro_batch_tokens: int = 8192
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
-    data_parallel: int = 1  # learner ranks = tensor x pipeline x data parallel (torch: data parallel, with fsdp)
+    data_parallel: int = 1  # learner ranks: Megatron TP x PP x DP; torch DP (with fsdp)
     publish: Literal["auto", "tensor", "object_store", "nccl", "disk"] = "auto"
     reference_model: bool = False
     pack_tokens: int = 0

@@ -116,7 +116,9 @@ def test_fsdp_config_errors(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"learner\.data_parallel = 2 .* needs learner\.fsdp = true"):
         load_config(overrides={"learner": {"data_parallel": 2}})
     with pytest.raises(ConfigError, match=r"run\.placement = 'colocated' runs one learner process"):
-        load_config(overrides={"learner": {"data_parallel": 2, "fsdp": True}, "run": {"placement": "colocated"}})
+        load_config(
+            overrides={"learner": {"data_parallel": 2, "fsdp": True}, "run": {"placement": "colocated"}}
+        )
     assert learner_ranks(load_config(overrides={"learner": {"data_parallel": 2, "fsdp": True}})) == 2
     for key in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
