@@ -262,3 +262,18 @@ def test_dry_run_prints_resolved_config(tmp_path, model_dir, capsys):
     assert 'mode = "async"' in out and "max_staleness = 3" in out
     assert main(["run", str(cfg), "--dry-run", "--queue.max-stalenes", "3"]) == 2
     assert "did you mean" in capsys.readouterr().err
+
+
+def test_two_rank_learner_in_a_disaggregated_run(ray_session, tmp_path, model_dir):
+    """Two FSDP2 learner ranks (one placement bundle each) train, publish from rank 0 and checkpoint."""
+    from agentrl.config import load_config
+    from agentrl.runner.loop import run
+
+    learner = {"data_parallel": 2, "fsdp": True, "micro_batch_tokens": 64}
+    cfg = load_config(tiny_config(tmp_path, model_dir, learner=learner,
+                                  run={"steps": 2, "eval_every": 0, "placement": "disaggregated"}))  # fmt: skip
+    summary = run(cfg)
+    assert summary["ok"] and summary["steps"] == 2
+    metrics, _ = check_run_dir(tmp_path / "t", 2)
+    assert [m["policy_version"] for m in metrics] == [1, 2]
+    assert all(m["train/micro_batches"] >= 2 for m in metrics)  # merged over both ranks
