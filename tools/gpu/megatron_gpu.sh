@@ -33,6 +33,6 @@ case $mode in
     torchrun --standalone --nproc_per_node 2 bench/megatron_bench.py --tp 1 --variants megatron \
       --out "$out/megatron_bench_dp2.json" ;;
   test)
-    python3 -m pytest -q -p no:cacheprovider tests/test_megatron_gpu.py ;;
+    python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_megatron_gpu.py 2>&1 | tail -80 ;;
   *) echo "unknown mode $mode (prepare | bench1 | tp2 | test)" >&2; exit 2 ;;
 esac

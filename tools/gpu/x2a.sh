@@ -16,7 +16,8 @@ profile_pid=$!
 CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fused_logprob.py 2>&1 | tail -2
 wait $profile_pid; echo "profile_decode rc=$?"; grep '^{"batch' "$out/profile_decode.log" | cut -c1-1200
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_megatron_gpu.py > "$out/test_megatron_gpu.log" 2>&1
-echo "megatron gpu tests rc=$?"; tail -3 "$out/test_megatron_gpu.log"
+echo "megatron gpu tests rc=$?"; grep -B2 -A25 -E '^(____|E )' "$out/test_megatron_gpu.log" | head -60
+tail -3 "$out/test_megatron_gpu.log"
 timeout 200 torchrun --standalone --nproc_per_node 2 bench/megatron_bench.py --tp 2 --variants megatron_compile \
   --out "$out/megatron_bench_tp2.json" > "$out/megatron_tp2.log" 2>&1
 echo "megatron tp2 rc=$?"; grep -E '^\[' "$out/megatron_tp2.log" | cut -c1-400
