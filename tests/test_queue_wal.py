@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import os
@@ -279,3 +280,14 @@ async def test_reclaim_after_restart_holds_ids_without_committing(tmp_path):
     assert sorted(q2.pending_ids()) == sorted([*rest.ids, "c1"])
     q2.close()
     assert sorted(ReplayQueue(cfg, tmp_path).pending_ids()) == sorted([*rest.ids, "c1"])
+
+
+async def test_restart_keeps_a_group_named_after_one_of_its_members(tmp_path):
+    cfg = QueueSection(group_size=3, max_staleness=3)
+    q = ReplayQueue(cfg, tmp_path)
+    await q.put([traj("s0", "s0"), traj("s1", "s0"), traj("s2", "s0"), traj("lone")])
+    q.close()
+    q2 = ReplayQueue(cfg, tmp_path)  # the group of 3 and the ungrouped one are both whole again
+    batch = await asyncio.wait_for(q2.sample_batch(4), 5)
+    assert sorted(batch.ids) == ["lone", "s0", "s1", "s2"]
+    q2.close()

@@ -22,6 +22,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -79,11 +80,15 @@ class ReplayQueue:
         self._committed_steps = state.committed_steps
         self._n_committed = state.n_committed
         self._admission.admitted = state.n_committed + len(state.uncommitted)
+        # `put` normalised an empty group_id to the trajectory's id, so group_id == id alone does not say
+        # "ungrouped": a group may be named after one of its members. Ungrouped = nobody else shares it.
+        sharing = Counter(t.group_id for t in state.uncommitted.values())
         for traj in state.uncommitted.values():
             self._live[traj.id] = traj
             self._n_queued += 1
             self._bytes += nbytes(traj)
-            self._insert(traj, ungrouped=traj.group_id == traj.id)
+            alone = traj.group_id == traj.id and sharing[traj.group_id] == 1
+            self._insert(traj, ungrouped=self.cfg.group_size <= 1 or alone)
         if state.commits and self._wal is not None:
             self._wal.repair_ledger(state.commits)
         if state.uncommitted or state.cut_bytes:
