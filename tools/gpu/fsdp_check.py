@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 import torch.distributed as dist
 
-from bench.megatron_bench import QWEN3_06B, TINY, ensure_model_dir, make_batch
+from bench.megatron_bench import QWEN3_06B, TINY, ensure_model_dir, make_batch, sync
 
 
 def parse_args(argv=None):
@@ -51,11 +51,6 @@ def parse_args(argv=None):
     name = "tiny" if args.tiny else "qwen3-0.6b"
     args.model_dir = args.model_dir or f"/tmp/agentrl-bench-{name}-{args.dtype}"
     return args
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def peak_gib(device: str) -> float:
