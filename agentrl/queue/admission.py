@@ -135,4 +135,4 @@ class Admission:
             raise QueueClosed("the queue is draining and accepts no trajectories")
         q.metrics.reserve_wait.observe(time.monotonic() - start)
         self.in_flight += n
-        return Ticket(q, n)
+        return Ticket(self, n)

@@ -162,19 +162,6 @@ class ReplayQueue:
         `with await queue.reserve(n) as ticket: ...; await queue.put(trajectories, ticket=ticket)`."""
         return await self._admission.reserve(n, timeout_s)
 
-    # Ticket (primitives.py) settles its reservation through `queue._in_flight` and `queue._space`.
-    @property
-    def _in_flight(self) -> int:
-        return self._admission.in_flight
-
-    @_in_flight.setter
-    def _in_flight(self, n: int) -> None:
-        self._admission.in_flight = n
-
-    @property
-    def _space(self) -> _Signal:
-        return self._admission.space
-
     # ----------------------------------------------------------------- groups
     def _insert(self, traj: Trajectory, *, ungrouped: bool) -> None:
         if ungrouped or self.cfg.group_size <= 1:

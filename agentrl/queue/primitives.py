@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from agentrl.types import Trajectory
 
 if TYPE_CHECKING:
-    from agentrl.queue.core import ReplayQueue
+    from agentrl.queue.admission import Admission
 
 
 @dataclass(eq=False)
@@ -68,21 +68,21 @@ class _Signal:
 class Ticket:
     """Admission reserved by `ReplayQueue.reserve(n)`; `put(..., ticket=)` uses it, `release()` returns the rest."""
 
-    def __init__(self, queue: ReplayQueue, n: int):
-        self._queue = queue
+    def __init__(self, admission: Admission, n: int):
+        self._admission = admission
         self.remaining = n
 
     def take(self, n: int) -> int:
         used = min(n, self.remaining)
         self.remaining -= used
-        self._queue._in_flight -= used
+        self._admission.in_flight -= used
         return used
 
     def release(self) -> None:
         if self.remaining:
-            self._queue._in_flight -= self.remaining
+            self._admission.in_flight -= self.remaining
             self.remaining = 0
-            self._queue._space.fire()
+            self._admission.space.fire()
 
     def __enter__(self) -> Ticket:
         return self
