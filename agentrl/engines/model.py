@@ -152,10 +152,10 @@ def layer_out(x, attn, o_w, ln2, gate_up_w, gate_up_b, down_w, down_b, eps: floa
     return x + F.linear(F.silu(gate) * up, down_w, down_b)
 
 
-def _prefill_backends():
+def _prefill_backends(device: torch.device):
     """SDPA backends for prefill: never cuDNN, which builds an execution plan per new sequence length (every
     prompt length is new: seconds per batch of prompts); flash and memory-efficient kernels need no plan."""
-    if not torch.cuda.is_available():
+    if device.type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -322,7 +322,7 @@ class CausalLM:
         """Decode through torch.compile'd layer halves (CUDA): inductor fuses the norms, RoPE, SwiGLU and
         residual adds into a few kernels per layer, so a graph-replayed step is not bound by ~50 tiny kernel
         launches per layer. One compilation serves every layer (weights are inputs) and every batch size;
-        prefill stays eager (its shapes vary in two dimensions and it is matmul-bound)."""
+        prefill stays eager (its token count changes every step and it is bound by its matmuls)."""
         if not enable:
             self._layer_in, self._layer_out, self.compiled = layer_in, layer_out, False
             return
@@ -346,7 +346,7 @@ class CausalLM:
         ends = list(itertools.accumulate(lengths))
         spans = list(zip([0, *ends[:-1]], ends, strict=True))
         x = F.embedding(tokens, self.embed)  # [S, hidden]
-        with _prefill_backends():
+        with _prefill_backends(self.device):
             x = self._prefill_layers(x, cos, sin, positions, token_slots, spans, cache, groups)
         last = torch.tensor([e - 1 for e in ends], device=self.device)
         return self.logits(x[last])

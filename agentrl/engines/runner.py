@@ -84,11 +84,15 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.cache, max_batch_size, self.attention)
         if compile and self.device.type != "cuda":
             raise EngineError("engine compile=True needs a CUDA device")
-        self.compiled = (
-            self._compile() if (self.graphs is not None if compile is None else compile) else False
-        )
+        if self.graphs is not None if compile is None else compile:  # default: compile with CUDA graphs
+            self._compile()
 
-    def _compile(self) -> bool:
+    @property
+    def compiled(self) -> bool:
+        """Whether decode runs through the torch.compile'd layer halves (the model's state, not a copy)."""
+        return self.model.compiled
+
+    def _compile(self) -> None:
         """torch.compile the decode step's layer halves and compile them now (batch 2 then 3 makes the batch
         dimension dynamic; 1 is specialised), so no request waits on inductor. On failure: eager, with a warning."""
         try:
@@ -96,13 +100,11 @@ class ModelRunner:
             for b in (2, 3, 1):  # K/V of token 0 at position 0 of free slots: nothing live is touched
                 tokens = torch.zeros(b, dtype=torch.int64, device=self.device)
                 self.model.decode(tokens, torch.zeros_like(tokens), self.cache, 1, attention=self.attention)
-            return True
         except Exception as exc:  # a missing C compiler, an inductor bug: slower, never broken
             log.warning(
                 "embedded engine: torch.compile of the decode step failed (%r); decoding eagerly", exc
             )
             self.model.compile_decode(False)
-            return False
 
     def _check_memory(self, slots: int, dtype: torch.dtype) -> None:
         s = self.spec

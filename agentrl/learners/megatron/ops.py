@@ -21,9 +21,9 @@ def target_logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, t
     tp = ps.get_tensor_model_parallel_world_size()
     group = ps.get_tensor_model_parallel_group() if tp > 1 else None
     vocab_start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
-    targets = torch.nn.functional.pad(input_ids[:, 1:], (0, 1))
-    logp, ent = fused_logprob.logprobs_and_entropy(logits, targets, temperature, vocab_start, group)
     pad = torch.nn.functional.pad
+    targets = pad(input_ids[:, 1:], (0, 1))
+    logp, ent = fused_logprob.logprobs_and_entropy(logits, targets, temperature, vocab_start, group)
     return pad(logp[:, :-1], (1, 0)), pad(ent[:, :-1], (1, 0))
 
 
