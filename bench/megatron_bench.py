@@ -53,12 +53,16 @@ def parse_args(argv=None):
     p.add_argument("--attention", default="sdpa", choices=["sdpa", "local"])
     p.add_argument("--model-dir", default="", help="where the random HF model is written (default /tmp/...)")
     p.add_argument("--out", default="", help="write the results as JSON here")
-    args = p.parse_args(argv)
-    dims = TINY if args.tiny else QWEN3_06B
-    args.dims = dims
+    return fill_defaults(p.parse_args(argv), steps=(3, 8))
+
+
+def fill_defaults(args, steps: tuple[int, int]):
+    """Workload defaults shared with tools/gpu/fsdp_check.py (same dims, batch and model directory);
+    `steps` = (tiny, full) timed steps."""
+    args.dims = TINY if args.tiny else QWEN3_06B
     args.batch = args.batch or (4 if args.tiny else 8)
     args.seq = args.seq or (64 if args.tiny else 2048)
-    args.steps = args.steps or (3 if args.tiny else 8)
+    args.steps = args.steps or (steps[0] if args.tiny else steps[1])
     args.dtype = "float32" if args.device == "cpu" else "bfloat16"
     name = "tiny" if args.tiny else "qwen3-0.6b"
     args.model_dir = args.model_dir or f"/tmp/agentrl-bench-{name}-{args.dtype}"

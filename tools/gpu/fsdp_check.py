@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 import torch.distributed as dist
 
-from bench.megatron_bench import QWEN3_06B, TINY, ensure_model_dir, make_batch, sync
+from bench.megatron_bench import ensure_model_dir, fill_defaults, make_batch, sync
 
 
 def parse_args(argv=None):
@@ -41,15 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--model-dir", default="")
     p.add_argument("--out", default="", help="write fsdp_check.json here")
-    args = p.parse_args(argv)
-    args.dims = TINY if args.tiny else QWEN3_06B
-    args.batch = args.batch or (4 if args.tiny else 8)
-    args.seq = args.seq or (64 if args.tiny else 2048)
+    args = fill_defaults(p.parse_args(argv), steps=(2, 5))
     args.micro_batch_tokens = args.micro_batch_tokens or (64 if args.tiny else 4096)
-    args.steps = args.steps or (2 if args.tiny else 5)
-    args.dtype = "float32" if args.device == "cpu" else "bfloat16"
-    name = "tiny" if args.tiny else "qwen3-0.6b"
-    args.model_dir = args.model_dir or f"/tmp/agentrl-bench-{name}-{args.dtype}"
     return args
 
 
