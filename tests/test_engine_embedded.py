@@ -8,6 +8,7 @@ import torch
 
 from agentrl.engines.base import DiskSource, InvalidRequest, SamplingParams, TensorSource
 from agentrl.engines.embedded import EmbeddedEngine
+from agentrl.engines.sglang_launcher import free_port
 from agentrl.engines.tiny import ARCHS, make_tiny_model
 
 torch.set_num_threads(1)
@@ -305,13 +306,10 @@ async def test_disk_update_and_bad_sources(dirs):
 
 
 async def test_distributed_update_over_gloo(dirs):
-    import socket
 
     from agentrl.engines.weight_sync import describe, init_weights_update_group, send_broadcast
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     eng = engine(dirs["qwen2"])
     ref_b = hf_model(dirs["qwen2_b"])
     named = [(n, p.detach().clone()) for n, p in ref_b.named_parameters()]

@@ -3,7 +3,6 @@
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,7 +15,7 @@ from agentrl.config import SGLangSection
 from agentrl.engines.base import DiskSource, InvalidRequest, SamplingParams, TensorSource
 from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.sglang import SGLangEngine
-from agentrl.engines.sglang_launcher import SGLangServer, parse_sglang_flags, sglang_argv
+from agentrl.engines.sglang_launcher import SGLangServer, free_port, parse_sglang_flags, sglang_argv
 from agentrl.engines.tiny import make_tiny_model
 from agentrl.errors import ConfigError, EngineError, WeightSyncError
 
@@ -24,12 +23,6 @@ torch.set_num_threads(1)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_new_tokens=1000, ignore_eos=True)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -2,13 +2,13 @@
 kernels), across a 2-rank vocab split (gloo), and on a GPU (Triton kernels; skipped without CUDA)."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from agentrl.engines.sglang_launcher import free_port
 from agentrl.learners import fused_logprob
 
 
@@ -71,9 +71,7 @@ def test_vocab_split_across_two_ranks_equals_whole_vocab():
     logits = torch.randn(6, 80, generator=gen) * 3
     targets = torch.tensor([0, 39, 40, 79, 5, 60])  # both sides of the split and its edges
     w_logp, w_ent = torch.randn(6, generator=gen), torch.randn(6, generator=gen)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = mp.Manager().dict()
     mp.spawn(_tp_worker, args=(port, logits, targets, w_logp, w_ent, out), nprocs=2, join=True)
     want_logp, want_ent, want_grad = grads(reference, logits, targets, 0.9, w_logp, w_ent)

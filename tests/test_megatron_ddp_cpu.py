@@ -6,7 +6,6 @@ steps, SFT loss), and a save/load resume continues bit-exactly.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
+from agentrl.engines.sglang_launcher import free_port
 from agentrl.engines.tiny import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,9 +54,7 @@ def test_tensor_pipeline_data_parallel_2_ranks(tmp_path):
     qwen3 = make_tiny_model(tmp_path / "qwen3", "qwen3", seed=4, tie_embeddings=True, **TINY)
     runs = [("tp2", 2, 1, str(qwen2), True), ("pp2", 1, 2, str(qwen3), True), ("dp2", 1, 1, str(qwen2), True)]
     runs.append(("dp2_cpu", 1, 1, str(qwen2), False))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(parallel_worker, args=(2, runs, port, str(tmp_path)), nprocs=2)
     for rank in range(2):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())

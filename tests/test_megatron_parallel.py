@@ -6,7 +6,6 @@ full-vocabulary computation. PP = 2: each stage holds half the layers and stream
 """
 
 import json
-import socket
 import warnings
 
 import pytest
@@ -14,13 +13,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from agentrl.engines.sglang_launcher import free_port
 from agentrl.engines.tiny import make_tiny_model
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, runs: list[tuple[int, int, str]], port: int, out_dir: str) -> None:
@@ -89,7 +83,7 @@ def results(tmp_path_factory):
     qwen2 = make_tiny_model(tmp / "qwen2", "qwen2", tie_embeddings=False, **kw)
     qwen3 = make_tiny_model(tmp / "qwen3", "qwen3", tie_embeddings=False, **kw)
     runs = [(2, 1, str(qwen2)), (1, 2, str(qwen3))]
-    mp.spawn(_worker, args=(2, runs, _free_port(), str(tmp)), nprocs=2)
+    mp.spawn(_worker, args=(2, runs, free_port(), str(tmp)), nprocs=2)
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
 
 

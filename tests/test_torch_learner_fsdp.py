@@ -2,13 +2,13 @@
 updated weights, `weights()`, SFT, log-probs, and a save/load round trip (into FSDP and into a plain learner)."""
 
 import os
-import socket
 
 import pytest
 import torch
 from test_torch_learner import make_trajs
 
 from agentrl.config import AlgorithmSection, ConfigError, LearnerSection, learner_ranks, load_config
+from agentrl.engines.sglang_launcher import free_port
 from agentrl.engines.tiny import make_tiny_model
 from agentrl.errors import LearnerError
 from agentrl.learners.batch import build_batch
@@ -75,9 +75,7 @@ def test_fsdp_two_ranks_equals_single_process(tmp_path):
     import torch.multiprocessing as mp
 
     model = make_tiny_model(tmp_path / "tiny", "qwen2", seed=0, hidden=64, layers=2, vocab_size=512)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ref: dict = {}
     single = TorchLearner(model, learner_cfg(False), ALGO)
     run_steps(single, ref, "")

@@ -18,6 +18,8 @@ import time
 import urllib.parse
 from pathlib import Path
 
+from run_support import read_jsonl  # the suite's tests import it from here too
+
 HERE = Path(__file__).parent
 TESTS = HERE.parent
 
@@ -222,10 +224,6 @@ class RunProcess:
 
     def tail(self, n: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-n:]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def replay_wal(run: Path):
