@@ -89,3 +89,53 @@ def test_graph_engine_logprobs_match_hf_across_update(tmp_path):
 
     asyncio.run(main())
     assert len(engine.runner.graphs.graphs) >= 1
+
+
+PREFILL_LENGTHS = [1, 2, 7, 64, 129, 333, 1000]
+
+
+@pytest.mark.parametrize("kv_heads", [8, 4])
+def test_varlen_prefill_attention_matches_per_prompt_sdpa(kv_heads):
+    from agentrl.engines import prefill_attention as pa
+
+    torch.manual_seed(0)
+    s, heads, dim = sum(PREFILL_LENGTHS), 16, 128
+    q = torch.randn(s, heads, dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(s, kv_heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    packed = pa.Packed.from_lengths(PREFILL_LENGTHS, torch.device("cuda"))
+    out = pa.packed_causal_attention(q, k, v, packed)
+    assert pa._varlen["state"] == "ok"  # the varlen kernel ran (no silent fallback)
+    ref = pa.loop_causal_attention(q.float(), k.float(), v.float(), packed.spans)  # fp32 per-prompt SDPA
+    loop = pa.loop_causal_attention(q, k, v, packed.spans)  # the bf16 path it replaces
+    for a, b in packed.spans:
+        err = (out[a:b].float() - ref[a:b]).norm() / ref[a:b].norm()
+        loop_err = (loop[a:b].float() - ref[a:b]).norm() / ref[a:b].norm()
+        assert err < 1e-2 and err < 2 * loop_err + 1e-3, (b - a, float(err), float(loop_err))
+
+
+def test_prefill_logprobs_same_with_varlen_and_loop(tmp_path, monkeypatch):
+    from agentrl.engines import prefill_attention as pa
+    from agentrl.engines.model import CausalLM, KVCache, ModelSpec
+    from agentrl.engines.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", arch="qwen3", hidden=256, layers=4, heads=8, kv_heads=2, seed=0,
+                           head_dim=128, init_std=0.1)  # fmt: skip
+    spec = ModelSpec.from_dir(path)
+    model = CausalLM(spec, "cuda", torch.bfloat16)
+    model.load_dir(path)
+    lengths = [1, 5, 40, 131, 9]
+    tokens = torch.randint(3, spec.vocab_size, (sum(lengths),), device="cuda")
+    positions = torch.cat([torch.arange(n) for n in lengths]).cuda()
+    slots = torch.cat([torch.full((n,), j) for j, n in enumerate(lengths)]).cuda()
+
+    def prefill():
+        cache = KVCache(spec, len(lengths), 256, torch.device("cuda"), torch.bfloat16)
+        return torch.log_softmax(model.prefill(tokens, positions, slots, lengths, cache), -1)
+
+    varlen = prefill()
+    assert pa._varlen["state"] == "ok"
+    monkeypatch.setattr(pa, "_varlen", {"state": "off", "call": None})
+    loop = prefill()
+    assert varlen.shape == (len(lengths), spec.vocab_size)
+    assert (varlen - loop).abs().mean().item() < 0.03  # bf16 noise; a wrong mask is O(1)
+    assert (varlen.exp() - loop.exp()).abs().max().item() < 1e-2

@@ -11,7 +11,6 @@ Numerics follow transformers: RMSNorm in fp32, RoPE tables in fp32 cast to the m
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from agentrl.engines.prefill_attention import Packed, packed_causal_attention
 from agentrl.errors import EngineError, WeightSyncError
 
 
@@ -338,32 +338,23 @@ class CausalLM:
         """Packed prompts: `tokens`, `positions`, `token_slots` [S] are the prompts' tokens back to back (prompt
         j has `lengths[j]` tokens at positions 0..len-1 of its cache slot). Writes their K/V into the cache and
         returns fp32 logits [N, vocab] at each prompt's last token. The projections and MLP run on the S real
-        tokens (no padding); attention runs per prompt as causal SDPA (the flash kernel on CUDA, no mask)."""
-        s = self.spec
-        groups = s.heads // s.kv_heads
+        tokens (no padding); attention is causal within each prompt: one varlen flash kernel per layer on CUDA
+        (bf16/fp16), per-prompt SDPA otherwise (engines/prefill_attention.py)."""
         self.ensure_rope(max(lengths))
         cos, sin = self._rope(positions)
-        ends = list(itertools.accumulate(lengths))
-        spans = list(zip([0, *ends[:-1]], ends, strict=True))
+        packed = Packed.from_lengths(lengths, self.device)
         x = F.embedding(tokens, self.embed)  # [S, hidden]
         with _prefill_backends(self.device):
-            x = self._prefill_layers(x, cos, sin, positions, token_slots, spans, cache, groups)
-        last = torch.tensor([e - 1 for e in ends], device=self.device)
+            x = self._prefill_layers(x, cos, sin, positions, token_slots, packed, cache)
+        last = torch.tensor([b - 1 for _, b in packed.spans], device=self.device)
         return self.logits(x[last])
 
-    def _prefill_layers(self, x, cos, sin, positions, token_slots, spans, cache, groups: int) -> torch.Tensor:
+    def _prefill_layers(self, x, cos, sin, positions, token_slots, packed: Packed, cache) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)  # q [S, H, D], k/v [S, KV, D]
             cache.k[i][token_slots, :, positions] = k
             cache.v[i][token_slots, :, positions] = v
-            attn = torch.empty_like(q)
-            for a, b in spans:
-                qa, ka, va = (
-                    y[a:b].transpose(0, 1)[None].contiguous() for y in (q, k, v)
-                )  # [1, heads, L, D]
-                if groups > 1:
-                    ka, va = ka.repeat_interleave(groups, dim=1), va.repeat_interleave(groups, dim=1)
-                attn[a:b] = F.scaled_dot_product_attention(qa, ka, va, is_causal=True)[0].transpose(0, 1)
+            attn = packed_causal_attention(q, k, v, packed)
             x = self._out(layer, x, attn.reshape(-1, self.q_dim))
         return x
 
