@@ -42,11 +42,9 @@ def hf_logprobs(path, batch, temperature=1.0):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    # on CPU: a learner may have moved the batch to its device (Batch.to works in place)
+    ids, mask, pos = (t.cpu() for t in (batch.input_ids, batch.attention_mask, batch.position_ids))
     with torch.no_grad():
-        logits = model(
-            batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
-        ).logits
-    logp = torch.log_softmax(logits[:, :-1].float() / temperature, -1).gather(
-        -1, batch.input_ids[:, 1:, None]
-    )
-    return torch.nn.functional.pad(logp[..., 0], (1, 0)) * batch.attention_mask
+        logits = model(ids, attention_mask=mask, position_ids=pos).logits
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, -1).gather(-1, ids[:, 1:, None])
+    return torch.nn.functional.pad(logp[..., 0], (1, 0)) * mask
