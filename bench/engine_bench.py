@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import gc
 import json
-import os
 import random
 import sys
 import tempfile
@@ -86,10 +85,7 @@ async def run_engine(engine, requests, seeded: bool = True) -> tuple[int, float]
 
 # name -> (cuda_graphs, attention, torch.compile'd decode layers)
 VARIANTS = {"eager": (False, "sdpa", False), "triton": (False, "triton", False), "graphs": (True, "triton", True),
-            "graphs_nocompile": (True, "triton", False), "graphs_sdpa": (True, "sdpa", True),
-            "graphs_nosplit": (True, "triton", True)}  # fmt: skip
-# variant -> environment while it runs (graphs_nosplit: decode attention without split-KV)
-VARIANT_ENV = {"graphs_nosplit": {"AGENTRL_DECODE_MAX_SPLITS": "1"}}
+            "graphs_nocompile": (True, "triton", False), "graphs_sdpa": (True, "sdpa", True)}  # fmt: skip
 
 
 def bench_embedded(path: Path, requests, args, variant: str = "eager") -> dict:
@@ -295,8 +291,6 @@ def main() -> None:
         variants = args.embedded_variants.split(",")
         for variant in variants:
             key = "embedded" if variant == variants[0] else f"embedded_{variant}"
-            saved = dict(os.environ)
-            os.environ.update(VARIANT_ENV.get(variant, {}))
             try:
                 result[key] = bench_embedded(path, requests, args, variant)
             except Exception as exc:  # a broken variant must not cost the others (GPU time is scarce)
@@ -305,9 +299,6 @@ def main() -> None:
                 traceback.print_exc()
                 result[key] = {"error": repr(exc)[:500], "tok_s": 0.0}
                 _free(args.device)
-            finally:
-                os.environ.clear()
-                os.environ.update(saved)
             result[key]["variant"] = variant
             print(json.dumps({key: result[key]}), file=sys.stderr, flush=True)
         best = max((k for k in result if k.startswith("embedded")), key=lambda k: result[k]["tok_s"])
