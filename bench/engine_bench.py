@@ -31,29 +31,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agentrl.engines.base import SamplingParams
 from agentrl.engines.embedded import DTYPES, EmbeddedEngine
 
-QWEN3_06B = dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=151936)
+QWEN3_06B = dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=151936,
+                 tie=True)  # fmt: skip
+# random-init architectures the GPU scripts build (qwen3-8b: publish bandwidth at a realistic size)
+ARCHS = {"qwen3-0.6b": QWEN3_06B,
+         "qwen3-8b": dict(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=12288,
+                          vocab=151936, tie=False)}  # fmt: skip
 
 
 def build_model(arch: str, root: Path, dtype: str, device: str) -> Path:
-    """Write the model to `root` (tiny: the offline kit; qwen3-0.6b: random init of that architecture)."""
+    """Write the model to `root` (tiny: the offline kit; else random init of that `ARCHS` architecture)."""
     if arch == "tiny":
         from agentrl.engines.tiny import make_tiny_model
 
         return make_tiny_model(root / "tiny", arch="qwen3", seed=0)
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    s = QWEN3_06B
+    s = ARCHS[arch]
     config = Qwen3Config(
         vocab_size=s["vocab"], hidden_size=s["hidden"], num_hidden_layers=s["layers"],
         num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
-        intermediate_size=s["intermediate"], max_position_embeddings=40960, tie_word_embeddings=True,
+        intermediate_size=s["intermediate"], max_position_embeddings=40960, tie_word_embeddings=s["tie"],
         rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         eos_token_id=151645, pad_token_id=151643, bos_token_id=None,
     )  # fmt: skip
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
-    path = root / "qwen3-0.6b"
+    path = root / arch
     model.save_pretrained(path, safe_serialization=True)
     del model
     return path

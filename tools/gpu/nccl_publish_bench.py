@@ -10,7 +10,8 @@ flattened uint8 buckets of at most that many MiB (SGLang's `load_format="flatten
 timed from the first broadcast to the engine's answer for the last bucket (received and loaded). The limit is
 measured in the same script: one plain `torch.distributed.broadcast` of a flat buffer of the same size from
 this process to a helper process on the engine's GPU. Prints one JSON line; `ratio` = limit time / publish
-time (1.0 = publishing costs no more than the raw transfer). Set NCCL_NVLS_ENABLE=0 (tools/gpu/*.sh do).
+time (1.0 = publishing costs no more than the raw transfer); `fixed_call_s` is one update call carrying only
+the smallest tensor (the engine's per-call cost; `calls` per publish). Set NCCL_NVLS_ENABLE=0 (tools/gpu/*.sh do).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def build_model(arch: str, root: Path, device: str) -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from engine_bench import build_model as bench_build
 
-    return bench_build("qwen3-0.6b", root, "bfloat16" if device.startswith("cuda") else "float32", device)
+    return bench_build(arch, root, "bfloat16" if device.startswith("cuda") else "float32", device)
 
 
 def _receiver(port: int, nbytes: int, backend: str, device: str, repeats: int) -> None:
@@ -167,6 +168,13 @@ async def run(args) -> dict:
         await engine.init_weights_update_group("127.0.0.1", port, 1, 2, "publish", args.backend)
         thread.join()
         group, version = holder["g"], 0
+        # the engine's fixed cost per update call: one tiny tensor (HTTP, scheduler, load of one parameter)
+        smallest = [min(named, key=lambda item: item[1].numel())]
+        fixed = []
+        for _ in range(args.repeats + 1):
+            version += 1
+            fixed.append(await publish_all(engine, group, smallest, 0, version))
+        result["fixed_call_s"] = round(min(fixed[1:]), 4)
         for bucket_mb in [int(x) for x in args.buckets_mb.split(",")]:
             times = []
             for _ in range(args.repeats):
@@ -175,6 +183,7 @@ async def run(args) -> dict:
             best = min(times)
             row = {"bucket_mb": bucket_mb, "seconds": round(best, 4), "gb_per_s": round(nbytes / 1e9 / best, 2),
                    "ratio_to_limit": round(result["limit"]["seconds"] / best, 3),
+                   "calls": 1 if bucket_mb == 0 else len(plan_buckets(named, bucket_mb << 20)),
                    "all_s": [round(t, 4) for t in times]}  # fmt: skip
             result["publish"].append(row)
             print(json.dumps(row), flush=True)
@@ -189,7 +198,7 @@ async def run(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--server", choices=["sglang", "embedded"], default="sglang")
-    ap.add_argument("--arch", choices=["qwen3-0.6b", "tiny"], default="qwen3-0.6b")
+    ap.add_argument("--arch", choices=["qwen3-0.6b", "qwen3-8b", "tiny"], default="qwen3-0.6b")
     ap.add_argument("--device", default="cuda:0", help="learner device")
     ap.add_argument("--engine-device", default=None, help="default: cuda:1 (cpu with --device cpu)")
     ap.add_argument("--backend", choices=["nccl", "gloo"], default="nccl")
