@@ -14,6 +14,6 @@ bench() {  # $1: name, $2: timeout, rest: nccl_publish_bench.py args
   local rc=$?; echo "$name rc=$rc"; grep '^{' "/tmp/$name.log" | tail -1 | cut -c1-1500
   [ $rc -eq 0 ] || tail -15 "/tmp/$name.log"
 }
-bench p06 200 --server sglang --arch qwen3-0.6b --buckets-mb 0,256,1024,4096
-bench p8b 330 --server sglang --arch qwen3-8b --buckets-mb 0,1024,4096,16384 --workdir /tmp/agentrl_publish_8b
+bench p06 150 --server sglang --arch qwen3-0.6b --buckets-mb 0,1024,4096
+bench p8b 330 --server sglang --arch qwen3-8b --buckets-mb 0,1024,4096 --workdir /tmp/agentrl_publish_8b
 bench pemb 120 --server embedded --arch qwen3-0.6b --buckets-mb 0,4096
