@@ -112,6 +112,7 @@ class LearnerSection(_Section):
     pipeline_parallel: int = 1
     data_parallel: int = 1  # learner ranks: Megatron TP x PP x DP; torch DP (with fsdp)
     publish: Literal["auto", "tensor", "object_store", "nccl", "disk"] = "auto"
+    publish_bucket_mb: float = 0.0  # nccl: 0 = a broadcast per tensor in one call; else flattened buckets
     reference_model: bool = False
     pack_tokens: int = 0
     gradient_checkpointing: bool = False
@@ -279,6 +280,15 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("learner.fsdp = true needs learner.kind = 'torch' (Megatron shards by its own DP)")
     if cfg.learner.fsdp and cfg.algorithm.advantage == "ppo":
         raise ConfigError("learner.fsdp = true does not support algorithm.advantage = 'ppo' (value head)")
+    if cfg.learner.publish_bucket_mb < 0:
+        raise ConfigError(
+            f"learner.publish_bucket_mb must be >= 0 (0 = per tensor), got {cfg.learner.publish_bucket_mb}"
+        )
+    if cfg.learner.publish == "nccl" and cfg.run.placement != "disaggregated":
+        raise ConfigError(
+            f"learner.publish = 'nccl' needs run.placement = 'disaggregated' (engines as their own actors), "
+            f"got run.placement = '{cfg.run.placement}'"
+        )
     for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
         if getattr(cfg.learner, name) < 1:
             raise ConfigError(f"learner.{name} must be >= 1, got {getattr(cfg.learner, name)}")

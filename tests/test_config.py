@@ -53,3 +53,15 @@ def test_bad_override_syntax():
 def test_external_share_range_named():
     with pytest.raises(ConfigError, match=r"queue\.external_share"):
         load_config(None, ["--queue.external-share", "1.5"])
+
+
+def test_nccl_publish_settings_named():
+    with pytest.raises(
+        ConfigError, match=r"learner\.publish = 'nccl' needs run\.placement = 'disaggregated'.*'split'"
+    ):
+        load_config(None, ["--learner.publish", "nccl"])
+    with pytest.raises(ConfigError, match=r"learner\.publish_bucket_mb must be >= 0"):
+        load_config(None, ["--learner.publish-bucket-mb", "-1"])
+    cfg = load_config(None, ["--learner.publish", "nccl", "--run.placement", "disaggregated",
+                             "--learner.publish-bucket-mb", "256"])  # fmt: skip
+    assert cfg.learner.publish_bucket_mb == 256.0

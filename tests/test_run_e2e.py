@@ -277,3 +277,24 @@ def test_two_rank_learner_in_a_disaggregated_run(ray_session, tmp_path, model_di
     metrics, _ = check_run_dir(tmp_path / "t", 2)
     assert [m["policy_version"] for m in metrics] == [1, 2]
     assert all(m["train/micro_batches"] >= 2 for m in metrics)  # merged over both ranks
+
+
+@pytest.mark.parametrize("bucket_mb", [0, 0.1], ids=["per-tensor", "buckets"])
+def test_disaggregated_run_publishes_by_broadcast(ray_session, tmp_path, model_dir, bucket_mb):
+    """learner.publish = 'nccl' (gloo on CPU): the learner broadcasts each version to two engine actors, per
+    tensor or in flattened buckets; the engines' logprobs then equal the learner's (same fp32 weights)."""
+    from agentrl.config import load_config
+    from agentrl.runner.loop import run
+
+    cfg = load_config(tiny_config(
+        tmp_path, model_dir, run={"steps": 3, "eval_every": 0, "placement": "disaggregated", "mode": "sync"},
+        learner={"publish": "nccl", "publish_bucket_mb": bucket_mb},
+        engine={"num_engines": 2, "max_batch_size": 16, "max_seq_len": 256}))  # fmt: skip
+    summary = run(cfg)
+    assert summary["ok"] and summary["steps"] == 3
+    metrics, _ = check_run_dir(tmp_path / "t", 3)
+    assert [m["policy_version"] for m in metrics] == [1, 2, 3]
+    # steps 2 and 3 trained on trajectories generated with broadcast weights (versions 1 and 2)
+    assert all(m["train/logprob_mismatch"] < 1e-4 for m in metrics[1:]), [
+        m["train/logprob_mismatch"] for m in metrics
+    ]

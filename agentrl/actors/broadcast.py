@@ -4,8 +4,9 @@ Paths (`learner.publish`, "auto" picks by placement and engine kind):
 - `tensor`: learner and engines share a process; the engines copy the learner's tensors directly.
 - `object_store`: the learner puts one `{hf_name: tensor}` dict into Ray's object store; every engine host
   fetches it by reference (one copy per node, zero-copy reads).
-- `nccl`: the learner broadcasts each tensor over a torch.distributed group it shares with the engines
-  (engine side: `DistributedSource`, e.g. SGLang `update_weights_from_distributed`). GPUs only.
+- `nccl`: the learner broadcasts each tensor (or, with `learner.publish_bucket_mb`, flattened buckets) over
+  a torch.distributed group it shares with the engines (engine side: a list of `DistributedSource`, one per
+  update call, e.g. SGLang `update_weights_from_distributed`). GPUs (gloo on CPU).
 - `disk`: the learner writes a Hugging Face directory; engines load it (SGLang `update_weights_from_disk`).
 Every publish has a timeout (`run.publish_timeout_s`) and fails with `WeightSyncError` naming the path and
 the engine. After a publish, every engine host and the queue know the new `policy_version`.
@@ -50,17 +51,19 @@ async def load_into_engines(
     engines: list[Engine], version: int, payload: Any, update_mode: str = "keep"
 ) -> None:
     """Pause each engine (`keep`: in-flight requests resume on the new weights; `abort`: they end with
-    finish_reason 'abort'; `wait`: drain first), load `version`, resume."""
-    source = as_source(payload)
-    for engine in engines:
-        if update_mode == "keep":  # engines swap weights between two decode steps on their own
-            await engine.update_weights(version, source)
-            continue
-        await engine.pause(update_mode)  # type: ignore[arg-type]
-        try:
-            await engine.update_weights(version, source)
-        finally:
-            await engine.resume()
+    finish_reason 'abort'; `wait`: drain first), load `version`, resume. A list payload (a bucketed `nccl`
+    publish) is loaded part by part, all engines together for each part (a broadcast needs every receiver),
+    with the engines paused throughout, so no step runs on half-updated weights."""
+    sources = [as_source(p) for p in payload] if isinstance(payload, list) else [as_source(payload)]
+    if update_mode == "keep" and len(sources) == 1:  # engines swap weights between two decode steps
+        await asyncio.gather(*(engine.update_weights(version, sources[0]) for engine in engines))
+        return
+    await asyncio.gather(*(engine.pause(update_mode) for engine in engines))  # type: ignore[arg-type]
+    try:
+        for source in sources:
+            await asyncio.gather(*(engine.update_weights(version, source) for engine in engines))
+    finally:
+        await asyncio.gather(*(engine.resume() for engine in engines))
 
 
 async def join_weight_group(engines: list[Engine], address: str, port: int, world_size: int, rank: int,

@@ -137,15 +137,18 @@ class LearnerWorker:
         )
 
     def distributed_source(self) -> Any:
-        from agentrl.engines.weight_sync import describe
+        """The sources of one `nccl` publish: one per engine update call, in broadcast order."""
+        from agentrl.engines.weight_sync import describe_publish
 
         if self.rank != 0:
             return self._drain()
-        return describe(self._group.name, [(n, t) for n, t in self.learner.weights()])
+        items = [(n, t) for n, t in self.learner.weights()]
+        return describe_publish(self._group.name, items, self._bucket_bytes)
 
     def broadcast_weights(self) -> None:
-        """Rank 0 side of the `nccl` publish path; the engines receive concurrently."""
-        from agentrl.engines.weight_sync import send_broadcast
+        """Rank 0 side of the `nccl` publish path (as `distributed_source` described it); the engines
+        receive concurrently."""
+        from agentrl.engines.weight_sync import send_publish
         from agentrl.errors import WeightSyncError
 
         if self.rank != 0:
@@ -154,7 +157,11 @@ class LearnerWorker:
             raise WeightSyncError(
                 "learner.publish = 'nccl': no weight-broadcast group (init_weight_group first)"
             )
-        send_broadcast(self._group, self.learner.weights())
+        send_publish(self._group, self.learner.weights(), self._bucket_bytes)
+
+    @property
+    def _bucket_bytes(self) -> int:
+        return int(self.cfg.learner.publish_bucket_mb * (1 << 20))
 
     def save(self, path: str) -> None:
         self.learner.save(path)

@@ -15,6 +15,7 @@ same key layout from public classes.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -88,16 +89,46 @@ def plan_buckets(
     items: list[tuple[str, torch.Tensor]], bucket_bytes: int
 ) -> list[list[tuple[str, torch.Tensor]]]:
     """Split `(name, tensor)` pairs, in order, into buckets of at most `bucket_bytes` (one tensor may exceed it)."""
-    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+    return list(stream_buckets(items, bucket_bytes))
+
+
+def stream_buckets(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list]:
+    """`plan_buckets` over an iterator: yields each bucket as soon as it is full (the same split)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in items:
         nbytes = tensor.numel() * tensor.element_size()
-        if buckets[-1] and size + nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append((name, tensor))
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
         size += nbytes
-    return [b for b in buckets if b]
+    if bucket:
+        yield bucket
+
+
+def describe_publish(group_name: str, items: list[tuple[str, torch.Tensor]], bucket_bytes: int
+                     ) -> list[DistributedSource]:  # fmt: skip
+    """What the engines receive for one publish: one source per update call, in broadcast order
+    (`bucket_bytes` 0: one source, a broadcast per tensor; else one flattened bucket per source)."""
+    if bucket_bytes <= 0:
+        return [describe(group_name, items)]
+    return [
+        describe(group_name, b, load_format="flattened_bucket") for b in plan_buckets(items, bucket_bytes)
+    ]
+
+
+def send_publish(group: WeightGroup, items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> None:
+    """Rank 0: broadcast one publish as `describe_publish` announced it. Buckets are streamed: each is
+    flattened, sent and completed before the next is built, so at most one bucket is held twice."""
+    if bucket_bytes <= 0:
+        send_broadcast(group, items)
+        return
+    for bucket in stream_buckets(items, bucket_bytes):
+        flat = flatten_bucket(bucket)
+        broadcast_tensor(group, flat)
+        if flat.is_cuda:
+            torch.cuda.current_stream(flat.device).synchronize()
 
 
 def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
