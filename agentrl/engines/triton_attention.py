@@ -11,6 +11,8 @@ dtype with fp32 accumulation, as flash attention does.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -60,21 +62,42 @@ def _decode_kernel(
     )
 
 
+DEFAULT_KERNEL = (64, 4, 2)  # BLOCK_N, num_warps, num_stages
+
+
+def kernel_config() -> tuple[int, int, int]:
+    """`AGENTRL_DECODE_KERNEL="BLOCK_N,num_warps,num_stages"` overrides the default (tools/gpu/decode_kernel_sweep.py
+    measures the choices); read per call, so a CUDA graph keeps the config it was captured with."""
+    raw = os.environ.get("AGENTRL_DECODE_KERNEL")
+    if not raw:
+        return DEFAULT_KERNEL
+    try:
+        block_n, warps, stages = (int(x) for x in raw.split(","))
+    except ValueError:
+        raise ValueError(
+            f"AGENTRL_DECODE_KERNEL must be 'BLOCK_N,num_warps,num_stages', got {raw!r}"
+        ) from None
+    return block_n, warps, stages
+
+
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor
-) -> torch.Tensor:
-    """q [B, H, D] (contiguous), caches [slots, KV, S, D] (rows 0..B-1 used), positions [B] -> [B, H, D]."""
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+    config: tuple[int, int, int] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """q [B, H, D] (contiguous), caches [slots, KV, S, D] (rows 0..B-1 used), positions [B] -> [B, H, D].
+    `config`: (BLOCK_N, num_warps, num_stages), default `kernel_config()`."""
     b, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("decode_attention: K and V caches must share a contiguous layout")
+    block_n, warps, stages = config or kernel_config()
     out = torch.empty_like(q)
     _decode_kernel[(b, kv_heads)](
         q, k_cache, v_cache, positions, out, dim**-0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=64, D=dim,
-        num_warps=4, num_stages=2,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, D=dim,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
