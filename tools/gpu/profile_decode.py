@@ -116,6 +116,7 @@ def main() -> None:
     )
     ap.add_argument("--workdir", default="/tmp/agentrl_profile")
     ap.add_argument("--out", default="")
+    ap.add_argument("--no-kernels", action="store_true", help="skip the per-kernel profiles")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     batches = [int(x) for x in args.batches.split(",")]
@@ -134,7 +135,7 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     result = {"arch": args.arch, "device": args.device, "gpu": torch.cuda.get_device_name() if cuda else None,
               "compiled": runner.compiled, "rows": rows}  # fmt: skip
-    if cuda:
+    if cuda and not args.no_kernels:
         result["kernels"] = [kernel_profile(runner, b, 1024, args.device) for b in (1, 64)]
         runner.model.compile_decode(False)
         result["kernels"] += [kernel_profile(runner, b, 1024, args.device) for b in (1, 64)]
