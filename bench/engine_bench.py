@@ -88,20 +88,22 @@ async def run_engine(engine, requests, seeded: bool = True) -> tuple[int, float]
     return sum(len(o.output_ids) for o in outs), elapsed
 
 
-# name -> (cuda_graphs, attention, torch.compile'd decode layers)
-VARIANTS = {"eager": (False, "sdpa", False), "triton": (False, "triton", False), "graphs": (True, "triton", True),
-            "graphs_nocompile": (True, "triton", False), "graphs_sdpa": (True, "sdpa", True)}  # fmt: skip
+# name -> (cuda_graphs, attention, torch.compile'd decode layers, decode steps per scheduler iteration)
+VARIANTS = {"eager": (False, "sdpa", False, 1), "triton": (False, "triton", False, 1),
+            "graphs": (True, "triton", True, 1), "graphs_nocompile": (True, "triton", False, 1),
+            "graphs_sdpa": (True, "sdpa", True, 1), "graphs_k4": (True, "triton", True, 4),
+            "graphs_k8": (True, "triton", True, 8)}  # fmt: skip
 
 
 def bench_embedded(path: Path, requests, args, variant: str = "eager") -> dict:
     max_len = max([len(p) + m for p, m in requests] + ([600] if args.check_logprobs else []))
-    graphs, attention, compiled = (
-        VARIANTS[variant] if args.device.startswith("cuda") else (False, "sdpa", False)
-    )
+    graphs, attention, compiled, per_iteration = VARIANTS[variant]
+    if not args.device.startswith("cuda"):
+        graphs, attention, compiled = False, "sdpa", False
     engine = EmbeddedEngine(
         str(path), device=args.device, dtype=args.dtype, max_batch_size=min(args.max_batch_size, len(requests)),
         max_seq_len=max_len + 1, max_prefill_tokens=args.max_prefill_tokens, cuda_graphs=graphs, attention=attention,
-        compile=compiled,
+        compile=compiled, decode_steps=per_iteration,
     )  # fmt: skip
     warm = [(p[:8], 4) for p, _ in requests[: min(8, len(requests))]]
 
@@ -123,7 +125,8 @@ def bench_embedded(path: Path, requests, args, variant: str = "eager") -> dict:
     engine = None
     _free(args.device)
     out = {"tokens": tokens, "seconds": round(elapsed, 3), "tok_s": round(tokens / elapsed, 1), "steps": steps,
-           "kv_cache_gib": round(cache_gb, 2), "cuda_graphs": graphs, "attention": attention, "compile": compiled}  # fmt: skip
+           "kv_cache_gib": round(cache_gb, 2), "cuda_graphs": graphs, "attention": attention, "compile": compiled,
+           "decode_steps_per_iteration": per_iteration}  # fmt: skip
     out["time_split"] = split  # seconds in prefill / decode steps, and host work between them
     if check is not None:
         out["logprob_vs_hf"] = check

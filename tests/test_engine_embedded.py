@@ -10,6 +10,7 @@ from agentrl.engines.base import DiskSource, InvalidRequest, SamplingParams, Ten
 from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.sglang_launcher import free_port
 from agentrl.engines.tiny import ARCHS, make_tiny_model
+from agentrl.errors import EngineError
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
@@ -93,6 +94,46 @@ async def test_continuous_batching_equals_one_at_a_time(dirs):
     assert concurrent == sequential
     assert [len(o) for o in concurrent] == [3 + 2 * i for i in range(9)]
     await eng.close()
+
+
+@pytest.mark.parametrize("decode_steps", [3, 8])
+async def test_multi_step_decode_equals_single_steps(dirs, decode_steps):
+    """Several decode steps per iteration (one host sync) give the same tokens and logprobs per request as one
+    step per iteration: rows that stop, hit max_new_tokens or the cache end mid-iteration keep only their
+    tokens up to that point; requests arriving meanwhile are admitted at the next iteration."""
+    prompts = [[i + 1, 2 * i + 3, 40 + i][: 1 + i % 3] for i in range(7)] + [[5] * 118]
+    first = (await (one := engine(dirs["qwen3"], max_batch_size=4)).generate(PROMPTS[0], GREEDY)).output_ids
+    params = [
+        SamplingParams(temperature=1.0, max_new_tokens=2 + 3 * i, seed=i, ignore_eos=True) for i in range(7)
+    ]
+    params[2] = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[first[4]])
+    prompts[2] = PROMPTS[0]
+    params.append(
+        SamplingParams(temperature=1.0, max_new_tokens=40, seed=99, ignore_eos=True)
+    )  # 128-cache end
+
+    async def run(eng):
+        async def staggered(i):
+            await asyncio.sleep(0.003 * i)
+            return await eng.generate(prompts[i], params[i])
+
+        outs = await asyncio.gather(*[staggered(i) for i in range(len(prompts))])
+        await eng.close()
+        return outs
+
+    single = await run(one)
+    multi_engine = engine(dirs["qwen3"], max_batch_size=4, decode_steps=decode_steps)
+    multi = await run(multi_engine)
+    for a, b in zip(single, multi, strict=True):
+        assert (a.output_ids, a.finish_reason) == (b.output_ids, b.finish_reason)
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-5
+    assert single[2].finish_reason == "stop" and single[-1].finish_reason == "length"
+    assert len(single[-1].output_ids) < 40  # stopped by the cache end, not max_new_tokens
+
+
+async def test_decode_steps_must_be_positive(dirs):
+    with pytest.raises(EngineError, match="decode_steps must be >= 1"):
+        engine(dirs["qwen3"], decode_steps=0)
 
 
 async def test_seeded_sampling_is_reproducible_and_batch_independent(dirs):

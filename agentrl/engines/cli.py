@@ -20,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-size", type=int, default=64, help="KV-cache slots (concurrent requests)")
     parser.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens per request")
     parser.add_argument("--max-prefill-tokens", type=int, default=8192)
+    parser.add_argument("--decode-steps", type=int, default=1, help="decode steps per scheduler iteration")
     parser.add_argument("--weight-version", type=int, default=0, help="policy version of the loaded weights")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -43,7 +44,7 @@ async def _serve(args: argparse.Namespace) -> None:
     engine = EmbeddedEngine(
         args.model, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
         max_seq_len=args.max_seq_len, max_prefill_tokens=args.max_prefill_tokens,
-        policy_version=args.weight_version, seed=args.seed,
+        policy_version=args.weight_version, seed=args.seed, decode_steps=args.decode_steps,
     )  # fmt: skip
     import os
 

@@ -54,10 +54,16 @@ class EmbeddedEngine(Engine):
         cuda_graphs: bool | None = None,
         attention: str = "auto",
         compile: bool | None = None,
+        decode_steps: int = 1,
     ):
         """`cuda_graphs` (default: on for CUDA) replays decode steps from graphs captured per batch bucket;
         `attention`: "auto" (Triton decode kernel on CUDA if available), "sdpa" or "triton"; `compile`
-        (default: with CUDA graphs) fuses each decode layer's elementwise work with torch.compile."""
+        (default: with CUDA graphs) fuses each decode layer's elementwise work with torch.compile;
+        `decode_steps`: decode steps per scheduler iteration (one host sync for all; new requests and weight
+        updates wait for the iteration, rows that finish early waste the rest of it)."""
+        if decode_steps < 1:
+            raise EngineError(f"engine decode_steps must be >= 1, got {decode_steps}")
+        self.decode_steps = decode_steps
         self.model_path = str(model_path)
         self.runner = ModelRunner(
             self.model_path, device, dtype, max_batch_size, max_seq_len, seed, cuda_graphs, attention, compile
@@ -88,7 +94,7 @@ class EmbeddedEngine(Engine):
         return cls(
             model_path, device=cfg.device, dtype=cfg.dtype, max_batch_size=cfg.max_batch_size,
             max_seq_len=cfg.max_seq_len, max_prefill_tokens=cfg.max_prefill_tokens,
-            policy_version=policy_version, seed=seed,
+            policy_version=policy_version, seed=seed, decode_steps=cfg.decode_steps,
         )  # fmt: skip
 
     # -- Engine API ----------------------------------------------------------------------------------------------
@@ -320,7 +326,7 @@ class EmbeddedEngine(Engine):
         loop = asyncio.get_running_loop()
         while True:
             self._reap()
-            can_admit = (
+            can_admit = bool(
                 self._pause_mode is None and self._waiting and len(self._running) < self.max_batch_size
             )
             can_decode = self._running and self._pause_mode in (None, "wait")
@@ -338,25 +344,35 @@ class EmbeddedEngine(Engine):
                     step = loop.run_in_executor(self._executor, self.runner.prefill, batch, slot0, moves)
                 else:
                     batch = list(self._running)
-                    step = loop.run_in_executor(self._executor, self.runner.decode, batch, moves)
+                    n = self._steps_for(batch)
+                    step = loop.run_in_executor(self._executor, self.runner.decode, batch, moves, n)
                 started = time.perf_counter()
                 try:
                     tokens, logps = await step
                 except Exception as exc:  # a failed step fails its requests, not the engine
                     self._fail_running(EngineError(f"engine step failed: {exc!r}"))
                     continue
-            self._count(can_admit, batch, time.perf_counter() - started)
-            self.steps += 1
+            if can_admit:  # prefill: one token per row; decode: [steps][row]
+                tokens, logps = [tokens], [logps]
+            self._count(can_admit, batch, len(tokens), time.perf_counter() - started)
+            self.steps += len(tokens)
             self._record(batch, tokens, logps, version)
 
-    def _count(self, prefill: bool, batch: list[Request], seconds: float) -> None:
+    def _steps_for(self, batch: list[Request]) -> int:
+        """Decode steps this iteration: `decode_steps`, no more than the longest remaining request needs,
+        and never past the cache end for any row."""
+        need = max(r.sampling.max_new_tokens - len(r.output_ids) for r in batch)
+        room = min(self.max_seq_len - 1 - r.kv_len() for r in batch)
+        return max(1, min(self.decode_steps, need, room))
+
+    def _count(self, prefill: bool, batch: list[Request], steps: int, seconds: float) -> None:
         kind = "prefill" if prefill else "decode"
         self.stats[f"{kind}_s"] += seconds
-        self.stats[f"{kind}_steps"] += 1
+        self.stats[f"{kind}_steps"] += steps
         if prefill:
             self.stats["prefill_tokens"] += sum(len(r.prompt) for r in batch)
         else:
-            self.stats["decode_rows"] += len(batch)
+            self.stats["decode_rows"] += len(batch) * steps
 
     def _fail_running(self, exc: EngineError) -> None:
         for req in self._running:
@@ -367,14 +383,25 @@ class EmbeddedEngine(Engine):
         self._pending_moves.clear()
         self._idle.set()
 
-    def _record(self, batch: list[Request], tokens: list[int], logps: list[float], version: int) -> None:
+    def _record(self, batch: list[Request], tokens: list[list[int]], logps: list[list[float]], version: int
+                ) -> None:  # fmt: skip
+        """Append each step's token to each row until the row finishes (later steps of that row are dropped)."""
         done: list[tuple[Request, str]] = []
-        for req, tok, lp in zip(batch, tokens, logps, strict=True):
-            req.add(tok, lp, version)
-            if tok in req.stop_ids:
-                done.append((req, "stop"))
-            elif len(req.output_ids) >= req.sampling.max_new_tokens or req.kv_len() + 1 >= self.max_seq_len:
-                done.append((req, "length"))
+        finished: set[int] = set()
+        for step_tokens, step_logps in zip(tokens, logps, strict=True):
+            for i, (req, tok, lp) in enumerate(zip(batch, step_tokens, step_logps, strict=True)):
+                if i in finished:
+                    continue
+                req.add(tok, lp, version)
+                if tok in req.stop_ids:
+                    done.append((req, "stop"))
+                elif (
+                    len(req.output_ids) >= req.sampling.max_new_tokens or req.kv_len() + 1 >= self.max_seq_len
+                ):
+                    done.append((req, "length"))
+                else:
+                    continue
+                finished.add(i)
         for req, reason in done:
             self._release(self._running.index(req))
             self._finish(req, reason)

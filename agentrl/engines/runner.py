@@ -179,17 +179,34 @@ class ModelRunner:
         logits = self.model.prefill(packed[0], packed[1], packed[2], lengths, self.cache)
         return self._sample(logits, batch)
 
-    def decode(self, batch: list[Request], moves: list) -> tuple[list[int], list[float]]:
+    def decode(
+        self, batch: list[Request], moves: list, steps: int = 1
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """`steps` decode steps for `batch` with one host synchronisation: each step's sampled tokens feed the
+        next on the device. Returns tokens and logprobs per step ([steps][row]); the caller drops what a row
+        produced after it finished (its extra K/V stay inside its own slot, below max_seq_len)."""
         self._apply_moves(moves)
+        params, gens = self._batch_sampling(batch)
         positions = [r.kv_len() for r in batch]
-        max_len = min(self.max_seq_len, (max(positions) + 1 + 31) // 32 * 32)
         tokens = torch.tensor([r.output_ids[-1] for r in batch], dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        if self.graphs is not None:
-            logits = self.graphs(tokens, pos, max_len)
-        else:
-            logits = self.model.decode(tokens, pos, self.cache, max_len, attention=self.attention)
-        return self._sample(logits, batch)
+        top = max(positions)
+        out_tokens, out_logps = [], []
+        for step in range(steps):
+            max_len = min(self.max_seq_len, (top + step + 1 + 31) // 32 * 32)
+            if self.graphs is not None:
+                logits = self.graphs(tokens, pos, max_len)
+            else:
+                logits = self.model.decode(tokens, pos, self.cache, max_len, attention=self.attention)
+            tokens, logps = sample(logits, params, gens, self.generator)
+            out_tokens.append(tokens)
+            out_logps.append(logps)
+            pos = pos + 1
+        both = torch.stack(
+            (torch.stack(out_tokens).to(torch.float64), torch.stack(out_logps).to(torch.float64))
+        )
+        host = both.tolist()  # one device sync for all steps
+        return [[int(t) for t in row] for row in host[0]], host[1]
 
 
 def _pick_attention(attention: str, device: torch.device) -> str:
