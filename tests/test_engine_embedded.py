@@ -131,9 +131,10 @@ async def test_multi_step_decode_equals_single_steps(dirs, decode_steps):
     assert len(single[-1].output_ids) < 40  # stopped by the cache end, not max_new_tokens
 
 
-async def test_decode_steps_must_be_positive(dirs):
+async def test_decode_steps_must_be_positive_or_automatic(dirs):
     with pytest.raises(EngineError, match="decode_steps must be >= 1"):
-        engine(dirs["qwen3"], decode_steps=0)
+        engine(dirs["qwen3"], decode_steps=-1)
+    assert engine(dirs["qwen3"]).decode_steps == 1  # automatic on CPU
 
 
 async def test_seeded_sampling_is_reproducible_and_batch_independent(dirs):

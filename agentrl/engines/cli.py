@@ -20,7 +20,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-size", type=int, default=64, help="KV-cache slots (concurrent requests)")
     parser.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens per request")
     parser.add_argument("--max-prefill-tokens", type=int, default=8192)
-    parser.add_argument("--decode-steps", type=int, default=1, help="decode steps per scheduler iteration")
+    parser.add_argument(
+        "--decode-steps",
+        type=int,
+        default=0,
+        help="decode steps per scheduler iteration (0: 8 on CUDA, 1 on CPU)",
+    )
     parser.add_argument("--weight-version", type=int, default=0, help="policy version of the loaded weights")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
