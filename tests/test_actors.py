@@ -108,3 +108,14 @@ def test_cli_resume_gives_back_an_override_value(tmp_path):
     assert cfg.run.steps == 7 and cfg.run.mode == "async" and cfg.run.name == "x"
     assert cfg.run.root == str(run.parent)
     assert json.loads(json.dumps(cfg.run.ray_address)) == ""
+
+
+def test_make_engine_takes_every_embedded_setting(tmp_path):
+    from agentrl.actors.engine import make_engine
+    from agentrl.engines.tiny import make_tiny_model
+
+    path = str(make_tiny_model(tmp_path / "m", hidden=32, layers=1))
+    cfg = load_config(None, ["--engine.max-seq-len", "64", "--engine.max-prefill-tokens", "4096",
+                             "--engine.decode-steps", "3", "--engine.max-batch-size", "5"])  # fmt: skip
+    eng = make_engine(cfg, path, index=1)
+    assert (eng.max_seq_len, eng.max_prefill_tokens, eng.decode_steps, eng.max_batch_size) == (64, 4096, 3, 5)

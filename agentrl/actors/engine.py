@@ -20,10 +20,7 @@ def make_engine(cfg: Config, model_path: str, index: int = 0) -> Engine:
     if e.kind == "embedded":
         from agentrl.engines.embedded import EmbeddedEngine
 
-        return EmbeddedEngine(
-            model_path, device=e.device, dtype=e.dtype, max_batch_size=e.max_batch_size, max_seq_len=e.max_seq_len,
-            seed=cfg.run.seed + 1000 * index,
-        )  # fmt: skip
+        return EmbeddedEngine.from_config(e, model_path, seed=cfg.run.seed + 1000 * index)
     from agentrl.engines.sglang import SGLangEngine
 
     timeouts = {"request_timeout_s": e.request_timeout_s, "update_timeout_s": e.update_timeout_s}
