@@ -12,11 +12,13 @@ import torch
 from agentrl.engines.sglang_launcher import free_port
 from agentrl.engines.weight_sync import (
     describe,
+    describe_publish,
     flatten_bucket,
     init_weights_update_group,
     plan_buckets,
     send_broadcast,
     send_bucket,
+    stream_buckets,
 )
 
 # A copy of sglang.srt.utils.common.init_custom_process_group (sglang 0.5.12) and of what its
@@ -72,6 +74,22 @@ def test_plan_buckets_keeps_order_and_limit():
     buckets = plan_buckets(items, bucket_bytes=80)
     assert [[n for n, _ in b] for b in buckets] == [["t0", "t1"], ["t2"], ["t3", "t4"], ["t5"]]
     assert all(sum(t.numel() * 4 for _, t in b) <= 80 for b in buckets if len(b) > 1)
+
+
+def test_publish_description_matches_the_streamed_buckets():
+    """`describe_publish` (what engines are told) and `stream_buckets` over a one-shot iterator (what the
+    learner sends) split the same way; 0 bytes = one source, a broadcast per tensor."""
+    items = [(f"t{i}", torch.zeros(n, dtype=torch.float32)) for i, n in enumerate([10, 10, 30, 5, 5, 100])]
+    sources = describe_publish("g", items, 80)
+    streamed = list(stream_buckets(iter(items), 80))
+    assert (
+        [s.names for s in sources]
+        == [[n for n, _ in b] for b in streamed]
+        == [[n for n, _ in b] for b in plan_buckets(items, 80)]
+    )
+    assert all(s.extra == {"load_format": "flattened_bucket"} for s in sources)
+    (whole,) = describe_publish("g", items, 0)
+    assert whole.names == [n for n, _ in items] and whole.extra == {}
 
 
 def test_flatten_bucket_layout_round_trips():
