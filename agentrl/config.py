@@ -292,6 +292,11 @@ def validate(cfg: Config) -> Config:
             f"learner.publish = 'nccl' needs run.placement = 'disaggregated' (engines as their own actors), "
             f"got run.placement = '{cfg.run.placement}'"
         )
+    if cfg.learner.publish == "nccl" and ("cuda" in cfg.learner.device) != ("cuda" in cfg.engine.device):
+        raise ConfigError(
+            f"learner.publish = 'nccl' needs learner.device and engine.device on the same kind of device "
+            f"(nccl between GPUs, gloo between CPUs), got '{cfg.learner.device}' and '{cfg.engine.device}'"
+        )
     for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
         if getattr(cfg.learner, name) < 1:
             raise ConfigError(f"learner.{name} must be >= 1, got {getattr(cfg.learner, name)}")

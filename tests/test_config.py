@@ -62,6 +62,9 @@ def test_nccl_publish_settings_named():
         load_config(None, ["--learner.publish", "nccl"])
     with pytest.raises(ConfigError, match=r"learner\.publish_bucket_mb must be >= 0"):
         load_config(None, ["--learner.publish-bucket-mb", "-1"])
+    with pytest.raises(ConfigError, match=r"learner\.device and engine\.device.*'cuda' and 'cpu'"):
+        load_config(None, ["--learner.publish", "nccl", "--run.placement", "disaggregated",
+                           "--learner.device", "cuda"])  # fmt: skip
     cfg = load_config(None, ["--learner.publish", "nccl", "--run.placement", "disaggregated",
                              "--learner.publish-bucket-mb", "256"])  # fmt: skip
     assert cfg.learner.publish_bucket_mb == 256.0
