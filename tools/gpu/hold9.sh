@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # nvidia-h200, one call (carry .sgl .gpu):
 #  1. GPU engine tests (incl. varlen prefill vs the per-prompt loop) and the Megatron GPU test that runs on 1 GPU
-#  2. engine bench: embedded engine (varlen flash prefill, CUDA graphs, compiled decode) vs real SGLang, same script
+#  2. engine bench with --check-logprobs: embedded engine (8 and 1 decode steps per iteration) vs real SGLang
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -15,6 +15,6 @@ t() {  # $1: log name, rest: pytest args
 t gpu_engine tests/test_gpu_engine.py
 t megatron_gpu tests/test_megatron_gpu.py -k ddp
 timeout 330 python3 bench/engine_bench.py --device cuda --arch qwen3-0.6b --n 256 --prompt-len 100 1024 \
-  --output-len 100 1024 --skip-hf --embedded-variants "${VARIANTS:-graphs}" --check-logprobs \
+  --output-len 100 1024 --skip-hf --embedded-variants "${VARIANTS:-graphs_k8,graphs}" --check-logprobs \
   --sglang --sglang-log "$out/sglang_bench_server.log" --out "$out/engine_bench.json" > "$out/engine_bench.log" 2>&1
 echo "engine bench rc=$?"; grep '^{' "$out/engine_bench.log" | cut -c1-3000
