@@ -353,8 +353,6 @@ class EmbeddedEngine(Engine):
                 except Exception as exc:  # a failed step fails its requests, not the engine
                     self._fail_running(EngineError(f"engine step failed: {exc!r}"))
                     continue
-            if can_admit:  # prefill: one token per row; decode: [steps][row]
-                tokens, logps = [tokens], [logps]
             self._count(can_admit, batch, len(tokens), time.perf_counter() - started)
             self.steps += len(tokens)
             self._record(batch, tokens, logps, version)

@@ -161,13 +161,19 @@ class ModelRunner:
         gens = {i: r.generator for i, r in enumerate(batch) if r.generator is not None}
         return self._sampling_cache[1], gens
 
-    def _sample(self, logits: torch.Tensor, batch: list[Request]) -> tuple[list[int], list[float]]:
-        params, gens = self._batch_sampling(batch)
-        tokens, logps = sample(logits, params, gens, self.generator)
-        both = torch.stack((tokens.to(torch.float64), logps.to(torch.float64))).tolist()  # one device sync
-        return [int(t) for t in both[0]], both[1]
+    @staticmethod
+    def _to_host(
+        tokens: list[torch.Tensor], logps: list[torch.Tensor]
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """Each step's sampled tokens and logprobs [B] -> host lists [steps][row], with one device sync."""
+        both = torch.stack((torch.stack(tokens).to(torch.float64), torch.stack(logps).to(torch.float64)))
+        host = both.tolist()
+        return [[int(t) for t in row] for row in host[0]], host[1]
 
-    def prefill(self, batch: list[Request], slot0: int, moves: list) -> tuple[list[int], list[float]]:
+    def prefill(
+        self, batch: list[Request], slot0: int, moves: list
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """Prompts into the cache and each row's first token: the same [steps][row] shape as `decode` (1 step)."""
         self._apply_moves(moves)
         lengths = [len(r.prompt) for r in batch]
         tokens = [t for r in batch for t in r.prompt]
@@ -177,7 +183,9 @@ class ModelRunner:
             self.device, non_blocking=True
         )
         logits = self.model.prefill(packed[0], packed[1], packed[2], lengths, self.cache)
-        return self._sample(logits, batch)
+        params, gens = self._batch_sampling(batch)
+        sampled, logps = sample(logits, params, gens, self.generator)
+        return self._to_host([sampled], [logps])
 
     def decode(
         self, batch: list[Request], moves: list, steps: int = 1
@@ -202,11 +210,7 @@ class ModelRunner:
             out_tokens.append(tokens)
             out_logps.append(logps)
             pos = pos + 1
-        both = torch.stack(
-            (torch.stack(out_tokens).to(torch.float64), torch.stack(out_logps).to(torch.float64))
-        )
-        host = both.tolist()  # one device sync for all steps
-        return [[int(t) for t in row] for row in host[0]], host[1]
+        return self._to_host(out_tokens, out_logps)
 
 
 def _pick_attention(attention: str, device: torch.device) -> str:
