@@ -125,10 +125,9 @@ def send_publish(group: WeightGroup, items: Iterable[tuple[str, torch.Tensor]], 
         send_broadcast(group, items)
         return
     for bucket in stream_buckets(items, bucket_bytes):
-        flat = flatten_bucket(bucket)
-        broadcast_tensor(group, flat)
-        if flat.is_cuda:
-            torch.cuda.current_stream(flat.device).synchronize()
+        send_bucket(group, bucket)
+        if bucket[0][1].is_cuda:
+            torch.cuda.current_stream(bucket[0][1].device).synchronize()
 
 
 def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
