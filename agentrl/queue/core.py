@@ -88,7 +88,7 @@ class ReplayQueue:
             self._n_queued += 1
             self._bytes += nbytes(traj)
             alone = traj.group_id == traj.id and sharing[traj.group_id] == 1
-            self._insert(traj, ungrouped=self.cfg.group_size <= 1 or alone)
+            self._insert(traj, ungrouped=alone)
         if state.commits and self._wal is not None:
             self._wal.repair_ledger(state.commits)
         if state.uncommitted or state.cut_bytes:
