@@ -96,9 +96,6 @@ def measure_limit(nbytes: int, args) -> dict:
     }
 
 
-DEVICE = ["cpu"]  # the learner's device (set in main)
-
-
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -139,7 +136,9 @@ async def publish_all(engine: SGLangEngine, group, named, bucket_mb: int, versio
             await asyncio.gather(
                 asyncio.to_thread(send_bucket, group, bucket), engine.update_weights(version, meta)
             )
-    _sync(DEVICE[0])  # the broadcasts are queued on the stream: the publish ends when they have completed
+    _sync(
+        str(named[0][1].device)
+    )  # the broadcasts are queued on the stream: the publish ends when they completed
     return time.perf_counter() - start
 
 
@@ -212,7 +211,6 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/publish_bench"))
     args = ap.parse_args()
     args.engine_device = args.engine_device or ("cpu" if args.device == "cpu" else "cuda:1")
-    DEVICE[0] = args.device
     if args.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(args.device))
     result = asyncio.run(run(args))
