@@ -136,9 +136,8 @@ async def publish_all(engine: SGLangEngine, group, named, bucket_mb: int, versio
             await asyncio.gather(
                 asyncio.to_thread(send_bucket, group, bucket), engine.update_weights(version, meta)
             )
-    _sync(
-        str(named[0][1].device)
-    )  # the broadcasts are queued on the stream: the publish ends when they completed
+    # the broadcasts are queued on the stream: the publish ends when they have completed
+    _sync(str(named[0][1].device))
     return time.perf_counter() - start
 
 
