@@ -217,9 +217,9 @@ SGLANG_FLAGS = {
 def bench_sglang(path: Path, requests, args) -> dict:
     """Real SGLang (launched by agentrl's SGLangServer, driven by its SGLangEngine client) on the same requests."""
     from agentrl.engines.sglang import SGLangEngine
-    from agentrl.engines.sglang_launcher import SERVER_PORTS, SGLangServer, free_port
+    from agentrl.engines.sglang_launcher import SGLangServer
 
-    server = SGLangServer(str(path), args=SGLANG_FLAGS, port=free_port(ports=SERVER_PORTS), log_path=args.sglang_log,
+    server = SGLangServer(str(path), args=SGLANG_FLAGS, log_path=args.sglang_log,
                           startup_timeout_s=900, restart_on_crash=False)  # fmt: skip
     start = time.perf_counter()
     server.start()

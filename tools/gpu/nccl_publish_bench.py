@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 
 from agentrl.engines.sglang import SGLangEngine
-from agentrl.engines.sglang_launcher import SERVER_PORTS, SGLangServer, free_port
+from agentrl.engines.sglang_launcher import SGLangServer, free_port
 from agentrl.engines.weight_sync import (
     broadcast_tensor,
     describe,
@@ -105,7 +105,7 @@ def start_server(path: Path, args) -> tuple[str, object]:
     env = dict(os.environ)
     if args.server == "sglang":
         gpu = args.engine_device.split(":")[-1]
-        server = SGLangServer(str(path), args=SGLANG_FLAGS, port=free_port(ports=SERVER_PORTS), env={"CUDA_VISIBLE_DEVICES": gpu},
+        server = SGLangServer(str(path), args=SGLANG_FLAGS, env={"CUDA_VISIBLE_DEVICES": gpu},
                               log_path=str(Path(args.out) / "publish_server.log"), startup_timeout_s=600,
                               restart_on_crash=False)  # fmt: skip
         server.start()

@@ -30,7 +30,7 @@ import torch
 
 from agentrl.engines.base import DiskSource, SamplingParams, TensorSource
 from agentrl.engines.sglang import SGLangEngine
-from agentrl.engines.sglang_launcher import SERVER_PORTS, SGLangServer, free_port, parse_sglang_flags
+from agentrl.engines.sglang_launcher import SGLangServer, free_port, parse_sglang_flags
 from agentrl.engines.weight_sync import (
     describe,
     init_weights_update_group,
@@ -114,7 +114,7 @@ async def main_async(args, flags: dict) -> dict:
     t0 = time.perf_counter()
     path = build_model(root)
     env = {"CUDA_VISIBLE_DEVICES": str(args.server_gpu)} if args.server_gpu is not None else None
-    server = SGLangServer(str(path), args=flags, port=free_port(ports=SERVER_PORTS), env=env, log_path=str(out / "sglang_server.log"),
+    server = SGLangServer(str(path), args=flags, env=env, log_path=str(out / "sglang_server.log"),
                           startup_timeout_s=600, restart_on_crash=False)  # fmt: skip
     await asyncio.to_thread(server.start)
     result: dict = {
