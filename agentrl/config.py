@@ -93,6 +93,7 @@ class EngineSection(_Section):
     max_seq_len: int = 1024
     max_prefill_tokens: int = 8192
     decode_steps: int = 0  # embedded: decode steps per iteration, one host sync (0: 8 on CUDA, 1 on CPU)
+    sampler: Literal["auto", "torch", "triton"] = "auto"  # embedded: auto = fused Triton kernel on CUDA
     external_urls: list[str] = []
     request_timeout_s: float = 300.0
     update_timeout_s: float = 120.0

@@ -88,22 +88,23 @@ async def run_engine(engine, requests, seeded: bool = True) -> tuple[int, float]
     return sum(len(o.output_ids) for o in outs), elapsed
 
 
-# name -> (cuda_graphs, attention, torch.compile'd decode layers, decode steps per scheduler iteration)
-VARIANTS = {"eager": (False, "sdpa", False, 1), "triton": (False, "triton", False, 1),
-            "graphs": (True, "triton", True, 1), "graphs_nocompile": (True, "triton", False, 1),
-            "graphs_sdpa": (True, "sdpa", True, 1), "graphs_k4": (True, "triton", True, 4),
-            "graphs_k8": (True, "triton", True, 8)}  # fmt: skip
+# name -> (cuda_graphs, attention, torch.compile'd decode layers, decode steps per scheduler iteration, sampler)
+VARIANTS = {"eager": (False, "sdpa", False, 1, "auto"), "triton": (False, "triton", False, 1, "auto"),
+            "graphs": (True, "triton", True, 1, "auto"), "graphs_nocompile": (True, "triton", False, 1, "auto"),
+            "graphs_sdpa": (True, "sdpa", True, 1, "auto"), "graphs_k4": (True, "triton", True, 4, "auto"),
+            "graphs_k8": (True, "triton", True, 8, "auto"),
+            "graphs_k8_torch_sampler": (True, "triton", True, 8, "torch")}  # fmt: skip
 
 
 def bench_embedded(path: Path, requests, args, variant: str = "eager") -> dict:
     max_len = max([len(p) + m for p, m in requests] + ([600] if args.check_logprobs else []))
-    graphs, attention, compiled, per_iteration = VARIANTS[variant]
+    graphs, attention, compiled, per_iteration, sampler = VARIANTS[variant]
     if not args.device.startswith("cuda"):
         graphs, attention, compiled = False, "sdpa", False
     engine = EmbeddedEngine(
         str(path), device=args.device, dtype=args.dtype, max_batch_size=min(args.max_batch_size, len(requests)),
         max_seq_len=max_len + 1, max_prefill_tokens=args.max_prefill_tokens, cuda_graphs=graphs, attention=attention,
-        compile=compiled, decode_steps=per_iteration,
+        compile=compiled, decode_steps=per_iteration, sampler=sampler,
     )  # fmt: skip
     warm = [(p[:8], 4) for p, _ in requests[: min(8, len(requests))]]
 
@@ -126,7 +127,7 @@ def bench_embedded(path: Path, requests, args, variant: str = "eager") -> dict:
     _free(args.device)
     out = {"tokens": tokens, "seconds": round(elapsed, 3), "tok_s": round(tokens / elapsed, 1), "steps": steps,
            "kv_cache_gib": round(cache_gb, 2), "cuda_graphs": graphs, "attention": attention, "compile": compiled,
-           "decode_steps_per_iteration": per_iteration}  # fmt: skip
+           "decode_steps_per_iteration": per_iteration, "sampler": sampler}  # fmt: skip
     out["time_split"] = split  # seconds in prefill / decode steps, and host work between them
     if check is not None:
         out["logprob_vs_hf"] = check

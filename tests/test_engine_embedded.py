@@ -137,6 +137,14 @@ async def test_decode_steps_must_be_positive_or_automatic(dirs):
     assert engine(dirs["qwen3"]).decode_steps == 1  # automatic on CPU
 
 
+async def test_sampler_choice_is_checked(dirs):
+    with pytest.raises(EngineError, match="engine sampler must be auto, torch or triton, got 'fast'"):
+        engine(dirs["qwen3"], sampler="fast")
+    with pytest.raises(EngineError, match="sampler='triton' needs a CUDA device"):
+        engine(dirs["qwen3"], sampler="triton")
+    assert not engine(dirs["qwen3"]).runner.fused_sampling  # auto on CPU: torch ops
+
+
 async def test_seeded_sampling_is_reproducible_and_batch_independent(dirs):
     eng = engine(dirs["llama"])
     sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_new_tokens=16, seed=7, ignore_eos=True)

@@ -45,6 +45,82 @@ def test_triton_decode_attention_matches_sdpa(dtype):
         assert err < (2e-2 if dtype == torch.bfloat16 else 5e-3), (row, float(err))
 
 
+def test_triton_decode_attention_writes_the_new_token():
+    """With k_new/v_new the kernel stores them at each row's position and attends to them: the same output as
+    writing the cache first and calling the kernel without them; other positions and slots are untouched."""
+    _triton()
+    from agentrl.engines.triton_attention import decode_attention
+
+    torch.manual_seed(0)
+    b, heads, kv_heads, seq, dim = 6, 16, 8, 400, 128
+    q = torch.randn(b, heads, dim, device="cuda", dtype=torch.bfloat16)
+    kc = torch.randn(b + 2, kv_heads, seq, dim, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    qkv = torch.randn(b, 3 * kv_heads, dim, device="cuda", dtype=torch.bfloat16)  # strided like layer_in's
+    k_new, v_new = qkv[:, kv_heads : 2 * kv_heads], qkv[:, 2 * kv_heads :]
+    pos = torch.tensor([0, 1, 63, 64, 200, 399], device="cuda")
+    kc0, vc0 = kc.clone(), vc.clone()
+    out = decode_attention(q, kc, vc, pos, k_new, v_new)
+    rows = torch.arange(b, device="cuda")
+    kc0[rows, :, pos], vc0[rows, :, pos] = k_new, v_new
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
+    ref = decode_attention(q, kc0, vc0, pos)
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+
+
+def test_fused_sampler_draws_from_softmax_and_reports_its_logprob():
+    _triton()
+    from agentrl.engines.triton_sampling import fused_sample
+
+    torch.manual_seed(0)
+    b, vocab = 8, 151_936
+    logits = (torch.randn(b, vocab, device="cuda") * 4).to(torch.bfloat16)
+    logits[0, 5], logits[0, 100_000] = 60.0, 60.0  # a tie: greedy takes the lowest index, as argmax does
+    temps = torch.tensor([0.0, 1.0, 0.6, 1.5, -1.0, 1.0, 1.0, 1.0], device="cuda")
+    seeds = torch.arange(b, device="cuda") * 1_000_003 + 7
+    pos = torch.tensor([0, 3, 9, 4000, 17, 1, 2, 3], device="cuda")
+    tokens, logps = fused_sample(logits, temps, seeds, pos)
+    x = logits.float()
+    ref = torch.log_softmax(x / torch.where(temps > 0, temps, 1.0)[:, None], -1)
+    assert tokens[0] == 5 and tokens[4] == x[4].argmax()
+    torch.testing.assert_close(logps, ref.gather(1, tokens[:, None])[:, 0], atol=1e-4, rtol=0)
+    alone, _ = fused_sample(logits[2:3], temps[2:3], seeds[2:3], pos[2:3])
+    assert alone[0] == tokens[2]  # a row's draw depends on its seed and position only
+    again, _ = fused_sample(logits, temps, seeds, pos + 1)
+    assert not torch.equal(again[5:], tokens[5:])  # the next position draws fresh noise
+    n, probs = 200_000, torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625], device="cuda")
+    many = probs.log().repeat(n, 1)
+    drawn, _ = fused_sample(many, torch.ones(n, device="cuda"), torch.arange(n, device="cuda"),
+                            torch.zeros(n, dtype=torch.int64, device="cuda"))  # fmt: skip
+    freq = torch.bincount(drawn, minlength=5).float() / n
+    chi2 = float((n * (freq - probs) ** 2 / probs).sum())
+    assert chi2 < 20.5, (freq.tolist(), chi2)  # 4 degrees of freedom: p < 0.0005 for a correct sampler
+
+
+def test_fused_sampler_seeded_request_is_batch_independent(tmp_path):
+    _triton()
+    from agentrl.engines.base import SamplingParams
+    from agentrl.engines.embedded import EmbeddedEngine
+    from agentrl.engines.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", arch="qwen3", hidden=256, layers=2, heads=8, kv_heads=4, seed=0)
+    engine = EmbeddedEngine(str(path), device="cuda", dtype="bfloat16", max_batch_size=8, max_seq_len=256)
+    assert engine.runner.fused_sampling
+    seeded = SamplingParams(temperature=1.0, max_new_tokens=30, ignore_eos=True, seed=1234)
+    other = SamplingParams(temperature=0.8, max_new_tokens=50, ignore_eos=True)
+
+    async def main():
+        alone = await engine.generate([5, 6, 7], seeded)
+        crowd = await asyncio.gather(engine.generate([5, 6, 7], seeded),
+                                     *(engine.generate([9, 9, 9], other) for _ in range(5)))  # fmt: skip
+        await engine.close()
+        return alone, crowd
+
+    alone, crowd = asyncio.run(main())
+    assert crowd[0].output_ids == alone.output_ids
+    assert len({tuple(o.output_ids) for o in crowd[1:]}) == 5  # same prompt, unseeded: each its own noise
+
+
 def _hf_logprobs(model, prompt, output):
     ids = torch.tensor([prompt + output], device="cuda")
     with torch.inference_mode():
@@ -130,7 +206,7 @@ def test_prefill_logprobs_same_with_varlen_and_loop(tmp_path, monkeypatch):
 
     def prefill():
         cache = KVCache(spec, len(lengths), 256, torch.device("cuda"), torch.bfloat16)
-        return torch.log_softmax(model.prefill(tokens, positions, slots, lengths, cache), -1)
+        return torch.log_softmax(model.prefill(tokens, positions, slots, lengths, cache).float(), -1)
 
     varlen = prefill()
     assert pa._varlen["state"] == "ok"

@@ -26,6 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="decode steps per scheduler iteration (0: 8 on CUDA, 1 on CPU)",
     )
+    parser.add_argument(
+        "--sampler",
+        choices=["auto", "torch", "triton"],
+        default="auto",
+        help="auto: one fused Triton kernel per step on CUDA (no top-p/top-k), torch ops otherwise",
+    )
     parser.add_argument("--weight-version", type=int, default=0, help="policy version of the loaded weights")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -50,6 +56,7 @@ async def _serve(args: argparse.Namespace) -> None:
         args.model, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
         max_seq_len=args.max_seq_len, max_prefill_tokens=args.max_prefill_tokens,
         policy_version=args.weight_version, seed=args.seed, decode_steps=args.decode_steps,
+        sampler=args.sampler,
     )  # fmt: skip
     import os
 

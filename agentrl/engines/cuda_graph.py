@@ -25,7 +25,7 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """`graphs(tokens [b], positions [b], max_len) -> fp32 logits [b, vocab]`, replaying a captured step."""
+    """`graphs(tokens [b], positions [b], max_len) -> logits [b, vocab]` (model dtype), replaying a captured step."""
 
     def __init__(self, model: CausalLM, cache: KVCache, max_batch: int, attention: str = "triton",
                  length_bucket: int = 256) -> None:  # fmt: skip

@@ -55,19 +55,22 @@ class EmbeddedEngine(Engine):
         attention: str = "auto",
         compile: bool | None = None,
         decode_steps: int | None = None,
+        sampler: str = "auto",
     ):
         """`cuda_graphs` (default: on for CUDA) replays decode steps from graphs captured per batch bucket;
         `attention`: "auto" (Triton decode kernel on CUDA if available), "sdpa" or "triton"; `compile`
         (default: with CUDA graphs) fuses each decode layer's elementwise work with torch.compile;
         `decode_steps`: decode steps per scheduler iteration (one host sync for all; new requests and weight
         updates wait for the iteration, rows that finish early waste the rest of it); None or 0: 8 on CUDA
-        (1.13x the throughput of 1 on an H200, docs/benchmarks/gpu.md), 1 on CPU (host work is cheap there)."""
+        (1.13x the throughput of 1 on an H200, docs/benchmarks/gpu.md), 1 on CPU (host work is cheap there);
+        `sampler`: "auto" (one fused Triton kernel per step on CUDA, engines/triton_sampling.py), "torch", "triton"."""
         if decode_steps is not None and decode_steps < 0:
             raise EngineError(f"engine decode_steps must be >= 1 (0: automatic), got {decode_steps}")
         self.model_path = str(model_path)
         self.runner = ModelRunner(
-            self.model_path, device, dtype, max_batch_size, max_seq_len, seed, cuda_graphs, attention, compile
-        )
+            self.model_path, device, dtype, max_batch_size, max_seq_len, seed, cuda_graphs, attention, compile,
+            sampler,
+        )  # fmt: skip
         self.spec, self.device, self.dtype_name = self.runner.spec, self.runner.device, dtype
         self.decode_steps = decode_steps or (8 if self.device.type == "cuda" else 1)
         self.max_seq_len = self.runner.max_seq_len
@@ -95,7 +98,7 @@ class EmbeddedEngine(Engine):
         return cls(
             model_path, device=cfg.device, dtype=cfg.dtype, max_batch_size=cfg.max_batch_size,
             max_seq_len=cfg.max_seq_len, max_prefill_tokens=cfg.max_prefill_tokens,
-            policy_version=policy_version, seed=seed, decode_steps=cfg.decode_steps,
+            policy_version=policy_version, seed=seed, decode_steps=cfg.decode_steps, sampler=cfg.sampler,
         )  # fmt: skip
 
     # -- Engine API ----------------------------------------------------------------------------------------------
@@ -152,8 +155,9 @@ class EmbeddedEngine(Engine):
         if not sampling.ignore_eos:
             stop.update(self.spec.eos_token_ids)
         req = Request(
-            rid, list(input_ids), sampling, asyncio.get_running_loop().create_future(), frozenset(stop)
-        )
+            rid, list(input_ids), sampling, asyncio.get_running_loop().create_future(), frozenset(stop),
+            seed=self.runner.request_seed(sampling.seed),
+        )  # fmt: skip
         if sampling.seed is not None:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(sampling.seed)

@@ -321,8 +321,9 @@ class CausalLM:
     def compile_decode(self, enable: bool = True) -> None:
         """Decode through torch.compile'd layer halves (CUDA): inductor fuses the norms, RoPE, SwiGLU and
         residual adds into a few kernels per layer, so a graph-replayed step is not bound by ~50 tiny kernel
-        launches per layer. One compilation serves every layer (weights are inputs) and every batch size;
-        prefill stays eager (its token count changes every step and it is bound by its matmuls)."""
+        launches per layer. One compilation serves every layer (weights are inputs) and every token count
+        (the leading dimension is dynamic), so prefill runs the same compiled halves: no recompilation when
+        the number of packed prompt tokens changes."""
         if not enable:
             self._layer_in, self._layer_out, self.compiled = layer_in, layer_out, False
             return
@@ -330,15 +331,17 @@ class CausalLM:
         self.compiled = True
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(_rms_norm(hidden, self.norm, self.spec.rms_eps), self.lm_head).float()
+        """Logits in the model dtype, as transformers computes them; samplers read them as fp32 (an fp32 copy
+        here would cost a write and a read of [B, vocab] fp32 per step)."""
+        return F.linear(_rms_norm(hidden, self.norm, self.spec.rms_eps), self.lm_head)
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor,
                 lengths: list[int], cache: KVCache) -> torch.Tensor:  # fmt: skip
         """Packed prompts: `tokens`, `positions`, `token_slots` [S] are the prompts' tokens back to back (prompt
         j has `lengths[j]` tokens at positions 0..len-1 of its cache slot). Writes their K/V into the cache and
-        returns fp32 logits [N, vocab] at each prompt's last token. The projections and MLP run on the S real
-        tokens (no padding); attention is causal within each prompt: one varlen flash kernel per layer on CUDA
+        returns logits [N, vocab] (model dtype) at each prompt's last token. The projections and MLP run on the
+        S real tokens (no padding); attention is causal within each prompt: one varlen flash kernel per layer on CUDA
         (bf16/fp16), per-prompt SDPA otherwise (engines/prefill_attention.py)."""
         self.ensure_rope(max(lengths))
         cos, sin = self._rope(positions)
@@ -351,11 +354,11 @@ class CausalLM:
 
     def _prefill_layers(self, x, cos, sin, positions, token_slots, packed: Packed, cache) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, cos, sin)  # q [S, H, D], k/v [S, KV, D]
+            q, k, v = self._qkv(layer, x, cos, sin, fused=True)  # q [S, H, D], k/v [S, KV, D]
             cache.k[i][token_slots, :, positions] = k
             cache.v[i][token_slots, :, positions] = v
             attn = packed_causal_attention(q, k, v, packed)
-            x = self._out(layer, x, attn.reshape(-1, self.q_dim))
+            x = self._out(layer, x, attn.reshape(-1, self.q_dim), fused=True)
         return x
 
     @torch.inference_mode()
@@ -371,27 +374,27 @@ class CausalLM:
         `<= position` of each slot. `attention="sdpa"` reads positions `< max_len` of every slot (masked);
         `"triton"` (CUDA) reads each slot's own length (engines/triton_attention.py; `max_len` unused).
         No host synchronisation, fixed shapes for a given (B, max_len): CUDA-graph capturable.
-        Returns fp32 logits [B, vocab]."""
+        Returns logits [B, vocab] in the model dtype."""
         s = self.spec
         b = tokens.shape[0]
         groups = s.heads // s.kv_heads
         self.ensure_rope(max_len)
         cos, sin = self._rope(positions)
-        rows = torch.arange(b, device=self.device)
         if attention == "triton":
             from agentrl.engines.triton_attention import decode_attention
         else:
+            rows = torch.arange(b, device=self.device)
             mask = (torch.arange(max_len, device=self.device)[None, :] <= positions[:, None])[
                 :, None, None, :
             ]
         x = F.embedding(tokens, self.embed)  # [B, hidden]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin, fused=True)  # q [B, H, D], k/v [B, KV, D]
-            cache.k[i][rows, :, positions] = k
-            cache.v[i][rows, :, positions] = v
-            if attention == "triton":
-                attn = decode_attention(q.contiguous(), cache.k[i], cache.v[i], positions)
+            if attention == "triton":  # the kernel also writes k/v into the cache
+                attn = decode_attention(q.contiguous(), cache.k[i], cache.v[i], positions, k, v)
             else:
+                cache.k[i][rows, :, positions] = k
+                cache.v[i][rows, :, positions] = v
                 q = q.reshape(b, s.kv_heads, groups, s.head_dim)  # fold the GQA group into the query length
                 attn = F.scaled_dot_product_attention(
                     q, cache.k[i][:b, :, :max_len], cache.v[i][:b, :, :max_len], attn_mask=mask

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ class Request:
     future: asyncio.Future
     stop_ids: frozenset[int]
     generator: torch.Generator | None = None
+    seed: int = 0  # the fused sampler's noise key (engines/triton_sampling.py)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[list[int]] = field(default_factory=list)
@@ -57,6 +59,7 @@ class ModelRunner:
     def __init__(
         self, model_path: str, device: str, dtype: str, max_batch_size: int, max_seq_len: int, seed: int = 0,
         cuda_graphs: bool | None = None, attention: str = "auto", compile: bool | None = None,
+        sampler: str = "auto",
     ):  # fmt: skip
         if dtype not in DTYPES:
             raise EngineError(f"engine.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -70,6 +73,8 @@ class ModelRunner:
         self.model.ensure_rope(self.max_seq_len)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        self._seeds = random.Random(seed)
+        self.fused_sampling = _pick_sampler(sampler, self.device)
         self._sampling_cache: tuple[tuple[int, ...], BatchSampling] | None = None
         self.groups: dict[str, Any] = {}
         self.attention = _pick_attention(attention, self.device)
@@ -148,6 +153,10 @@ class ModelRunner:
         for src, dst, length in moves:
             self.cache.move(src, dst, length)
 
+    def request_seed(self, seed: int | None) -> int:
+        """A request's noise key for the fused sampler: its own seed, else the next draw of the engine's seed."""
+        return (self._seeds.getrandbits(63) if seed is None else seed) & (2**63 - 1)
+
     def _batch_sampling(self, batch: list[Request]) -> tuple[BatchSampling, dict[int, torch.Generator]]:
         key = tuple(r.serial for r in batch)
         if self._sampling_cache is None or self._sampling_cache[0] != key:
@@ -156,6 +165,7 @@ class ModelRunner:
                 [r.sampling.top_p for r in batch],
                 [r.sampling.top_k for r in batch],
                 self.device,
+                [r.seed for r in batch] if self.fused_sampling else None,
             )
             self._sampling_cache = (key, params)
         gens = {i: r.generator for i, r in enumerate(batch) if r.generator is not None}
@@ -184,7 +194,8 @@ class ModelRunner:
         )
         logits = self.model.prefill(packed[0], packed[1], packed[2], lengths, self.cache)
         params, gens = self._batch_sampling(batch)
-        sampled, logps = sample(logits, params, gens, self.generator)
+        at = torch.tensor([n - 1 for n in lengths], device=self.device)  # each prompt's last position
+        sampled, logps = sample(logits, params, gens, self.generator, at)
         return self._to_host([sampled], [logps])
 
     def decode(
@@ -206,11 +217,28 @@ class ModelRunner:
                 logits = self.graphs(tokens, pos, max_len)
             else:
                 logits = self.model.decode(tokens, pos, self.cache, max_len, attention=self.attention)
-            tokens, logps = sample(logits, params, gens, self.generator)
+            tokens, logps = sample(logits, params, gens, self.generator, pos)
             out_tokens.append(tokens)
             out_logps.append(logps)
             pos = pos + 1
         return self._to_host(out_tokens, out_logps)
+
+
+def _pick_sampler(sampler: str, device: torch.device) -> bool:
+    """Whether sampling runs the fused Triton kernel: "auto" on CUDA when triton imports, "triton", "torch"."""
+    if sampler not in ("auto", "torch", "triton"):
+        raise EngineError(f"engine sampler must be auto, torch or triton, got {sampler!r}")
+    if sampler == "torch" or (sampler == "auto" and device.type != "cuda"):
+        return False
+    if device.type != "cuda":
+        raise EngineError("engine sampler='triton' needs a CUDA device")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        if sampler == "triton":
+            raise EngineError("engine sampler='triton': triton is not installed") from None
+        return False
+    return True
 
 
 def _pick_attention(attention: str, device: torch.device) -> str:

@@ -1,10 +1,14 @@
 """Batched sampling on the device: per-row temperature, top-p, top-k, greedy and optional per-row generators.
 
-Invariant (engines/base.py): the returned logprob is `log_softmax(logits / T)[token]` with T = 1 for greedy
-rows; top-p/top-k shape only which token is drawn, never the reported logprob. Sampling uses the exponential
-race (argmax of p / E, E ~ Exp(1)), which draws exactly from p and needs one noise tensor for the batch;
-rows with their own `torch.Generator` draw their noise from it, so a seeded request samples the same tokens
-whatever else is in the batch.
+Invariant (engines/base.py): the returned logprob is `log_softmax(logits / T)[token]` (logits read as fp32)
+with T = 1 for greedy rows; top-p/top-k shape only which token is drawn, never the reported logprob. Sampling
+uses the exponential race (argmax of p / E, E ~ Exp(1)), which draws exactly from p.
+
+Two implementations of the same draw: on CUDA with Triton, batches without top-p/top-k run one fused kernel
+(engines/triton_sampling.py: one read of the logits, counter-based noise from each row's seed and position);
+otherwise torch ops, with one noise tensor for the batch, rows with their own `torch.Generator` drawing from
+it. Either way a seeded request samples the same tokens whatever else is in the batch (the two paths draw
+different tokens for the same seed).
 """
 
 from __future__ import annotations
@@ -15,13 +19,17 @@ import torch
 class BatchSampling:
     """Per-row sampling parameters as device tensors (rebuilt only when the batch changes)."""
 
-    def __init__(self, temps: list[float], top_ps: list[float], top_ks: list[int], device: torch.device):
+    def __init__(self, temps: list[float], top_ps: list[float], top_ks: list[int], device: torch.device,
+                 seeds: list[int] | None = None):  # fmt: skip
+        """`seeds` (one per row) enables the fused kernel; None keeps the torch path."""
         self.temperature = torch.tensor(temps, dtype=torch.float32, device=device)
         self.top_p = torch.tensor(top_ps, dtype=torch.float32, device=device)
         self.top_k = torch.tensor(top_ks, dtype=torch.int64, device=device)
         self.any_greedy = any(t <= 0 for t in temps)
         self.all_greedy = all(t <= 0 for t in temps)
         self.any_filter = any(p < 1.0 for p in top_ps) or any(k > 0 for k in top_ks)
+        fused = seeds is not None and not self.any_filter
+        self.seeds = torch.tensor(seeds, dtype=torch.int64, device=device) if fused else None
 
 
 def _filter(probs: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -41,10 +49,17 @@ def sample(
     params: BatchSampling,
     generators: dict[int, torch.Generator] | None = None,
     default: torch.Generator | None = None,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 `logits` [B, V] -> (tokens [B] int64, logprobs [B] fp32), both on the logits' device.
+    """`logits` [B, V] -> (tokens [B] int64, logprobs [B] fp32), both on the logits' device.
 
-    Rows listed in `generators` draw their noise from their own generator, the others from `default`."""
+    With `params.seeds` and `positions` [B] (the position each row samples at): the fused kernel. Otherwise
+    rows listed in `generators` draw their noise from their own generator, the others from `default`."""
+    if params.seeds is not None and positions is not None:
+        from agentrl.engines.triton_sampling import fused_sample
+
+        return fused_sample(logits, params.temperature, params.seeds, positions)
+    logits = logits.float()
     temps = params.temperature
     if params.all_greedy:
         tokens = logits.argmax(dim=-1)

@@ -4,12 +4,7 @@
 #  2. engine bench with --check-logprobs: embedded engine (8 and 1 decode steps per iteration) vs real SGLang
 source tools/gpu/engine_bench.sh
 gpu_setup megatron sglang
-t() {  # $1: log name, rest: pytest args
-  local name=$1; shift
-  timeout 150 python3 -m pytest -q -p no:cacheprovider "$@" > "/tmp/$name.txt" 2>&1
-  echo "$name rc=$?"; grep -B2 -A25 -E '^(____|E )' "/tmp/$name.txt" | head -50; tail -2 "/tmp/$name.txt"
-}
-t gpu_engine tests/test_gpu_engine.py
-t megatron_gpu tests/test_megatron_gpu.py -k ddp
+gpu_pytest gpu_engine tests/test_gpu_engine.py
+gpu_pytest megatron_gpu tests/test_megatron_gpu.py -k ddp
 ENGINE_BENCH_TIMEOUT_S=330 engine_bench engine_bench "${VARIANTS:-graphs_k8,graphs}" --check-logprobs \
   --sglang --sglang-log "$out/sglang_bench_server.log"

@@ -4,8 +4,8 @@
     python3 tools/gpu/profile_decode.py --device cpu --arch tiny    # CPU smoke test (eager SDPA only)
 
 For each (batch B, KV length L): the model step alone (CUDA graph replay with the Triton kernel; eager SDPA;
-eager Triton), sampling on [B, vocab] fp32 logits, and the runner's whole `decode()` (host bookkeeping, H2D,
-step, sampling, one D2H). Times are medians of CUDA-event-timed repeats (host clock on CPU). The floor column
+eager Triton), sampling (torch ops on [B, vocab] fp32 logits; the fused kernel on model-dtype logits), and
+the runner's whole `decode()` (host bookkeeping, H2D, step, sampling, one D2H). Times are medians of CUDA-event-timed repeats (host clock on CPU). The floor column
 is bytes that must move (weights once + K/V of B x L positions) over `--hbm-gb-s`. Prints one JSON line.
 """
 
@@ -78,6 +78,10 @@ def profile_point(runner: ModelRunner, b: int, length: int, args) -> dict:
     logits = torch.randn(b, spec.vocab_size, device=dev)
     params = BatchSampling([1.0] * b, [1.0] * b, [-1] * b, torch.device(dev))
     row["sample_ms"] = timed(lambda: sample(logits, params, None, runner.generator), dev, n)
+    if runner.fused_sampling:  # one Triton kernel on the model-dtype logits the step returns
+        fused = BatchSampling([1.0] * b, [1.0] * b, [-1] * b, torch.device(dev), seeds=list(range(b)))
+        raw = logits.to(model.dtype)
+        row["sample_fused_ms"] = timed(lambda: sample(raw, fused, None, None, pos), dev, n)
     batch = fake_batch(b, length, spec.vocab_size)
     row["runner_decode_ms"] = timed(lambda: runner.decode(batch, []), dev, n)
     return row
