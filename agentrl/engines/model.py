@@ -225,6 +225,7 @@ class CausalLM:
         self._rope_len = 0
         self._cos = self._sin = torch.empty(0)
         self._layer_in, self._layer_out, self.compiled = layer_in, layer_out, False
+        self.compiled_prefill = True  # prefill through the compiled halves too (when compiled)
 
     # -- weights -------------------------------------------------------------------------------------------------
 
@@ -354,11 +355,11 @@ class CausalLM:
 
     def _prefill_layers(self, x, cos, sin, positions, token_slots, packed: Packed, cache) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, cos, sin, fused=True)  # q [S, H, D], k/v [S, KV, D]
+            q, k, v = self._qkv(layer, x, cos, sin, fused=self.compiled_prefill)  # q [S, H, D], k/v [S, KV, D]
             cache.k[i][token_slots, :, positions] = k
             cache.v[i][token_slots, :, positions] = v
             attn = packed_causal_attention(q, k, v, packed)
-            x = self._out(layer, x, attn.reshape(-1, self.q_dim), fused=True)
+            x = self._out(layer, x, attn.reshape(-1, self.q_dim), fused=self.compiled_prefill)
         return x
 
     @torch.inference_mode()

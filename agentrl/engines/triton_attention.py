@@ -67,7 +67,10 @@ def _decode_kernel(
         alpha = tl.exp(m - m_last)
         p_new = tl.exp(s_new - m_last)
         l_sum = l_sum * alpha + p_new
-        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+        pv = p_new.to(v_new.dtype).to(
+            tl.float32
+        )  # p rounded to the cache dtype, as the loop's p @ v (and flash)
+        acc = acc * alpha[:, None] + pv[:, None] * v_new.to(tl.float32)[None, :]
     out = acc / l_sum[:, None]
     tl.store(
         OUT + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],

@@ -9,5 +9,5 @@ gpu_setup megatron sglang
 gpu_pytest gpu_engine tests/test_gpu_engine.py
 timeout 150 python3 tools/gpu/profile_decode.py --batches 64,256 --lengths 1024 --no-kernels --out "$out/profile" \
   > /tmp/profile.log 2>&1; echo "profile rc=$?"; grep '^{"batch' /tmp/profile.log | cut -c1-600
-ENGINE_BENCH_TIMEOUT_S=360 engine_bench engine_bench "${VARIANTS:-graphs_k8,graphs_k8_torch_sampler}" \
+ENGINE_BENCH_TIMEOUT_S=360 engine_bench engine_bench "${VARIANTS:-graphs_k8_torch_sampler,graphs_k8}" \
   --check-logprobs --sglang --sglang-log "$out/sglang_bench_server.log"
