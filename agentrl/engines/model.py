@@ -324,11 +324,15 @@ class CausalLM:
         residual adds into a few kernels per layer, so a graph-replayed step is not bound by ~50 tiny kernel
         launches per layer. One compilation serves every layer (weights are inputs) and every token count
         (the leading dimension is dynamic), so prefill runs the same compiled halves: no recompilation when
-        the number of packed prompt tokens changes."""
+        the number of packed prompt tokens changes. Inductor rounds every intermediate to the model dtype as
+        eager torch does (`emulate_precision_casts`): without it the halves keep fp32 intermediates, and the
+        logprobs drift from transformers' 2.4x as far (tools/gpu/logprob_diag.py, docs/benchmarks/gpu.md)."""
         if not enable:
             self._layer_in, self._layer_out, self.compiled = layer_in, layer_out, False
             return
-        self._layer_in, self._layer_out = torch.compile(layer_in), torch.compile(layer_out)
+        options = {"emulate_precision_casts": True}
+        self._layer_in = torch.compile(layer_in, options=options)
+        self._layer_out = torch.compile(layer_out, options=options)
         self.compiled = True
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -355,7 +359,9 @@ class CausalLM:
 
     def _prefill_layers(self, x, cos, sin, positions, token_slots, packed: Packed, cache) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, cos, sin, fused=self.compiled_prefill)  # q [S, H, D], k/v [S, KV, D]
+            q, k, v = self._qkv(
+                layer, x, cos, sin, fused=self.compiled_prefill
+            )  # q [S, H, D], k/v [S, KV, D]
             cache.k[i][token_slots, :, positions] = k
             cache.v[i][token_slots, :, positions] = v
             attn = packed_causal_attention(q, k, v, packed)

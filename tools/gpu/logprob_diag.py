@@ -5,7 +5,7 @@
 The setup of tests/test_gpu_engine.py::test_graph_engine_logprobs_match_hf_across_update (tiny Qwen3, bf16,
 5 prompts x 40 tokens; then every weight x 1.3, published in place), for several engine seeds (different
 sampled tokens) per configuration: default; torch sampler; eager prefill; inductor emulating eager's bf16
-rounding (`emulate_precision_casts`); no torch.compile at all.
+rounding (`emulate_precision_casts`, now the engine's default: `fp32_casts` turns it off); no torch.compile.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ CONFIGS = {
     "default": {},
     "torch_sampler": {"sampler": "torch"},
     "eager_prefill": {"eager_prefill": True},
-    "emulate_casts": {"emulate_casts": True},
+    "fp32_casts": {"fp32_casts": True},
     "no_compile": {"compile": False},
 }
 
@@ -37,17 +37,23 @@ def hf_logprobs(model, prompt, output):
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(output, device="cuda")[:, None])[:, 0]
 
 
-def measure(path: Path, seed: int, sampler="auto", eager_prefill=False, emulate_casts=False, compile=None):
+def measure(path: Path, seed: int, sampler="auto", eager_prefill=False, fp32_casts=False, compile=None):
     from transformers import AutoModelForCausalLM
 
     from agentrl.engines.base import SamplingParams, TensorSource
     from agentrl.engines.embedded import EmbeddedEngine
 
-    torch._inductor.config.emulate_precision_casts = emulate_casts
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
     engine = EmbeddedEngine(str(path), device="cuda", dtype="bfloat16", max_batch_size=16, max_seq_len=512,
                             seed=seed, sampler=sampler, compile=compile)  # fmt: skip
     engine.runner.model.compiled_prefill = not eager_prefill
+    if fp32_casts:
+        from agentrl.engines import model
+
+        engine.runner.model._layer_in, engine.runner.model._layer_out = (
+            torch.compile(model.layer_in),
+            torch.compile(model.layer_out),
+        )
     prompts = [[(7 * i + j) % 1000 + 3 for j in range(n)] for i, n in enumerate((5, 40, 130, 9, 77))]
     sp = SamplingParams(temperature=1.0, max_new_tokens=40, ignore_eos=True)
 
