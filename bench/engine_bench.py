@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from agentrl.engines import model as model_mod
 from agentrl.engines.base import SamplingParams
 from agentrl.engines.embedded import DTYPES, EmbeddedEngine
 
@@ -88,17 +89,24 @@ async def run_engine(engine, requests, seeded: bool = True) -> tuple[int, float]
     return sum(len(o.output_ids) for o in outs), elapsed
 
 
+DEFAULT_COMPILE_OPTIONS = dict(model_mod.COMPILE_OPTIONS)
 # name -> (cuda_graphs, attention, torch.compile'd decode layers, decode steps per scheduler iteration, sampler)
 VARIANTS = {"eager": (False, "sdpa", False, 1, "auto"), "triton": (False, "triton", False, 1, "auto"),
             "graphs": (True, "triton", True, 1, "auto"), "graphs_nocompile": (True, "triton", False, 1, "auto"),
             "graphs_sdpa": (True, "sdpa", True, 1, "auto"), "graphs_k4": (True, "triton", True, 4, "auto"),
             "graphs_k8": (True, "triton", True, 8, "auto"),
-            "graphs_k8_torch_sampler": (True, "triton", True, 8, "torch")}  # fmt: skip
+            "graphs_k8_torch_sampler": (True, "triton", True, 8, "torch"),
+            "graphs_k8_fp32_casts": (True, "triton", True, 8, "auto")}  # fmt: skip
 
 
 def bench_embedded(path: Path, requests, args, variant: str = "eager") -> dict:
     max_len = max([len(p) + m for p, m in requests] + ([600] if args.check_logprobs else []))
     graphs, attention, compiled, per_iteration, sampler = VARIANTS[variant]
+    # "_fp32_casts": inductor keeps fp32 intermediates (faster, further from transformers' numerics)
+    options = {} if variant.endswith("_fp32_casts") else DEFAULT_COMPILE_OPTIONS
+    if options != model_mod.COMPILE_OPTIONS:
+        model_mod.COMPILE_OPTIONS = options
+        torch._dynamo.reset()  # compiled code does not guard on inductor options
     if not args.device.startswith("cuda"):
         graphs, attention, compiled = False, "sdpa", False
     engine = EmbeddedEngine(

@@ -113,6 +113,10 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
 
+# Inductor options of the compiled layer halves (bench/engine_bench.py's `_fp32_casts` variants clear them).
+COMPILE_OPTIONS = {"emulate_precision_casts": True}
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x = x.float()
@@ -330,9 +334,8 @@ class CausalLM:
         if not enable:
             self._layer_in, self._layer_out, self.compiled = layer_in, layer_out, False
             return
-        options = {"emulate_precision_casts": True}
-        self._layer_in = torch.compile(layer_in, options=options)
-        self._layer_out = torch.compile(layer_out, options=options)
+        self._layer_in = torch.compile(layer_in, options=dict(COMPILE_OPTIONS))
+        self._layer_out = torch.compile(layer_out, options=dict(COMPILE_OPTIONS))
         self.compiled = True
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
