@@ -97,8 +97,16 @@ class EngineSection(_Section):
     external_urls: list[str] = []
     request_timeout_s: float = 300.0
     update_timeout_s: float = 120.0
-    update_mode: Literal["keep", "abort", "wait"] = "keep"
+    # auto: abort for SGLang (its update waits for every running request), keep for the embedded engine
+    update_mode: Literal["auto", "keep", "abort", "wait"] = "auto"
     sglang: SGLangSection = msgspec.field(default_factory=SGLangSection)
+
+    @property
+    def effective_update_mode(self) -> str:
+        """`update_mode` with "auto" resolved (validate() also writes it back into the config)."""
+        if self.update_mode != "auto":
+            return self.update_mode
+        return "abort" if self.kind == "sglang" else "keep"
 
 
 class LearnerSection(_Section):
@@ -268,6 +276,7 @@ def validate(cfg: Config) -> Config:
     """Cross-field checks; each message names the conflicting settings."""
     if cfg.run.mode == "sync" and cfg.queue.max_staleness != 0:
         cfg.queue.max_staleness = 0
+    cfg.engine.update_mode = cfg.engine.effective_update_mode  # type: ignore[assignment]
     if cfg.queue.max_staleness < 0:
         raise ConfigError("queue.max_staleness must be >= 0")
     if not 0.0 <= cfg.queue.external_share < 1.0:

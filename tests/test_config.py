@@ -68,3 +68,10 @@ def test_nccl_publish_settings_named():
     cfg = load_config(None, ["--learner.publish", "nccl", "--run.placement", "disaggregated",
                              "--learner.publish-bucket-mb", "256"])  # fmt: skip
     assert cfg.learner.publish_bucket_mb == 256.0
+
+
+def test_update_mode_auto_is_abort_for_sglang_keep_for_embedded():
+    assert load_config(None, []).engine.update_mode == "keep"
+    sglang = ["--engine.kind", "sglang", "--engine.device", "cuda"]
+    assert load_config(None, sglang).engine.update_mode == "abort"
+    assert load_config(None, [*sglang, "--engine.update-mode", "keep"]).engine.update_mode == "keep"

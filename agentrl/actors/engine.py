@@ -66,7 +66,7 @@ class EngineActor:
     async def update_weights(self, version: int, payload: Any) -> int:
         from agentrl.actors.broadcast import load_into_engines
 
-        await load_into_engines([self.engine], version, payload, self.cfg.engine.update_mode)
+        await load_into_engines([self.engine], version, payload, self.cfg.engine.effective_update_mode)
         return version
 
     async def flush_cache(self) -> None:

@@ -96,7 +96,7 @@ class RolloutWorker:
                     traj = await self.generate_fn(
                         self._context(sticky.engine, sampling), task, traj_id, group_id
                     )
-            if traj.status != "aborted" or self.cfg.engine.update_mode != "abort":
+            if traj.status != "aborted" or self.cfg.engine.effective_update_mode != "abort":
                 break
         if not traj.env:
             traj.env = self.cfg.env.name
@@ -193,7 +193,7 @@ class RolloutWorker:
         """Load weight version `version` into every engine this worker owns (see agentrl.actors.broadcast)."""
         from agentrl.actors.broadcast import load_into_engines
 
-        await load_into_engines(self.engines, version, source, self.cfg.engine.update_mode)
+        await load_into_engines(self.engines, version, source, self.cfg.engine.effective_update_mode)
         self.policy_version = version
         return version
 
