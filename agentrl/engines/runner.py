@@ -74,10 +74,10 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._seeds = random.Random(seed)
-        self.fused_sampling = _pick_sampler(sampler, self.device)
+        self.fused_sampling = _use_triton("sampler", sampler, "torch", self.device)
         self._sampling_cache: tuple[tuple[int, ...], BatchSampling] | None = None
         self.groups: dict[str, Any] = {}
-        self.attention = _pick_attention(attention, self.device)
+        self.attention = "triton" if _use_triton("attention", attention, "sdpa", self.device) else "sdpa"
         self.graphs = None
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
@@ -224,35 +224,19 @@ class ModelRunner:
         return self._to_host(out_tokens, out_logps)
 
 
-def _pick_sampler(sampler: str, device: torch.device) -> bool:
-    """Whether sampling runs the fused Triton kernel: "auto" on CUDA when triton imports, "triton", "torch"."""
-    if sampler not in ("auto", "torch", "triton"):
-        raise EngineError(f"engine sampler must be auto, torch or triton, got {sampler!r}")
-    if sampler == "torch" or (sampler == "auto" and device.type != "cuda"):
+def _use_triton(option: str, value: str, other: str, device: torch.device) -> bool:
+    """Engine option `option` in ("auto", "triton", `other`): whether to run the Triton kernel. "auto" picks it
+    on CUDA when triton imports; "triton" without CUDA or triton is an error naming the option."""
+    if value not in ("auto", other, "triton"):
+        raise EngineError(f"engine {option} must be auto, {other} or triton, got {value!r}")
+    if value == other or (value == "auto" and device.type != "cuda"):
         return False
     if device.type != "cuda":
-        raise EngineError("engine sampler='triton' needs a CUDA device")
+        raise EngineError(f"engine {option}='triton' needs a CUDA device")
     try:
         import triton  # noqa: F401
     except ImportError:
-        if sampler == "triton":
-            raise EngineError("engine sampler='triton': triton is not installed") from None
+        if value == "triton":
+            raise EngineError(f"engine {option}='triton': triton is not installed") from None
         return False
     return True
-
-
-def _pick_attention(attention: str, device: torch.device) -> str:
-    """ "auto": the Triton decode kernel on CUDA when triton imports, else SDPA."""
-    if attention not in ("auto", "sdpa", "triton"):
-        raise EngineError(f"engine attention must be auto, sdpa or triton, got {attention!r}")
-    if attention == "sdpa" or device.type != "cuda":
-        if attention == "triton":
-            raise EngineError("engine attention='triton' needs a CUDA device")
-        return "sdpa"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        if attention == "triton":
-            raise EngineError("engine attention='triton': triton is not installed") from None
-        return "sdpa"
-    return "triton"

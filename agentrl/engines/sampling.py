@@ -4,7 +4,7 @@ Invariant (engines/base.py): the returned logprob is `log_softmax(logits / T)[to
 with T = 1 for greedy rows; top-p/top-k shape only which token is drawn, never the reported logprob. Sampling
 uses the exponential race (argmax of p / E, E ~ Exp(1)), which draws exactly from p.
 
-Two implementations of the same draw: on CUDA with Triton, batches without top-p/top-k run one fused kernel
+Two implementations of the same draw: on CUDA with Triton, batches without top-p/top-k run the fused sampler
 (engines/triton_sampling.py: one read of the logits, counter-based noise from each row's seed and position);
 otherwise torch ops, with one noise tensor for the batch, rows with their own `torch.Generator` drawing from
 it. Either way a seeded request samples the same tokens whatever else is in the batch (the two paths draw
