@@ -180,6 +180,24 @@ async def test_pause_abort_and_wait_and_abort_by_id(server_url, dirs):
     await client.close()
 
 
+async def test_pause_abort_returns_after_every_request_came_back(server_url, dirs):
+    """pause("abort") aborts and drains this client's requests itself (SGLang's own abort pause polls once a
+    second): when it returns, every request has its partial answer, and new ones wait for resume()."""
+    client = SGLangEngine(server_url)
+    await reset(client, dirs)
+    tasks = [asyncio.create_task(client.generate([7, 8 + i], LONG)) for i in range(6)]
+    await wait_running(client)
+    await client.pause("abort")
+    assert all(t.done() for t in tasks) and client._in_flight == 0
+    assert {t.result().finish_reason for t in tasks} == {"abort"}
+    held = asyncio.create_task(client.generate([5], GREEDY))
+    await asyncio.sleep(0.1)
+    assert not held.done()
+    await client.resume()
+    assert len((await held).output_ids) == 10
+    await client.close()
+
+
 async def test_distributed_update_through_http(server_url, dirs):
     from transformers import AutoModelForCausalLM
 

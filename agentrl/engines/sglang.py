@@ -3,8 +3,9 @@
 Every call has a timeout and fails with EngineError (WeightSyncError for weight updates) naming the URL and
 route. Versions: per-token runs from `meta_info.agentrl_versions` when the server sends them (serve-engine),
 else every token is stamped with `meta_info.weight_version` (SGLang reports one version per request).
-Pause modes map to SGLang's: abort -> "abort", keep -> "in_place"; "wait" is done client-side (stop sending,
-wait for this client's in-flight requests, then "in_place"), since SGLang has no such mode.
+Pause modes map to SGLang's: abort -> "abort" (after this client has aborted and drained its own requests,
+so SGLang's once-a-second polling finds nothing running), keep -> "in_place"; "wait" is done client-side (stop
+sending, wait for this client's in-flight requests, then "in_place"), since SGLang has no such mode.
 Hot reload: /update_weights_from_disk, /update_weights_from_tensor (SGLang's pickled CUDA-IPC payload for
 real SGLang on the same GPU; safetensors bytes for serve-engine), /init_weights_update_group +
 /update_weights_from_distributed (NCCL broadcast from the trainer, rank 0).
@@ -34,6 +35,7 @@ from agentrl.engines.sglang_launcher import SGLangServer
 from agentrl.errors import EngineError, WeightSyncError
 
 __all__ = ["SGLangEngine", "SGLangServer"]
+ABORT_POLL_S = 0.02  # pause("abort"): how often to re-send the abort while this client's requests drain
 
 
 def _parse_body(text: str) -> Any:
@@ -154,6 +156,7 @@ class SGLangEngine(Engine):
     async def pause(self, mode: PauseMode = "keep") -> None:
         self._ensure()
         if mode == "abort":
+            await self._abort_and_drain()
             await self._call("POST", "/pause_generation", {"mode": "abort"})
         elif mode == "keep":
             await self._call("POST", "/pause_generation", {"mode": "in_place"})
@@ -171,6 +174,25 @@ class SGLangEngine(Engine):
         else:
             raise InvalidRequest("mode", f"must be abort, wait or keep, got {mode!r}")
         self._paused = mode
+
+    async def _abort_and_drain(self) -> None:
+        """Abort every running request and wait, polling every `ABORT_POLL_S`, until this client's requests have
+        returned, with new ones held at the gate. SGLang's own pause("abort") polls its request lock once a
+        second, so it alone costs ~1 s per publish (tools/gpu/sglang_update_modes.py); called after this, it
+        finds nothing running and returns at once."""
+        self._gate.clear()
+        deadline = asyncio.get_running_loop().time() + self.request_timeout_s
+        while self._in_flight:
+            await self._call("POST", "/abort_request", {"abort_all": True})
+            try:
+                await asyncio.wait_for(self._drained.wait(), ABORT_POLL_S)
+            except asyncio.TimeoutError:
+                if asyncio.get_running_loop().time() > deadline:
+                    self._gate.set()
+                    raise EngineError(
+                        f"{self.url}: pause('abort'): {self._in_flight} requests still running after "
+                        f"{self.request_timeout_s:.0f}s"
+                    ) from None
 
     async def resume(self) -> None:
         self._ensure()
