@@ -24,8 +24,11 @@ BLOCK = 1024  # lanes; each Philox call covers 4 x BLOCK entries
 
 
 @triton.jit
-def _fold(x, u, idx, mask, greedy, m, s, best_key, best_x, best_idx):
-    """One sub-block into the per-lane running max, sum of exp, and best perturbed score."""
+def _fold(ptr, idx, vocab, t, u, greedy, m, s, best_key, best_x, best_idx):
+    """Logits `idx` of one sub-block (as fp32, / T) into the per-lane running max, sum of exp and best
+    perturbed score."""
+    mask = idx < vocab
+    x = tl.load(ptr + idx, mask=mask, other=float("-inf")).to(tl.float32) / t
     m_new = tl.maximum(m, x)
     s = s * tl.exp(m - m_new) + tl.where(mask, tl.exp(x - m_new), 0.0)
     noise = tl.where(greedy, 0.0, -tl.log(-tl.log(tl.maximum(u, 1e-20))))
@@ -38,6 +41,14 @@ def _fold(x, u, idx, mask, greedy, m, s, best_key, best_x, best_idx):
         tl.where(better, x, best_x),
         tl.where(better, idx, best_idx),
     )
+
+
+@triton.jit
+def _best(key, idx, x, vocab):
+    """(best key, its index, its x) over lanes; ties go to the lowest index, as torch.argmax."""
+    top = tl.max(key, 0)
+    token = tl.min(tl.where(key == top, idx, vocab), 0)
+    return top, token, tl.sum(tl.where((idx == token) & (key == top), x, 0.0), 0)
 
 
 @triton.jit
@@ -62,33 +73,28 @@ def _chunk_kernel(
     for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, 4 * BLOCK):
         u0, u1, u2, u3 = tl.rand4x(seed, counter + start + lane)
         idx = start + lane
-        x = tl.load(ptr + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) / t
         m, s, best_key, best_x, best_idx = _fold(
-            x, u0, idx, idx < vocab, greedy, m, s, best_key, best_x, best_idx
+            ptr, idx, vocab, t, u0, greedy, m, s, best_key, best_x, best_idx
         )
         idx += BLOCK
-        x = tl.load(ptr + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) / t
         m, s, best_key, best_x, best_idx = _fold(
-            x, u1, idx, idx < vocab, greedy, m, s, best_key, best_x, best_idx
+            ptr, idx, vocab, t, u1, greedy, m, s, best_key, best_x, best_idx
         )
         idx += BLOCK
-        x = tl.load(ptr + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) / t
         m, s, best_key, best_x, best_idx = _fold(
-            x, u2, idx, idx < vocab, greedy, m, s, best_key, best_x, best_idx
+            ptr, idx, vocab, t, u2, greedy, m, s, best_key, best_x, best_idx
         )
         idx += BLOCK
-        x = tl.load(ptr + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) / t
         m, s, best_key, best_x, best_idx = _fold(
-            x, u3, idx, idx < vocab, greedy, m, s, best_key, best_x, best_idx
+            ptr, idx, vocab, t, u3, greedy, m, s, best_key, best_x, best_idx
         )
     m_c = tl.max(m, 0)
-    top = tl.max(best_key, 0)
-    token = tl.min(tl.where(best_key == top, best_idx, vocab), 0)
+    top, token, x_token = _best(best_key, best_idx, best_x, vocab)
     out = row * n_chunks + chunk
     tl.store(PART_F + out * 4 + 0, m_c)
     tl.store(PART_F + out * 4 + 1, tl.sum(s * tl.exp(m - m_c), 0))
     tl.store(PART_F + out * 4 + 2, top)
-    tl.store(PART_F + out * 4 + 3, tl.sum(tl.where((best_idx == token) & (best_key == top), best_x, 0.0), 0))
+    tl.store(PART_F + out * 4 + 3, x_token)
     tl.store(PART_I + out, token)
 
 
@@ -105,9 +111,7 @@ def _combine_kernel(PART_F, PART_I, OUT_TOKEN, OUT_LOGP, vocab, n_chunks, BLOCK_
     idx = tl.load(PART_I + row * n_chunks + c, mask=valid, other=vocab)
     m_row = tl.max(m, 0)
     lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), 0))
-    top = tl.max(key, 0)
-    token = tl.min(tl.where(key == top, idx, vocab), 0)
-    x_token = tl.sum(tl.where((idx == token) & (key == top), x, 0.0), 0)
+    _, token, x_token = _best(key, idx, x, vocab)
     tl.store(OUT_TOKEN + row, token.to(tl.int64))
     tl.store(OUT_LOGP + row, x_token - lse)
 
