@@ -25,7 +25,7 @@ CONFIGS = {
     "default": {},
     "torch_sampler": {"sampler": "torch"},
     "eager_prefill": {"eager_prefill": True},
-    "fp32_casts": {"fp32_casts": True},
+    "fp32_casts": {"compile_options": {}},
     "no_compile": {"compile": False},
 }
 
@@ -37,7 +37,7 @@ def hf_logprobs(model, prompt, output):
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(output, device="cuda")[:, None])[:, 0]
 
 
-def measure(path: Path, seed: int, sampler="auto", eager_prefill=False, fp32_casts=False, compile=None):
+def measure(path: Path, seed: int, sampler="auto", eager_prefill=False, compile=None):
     from transformers import AutoModelForCausalLM
 
     from agentrl.engines.base import SamplingParams, TensorSource
@@ -47,13 +47,6 @@ def measure(path: Path, seed: int, sampler="auto", eager_prefill=False, fp32_cas
     engine = EmbeddedEngine(str(path), device="cuda", dtype="bfloat16", max_batch_size=16, max_seq_len=512,
                             seed=seed, sampler=sampler, compile=compile)  # fmt: skip
     engine.runner.model.compiled_prefill = not eager_prefill
-    if fp32_casts:
-        from agentrl.engines import model
-
-        engine.runner.model._layer_in, engine.runner.model._layer_out = (
-            torch.compile(model.layer_in),
-            torch.compile(model.layer_out),
-        )
     prompts = [[(7 * i + j) % 1000 + 3 for j in range(n)] for i, n in enumerate((5, 40, 130, 9, 77))]
     sp = SamplingParams(temperature=1.0, max_new_tokens=40, ignore_eos=True)
 
@@ -77,12 +70,16 @@ def measure(path: Path, seed: int, sampler="auto", eager_prefill=False, fp32_cas
 
 
 def main() -> None:
+    from agentrl.engines import model
     from agentrl.engines.tiny import make_tiny_model
 
     root = Path(tempfile.mkdtemp())
     path = make_tiny_model(root / "m", arch="qwen3", hidden=256, layers=4, heads=8, kv_heads=4, seed=0)
+    default_options = dict(model.COMPILE_OPTIONS)
     for name, opts in CONFIGS.items():
-        torch._dynamo.reset()  # compiled code does not guard on inductor's config
+        opts = dict(opts)
+        model.COMPILE_OPTIONS = opts.pop("compile_options", default_options)  # as bench/engine_bench.py
+        torch._dynamo.reset()  # compiled code does not guard on inductor's options
         pairs = [measure(path, seed, **opts) for seed in range(3)]
         row = {"config": name, "mean_before": [round(a, 5) for a, _ in pairs],
                "mean_after": [round(b, 5) for _, b in pairs],
