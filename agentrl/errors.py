@@ -39,6 +39,14 @@ class StorageError(AgentRLError):
     """The write-ahead log could not persist a record (disk full, I/O error); nothing was acknowledged."""
 
 
+class LockHeld(AgentRLError):
+    """Another live process owns this run directory or queue log; `pid` is the holder (None if unknown)."""
+
+    def __init__(self, message: str, pid: int | None = None):
+        super().__init__(message)
+        self.pid = pid
+
+
 class EngineError(AgentRLError):
     """An inference engine failed, refused a request or did not answer within its timeout."""
 
