@@ -27,8 +27,17 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class RunSection(_Section):
-    name: str = "default"
+    name: str = "default"  # the run directory is root/name (agentrl.runner.rundir)
     root: str = "runs"
+    # A run directory that already holds a run is refused unless the run is resumed (--resume) or this is
+    # true: then agentrl's files in it (checkpoints, queue.wal, ledger, metrics, events) are deleted first.
+    overwrite: bool = False
+    # Modules imported in the driver and in every actor before anything is resolved (user envs registered
+    # with @register_env, rewards, generators); also `--import MODULE`.
+    imports: list[str] = []
+    # Directories searched first for run.imports and 'module:function' names; the config file's directory
+    # and the working directory are added (all made absolute) when the run starts (agentrl.plugins).
+    import_path: list[str] = []
     mode: Literal["sync", "async"] = "sync"
     steps: int = 20
     seed: int = 0
@@ -39,7 +48,7 @@ class RunSection(_Section):
     ray_address: str = ""
     ray_num_cpus: int = 0
     progress: bool = True
-    tensorboard: bool = True
+    tensorboard: bool = True  # events under runs/NAME/events (tensorboard is a dependency of agentrl)
     placement: Literal["colocated", "split", "disaggregated"] = "split"
     torch_threads: int = 1
     max_restarts: int = 3
@@ -239,6 +248,11 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+class _Whole(dict):
+    """A table given whole on the command line (`--env.kwargs '{}'`): it replaces the file's table instead
+    of being merged into it (`--env.kwargs.low 5` still changes one key)."""
+
+
 def parse_overrides(args: list[str]) -> dict[str, Any]:
     """`['--queue.max-staleness', '2', '--run.name=x']` -> nested dict. Flags use dashes or underscores."""
     tree: dict[str, Any] = {}
@@ -258,14 +272,17 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         node = tree
         for part in parts[:-1]:
             node = node.setdefault(part, {})
-        node[parts[-1]] = _parse_value(value)
+        parsed = _parse_value(value)
+        node[parts[-1]] = _Whole(parsed) if isinstance(parsed, dict) else parsed
     return tree
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
+        if isinstance(value, _Whole):
+            out[key] = dict(value)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = _merge(out[key], value)
         else:
             out[key] = value
@@ -347,8 +364,33 @@ def load_config(
     try:
         cfg = msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"invalid config value: {exc} (path $.section.key)") from None
+        raise ConfigError(_explain(exc, data)) from None
     return validate(cfg)
+
+
+def _explain(exc: msgspec.ValidationError, data: dict[str, Any]) -> str:
+    """msgspec's `Invalid enum value 'x' - at `$.run.mode`` as `run.mode = 'x' is not valid: choose one of
+    'sync', 'async'`; other errors as `run.steps: Expected `int`, got `str``."""
+    message, _, where = str(exc).rpartition(" - at `$.")
+    if not where:
+        return f"invalid config value: {exc}"
+    key = where.rstrip("`")
+    field: Any = Config
+    value: Any = data
+    for part in key.split("."):
+        if isinstance(value, dict):
+            value = value.get(part)
+        fields = {f.name: f.type for f in msgspec.structs.fields(field)} if _is_struct(field) else {}
+        field = fields.get(part)
+    choices = getattr(field, "__args__", ()) if getattr(field, "__origin__", None) is Literal else ()
+    if choices:
+        valid = ", ".join(repr(c) for c in choices)
+        return f"{key} = {value!r} is not valid: choose one of {valid}"
+    return f"{key}: {message} (got {value!r})"
+
+
+def _is_struct(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, msgspec.Struct)
 
 
 def to_toml_dict(cfg: Config) -> dict[str, Any]:

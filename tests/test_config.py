@@ -75,3 +75,22 @@ def test_update_mode_auto_is_abort_for_sglang_keep_for_embedded():
     sglang = ["--engine.kind", "sglang", "--engine.device", "cuda"]
     assert load_config(None, sglang).engine.update_mode == "abort"
     assert load_config(None, [*sglang, "--engine.update-mode", "keep"]).engine.update_mode == "keep"
+
+
+def test_enum_error_lists_the_valid_choices(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"^run\.mode = 'asink' is not valid: choose one of 'sync', 'async'$"
+    ):
+        load_config(None, ["--run.mode", "asink"])
+    path = tmp_path / "c.toml"
+    path.write_text('[algorithm]\nadvantage = "gpro"\n')
+    with pytest.raises(ConfigError, match=r"algorithm\.advantage = 'gpro' .*'grpo', 'dr_grpo', 'rloo'"):
+        load_config(path)
+
+
+def test_a_table_given_whole_on_the_command_line_replaces_the_file_table(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[env]\nname = "calculator"\nkwargs = { low = 10, high = 49, ops = "+" }\n')
+    assert load_config(path, ["--env.kwargs", "{}"]).env.kwargs == {}
+    assert load_config(path, ["--env.kwargs", "{ high = 20 }"]).env.kwargs == {"high": 20}
+    assert load_config(path, ["--env.kwargs.low", "5"]).env.kwargs == {"low": 5, "high": 49, "ops": "+"}
