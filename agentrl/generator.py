@@ -9,7 +9,6 @@ with one `group_id`.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 from agentrl.engines.base import Engine, SamplingParams
 from agentrl.envs.base import AgentEnv
 from agentrl.errors import ConfigError
+from agentrl.plugins import load_object
 from agentrl.types import Trajectory
 
 
@@ -32,18 +32,17 @@ class RolloutContext:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+BUILTIN_GENERATORS = ("multi_turn", "single_turn", "openai_proxy")  # modules of the `generators` package
 GeneratorFn = Callable[[RolloutContext, dict[str, Any], str, str], Awaitable[Trajectory]]
 
 
 def resolve_generator(name: str) -> GeneratorFn:
-    """'multi_turn' -> generators.multi_turn:generate; 'pkg.mod:fn' -> that function."""
-    module, _, attr = name.partition(":")
-    if not attr:
-        module, attr = f"generators.{name}", "generate"
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"rollout.generator = '{name}' cannot be loaded: {exc}") from None
-    if not callable(fn):
-        raise ConfigError(f"rollout.generator = '{name}' is not callable")
-    return fn
+    """'multi_turn' -> generators.multi_turn:generate; 'pkg.mod:fn' -> that function (agentrl.plugins)."""
+    if ":" in name:
+        return load_object(name, "rollout.generator")
+    if name not in BUILTIN_GENERATORS:
+        raise ConfigError(
+            f"rollout.generator = '{name}': not a built-in generator ({', '.join(BUILTIN_GENERATORS)}); "
+            "for your own, use 'module:function'"
+        )
+    return load_object(f"generators.{name}:generate", "rollout.generator")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +35,7 @@ from aiohttp import web
 from agentrl.engines.base import Engine, SamplingParams
 from agentrl.errors import ConfigError, QueueClosed, QueueFull
 from agentrl.generator import RolloutContext
+from agentrl.plugins import load_object
 from agentrl.types import Trajectory
 from generators.openai_schema import chat_decoder, encoder, error_body, error_param, reward_decoder
 
@@ -247,16 +247,7 @@ async def stop_proxies() -> None:
 
 
 def load_agent(name: str) -> Callable[..., Any]:
-    module, _, attr = name.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ConfigError(
-            f"rollout.agent = '{name}' cannot be loaded (want 'module:function'): {exc}"
-        ) from None
-    if not callable(fn):
-        raise ConfigError(f"rollout.agent = '{name}' is not callable")
-    return fn
+    return load_object(name, "rollout.agent")  # the one 'module:function' loader (agentrl.plugins)
 
 
 async def generate(

@@ -4,6 +4,10 @@ Everything else in agentrl.actors is plain Python (testable without Ray); this m
 `ray.remote` and the resource options the coordinator asks for. Async classes (methods are coroutines)
 become async actors: one event loop, many concurrent calls. LearnerWorker stays a threaded actor with
 `max_concurrency = 1`: its calls are serialized, as an optimizer must be.
+
+Every actor's constructor first imports the user's modules (`run.imports`, agentrl.plugins.activate) in its
+own process, so an env registered with `@register_env` in a user module, or a `module:function` next to the
+config, resolves in the actor exactly as in the driver.
 """
 
 from __future__ import annotations
@@ -31,8 +35,21 @@ _REMOTE: dict[str, Any] = {}
 def actor_class(kind: str) -> Any:
     """The Ray actor class for `kind` (queue, learner, rollout, engine, colocated)."""
     if kind not in _REMOTE:
-        _REMOTE[kind] = ray.remote(_CLASSES[kind])
+        _REMOTE[kind] = ray.remote(_importing_plugins(_CLASSES[kind]))
     return _REMOTE[kind]
+
+
+def _importing_plugins(cls: type) -> type:
+    """`cls` whose constructor (every actor's takes the Config first) activates `run.imports` before it
+    builds anything. Same name, so Ray's messages still say `LearnerWorker`."""
+
+    def __init__(self: Any, cfg: Any, *args: Any, **kwargs: Any) -> None:
+        from agentrl.plugins import activate
+
+        activate(cfg.run)
+        cls.__init__(self, cfg, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__doc__": cls.__doc__})
 
 
 def spawn(

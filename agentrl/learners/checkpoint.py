@@ -4,20 +4,20 @@ Every checkpoint directory holds `learner.json`:
     {"kind": "torch" | "megatron", "step": int, "policy_version": int, "hf_config_dir": str, ...}
 `hf_config_dir` holds config.json + tokenizer files (relative paths are relative to the checkpoint directory;
 the torch learner writes them into the checkpoint itself, so it is "."). `export_checkpoint(path, out)` looks up
-the exporter of `kind` in EXPORTERS ("module:function", imported lazily) and calls `fn(path, out)`; a torch
-checkpoint already is an HF directory plus optimizer state, a Megatron one is converted by
-`agentrl.learners.megatron.checkpoint:to_hf`. Nothing here imports torch at module level.
+the exporter of `kind` in EXPORTERS ("module:function", imported lazily by agentrl.plugins) and calls
+`fn(path, out)`; a torch checkpoint already is an HF directory plus optimizer state, a Megatron one is
+converted by `agentrl.learners.megatron.checkpoint:to_hf`. Nothing here imports torch at module level.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import shutil
 from pathlib import Path
 from typing import Any
 
-from agentrl.errors import LearnerError
+from agentrl.errors import ConfigError, LearnerError
+from agentrl.plugins import load_object
 
 METADATA_FILE = "learner.json"
 EXPORTERS = {
@@ -66,13 +66,10 @@ def export_checkpoint(path: str | Path, out: str | Path) -> Path:
         raise LearnerError(
             f"{path}/{METADATA_FILE}: unknown learner kind {meta['kind']!r} (known: {', '.join(EXPORTERS)})"
         )
-    module, _, name = target.partition(":")
     try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise LearnerError(
-            f"cannot export a {meta['kind']!r} checkpoint: {target} is unavailable ({exc})"
-        ) from None
+        fn = load_object(target, f"the exporter of {meta['kind']!r} checkpoints")
+    except ConfigError as exc:
+        raise LearnerError(f"cannot export {path}: {exc}") from None
     fn(str(path), str(out))
     return Path(out)
 

@@ -1,16 +1,17 @@
 """Reward functions by name: 'exact_match', 'math', or 'package.module:function'.
 
 A reward function is `fn(response: str, task: dict) -> float` (sync or async); `task["answer"]` holds the
-reference label of dataset tasks. Errors name the config key `env.reward`.
+reference label of dataset tasks. `module:function` names are loaded by agentrl.plugins (so a module next
+to the config is found); errors name the config key `env.reward`.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
 from agentrl.errors import ConfigError
+from agentrl.plugins import load_object
 from agentrl.rewards.exact import exact_match
 from agentrl.rewards.math_verify import math_reward
 
@@ -25,13 +26,6 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 def load_reward(name: str) -> RewardFn:
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
-    module, sep, attr = name.partition(":")
-    if not sep or not module or not attr:
+    if ":" not in name:
         raise ConfigError(f"env.reward = '{name}': use {', '.join(BUILTIN_REWARDS)} or 'module:function'")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"env.reward = '{name}' cannot be loaded: {exc}") from None
-    if not callable(fn):
-        raise ConfigError(f"env.reward = '{name}' is not callable")
-    return fn
+    return load_object(name, "env.reward")
