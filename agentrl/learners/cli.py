@@ -19,10 +19,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resolve_checkpoint(path: str) -> Path:
     """The learner checkpoint inside `path`: itself, `step_N/learner`, or a run's newest complete checkpoint."""
+    from agentrl.errors import LearnerError
+
     root = Path(path)
     latest = root / "checkpoints" / "latest"
     if latest.is_file():
         root = root / "checkpoints" / latest.read_text().strip()
+        if not root.is_dir():
+            raise LearnerError(f"{latest} names {root.name}, which is not there (a damaged run directory)")
     for candidate in (root, root / "learner"):
         if (candidate / "learner.json").is_file():
             return candidate

@@ -1,8 +1,11 @@
-"""`agentrl run CONFIG [--async] [--resume RUN_DIR] [--dry-run] [--ray-address ADDR] [--section.key VALUE ...]`.
+"""`agentrl run CONFIG [--async] [--resume RUN_DIR] [--import MODULE] [--dry-run] [--section.key VALUE ...]`.
 
 Light module: the config is parsed and validated here before anything heavy (torch, ray) is imported, so a
-wrong key fails in milliseconds. `--resume runs/NAME` reloads `runs/NAME/config.toml` (CONFIG is optional
-then); overrides still apply on top.
+wrong key fails in milliseconds; so do the names it refers to (env, reward, generator, agent), after the
+`run.imports` modules are imported (agentrl.plugins), which is why `--dry-run` catches an unknown env.
+`--resume runs/NAME` reloads `runs/NAME/config.toml` (CONFIG is optional then); overrides still apply on
+top. A run directory that already holds a run is refused before anything starts (agentrl.runner.rundir);
+when that run is finished, its summary is printed and the exit status is 0.
 """
 
 from __future__ import annotations
@@ -12,6 +15,10 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agentrl.config import Config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +30,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint"
     )
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE in the driver and every actor first (e.g. envs registered with @register_env); "
+        "repeatable, adds to run.imports",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--ray-address", metavar="ADDR", help="join an existing Ray cluster (e.g. auto)")
     parser.set_defaults(accepts_overrides=True)
@@ -33,6 +49,7 @@ def resolve(args: argparse.Namespace):
     from agentrl.config import load_config
     from agentrl.engines.sglang_launcher import parse_sglang_flags
     from agentrl.errors import ConfigError
+    from agentrl.plugins import search_path
 
     path = args.config
     overrides: list[str] = list(getattr(args, "overrides", []) or [])
@@ -62,7 +79,24 @@ def resolve(args: argparse.Namespace):
     sglang_args, overrides = parse_sglang_flags(overrides)  # --sglang-mem-fraction-static 0.7 -> args
     cfg = load_config(path, overrides)
     cfg.engine.sglang.args.update(sglang_args)
+    cfg.run.imports += [m for m in getattr(args, "imports", []) or [] if m not in cfg.run.imports]
+    config_dir = Path(args.config).parent if args.config and path == args.config else None
+    cfg.run.import_path = search_path(cfg.run.import_path, config_dir)
+    check_names(cfg)
     return cfg
+
+
+def check_names(cfg: Config) -> None:
+    """Import `run.imports`, then resolve every name the run will use, so a typo fails now, not in an actor."""
+    from agentrl.envs.registry import env_factory
+    from agentrl.generator import resolve_generator
+    from agentrl.plugins import activate, load_object
+
+    activate(cfg.run)
+    env_factory(cfg.env.name, cfg.env.kwargs, cfg.env.reward)  # name, kwargs and env.reward
+    resolve_generator(cfg.rollout.generator)
+    if cfg.rollout.agent:
+        load_object(cfg.rollout.agent, "rollout.agent")
 
 
 def _dangling(overrides: list[str]) -> int | None:
@@ -92,18 +126,31 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.write(dump_toml(redact(cfg)))
         return 0
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    from ray.exceptions import RayActorError
-
     from agentrl.errors import AgentRLError
     from agentrl.runner.loop import run
+    from agentrl.runner.progress import format_summary
+    from agentrl.runner.rundir import RunExists
 
     try:
         summary = run(cfg, resume=bool(args.resume))
-    except RayActorError as exc:  # an actor the coordinator does not restart (the learner)
+    except RunExists as exc:
+        if not exc.finished:
+            raise
+        # typed again after it finished (the README's command, twice): say so and where the results are
+        print(f"agentrl run: {exc}\n{format_summary(exc.summary)}", file=sys.stderr)
+        return 0
+    except AgentRLError:
+        raise
+    except Exception as exc:
+        from ray.exceptions import RayActorError  # (ray is imported by now: the run started it)
+
+        if not isinstance(exc, RayActorError):  # an actor the coordinator does not restart (the learner)
+            raise
         name = re.search(r"class_name: (\w+)", str(exc))
         run_dir = Path(cfg.run.root) / cfg.run.name
         raise AgentRLError(
             f"{name.group(1) if name else 'a Ray actor'} died ({type(exc).__name__}) and is not restarted "
             f"during a run; checkpoints and the queue's WAL are on disk: `agentrl run --resume {run_dir}`"
         ) from None
+    print(format_summary(summary), file=sys.stderr)
     return 0 if summary.get("ok", True) else 1

@@ -41,7 +41,10 @@ log = logging.getLogger(__name__)
 
 def prepare(cfg: Config) -> Config:
     """Derived settings: the queue's group size and batch size follow the rollout section; paths absolute."""
+    from agentrl.plugins import search_path
+
     cfg = msgspec.convert(msgspec.to_builtins(cfg), Config)
+    cfg.run.import_path = search_path(cfg.run.import_path)
     n = cfg.rollout.n_samples_per_prompt
     if cfg.queue.group_size == 1 and n > 1:
         cfg.queue.group_size = n
@@ -88,8 +91,12 @@ def init_ray(cfg: Config) -> bool:
 
 
 def run(cfg: Config, resume: bool = False) -> dict[str, Any]:
-    """Run (or resume) training to `run.steps`; returns a summary. Ctrl-C shuts down cleanly."""
+    """Run (or resume) training to `run.steps`; returns a summary. Ctrl-C shuts down cleanly. A run
+    directory that already holds a run is refused (`RunExists`) before anything starts, unless resumed."""
+    from agentrl.plugins import activate
+
     cfg = prepare(cfg)
+    activate(cfg.run)  # the user's modules, before any name is resolved (each actor does the same)
     rundir = RunDir(cfg, resume=resume)
     model_path = ensure_model(cfg)
     owns_ray = init_ray(cfg)
@@ -128,7 +135,9 @@ class Runner:
         self.coord: Any = None
         self.dispatcher: asyncio.Task | None = None
         self.failure: Exception | None = None
-        self.progress = Progress(cfg.run.steps, cfg.run.progress, title=cfg.run.name)
+        self.progress = Progress(
+            cfg.run.steps, cfg.run.progress, title=cfg.run.name, time_limit_s=cfg.run.time_limit_s
+        )
         self.batch_size = cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt
 
     # -- setup -------------------------------------------------------------------------------------------
@@ -163,7 +172,7 @@ class Runner:
         await self.coord.start()
         self.coord.held_ids = self._held_ids
         if self.coord.queue_url:  # (the coordinator writes runs/NAME/queue_url, again after a queue restart)
-            self.progress.note(f"replay queue: {self.coord.queue_url}/v1/trajectories (external agents)")
+            self.progress.note(f"external agents: POST {self.coord.queue_url}/v1/trajectories", keep=True)
         if ckpt is not None:
             path, state = ckpt
             await self.coord.learner.load.remote(str(path / "learner"))
@@ -244,7 +253,13 @@ class Runner:
 
     async def _checkpoint(self) -> None:
         tmp = self.rundir.begin_checkpoint(self.step)
-        await self.coord.learner.save.remote(str(tmp / "learner"))
+        try:
+            await self.coord.learner.save.remote(str(tmp / "learner"))
+        except BaseException as exc:  # disk full in the learner: one line naming the path, no .tmp_step_N
+            error = self.rundir.abort_checkpoint(tmp, exc)
+            if error is exc:
+                raise
+            raise error from None
         state = {
             "policy_version": self.policy_version,
             "task_index": self.task_index,
@@ -323,18 +338,21 @@ class Runner:
             if self.cfg.run.eval_every and self.step == 0:
                 first = await self._evaluate()
                 self.rundir.log({"step": 0, "phase": "eval", "policy_version": self.policy_version, **first})
-                self.progress.note(f"eval before RL: reward {first.get('eval_reward_mean', 0):.3f}")
+                self.progress.note(
+                    f"eval before RL: reward {first.get('eval_reward_mean', 0):.3f}", keep=True
+                )
             self.dispatcher = asyncio.create_task(self._dispatcher())
             last_end = time.perf_counter()
+            stopped = "steps"
             while self.step < self.cfg.run.steps:
                 if self.cfg.run.time_limit_s and self._wall() > self.cfg.run.time_limit_s:
-                    self.progress.note(f"run.time_limit_s = {self.cfg.run.time_limit_s} reached")
+                    stopped = "time_limit"
                     break
                 if self.failure is not None:
                     raise self.failure
                 metrics = await self._train_step(last_end)
                 if not metrics:
-                    self.progress.note("the data is exhausted (data.epochs); stopping")
+                    stopped = "data"
                     break
                 last_end = time.perf_counter()
                 if self.cfg.run.eval_every and self.step % self.cfg.run.eval_every == 0:
@@ -347,7 +365,10 @@ class Runner:
                     await self._checkpoint()
             if self.pending:
                 await self._checkpoint()
-            return {"ok": True, "steps": self.step, "policy_version": self.policy_version, "history": history}
+            summary = self.rundir.summary(stopped)
+            self.rundir.finish(summary)
+            return {**summary, "ok": True, "steps": self.step, "policy_version": self.policy_version,
+                    "history": history}  # fmt: skip
         finally:
             if self.dispatcher is not None:
                 self.dispatcher.cancel()

@@ -1,17 +1,26 @@
 """The run directory `runs/<name>/` and its files.
 
-Layout: `config.toml` (resolved config), `metrics.jsonl` (one JSON line per learner step), `ledger.jsonl`
-(written by the replay queue's `commit`), `wal/` (the queue's write-ahead log), `events/` (TensorBoard),
-`checkpoints/step_N/` (`learner/` from `Learner.save`, `state.json` with the driver's state: step, data
-cursor, trajectories trained since the previous checkpoint) and `checkpoints/latest` naming the newest
-complete checkpoint. Invariants: a checkpoint directory is complete before `latest` names it (written to a
-temporary name, then renamed); on resume, metrics lines past the checkpoint's step are dropped, so every
-step appears once.
+Layout: `run.lock` (held by the driver for the whole run; holds its pid), `config.toml` (resolved config),
+`metrics.jsonl` (one JSON line per learner step), `ledger.jsonl` (written by the replay queue's `commit`),
+`queue.wal` (the queue's write-ahead log), `queue_url`, `events/` (TensorBoard), `checkpoints/step_N/`
+(`learner/` from `Learner.save`, `state.json` with the driver's state: step, data cursor, trajectories trained
+since the previous checkpoint), `checkpoints/latest` naming the newest complete checkpoint, and
+`summary.json` once the run has finished. Invariants: one driver per directory (an exclusive lock, a second
+one fails at once naming the holder's pid); a checkpoint directory is complete before `latest` names it
+(written to a temporary name, then renamed; a failed write removes the temporary); on resume, metrics lines
+past the checkpoint's step are dropped, so every step appears once.
+
+Which directories hold a run is decided here (`existing_run`): one whose latest checkpoint is past step 0
+(an RL step was trained) or that has a summary. Without `--resume` such a directory is refused
+(`RunExists`) unless `run.overwrite`; a directory with only the leftovers of a start that failed earlier
+(no checkpoint past step 0) is cleared and reused, so retrying a failed start just works.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import shutil
 import time
@@ -19,7 +28,33 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import Config, dump_toml
-from agentrl.errors import ConfigError
+from agentrl.errors import ConfigError, StorageError
+from agentrl.runlock import DirLock
+
+log = logging.getLogger(__name__)
+
+# Every file or directory agentrl writes into a run directory (what `run.overwrite` and the clean-up of a
+# failed start delete); lock files stay, they are how the next owner is kept out.
+RUN_FILES = (
+    "config.toml", "metrics.jsonl", "metrics.tmp", "ledger.jsonl", "queue.wal", "queue.wal.tmp", "queue_url",
+    "summary.json", "events", "checkpoints", "published",
+)  # fmt: skip
+SUMMARY_FILE = "summary.json"
+STOPPED = {
+    "steps": "run.steps reached",
+    "time_limit": "run.time_limit_s reached",
+    "data": "the data ran out (data.epochs)",
+}
+
+
+class RunExists(ConfigError):
+    """The run directory already holds a run and neither --resume nor run.overwrite was given. `finished`:
+    that run completed (its `summary` is the content of summary.json)."""
+
+    def __init__(self, message: str, finished: bool, summary: dict[str, Any]):
+        super().__init__(message)
+        self.finished = finished
+        self.summary = summary
 
 
 def redact(cfg: Config) -> Config:
@@ -32,27 +67,95 @@ def redact(cfg: Config) -> Config:
     return msgspec.structs.replace(cfg, queue=msgspec.structs.replace(cfg.queue, token=""))
 
 
+def storage_error(exc: OSError, what: str, run_dir: Path, path: Path) -> StorageError:
+    """One line for a failed write: what, the file (or `path` when the error names none), the reason, and how
+    to go on. `exc` may come from an actor (Ray's wrapper keeps the original as `.cause`)."""
+    cause = getattr(exc, "cause", exc)
+    path = getattr(cause, "filename", None) or path
+    reason = "disk full" if getattr(cause, "errno", None) == errno.ENOSPC else "cannot write"
+    detail = getattr(cause, "strerror", None) or str(cause).splitlines()[0]
+    return StorageError(
+        f"{reason}: {what} {path} ({detail}); free space, then `agentrl run --resume {run_dir}` "
+        "continues from the last complete checkpoint"
+    )
+
+
+def existing_run(path: Path) -> dict[str, Any] | None:
+    """What a directory holds: None when no run (absent, empty, or leftovers of a start that trained no RL
+    step), else {"finished": bool, "step": last checkpointed step, "summary": summary.json or {}}."""
+    summary_path = path / SUMMARY_FILE
+    try:
+        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    except (OSError, ValueError):
+        summary = {"stopped": f"unreadable {SUMMARY_FILE}"}
+    step = _latest_step(path / "checkpoints")
+    if not summary and step < 1:
+        return None
+    return {"finished": bool(summary), "step": max(step, int(summary.get("steps", 0))), "summary": summary}
+
+
+def _latest_step(ckpt_root: Path) -> int:
+    try:
+        name = (ckpt_root / "latest").read_text().strip()
+        return int(json.loads((ckpt_root / name / "state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
+def _refusal(path: Path, held: dict[str, Any]) -> RunExists:
+    fresh = "start afresh with --run.overwrite true (deletes it) or another --run.name"
+    if held["finished"]:
+        s = held["summary"]
+        message = (
+            f"{path} holds a finished run ({s.get('steps', held['step'])} steps, {s.get('stopped', 'done')}); "
+            f"to train it further: agentrl run --resume {path} --run.steps N; to {fresh}"
+        )
+    else:
+        message = (
+            f"{path} holds an unfinished run (last checkpoint: step {held['step']}); continue it with "
+            f"agentrl run --resume {path}, or {fresh}"
+        )
+    return RunExists(message, held["finished"], held["summary"])
+
+
 class RunDir:
     def __init__(self, cfg: Config, resume: bool = False):
         self.path = Path(cfg.run.root) / cfg.run.name
         self.cfg = cfg
         if resume and not (self.path / "config.toml").exists():
             raise ConfigError(f"--resume {self.path}: not a run directory (no config.toml)")
+        if resume and cfg.run.overwrite:
+            raise ConfigError("--resume and run.overwrite = true are exclusive (continue, or start afresh)")
         self.path.mkdir(parents=True, exist_ok=True)
-        self.ckpt_root.mkdir(exist_ok=True)
-        (self.path / "config.toml").write_text(dump_toml(redact(cfg)))
+        self._lock = DirLock(self.path / "run.lock", f"run directory {self.path}").acquire()
         self._tb = None
+        try:
+            self._claim(resume)
+            self.ckpt_root.mkdir(exist_ok=True)
+            (self.path / "config.toml").write_text(dump_toml(redact(cfg)))
+        except OSError as exc:
+            self._lock.release()
+            raise storage_error(exc, "run directory", self.path, self.path) from None
+        except BaseException:
+            self._lock.release()
+            raise
         if cfg.run.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+            self._tb = _summary_writer(self.path / "events")
 
-                self._tb = SummaryWriter(str(self.path / "events"))
-            except Exception:  # tensorboard not installed: metrics.jsonl is the record
-                self._tb = None
-
-    @property
-    def wal_dir(self) -> Path:
-        return self.path / "wal"
+    def _claim(self, resume: bool) -> None:
+        """Refuse a directory that holds a run (unless resumed or overwritten); clear leftovers otherwise."""
+        if resume:
+            (self.path / SUMMARY_FILE).unlink(missing_ok=True)  # the run goes on: it is not finished any more
+            return
+        held = existing_run(self.path)
+        if held is not None and not self.cfg.run.overwrite:
+            raise _refusal(self.path, held)
+        for name in RUN_FILES:
+            target = self.path / name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            elif target.exists() or target.is_symlink():
+                target.unlink()
 
     @property
     def ledger_path(self) -> Path:
@@ -69,8 +172,11 @@ class RunDir:
     def log(self, metrics: dict[str, Any]) -> None:
         """Append one metrics line (and mirror numeric values to TensorBoard at `metrics['step']`)."""
         line = json.dumps(metrics, separators=(",", ":"), default=float)
-        with self.metrics_path.open("a") as f:
-            f.write(line + "\n")
+        try:
+            with self.metrics_path.open("a") as f:
+                f.write(line + "\n")
+        except OSError as exc:
+            raise storage_error(exc, "metrics", self.path, self.metrics_path) from None
         if self._tb is not None:
             step = int(metrics.get("step", 0))
             for key, value in metrics.items():
@@ -94,20 +200,34 @@ class RunDir:
         return self.ckpt_root / f"step_{step}"
 
     def begin_checkpoint(self, step: int) -> Path:
-        """A fresh temporary directory to write checkpoint `step` into; `finish_checkpoint` publishes it."""
+        """A fresh temporary directory to write checkpoint `step` into; `finish_checkpoint` publishes it and
+        `abort_checkpoint` removes it."""
         tmp = self.ckpt_root / f".tmp_step_{step}"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as exc:
+            raise storage_error(exc, "checkpoint", self.path, tmp) from None
         return tmp
 
+    def abort_checkpoint(self, tmp: Path, exc: BaseException) -> BaseException:
+        """After a failed write into `tmp` (here or in the learner): remove it; what to raise (an OSError, e.g.
+        disk full, becomes a one-line StorageError naming the path)."""
+        shutil.rmtree(tmp, ignore_errors=True)
+        return storage_error(exc, "checkpoint", self.path, tmp) if isinstance(exc, OSError) else exc
+
     def finish_checkpoint(self, step: int, tmp: Path, state: dict[str, Any], keep: int = 2) -> Path:
-        (tmp / "state.json").write_text(json.dumps({**state, "step": step, "saved_at": time.time()}))
-        final = self.step_dir(step)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        latest_tmp = self.ckpt_root / "latest.tmp"
-        latest_tmp.write_text(final.name + "\n")
-        os.replace(latest_tmp, self.ckpt_root / "latest")
+        try:
+            (tmp / "state.json").write_text(json.dumps({**state, "step": step, "saved_at": time.time()}))
+            final = self.step_dir(step)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            latest_tmp = self.ckpt_root / "latest.tmp"
+            latest_tmp.write_text(final.name + "\n")
+            os.replace(latest_tmp, self.ckpt_root / "latest")
+        except OSError as exc:
+            (self.ckpt_root / "latest.tmp").unlink(missing_ok=True)
+            raise self.abort_checkpoint(tmp, exc) from None
         self._prune(keep)
         return final
 
@@ -127,9 +247,72 @@ class RunDir:
         for _, path in steps[:-keep]:
             shutil.rmtree(path, ignore_errors=True)
 
+    def summary(self, stopped_by: str) -> dict[str, Any]:
+        """The run so far, from metrics.jsonl (all of it, across resumes): steps, wall time, rewards, evals.
+        `stopped_by`: a key of STOPPED."""
+        rows = self.read_metrics()
+        steps = [r for r in rows if "phase" not in r]
+        evals = [r for r in rows if "eval_reward_mean" in r]
+        rewards = [(r["reward_mean"], r["step"]) for r in steps if _finite(r.get("reward_mean"))]
+        latest = self.latest_checkpoint()
+        out: dict[str, Any] = {
+            "run_dir": str(self.path),
+            "steps": steps[-1]["step"] if steps else 0,
+            "target_steps": self.cfg.run.steps,
+            "time_limit_s": self.cfg.run.time_limit_s,
+            "stopped_by": stopped_by,
+            "stopped": STOPPED[stopped_by],
+            "wall_s": steps[-1].get("wall_s", 0.0) if steps else 0.0,
+            "policy_version": steps[-1].get("policy_version", 0) if steps else 0,
+            "checkpoint": str(latest[0]) if latest else "",
+        }
+        if rewards:
+            best = max(rewards)
+            out.update(reward_last=rewards[-1][0], reward_best=best[0], reward_best_step=best[1])
+        if evals:
+            best_eval = max(evals, key=lambda r: r["eval_reward_mean"])
+            out.update(
+                eval_first=evals[0]["eval_reward_mean"],
+                eval_first_step=evals[0]["step"],
+                eval_last=evals[-1]["eval_reward_mean"],
+                eval_last_step=evals[-1]["step"],
+                eval_best=best_eval["eval_reward_mean"],
+                eval_best_step=best_eval["step"],
+            )
+        return out
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        """Mark the run finished (a later `agentrl run` of the same config says so instead of starting)."""
+        tmp = self.path / (SUMMARY_FILE + ".tmp")
+        try:
+            tmp.write_text(json.dumps(summary, indent=1) + "\n")
+            os.replace(tmp, self.path / SUMMARY_FILE)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise storage_error(exc, "summary", self.path, tmp) from None
+
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
+        self._lock.release()
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and value == value and abs(value) != float("inf")
+
+
+def _summary_writer(path: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:  # installed with --no-deps: say so once (metrics.jsonl still has it all)
+        log.warning(
+            "run.tensorboard: no TensorBoard events are written (%s); `pip install tensorboard`, or set "
+            "run.tensorboard = false to silence this",
+            exc,
+        )
+        return None
+    return SummaryWriter(str(path))
 
 
 def read_ledger(path: str | Path) -> list[dict[str, Any]]:
