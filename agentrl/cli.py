@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 from agentrl import __version__
@@ -53,7 +55,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = extra
     try:
-        return int(importlib.import_module(args._module).main(args) or 0)
+        status = int(importlib.import_module(args._module).main(args) or 0)
+        sys.stdout.flush()  # here, so that a closed pipe is handled below rather than at exit
+        return status
+    except BrokenPipeError:
+        # `agentrl envs --json | head`: the reader has gone; stop quietly, like other Unix tools
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except AgentRLError as exc:
         print(f"agentrl {args.command}: error: {exc}", file=sys.stderr)
         return 2

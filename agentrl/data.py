@@ -14,6 +14,7 @@ skipped. Imports nothing heavy (pyarrow only for .parquet files).
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -100,9 +101,14 @@ class PromptDataset:
 
     @classmethod
     def from_config(
-        cls, data: Any, path: str = "", shuffle: bool | None = None, epochs: int | None = None
+        cls,
+        data: Any,
+        path: str = "",
+        shuffle: bool | None = None,
+        epochs: int | None = None,
+        seed: int | None = None,
     ) -> PromptDataset:
-        """From a `DataSection`; `path`, `shuffle` and `epochs` override it (e.g. for the eval set)."""
+        """From a `DataSection`; `path`, `shuffle`, `epochs` and `seed` override it (eval set, warm-up)."""
         return cls(
             path or data.path,
             input_key=data.input_key,
@@ -110,7 +116,7 @@ class PromptDataset:
             metadata_key=data.metadata_key,
             apply_chat_template=data.apply_chat_template,
             shuffle=data.shuffle if shuffle is None else shuffle,
-            seed=data.seed,
+            seed=data.seed if seed is None else seed,
             epochs=data.epochs if epochs is None else epochs,
         )
 
@@ -216,6 +222,27 @@ class EnvTaskSource:
                 f"data cursor {state} does not belong to env-generated tasks with seed {self.seed}"
             )
         self.batches = int(state["batches"])
+
+
+class _WarmupEnvTasks:
+    """Batch k of the warm-up is `env.sample_tasks(seed + k, n)`."""
+
+    def __init__(self, env: Any, seed: int):
+        self.env, self.seed, self.batches = env, seed, 0
+
+    def next_batch(self, n: int) -> list[dict[str, Any]]:
+        tasks = self.env.sample_tasks(self.seed + self.batches, n)
+        self.batches += 1
+        return tasks
+
+
+def warmup_source(env: Any, data: Any, seed: int) -> PromptDataset | _WarmupEnvTasks:
+    """Tasks for the supervised warm-up (`warmup.seed`): with `data.path`, the dataset's rows in an order
+    seeded by `seed`, cycling as long as the warm-up lasts (dataset envs such as `math` generate no tasks);
+    else the env's own tasks."""
+    if data.path:
+        return PromptDataset.from_config(data, seed=seed, epochs=sys.maxsize)
+    return _WarmupEnvTasks(env, seed)
 
 
 EVAL_SEED_OFFSET = 10**9

@@ -178,10 +178,58 @@ async def test_reward_override_from_config():
     assert (await env.step("anything")).info["episode_reward"] == 0.5
     with pytest.raises(ConfigError, match=r"env\.reward"):
         env_factory("arithmetic", reward="nope")
-    with pytest.raises(ConfigError, match="cannot be loaded"):
+    with pytest.raises(
+        ConfigError, match=r"env\.reward = 'no_such_module_x:f': no module named 'no_such_module_x'"
+    ):
         env_factory("arithmetic", reward="no_such_module_x:f")
 
 
 async def half_reward(response, task):
     await asyncio.sleep(0)
     return 0.5
+
+
+def test_calculator_never_lets_model_text_warn(recwarn):
+    """Model output reaches the calculator's parser; none of it may print a SyntaxWarning (3.12+; a
+    DeprecationWarning on 3.11) on the run's console."""
+    import warnings
+
+    warnings.simplefilter("always")
+    for expr in ["'\\d'", '"\\q"+1', "1 is 1", "5(3)", "1if 1else 2", "0777", "23+45"]:
+        calculate(expr)
+    assert [str(w.message) for w in recwarn] == []
+    assert calculate("23+45") == "68" and calculate("(2+3)*4") == "20" and calculate("7/2") == "3.5"
+
+
+def test_envs_json_into_a_closed_pipe_exits_quietly():
+    """`agentrl envs --json | head -c 1`: the reader is gone before agentrl writes."""
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        out = subprocess.run([sys.executable, "-m", "agentrl.cli", "envs", "--json"], stdout=write_end,
+                             stderr=subprocess.PIPE, text=True, timeout=60)  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert out.stderr == "" and out.returncode == 141
+
+
+def test_math_env_warms_up_on_its_dataset(tmp_path):
+    """`math` has no generated tasks: with data.path and warmup.steps > 0 the warm-up draws the dataset."""
+    import json
+
+    from run_support import make_model
+
+    from agentrl.actors.learner import LearnerWorker
+    from agentrl.config import load_config
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i}+1?", "answer": str(i + 1)}) + "\n"
+                            for i in range(5)))  # fmt: skip
+    cfg = load_config(None, {"env": {"name": "math"}, "data": {"path": str(data)},
+                             "warmup": {"steps": 2, "batch_size": 4}})  # fmt: skip
+    stats = LearnerWorker(cfg, make_model(tmp_path)).warmup()
+    assert stats["warmup_steps"] == 2 and stats["warmup_loss_last"] > 0

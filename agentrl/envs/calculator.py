@@ -26,13 +26,16 @@ from agentrl.rewards import exact_match
 from agentrl.types import Message
 
 _CALL = re.compile(r"<calc>(.*?)</calc>", re.S)
+_ARITHMETIC = re.compile(r"[0-9_.eE+\-*/()\s]*")
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 MAX_EXPR_CHARS = 64
 
 
 def calculate(expr: str) -> str:
     """Evaluate + - * / ( ) over numbers; returns the value as text, or 'error'."""
-    if len(expr) > MAX_EXPR_CHARS:
+    # Only arithmetic characters reach the Python parser: model output such as '\d' or `1 is 1` would
+    # otherwise make it print a SyntaxWarning (invalid escape sequence, ...) on the console.
+    if len(expr) > MAX_EXPR_CHARS or not _ARITHMETIC.fullmatch(expr):
         return "error"
     try:
         value = _eval(ast.parse(expr.strip(), mode="eval").body)

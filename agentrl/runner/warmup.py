@@ -2,8 +2,9 @@
 
 Demonstrations are tokenized exactly as a multi-turn rollout of the same conversation would be
 (generators.chat.demonstration_tokens): loss on assistant tokens and their end-of-turn, none on env/tool
-tokens. Tasks come from `warmup.seed`, a seed range apart from training and evaluation tasks. Runs inside
-the learner's process; the policy version is left unchanged (v0 is the warmed-up model).
+tokens. Tasks come from `warmup.seed` (agentrl.data.warmup_source): env tasks from a seed range apart from
+training and evaluation, or, with `data.path`, the dataset's rows in a `warmup.seed` order. Runs inside the
+learner's process; the policy version is left unchanged (v0 is the warmed-up model).
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from agentrl.errors import EnvError
 from agentrl.types import Trajectory, pack_tokens
 
 
-def demonstration_batch(cfg: Config, env: Any, tokenizer: Any, seed: int) -> list[Trajectory]:
+def demonstration_batch(
+    cfg: Config, env: Any, tokenizer: Any, tasks: list[dict[str, Any]], tag: str
+) -> list[Trajectory]:
     from generators.chat import demonstration_tokens
 
     trajs = []
-    for i, task in enumerate(env.sample_tasks(seed, cfg.warmup.batch_size)):
+    for i, task in enumerate(tasks):
         try:
             messages = env.demonstration(task)
         except NotImplementedError:
@@ -32,7 +35,7 @@ def demonstration_batch(cfg: Config, env: Any, tokenizer: Any, seed: int) -> lis
         prompt, response, mask = demonstration_tokens(tokenizer, messages)
         trajs.append(
             Trajectory(
-                id=f"demo-{seed}-{i}",
+                id=f"demo-{tag}-{i}",
                 prompt_ids=pack_tokens(prompt),
                 response_ids=pack_tokens(response),
                 loss_mask=np.asarray(mask, dtype=np.uint8).tobytes(),
@@ -42,20 +45,21 @@ def demonstration_batch(cfg: Config, env: Any, tokenizer: Any, seed: int) -> lis
 
 
 def run_warmup(cfg: Config, learner: Any, tokenizer: Any, pad_id: int) -> dict[str, Any]:
+    from agentrl.data import warmup_source
     from agentrl.envs.registry import make_env
     from agentrl.learners.batch import build_batch
 
     w = cfg.warmup
     env = make_env(cfg.env.name, cfg.env.kwargs)
+    tasks = warmup_source(env, cfg.data, w.seed)
     t0 = time.perf_counter()
     losses: list[float] = []
     version = learner.policy_version
     for step in range(w.steps):
         if w.time_limit_s and time.perf_counter() - t0 > w.time_limit_s:
             break
-        batch = build_batch(
-            demonstration_batch(cfg, env, tokenizer, w.seed + step), pad_id, cfg.learner.device
-        )
+        demos = demonstration_batch(cfg, env, tokenizer, tasks.next_batch(w.batch_size), str(w.seed + step))
+        batch = build_batch(demos, pad_id, cfg.learner.device)
         stats = learner.sft_step(batch, lr=w.lr)
         losses.append(float(stats.get("loss", stats.get("sft_loss", float("nan")))))
     learner.policy_version = version
