@@ -18,6 +18,9 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 
 USER_ENVS = '''
+import asyncio
+import os
+
 from agentrl.envs import AgentEnv, StepResult, register_env
 from agentrl.types import Message
 
@@ -36,6 +39,8 @@ class Echo3(AgentEnv):
         return [Message("user", f"Say {task['n']}"), Message("assistant", str(task["n"]))]
 
     async def reset(self, task):
+        while not os.path.exists(os.environ["AGENTRL_TEST_GO"]):  # the test holds the run here a while
+            await asyncio.sleep(0.05)
         self.n = task["n"]
         return [Message("user", f"Say {self.n}")]
 
@@ -57,8 +62,9 @@ hf_io.write_weights = _no_space  # in every process that imports this module: th
 """
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+def _env(go: Path | None = None) -> dict[str, str]:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    return {**env, "AGENTRL_TEST_GO": str(go)} if go else env
 
 
 def agentrl(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -76,13 +82,15 @@ def test_the_same_command_twice_a_second_owner_and_a_user_env_module(tmp_path):
     cwd = tmp_path / "elsewhere"  # the module is found next to the config, not through the cwd
     cwd.mkdir()
     command = ["run", str(cfg), "--import", "user_envs"]
-    log = tmp_path / "first.log"
+    log, go = tmp_path / "first.log", tmp_path / "go"
     with open(log, "w") as err:
-        first = subprocess.Popen([sys.executable, "-m", "agentrl.cli", *command], cwd=cwd, env=_env(),
+        first = subprocess.Popen([sys.executable, "-m", "agentrl.cli", *command], cwd=cwd, env=_env(go),
                                  stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
     try:
         deadline = time.time() + 180
-        while not (run / "checkpoints" / "latest").exists():  # live: Ray and the actors are up
+        while not (
+            run / "checkpoints" / "latest"
+        ).exists():  # live: its actors are up, episodes wait for `go`
             assert first.poll() is None, log.read_text()[-3000:]
             assert time.time() < deadline, "the first run never checkpointed"
             time.sleep(0.2)
@@ -91,18 +99,19 @@ def test_the_same_command_twice_a_second_owner_and_a_user_env_module(tmp_path):
             assert out.returncode == 2, out.stderr[-3000:]
             assert out.stderr.startswith(
                 f"agentrl run: error: run directory {run} is in use by process {first.pid}"
-            )
-            assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+            ), out.stderr
+            assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+        go.write_text("")
         assert first.wait(240) == 0, log.read_text()[-3000:]
     finally:
         if first.poll() is None:
             first.kill()
     console = log.read_text()
-    assert "[agentrl] external agents: POST http://127.0.0.1:" in console
+    assert "[agentrl] external agents: POST http://127.0.0.1:" in console, console
     assert all(len(line) <= 80 for line in console.splitlines() if line.startswith("[agentrl] step ")), (
         console
     )
-    assert f"{run}: 3/3 steps in " in console and f"agentrl export {run} --out {run}/hf" in console
+    assert f"{run}: 3/3 steps in " in console and f"agentrl export {run} --out {run}/hf" in console, console
     ledger = read_jsonl(run / "ledger.jsonl")  # trained on episodes of the user's env, run in Ray actors
     assert [row["step"] for row in ledger] == [1, 2, 3]
     assert all(m["step"] <= 3 for m in read_jsonl(run / "metrics.jsonl"))
@@ -110,7 +119,9 @@ def test_the_same_command_twice_a_second_owner_and_a_user_env_module(tmp_path):
     before = {p: p.read_bytes() for p in (run / "metrics.jsonl", run / "ledger.jsonl", run / "queue.wal")}
     again = agentrl(cwd, *command, timeout=60)  # typed again: says it is finished, touches nothing
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stderr.startswith(f"agentrl run: {run} holds a finished run (3 steps, run.steps reached)")
+    assert again.stderr.startswith(f"agentrl run: {run} holds a finished run (3 steps, run.steps reached)"), (
+        again.stderr
+    )
     assert "--run.overwrite true" in again.stderr and f"{run}: 3/3 steps in " in again.stderr
     assert {p: p.read_bytes() for p in before} == before
 
@@ -128,8 +139,9 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_tmp_step(tmp_
     run = tmp_path / "t"
     assert out.returncode == 2, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"agentrl run: error: disk full: checkpoint {run}/checkpoints/.tmp_step_0 "
-                           f"(No space left on device); free space, then `agentrl run --resume {run}`")  # fmt: skip
+    # (paths as the user typed them: relative to the working directory)
+    assert last.startswith("agentrl run: error: disk full: checkpoint t/checkpoints/.tmp_step_0 "
+                           "(No space left on device); free space, then `agentrl run --resume t`"), last  # fmt: skip
     assert "Traceback" not in out.stderr
     assert not list((run / "checkpoints").glob(".tmp*"))
     assert existing_run(run) is None  # nothing trained: typing the command again starts afresh

@@ -134,7 +134,9 @@ class Progress:
 def format_summary(s: dict[str, Any]) -> str:
     """The block printed when a run ends (and when a finished run is started again): steps, wall time,
     rewards, evals, where the files are, how to export and how to train further."""
-    run_dir = s.get("run_dir", "runs/NAME")
+    from agentrl.runner.rundir import shown
+
+    run_dir = shown(s.get("run_dir", "runs/NAME"))
     lines = [
         f"{run_dir}: {s.get('steps', 0)}/{s.get('target_steps', '?')} steps in {duration(s.get('wall_s', 0.0))}"
         f" ({s.get('stopped', 'stopped')})"

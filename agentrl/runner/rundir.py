@@ -67,6 +67,15 @@ def redact(cfg: Config) -> Config:
     return msgspec.structs.replace(cfg, queue=msgspec.structs.replace(cfg.queue, token=""))
 
 
+def shown(path: str | Path) -> str:
+    """A path as a message shows it: relative to the working directory when inside it (runs/NAME)."""
+    path = Path(path)
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def storage_error(exc: OSError, what: str, run_dir: Path, path: Path) -> StorageError:
     """One line for a failed write: what, the file (or `path` when the error names none), the reason, and how
     to go on. `exc` may come from an actor (Ray's wrapper keeps the original as `.cause`)."""
@@ -75,7 +84,7 @@ def storage_error(exc: OSError, what: str, run_dir: Path, path: Path) -> Storage
     reason = "disk full" if getattr(cause, "errno", None) == errno.ENOSPC else "cannot write"
     detail = getattr(cause, "strerror", None) or str(cause).splitlines()[0]
     return StorageError(
-        f"{reason}: {what} {path} ({detail}); free space, then `agentrl run --resume {run_dir}` "
+        f"{reason}: {what} {shown(path)} ({detail}); free space, then `agentrl run --resume {shown(run_dir)}` "
         "continues from the last complete checkpoint"
     )
 
@@ -103,17 +112,18 @@ def _latest_step(ckpt_root: Path) -> int:
 
 
 def _refusal(path: Path, held: dict[str, Any]) -> RunExists:
-    fresh = "start afresh with --run.overwrite true (deletes it) or another --run.name"
+    name = shown(path)
+    fresh = "start afresh: add --run.overwrite true (deletes it) or use another --run.name"
     if held["finished"]:
         s = held["summary"]
         message = (
-            f"{path} holds a finished run ({s.get('steps', held['step'])} steps, {s.get('stopped', 'done')}); "
-            f"to train it further: agentrl run --resume {path} --run.steps N; to {fresh}"
+            f"{name} holds a finished run ({s.get('steps', held['step'])} steps, {s.get('stopped', 'done')}). "
+            f"Train it further: agentrl run --resume {name} --run.steps N; {fresh}"
         )
     else:
         message = (
-            f"{path} holds an unfinished run (last checkpoint: step {held['step']}); continue it with "
-            f"agentrl run --resume {path}, or {fresh}"
+            f"{name} holds an unfinished run (last checkpoint: step {held['step']}). Continue it: "
+            f"agentrl run --resume {name}; {fresh}"
         )
     return RunExists(message, held["finished"], held["summary"])
 
