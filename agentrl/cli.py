@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
     except AgentRLError as exc:
-        print(f"agentrl {args.command}: error: {exc}", file=sys.stderr)
+        # raised in a Ray actor: Ray's wrapper prints a traceback; the error's own message is one line
+        print(f"agentrl {args.command}: error: {getattr(exc, 'cause', exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"agentrl {args.command}: interrupted", file=sys.stderr)
