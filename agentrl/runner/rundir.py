@@ -116,9 +116,10 @@ def _refusal(path: Path, held: dict[str, Any]) -> RunExists:
     fresh = "start afresh: add --run.overwrite true (deletes it) or use another --run.name"
     if held["finished"]:
         s = held["summary"]
+        longer = "--run.time-limit-s SECONDS" if s.get("stopped_by") == "time_limit" else "--run.steps N"
         message = (
             f"{name} holds a finished run ({s.get('steps', held['step'])} steps, {s.get('stopped', 'done')}). "
-            f"Train it further: agentrl run --resume {name} --run.steps N; {fresh}"
+            f"Train it further: agentrl run --resume {name} {longer}; {fresh}"
         )
     else:
         message = (
