@@ -38,7 +38,10 @@ async def test_router_least_loaded_and_sticky(engines):
     assert nxt.index == 1 and router.in_flight == [2, 2]
     out1 = await nxt.generate([1, 2, 3], SamplingParams(max_new_tokens=3, ignore_eos=True))
     out2 = await nxt.generate([1, 2, 3, *out1.output_ids], SamplingParams(max_new_tokens=2, ignore_eos=True))
-    assert nxt.engine.inner is engines[1] and len(out1.output_ids) == 3 and len(out2.output_ids) == 2
+    assert (
+        nxt.engine.inner is engines[1] and nxt.engine.runner is engines[1].runner
+    )  # attributes show through
+    assert len(out1.output_ids) == 3 and len(out2.output_ids) == 2
     assert engines[1].steps > 0
     for e in [*episodes, nxt]:
         e.release()

@@ -106,6 +106,11 @@ class NamedEngine(Engine):
     def policy_version(self) -> int:
         return self.inner.policy_version
 
+    def __getattr__(
+        self, name: str
+    ) -> Any:  # the engine's own attributes (`url`, `handle`, ...) show through
+        return getattr(self.inner, name)
+
 
 class StickyEngine(Engine):
     """One episode's view of the router: all calls go to the engine chosen when the episode began."""
