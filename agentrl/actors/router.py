@@ -106,9 +106,10 @@ class NamedEngine(Engine):
     def policy_version(self) -> int:
         return self.inner.policy_version
 
-    def __getattr__(
-        self, name: str
-    ) -> Any:  # the engine's own attributes (`url`, `handle`, ...) show through
+    def __getattr__(self, name: str) -> Any:
+        """The engine's own attributes (`url`, `handle`, ...) show through."""
+        if name == "inner":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
 
