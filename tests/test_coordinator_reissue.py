@@ -91,17 +91,17 @@ async def test_a_persistent_engine_error_ends_in_one_line_after_backed_off_reiss
 
 
 async def test_the_reissue_outlives_an_id_the_engine_still_holds(tmp_path, model, caplog):
-    """serve-engine holds `t5-s0.t0.0` as SGLang 0.5.12 does after aborting it while queued; the first issue of
-    task 5 sends that id and fails, the re-issue (request ids `t5-s*.a1...`) fills the group."""
+    """serve-engine holds `t5-s0.t0.0` as SGLang 0.5.12 does after aborting it while queued; the first issue
+    of task 5 sends that id and fails, the re-issue (request ids `t5-s*.a1...`) fills the group."""
     engine = EmbeddedEngine(model, max_batch_size=1, max_seq_len=128)
     server = EngineServer(engine)
     url = await server.start()
     long = {"temperature": 0, "max_new_tokens": 100, "ignore_eos": True}
     async with aiohttp.ClientSession() as session:
-        sent = [
-            asyncio.create_task(session.post(url + "/generate", json={"input_ids": [1], "rid": rid, "sampling_params": long}))
-            for rid in ("blocker", "t5-s0.t0.0")
-        ]  # fmt: skip
+        bodies = [
+            {"input_ids": [1], "rid": rid, "sampling_params": long} for rid in ("blocker", "t5-s0.t0.0")
+        ]
+        sent = [asyncio.create_task(session.post(url + "/generate", json=body)) for body in bodies]
         while len(engine._waiting) < 1:
             await asyncio.sleep(0.002)
         await session.post(url + "/abort_request", json={"abort_all": True})

@@ -9,17 +9,18 @@ Placements (`run.placement`):
 - `disaggregated`: a placement group with one bundle per learner / engine (GPU when `*.device` is cuda) /
   rollout worker (CPU); engine actors are separate and workers reach them by handle (least-loaded,
   episode-sticky routing). `run.ray_address` joins an existing cluster.
-Supervision: a rollout worker (or engine) that dies is replaced, loaded with the latest published version,
-and the groups it had in flight are re-issued under the same trajectory ids (the queue's idempotency makes
+Supervision: a rollout worker (or engine) that dies is replaced, loaded with the latest published version, and
+the groups it had in flight are re-issued under the same trajectory ids (the queue's idempotency makes
 re-issue safe; each issue of a task gets its own `attempt` number, so engine request ids are new). A group
 that fails (dead worker, or an engine error naming engine, request and cause) is re-issued after an
 exponential backoff (`REISSUE_BACKOFF_S` doubling up to `REISSUE_BACKOFF_MAX_S`; each re-issue is logged with
 the attempt count and the last error); after `run.max_restarts` re-issues the run ends with one error line
-naming the task, the attempts and the last error. The queue actor that dies is recreated on the same run dir (`queue_call`): its WAL replays the
-uncommitted trajectories, the ids the learner holds (`held_ids`: trained or training, commit pending) are
-reclaimed so they are not sampled twice, admission is re-reserved for the groups in flight, workers get the
-new handle, `queue_url` is rewritten, and the call in flight is retried on the new actor; at most
-`run.max_restarts` times. `shutdown()` closes the queue (WAL flushed) and kills every actor.
+naming the task, the attempts and the last error. The queue actor that dies is recreated on the same run dir
+(`queue_call`): its WAL replays the uncommitted trajectories, the ids the learner holds (`held_ids`: trained
+or training, commit pending) are reclaimed so they are not sampled twice, admission is re-reserved for the
+groups in flight, workers get the new handle, `queue_url` is rewritten, and the call in flight is retried on
+the new actor; at most `run.max_restarts` times. `shutdown()` closes the queue (WAL flushed) and kills every
+actor.
 """
 
 from __future__ import annotations

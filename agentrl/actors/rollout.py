@@ -1,18 +1,20 @@
 """RolloutWorker: runs generators against engines and streams finished groups into the replay queue.
 
 One call, `run_group(task_index, task, attempt)`, samples `rollout.n_samples_per_prompt` trajectories of one
-task concurrently (ids `<prefix>t<task_index>-s<k>`, one `group_id`), then puts the whole group into the queue,
-waiting out admission control (`QueueFull.retry_after_s`). Trajectory ids are deterministic, so re-issuing a
-group after a crash is idempotent at the queue; engine request ids are not reused: each episode run gets the
-request prefix `<trajectory id>` on the driver's first attempt, `<trajectory id>.a<attempt>` on a re-issue and
-`...r<n>` on its n-th re-run here (an engine may still hold the ids of an earlier attempt: SGLang 0.5.12 never
-releases the id of a request aborted while queued). With `engine.update_mode = "abort"`, an episode cut by a
-weight update is continued by the generator and, if it still ends aborted, re-run from the start; with "keep"
-the engine continues it with the new weights and the per-token versions record the switch. An engine failure
-fails the group with one line naming the engine, the request and the cause (the coordinator re-issues it). If the queue actor dies, a put (or release) waits for the
-coordinator's restarted queue (`set_queue`) and is retried there, at most `QUEUE_WAIT_S`. The worker either owns its engines (embedded engines in this process:
-the cheapest placement on CPU) or reaches engine actors through `RemoteEngine` handles; either way an
-`EngineRouter` sends each episode to the least-loaded engine and keeps all its turns there.
+task concurrently (ids `<prefix>t<task_index>-s<k>`, one `group_id`), then puts the whole group into the
+queue, waiting out admission control (`QueueFull.retry_after_s`). Trajectory ids are deterministic, so
+re-issuing a group after a crash is idempotent at the queue; engine request ids are not reused: each episode
+run gets the request prefix `<trajectory id>` on the driver's first attempt, `<trajectory id>.a<attempt>` on a
+re-issue and `...r<n>` on its n-th re-run here (an engine may still hold the ids of an earlier attempt: SGLang
+0.5.12 never releases the id of a request aborted while queued). With `engine.update_mode = "abort"`, an
+episode cut by a weight update is continued by the generator and, if it still ends aborted, re-run from the
+start; with "keep" the engine continues it with the new weights and the per-token versions record the switch.
+An engine failure fails the group with one line naming the engine, the request and the cause (the coordinator
+re-issues it). If the queue actor dies, a put (or release) waits for the coordinator's restarted queue
+(`set_queue`) and is retried there, at most `QUEUE_WAIT_S`. The worker either owns its engines (embedded
+engines in this process: the cheapest placement on CPU) or reaches engine actors through `RemoteEngine`
+handles; either way an `EngineRouter` sends each episode to the least-loaded engine and keeps all its turns
+there.
 Plain class: agentrl.actors.remote makes it a Ray actor.
 """
 

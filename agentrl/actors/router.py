@@ -4,7 +4,8 @@ engine it started on (so the engine's prefix cache holds the conversation).
 `EngineRouter.episode()` returns a `StickyEngine`: an `Engine` bound to the engine with the fewest episodes
 in flight at the moment the episode starts; its `.engine`, a `NamedEngine` (one per engine, the same object
 for every episode on it), is what generators receive as `ctx.engine`; they never see the others. A request
-that fails in a `NamedEngine` raises `RequestFailed`, one line naming the engine, the request id and the cause.
+that fails in a `NamedEngine` raises `RequestFailed`: one line naming the engine, the request id and the
+cause.
 `RemoteEngine` adapts a Ray actor handle (an engine actor, see agentrl.actors.engine) to the `Engine`
 interface. Load is counted here, per worker, in episodes; ties go to the engine used least recently.
 """

@@ -1,6 +1,7 @@
 """Real SGLang on one GPU: how it holds request ids across abort and pause (what `serve-engine` models, see
 docs/engines.md "Request ids"), and the abort path of issue 16 end to end (SGLangEngine + multi_turn + weight
-publishes in `abort` mode while requests run and wait queued). Prints one JSON summary; exit 1 if a check fails.
+publishes in `abort` mode while requests run and wait queued). Prints one JSON summary; exit 1 if a check
+fails.
     python3 tools/gpu/sglang_abort_ids.py OUT_DIR    # after tools/gpu/setup.sh sglang (carry .sgl)
 The server runs at most 2 requests at a time (`--max-running-requests 2`), so the others wait queued.
 """
@@ -27,8 +28,9 @@ from agentrl.generator import RolloutContext, resolve_generator
 from agentrl.types import expand_versions, floats, n_response
 
 FLAGS = {
-    "dtype": "bfloat16", "attention_backend": "triton", "sampling_backend": "pytorch", "grammar_backend": "none",
-    "disable_piecewise_cuda_graph": True, "skip_server_warmup": True, "skip_tokenizer_init": True,
+    "dtype": "bfloat16", "attention_backend": "triton", "sampling_backend": "pytorch",
+    "grammar_backend": "none", "disable_piecewise_cuda_graph": True, "skip_server_warmup": True,
+    "skip_tokenizer_init": True,
     "mem_fraction_static": 0.3, "max_running_requests": 2, "disable_cuda_graph": True,
 }  # fmt: skip
 LONG = {"temperature": 0, "max_new_tokens": 1500, "ignore_eos": True}
@@ -144,15 +146,17 @@ async def main(out_dir: Path) -> int:
     finally:
         server.stop()
     life, path = summary["id_lifecycle"], summary["abort_path"]
+    tokens, resent = life["aborted_tokens"], life["resend_queued"]
     summary["checks"] = checks = {
-        "queued abort: no tokens, id kept": life["aborted_tokens"]["q"] == 0 and life["resend_queued"][0] == 400
-        and "Duplicate request ID" in json.dumps(life["resend_queued"][1]),
-        "running abort: tokens, id freed": min(life["aborted_tokens"]["run0"], life["aborted_tokens"]["run1"]) > 0
+        "queued abort: no tokens, id kept": tokens["q"] == 0 and resent[0] == 400
+        and "Duplicate request ID" in json.dumps(resent[1]),
+        "running abort: tokens, id freed": min(tokens["run0"], tokens["run1"]) > 0
         and life["resend_running"] == 200,
         "parked in pause: registered, not aborted": life["duplicate_of_parked"][0] == 400
         and not life["parked_done_before_continue"] and life["parked_after_continue"][1] == 50,
         "issue 16 path: no errors, no id twice, queued aborts seen": not path["errors"]
-        and not path["duplicate_ids_sent"] and path["aborts_without_tokens"] > 0 and path["arrays_consistent"],
+        and not path["duplicate_ids_sent"] and path["aborts_without_tokens"] > 0
+        and path["arrays_consistent"],
     }  # fmt: skip
     print(json.dumps(summary, indent=1, default=str))
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
