@@ -13,12 +13,19 @@ Invariants of the trajectory this returns:
 - status: `completed` when the env said done; `truncated` when a reply hit max_new_tokens (length),
   `max_turns` ran out, or the next turn would exceed `max_seq_len`; `aborted` when the engine aborted the
   request and continuing was not possible. An aborted request (weight update in `abort` mode) is continued from
-  its partial output up to `ctx.extra["abort_retries"]` (default 3) times, so the reply spans two versions.
+  its partial output up to `ctx.extra["abort_retries"]` (default 3) times, so the reply spans two versions; a
+  piece aborted before it produced a token (it was queued) adds nothing to the record and is simply re-sent.
+- engine request ids: `<prefix>.t<turn>.<piece>`, `piece` counting the requests sent for that turn (0, then 1,
+  2, ... for continuations after aborts; counted per `TokenLog`, never rolled back), so no id is sent twice:
+  SGLang keeps the id of a request aborted while queued registered and refuses it again ("Duplicate request ID
+  detected"). `prefix` is `ctx.extra["request_prefix"]` (the rollout worker makes it new for every attempt),
+  else the trajectory id.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any
 
 import msgspec
@@ -39,6 +46,7 @@ class TokenLog:
         self.mask: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.sent: Counter[str] = Counter()  # engine requests per request-id base; never rolled back
 
     @property
     def input_ids(self) -> list[int]:
@@ -85,9 +93,11 @@ async def generate_turn(
     retries = int(ctx.extra.get("abort_retries", 3))
     reply: list[int] = []
     while True:
+        piece = log.sent[request_id]
+        log.sent[request_id] += 1
         budget = min(sampling.max_new_tokens - len(reply), ctx.max_seq_len - len(log))
         params = msgspec.structs.replace(sampling, max_new_tokens=max(budget, 1))
-        out = await ctx.engine.generate(log.input_ids, params, request_id=f"{request_id}.{len(reply)}")
+        out = await ctx.engine.generate(log.input_ids, params, request_id=f"{request_id}.{piece}")
         log.add_model(out)
         reply += out.output_ids
         if out.finish_reason != "abort" or retries <= 0 or budget - len(out.output_ids) <= 0:
@@ -105,6 +115,7 @@ async def run_episode(
 ) -> Trajectory:
     chat = chat_tokens(ctx.tokenizer)
     sampling = turn_sampling(ctx)
+    prefix = ctx.extra.get("request_prefix") or trajectory_id
     created_at = time.time()
     env = ctx.make_env()
     turn_rewards: list[float] = []
@@ -117,11 +128,13 @@ async def run_episode(
         for turn in range(max_turns):
             if len(log) >= ctx.max_seq_len:
                 break
-            out, reply = await generate_turn(ctx, log, sampling, f"{trajectory_id}.t{turn}")
-            finish_reasons.append(out.finish_reason)
+            out, reply = await generate_turn(ctx, log, sampling, f"{prefix}.t{turn}")
             if out.finish_reason == "abort":
                 status = "aborted"
+                if reply:  # a turn that never got a token is no turn
+                    finish_reasons.append("abort")
                 break
+            finish_reasons.append(out.finish_reason)
             result = await env.step(chat.decode(reply))
             turn_rewards.append(float(result.reward))
             info = result.info

@@ -38,7 +38,10 @@ async def test_router_least_loaded_and_sticky(engines):
     assert nxt.index == 1 and router.in_flight == [2, 2]
     out1 = await nxt.generate([1, 2, 3], SamplingParams(max_new_tokens=3, ignore_eos=True))
     out2 = await nxt.generate([1, 2, 3, *out1.output_ids], SamplingParams(max_new_tokens=2, ignore_eos=True))
-    assert nxt.engine is engines[1] and len(out1.output_ids) == 3 and len(out2.output_ids) == 2
+    assert (
+        nxt.engine.inner is engines[1] and nxt.engine.runner is engines[1].runner
+    )  # attributes show through
+    assert len(out1.output_ids) == 3 and len(out2.output_ids) == 2
     assert engines[1].steps > 0
     for e in [*episodes, nxt]:
         e.release()
@@ -119,3 +122,28 @@ def test_make_engine_takes_every_embedded_setting(tmp_path):
                              "--engine.decode-steps", "3", "--engine.max-batch-size", "5"])  # fmt: skip
     eng = make_engine(cfg, path, index=1)
     assert (eng.max_seq_len, eng.max_prefill_tokens, eng.decode_steps, eng.max_batch_size) == (64, 4096, 3, 5)
+
+
+def test_engine_failures_read_as_one_line_and_cross_ray_whole():
+    """Engine errors reach the driver through Ray (pickled, wrapped in RayTaskError with a traceback);
+    `describe_error` gives back the cause's own line, and the errors keep their fields across pickling."""
+    import pickle
+
+    from ray.exceptions import RayTaskError
+
+    from agentrl.engines.base import InvalidRequest, RequestFailed, describe_error
+
+    failed = RequestFailed("engine 0 (http://h:1)", "t3-s1.a1.t0.2", "HTTP 503: engine step failed")
+    assert str(failed) == "engine 0 (http://h:1): request t3-s1.a1.t0.2: HTTP 503: engine step failed"
+    invalid = InvalidRequest("rid", "Duplicate request ID detected: t3-s1.t0.0")
+    for exc in (failed, invalid):
+        back = pickle.loads(pickle.dumps(exc))
+        assert type(back) is type(exc) and str(back) == str(exc) and back.__dict__ == exc.__dict__
+    wrapped = RayTaskError(
+        "run_group", "Traceback (most recent call last):\n  ...", failed, "p", 1, "127.0.0.1"
+    )
+    dual = wrapped.as_instanceof_cause()
+    assert isinstance(dual, RequestFailed) and "\n" in str(dual)
+    assert describe_error(dual) == str(failed)
+    assert describe_error(RuntimeError("boom\nsecond line")) == "RuntimeError: boom"
+    assert describe_error(TimeoutError()) == "TimeoutError"

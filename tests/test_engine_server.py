@@ -156,3 +156,73 @@ async def test_pause_abort_over_http_returns_partial(served):
     await post(session, url + "/continue_generation", {})
     status, out = await post(session, url + "/abort_request", {})
     assert status == 400 and out["error"]["field"] == "rid"
+
+
+@pytest.fixture
+async def small(model_dirs):
+    """A server whose engine runs two requests at a time (more wait queued)."""
+    engine = EmbeddedEngine(str(model_dirs[0]), max_batch_size=2, max_seq_len=128)
+    server = EngineServer(engine)
+    url = await server.start()
+    async with aiohttp.ClientSession() as session:
+        yield url, session, engine, server
+    await server.stop(close_engine=True)
+
+
+def long_request(rid, prompt=(1, 2), n=100):
+    return {"input_ids": list(prompt), "rid": rid,
+            "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}}  # fmt: skip
+
+
+async def until(check):
+    while not check():
+        await asyncio.sleep(0.002)
+
+
+async def test_a_running_id_is_refused_as_sglang_does_and_the_first_request_is_kept(small):
+    url, session, engine, _ = small
+    first = asyncio.create_task(post(session, url + "/generate", long_request("dup", n=40)))
+    await until(lambda: "dup" in engine._by_rid)
+    status, out = await post(session, url + "/generate", long_request("dup"))
+    assert status == 400 and out["error"]["field"] == "rid"
+    assert out["error"]["message"] == "Duplicate request ID detected: dup"
+    status, out = await first
+    assert status == 200 and len(out["output_ids"]) == 40
+    status, _ = await post(session, url + "/generate", long_request("dup", n=3))  # released once finished
+    assert status == 200
+
+
+async def test_a_request_arriving_in_a_pause_is_registered_before_it_waits(small):
+    """SGLang's TokenizerManager registers the id, then waits for the pause to end; an abort meanwhile goes to
+    the scheduler, which does not know the request, so it runs in full after the pause."""
+    url, session, engine, server = small
+    assert (await post(session, url + "/pause_generation", {"mode": "abort"}))[0] == 200
+    parked = asyncio.create_task(post(session, url + "/generate", long_request("p", n=20)))
+    await until(lambda: "p" in getattr(server, "_rids", ()) or "p" in engine._by_rid)
+    status, out = await post(session, url + "/generate", long_request("p"))
+    assert status == 400 and out["error"]["message"] == "Duplicate request ID detected: p"
+    for body in ({"abort_all": True}, {"rid": "p"}):
+        assert (await post(session, url + "/abort_request", body))[0] == 200
+    assert "p" not in engine._by_rid and not parked.done()
+    await post(session, url + "/continue_generation", {})
+    status, out = await parked
+    assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(out["output_ids"]) == 20
+
+
+async def test_an_id_aborted_while_queued_stays_registered_as_in_sglang_0_5_12(small):
+    """Running requests aborted mid-decode return their tokens and release their ids; a queued one returns
+    no tokens and its id stays registered (SGLang 0.5.12's `_handle_abort_req` never releases it)."""
+    url, session, engine, _ = small
+    tasks = {rid: asyncio.create_task(post(session, url + "/generate", long_request(rid, (1, i + 2))))
+             for i, rid in enumerate(["r0", "r1", "q"])}  # fmt: skip
+    await until(lambda: len(engine._running) == 2 and len(engine._waiting) == 1)
+    await until(lambda: min(len(r.output_ids) for r in engine._running) >= 2)
+    assert (await post(session, url + "/abort_request", {"abort_all": True}))[0] == 200
+    outs = {rid: await task for rid, task in tasks.items()}
+    assert {out["meta_info"]["finish_reason"]["type"] for _, out in outs.values()} == {"abort"}
+    assert outs["q"][1]["output_ids"] == [] and min(len(outs[r][1]["output_ids"]) for r in ("r0", "r1")) >= 2
+    status, out = await post(session, url + "/generate", long_request("q", n=3))
+    assert status == 400 and out["error"]["message"] == "Duplicate request ID detected: q"
+    for rid in ("r0", "r1"):  # their aborts completed: the ids are free again
+        assert (await post(session, url + "/generate", long_request(rid, n=3)))[0] == 200

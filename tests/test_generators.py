@@ -224,6 +224,31 @@ async def test_abort_is_continued_from_partial_output(tiny, tok):
     assert traj.status == "aborted" and n_response(traj) == 3 and traj.turn_rewards == []
 
 
+async def test_an_abort_before_any_token_is_re_sent_under_a_new_id_and_leaves_no_trace(tiny, tok):
+    """A queued request aborted by a weight update comes back with no tokens: the generator re-sends it as the
+    next piece of the same turn (a new id: SGLang keeps the old one registered), and the trajectory is the one
+    an undisturbed episode gives."""
+    chat = chat_tokens(tok)
+    reply = [*ids(tok, "<calc>23+45</calc>"), chat.eot_id]
+    answer = [*ids(tok, "68"), chat.eot_id]
+
+    async def episode(abort_first, extra):
+        script = iter([reply, answer] if not abort_first else [reply, reply, answer])
+        engine = Recording(HFEngine(tiny, script=lambda _input: next(script)))
+        engine.inner.abort_after = 0 if abort_first else None
+        ctx = context(engine, tok)
+        ctx.extra.update(extra)
+        return await resolve_generator("multi_turn")(ctx, TASK, "t7-s1", "t7"), engine.request_ids
+
+    plain, plain_ids = await episode(False, {})
+    traj, request_ids = await episode(True, {"request_prefix": "t7-s1.a2"})
+    assert plain_ids == ["t7-s1.t0.0", "t7-s1.t1.0"]
+    assert request_ids == ["t7-s1.a2.t0.0", "t7-s1.a2.t0.1", "t7-s1.a2.t1.0"] and traj.id == "t7-s1"
+    assert traj.status == plain.status == "completed" and traj.metadata == plain.metadata
+    for field in ("prompt_ids", "response_ids", "loss_mask", "logprobs", "versions", "turn_rewards"):
+        assert getattr(traj, field) == getattr(plain, field), field
+
+
 async def test_truncation_statuses(tiny, tok):
     chat = chat_tokens(tok)
     guess = [*ids(tok, "8"), chat.eot_id]

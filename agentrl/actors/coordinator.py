@@ -9,13 +9,18 @@ Placements (`run.placement`):
 - `disaggregated`: a placement group with one bundle per learner / engine (GPU when `*.device` is cuda) /
   rollout worker (CPU); engine actors are separate and workers reach them by handle (least-loaded,
   episode-sticky routing). `run.ray_address` joins an existing cluster.
-Supervision: a rollout worker (or engine) that dies is replaced, loaded with the latest published version,
-and the groups it had in flight are re-issued under the same ids (the queue's idempotency makes re-issue
-safe). The queue actor that dies is recreated on the same run dir (`queue_call`): its WAL replays the
-uncommitted trajectories, the ids the learner holds (`held_ids`: trained or training, commit pending) are
-reclaimed so they are not sampled twice, admission is re-reserved for the groups in flight, workers get the
-new handle, `queue_url` is rewritten, and the call in flight is retried on the new actor; at most
-`run.max_restarts` times. `shutdown()` closes the queue (WAL flushed) and kills every actor.
+Supervision: a rollout worker (or engine) that dies is replaced, loaded with the latest published version, and
+the groups it had in flight are re-issued under the same trajectory ids (the queue's idempotency makes
+re-issue safe; each issue of a task gets its own `attempt` number, so engine request ids are new). A group
+that fails (dead worker, or an engine error naming engine, request and cause) is re-issued after an
+exponential backoff (`REISSUE_BACKOFF_S` doubling up to `REISSUE_BACKOFF_MAX_S`; each re-issue is logged with
+the attempt count and the last error); after `run.max_restarts` re-issues the run ends with one error line
+naming the task, the attempts and the last error. The queue actor that dies is recreated on the same run dir
+(`queue_call`): its WAL replays the uncommitted trajectories, the ids the learner holds (`held_ids`: trained
+or training, commit pending) are reclaimed so they are not sampled twice, admission is re-reserved for the
+groups in flight, workers get the new handle, `queue_url` is rewritten, and the call in flight is retried on
+the new actor; at most `run.max_restarts` times. `shutdown()` closes the queue (WAL flushed) and kills every
+actor.
 """
 
 from __future__ import annotations
@@ -31,9 +36,12 @@ from typing import Any
 from agentrl.actors.broadcast import Publisher, choose_path
 from agentrl.actors.learner_group import LearnerGroup, spawn_learner
 from agentrl.config import Config, learner_ranks
+from agentrl.engines.base import describe_error
 from agentrl.errors import AgentRLError, ConfigError, EngineError
 
 log = logging.getLogger(__name__)
+REISSUE_BACKOFF_S = 1.0  # wait before the first re-issue of a failed group; doubles per re-issue
+REISSUE_BACKOFF_MAX_S = 30.0
 
 
 @dataclass
@@ -70,6 +78,9 @@ class Coordinator:
         self.queue_recovery_s: list[float] = []
         self.reserved: set[str] = set()
         self.held_ids: Callable[[], list[str]] = list
+        self.reissue_backoff_s, self.reissue_backoff_max_s = REISSUE_BACKOFF_S, REISSUE_BACKOFF_MAX_S
+        self.issues: dict[int, int] = {}  # task index -> times issued (the next attempt number)
+        self.evaluations = 0
         self._lock = asyncio.Lock()
         self._queue_lock = asyncio.Lock()
 
@@ -294,29 +305,42 @@ class Coordinator:
         await self.queue_call("reserve", self.cfg.rollout.n_samples_per_prompt, key)
         self.reserved.add(key)
         queue_generation = self.queue_generation
+        attempts, last = self.cfg.run.max_restarts + 1, ""
         try:
-            for _attempt in range(self.cfg.run.max_restarts + 1):
+            for attempt in range(attempts):
+                if attempt:
+                    delay_s = min(self.reissue_backoff_s * 2 ** (attempt - 1), self.reissue_backoff_max_s)
+                    log.warning(
+                        "task %d: rollout attempt %d/%d failed: %s; re-issuing the group in %.2fs",
+                        task_index, attempt, attempts, last, delay_s,
+                    )  # fmt: skip
+                    await asyncio.sleep(delay_s)
+                    self.reissued += 1
+                issue = self.issues.get(task_index, 0)
+                self.issues[task_index] = issue + 1
                 slot = min(self.workers, key=lambda s: s.in_flight)
                 generation = slot.generation
                 slot.in_flight += 1
                 try:
-                    return await slot.handle.run_group.remote(task_index, task)
-                except RayActorError:
+                    return await slot.handle.run_group.remote(task_index, task, issue)
+                except RayActorError as exc:
+                    last = f"{slot.kind} actor {slot.index} died ({describe_error(exc)})"
                     await self._replace(slot, generation)
-                except EngineError:
+                except EngineError as exc:
+                    last = describe_error(exc)
                     await self.check_engines()
                 finally:
                     slot.in_flight -= 1
-                self.reissued += 1
             await self.queue_call("release", key)
-            raise AgentRLError(f"task {task_index}: rollout failed {self.cfg.run.max_restarts + 1} times")
+            raise AgentRLError(f"task {task_index}: rollout failed {attempts} times; last error: {last}")
         finally:
             self.reserved.discard(key)
             if self.queue_generation != queue_generation:  # a restarted queue may have re-reserved it
                 await self.queue_call("release", key)
 
     async def evaluate(self, tasks: list[dict[str, Any]]) -> dict[str, float]:
-        return await self.workers[0].handle.evaluate.remote(tasks)
+        self.evaluations += 1
+        return await self.workers[0].handle.evaluate.remote(tasks, self.evaluations - 1)
 
     # -- learner -----------------------------------------------------------------------------------------
 

@@ -1,14 +1,20 @@
 """RolloutWorker: runs generators against engines and streams finished groups into the replay queue.
 
-One call, `run_group(task_index, task)`, samples `rollout.n_samples_per_prompt` trajectories of one task
-concurrently (ids `<prefix>t<task_index>-s<k>`, one `group_id`), then puts the whole group into the queue,
-waiting out admission control (`QueueFull.retry_after_s`). Ids are deterministic, so re-issuing a group after
-a crash is idempotent at the queue. With `engine.update_mode = "abort"`, an episode cut by a weight update is
-re-run from the start (re-queued); with "keep" the engine continues it with the new weights and the
-per-token versions record the switch. If the queue actor dies, a put (or release) waits for the
-coordinator's restarted queue (`set_queue`) and is retried there, at most `QUEUE_WAIT_S`. The worker either owns its engines (embedded engines in this process:
-the cheapest placement on CPU) or reaches engine actors through `RemoteEngine` handles; either way an
-`EngineRouter` sends each episode to the least-loaded engine and keeps all its turns there.
+One call, `run_group(task_index, task, attempt)`, samples `rollout.n_samples_per_prompt` trajectories of one
+task concurrently (ids `<prefix>t<task_index>-s<k>`, one `group_id`), then puts the whole group into the
+queue, waiting out admission control (`QueueFull.retry_after_s`). Trajectory ids are deterministic, so
+re-issuing a group after a crash is idempotent at the queue; engine request ids are not reused: each episode
+run gets the request prefix `<trajectory id>` on the driver's first attempt, `<trajectory id>.a<attempt>` on a
+re-issue and `...r<n>` on its n-th re-run here (an engine may still hold the ids of an earlier attempt: SGLang
+0.5.12 never releases the id of a request aborted while queued). With `engine.update_mode = "abort"`, an
+episode cut by a weight update is continued by the generator and, if it still ends aborted, re-run from the
+start; with "keep" the engine continues it with the new weights and the per-token versions record the switch.
+An engine failure fails the group with one line naming the engine, the request and the cause (the coordinator
+re-issues it). If the queue actor dies, a put (or release) waits for the coordinator's restarted queue
+(`set_queue`) and is retried there, at most `QUEUE_WAIT_S`. The worker either owns its engines (embedded
+engines in this process: the cheapest placement on CPU) or reaches engine actors through `RemoteEngine`
+handles; either way an `EngineRouter` sends each episode to the least-loaded engine and keeps all its turns
+there.
 Plain class: agentrl.actors.remote makes it a Ray actor.
 """
 
@@ -24,7 +30,7 @@ import msgspec
 
 from agentrl.actors.router import EngineRouter, RemoteEngine
 from agentrl.config import Config
-from agentrl.engines.base import Engine, SamplingParams
+from agentrl.engines.base import Engine, SamplingParams, describe_error
 from agentrl.errors import AgentRLError, EngineError, QueueFull
 from agentrl.generator import RolloutContext, resolve_generator
 from agentrl.rewards.dynamic_sampling import is_informative
@@ -77,7 +83,10 @@ class RolloutWorker:
 
     # -- rollout -----------------------------------------------------------------------------------------
 
-    def _context(self, engine: Engine, sampling: SamplingParams) -> RolloutContext:
+    def _context(self, engine: Engine, sampling: SamplingParams, request_prefix: str) -> RolloutContext:
+        extra: dict[str, Any] = {"request_prefix": request_prefix}
+        if self.cfg.rollout.agent:
+            extra["agent"] = self.cfg.rollout.agent
         return RolloutContext(
             engine=engine,
             tokenizer=self.tokenizer,
@@ -86,15 +95,17 @@ class RolloutWorker:
             sampling=sampling,
             max_turns=self.cfg.rollout.max_turns,
             max_seq_len=self.cfg.engine.max_seq_len,
-            extra={"agent": self.cfg.rollout.agent} if self.cfg.rollout.agent else {},
+            extra=extra,
         )
 
-    async def _episode(self, task: dict[str, Any], traj_id: str, group_id: str, sampling: SamplingParams):
-        for _attempt in range(MAX_ABORT_RETRIES + 1):
+    async def _episode(self, task: dict[str, Any], traj_id: str, group_id: str, sampling: SamplingParams,
+                       attempt: int = 0):  # fmt: skip
+        for rerun in range(MAX_ABORT_RETRIES + 1):
+            prefix = traj_id + (f".a{attempt}" if attempt or rerun else "") + (f"r{rerun}" if rerun else "")
             async with self.sem:
-                with self.router.episode() as sticky:  # counts the load; the generator sees the engine itself
+                with self.router.episode() as sticky:  # counts the load; generators see one object per engine
                     traj = await self.generate_fn(
-                        self._context(sticky.engine, sampling), task, traj_id, group_id
+                        self._context(sticky.engine, sampling, prefix), task, traj_id, group_id
                     )
             if traj.status != "aborted" or self.cfg.engine.effective_update_mode != "abort":
                 break
@@ -102,15 +113,16 @@ class RolloutWorker:
             traj.env = self.cfg.env.name
         return traj
 
-    async def run_group(self, task_index: int, task: dict[str, Any]) -> dict[str, Any]:
-        """Sample one group for `task`, put it into the queue; returns a summary (rewards, tokens, failures)."""
+    async def run_group(self, task_index: int, task: dict[str, Any], attempt: int = 0) -> dict[str, Any]:
+        """Sample one group for `task`, put it into the queue; returns a summary (rewards, tokens, failures).
+        `attempt`: how often the driver has issued this task before (it makes the engine request ids new)."""
         t0 = time.perf_counter()
         gid = f"{self.id_prefix}t{task_index}"
         n = self.cfg.rollout.n_samples_per_prompt
-        jobs = [self._episode(task, f"{gid}-s{k}", gid, self.sampling) for k in range(n)]
+        jobs = [self._episode(task, f"{gid}-s{k}", gid, self.sampling, attempt) for k in range(n)]
         results = await asyncio.gather(*jobs, return_exceptions=True)
         trajs = [t for t in results if isinstance(t, Trajectory) and n_response(t) > 0]
-        errors = [repr(e) for e in results if isinstance(e, BaseException)]
+        errors = [describe_error(e) for e in results if isinstance(e, BaseException)]
         for e in errors[:1]:
             log.warning("rollout of task %d failed: %s", task_index, e)
         informative = not self.cfg.rollout.dynamic_sampling or is_informative(t.reward for t in trajs)
@@ -126,8 +138,8 @@ class RolloutWorker:
             put = {"accepted": 0, "duplicates": 0, "dropped": 0}
             await self._queue_call("release", gid)
             infra = [e for e in results if isinstance(e, BaseException) and _infrastructure(e)]
-            if infra:  # an engine died: the driver restarts it and re-issues the whole group
-                raise EngineError(f"rollout of task {task_index}: engine failed: {infra[0]!r}")
+            if infra:  # an engine failed or died: the driver checks the engines and re-issues the whole group
+                raise EngineError(describe_error(infra[0]))
             if len(errors) == n:  # a bug in the env or generator, not bad luck: stop the run with it
                 raise AgentRLError(f"every episode of task {task_index} failed; first: {errors[0]}")
         return {
@@ -176,9 +188,13 @@ class RolloutWorker:
         """Put into a restarted queue actor from now on (the coordinator calls this)."""
         self.queue = queue
 
-    async def evaluate(self, tasks: list[dict[str, Any]]) -> dict[str, float]:
-        """Greedy rollouts of held-out tasks (not queued): mean reward and success rate."""
-        jobs = [self._episode(task, f"eval-{i}", f"eval-{i}", self.greedy) for i, task in enumerate(tasks)]
+    async def evaluate(self, tasks: list[dict[str, Any]], round_index: int = 0) -> dict[str, float]:
+        """Greedy rollouts of held-out tasks (not queued): mean reward and success rate. `round_index` (the
+        driver's count of evaluations) keeps the engine request ids of each evaluation new."""
+        jobs = [
+            self._episode(task, f"eval-{i}", f"eval-{i}", self.greedy, round_index)
+            for i, task in enumerate(tasks)
+        ]
         trajs = await asyncio.gather(*jobs)
         rewards = [t.reward for t in trajs]
         return {

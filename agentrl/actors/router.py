@@ -2,7 +2,10 @@
 engine it started on (so the engine's prefix cache holds the conversation).
 
 `EngineRouter.episode()` returns a `StickyEngine`: an `Engine` bound to the engine with the fewest episodes
-in flight at the moment the episode starts; generators receive it as `ctx.engine` and never see the others.
+in flight at the moment the episode starts; its `.engine`, a `NamedEngine` (one per engine, the same object
+for every episode on it), is what generators receive as `ctx.engine`; they never see the others. A request
+that fails in a `NamedEngine` raises `RequestFailed`: one line naming the engine, the request id and the
+cause.
 `RemoteEngine` adapts a Ray actor handle (an engine actor, see agentrl.actors.engine) to the `Engine`
 interface. Load is counted here, per worker, in episodes; ties go to the engine used least recently.
 """
@@ -12,7 +15,16 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from agentrl.engines.base import Engine, GenerateOutput, PauseMode, SamplingParams, WeightSource
+from agentrl.engines.base import (
+    Engine,
+    GenerateOutput,
+    PauseMode,
+    RequestFailed,
+    SamplingParams,
+    WeightSource,
+    describe_error,
+)
+from agentrl.errors import EngineError
 
 
 class RemoteEngine(Engine):
@@ -55,13 +67,60 @@ class RemoteEngine(Engine):
         return self._version
 
 
+class NamedEngine(Engine):
+    """Engine `index` as generators see it: calls pass through; a failed request raises `RequestFailed`."""
+
+    def __init__(self, inner: Engine, index: int):
+        self.inner = inner
+        url = getattr(inner, "url", None)
+        self.name = f"engine {index}" + (f" ({url})" if url else "")
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+    ) -> GenerateOutput:
+        try:
+            return await self.inner.generate(input_ids, sampling, request_id)
+        except RequestFailed:
+            raise
+        except EngineError as exc:  # RayTaskError(EngineError) too: it subclasses the cause
+            raise RequestFailed(self.name, request_id, describe_error(exc)) from exc
+
+    async def abort(self, request_id: str) -> None:
+        await self.inner.abort(request_id)
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        await self.inner.pause(mode)
+
+    async def resume(self) -> None:
+        await self.inner.resume()
+
+    async def update_weights(self, version: int, source: WeightSource) -> None:
+        await self.inner.update_weights(version, source)
+
+    async def flush_cache(self) -> None:
+        await self.inner.flush_cache()
+
+    async def health(self) -> dict[str, Any]:
+        return await self.inner.health()
+
+    @property
+    def policy_version(self) -> int:
+        return self.inner.policy_version
+
+    def __getattr__(self, name: str) -> Any:
+        """The engine's own attributes (`url`, `handle`, ...) show through."""
+        if name == "inner":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
 class StickyEngine(Engine):
     """One episode's view of the router: all calls go to the engine chosen when the episode began."""
 
     def __init__(self, router: EngineRouter, index: int):
         self.router = router
         self.index = index
-        self.engine = router.engines[index]
+        self.engine = router.named[index]
         self._closed = False
 
     async def generate(
@@ -108,6 +167,7 @@ class EngineRouter:
         if not engines:
             raise ValueError("EngineRouter needs at least one engine")
         self.engines = list(engines)
+        self.named = [NamedEngine(e, i) for i, e in enumerate(self.engines)]
         self.in_flight = [0] * len(self.engines)
         self._last_used = [0] * len(self.engines)
         self._clock = itertools.count(1)
@@ -125,3 +185,4 @@ class EngineRouter:
     def replace(self, index: int, engine: Engine) -> None:
         """Swap in a restarted engine (episodes bound to the dead one fail and are re-issued by their worker)."""
         self.engines[index] = engine
+        self.named[index] = NamedEngine(engine, index)

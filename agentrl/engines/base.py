@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from agentrl.errors import EngineError
+from agentrl.errors import AgentRLError, EngineError
 
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "wait", "keep"]
@@ -46,7 +46,36 @@ class InvalidRequest(EngineError):
 
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
-        self.field = field
+        self.field, self.message = field, message
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses Ray (pickle) with both arguments
+        return type(self), (self.field, self.message)
+
+
+class RequestFailed(EngineError):
+    """One engine request failed; the message is one line naming the engine, the request id and the cause."""
+
+    def __init__(self, engine: str, request_id: str | None, cause: str):
+        super().__init__(f"{engine}: request {request_id or '(no id)'}: {cause}")
+        self.engine, self.request_id, self.cause_text = engine, request_id, cause
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.engine, self.request_id, self.cause_text)
+
+
+def describe_error(exc: BaseException) -> str:
+    """A failure on one line: the innermost exception under Ray's wrappers (`RayTaskError.cause`), the first
+    line of its message, led by its class unless it is one of agentrl's own errors (their messages say it)."""
+    for _ in range(8):  # bounded: a `cause` chain could loop
+        inner = getattr(exc, "cause", None)
+        if not isinstance(inner, BaseException) or inner is exc:
+            break
+        exc = inner
+    lines = str(exc).strip().splitlines()
+    first = lines[0] if lines else ""
+    if isinstance(exc, AgentRLError) and first:
+        return first
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 @dataclass

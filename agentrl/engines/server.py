@@ -9,6 +9,13 @@ Hardening: with a `token` every route but /health and /health_generate needs `Au
 (401 otherwise; the token is never logged) and a non-loopback host without one is refused; bodies are
 capped at `max_body_bytes` (weight tensors at `max_tensor_bytes`): 413; a client must send its body within
 `read_timeout_s` (408) and its headers within that time too (the connection is closed).
+Request ids are held as SGLang 0.5.12's TokenizerManager holds them (`rid_to_state`), so clients meet the same
+failures here as there: a /generate id is registered on arrival, before the request waits out a pause, and a
+second request with a registered id gets 400 "Duplicate request ID detected"; an id is released when its
+request has finished in the engine (for an aborted one: when the abort has completed), except that a request
+aborted while still queued (no tokens) keeps its id registered, as SGLang 0.5.12 does (its `_handle_abort_req`
+answers without releasing it; fixed upstream after 0.5.12, sglang#24070). Requests that arrive during a pause
+wait before the engine sees them, so an abort (by id or all) does not reach them, as in SGLang.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ _PAUSE_MODES = {"abort": "abort", "wait": "wait", "keep": "keep", "in_place": "k
 _DECODERS: dict[type, msgspec.json.Decoder] = {}
 _OPEN_PATHS = {"/health", "/health_generate"}
 TOKEN_ENV = "AGENTRL_ENGINE_TOKEN"
+HELD_IDS_MAX = 65_536  # ids of queued-then-aborted requests kept registered (oldest forgotten first)
 
 
 class BadRequest(Exception):
@@ -116,6 +124,10 @@ class EngineServer:
         self.read_timeout_s = read_timeout_s
         self.url = ""
         self._runner: web.AppRunner | None = None
+        self._rids: set[str] = set()  # registered: arrived, not finished
+        self._held: dict[str, None] = {}  # aborted while queued: registered for good (insertion order)
+        self._open = asyncio.Event()  # cleared while paused: new requests wait here, registered
+        self._open.set()
         self._tokenizer = None
         tok_file = Path(tokenizer_path or engine.model_path) / "tokenizer.json"
         if tok_file.exists():
@@ -201,10 +213,26 @@ class EngineServer:
         if req.stream:
             raise BadRequest("streaming is not supported", "stream")
         sampling = req.sampling_params.to_sampling()
+        self.engine.validate(req.input_ids, sampling)
         rid = req.rid or uuid.uuid4().hex
-        out = await self.engine.generate(req.input_ids, sampling, request_id=rid)
+        if rid in self._rids or rid in self._held:
+            raise BadRequest(f"Duplicate request ID detected: {rid}", "rid")
+        self._rids.add(rid)
+        try:
+            while not self._open.is_set():
+                await self._open.wait()
+            out = await self.engine.generate(req.input_ids, sampling, request_id=rid)
+        finally:
+            self._rids.discard(rid)
+        if out.finish_reason == "abort" and not out.output_ids:
+            self._hold(rid)
         text = self._tokenizer.decode(out.output_ids, skip_special_tokens=False) if self._tokenizer else None
         return web.json_response(wire.generate_response(out, rid, req.return_logprob, sampling, text))
+
+    def _hold(self, rid: str) -> None:
+        self._held[rid] = None
+        if len(self._held) > HELD_IDS_MAX:
+            del self._held[next(iter(self._held))]
 
     async def abort(self, request: web.Request) -> web.Response:
         req = await _decode(request, wire.AbortRequest)
@@ -218,12 +246,14 @@ class EngineServer:
 
     async def pause(self, request: web.Request) -> web.Response:
         req = await _decode(request, wire.PauseRequest)
+        self._open.clear()
         await self.engine.pause(_PAUSE_MODES[req.mode])
         return web.json_response({"success": True, "message": f"paused ({req.mode})"})
 
     async def resume(self, request: web.Request) -> web.Response:
         await _read(request)
         await self.engine.resume()
+        self._open.set()
         return web.json_response({"success": True})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
