@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from agentrl.algorithms.ratios import clamp_log_ratio, exp_ratio
+
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 
 
@@ -38,13 +40,14 @@ def ppo_clip(
     clip_low: float,
     clip_high: float,
     dual_clip: float = 0.0,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate per token: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), r = pi / pi_old.
 
     Dual clip (c = dual_clip > 1): for A < 0 the loss is further capped at -A c. Returns (loss, ratio, clipped)
-    where `clipped` marks tokens whose gradient the clipping removed.
+    where `clipped` marks tokens whose gradient the clipping removed. r comes from `exp_ratio` (1 off `mask`).
     """
-    ratio = torch.exp(logprobs - old_logprobs.detach())
+    ratio = exp_ratio(logprobs - old_logprobs.detach(), mask)
     loss1 = -advantages * ratio
     loss2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(loss1, loss2)
@@ -62,9 +65,10 @@ def gspo_ratio(
 ) -> torch.Tensor:
     """GSPO-token ratio: s_i = exp(mean over seq i's loss tokens of (logp - old)), with the gradient of logp_t.
 
-    Value s_i on every token of sequence i; d/dlogp_t = s_i (sg(s_i) * pi_t / sg(pi_t)).
+    Value s_i on every token of sequence i; d/dlogp_t = s_i (sg(s_i) * pi_t / sg(pi_t)). Token log-ratios are
+    clamped before the mean and the mean before `exp` (agentrl.algorithms.ratios).
     """
-    log_ratio = (logprobs - old_logprobs.detach()).detach() * loss_mask
+    log_ratio = clamp_log_ratio((logprobs - old_logprobs.detach()).detach(), loss_mask)
     idx = seq_index.clamp(min=0).reshape(-1)
     size = int(idx.max()) + 1 if idx.numel() else 1
     sums = torch.zeros(size, device=logprobs.device, dtype=log_ratio.dtype).index_add_(
@@ -73,8 +77,8 @@ def gspo_ratio(
     counts = torch.zeros(size, device=logprobs.device, dtype=log_ratio.dtype).index_add_(
         0, idx, loss_mask.reshape(-1).to(log_ratio.dtype)
     )
-    seq_log_ratio = (sums / counts.clamp(min=1.0))[seq_index.clamp(min=0)]
-    return torch.exp(seq_log_ratio + logprobs - logprobs.detach())
+    seq_ratio = exp_ratio((sums / counts.clamp(min=1.0))[seq_index.clamp(min=0)], loss_mask)
+    return seq_ratio * exp_ratio(logprobs - logprobs.detach(), loss_mask)
 
 
 def gspo(
@@ -99,9 +103,10 @@ def cispo(
     advantages: torch.Tensor,
     clip_low: float,
     clip_high: float,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CISPO: -sg(clip(r, 1 - clip_low, 1 + clip_high)) A log pi; every token keeps a gradient."""
-    ratio = torch.exp(logprobs - old_logprobs.detach())
+    ratio = exp_ratio(logprobs - old_logprobs.detach(), mask)
     weight = ratio.detach().clamp(1.0 - clip_low, 1.0 + clip_high)
     clipped = (weight != ratio.detach()).float()
     return -weight * advantages * logprobs, ratio, clipped
