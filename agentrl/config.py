@@ -127,6 +127,18 @@ class LearnerSection(_Section):
     pack_tokens: int = 0
     gradient_checkpointing: bool = False
     fsdp: bool = False  # torch learner: FSDP2 over learner.data_parallel ranks (one process per GPU)
+    # Optimizer updates per rollout batch = minibatches x epochs (slime's num-steps-per-rollout, verl's
+    # ppo_mini_batch_size / ppo_epochs): the batch's rows are split into `minibatches` parts, each one update
+    # normalised by its own loss tokens, and the whole split is repeated `epochs` times; the ratio is taken
+    # against the log-probs from before the first update, so clipping acts from the second update on. The
+    # policy version still advances once per rollout batch. Both 1: one update per batch, as before.
+    minibatches: int = 1
+    epochs: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("minibatches", "epochs"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"learner.{name} must be >= 1, got {getattr(self, name)}")
 
 
 class AlgorithmSection(_Section):
@@ -140,7 +152,9 @@ class AlgorithmSection(_Section):
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_mode: Literal["loss", "reward"] = "loss"
-    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    # auto: seq_mean_token_mean for gspo (the paper's sequence-level objective: every sequence weighs the same),
+    # token_mean otherwise; resolved when the section is built, so the resolved config shows the mode used
+    loss_agg: Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "auto"
     off_policy: Literal["none", "tis", "decoupled"] = "decoupled"
     tis_cap: float = 2.0
     max_token_age: int = 0
@@ -150,6 +164,10 @@ class AlgorithmSection(_Section):
     vf_coef: float = 0.5
     norm_eps: float = 1e-6
     recompute_proximal: bool = False
+
+    def __post_init__(self) -> None:
+        if self.loss_agg == "auto":
+            self.loss_agg = "seq_mean_token_mean" if self.advantage == "gspo" else "token_mean"
 
 
 class RolloutSection(_Section):

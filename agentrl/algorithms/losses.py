@@ -1,4 +1,4 @@
-"""Per-token policy and value losses, loss aggregation, and metric merging across micro-batches.
+"""Per-token policy and value losses, loss aggregation, and metric merging across micro-batches and updates.
 
 Aggregation is a weighted sum `sum(x * w)` with weights built from the FULL batch's normalisers, so the sum of
 micro-batch losses equals the loss of the whole batch (gradient accumulation is exact):
@@ -129,9 +129,10 @@ def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, total_loss_tokens:
     return -(logprobs * loss_mask).sum() / max(total_loss_tokens, 1.0)
 
 
-def merge_metrics(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
+def merge_metrics(parts: list[tuple[dict[str, float], float]], sum_losses: bool = True) -> dict[str, float]:
     """Combine per-micro-batch metrics: `*_max` by max, `*_min` by min, `loss*` by sum (they are already
-    scaled by the full-batch normalisers), everything else by the given weights (loss-token counts)."""
+    scaled by the full-batch normalisers; `sum_losses=False` averages them too), everything else by the given
+    weights (loss-token counts)."""
     out: dict[str, float] = {}
     for key in {k for m, _ in parts for k in m}:
         values = [(m[key], w) for m, w in parts if key in m]
@@ -140,8 +141,18 @@ def merge_metrics(parts: list[tuple[dict[str, float], float]]) -> dict[str, floa
             out[key] = max(v for v, _ in values)
         elif key.endswith("_min"):
             out[key] = min(v for v, _ in values)
-        elif key.startswith("loss"):
+        elif key.startswith("loss") and sum_losses:
             out[key] = sum(v for v, _ in values)
         else:
             out[key] = sum(v * w for v, w in values) / total
+    return out
+
+
+def merge_updates(updates: list[dict[str, float]]) -> dict[str, float]:
+    """Combine the metrics of one train step's optimizer updates (learner.minibatches x learner.epochs): `*_max`
+    by max, `*_min` by min, `updates_skipped` summed, everything else (losses, clip_frac, grad_norm, ...)
+    averaged over the updates that report it. One update: its metrics unchanged."""
+    out = merge_metrics([(u, 1.0) for u in updates], sum_losses=False)
+    out["updates"] = float(len(updates))
+    out["updates_skipped"] = float(sum(u.get("updates_skipped", 0.0) for u in updates))
     return out

@@ -242,6 +242,27 @@ def sft_batch(
     return build_batch(trajs, pad_id, device)
 
 
+def mini_batches(batch: Batch, n: int) -> list[Batch]:
+    """`learner.minibatches`: the rows split into `n` contiguous parts, one optimizer update each.
+
+    Unlike a micro-batch, a mini-batch is a whole objective: its normalisers (`total_loss_tokens`, `n_seqs`)
+    are its own (verl's ppo_mini_batch_size), so every update has the scale of a full-batch update. Rows hold
+    whole sequences, so GSPO's sequence ratios and per-sequence weights stay exact. `n = 1` returns the batch.
+    """
+    if n == 1:
+        return [batch]
+    if n > batch.n_rows:
+        raise LearnerError(f"learner.minibatches = {n} exceeds the {batch.n_rows} rows of this batch")
+    out = []
+    for rows in torch.tensor_split(torch.arange(batch.n_rows, device=batch.input_ids.device), n):
+        mb = batch.select(rows)
+        seqs = mb.seq_index[mb.seq_index >= 0].unique()
+        out.append(
+            dataclasses.replace(mb, total_loss_tokens=float(mb.loss_mask.sum()), n_seqs=int(seqs.numel()))
+        )
+    return out
+
+
 def micro_batches(batch: Batch, micro_batch_tokens: int) -> list[Batch]:
     """Split rows into micro-batches whose padded size (rows x longest row) fits `micro_batch_tokens`.
 
