@@ -104,6 +104,7 @@ class MegatronLearner(Learner):
             self.arch, dtype=self.dtype, device=str(self.device), attention=self.attention, fused=self.fused,
             calculate_per_token_loss=True, **self._pipeline_config(),
         )  # fmt: skip
+        convert.check_hf_names(self.arch, checkpoint.weight_map(self.model_path))
         with checkpoint.hf_reader(self.model_path) as get_hf:
             convert.load_hf(model, self.arch, lambda n: get_hf(n).to(self.dtype), self.tp_rank, self.tp_size)
         return model
