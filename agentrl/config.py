@@ -155,8 +155,18 @@ class AlgorithmSection(_Section):
     # auto: seq_mean_token_mean for gspo (the paper's sequence-level objective: every sequence weighs the same),
     # token_mean otherwise; resolved when the section is built, so the resolved config shows the mode used
     loss_agg: Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "auto"
-    off_policy: Literal["none", "tis", "decoupled"] = "decoupled"
+    # w = pi_prox / mu per loss token (docs/algorithms.md): tis min(w, tis_cap); seq_tis the same on the geometric
+    # mean of a sequence's w; decoupled (AReaL) w, dropping tokens with w > tis_cap
+    off_policy: Literal["none", "tis", "seq_tis", "decoupled"] = "decoupled"
     tis_cap: float = 2.0
+    # Train/inference mismatch masking (IcePop, slime's MIS, verl's rollout_corr rejection): "token" gives weight 0
+    # to loss tokens whose w is outside [mismatch_low, mismatch_high], "sequence" to whole sequences whose
+    # geometric-mean w is; mismatch_veto > 1 also drops every sequence holding a token with w outside
+    # [1 / veto, veto]. Dropped tokens stay in the normalisers, as decoupled's do.
+    mismatch_mask: Literal["none", "token", "sequence"] = "none"
+    mismatch_low: float = 0.5
+    mismatch_high: float = 2.0
+    mismatch_veto: float = 0.0
     max_token_age: int = 0
     gamma: float = 1.0
     lam: float = 1.0

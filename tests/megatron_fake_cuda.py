@@ -78,7 +78,9 @@ def compare_with_torch_learner(learner, model_dir, steps: int = 2, **learner_kw)
     out["steps"] = []
     for step in range(steps):
         a, b = learner.train_step(make_batch(300, seed=step)), ref.train_step(make_batch(300, seed=step))
-        out["steps"].append({k: [a[k], b[k]] for k in ("loss", "grad_norm", "clip_frac", "updates")})
+        out["steps"].append(
+            {k: [a[k], b[k]] for k in ("loss", "grad_norm", "clip_frac", "updates", "mismatch_turn0")}
+        )
     ref_weights = dict(ref.weights())
     out["weight_diff"] = max((t - ref_weights[n]).abs().max().item() for n, t in learner.weights())
     out["sft_loss"] = [

@@ -155,3 +155,14 @@ def test_bad_settings_name_the_field(model_dir):
     with pytest.raises(LearnerError, match=r"learner\.minibatches = 9"):
         lrn.train_step(build_batch(make_trajs(), lrn.pad_id))
     assert lrn.policy_version == 0
+
+
+def test_mismatch_metrics_per_turn_through_the_learner(model_dir):
+    algo = AlgorithmSection(advantage="grpo", mismatch_mask="token", mismatch_low=0.5, mismatch_high=2.0)
+    lrn = learner(model_dir, algo, minibatches=2)
+    m = lrn.train_step(build_batch(make_trajs(rollout_lp=-5.0), lrn.pad_id))
+    # every response holds two turns (token 1 is an env token); learner log-probs ~ -log(512): w ~ 0.3
+    assert {"mismatch_turn0", "mismatch_turn1", "masked_frac_turn1", "ratio_turn1_max"} <= set(m)
+    assert not any(k.endswith("_sum") or k.startswith("turn") for k in m)
+    assert 0.0 < m["mismatch_turn0"] < 5.0 and 0.0 <= m["masked_frac_turn1"] <= 1.0
+    assert m["mismatch_masked_frac"] > 0.0 and m["mismatch_ratio_max"] >= m["ratio_turn1_max"]

@@ -98,15 +98,16 @@ def test_train_step_matches_torch_learner(models, arch, tied, updates):
     path = models[(arch, tied)]
     settings = dict(micro_batch_tokens=40, lr=1e-3, grad_clip=0.5, minibatches=updates, epochs=updates)
     algo = AlgorithmSection(
-        advantage="grpo", off_policy="decoupled", entropy_coef=0.01, loss_agg="seq_mean_token_mean"
-    )
+        advantage="grpo", off_policy="decoupled", entropy_coef=0.01, loss_agg="seq_mean_token_mean",
+        mismatch_mask="token", mismatch_low=0.2, mismatch_high=5.0,
+    )  # fmt: skip
     mega = MegatronLearner(path, LearnerSection(kind="megatron", **settings), algo, temperature=0.9)
     ref = TorchLearner(path, LearnerSection(**settings), algo, temperature=0.9)
     vocab = mega.arch.vocab_size
     for step in range(2):
         m_mega = mega.train_step(make_batch(vocab, seed=step))
         m_ref = ref.train_step(make_batch(vocab, seed=step))
-        for key in (
+        keys = (
             "loss",
             "loss_policy",
             "loss_entropy",
@@ -114,7 +115,8 @@ def test_train_step_matches_torch_learner(models, arch, tied, updates):
             "logprob_mismatch",
             "grad_norm",
             "clip_frac",
-        ):
+        )
+        for key in (*keys, "mismatch_turn0", "mismatch_turn1", "masked_frac_turn1", "mismatch_masked_frac"):
             assert abs(m_mega[key] - m_ref[key]) <= 1e-4, (step, key, m_mega[key], m_ref[key])
         assert m_mega["micro_batches"] == m_ref["micro_batches"] and mega.policy_version == ref.policy_version
         assert m_mega["updates"] == updates * updates and (m_mega["clip_frac"] > 0) == (updates > 1)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from agentrl.algorithms.ratios import clamp_log_ratio, exp_ratio
+from agentrl.algorithms import mismatch
+from agentrl.algorithms.ratios import clamp_log_ratio, exp_ratio, seq_mean
 
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 
@@ -69,15 +70,7 @@ def gspo_ratio(
     clamped before the mean and the mean before `exp` (agentrl.algorithms.ratios).
     """
     log_ratio = clamp_log_ratio((logprobs - old_logprobs.detach()).detach(), loss_mask)
-    idx = seq_index.clamp(min=0).reshape(-1)
-    size = int(idx.max()) + 1 if idx.numel() else 1
-    sums = torch.zeros(size, device=logprobs.device, dtype=log_ratio.dtype).index_add_(
-        0, idx, log_ratio.reshape(-1)
-    )
-    counts = torch.zeros(size, device=logprobs.device, dtype=log_ratio.dtype).index_add_(
-        0, idx, loss_mask.reshape(-1).to(log_ratio.dtype)
-    )
-    seq_ratio = exp_ratio((sums / counts.clamp(min=1.0))[seq_index.clamp(min=0)], loss_mask)
+    seq_ratio = exp_ratio(seq_mean(log_ratio, loss_mask, seq_index), loss_mask)
     return seq_ratio * exp_ratio(logprobs - logprobs.detach(), loss_mask)
 
 
@@ -130,9 +123,9 @@ def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, total_loss_tokens:
 
 
 def merge_metrics(parts: list[tuple[dict[str, float], float]], sum_losses: bool = True) -> dict[str, float]:
-    """Combine per-micro-batch metrics: `*_max` by max, `*_min` by min, `loss*` by sum (they are already
-    scaled by the full-batch normalisers; `sum_losses=False` averages them too), everything else by the given
-    weights (loss-token counts)."""
+    """Combine per-micro-batch metrics: `*_max` by max, `*_min` by min, `*_sum` and `loss*` by sum (losses are
+    already scaled by the full-batch normalisers; `sum_losses=False` averages them), everything else by the
+    given weights (loss-token counts)."""
     out: dict[str, float] = {}
     for key in {k for m, _ in parts for k in m}:
         values = [(m[key], w) for m, w in parts if key in m]
@@ -141,7 +134,7 @@ def merge_metrics(parts: list[tuple[dict[str, float], float]], sum_losses: bool 
             out[key] = max(v for v, _ in values)
         elif key.endswith("_min"):
             out[key] = min(v for v, _ in values)
-        elif key.startswith("loss") and sum_losses:
+        elif key.endswith("_sum") or (key.startswith("loss") and sum_losses):
             out[key] = sum(v for v, _ in values)
         else:
             out[key] = sum(v * w for v, w in values) / total
@@ -150,9 +143,9 @@ def merge_metrics(parts: list[tuple[dict[str, float], float]], sum_losses: bool 
 
 def merge_updates(updates: list[dict[str, float]]) -> dict[str, float]:
     """Combine the metrics of one train step's optimizer updates (learner.minibatches x learner.epochs): `*_max`
-    by max, `*_min` by min, `updates_skipped` summed, everything else (losses, clip_frac, grad_norm, ...)
-    averaged over the updates that report it. One update: its metrics unchanged."""
-    out = merge_metrics([(u, 1.0) for u in updates], sum_losses=False)
+    by max, `*_min` by min, `updates_skipped` and `*_sum` summed, everything else (losses, clip_frac, grad_norm,
+    ...) averaged over the updates that report it; then per-turn sums become means (mismatch.finish)."""
+    out = mismatch.finish(merge_metrics([(u, 1.0) for u in updates], sum_losses=False))
     out["updates"] = float(len(updates))
     out["updates_skipped"] = float(sum(u.get("updates_skipped", 0.0) for u in updates))
     return out

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from agentrl.algorithms import advantages as adv_lib
+from agentrl.algorithms import mismatch
 from agentrl.algorithms.kl import kl_estimate
 from agentrl.algorithms.losses import agg_weights, cispo, gspo, ppo_clip, value_loss
 from agentrl.algorithms.off_policy import age_mask, importance_weights
@@ -35,8 +36,15 @@ def check(cfg: AlgorithmSection, has_reference: bool) -> None:
         raise ConfigError(f"algorithm.dual_clip must be 0 (off) or > 1, got {cfg.dual_clip}")
     if cfg.kl_coef > 0 and not has_reference:
         raise ConfigError("algorithm.kl_coef > 0 needs a reference model (learner.reference_model = true)")
-    if cfg.off_policy == "tis" and cfg.tis_cap <= 0:
-        raise ConfigError("algorithm.off_policy = 'tis' needs algorithm.tis_cap > 0")
+    if cfg.off_policy in ("tis", "seq_tis") and cfg.tis_cap <= 0:
+        raise ConfigError(f"algorithm.off_policy = '{cfg.off_policy}' needs algorithm.tis_cap > 0")
+    if cfg.mismatch_mask != "none" and not 0.0 <= cfg.mismatch_low < 1.0 < cfg.mismatch_high:
+        raise ConfigError(
+            f"algorithm.mismatch_low / mismatch_high must satisfy 0 <= low < 1 < high, got "
+            f"{cfg.mismatch_low} / {cfg.mismatch_high}"
+        )
+    if cfg.mismatch_veto and cfg.mismatch_veto <= 1.0:
+        raise ConfigError(f"algorithm.mismatch_veto must be 0 (off) or > 1, got {cfg.mismatch_veto}")
 
 
 def needs_old_logprobs(cfg: AlgorithmSection, updates: int = 1) -> bool:
@@ -135,8 +143,12 @@ def compute_loss(
     advantages = batch.advantages if batch.advantages is not None else torch.zeros_like(logprobs)
     has_rollout = batch.has_rollout_logprobs[seq.clamp(min=0)] & (seq >= 0)
     is_weight, keep = importance_weights(
-        cfg.off_policy, old, batch.rollout_logprobs, has_rollout, cfg.tis_cap, mask
+        cfg.off_policy, old, batch.rollout_logprobs, has_rollout, cfg.tis_cap, mask, seq
     )
+    use = has_rollout & (mask > 0)
+    log_w = clamp_log_ratio(old.detach() - batch.rollout_logprobs, use)  # finite even for -inf rollouts
+    mismatch_keep = mismatch.keep_mask(cfg, log_w, use, seq)
+    is_weight = is_weight * mismatch_keep
 
     if cfg.advantage == "gspo":
         per_token, ratio, clipped = gspo(logprobs, old, advantages, mask, seq, cfg.clip_low, cfg.clip_high)
@@ -177,11 +189,10 @@ def compute_loss(
     stats["ratio_mean"], stats["ratio_max"], stats["ratio_min"] = _masked_stats(r, mask)
     stats["clip_frac"] = _masked_stats(clipped, mask)[0]
     stats["ppo_kl"] = _masked_stats(old - logprobs.detach(), mask)[0]
-    rollout_mask = mask * has_rollout
-    gap = clamp_log_ratio(old - batch.rollout_logprobs, rollout_mask).abs()  # finite even for -inf rollouts
-    stats["logprob_mismatch"] = _masked_stats(gap, rollout_mask)[0]
+    stats["logprob_mismatch"] = _masked_stats(log_w.abs(), use)[0]
     stats["is_weight_mean"] = _masked_stats(is_weight, mask)[0]
     stats["is_dropped_frac"] = 1.0 - _masked_stats(keep, mask)[0]
+    stats.update(mismatch.metrics(log_w, use, 1.0 - mismatch_keep, batch.turn_index))
     if not mask.any():
         stats = {k: v for k, v in stats.items() if k.startswith("loss")}
     keys = list(stats)

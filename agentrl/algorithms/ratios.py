@@ -27,3 +27,18 @@ def clamp_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor | None = None) -
 def exp_ratio(log_ratio: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """exp(clamp_log_ratio(log_ratio, mask)): always finite for finite or infinite inputs, 1 off the mask."""
     return torch.exp(clamp_log_ratio(log_ratio, mask))
+
+
+def seq_mean(x: torch.Tensor, mask: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
+    """Per token, the mean of `x` over the `mask` tokens of its sequence (0 for a sequence without any).
+
+    Rows hold whole sequences, so this is exact per micro-batch. With x a clamped log-ratio, exp of it is the
+    geometric mean of the sequence's token ratios (GSPO's s_i, sequence-level IS and masking)."""
+    idx = seq_index.clamp(min=0).reshape(-1)
+    size = int(idx.max()) + 1 if idx.numel() else 1
+    x = torch.where(mask > 0, x, torch.zeros_like(x))
+    sums = torch.zeros(size, device=x.device, dtype=x.dtype).index_add_(0, idx, x.reshape(-1))
+    counts = torch.zeros(size, device=x.device, dtype=x.dtype).index_add_(
+        0, idx, (mask > 0).reshape(-1).to(x.dtype)
+    )
+    return (sums / counts.clamp(min=1.0))[seq_index.clamp(min=0)]

@@ -313,14 +313,14 @@ class MegatronLearner(Learner):
         return not bool(bad.item())
 
     def _sum_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Loss terms are partial sums per DP rank (full-batch normalisers): add them up across ranks."""
+        """Loss terms (full-batch normalisers) and `*_sum` metrics are partial sums per DP rank: add them up."""
         if self.dp_size == 1:
             return metrics
         from megatron.core import parallel_state as ps
 
         group = ps.get_data_parallel_group()
         # A rank can have no micro-batch (fewer micro-batches than DP ranks) and so no loss keys: agree first.
-        mine = sorted(k for k in metrics if k.startswith("loss"))
+        mine = sorted(k for k in metrics if k.startswith("loss") or k.endswith("_sum"))
         every: list = [None] * self.dp_size
         dist.all_gather_object(every, mine, group=group)
         keys = sorted(set().union(*every))
