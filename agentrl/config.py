@@ -136,6 +136,18 @@ class LearnerSection(_Section):
     pack_tokens: int = 0
     gradient_checkpointing: bool = False
     fsdp: bool = False  # torch learner: FSDP2 over learner.data_parallel ranks (one process per GPU)
+    # Optimizer updates per rollout batch = minibatches x epochs (slime's num-steps-per-rollout, verl's
+    # ppo_mini_batch_size / ppo_epochs): the batch's rows are split into `minibatches` parts, each one update
+    # normalised by its own loss tokens, and the whole split is repeated `epochs` times; the ratio is taken
+    # against the log-probs from before the first update, so clipping acts from the second update on. The
+    # policy version still advances once per rollout batch. Both 1: one update per batch, as before.
+    minibatches: int = 1
+    epochs: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("minibatches", "epochs"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"learner.{name} must be >= 1, got {getattr(self, name)}")
 
 
 class AlgorithmSection(_Section):
@@ -149,9 +161,21 @@ class AlgorithmSection(_Section):
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_mode: Literal["loss", "reward"] = "loss"
-    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
-    off_policy: Literal["none", "tis", "decoupled"] = "decoupled"
+    # auto: seq_mean_token_mean for gspo (the paper's sequence-level objective: every sequence weighs the same),
+    # token_mean otherwise; resolved when the section is built, so the resolved config shows the mode used
+    loss_agg: Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "auto"
+    # w = pi_prox / mu per loss token (docs/algorithms.md): tis min(w, tis_cap); seq_tis the same on the geometric
+    # mean of a sequence's w; decoupled (AReaL) w, dropping tokens with w > tis_cap
+    off_policy: Literal["none", "tis", "seq_tis", "decoupled"] = "decoupled"
     tis_cap: float = 2.0
+    # Train/inference mismatch masking (IcePop, slime's MIS, verl's rollout_corr rejection): "token" gives weight 0
+    # to loss tokens whose w is outside [mismatch_low, mismatch_high], "sequence" to whole sequences whose
+    # geometric-mean w is; mismatch_veto > 1 also drops every sequence holding a token with w outside
+    # [1 / veto, veto]. Dropped tokens stay in the normalisers, as decoupled's do.
+    mismatch_mask: Literal["none", "token", "sequence"] = "none"
+    mismatch_low: float = 0.5
+    mismatch_high: float = 2.0
+    mismatch_veto: float = 0.0
     max_token_age: int = 0
     gamma: float = 1.0
     lam: float = 1.0
@@ -159,6 +183,10 @@ class AlgorithmSection(_Section):
     vf_coef: float = 0.5
     norm_eps: float = 1e-6
     recompute_proximal: bool = False
+
+    def __post_init__(self) -> None:
+        if self.loss_agg == "auto":
+            self.loss_agg = "seq_mean_token_mean" if self.advantage == "gspo" else "token_mean"
 
 
 class RolloutSection(_Section):

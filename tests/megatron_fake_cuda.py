@@ -46,7 +46,9 @@ def gpu_path_learner(model_dir, tp: int = 1, pp: int = 1, gpu_path: bool = True,
     from agentrl.config import AlgorithmSection, LearnerSection
     from agentrl.learners.megatron.learner import MegatronLearner
 
-    lc = LearnerSection(kind="megatron", tensor_parallel=tp, pipeline_parallel=pp, **SETTINGS, **learner_kw)
+    lc = LearnerSection(
+        kind="megatron", tensor_parallel=tp, pipeline_parallel=pp, **{**SETTINGS, **learner_kw}
+    )
     if not gpu_path:  # the CPU learner itself (torch AdamW)
         return MegatronLearner(model_dir, lc, AlgorithmSection(entropy_coef=0.01))
 
@@ -61,20 +63,24 @@ def gpu_path_learner(model_dir, tp: int = 1, pp: int = 1, gpu_path: bool = True,
     return GpuPathLearner(model_dir, lc, AlgorithmSection(entropy_coef=0.01))
 
 
-def compare_with_torch_learner(learner, model_dir, steps: int = 2) -> dict:
-    """Train `learner` and a TorchLearner on the same batches; the numbers a test compares."""
+def compare_with_torch_learner(learner, model_dir, steps: int = 2, **learner_kw) -> dict:
+    """Train `learner` and a TorchLearner (same `learner_kw`) on the same batches; the numbers a test compares."""
     from megatron_helpers import make_batch
 
     from agentrl.config import AlgorithmSection, LearnerSection
     from agentrl.learners.torch_learner import TorchLearner
 
-    ref = TorchLearner(model_dir, LearnerSection(**SETTINGS), AlgorithmSection(entropy_coef=0.01))
+    ref = TorchLearner(
+        model_dir, LearnerSection(**{**SETTINGS, **learner_kw}), AlgorithmSection(entropy_coef=0.01)
+    )
     probe = make_batch(300, seed=11)
     out = {"logprob_diff": (learner.compute_logprobs(probe) - ref.compute_logprobs(probe)).abs().max().item()}
     out["steps"] = []
     for step in range(steps):
         a, b = learner.train_step(make_batch(300, seed=step)), ref.train_step(make_batch(300, seed=step))
-        out["steps"].append({k: [a[k], b[k]] for k in ("loss", "grad_norm")})
+        out["steps"].append(
+            {k: [a[k], b[k]] for k in ("loss", "grad_norm", "clip_frac", "updates", "mismatch_turn0")}
+        )
     ref_weights = dict(ref.weights())
     out["weight_diff"] = max((t - ref_weights[n]).abs().max().item() for n, t in learner.weights())
     out["sft_loss"] = [
@@ -101,7 +107,27 @@ def single_process(model_dir: str) -> dict:
     out["resumed_weight_diff"] = max(
         (x - y).abs().max().item() for (_, x), (_, y) in zip(again.weights(), learner.weights(), strict=True)
     )
+    multi = dict(minibatches=2, epochs=2, lr=3e-3)  # 4 updates per batch: clipping acts
+    out["multi"] = compare_with_torch_learner(gpu_path_learner(model_dir, **multi), model_dir, **multi)
+    out["guard"] = non_finite_guard(gpu_path_learner(model_dir, minibatches=2))
     return out
+
+
+def non_finite_guard(learner) -> dict:
+    """A NaN reward in the first mini-batch: that update is skipped, the weights stay finite."""
+    from megatron_helpers import make_batch
+
+    before = {n: t.clone() for n, t in learner.weights()}
+    batch = make_batch(300, seed=2)
+    batch.rewards[0] = float("nan")
+    m = learner.train_step(batch)
+    after = dict(learner.weights())
+    return {
+        "updates_skipped": m.get("updates_skipped"),
+        "finite": all(bool(t.isfinite().all()) for t in after.values()),
+        "changed": any(not bool((before[n] == t).all()) for n, t in after.items()),
+        "policy_version": learner.policy_version,
+    }
 
 
 def parallel_worker(rank: int, world: int, runs: list, port: int, out_dir: str) -> None:

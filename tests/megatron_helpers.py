@@ -1,5 +1,7 @@
 """Shared helpers of the Megatron tests (imported by test files, the fake-CUDA driver and GPU scripts)."""
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -48,3 +50,26 @@ def hf_logprobs(path, batch, temperature=1.0):
         logits = model(ids, attention_mask=mask, position_ids=pos).logits
     logp = torch.log_softmax(logits[:, :-1].float() / temperature, -1).gather(-1, ids[:, 1:, None])
     return torch.nn.functional.pad(logp[..., 0], (1, 0)) * mask
+
+
+def write_model(path: Path, arch: str, tied: bool, overrides: dict, seed: int = 0) -> Path:
+    """A tiny HF model of `arch` with config `overrides`; biases get random nonzero values (HF inits them 0)."""
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.engines.tiny import model_config
+
+    config = model_config(
+        arch, 300, tie_embeddings=tied, init_std=0.2, hidden=64, layers=2, heads=4, kv_heads=2
+    )
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    if "layer_types" in overrides and overrides["layer_types"] is None:  # what use_sliding_window implies
+        config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    return path

@@ -160,3 +160,44 @@ def test_micro_batch_losses_sum_to_full_batch_loss(agg, pack):
 def test_config_round_trip_of_new_fields():
     cfg = msgspec.convert({"vf_coef": 0.1, "norm_eps": 0.0}, AlgorithmSection)
     assert cfg.vf_coef == 0.1 and cfg.norm_eps == 0.0
+
+
+def test_gspo_default_is_the_papers_sequence_objective():
+    """GSPO (Zheng et al. 2025): J = 1/N sum_i min(s_i A_i, clip(s_i) A_i), s_i = exp(mean_t log(pi/pi_old))
+    over the loss tokens of sequence i; the default aggregation gives its value and gradient exactly."""
+    cfg = AlgorithmSection(advantage="gspo", off_policy="none", clip_low=0.01, clip_high=0.012)
+    assert cfg.loss_agg == "seq_mean_token_mean"
+    assert AlgorithmSection(advantage="gspo", loss_agg="token_mean").loss_agg == "token_mean"
+    assert AlgorithmSection(advantage="grpo").loss_agg == "token_mean"
+    lengths = [1, 3, 6, 2]  # unequal lengths: a length-weighted mean would differ
+    trajs = [traj(i, "g", [1, 2], list(range(3, 3 + n)), float(i % 2)) for i, n in enumerate(lengths)]
+    noise = 0.05 * torch.randn(
+        build_batch(trajs, 0).input_ids.shape, generator=torch.Generator().manual_seed(0)
+    )
+
+    def run(cfg):
+        batch = build_batch(trajs, 0)
+        batch.old_logprobs = -torch.rand(batch.input_ids.shape, generator=torch.Generator().manual_seed(1))
+        prepare_batch(cfg, batch, 0)
+        logp = (batch.old_logprobs + noise).requires_grad_()
+        loss, _ = compute_loss(cfg, batch, logp)
+        loss.backward()
+        return batch, logp, loss
+
+    batch, logp, loss = run(cfg)
+    ref = logp.detach().clone().requires_grad_()
+    terms, ratios = [], []
+    for i in range(len(trajs)):
+        m = (batch.seq_index == i) & (batch.loss_mask > 0)
+        s = torch.exp((ref[m] - batch.old_logprobs[m]).mean())
+        a = batch.advantages[m][0]
+        terms.append(torch.minimum(s * a, s.clamp(1 - 0.01, 1 + 0.012) * a))
+        ratios.append(s.item())
+    paper = -torch.stack(terms).mean()
+    paper.backward()
+    assert any(not 0.99 <= r <= 1.012 for r in ratios) and any(0.99 <= r <= 1.012 for r in ratios), ratios
+    assert loss.item() == pytest.approx(paper.item(), abs=1e-6)
+    assert torch.allclose(logp.grad, ref.grad, atol=1e-6)
+    _, logp_tm, _ = run(AlgorithmSection(advantage="gspo", off_policy="none", clip_low=0.01, clip_high=0.012,
+                                         loss_agg="token_mean"))  # fmt: skip
+    assert not torch.allclose(logp_tm.grad, ref.grad, atol=1e-4)  # token_mean weighs sequences by length

@@ -42,6 +42,11 @@ def test_ddp_distributed_optimizer_and_resume():
     check_against_torch_learner(out)
     assert out["reload_diff"] == 0.0
     assert out["resumed_losses"][0] == out["resumed_losses"][1] and out["resumed_weight_diff"] == 0.0
+    # learner.minibatches = 2, learner.epochs = 2: four Megatron-optimizer updates per batch, clipping acts
+    check_against_torch_learner(out["multi"])
+    assert all(s["updates"] == [4, 4] and s["clip_frac"][0] > 0 for s in out["multi"]["steps"])
+    # Megatron's optimizer checks for inf/NaN only with a loss scaler: the learner's guard skips the update
+    assert out["guard"] == {"updates_skipped": 1.0, "finite": True, "changed": True, "policy_version": 1}
 
 
 def test_tensor_pipeline_data_parallel_2_ranks(tmp_path):

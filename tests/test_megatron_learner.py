@@ -88,25 +88,38 @@ def test_logprobs_equal_hf(models, arch, tied, attention):
     assert got[:, 0].abs().max() == 0 and (got[batch.attention_mask == 0] == 0).all()
 
 
-@pytest.mark.parametrize(("arch", "tied"), [("qwen3", True), ("qwen2", False)])
-def test_train_step_matches_torch_learner(models, arch, tied):
+@pytest.mark.parametrize(
+    ("arch", "tied", "updates"), [("qwen3", True, 1), ("qwen2", False, 1), ("qwen2", False, 2)]
+)
+def test_train_step_matches_torch_learner(models, arch, tied, updates):
+    """`updates` = learner.minibatches = learner.epochs: 2 gives four updates per batch, where clipping acts."""
     from agentrl.learners.torch_learner import TorchLearner
 
     path = models[(arch, tied)]
-    lc = LearnerSection(micro_batch_tokens=40, lr=1e-3, grad_clip=0.5)
+    settings = dict(micro_batch_tokens=40, lr=1e-3, grad_clip=0.5, minibatches=updates, epochs=updates)
     algo = AlgorithmSection(
-        advantage="grpo", off_policy="decoupled", entropy_coef=0.01, loss_agg="seq_mean_token_mean"
-    )
-    mega = MegatronLearner(path, LearnerSection(kind="megatron", micro_batch_tokens=40, lr=1e-3, grad_clip=0.5),
-                           algo, temperature=0.9)  # fmt: skip
-    ref = TorchLearner(path, lc, algo, temperature=0.9)
+        advantage="grpo", off_policy="decoupled", entropy_coef=0.01, loss_agg="seq_mean_token_mean",
+        mismatch_mask="token", mismatch_low=0.2, mismatch_high=5.0,
+    )  # fmt: skip
+    mega = MegatronLearner(path, LearnerSection(kind="megatron", **settings), algo, temperature=0.9)
+    ref = TorchLearner(path, LearnerSection(**settings), algo, temperature=0.9)
     vocab = mega.arch.vocab_size
     for step in range(2):
         m_mega = mega.train_step(make_batch(vocab, seed=step))
         m_ref = ref.train_step(make_batch(vocab, seed=step))
-        for key in ("loss", "loss_policy", "loss_entropy", "entropy", "logprob_mismatch", "grad_norm"):
+        keys = (
+            "loss",
+            "loss_policy",
+            "loss_entropy",
+            "entropy",
+            "logprob_mismatch",
+            "grad_norm",
+            "clip_frac",
+        )
+        for key in (*keys, "mismatch_turn0", "mismatch_turn1", "masked_frac_turn1", "mismatch_masked_frac"):
             assert abs(m_mega[key] - m_ref[key]) <= 1e-4, (step, key, m_mega[key], m_ref[key])
         assert m_mega["micro_batches"] == m_ref["micro_batches"] and mega.policy_version == ref.policy_version
+        assert m_mega["updates"] == updates * updates and (m_mega["clip_frac"] > 0) == (updates > 1)
     # Two Adam steps of lr 1e-3 move weights by up to 2e-3; the learners agree far closer than that.
     ref_weights = dict(ref.weights())
     for name, tensor in mega.weights():

@@ -13,6 +13,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from megatron_helpers import write_model
+
 from agentrl.engines.sglang_launcher import free_port
 from agentrl.engines.tiny import make_tiny_model
 
@@ -74,7 +76,7 @@ def _check(tp: int, pp: int, model_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """One pair of processes runs TP = 2 (qwen2) and then PP = 2 (qwen3); both untied (a tied PP model copies
+    """One pair of processes runs TP = 2 (qwen2), PP = 2 (qwen3) and TP = 2 (llama, attention biases); all untied (a tied PP model copies
     the embedding to the last stage with `.cuda()`: that path runs in test_megatron_ddp_cpu.py)."""
     import torch.multiprocessing as mp
 
@@ -82,7 +84,8 @@ def results(tmp_path_factory):
     kw = dict(seed=2, hidden=64, layers=2, heads=4, kv_heads=2, vocab_size=300, init_std=0.2)
     qwen2 = make_tiny_model(tmp / "qwen2", "qwen2", tie_embeddings=False, **kw)
     qwen3 = make_tiny_model(tmp / "qwen3", "qwen3", tie_embeddings=False, **kw)
-    runs = [(2, 1, str(qwen2)), (1, 2, str(qwen3))]
+    llama = write_model(tmp / "llama", "llama", False, {"attention_bias": True}, seed=2)  # q/k/v/o biases
+    runs = [(2, 1, str(qwen2)), (1, 2, str(qwen3)), (2, 1, str(llama))]
     mp.spawn(_worker, args=(2, runs, free_port(), str(tmp)), nprocs=2)
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
 
@@ -103,3 +106,10 @@ def test_pipeline_parallel_2_streams_every_stage(results):
         assert {"model.layers.0.self_attn.q_norm.weight", "model.layers.1.mlp.down_proj.weight"} <= set(
             res["names"]
         )
+
+
+def test_tensor_parallel_2_replicates_the_o_proj_bias(results):
+    for rank in results:
+        res = rank[2]
+        assert res["mismatched"] == [] and "model.layers.1.self_attn.o_proj.bias" in res["names"]
+        assert res["logits_diff"] <= 1e-4 and res["logprob_diff"] <= 1e-4

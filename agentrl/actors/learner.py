@@ -1,7 +1,7 @@
 """LearnerWorker: the learner (torch or Megatron) behind one process, fed trajectories by the driver.
 
-`train(trajectories)` builds a `Batch`, takes one optimizer step (the learner's `policy_version` becomes
-v+1) and returns metrics, among them the staleness of the batch (learner version minus the oldest token
+`train(trajectories)` builds a `Batch`, takes learner.minibatches x learner.epochs optimizer updates (the
+learner's `policy_version` becomes v+1 once, after the last) and returns metrics, among them the staleness of the batch (learner version minus the oldest token
 version of each trajectory). `warmup()` runs the supervised phase on env demonstrations (loss on assistant
 tokens only, tokenized exactly as the multi-turn generator does). `weights_payload()` /`save_hf()` /
 `distributed_source()` feed agentrl.actors.broadcast. Plain class: agentrl.actors.remote makes it a Ray actor.

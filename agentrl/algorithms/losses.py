@@ -1,4 +1,4 @@
-"""Per-token policy and value losses, loss aggregation, and metric merging across micro-batches.
+"""Per-token policy and value losses, loss aggregation, and metric merging across micro-batches and updates.
 
 Aggregation is a weighted sum `sum(x * w)` with weights built from the FULL batch's normalisers, so the sum of
 micro-batch losses equals the loss of the whole batch (gradient accumulation is exact):
@@ -10,6 +10,9 @@ micro-batch losses equals the loss of the whole batch (gradient accumulation is 
 from __future__ import annotations
 
 import torch
+
+from agentrl.algorithms import mismatch
+from agentrl.algorithms.ratios import clamp_log_ratio, exp_ratio, seq_mean
 
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 
@@ -38,13 +41,14 @@ def ppo_clip(
     clip_low: float,
     clip_high: float,
     dual_clip: float = 0.0,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate per token: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), r = pi / pi_old.
 
     Dual clip (c = dual_clip > 1): for A < 0 the loss is further capped at -A c. Returns (loss, ratio, clipped)
-    where `clipped` marks tokens whose gradient the clipping removed.
+    where `clipped` marks tokens whose gradient the clipping removed. r comes from `exp_ratio` (1 off `mask`).
     """
-    ratio = torch.exp(logprobs - old_logprobs.detach())
+    ratio = exp_ratio(logprobs - old_logprobs.detach(), mask)
     loss1 = -advantages * ratio
     loss2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(loss1, loss2)
@@ -62,19 +66,12 @@ def gspo_ratio(
 ) -> torch.Tensor:
     """GSPO-token ratio: s_i = exp(mean over seq i's loss tokens of (logp - old)), with the gradient of logp_t.
 
-    Value s_i on every token of sequence i; d/dlogp_t = s_i (sg(s_i) * pi_t / sg(pi_t)).
+    Value s_i on every token of sequence i; d/dlogp_t = s_i (sg(s_i) * pi_t / sg(pi_t)). Token log-ratios are
+    clamped before the mean and the mean before `exp` (agentrl.algorithms.ratios).
     """
-    log_ratio = (logprobs - old_logprobs.detach()).detach() * loss_mask
-    idx = seq_index.clamp(min=0).reshape(-1)
-    size = int(idx.max()) + 1 if idx.numel() else 1
-    sums = torch.zeros(size, device=logprobs.device, dtype=log_ratio.dtype).index_add_(
-        0, idx, log_ratio.reshape(-1)
-    )
-    counts = torch.zeros(size, device=logprobs.device, dtype=log_ratio.dtype).index_add_(
-        0, idx, loss_mask.reshape(-1).to(log_ratio.dtype)
-    )
-    seq_log_ratio = (sums / counts.clamp(min=1.0))[seq_index.clamp(min=0)]
-    return torch.exp(seq_log_ratio + logprobs - logprobs.detach())
+    log_ratio = clamp_log_ratio((logprobs - old_logprobs.detach()).detach(), loss_mask)
+    seq_ratio = exp_ratio(seq_mean(log_ratio, loss_mask, seq_index), loss_mask)
+    return seq_ratio * exp_ratio(logprobs - logprobs.detach(), loss_mask)
 
 
 def gspo(
@@ -99,9 +96,10 @@ def cispo(
     advantages: torch.Tensor,
     clip_low: float,
     clip_high: float,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CISPO: -sg(clip(r, 1 - clip_low, 1 + clip_high)) A log pi; every token keeps a gradient."""
-    ratio = torch.exp(logprobs - old_logprobs.detach())
+    ratio = exp_ratio(logprobs - old_logprobs.detach(), mask)
     weight = ratio.detach().clamp(1.0 - clip_low, 1.0 + clip_high)
     clipped = (weight != ratio.detach()).float()
     return -weight * advantages * logprobs, ratio, clipped
@@ -124,9 +122,10 @@ def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, total_loss_tokens:
     return -(logprobs * loss_mask).sum() / max(total_loss_tokens, 1.0)
 
 
-def merge_metrics(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
-    """Combine per-micro-batch metrics: `*_max` by max, `*_min` by min, `loss*` by sum (they are already
-    scaled by the full-batch normalisers), everything else by the given weights (loss-token counts)."""
+def merge_metrics(parts: list[tuple[dict[str, float], float]], sum_losses: bool = True) -> dict[str, float]:
+    """Combine per-micro-batch metrics: `*_max` by max, `*_min` by min, `*_sum` and `loss*` by sum (losses are
+    already scaled by the full-batch normalisers; `sum_losses=False` averages them), everything else by the
+    given weights (loss-token counts)."""
     out: dict[str, float] = {}
     for key in {k for m, _ in parts for k in m}:
         values = [(m[key], w) for m, w in parts if key in m]
@@ -135,8 +134,18 @@ def merge_metrics(parts: list[tuple[dict[str, float], float]]) -> dict[str, floa
             out[key] = max(v for v, _ in values)
         elif key.endswith("_min"):
             out[key] = min(v for v, _ in values)
-        elif key.startswith("loss"):
+        elif key.endswith("_sum") or (key.startswith("loss") and sum_losses):
             out[key] = sum(v for v, _ in values)
         else:
             out[key] = sum(v * w for v, w in values) / total
+    return out
+
+
+def merge_updates(updates: list[dict[str, float]]) -> dict[str, float]:
+    """Combine the metrics of one train step's optimizer updates (learner.minibatches x learner.epochs): `*_max`
+    by max, `*_min` by min, `updates_skipped` and `*_sum` summed, everything else (losses, clip_frac, grad_norm,
+    ...) averaged over the updates that report it; then per-turn sums become means (mismatch.finish)."""
+    out = mismatch.finish(merge_metrics([(u, 1.0) for u in updates], sum_losses=False))
+    out["updates"] = float(len(updates))
+    out["updates_skipped"] = float(sum(u.get("updates_skipped", 0.0) for u in updates))
     return out

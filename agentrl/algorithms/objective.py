@@ -9,6 +9,8 @@ Per train step:
    the learner backpropagates each loss (already scaled by the full-batch normalisers: no extra division) and
    merges metrics with `merge_metrics(parts)` weighted by `mb.n_loss_tokens`.
 Without `old_logprobs` the ratio is taken against `logprobs.detach()`, so an on-policy step has ratio exactly 1.
+Every sum over tokens selects the loss tokens with `torch.where` (never `x * mask` alone), so a non-finite value
+on a masked token cannot turn into inf * 0 = NaN; ratios come from agentrl.algorithms.ratios.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from __future__ import annotations
 import torch
 
 from agentrl.algorithms import advantages as adv_lib
+from agentrl.algorithms import mismatch
 from agentrl.algorithms.kl import kl_estimate
 from agentrl.algorithms.losses import agg_weights, cispo, gspo, ppo_clip, value_loss
 from agentrl.algorithms.off_policy import age_mask, importance_weights
+from agentrl.algorithms.ratios import clamp_log_ratio
 from agentrl.config import AlgorithmSection
 from agentrl.errors import ConfigError, LearnerError
 from agentrl.learners.batch import Batch
@@ -32,18 +36,27 @@ def check(cfg: AlgorithmSection, has_reference: bool) -> None:
         raise ConfigError(f"algorithm.dual_clip must be 0 (off) or > 1, got {cfg.dual_clip}")
     if cfg.kl_coef > 0 and not has_reference:
         raise ConfigError("algorithm.kl_coef > 0 needs a reference model (learner.reference_model = true)")
-    if cfg.off_policy == "tis" and cfg.tis_cap <= 0:
-        raise ConfigError("algorithm.off_policy = 'tis' needs algorithm.tis_cap > 0")
+    if cfg.off_policy in ("tis", "seq_tis") and cfg.tis_cap <= 0:
+        raise ConfigError(f"algorithm.off_policy = '{cfg.off_policy}' needs algorithm.tis_cap > 0")
+    if cfg.mismatch_mask != "none" and not 0.0 <= cfg.mismatch_low < 1.0 < cfg.mismatch_high:
+        raise ConfigError(
+            f"algorithm.mismatch_low / mismatch_high must satisfy 0 <= low < 1 < high, got "
+            f"{cfg.mismatch_low} / {cfg.mismatch_high}"
+        )
+    if cfg.mismatch_veto and cfg.mismatch_veto <= 1.0:
+        raise ConfigError(f"algorithm.mismatch_veto must be 0 (off) or > 1, got {cfg.mismatch_veto}")
 
 
-def needs_old_logprobs(cfg: AlgorithmSection) -> bool:
-    """Whether the learner must compute proximal log-probs with a separate forward before the update.
+def needs_old_logprobs(cfg: AlgorithmSection, updates: int = 1) -> bool:
+    """Whether the learner must compute proximal log-probs with a separate forward before the first update.
 
-    With one optimizer step per train step the proximal policy IS the current weights, so `compute_loss` takes
-    `logprobs.detach()` unless `recompute_proximal` asks for the extra forward; KL reward shaping needs them
+    `updates` = optimizer updates per rollout batch (learner.minibatches x learner.epochs). With one update the
+    proximal policy IS the current weights, so `compute_loss` takes `logprobs.detach()` unless
+    `recompute_proximal` asks for the extra forward; from the second update on the weights have moved, so the
+    proximal log-probs must be those of the weights before the first update; KL reward shaping needs them
     before the advantages, hence always.
     """
-    return cfg.recompute_proximal or (cfg.kl_coef > 0 and cfg.kl_mode == "reward")
+    return updates > 1 or cfg.recompute_proximal or (cfg.kl_coef > 0 and cfg.kl_mode == "reward")
 
 
 def prepare_batch(cfg: AlgorithmSection, batch: Batch, policy_version: int) -> dict[str, float]:
@@ -59,7 +72,7 @@ def prepare_batch(cfg: AlgorithmSection, batch: Batch, policy_version: int) -> d
         if batch.ref_logprobs is None:
             raise LearnerError("algorithm.kl_mode = 'reward' needs batch.ref_logprobs (a reference model)")
         base = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
-        kl_tokens = kl_estimate(base, batch.ref_logprobs, cfg.kl_estimator) * mask
+        kl_tokens = kl_estimate(base, batch.ref_logprobs, cfg.kl_estimator, mask) * mask
         metrics["kl_reward"] = float(kl_tokens.sum() / max(batch.total_loss_tokens, 1.0))
 
     rewards = batch.rewards.float()
@@ -98,10 +111,15 @@ def prepare_batch(cfg: AlgorithmSection, batch: Batch, policy_version: int) -> d
     return metrics
 
 
+def _masked_sum(x: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """sum(x * weights) over the tokens of `mask`; other tokens contribute exactly 0 (and 0 gradient)."""
+    return (torch.where(mask > 0, x, torch.zeros_like(x)) * weights).sum()
+
+
 def _masked_stats(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m = mask > 0
     n = m.sum().clamp(min=1)
-    mean = (x * mask).sum() / n
+    mean = torch.where(m, x, torch.zeros_like(x)).sum() / n
     return (
         mean,
         torch.where(m, x, torch.full_like(x, -torch.inf)).max(),
@@ -125,31 +143,35 @@ def compute_loss(
     advantages = batch.advantages if batch.advantages is not None else torch.zeros_like(logprobs)
     has_rollout = batch.has_rollout_logprobs[seq.clamp(min=0)] & (seq >= 0)
     is_weight, keep = importance_weights(
-        cfg.off_policy, old, batch.rollout_logprobs, has_rollout, cfg.tis_cap
+        cfg.off_policy, old, batch.rollout_logprobs, has_rollout, cfg.tis_cap, mask, seq
     )
+    use = has_rollout & (mask > 0)
+    log_w = clamp_log_ratio(old.detach() - batch.rollout_logprobs, use)  # finite even for -inf rollouts
+    mismatch_keep = mismatch.keep_mask(cfg, log_w, use, seq)
+    is_weight = is_weight * mismatch_keep
 
     if cfg.advantage == "gspo":
         per_token, ratio, clipped = gspo(logprobs, old, advantages, mask, seq, cfg.clip_low, cfg.clip_high)
     elif cfg.advantage == "cispo":
-        per_token, ratio, clipped = cispo(logprobs, old, advantages, cfg.clip_low, cfg.clip_high)
+        per_token, ratio, clipped = cispo(logprobs, old, advantages, cfg.clip_low, cfg.clip_high, mask)
     else:
         per_token, ratio, clipped = ppo_clip(
-            logprobs, old, advantages, cfg.clip_low, cfg.clip_high, cfg.dual_clip
+            logprobs, old, advantages, cfg.clip_low, cfg.clip_high, cfg.dual_clip, mask
         )
-    loss_policy = (per_token * is_weight * weights).sum()
+    loss_policy = _masked_sum(per_token * is_weight, weights, mask)
     loss = loss_policy
     stats: dict[str, torch.Tensor] = {"loss_policy": loss_policy.detach()}
 
     if entropy is not None:
-        loss_entropy = -cfg.entropy_coef * (entropy * weights).sum()
+        loss_entropy = -cfg.entropy_coef * _masked_sum(entropy, weights, mask)
         loss = loss + loss_entropy
         stats["loss_entropy"] = loss_entropy.detach()
         stats["entropy"] = _masked_stats(entropy.detach(), mask)[0]
     if cfg.kl_coef > 0 and cfg.kl_mode == "loss":
         if batch.ref_logprobs is None:
             raise LearnerError("algorithm.kl_coef > 0 with kl_mode = 'loss' needs batch.ref_logprobs")
-        kl = kl_estimate(logprobs, batch.ref_logprobs, cfg.kl_estimator)
-        loss_kl = cfg.kl_coef * (kl * weights).sum()
+        kl = kl_estimate(logprobs, batch.ref_logprobs, cfg.kl_estimator, mask)
+        loss_kl = cfg.kl_coef * _masked_sum(kl, weights, mask)
         loss = loss + loss_kl
         stats["loss_kl"] = loss_kl.detach()
         stats["kl"] = _masked_stats(kl.detach(), mask)[0]
@@ -157,7 +179,7 @@ def compute_loss(
         if values is None or batch.old_values is None or batch.returns is None:
             raise LearnerError("algorithm.advantage = 'ppo' needs values, batch.old_values and batch.returns")
         v_loss, v_clipped = value_loss(values.float(), batch.old_values, batch.returns, cfg.value_clip)
-        loss_value = cfg.vf_coef * (v_loss * weights).sum()
+        loss_value = cfg.vf_coef * _masked_sum(v_loss, weights, mask)
         loss = loss + loss_value
         stats["loss_value"] = loss_value.detach()
         stats["value_clip_frac"] = _masked_stats(v_clipped, mask)[0]
@@ -167,10 +189,10 @@ def compute_loss(
     stats["ratio_mean"], stats["ratio_max"], stats["ratio_min"] = _masked_stats(r, mask)
     stats["clip_frac"] = _masked_stats(clipped, mask)[0]
     stats["ppo_kl"] = _masked_stats(old - logprobs.detach(), mask)[0]
-    rollout_mask = mask * has_rollout
-    stats["logprob_mismatch"] = _masked_stats((old - batch.rollout_logprobs).abs(), rollout_mask)[0]
+    stats["logprob_mismatch"] = _masked_stats(log_w.abs(), use)[0]
     stats["is_weight_mean"] = _masked_stats(is_weight, mask)[0]
     stats["is_dropped_frac"] = 1.0 - _masked_stats(keep, mask)[0]
+    stats.update(mismatch.metrics(log_w, use, 1.0 - mismatch_keep, batch.turn_index))
     if not mask.any():
         stats = {k: v for k, v in stats.items() if k.startswith("loss")}
     keys = list(stats)

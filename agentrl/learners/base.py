@@ -1,34 +1,97 @@
-"""The learner interface shared by the torch learner and the Megatron learner.
+"""The learner interface shared by the torch learner and the Megatron learner, and the train loop they share.
 
 Invariants: both learners compute the same quantities on the same `Batch` (tests compare them); `weights()`
 streams `(hf_name, tensor)` pairs in Hugging Face naming, so any engine can load a published version;
 `policy_version` is the version of the weights the learner holds and increases by one per `train_step`.
+
+`train_step` (one rollout batch) is owned here: everything the objective reads from the weights before the
+first update (proximal and reference log-probs, critic values) is computed over the whole batch, then
+`prepare_batch` (advantages), then `learner.epochs` passes over the `learner.minibatches` mini-batches
+(`agentrl.learners.batch.mini_batches`), one optimizer update each (`_update`, learner-specific: micro-batches,
+data/tensor/pipeline parallelism). The policy version advances once, after the last update, so publishing and
+the staleness accounting see one version per rollout batch. Every update passes `_skip_update`: a non-finite
+loss or gradient skips that update (weights and optimizer state untouched) with a warning and the
+`updates_skipped` metric.
 """
 
 from __future__ import annotations
 
 import abc
+import logging
+import math
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
-    from agentrl.learners.batch import Batch
+from agentrl.algorithms import merge_updates, needs_old_logprobs, prepare_batch
+from agentrl.config import AlgorithmSection, LearnerSection
+from agentrl.learners.batch import Batch, mini_batches
+
+log = logging.getLogger(__name__)
 
 
 class Learner(abc.ABC):
     step: int = 0
     policy_version: int = 0
+    cfg: LearnerSection
+    algo: AlgorithmSection
+    ref_model: Any = None
 
     @abc.abstractmethod
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
         """Per-token log-probabilities of the batch's targets under the current weights ([B, T], no grad)."""
 
+    def compute_ref_logprobs(self, batch: Batch) -> torch.Tensor:
+        raise NotImplementedError
+
     @abc.abstractmethod
+    def _prepare(self, batch: Batch) -> Batch:
+        """The batch checked and on this learner's device."""
+
+    @abc.abstractmethod
+    def _update(self, batch: Batch) -> tuple[dict[str, float], int]:
+        """One optimizer update on a (mini-)batch, micro-batched by token budget and guarded by `_skip_update`;
+        returns (metrics incl. grad_norm, lr and updates_skipped, number of micro-batches this rank ran)."""
+
+    def _before_updates(self, batch: Batch) -> None:
+        """Fill what the objective reads from the weights before the first update (no grad, whole batch)."""
+        updates = self.cfg.minibatches * self.cfg.epochs
+        # Proximal log-probs belong to the weights before THIS batch's first update: always recomputed.
+        batch.old_logprobs = self.compute_logprobs(batch) if needs_old_logprobs(self.algo, updates) else None
+        if self.ref_model is not None and batch.ref_logprobs is None:
+            batch.ref_logprobs = self.compute_ref_logprobs(batch)
+
     def train_step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step on the batch (micro-batched by token budget); returns metrics."""
+        """One rollout batch: learner.epochs x learner.minibatches optimizer updates, then version v -> v+1."""
+        start = time.perf_counter()
+        batch = self._prepare(batch)
+        self._before_updates(batch)
+        metrics = prepare_batch(self.algo, batch, self.policy_version)
+        parts = mini_batches(batch, self.cfg.minibatches)
+        updates, n_micro = [], 0
+        for _ in range(self.cfg.epochs):
+            for mb in parts:
+                m, k = self._update(mb)
+                updates.append(m)
+                n_micro += k
+        metrics.update(merge_updates(updates))
+        self.step += 1
+        self.policy_version += 1
+        metrics.update(self._counters(batch, start, n_micro))
+        return metrics
+
+    def _skip_update(self, loss: float, grads_finite: bool) -> bool:
+        """The non-finite guard of every optimizer update (the learner passes values every rank agrees on)."""
+        if math.isfinite(loss) and grads_finite:
+            return False
+        log.warning(
+            "learner: non-finite %s at policy_version %d: optimizer update skipped, weights unchanged",
+            "loss" if not math.isfinite(loss) else "gradient",
+            self.policy_version,
+        )
+        return True
 
     @abc.abstractmethod
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:

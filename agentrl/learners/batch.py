@@ -11,7 +11,8 @@ mask is 1; `rollout_logprobs[:, t]` is the engine's log-prob of token t; `token_
 version that sampled it; learner log-probs `logprobs[:, t] = log_softmax(logits[:, t - 1] / temperature)[token t]`,
 so column 0 (and the first token of every packed sequence) never carries loss and its log-prob is 0.
 
-`seq_index[:, t]` is the sequence (0..N-1) of token t, -1 on padding; per-sequence tensors (`rewards`,
+`seq_index[:, t]` is the sequence (0..N-1) of token t, -1 on padding; `turn_index[:, t]` the assistant turn
+(0.., one per run of loss tokens) of a loss token, -1 elsewhere; per-sequence tensors (`rewards`,
 `group_index`, ...) have length N and stay whole when rows are selected into micro-batches, together with the
 full-batch normalisers `total_loss_tokens` and `n_seqs`, so summing micro-batch losses equals the big-batch loss.
 Building does no Python work per token: one loop per trajectory collects numpy views, the rest is
@@ -43,6 +44,7 @@ ROW_TENSORS = (
     "ref_logprobs",
     "old_values",
     "returns",
+    "turn_index",
 )
 
 
@@ -68,6 +70,9 @@ class Batch:
     ref_logprobs: torch.Tensor | None = None  # [R, T] reference-model log-probs
     old_values: torch.Tensor | None = None  # [R, T] critic values before the update (ppo)
     returns: torch.Tensor | None = None  # [R, T] value targets (ppo)
+    turn_index: torch.Tensor | None = (
+        None  # [R, T] int64: assistant turn (0..) of each loss token, -1 elsewhere
+    )
     extra: dict = field(default_factory=dict)
 
     @property
@@ -134,6 +139,19 @@ def _pack_rows(lengths: np.ndarray, row_tokens: int) -> tuple[np.ndarray, np.nda
     return row_of, offset_of, len(used)
 
 
+def _turns(
+    flat_mask: np.ndarray, pos_in_seq: np.ndarray, starts: np.ndarray, s_len: np.ndarray
+) -> np.ndarray:
+    """Turn index of every loss token: each run of loss tokens (an assistant turn between env/tool tokens) is
+    the next turn of its sequence; -1 off the loss mask. Taken before age masking, so turns keep their numbers."""
+    on = flat_mask > 0
+    prev_on = np.concatenate(([False], on[:-1])) & (pos_in_seq > 0)
+    begins = (on & ~prev_on).astype(np.int64)
+    count = np.cumsum(begins)
+    before = count[starts] - begins[starts]  # turns begun in earlier sequences
+    return np.where(on, count - np.repeat(before, s_len) - 1, -1)
+
+
 def build_batch(
     trajectories: Sequence[types.Trajectory],
     pad_id: int,
@@ -189,6 +207,7 @@ def build_batch(
     flat_lp[resp_pos] = np.concatenate(logprobs)
     flat_ver = np.full(total, -1, dtype=np.int64)
     flat_ver[resp_pos] = np.concatenate(versions)
+    flat_turn = _turns(flat_mask, pos_in_seq, starts, s_len)
 
     width = int((col0 + s_len).max())
     used = np.zeros(n_rows, dtype=np.int64)
@@ -217,6 +236,7 @@ def build_batch(
         rollout_logprobs=t(grid(0.0, np.float32, flat_lp)),
         token_versions=t(grid(-1, np.int64, flat_ver)),
         seq_index=t(grid(-1, np.int64, seq_of)),
+        turn_index=t(grid(-1, np.int64, flat_turn)),
         rewards=t(np.array([tr.reward for tr in trajectories], dtype=np.float32)),
         group_index=t(group_index),
         has_rollout_logprobs=t(has_lp),
@@ -240,6 +260,27 @@ def sft_batch(
         for i, (p, r) in enumerate(pairs)
     ]
     return build_batch(trajs, pad_id, device)
+
+
+def mini_batches(batch: Batch, n: int) -> list[Batch]:
+    """`learner.minibatches`: the rows split into `n` contiguous parts, one optimizer update each.
+
+    Unlike a micro-batch, a mini-batch is a whole objective: its normalisers (`total_loss_tokens`, `n_seqs`)
+    are its own (verl's ppo_mini_batch_size), so every update has the scale of a full-batch update. Rows hold
+    whole sequences, so GSPO's sequence ratios and per-sequence weights stay exact. `n = 1` returns the batch.
+    """
+    if n == 1:
+        return [batch]
+    if n > batch.n_rows:
+        raise LearnerError(f"learner.minibatches = {n} exceeds the {batch.n_rows} rows of this batch")
+    out = []
+    for rows in torch.tensor_split(torch.arange(batch.n_rows, device=batch.input_ids.device), n):
+        mb = batch.select(rows)
+        seqs = mb.seq_index[mb.seq_index >= 0].unique()
+        out.append(
+            dataclasses.replace(mb, total_loss_tokens=float(mb.loss_mask.sum()), n_seqs=int(seqs.numel()))
+        )
+    return out
 
 
 def micro_batches(batch: Batch, micro_batch_tokens: int) -> list[Batch]:

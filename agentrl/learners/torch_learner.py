@@ -1,9 +1,10 @@
 """The embedded learner: a Hugging Face causal LM trained with torch AdamW on agentrl batches.
 
 Invariants: log-probs are `log_softmax(logits / temperature)` of the target tokens, exactly the engines'
-definition (pass the rollout temperature); one `train_step` = one optimizer step over all micro-batches
-(micro-batches by token budget, each loss already scaled by full-batch normalisers, so accumulation equals one
-big batch); `policy_version` increases by one per `train_step` and per `sft_step`; parameters stay fp32, with bf16
+definition (pass the rollout temperature); one `train_step` = learner.minibatches x learner.epochs optimizer
+updates (the loop is agentrl.learners.base's), each over all micro-batches of its mini-batch (micro-batches by
+token budget, each loss already scaled by the mini-batch's normalisers, so accumulation equals one big batch);
+`policy_version` increases by one per `train_step` and per `sft_step`; parameters stay fp32, with bf16
 autocast on CUDA when `learner.dtype = "bfloat16"`; `weights()` streams HF names and omits `lm_head.weight` when
 the embeddings are tied; `learner.gradient_checkpointing` recomputes activations in the backward. PPO uses a
 value head on the policy's last hidden state (shared trunk), saved with the optimizer state, never published.
@@ -19,6 +20,7 @@ reference model stays a replicated frozen copy; PPO (value head) is not supporte
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from agentrl.algorithms import check, compute_loss, merge_metrics, needs_old_logprobs, prepare_batch, sft_loss
+from agentrl.algorithms import check, compute_loss, merge_metrics, sft_loss
 from agentrl.config import AlgorithmSection, LearnerSection
 from agentrl.errors import LearnerError
 from agentrl.learners import checkpoint, fsdp, hf_io
@@ -207,16 +209,15 @@ class TorchLearner(Learner):
             raise LearnerError("no reference model (learner.reference_model = false)")
         return self._whole_batch(self.ref_model, batch)
 
-    def train_step(self, batch: Batch) -> dict[str, float]:
-        start = time.perf_counter()
-        batch = batch.to(self.device)
-        # Proximal log-probs and values belong to the weights before THIS update: always recomputed.
-        batch.old_logprobs = self.compute_logprobs(batch) if needs_old_logprobs(self.algo) else None
-        if self.ref_model is not None and batch.ref_logprobs is None:
-            batch.ref_logprobs = self.compute_ref_logprobs(batch)
-        if self.value_head is not None:
+    def _prepare(self, batch: Batch) -> Batch:
+        return batch.to(self.device)
+
+    def _before_updates(self, batch: Batch) -> None:
+        super()._before_updates(batch)
+        if self.value_head is not None:  # the value clip's V_old: the critic before the first update
             batch.old_values = self.compute_values(batch)
-        metrics = prepare_batch(self.algo, batch, self.policy_version)
+
+    def _update(self, batch: Batch) -> tuple[dict[str, float], int]:
         self.optimizer.zero_grad(set_to_none=True)
         parts = []
         for (_, mb), weight in self._share(self._split(batch)):
@@ -227,12 +228,9 @@ class TorchLearner(Learner):
                 parts.append((m, float(mb.n_loss_tokens)))
         if self.world is not None:
             parts = [p for rank_parts in self.world.gather(parts) for p in rank_parts]
-        metrics.update(merge_metrics(parts))
-        metrics.update(self._optimizer_step())
-        self.step += 1
-        self.policy_version += 1
-        metrics.update(self._counters(batch, start, len(parts)))
-        return metrics
+        metrics = merge_metrics(parts)
+        metrics.update(self._optimizer_step(loss=metrics.get("loss", 0.0)))
+        return metrics, len(parts)
 
     def sft_step(self, batch: Batch, lr: float | None = None) -> dict[str, float]:
         """Supervised cross-entropy on the batch's loss tokens (one optimizer step); `lr` overrides for this step."""
@@ -251,23 +249,26 @@ class TorchLearner(Learner):
             self.world.sum_(total)
             parts = int(self.world.sum_(torch.tensor(parts, device=self.device)))
         metrics = {"loss": float(total)}
-        metrics.update(self._optimizer_step(lr))
+        metrics.update(self._optimizer_step(lr, loss=float(total)))
         self.policy_version += 1
         metrics.update(self._counters(batch, start, parts))
         return metrics
 
-    def _optimizer_step(self, lr: float | None = None) -> dict[str, float]:
+    def _optimizer_step(self, lr: float | None = None, *, loss: float) -> dict[str, float]:
+        """Clip and step; `loss` (merged over ranks) and the global grad norm feed the non-finite guard."""
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        grad_norm = fsdp.local(torch.nn.utils.clip_grad_norm_(self._params(), clip))
+        grad_norm = float(fsdp.local(torch.nn.utils.clip_grad_norm_(self._params(), clip)))
+        skip = self._skip_update(loss, math.isfinite(grad_norm))
         saved = [g["lr"] for g in self.optimizer.param_groups]
         if lr is not None:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
-        if torch.isfinite(grad_norm):
+        if not skip:
             self.optimizer.step()
         for g, old in zip(self.optimizer.param_groups, saved, strict=True):
             g["lr"] = old
-        return {"grad_norm": float(grad_norm), "lr": float(lr if lr is not None else saved[0])}
+        lr_used = float(lr if lr is not None else saved[0])
+        return {"grad_norm": grad_norm, "lr": lr_used, "updates_skipped": float(skip)}
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.world is not None:

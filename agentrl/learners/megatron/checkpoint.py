@@ -28,20 +28,27 @@ if TYPE_CHECKING:
     from agentrl.learners.megatron.learner import MegatronLearner
 
 
+def weight_map(path: str | Path) -> dict[str, str]:
+    """{tensor name: safetensors file} of an HF directory."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return json.loads(index.read_text())["weight_map"]
+    if (path / "model.safetensors").exists():
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            return dict.fromkeys(f.keys(), "model.safetensors")
+    raise LearnerError(f"{path}: no model.safetensors or model.safetensors.index.json (model.path)")
+
+
 @contextlib.contextmanager
 def hf_reader(path: str | Path) -> Iterator[Callable[[str], torch.Tensor]]:
     """`get(hf_name) -> tensor` over the safetensors files of an HF directory (opened lazily, one tensor read per call)."""
     from safetensors import safe_open
 
     path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        where = json.loads(index.read_text())["weight_map"]
-    elif (path / "model.safetensors").exists():
-        with safe_open(str(path / "model.safetensors"), "pt") as f:
-            where = dict.fromkeys(f.keys(), "model.safetensors")
-    else:
-        raise LearnerError(f"{path}: no model.safetensors or model.safetensors.index.json (model.path)")
+    where = weight_map(path)
     with contextlib.ExitStack() as stack:
         handles: dict[str, Any] = {}
 

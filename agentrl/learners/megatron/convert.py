@@ -2,11 +2,13 @@
 
 Layout (per transformer layer, HF names under `model.layers.{i}.`):
   linear_qkv  = per query group g: [q rows of the group's heads (heads_per_group*head_dim); k rows (head_dim);
-                v rows (head_dim)], groups stacked; same for the bias (Qwen2). A TP rank holds a contiguous
-                block of groups, so TP sharding is a plain chunk along dim 0.
+                v rows (head_dim)], groups stacked; same for the bias (Qwen2, attention_bias). A TP rank holds a
+                contiguous block of groups, so TP sharding is a plain chunk along dim 0.
   linear_fc1  = cat(gate_proj, up_proj); a TP rank holds cat(gate shard, up shard).
-  linear_proj / linear_fc2 are row-parallel (split dim 1); embedding / output_layer split the vocab (dim 0);
-  norms (input, pre-MLP, q/k-norm, final) are replicated. Tied models have no output_layer (HF: no lm_head).
+  linear_proj / linear_fc2 are row-parallel (split dim 1; linear_proj.bias = o_proj.bias, replicated);
+  embedding / output_layer split the vocab (dim 0); norms (input, pre-MLP, q/k-norm, final) are replicated.
+  Tied models have no output_layer (HF: no lm_head).
+`load_hf` refuses an HF checkpoint holding a tensor no group maps (nothing is dropped silently).
 
 A `Group` maps one Megatron parameter (global layer numbering: `decoder.layers.{i}.`) to its HF tensors.
 Checkpoints store Megatron shards under these global names, so `to_hf` works offline from files alone.
@@ -15,12 +17,12 @@ Checkpoints store Megatron shards under these global names, so `to_hf` works off
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
 from agentrl.errors import LearnerError
-from agentrl.learners.megatron.model import ArchSpec
+from agentrl.learners.megatron.arch import ArchSpec
 
 REPLICATED, ROW, COL, QKV, GLU = "replicated", "dim0", "dim1", "qkv", "glu"
 
@@ -55,6 +57,8 @@ def groups(arch: ArchSpec, te: bool = False) -> list[Group]:
                 Group(m + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), REPLICATED, i)
             )
         layer.append(Group(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), COL, i))
+        if arch.proj_bias:  # added after the row-parallel all-reduce: one full copy per TP rank
+            layer.append(Group(m + "self_attention.linear_proj.bias", (attn + "o_proj.bias",), REPLICATED, i))
         layer.append(Group(m + mlp_norm, (h + "post_attention_layernorm.weight",), REPLICATED, i))
         glu = (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight")
         layer.append(Group(m + "mlp.linear_fc1.weight", glu, GLU, i))
@@ -78,6 +82,8 @@ def hf_shapes(arch: ArchSpec) -> dict[str, tuple[int, ...]]:
         if arch.qkv_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,)}
             shapes |= {p + "self_attn.v_proj.bias": (kv,)}
+        if arch.proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
         if arch.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
         shapes |= {p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h)}
@@ -161,6 +167,17 @@ def is_te_model(model: torch.nn.Module) -> bool:
 def global_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     to_global = local_to_global(model)
     return {to_global(n): p for n, p in model.named_parameters()}
+
+
+def check_hf_names(arch: ArchSpec, hf_names: Iterable[str]) -> None:
+    """LearnerError naming the HF tensors that no group maps (a tied model may also store lm_head.weight;
+    rotary inv_freq buffers of old checkpoints are recomputed)."""
+    mapped = {name for group in groups(arch) for name in group.hf} | {"lm_head.weight"}
+    extra = sorted(n for n in hf_names if n not in mapped and not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise LearnerError(
+            f"the HF checkpoint has {len(extra)} tensors the Megatron converter does not map, e.g. {extra[:4]}"
+        )
 
 
 @torch.no_grad()

@@ -1,8 +1,9 @@
 """MegatronLearner: a megatron-core GPTModel trained with the shared objective (agentrl.algorithms).
 
-Same API and semantics as agentrl.learners.torch_learner.TorchLearner (constructor, `sft_step`, metrics): per
-`train_step`, proximal (and reference) log-probs over the whole batch, `prepare_batch`, then micro-batches by
-token budget, each loss already scaled by full-batch normalisers. Data-parallel rank d takes micro-batches
+Same API and semantics as agentrl.learners.torch_learner.TorchLearner (constructor, `sft_step`, metrics) and the
+same train loop (agentrl.learners.base): per `train_step`, proximal (and reference) log-probs over the whole
+batch, `prepare_batch`, then learner.epochs x learner.minibatches updates (`_update`), each over micro-batches by
+token budget, each loss already scaled by the mini-batch's normalisers. Data-parallel rank d takes micro-batches
 d, d + dp, ...; DDP sums (not averages) gradients across DP ranks (`calculate_per_token_loss`), so any DP size
 equals one big batch. GPU: Megatron DDP + distributed optimizer (fp32 main params, bf16 model when
 learner.dtype = "bfloat16", grad clip inside `optimizer.step`). CPU: TP = PP = 1 over gloo, torch AdamW +
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from agentrl.algorithms import check, compute_loss, merge_metrics, needs_old_logprobs, prepare_batch, sft_loss
+from agentrl.algorithms import check, compute_loss, merge_metrics, sft_loss
 from agentrl.config import AlgorithmSection, LearnerSection
 from agentrl.errors import LearnerError
 from agentrl.learners import fused_logprob
@@ -103,6 +104,7 @@ class MegatronLearner(Learner):
             self.arch, dtype=self.dtype, device=str(self.device), attention=self.attention, fused=self.fused,
             calculate_per_token_loss=True, **self._pipeline_config(),
         )  # fmt: skip
+        convert.check_hf_names(self.arch, checkpoint.weight_map(self.model_path))
         with checkpoint.hf_reader(self.model_path) as get_hf:
             convert.load_hf(model, self.arch, lambda n: get_hf(n).to(self.dtype), self.tp_rank, self.tp_size)
         return model
@@ -202,15 +204,11 @@ class MegatronLearner(Learner):
     def _my_micro_batches(self, batch: Batch) -> list[Batch]:
         return micro_batches(batch, self.cfg.micro_batch_tokens)[self.dp_rank :: self.dp_size]
 
-    def train_step(self, batch: Batch) -> dict[str, float]:
-        start = time.perf_counter()
+    def _prepare(self, batch: Batch) -> Batch:
         _check_batch(batch)
-        batch = batch.to(self.device)
-        if needs_old_logprobs(self.algo) and batch.old_logprobs is None:
-            batch.old_logprobs = self.compute_logprobs(batch)
-        if self.ref_model is not None and batch.ref_logprobs is None:
-            batch.ref_logprobs = self.compute_ref_logprobs(batch)
-        metrics = prepare_batch(self.algo, batch, self.policy_version)
+        return batch.to(self.device)
+
+    def _update(self, batch: Batch) -> tuple[dict[str, float], int]:
         self._zero_grad()
         if self.pp_size == 1:
             parts = []
@@ -222,12 +220,9 @@ class MegatronLearner(Learner):
         else:
             parts = pipeline.run(self, self._my_micro_batches(batch), self._loss_payload, forward_only=False)
             parts = pipeline.broadcast_from_last(parts)
-        metrics.update(self._sum_over_dp(merge_metrics(parts)))
-        metrics.update(self._optimizer_step())
-        self.step += 1
-        self.policy_version += 1
-        metrics.update(self._counters(batch, start, len(parts)))
-        return metrics
+        metrics = self._sum_over_dp(merge_metrics(parts))
+        metrics.update(self._optimizer_step(loss=metrics.get("loss", 0.0)))
+        return metrics, len(parts)
 
     def _loss_payload(self, mb: Batch, logits: torch.Tensor) -> tuple:
         logp, ent = self._from_logits(logits, mb, entropy=True)
@@ -257,7 +252,7 @@ class MegatronLearner(Learner):
             losses = pipeline.broadcast_from_last(pipeline.run(self, mbs, payload, forward_only=False))
         total, parts = sum(losses), len(mbs)
         metrics = self._sum_over_dp({"loss": total})
-        metrics.update(self._optimizer_step(lr))
+        metrics.update(self._optimizer_step(lr, loss=metrics["loss"]))
         self.policy_version += 1
         metrics.update(self._counters(batch, start, parts))
         return metrics
@@ -269,46 +264,63 @@ class MegatronLearner(Learner):
         else:
             self.optimizer.zero_grad(set_to_none=True)
 
-    def _optimizer_step(self, lr: float | None = None) -> dict[str, float]:
+    def _optimizer_step(self, lr: float | None = None, *, loss: float) -> dict[str, float]:
+        """Reduce gradients, then clip and step unless `_skip_update` refuses (`loss` is summed over DP ranks,
+        the gradient check is agreed by every rank)."""
         groups = self.optimizer.param_groups
         saved = [g["lr"] for g in groups]
         if lr is not None:
             for g in groups:
                 g["lr"] = lr
+        params = list(self.model.parameters())
         if self.cuda:
             from megatron.core.distributed import finalize_model_grads
 
             finalize_model_grads([self.model])
-            _, grad_norm, _ = self.optimizer.step()  # skips the update itself on non-finite gradients
-            grad_norm = float("nan") if grad_norm is None else float(grad_norm)
-        else:
-            params = list(self.model.parameters())
-            if self.dp_size > 1:  # CPU data parallel: sum gradients over DP ranks (no Megatron DDP on CPU)
-                from megatron.core import parallel_state as ps
+        elif self.dp_size > 1:  # CPU data parallel: sum gradients over DP ranks (no Megatron DDP on CPU)
+            from megatron.core import parallel_state as ps
 
-                for p in params:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+        # Megatron's own inf check runs only with a loss scaler (fp16): bf16/fp32 would step on NaN gradients.
+        skip = self._skip_update(loss, self._grads_finite(params))
+        grad_norm = float("nan")
+        if not skip and self.cuda:
+            _, norm, _ = self.optimizer.step()
+            grad_norm = float("nan") if norm is None else float(norm)
+        elif not skip:
             clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-            norm = torch.nn.utils.clip_grad_norm_(params, clip)
-            if torch.isfinite(norm):
-                self.optimizer.step()
-            grad_norm = float(norm)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+            self.optimizer.step()
         for g, old in zip(groups, saved, strict=True):
             g["lr"] = old
-        self.optimizer_steps += 1
-        return {"grad_norm": grad_norm, "lr": float(lr if lr is not None else saved[0])}
+        self.optimizer_steps += int(not skip)
+        lr_used = float(lr if lr is not None else saved[0])
+        return {"grad_norm": grad_norm, "lr": lr_used, "updates_skipped": float(skip)}
+
+    def _grads_finite(self, params: list[torch.nn.Parameter]) -> bool:
+        """Whether every gradient of every learner rank is finite (an all-reduce: all ranks agree to skip)."""
+        bad = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p in params:
+            grad = getattr(p, "main_grad", None)  # Megatron DDP's buffer; plain .grad on the CPU path
+            grad = p.grad if grad is None else grad
+            if grad is not None:
+                bad = torch.maximum(bad, (~torch.isfinite(grad)).any().float())
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bool(bad.item())
 
     def _sum_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Loss terms are partial sums per DP rank (full-batch normalisers): add them up across ranks."""
+        """Loss terms (full-batch normalisers) and `*_sum` metrics are partial sums per DP rank: add them up."""
         if self.dp_size == 1:
             return metrics
         from megatron.core import parallel_state as ps
 
         group = ps.get_data_parallel_group()
         # A rank can have no micro-batch (fewer micro-batches than DP ranks) and so no loss keys: agree first.
-        mine = sorted(k for k in metrics if k.startswith("loss"))
+        mine = sorted(k for k in metrics if k.startswith("loss") or k.endswith("_sum"))
         every: list = [None] * self.dp_size
         dist.all_gather_object(every, mine, group=group)
         keys = sorted(set().union(*every))

@@ -1,9 +1,10 @@
 """Build a megatron-core GPTModel that computes what a Hugging Face Qwen2 / Qwen3 / Llama model computes.
 
-Invariants: `ArchSpec.from_hf(config)` is the only place that reads HF config fields; every architectural
-choice Megatron needs (qkv bias, qk-norm, GQA groups, head_dim, RoPE theta and llama3 scaling, RMSNorm eps,
-SwiGLU, tied embeddings) is derived from it, and anything it cannot express raises LearnerError naming the
-field. Layer spec: Transformer Engine when importable, else the local (pure torch) spec, whose core attention
+Invariants: `ArchSpec.from_hf(config)` (arch.py) is the only place that reads HF config fields; every
+architectural choice Megatron needs (qkv and o_proj biases, qk-norm, GQA groups, head_dim, RoPE theta and llama3
+scaling, RMSNorm eps, SwiGLU, tied embeddings) is derived from it, and anything it cannot express raises
+LearnerError naming the field. Megatron ties the o_proj bias to `add_bias_linear`, which would also give the
+MLP biases, so an o_proj bias without MLP biases swaps in a linear_proj class that always has one. Layer spec: Transformer Engine when importable, else the local (pure torch) spec, whose core attention
 is replaced by `SDPAttention` (torch scaled_dot_product_attention, causal; flash kernels on GPU) unless
 attention="local" asks for Megatron's own DotProductAttention. Batches are right-padded, so a causal mask
 alone is exact for every real token and RoPE positions are 0..T-1.
@@ -11,87 +12,16 @@ alone is exact for every real token and RoPE positions are 0..T-1.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from agentrl.errors import LearnerError
 from agentrl.learners.megatron import cpu_compat
+from agentrl.learners.megatron.arch import ArchSpec
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
-
-
-@dataclasses.dataclass(frozen=True)
-class ArchSpec:
-    model_type: str
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    tied: bool
-    qkv_bias: bool
-    qk_norm: bool
-    max_position_embeddings: int
-    llama3_rope_factor: float = 0.0
-
-    @property
-    def heads_per_group(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    @classmethod
-    def from_hf(cls, cfg: Any) -> ArchSpec:
-        model_type = getattr(cfg, "model_type", "")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise LearnerError(
-                f"model_type {model_type!r}: the Megatron learner supports {SUPPORTED_MODEL_TYPES}"
-            )
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise LearnerError(f"hidden_act {cfg.hidden_act!r}: only silu (SwiGLU) is supported")
-        if getattr(cfg, "mlp_bias", False):
-            raise LearnerError("mlp_bias = true is not supported by the Megatron learner")
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
-        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
-        factor = 0.0
-        if rope_type == "llama3":
-            expected = {
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192,
-            }
-            if any(float(rope.get(k, v)) != v for k, v in expected.items()):
-                raise LearnerError(f"rope_parameters {rope}: Megatron's llama3 RoPE scaling fixes {expected}")
-            factor = float(rope["factor"])
-        elif rope_type != "default":
-            raise LearnerError(f"rope_parameters.rope_type {rope_type!r} is not supported (default, llama3)")
-        qkv_bias = True if model_type == "qwen2" else bool(getattr(cfg, "attention_bias", False))
-        return cls(
-            model_type=model_type,
-            hidden_size=cfg.hidden_size,
-            num_layers=cfg.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            intermediate_size=cfg.intermediate_size,
-            vocab_size=cfg.vocab_size,
-            rms_norm_eps=cfg.rms_norm_eps,
-            rope_theta=float(theta),
-            tied=bool(getattr(cfg, "tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            qk_norm=model_type == "qwen3",
-            max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
-            llama3_rope_factor=factor,
-        )
+__all__ = ["ArchSpec", "build_gpt", "layer_spec", "transformer_config", "unwrap"]
 
 
 def have_transformer_engine() -> bool:
@@ -174,18 +104,33 @@ class SDPAttention(torch.nn.Module):
         return {}
 
 
+def _with_bias(linear: type) -> type:
+    """`linear` (Megatron's or TE's row-parallel linear) built with a bias whatever `add_bias_linear` says."""
+
+    class Biased(linear):
+        def __init__(self, *args, bias: bool = False, **kwargs):
+            super().__init__(*args, bias=True, **kwargs)
+
+    Biased.__name__ = Biased.__qualname__ = f"Biased{linear.__name__}"
+    return Biased
+
+
 def layer_spec(arch: ArchSpec, attention: str = "sdpa", use_te: bool | None = None):
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te is None:
         use_te = have_transformer_engine()
     if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
-    if attention == "sdpa":
-        spec.submodules.self_attention.submodules.core_attention = SDPAttention
-    elif attention != "local":
-        raise LearnerError(f"attention {attention!r}: choose 'sdpa' or 'local'")
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        if attention == "sdpa":
+            spec.submodules.self_attention.submodules.core_attention = SDPAttention
+        elif attention != "local":
+            raise LearnerError(f"attention {attention!r}: choose 'sdpa' or 'local'")
+    if arch.proj_bias:
+        attn = spec.submodules.self_attention.submodules
+        attn.linear_proj = _with_bias(attn.linear_proj)
     return spec
 
 

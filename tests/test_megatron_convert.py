@@ -1,0 +1,121 @@
+"""The Megatron converter maps every HF config field that changes the forward, or refuses it naming the field.
+
+A table of real tiny HF models (random weights, random nonzero biases) whose Megatron log-probs must equal
+transformers' within 1e-4 (fp32), a table of configs that must be refused, and a check that every config field
+transformers' Llama / Qwen2 / Qwen3 modeling code reads is classified by agentrl.learners.megatron.arch.
+"""
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron_helpers import hf_logprobs, write_model
+from safetensors.torch import load_file, save_file
+
+from agentrl import types
+from agentrl.config import LearnerSection
+from agentrl.errors import LearnerError
+from agentrl.learners.batch import build_batch
+from agentrl.learners.megatron import arch as arch_lib
+from agentrl.learners.megatron.learner import MegatronLearner
+from agentrl.learners.megatron.parallel import init_parallel
+
+VOCAB = 300
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192, "rope_theta": 1e6}  # fmt: skip
+
+MAPPED = {
+    "llama-bias-untied": ("llama", False, {"attention_bias": True}),
+    "llama-bias-tied": ("llama", True, {"attention_bias": True}),
+    "llama-rope-llama3": ("llama", False, {"rope_parameters": LLAMA3, "max_position_embeddings": 16384}),
+    "qwen2-untied": ("qwen2", False, {}),
+    "qwen2-tied": ("qwen2", True, {}),
+    "qwen3-tied": ("qwen3", True, {}),
+    "qwen3-bias-untied": ("qwen3", False, {"attention_bias": True}),
+}
+REFUSED = {
+    "mlp_bias": ("llama", {"mlp_bias": True}),
+    "hidden_act": ("llama", {"hidden_act": "gelu"}),
+    "attention_dropout": ("qwen3", {"attention_dropout": 0.1}),
+    "layer_types": ("qwen2", {"use_sliding_window": True, "max_window_layers": 0, "layer_types": None}),
+    "rope_type": ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}),
+    "partial_rotary_factor": (
+        "llama",
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+    ),
+    "low_freq_factor": (
+        "llama",
+        {"rope_parameters": {**LLAMA3, "low_freq_factor": 2.0}, "max_position_embeddings": 16384},
+    ),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    torch.set_num_threads(2)
+    init_parallel(1, 1, "cpu")
+
+
+def long_batch(n: int = 4, seed: int = 0):
+    """Sequences up to 160 tokens: llama3 scaling only changes the slowly rotating RoPE frequencies."""
+    rng = np.random.default_rng(seed)
+    trajs = [
+        types.normalize(types.Trajectory(
+            id=f"t{i}", group_id="g", prompt_ids=rng.integers(0, VOCAB, 8).tolist(),
+            response_ids=rng.integers(0, VOCAB, int(rng.integers(40, 152))).tolist()))
+        for i in range(n)
+    ]  # fmt: skip
+    return build_batch(trajs, pad_id=0)
+
+
+@pytest.mark.parametrize("name", list(MAPPED))
+def test_mapped_configs_give_hf_logprobs(tmp_path, monkeypatch, name):
+    arch, tied, overrides = MAPPED[name]
+    path = write_model(tmp_path / name, arch, tied, overrides)
+    learner = MegatronLearner(path, LearnerSection(kind="megatron", micro_batch_tokens=400))
+    batch = long_batch()
+    want = hf_logprobs(path, batch)
+    assert (learner.compute_logprobs(batch) - want).abs().max().item() <= 1e-4, name
+    names = {n for n, _ in learner.weights()}
+    if overrides.get("attention_bias"):
+        assert learner.arch.proj_bias and "model.layers.1.self_attn.o_proj.bias" in names
+    if "rope_parameters" in overrides:  # the scaling matters on this batch: without it the log-probs differ
+        monkeypatch.setattr(arch_lib, "_rope", lambda cfg: (1e6, 0.0))
+        plain = MegatronLearner(path, LearnerSection(kind="megatron", micro_batch_tokens=400))
+        assert (plain.compute_logprobs(batch) - want).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("field", list(REFUSED))
+def test_unmappable_configs_are_refused_naming_the_field(tmp_path, field):
+    arch, overrides = REFUSED[field]
+    path = write_model(tmp_path / field, arch, False, overrides)
+    with pytest.raises(LearnerError, match=field):
+        MegatronLearner(path, LearnerSection(kind="megatron"))
+
+
+def test_unmapped_hf_tensor_is_refused(tmp_path):
+    path = write_model(tmp_path / "m", "qwen3", False, {})
+    weights = load_file(path / "model.safetensors")
+    weights["model.layers.0.mlp.down_proj.bias"] = torch.zeros(64)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(LearnerError, match=r"down_proj\.bias"):
+        MegatronLearner(path, LearnerSection(kind="megatron"))
+
+
+def test_every_field_the_hf_forward_reads_is_classified():
+    import transformers.models as hf_models
+
+    root = Path(hf_models.__file__).parent
+    classified = set(arch_lib.MAPPED) | set(arch_lib.REQUIRED) | set(arch_lib.NO_EFFECT) | {"layer_types"}
+    for model_type in arch_lib.SUPPORTED_MODEL_TYPES:
+        source = (root / model_type / f"modeling_{model_type}.py").read_text()
+        read = set(re.findall(r"\bconfig\.(\w+)", source))
+        read |= set(re.findall(r"getattr\((?:self\.)?config, \"(\w+)\"", source))
+        read -= {"get_text_config"}  # a method, not a field
+        assert read, model_type
+        assert read <= classified, (model_type, sorted(read - classified))
