@@ -20,6 +20,7 @@ from typing import Any
 
 from agentrl.config import Config, dump_toml
 from agentrl.errors import ConfigError
+from agentrl.runlock import DirLock
 
 
 def redact(cfg: Config) -> Config:
@@ -39,6 +40,7 @@ class RunDir:
         if resume and not (self.path / "config.toml").exists():
             raise ConfigError(f"--resume {self.path}: not a run directory (no config.toml)")
         self.path.mkdir(parents=True, exist_ok=True)
+        self._lock = DirLock(self.path / "run.lock", f"run directory {self.path}").acquire()
         self.ckpt_root.mkdir(exist_ok=True)
         (self.path / "config.toml").write_text(dump_toml(redact(cfg)))
         self._tb = None
@@ -130,6 +132,7 @@ class RunDir:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        self._lock.release()
 
 
 def read_ledger(path: str | Path) -> list[dict[str, Any]]:
