@@ -307,14 +307,17 @@ class WriteAheadLog:
                 os.fsync(f.fileno())
                 size = f.tell()
             os.replace(tmp, self.path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise StorageError(f"queue log {self.path}: rewrite failed ({exc.strerror or exc})") from exc
+        try:  # the new file is in place: from here on the caller must switch to it, so no raising
             dir_fd = os.open(self.dir, os.O_RDONLY)
             try:
                 os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise StorageError(f"queue log {self.path}: rewrite failed ({exc.strerror or exc})") from exc
+            log.warning("queue log %s: cannot fsync its directory after the rewrite (%s)", self.path, exc)
         return size
 
     def compact(self, snapshot: SnapshotRecord, uncommitted: list[Trajectory]) -> int:
@@ -357,4 +360,7 @@ class WriteAheadLog:
 
     def __del__(self) -> None:  # a log opened only to read it back must not keep its directory locked
         if getattr(self, "_dir_lock", None) is not None:
-            self.close()
+            try:
+                self.close()
+            except Exception:  # interpreter shutdown: the process exit drops the lock anyway
+                pass
