@@ -153,21 +153,17 @@ def server_env(args) -> dict[str, str]:
     return env
 
 
-def bench_ours(args, batch: int, total: int, drain: bool, fsync: bool | None = None) -> tuple[float, float]:
+def bench_ours(
+    args, batch: int, total: int, drain: bool, fsync: bool | None = None
+) -> tuple[float, float, float]:
     """A fresh server per scenario (WAL on, fsync per `--fsync` unless given): `agentrl serve-queue`, or with
     `drain` the same server with a learner consuming 256-trajectory batches. Returns (traj/s, server CPU us
-    per trajectory)."""
+    per trajectory, requests per WAL fsync)."""
     fsync = args.fsync == "on" if fsync is None else fsync
     with tempfile.TemporaryDirectory(dir=args.tmp_dir) as run_dir:
         if drain:
-            cmd = [
-                sys.executable,
-                os.path.abspath(__file__),
-                "--serve-draining",
-                run_dir,
-                "--fsync",
-                "on" if fsync else "off",
-            ]
+            cmd = [sys.executable, os.path.abspath(__file__), "--serve-draining", run_dir,
+                   "--fsync", "on" if fsync else "off"]  # fmt: skip
         else:
             cmd = [sys.executable, "-m", "agentrl.queue.cli", "--port", "0", "--run-dir", run_dir,
                    "--queue.max-trajectories", "10000000", "--queue.max-bytes", str(64 << 30),
@@ -177,7 +173,12 @@ def bench_ours(args, batch: int, total: int, drain: bool, fsync: bool | None = N
             per_client = max(1, total // batch // args.clients)
             cpu = cpu_seconds(proc.pid)
             rate = run_clients(ours_client, args.clients, lambda w: (port, per_client, batch, w, args))
-            return rate, (cpu_seconds(proc.pid) - cpu) / (per_client * batch * args.clients) * 1e6
+            us = (cpu_seconds(proc.pid) - cpu) / (per_client * batch * args.clients) * 1e6
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            conn.request("GET", "/v1/status")
+            fsyncs = json.loads(conn.getresponse().read()).get("wal_fsyncs") or 0
+            conn.close()
+            return rate, us, per_client * args.clients / fsyncs if fsyncs else 0.0
         finally:
             proc.terminate()
             proc.wait()
@@ -190,11 +191,11 @@ def bench_http(args) -> dict[str, float]:
         mode = "learner draining" if drain else "no consumer"
         for batch, total in ((1, args.n_single), (64, args.n_batched)):
             runs = sorted(bench_ours(args, batch, total, drain) for _ in range(args.repeats))
-            rate, us = runs[len(runs) // 2]
+            rate, us, _ = runs[len(runs) // 2]
             key = f"agentrl_batch{batch}{'_drain' if drain else ''}"
             results[f"{key}_traj_s"] = rate
             results[f"{key}_server_cpu_us_per_traj"] = us
-            spread = ", ".join(f"{r:.0f}" for r, _ in runs)
+            spread = ", ".join(f"{r[0]:.0f}" for r in runs)
             print(f"agentrl msgpack, batch {batch:3d}, {mode:16s}: {rate:8.0f} traj/s  "
                   f"(server CPU {us:.0f} us/traj; runs {spread})", flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
@@ -233,16 +234,20 @@ def bench_fsync(args) -> dict[str, float]:
     other jobs hits both alike. Prints the median and every run."""
     results: dict[str, float] = {}
     for batch, total in ((1, args.n_single), (64, args.n_batched)):
-        runs: dict[bool, list[float]] = {True: [], False: []}
+        runs: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
         for _ in range(args.repeats):
             for fsync in (True, False):
-                runs[fsync].append(bench_ours(args, batch, total, drain=False, fsync=fsync)[0])
+                runs[fsync].append(bench_ours(args, batch, total, drain=False, fsync=fsync))
         for fsync in (True, False):
-            rates = sorted(runs[fsync])
+            rates = sorted(r[0] for r in runs[fsync])
             key = f"fsync_{'on' if fsync else 'off'}_batch{batch}_traj_s"
             results[key] = statistics.median(rates)
+            shared = statistics.median(r[2] for r in runs[fsync])
+            if fsync:
+                results[f"fsync_on_batch{batch}_requests_per_fsync"] = shared
             print(f"fsync {'on ' if fsync else 'off'}, batch {batch:3d}: median {results[key]:8.0f} traj/s "
-                  f"(runs {', '.join(f'{r:.0f}' for r in rates)}; {args.clients} clients)", flush=True)  # fmt: skip
+                  f"(runs {', '.join(f'{r:.0f}' for r in rates)}; {args.clients} clients"
+                  + (f"; {shared:.1f} requests per fsync)" if fsync else ")"), flush=True)  # fmt: skip
         ratio = results[f"fsync_on_batch{batch}_traj_s"] / results[f"fsync_off_batch{batch}_traj_s"]
         print(f"fsync on / off, batch {batch}: {ratio:.2f}", flush=True)
     return results

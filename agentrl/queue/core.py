@@ -412,6 +412,7 @@ class ReplayQueue(DurableQueue):
             "last_committed_step": self.last_committed_step,
             "committed_total": self._n_committed,
             "wal_bytes": self._wal.size_bytes if self._wal is not None else None,
+            "wal_fsyncs": self._wal.fsyncs if self._wal is not None else None,  # group commits
             "wal_repairs": self.wal_repairs or None,  # damage skipped, tail cut, ledger reconciled on open
             "draining": self.closed,
             **self.metrics.as_dict(),

@@ -88,6 +88,7 @@ class WriteAheadLog:
         self._generation = 0  # a new file (compaction): offsets of the old one mean nothing
         self._lost: list[tuple[int, int]] = []  # (after, upto] sequence ranges a failed fsync cut off
         self._flushing: asyncio.Future | None = None
+        self.fsyncs = 0  # group commits done (status: puts per fsync)
         self._dir_lock = self._acquire(lock_wait_s)
 
     def _acquire(self, wait_s: float) -> DirLock:
@@ -253,6 +254,7 @@ class WriteAheadLog:
             finally:
                 os.close(fd)
             with self._lock:
+                self.fsyncs += 1
                 self._durable = max(self._durable, target)
                 if generation == self._generation:
                     self._synced_offset = max(self._synced_offset, offset)
