@@ -163,8 +163,10 @@ class WriteAheadLog:
         for record in missing:
             self.ledger(record)
         if applied:
-            log.warning("queue log %s: steps %s are in the ledger but not the log (damaged commit records): "
-                        "their trajectories count as trained", self.path, applied)  # fmt: skip
+            shown = applied if len(applied) <= 10 else [*applied[:5], "...", *applied[-5:]]
+            log.warning("queue log %s: %d steps are in the ledger but not the log (damaged or lost commit "
+                        "records): %s; their trajectories count as trained", self.path, len(applied),
+                        " ".join(map(str, shown)))  # fmt: skip
         if applied or missing:
             state.repairs.update(ledger_steps_applied=applied, ledger_lines_repaired=len(missing))
         if state.cut_bytes:
