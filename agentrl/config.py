@@ -81,7 +81,9 @@ class QueueSection(_Section):
     retry_after_s: float = 1.0
     read_timeout_s: float = 30.0  # a client must send headers and body within this (slowloris): 408
     wal: bool = True
-    fsync: bool = False
+    # acknowledge (202, put returns) only once an fsync covers the record (group commit: concurrent puts
+    # share one); false: acknowledged = in the page cache (survives a process kill, not a machine crash)
+    fsync: bool = True
     compact_every: int = 50
 
 

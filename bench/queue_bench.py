@@ -1,12 +1,14 @@
 """Replay-queue benchmark (not a test). Run: `python bench/queue_bench.py` (about a minute on 2 cores).
 
 (a) HTTP submission of trajectories of `--prompt-len + --response-len` tokens with float32 logprobs:
-    agentrl's queue server (`agentrl serve-queue`, msgpack, WAL on, fsync off) with batches of 1 and 64,
+    agentrl's queue server (`agentrl serve-queue`, msgpack, WAL on, `--fsync`) with batches of 1 and 64,
     against a baseline shaped like slime's rollout buffer (FastAPI + uvicorn, JSON lists of ints and floats,
     one trajectory per request, appended to a Python list). Each server runs in its own process; `--clients`
     client processes submit over keep-alive connections. Prints traj/s and the ratio to the baseline.
 (b) `sample_batch` of 256 such trajectories from an in-process ReplayQueue, padded into torch tensors
     (input ids, loss mask, logprobs, versions): milliseconds per batch (median).
+`--fsync-compare` runs only (c): submission with `queue.fsync` on (acknowledged = on disk, group commit) and
+off (acknowledged = in the page cache), batches of 1 and 64, the runs of both interleaved.
 """
 
 from __future__ import annotations
@@ -128,13 +130,13 @@ def run_clients(target, n_clients: int, make_args) -> float:
     return sum(r[2] for r in results) / (end - start)
 
 
-async def serve_draining(run_dir: str, batch_size: int = 256) -> None:
+async def serve_draining(run_dir: str, fsync: bool, batch_size: int = 256) -> None:
     """The queue server plus a learner on the same loop that takes and commits batches (steady state)."""
     from agentrl.config import QueueSection
     from agentrl.queue.core import ReplayQueue
     from agentrl.queue.server import QueueServer
 
-    cfg = QueueSection(max_trajectories=10_000_000, max_bytes=64 << 30)
+    cfg = QueueSection(max_trajectories=10_000_000, max_bytes=64 << 30, fsync=fsync)
     queue = ReplayQueue(cfg, run_dir)
     server = QueueServer(queue, cfg)
     await server.start()
@@ -151,21 +153,32 @@ def server_env(args) -> dict[str, str]:
     return env
 
 
-def bench_ours(args, batch: int, total: int, drain: bool) -> tuple[float, float]:
-    """A fresh server per scenario (WAL on, fsync off): `agentrl serve-queue`, or with `drain` the same server
-    with a learner consuming 256-trajectory batches. Returns (traj/s, server CPU us per trajectory)."""
-    with tempfile.TemporaryDirectory() as run_dir:
+def bench_ours(
+    args, batch: int, total: int, drain: bool, fsync: bool | None = None
+) -> tuple[float, float, float]:
+    """A fresh server per scenario (WAL on, fsync per `--fsync` unless given): `agentrl serve-queue`, or with
+    `drain` the same server with a learner consuming 256-trajectory batches. Returns (traj/s, server CPU us
+    per trajectory, requests per WAL fsync)."""
+    fsync = args.fsync == "on" if fsync is None else fsync
+    with tempfile.TemporaryDirectory(dir=args.tmp_dir) as run_dir:
         if drain:
-            cmd = [sys.executable, os.path.abspath(__file__), "--serve-draining", run_dir]
+            cmd = [sys.executable, os.path.abspath(__file__), "--serve-draining", run_dir,
+                   "--fsync", "on" if fsync else "off"]  # fmt: skip
         else:
             cmd = [sys.executable, "-m", "agentrl.queue.cli", "--port", "0", "--run-dir", run_dir,
-                   "--queue.max-trajectories", "10000000", "--queue.max-bytes", str(64 << 30)]  # fmt: skip
+                   "--queue.max-trajectories", "10000000", "--queue.max-bytes", str(64 << 30),
+                   "--queue.fsync", "true" if fsync else "false"]  # fmt: skip
         proc, port = start_server(cmd, r"listening on http://[^:]+:(\d+)", server_env(args))
         try:
             per_client = max(1, total // batch // args.clients)
             cpu = cpu_seconds(proc.pid)
             rate = run_clients(ours_client, args.clients, lambda w: (port, per_client, batch, w, args))
-            return rate, (cpu_seconds(proc.pid) - cpu) / (per_client * batch * args.clients) * 1e6
+            us = (cpu_seconds(proc.pid) - cpu) / (per_client * batch * args.clients) * 1e6
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            conn.request("GET", "/v1/status")
+            fsyncs = json.loads(conn.getresponse().read()).get("wal_fsyncs") or 0
+            conn.close()
+            return rate, us, per_client * args.clients / fsyncs if fsyncs else 0.0
         finally:
             proc.terminate()
             proc.wait()
@@ -178,11 +191,11 @@ def bench_http(args) -> dict[str, float]:
         mode = "learner draining" if drain else "no consumer"
         for batch, total in ((1, args.n_single), (64, args.n_batched)):
             runs = sorted(bench_ours(args, batch, total, drain) for _ in range(args.repeats))
-            rate, us = runs[len(runs) // 2]
+            rate, us, _ = runs[len(runs) // 2]
             key = f"agentrl_batch{batch}{'_drain' if drain else ''}"
             results[f"{key}_traj_s"] = rate
             results[f"{key}_server_cpu_us_per_traj"] = us
-            spread = ", ".join(f"{r:.0f}" for r, _ in runs)
+            spread = ", ".join(f"{r[0]:.0f}" for r in runs)
             print(f"agentrl msgpack, batch {batch:3d}, {mode:16s}: {rate:8.0f} traj/s  "
                   f"(server CPU {us:.0f} us/traj; runs {spread})", flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
@@ -213,6 +226,30 @@ def bench_http(args) -> dict[str, float]:
         ratio = results[key] / results["baseline_traj_s"]
         results[key.replace("_traj_s", "_ratio")] = ratio
         print(f"ratio {key.removesuffix('_traj_s')} / baseline: {ratio:.1f}x")
+    return results
+
+
+def bench_fsync(args) -> dict[str, float]:
+    """Submission with fsync on and off, no consumer; runs alternate (on, off, on, off, ...) so that load from
+    other jobs hits both alike. Prints the median and every run."""
+    results: dict[str, float] = {}
+    for batch, total in ((1, args.n_single), (64, args.n_batched)):
+        runs: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
+        for _ in range(args.repeats):
+            for fsync in (True, False):
+                runs[fsync].append(bench_ours(args, batch, total, drain=False, fsync=fsync))
+        for fsync in (True, False):
+            rates = sorted(r[0] for r in runs[fsync])
+            key = f"fsync_{'on' if fsync else 'off'}_batch{batch}_traj_s"
+            results[key] = statistics.median(rates)
+            shared = statistics.median(r[2] for r in runs[fsync])
+            if fsync:
+                results[f"fsync_on_batch{batch}_requests_per_fsync"] = shared
+            print(f"fsync {'on ' if fsync else 'off'}, batch {batch:3d}: median {results[key]:8.0f} traj/s "
+                  f"(runs {', '.join(f'{r:.0f}' for r in rates)}; {args.clients} clients"
+                  + (f"; {shared:.1f} requests per fsync)" if fsync else ")"), flush=True)  # fmt: skip
+        ratio = results[f"fsync_on_batch{batch}_traj_s"] / results[f"fsync_off_batch{batch}_traj_s"]
+        print(f"fsync on / off, batch {batch}: {ratio:.2f}", flush=True)
     return results
 
 
@@ -265,19 +302,29 @@ def main() -> None:
     parser.add_argument(
         "--hugetlb", action="store_true", help="run both servers with GLIBC_TUNABLES=glibc.malloc.hugetlb=1"
     )
+    parser.add_argument(
+        "--fsync", choices=("on", "off"), default="on", help="queue.fsync of the servers in (a)"
+    )
+    parser.add_argument("--fsync-compare", action="store_true", help="only (c): fsync on vs off")
+    parser.add_argument(
+        "--tmp-dir", default=None, help="where the servers' run dirs go (a real disk for fsync)"
+    )
     parser.add_argument("--serve-draining", metavar="RUN_DIR", help=argparse.SUPPRESS)
     parser.add_argument("--json", default="", help="also write the results to this JSON file")
     args = parser.parse_args()
     if args.serve_draining:
         import uvloop
 
-        uvloop.run(serve_draining(args.serve_draining))
+        uvloop.run(serve_draining(args.serve_draining, args.fsync == "on"))
         return
     print(f"trajectory: {args.prompt_len} prompt + {args.response_len} response tokens, float32 logprobs; "
           f"{args.clients} client processes; {os.cpu_count()} CPUs", flush=True)  # fmt: skip
-    results = {} if args.skip_http else bench_http(args)
-    if not args.skip_sample:
-        results.update(bench_sample(args))
+    if args.fsync_compare:
+        results = bench_fsync(args)
+    else:
+        results = {} if args.skip_http else bench_http(args)
+        if not args.skip_sample:
+            results.update(bench_sample(args))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

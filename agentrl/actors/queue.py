@@ -4,15 +4,38 @@ Rollout workers put over Ray; external agents over HTTP (`POST /v1/trajectories`
 run. Admission is reserved by the driver before it dispatches a group (`reserve(n, key)`), and the worker's
 `put(trajectories, key)` spends that reservation, so rollout never runs past the staleness window and a
 re-issued group (same key) reuses its reservation. Everything runs on the actor's event loop.
+
+The actor writes the run's WAL for the driver of `agentrl run`, which holds `run_dir/run.lock`: it is fenced
+by that driver's pid, so once the driver is gone (even SIGKILLed, while Ray still runs this actor) nothing
+more is appended and the log's lock is released for `--resume`. A restarted actor waits briefly for the log's
+lock while its predecessor's process exits.
 Plain class: agentrl.actors.remote makes it a Ray actor.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from pathlib import Path
 from typing import Any
 
 from agentrl.config import Config
+from agentrl.runlock import Fence, holder_pid, pid_alive
 from agentrl.types import Trajectory
+
+log = logging.getLogger(__name__)
+
+LOCK_WAIT_S = 30.0  # for the log's lock, while a dead predecessor's process is still exiting
+FENCE_CHECK_S = 0.5  # how often an idle actor looks for its driver (a put checks on its own)
+
+
+def driver_fence(run_dir: str) -> Fence | None:
+    """A fence on the driver that holds `run_dir/run.lock`; None without one (a queue outside a run) or when
+    that pid is not alive here (a driver on another host: no fencing rather than refusing everything)."""
+    pid = holder_pid(Path(run_dir) / "run.lock")
+    if pid is None or not pid_alive(pid):
+        return None
+    return Fence(pid)
 
 
 class QueueActor:
@@ -21,7 +44,10 @@ class QueueActor:
         from agentrl.queue.core import ReplayQueue
 
         self.cfg = cfg
-        self.queue = ReplayQueue(cfg.queue, run_dir, vocab_size=vocab_size, policy_version=policy_version)
+        self.fence = driver_fence(run_dir)
+        self.queue = ReplayQueue(cfg.queue, run_dir, vocab_size=vocab_size, policy_version=policy_version,
+                                 fence=self.fence, lock_wait_s=LOCK_WAIT_S)  # fmt: skip
+        self._watch: asyncio.Task | None = None
         self.tickets: dict[str, Any] = {}
         self.server = None
         self.tokenizer_path = tokenizer_path
@@ -30,6 +56,8 @@ class QueueActor:
     async def start(self, port: int | None = None) -> str:
         """Start the HTTP server (if enabled) on `port` (default `queue.port`; a restarted queue asks for its
         predecessor's, so HTTP clients that retry reconnect; taken -> `queue.port`). Returns its URL ('' when none)."""
+        if self.fence is not None and self._watch is None:
+            self._watch = asyncio.ensure_future(self._watch_driver())
         if not self.serve_http or self.server is not None:
             return self.url()
         from agentrl.queue.server import QueueServer
@@ -44,6 +72,13 @@ class QueueActor:
             self.server = QueueServer(self.queue, self.cfg.queue, tokenizer_path=self.tokenizer_path or None)
             await self.server.start()
         return self.url()
+
+    async def _watch_driver(self) -> None:
+        while not self.queue.fenced():
+            await asyncio.sleep(FENCE_CHECK_S)
+        log.warning(
+            "the driver (process %s) is gone: the queue stopped writing", self.fence and self.fence.owner_pid
+        )
 
     def url(self) -> str:
         return self.server.url if self.server is not None else ""
@@ -89,6 +124,8 @@ class QueueActor:
         return self.queue.status()
 
     async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
         for key in list(self.tickets):
             self.release(key)
         if self.server is not None:

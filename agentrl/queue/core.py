@@ -1,10 +1,12 @@
 """The versioned replay queue: producers `put` trajectories, the learner takes staleness-bounded batches.
 
 Invariants:
-- A trajectory is in the write-ahead log before `put` returns; the learner's `commit(step, ids)` is durable
-  before it returns. Reopening the queue on the same run dir brings back every uncommitted trajectory exactly
-  once (including ones sampled but not committed); every id ever accepted stays known, so re-sending it is
-  counted as a duplicate, never queued twice.
+- A trajectory is on disk before `put` returns (an fsync covers it, shared by concurrent puts; in the page
+  cache only with `queue.fsync = false`); the learner's `commit(step, ids)` is durable before it returns.
+  Reopening the queue on the same run dir brings back every uncommitted trajectory exactly once (including
+  ones sampled but not committed); every id ever accepted stays known, so re-sending it is counted as a
+  duplicate, never queued twice. The log's half of the queue (recovery, durability, the one-writer lock and
+  the fence) is in durable.py.
 - Groups (same `group_id`, `group_size` samples) reach the learner only whole: complete, or released partial /
   dropped by `straggler_policy` after `group_timeout_s`. A trajectory sent without a `group_id` is a group of
   one. Members arriving after their group was released are dropped and counted (`dropped_late`).
@@ -22,7 +24,6 @@ import asyncio
 import itertools
 import logging
 import time
-from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -31,14 +32,16 @@ from agentrl.config import QueueSection
 from agentrl.errors import QueueClosed, StorageError
 from agentrl.queue import wal as wal_mod
 from agentrl.queue.admission import Admission
+from agentrl.queue.durable import DurableQueue
 from agentrl.queue.metrics import QueueMetrics
 from agentrl.queue.primitives import PutResult, SampledBatch, Ticket, _Group, _Signal
+from agentrl.runlock import Fence
 from agentrl.types import Trajectory, min_version, nbytes
 
 log = logging.getLogger(__name__)
 
 
-class ReplayQueue:
+class ReplayQueue(DurableQueue):
     def __init__(
         self,
         cfg: QueueSection | None = None,
@@ -47,6 +50,8 @@ class ReplayQueue:
         batch_size: int | None = None,
         vocab_size: int | None = None,
         policy_version: int = 0,
+        fence: Fence | None = None,
+        lock_wait_s: float = 0.0,
     ):
         self.cfg = cfg or QueueSection()
         self.batch_size = self.cfg.batch_size if batch_size is None else batch_size
@@ -71,28 +76,7 @@ class ReplayQueue:
         self._ready_signal = _Signal()
         self._wanted: list[int] = []  # sizes the waiting sample_batch calls need
         self._untimed: list[_Group] = []
-        self._wal = wal_mod.WriteAheadLog(run_dir, fsync=self.cfg.fsync) if run_dir and self.cfg.wal else None
-        if self._wal is not None:
-            self._recover(self._wal.replay())
-
-    def _recover(self, state: wal_mod.WalState) -> None:
-        self._known = state.known_ids
-        self._committed_steps = state.committed_steps
-        self._n_committed = state.n_committed
-        self._admission.admitted = state.n_committed + len(state.uncommitted)
-        # `put` normalised an empty group_id to the trajectory's id, so group_id == id alone does not say
-        # "ungrouped": a group may be named after one of its members. Ungrouped = nobody else shares it.
-        sharing = Counter(t.group_id for t in state.uncommitted.values())
-        for traj in state.uncommitted.values():
-            self._live[traj.id] = traj
-            self._n_queued += 1
-            self._bytes += nbytes(traj)
-            alone = traj.group_id == traj.id and sharing[traj.group_id] == 1
-            self._insert(traj, ungrouped=alone)
-        if state.commits and self._wal is not None:
-            self._wal.repair_ledger(state.commits)
-        if state.uncommitted or state.cut_bytes:
-            log.info("queue recovered %d uncommitted trajectories", len(state.uncommitted))
+        self._open_log(run_dir, fence, lock_wait_s)
 
     # ----------------------------------------------------------------- producers
     async def put(
@@ -103,7 +87,8 @@ class ReplayQueue:
         raw: tuple[str, Any] | None = None,
     ) -> PutResult:
         """Validate all, then log and queue the new ones (all or nothing). Raises InvalidTrajectory, QueueFull,
-        QueueClosed or StorageError, and then nothing of the call was accepted.
+        QueueClosed or StorageError, and then nothing of the call was accepted (except: a StorageError for
+        duplicates of a concurrent put whose fsync failed; resending stores those).
 
         `raw = (content_type, body)`: the request body the trajectories were decoded from, in order (the HTTP
         server passes it); the log then stores those bytes instead of re-encoding the trajectories.
@@ -124,13 +109,14 @@ class ReplayQueue:
         self._n_queued += n
         self._bytes += new_bytes
         if fresh and self._wal is not None:
+            self._unsynced.update((t.id, t) for t in fresh)  # a compaction meanwhile must keep them
             try:
                 if raw is not None:
                     meta = wal_mod.BodyMeta(raw[0], indices, self.policy_version, now)
                     await self._append(wal_mod.RawPut(meta, raw[1]))
                 else:
                     await self._append(wal_mod.PutRecord(fresh))
-            except StorageError:
+            except (StorageError, QueueClosed) as exc:
                 self._known.difference_update(t.id for t in fresh)
                 self._admission.admitted -= n
                 self._n_queued -= n
@@ -138,16 +124,28 @@ class ReplayQueue:
                 if ticket is not None:
                     ticket.remaining += used
                     self._admission.in_flight += used
-                self.metrics.inc("storage_errors")
+                if isinstance(exc, StorageError):
+                    self.metrics.inc("storage_errors")
                 raise
-        for traj in fresh:
-            self._live[traj.id] = traj
-            self._insert(traj, ungrouped=traj.id in ungrouped)
+            except asyncio.CancelledError:  # the record is in the log: hold what a replay would bring back
+                self._accept(fresh, ungrouped)
+                raise
+            finally:
+                for traj in fresh:
+                    self._unsynced.pop(traj.id, None)
+        self._accept(fresh, ungrouped)
         self.metrics.inc("accepted", n)
         self.metrics.inc("duplicates", duplicates)
         self.metrics.inc("dropped_late", late)
         self._schedule_timers()
+        if duplicates:  # "duplicate" acknowledges too: only once the original is durable
+            await self._await_originals()
         return PutResult(accepted=n, duplicates=duplicates, dropped=late)
+
+    def _accept(self, fresh: list[Trajectory], ungrouped: set[str]) -> None:
+        for traj in fresh:
+            self._live[traj.id] = traj
+            self._insert(traj, ungrouped=traj.id in ungrouped)
 
     @property
     def window(self) -> int:
@@ -222,6 +220,8 @@ class ReplayQueue:
         if self._wal is not None and ids:
             try:  # never acknowledged to anyone: if lost, the ids come back and are dropped again
                 self._wal.append(wal_mod.DropRecord(ids, counter))
+            except QueueClosed:
+                pass
             except StorageError:
                 self.metrics.inc("storage_errors")
                 log.warning("queue log: cannot record %d dropped trajectories", len(ids))
@@ -320,7 +320,11 @@ class ReplayQueue:
         versions = {tid: self._live[tid].versions for tid in ids if tid in self._live}
         record = wal_mod.CommitRecord(step, ids, versions)
         if self._wal is not None:
-            await self._append(record)
+            self._committing += 1
+            try:
+                await self._append(record)
+            finally:
+                self._committing -= 1
         self.reclaim(versions)  # a resume rolls commits forward: those ids came back from the log, unsampled
         for tid in versions:
             self._sampled.pop(tid, None)
@@ -330,13 +334,18 @@ class ReplayQueue:
         self.metrics.inc("committed", len(versions))
         if self._wal is not None:
             try:  # the commit is durable in the log already; a missing ledger line is repaired on reopen
-                self._wal.ledger(record)
+                if self.cfg.fsync:
+                    await asyncio.to_thread(self._wal.ledger, record)
+                else:
+                    self._wal.ledger(record)
+            except QueueClosed:
+                raise
             except StorageError:
                 self.metrics.inc("storage_errors")
                 log.warning("ledger: cannot record step %d (repaired when the queue reopens)", step)
             self._commits_since_compact += 1
-            if self.cfg.compact_every > 0 and self._commits_since_compact >= self.cfg.compact_every:
-                self.compact()
+            if 0 < self.cfg.compact_every <= self._commits_since_compact and not self._committing:
+                self.compact()  # (not while another commit waits for its fsync: the snapshot would miss it)
 
     def reclaim(self, ids: Iterable[str]) -> int:
         """Mark uncommitted `ids` as handed to the learner (no log record): a restarted queue replays them from
@@ -366,26 +375,6 @@ class ReplayQueue:
                         group.timer.cancel()
                     del groups[key]
         self._admission.space.fire()
-
-    def compact(self) -> None:
-        """Rewrite the log as the known-id set plus the uncommitted trajectories (atomic rename)."""
-        if self._wal is None:
-            return
-        known = list(self._known.difference(self._live))
-        snapshot = wal_mod.SnapshotRecord(known, self._committed_steps, self._n_committed)
-        try:
-            self._wal.compact(snapshot, list(self._live.values()))
-            self._commits_since_compact = 0
-        except StorageError:
-            self.metrics.inc("storage_errors")
-            log.warning("queue log compaction failed; keeping the old log", exc_info=True)
-
-    async def _append(self, record: wal_mod.Record | wal_mod.RawPut) -> None:
-        assert self._wal is not None
-        if self.cfg.fsync:
-            await asyncio.to_thread(self._wal.append, record)
-        else:
-            self._wal.append(record)
 
     # ----------------------------------------------------------------- state
     def pending_ids(self) -> list[str]:
@@ -423,6 +412,8 @@ class ReplayQueue:
             "last_committed_step": self.last_committed_step,
             "committed_total": self._n_committed,
             "wal_bytes": self._wal.size_bytes if self._wal is not None else None,
+            "wal_fsyncs": self._wal.fsyncs if self._wal is not None else None,  # group commits
+            "wal_repairs": self.wal_repairs or None,  # damage skipped, tail cut, ledger reconciled on open
             "draining": self.closed,
             **self.metrics.as_dict(),
         }
