@@ -72,9 +72,14 @@ class ChatTokens:
             self.after_eot = self.suffix
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as exc:  # templates refuse conversations with jinja's raise_exception (roles, order)
+            if type(exc).__module__.startswith("jinja2"):
+                raise EnvError(f"the chat template refused the conversation: {exc}") from None
+            raise
 
     def encode(self, text: str) -> list[int]:
         if self._fast_encode is not None:
@@ -153,7 +158,10 @@ def conversation_tokens(
                                 "non-assistant message) before the first assistant reply")  # fmt: skip
     if not chat.has_template:
         raise InvalidTrajectory("messages", "the tokenizer has no chat template")
-    prompt = chat.prompt_ids(turns[:first])
+    try:
+        prompt = chat.prompt_ids(turns[:first])
+    except EnvError as exc:
+        raise InvalidTrajectory("messages", str(exc)) from None
     response: list[int] = []
     mask: list[int] = []
     i = first

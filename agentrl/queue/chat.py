@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 
 from agentrl.chat import chat_tokens, conversation_tokens
-from agentrl.errors import ConfigError, InvalidTrajectory
+from agentrl.errors import ConfigError, EnvError, InvalidTrajectory
 from agentrl.types import MASK_DTYPE, Trajectory, pack_tokens
 
 NO_TOKENIZER = (
@@ -37,7 +37,10 @@ class ChatTokenizer:
                 f"--model {model_dir}: the tokenizer has no chat_template (chat form needs one)"
             )
         self.tokenizer = tokenizer
-        self.chat = chat_tokens(tokenizer)
+        try:
+            self.chat = chat_tokens(tokenizer)
+        except EnvError as exc:
+            raise ConfigError(f"--model {model_dir}: {exc}") from None
         self.vocab_size = len(tokenizer)
 
     def tokenize(self, traj: Trajectory) -> Trajectory:
