@@ -39,6 +39,7 @@ TOKEN_MAX = int(np.iinfo(TOKEN_DTYPE).max)
 # log-probabilities are <= 0; a little above 0 is float rounding of log(1). e^-1000 underflows even float64
 # (below e^-745): no engine sampled a token that unlikely, so a smaller value is corruption.
 LOGPROB_MIN, LOGPROB_MAX = -1000.0, 1e-3
+METADATA_MIN, METADATA_MAX = -(2**63), 2**64 - 1  # numbers in metadata: msgpack's integers
 _MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # ndarray.min/max without the Python-level wrapper
 
 Status = Literal["completed", "truncated", "aborted", "failed"]
@@ -371,6 +372,22 @@ def _mask_bytes(value: Any, n: int) -> bytes | None:
     return arr.astype(MASK_DTYPE).tobytes()
 
 
+def _check_plain(path: str, value: Any) -> None:
+    """Metadata is plain JSON data whose numbers lie in [METADATA_MIN, METADATA_MAX]: the log stores it as
+    msgpack, which has no integers beyond 64 bits (and a float there is one written as such)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_plain(f"{path}.{key}", item)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_plain(f"{path}[{i}]", item)
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        if not METADATA_MIN <= value <= METADATA_MAX:
+            raise InvalidTrajectory(path, f"{value!r} is outside [{METADATA_MIN}, {METADATA_MAX}] (msgpack)")
+    elif not (value is None or isinstance(value, str | bool)):
+        raise InvalidTrajectory(path, f"must be plain JSON data, got {type(value).__name__}")
+
+
 def _versions(
     traj: Trajectory, n: int, default_version: int | None, max_version: int | None
 ) -> list[tuple[int, int]] | None:
@@ -431,6 +448,8 @@ def normalize(
         raise InvalidTrajectory("reward", "must be a finite number")
     if traj.turn_rewards is not None and not all(math.isfinite(r) for r in traj.turn_rewards):
         raise InvalidTrajectory("turn_rewards", "must be finite numbers")
+    if traj.metadata:
+        _check_plain("metadata", traj.metadata)
     for name in ("created_at", "finished_at"):
         value = getattr(traj, name)
         if not math.isfinite(value) or value < 0:

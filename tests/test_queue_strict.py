@@ -135,6 +135,25 @@ def test_integral_floats_are_integers(bg):
     )
 
 
+def test_metadata_the_log_cannot_store_is_refused(bg, tmp_path):
+    """JSON integers beyond 64 bits have no msgpack form: the log (chat form, compaction) could not store them."""
+    from agentrl.engines.tiny import train_tokenizer
+
+    train_tokenizer(vocab_size=400).save_pretrained(tmp_path / "tok")
+    server = bg(tokenizer_path=str(tmp_path / "tok"))
+    chat = {
+        "id": "c",
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+    }
+    for obj, field in [
+        ({**chat, "metadata": {"k": [1, 2**70]}}, "metadata.k[1]"),
+        (one("t", metadata={"a": {"b": -(2**64)}}), "metadata.a.b"),
+    ]:
+        status, _, body = post_json(server.url, obj)
+        assert (status, body["field"]) == (422, field), body
+    assert post_json(server.url, {**chat, "metadata": {"k": [1, 2**63, -1.5e18, None]}})[0] == 202
+
+
 def test_every_4xx_names_its_field_and_every_422_is_counted(bg, tmp_path):
     server = bg()
     bad = [

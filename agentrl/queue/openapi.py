@@ -16,7 +16,12 @@ from typing import Any
 import msgspec
 
 from agentrl import __version__
-from agentrl.types import PACKED_DTYPES, ROLES, Trajectory
+from agentrl.types import METADATA_MAX, METADATA_MIN, PACKED_DTYPES, ROLES, Trajectory
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
 
 _ARRAYS = ("prompt_ids", "response_ids", "loss_mask", "logprobs")
 _TOKEN_FORM = (*_ARRAYS, "versions")
@@ -50,6 +55,15 @@ _STATUS = {
     },
     "required": ["depth", "policy_version", "counts", "draining", "vocab_size", "token_ids_checked"],
 }  # fmt: skip
+_JSON_VALUE = {
+    "description": "metadata: plain JSON, numbers within msgpack's integer range (the log stores it as msgpack)",
+    "anyOf": [
+        {"type": ["null", "boolean", "string"]},
+        {"type": "number", "minimum": METADATA_MIN, "maximum": METADATA_MAX},
+        {"type": "array", "items": _ref("JSONValue")},
+        {"type": "object", "additionalProperties": _ref("JSONValue")},
+    ],
+}
 _DESCRIPTION = (
     "Submit trajectories as token ids (prompt_ids, response_ids, optional loss_mask / logprobs / versions) or, "
     "when the server has the run's tokenizer (`--model`), in chat form (`messages`, tokenized by the server "
@@ -59,10 +73,6 @@ _DESCRIPTION = (
     "Integers written as integral floats (608.0) are integers. Every error is `{error, field}`, `field` "
     "naming what was wrong; a request is all or nothing."
 )
-
-
-def _ref(name: str) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{name}"}
 
 
 def _json(schema: dict[str, Any]) -> dict[str, Any]:
@@ -96,6 +106,7 @@ def _trajectory(base: dict[str, Any], *, packed: bool, vocab_size: int | None, p
     versions["items"]["prefixItems"][0]["maximum"] = policy_version
     props["versions"].update(description="runs [policy_version, n_tokens] covering every response token",
                              **{"x-counts-sum-to-length-of": "response_ids"})  # fmt: skip
+    props["metadata"]["additionalProperties"] = _ref("JSONValue")
     props["policy_version"]["anyOf"][0]["maximum"] = policy_version
     props["policy_version"]["description"] = "at most the queue's current version; left out: stamped with it"
     for name in ("prompt_ids", "response_ids"):
@@ -146,6 +157,7 @@ def openapi_spec(
         "required": ["accepted", "duplicates", "dropped"],
     }
     components["Status"] = _STATUS
+    components["JSONValue"] = _JSON_VALUE
 
     def one_or_many(name: str) -> dict[str, Any]:
         return {"schema": {"oneOf": [_ref(name), {"type": "array", "items": _ref(name)}]}}
