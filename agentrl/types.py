@@ -289,12 +289,13 @@ def nbytes(traj: Trajectory) -> int:
 
 
 def _array(field: str, value: Any) -> np.ndarray:
-    """The values of an array field, in the dtype they declare: a list (int64 or float64, as numpy infers it),
-    an ndarray, `Packed` or bare bytes (in-process, `_BARE`)."""
+    """The values of an array field, in the dtype they declare: a list (float64, or for integer fields as numpy
+    infers it), an ndarray, `Packed` or bare bytes (in-process, `_BARE`)."""
     allowed = PACKED_DTYPES[field]
     if isinstance(value, list):
+        widest = _NP_DTYPES[allowed[-1]]  # integer lists are inferred: a float among them must not be truncated
         try:
-            arr = np.asarray(value) if value else np.empty(0, _NP_DTYPES[allowed[-1]])
+            arr = np.asarray(value, dtype=widest if widest.kind == "f" or not value else None)
         except (OverflowError, ValueError, TypeError) as exc:
             raise InvalidTrajectory(field, f"must be a flat list of numbers ({exc})") from None
     elif isinstance(value, np.ndarray):
