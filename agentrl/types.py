@@ -8,14 +8,12 @@ Invariants of a *normalized* trajectory (what `normalize` returns and everything
   `policy_version` is folded into one run and cleared. Staleness is measured from the oldest run.
 - `messages` (chat form) is never set: the queue server tokenizes it before normalizing.
 
-On the wire (`decode_trajectories(..., strict=True)`, the HTTP front door) every array says what its values
-are: JSON bodies send lists of numbers; msgpack bodies send lists or `Packed` {"dtype", "data": bin}. Bare
-bytes are refused there: int64 `[8, 2]` read as int32 would be `[8, 0, 2, 0]`. Bare bytes stay the in-process
-form (`pack_tokens`) and are read as int32 / uint8 / float32 in bodies the queue logged before this rule.
-An integer written as an integral float (`608.0`) is that integer (JSON Schema counts it as one).
-The bounds below are declared once, as `msgspec.Meta` on the Struct's fields: decoding enforces them, the
-JSON Schema (/openapi.json) states them, and `normalize` checks in-process trajectories against them.
-Nothing here imports torch or ray.
+On the wire (`decode_trajectories(..., strict=True)`, the HTTP front door) arrays say what they hold: JSON
+sends lists; msgpack lists or `Packed` {"dtype", "data": bin}. Bare bytes (int64 `[8, 2]` read as int32 is
+`[8, 0, 2, 0]`) are refused there; they stay the in-process form (`pack_tokens`, `BARE_DTYPES`), also in
+bodies logged before this rule. An integral float (`608.0`) in an integer field is that integer.
+Bounds are declared once, as `msgspec.Meta` on the fields: decoding enforces them, /openapi.json states them,
+`normalize` checks in-process trajectories against the same constants. Nothing here imports torch or ray.
 """
 
 from __future__ import annotations
@@ -46,17 +44,13 @@ Status = Literal["completed", "truncated", "aborted", "failed"]
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 ROLES: tuple[str, ...] = get_args(Role)
 DType = Literal["uint8", "int32", "int64", "float32", "float64"]
-_NP_DTYPES = {"uint8": np.dtype("u1"), "int32": np.dtype("<i4"), "int64": np.dtype("<i8"),
+NP_DTYPES = {"uint8": np.dtype("u1"), "int32": np.dtype("<i4"), "int64": np.dtype("<i8"),
               "float32": np.dtype("<f4"), "float64": np.dtype("<f8")}  # fmt: skip
-# per array field: the dtypes a Packed array may declare, and what bare (in-process) bytes hold
+# per array field: the dtypes a Packed array may declare, and the dtype of its bare (in-process) bytes
 PACKED_DTYPES = {"prompt_ids": ("uint8", "int32", "int64"), "response_ids": ("uint8", "int32", "int64"),
                  "loss_mask": ("uint8", "int32", "int64"), "logprobs": ("float32", "float64")}  # fmt: skip
-_BARE = {
-    "prompt_ids": TOKEN_DTYPE,
-    "response_ids": TOKEN_DTYPE,
-    "loss_mask": MASK_DTYPE,
-    "logprobs": LOGPROB_DTYPE,
-}
+BARE_DTYPES = {"prompt_ids": TOKEN_DTYPE, "response_ids": TOKEN_DTYPE, "loss_mask": MASK_DTYPE,
+         "logprobs": LOGPROB_DTYPE}  # fmt: skip
 
 
 class Packed(msgspec.Struct, forbid_unknown_fields=True):
@@ -111,7 +105,6 @@ _msgpack_encoder = msgspec.msgpack.Encoder()
 _json_encoder = msgspec.json.Encoder()
 _msgpack_decoder = msgspec.msgpack.Decoder(Trajectory | list[Trajectory])
 _json_decoder = msgspec.json.Decoder(Trajectory | list[Trajectory])
-_msgpack_one = msgspec.msgpack.Decoder(Trajectory)
 
 
 def encode_msgpack(obj: Any) -> bytes:
@@ -155,7 +148,7 @@ def decode_trajectories(
     items = out if isinstance(out, list) else [out]
     if strict:
         for i, traj in enumerate(items):
-            for name, bare in _BARE.items():
+            for name, bare in BARE_DTYPES.items():
                 value = getattr(traj, name)
                 if type(value) is bytes and value:
                     raise InvalidTrajectory(where(i, len(items), name), "a binary array must declare its dtype: "
@@ -197,25 +190,6 @@ def _integral(item: dict[str, Any]) -> None:
         item["policy_version"] = num(item["policy_version"])
     if isinstance(item.get("versions"), list):
         item["versions"] = [[num(x) for x in r] if isinstance(r, list) else r for r in item["versions"]]
-
-
-def decode_one(body: bytes) -> Trajectory:
-    return _msgpack_one.decode(body)
-
-
-def packed(arr: np.ndarray) -> Packed:
-    """A numpy array as a wire array that declares its dtype (other integer / float dtypes widen to 64 bits)."""
-    name = (
-        arr.dtype.name if arr.dtype.name in _NP_DTYPES else "int64" if arr.dtype.kind in "biu" else "float64"
-    )
-    return Packed(name, np.ascontiguousarray(arr, dtype=_NP_DTYPES[name]).tobytes())
-
-
-def declared(traj: Trajectory) -> Trajectory:
-    """`traj` as it goes on the wire: its bare in-process byte arrays wrapped in Packed naming their dtype."""
-    changes = {name: Packed(dtype.name, value) for name, dtype in _BARE.items()
-               if type(value := getattr(traj, name)) is bytes and value}  # fmt: skip
-    return msgspec.structs.replace(traj, **changes) if changes else traj
 
 
 def tokens(arr: TokenArray) -> np.ndarray:
@@ -290,10 +264,12 @@ def nbytes(traj: Trajectory) -> int:
 
 def _array(field: str, value: Any) -> np.ndarray:
     """The values of an array field, in the dtype they declare: a list (float64, or for integer fields as numpy
-    infers it), an ndarray, `Packed` or bare bytes (in-process, `_BARE`)."""
+    infers it), an ndarray, `Packed` or bare bytes (in-process, `BARE_DTYPES`)."""
     allowed = PACKED_DTYPES[field]
     if isinstance(value, list):
-        widest = _NP_DTYPES[allowed[-1]]  # integer lists are inferred: a float among them must not be truncated
+        widest = NP_DTYPES[
+            allowed[-1]
+        ]  # integer lists are inferred: a float among them must not be truncated
         try:
             arr = np.asarray(value, dtype=widest if widest.kind == "f" or not value else None)
         except (OverflowError, ValueError, TypeError) as exc:
@@ -303,12 +279,11 @@ def _array(field: str, value: Any) -> np.ndarray:
     else:
         if isinstance(value, Packed):
             if value.dtype not in allowed:
-                raise InvalidTrajectory(
-                    f"{field}.dtype", f"must be one of {', '.join(allowed)}, got {value.dtype}"
-                )
-            dtype, value = _NP_DTYPES[value.dtype], value.data
+                raise InvalidTrajectory(f"{field}.dtype", f"must be one of {', '.join(allowed)}, "
+                                        f"got {value.dtype}")  # fmt: skip
+            dtype, value = NP_DTYPES[value.dtype], value.data
         else:
-            dtype = _BARE[field]
+            dtype = BARE_DTYPES[field]
         if len(value) % dtype.itemsize:
             raise InvalidTrajectory(field, f"{len(value)} bytes are not whole {dtype.name} values "
                                     f"({dtype.itemsize} bytes each, little-endian)")  # fmt: skip

@@ -7,6 +7,7 @@ import pytest
 
 from agentrl import types as T
 from agentrl.errors import InvalidTrajectory
+from agentrl.queue.client import packed
 
 
 def make(**kw):
@@ -64,7 +65,7 @@ def test_invalid_fields_are_named(kw, field):
 def test_arrays_are_read_in_the_dtype_they_declare():
     """int64 [8, 2] is [8, 2], never its bytes read as int32 ([8, 0, 2, 0])."""
     int64 = np.array([8, 2], dtype=np.int64)
-    for value in (int64, T.Packed("int64", int64.tobytes()), T.packed(int64), [8.0, 2]):
+    for value in (int64, T.Packed("int64", int64.tobytes()), packed(int64), [8.0, 2]):
         t = T.normalize(make(response_ids=value))
         assert T.tokens(t.response_ids).tolist() == [8, 2], value
     t = T.normalize(make(logprobs=T.Packed("float64", np.array([-0.5, -2.0]).tobytes())))

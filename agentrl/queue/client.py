@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 
 from agentrl.errors import AgentRLError
-from agentrl.types import Trajectory, declared, packed
+from agentrl.types import BARE_DTYPES, NP_DTYPES, Packed, Trajectory
 
 RETRY_STATUSES = (429, 503)
 
@@ -30,6 +30,21 @@ class SubmitError(AgentRLError):
     def __init__(self, status: int, message: str, field: str | None = None):
         super().__init__(f"HTTP {status}: {message}" + (f" (field {field})" if field else ""))
         self.status, self.message, self.field = status, message, field
+
+
+def packed(arr: np.ndarray) -> Packed:
+    """A numpy array as a wire array that declares its dtype (other integer / float dtypes widen to 64 bits)."""
+    name = (
+        arr.dtype.name if arr.dtype.name in NP_DTYPES else "int64" if arr.dtype.kind in "biu" else "float64"
+    )
+    return Packed(name, np.ascontiguousarray(arr, dtype=NP_DTYPES[name]).tobytes())
+
+
+def declared(traj: Trajectory) -> Trajectory:
+    """`traj` as it goes on the wire: its bare in-process byte arrays wrapped in Packed naming their dtype."""
+    changes = {name: Packed(dtype.name, value) for name, dtype in BARE_DTYPES.items()
+               if type(value := getattr(traj, name)) is bytes and value}  # fmt: skip
+    return msgspec.structs.replace(traj, **changes) if changes else traj
 
 
 def _enc_hook(obj: Any) -> Any:

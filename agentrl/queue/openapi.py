@@ -16,7 +16,15 @@ from typing import Any
 import msgspec
 
 from agentrl import __version__
-from agentrl.types import METADATA_MAX, METADATA_MIN, PACKED_DTYPES, ROLES, Trajectory
+from agentrl.types import (
+    LOGPROB_MAX,
+    LOGPROB_MIN,
+    METADATA_MAX,
+    METADATA_MIN,
+    PACKED_DTYPES,
+    ROLES,
+    Trajectory,
+)
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -24,7 +32,6 @@ def _ref(name: str) -> dict[str, str]:
 
 
 _ARRAYS = ("prompt_ids", "response_ids", "loss_mask", "logprobs")
-_TOKEN_FORM = (*_ARRAYS, "versions")
 _SUBMIT_ERRORS = {
     "400": "malformed body (not msgpack / JSON); `field` is `body`",
     "408": "body not received within queue.read_timeout_s",
@@ -84,9 +91,8 @@ def _trajectory(base: dict[str, Any], *, packed: bool, vocab_size: int | None, p
     """The Struct's schema for one media type and the serving queue's state."""
     schema = copy.deepcopy(base)
     props = schema["properties"]
-    for (
-        name
-    ) in _ARRAYS:  # bare bytes (base64 strings in JSON) are refused on the wire; Packed only in msgpack
+    # bare bytes (base64 strings in JSON) are refused on the wire; {"dtype", "data"} only in msgpack
+    for name in _ARRAYS:
         keep = []
         for variant in props[name]["anyOf"]:
             if "$ref" in variant and packed:
@@ -101,7 +107,9 @@ def _trajectory(base: dict[str, Any], *, packed: bool, vocab_size: int | None, p
     for name in ("loss_mask", "logprobs"):
         props[name]["description"] = "one value per response_ids token"
         props[name]["x-same-length-as"] = "response_ids"
-    props["logprobs"]["description"] += " (log-probabilities: <= 0, up to 1e-3 of float rounding, >= -1000)"
+    props["logprobs"]["description"] += (
+        f" (log-probabilities: <= 0, up to {LOGPROB_MAX:g} of float rounding, >= {LOGPROB_MIN:g})"
+    )
     versions = props["versions"]["anyOf"][0]
     versions["items"]["prefixItems"][0]["maximum"] = policy_version
     props["versions"].update(description="runs [policy_version, n_tokens] covering every response token",
@@ -114,7 +122,6 @@ def _trajectory(base: dict[str, Any], *, packed: bool, vocab_size: int | None, p
     both = {"required": ["policy_version", "versions"],
             "properties": {"policy_version": {"type": "integer"}, "versions": {"type": "array"}}}  # fmt: skip
     schema["not"] = both  # give either policy_version or versions
-    token_form = {"required": ["response_ids"], "properties": {"messages": {"type": "null"}}}
     if not chat:
         props["messages"] = {
             "type": "null",
@@ -132,6 +139,7 @@ def _trajectory(base: dict[str, Any], *, packed: bool, vocab_size: int | None, p
         },
         "not": {"anyOf": [{"required": ["prompt_ids"]}, {"required": ["response_ids"]}]},
     }
+    token_form = {"required": ["response_ids"], "properties": {"messages": {"type": "null"}}}
     schema["oneOf"] = [token_form, chat_form]
     return schema
 

@@ -5,8 +5,8 @@ Invariants: every error is JSON `{"error": message, "field": field-or-null}` wit
 docs/queue.md and /openapi.json, `field` naming what was wrong (`[1].id`, `messages[2].role`, `body`,
 `Authorization`, ...); every 422 is counted in `counts.rejected_invalid`; a request body is decoded and
 validated entirely before anything in it is accepted; only /healthz and /openapi.json are open without the
-bearer token; the token is never logged; a blank token, or a non-loopback address without one, is refused. Runs in-process (`await QueueServer(queue, cfg).start()` -> port) or
-from `agentrl serve-queue`.
+bearer token; the token is never logged; a blank token, or a non-loopback address without one, is refused.
+Runs in-process (`await QueueServer(queue, cfg).start()` -> port) or from `agentrl serve-queue`.
 """
 
 from __future__ import annotations
@@ -234,10 +234,8 @@ class QueueServer:
     async def _submit(self, body: memoryview | bytes, ctype: str) -> web.Response:
         try:
             trajectories = decode_trajectories(body, ctype, strict=True)
-            raw: tuple[str, Any] | None = (
-                ctype,
-                body,
-            )  # the WAL stores the body as received (no re-encoding)
+            # the WAL stores the body as received (no re-encoding); chat form is logged tokenized
+            raw: tuple[str, Any] | None = (ctype, body)
             if any(t.messages is not None for t in trajectories):
                 trajectories, raw = await self._tokenize(trajectories), None
         except InvalidTrajectory as exc:  # refused before the queue screened it: count it here
