@@ -40,9 +40,12 @@ def packed(arr: np.ndarray) -> Packed:
     return Packed(name, np.ascontiguousarray(arr, dtype=NP_DTYPES[name]).tobytes())
 
 
+_BARE_NAMES = {field: dtype.name for field, dtype in BARE_DTYPES.items()}  # dtype.name costs ~2 us a call
+
+
 def declared(traj: Trajectory) -> Trajectory:
     """`traj` as it goes on the wire: its bare in-process byte arrays wrapped in Packed naming their dtype."""
-    changes = {name: Packed(dtype.name, value) for name, dtype in BARE_DTYPES.items()
+    changes = {name: Packed(dtype, value) for name, dtype in _BARE_NAMES.items()
                if type(value := getattr(traj, name)) is bytes and value}  # fmt: skip
     return msgspec.structs.replace(traj, **changes) if changes else traj
 
