@@ -5,7 +5,7 @@
     AGENTRL_QUEUE_TOKEN=secret python examples/external_agent.py --url http://127.0.0.1:8765
 
 Token form: the agent sends the token ids it sampled (and the behaviour log-probs and the policy version, when
-it knows them). Chat form: the agent sends `messages` + reward; the server tokenizes them with the run's chat
+it knows them), as lists or numpy arrays (the client sends an array with its dtype). Chat form: the agent sends `messages` + reward; the server tokenizes them with the run's chat
 template and trains only on assistant turns (the server needs --model for that, else it answers 422).
 """
 
@@ -16,8 +16,9 @@ import os
 import random
 import uuid
 
+import numpy as np
+
 from agentrl.queue.client import QueueClient, SubmitError
-from agentrl.types import pack_floats, pack_tokens
 
 
 def token_form_group(n: int, rng: random.Random) -> list[dict]:
@@ -31,9 +32,9 @@ def token_form_group(n: int, rng: random.Random) -> list[dict]:
             "id": f"{group}-{k}",
             "group_id": group,
             "env": "external_demo",
-            "prompt_ids": pack_tokens(prompt),  # or a plain list of ints
-            "response_ids": pack_tokens(response),
-            "logprobs": pack_floats([-rng.random() for _ in response]),
+            "prompt_ids": prompt,  # a plain list of ints, or a numpy array of any integer dtype
+            "response_ids": np.asarray(response, dtype=np.int64),
+            "logprobs": np.asarray([-rng.random() for _ in response], dtype=np.float32),
             "policy_version": 0,
             "reward": float(rng.random() > 0.5),
             "metadata": {"agent": "external_agent.py"},

@@ -36,14 +36,13 @@ from agentrl.engines.base import Engine, SamplingParams
 from agentrl.errors import ConfigError, QueueClosed, QueueFull
 from agentrl.generator import RolloutContext
 from agentrl.plugins import load_object
-from agentrl.types import Trajectory
-from generators.openai_schema import chat_decoder, encoder, error_body, error_param, reward_decoder
+from agentrl.types import ROLES, Trajectory, validation_field
+from generators.openai_schema import chat_decoder, encoder, error_body, reward_decoder
 
 # Segment, Session and RequestError stay importable from here
 from generators.proxy_session import ProxySessions, RequestError, Segment, Session  # noqa: F401
 
 Sink = Callable[[list[Trajectory]], Any]
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
 class OpenAIProxy(ProxySessions):
@@ -154,7 +153,7 @@ class OpenAIProxy(ProxySessions):
             try:
                 req = chat_decoder.decode(body)
             except msgspec.ValidationError as exc:
-                raise RequestError(400, f"invalid request: {exc}", error_param(exc)) from None
+                raise RequestError(400, f"invalid request: {exc}", validation_field(exc)) from None
             except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
                 raise RequestError(400, f"request body is not valid JSON: {exc}") from None
             if not req.messages:
@@ -162,7 +161,7 @@ class OpenAIProxy(ProxySessions):
             for i, message in enumerate(req.messages):
                 if message.role not in ROLES:
                     raise RequestError(
-                        400, f"role {message.role!r} is not one of {sorted(ROLES)}", f"messages[{i}].role"
+                        400, f"role {message.role!r} is not one of {list(ROLES)}", f"messages[{i}].role"
                     )
             sid = request.match_info.get("sid") or request.headers.get("X-Session-Id") or req.user
             if not sid:
@@ -180,7 +179,7 @@ class OpenAIProxy(ProxySessions):
                 req = reward_decoder.decode(await self._body(request))
             except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
                 raise RequestError(
-                    400, f"invalid reward request: {exc}", error_param(exc) or "reward"
+                    400, f"invalid reward request: {exc}", validation_field(exc) or "reward"
                 ) from None
             session = self._existing(sid)
             async with session.lock:

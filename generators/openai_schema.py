@@ -6,7 +6,6 @@ reported as a 400 naming it (`param`), the way OpenAI reports invalid requests.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import msgspec
@@ -48,20 +47,6 @@ class RewardRequest(msgspec.Struct, kw_only=True):
 chat_decoder = msgspec.json.Decoder(ChatRequest)
 reward_decoder = msgspec.json.Decoder(RewardRequest)
 encoder = msgspec.json.Encoder()
-
-_PATH = re.compile(r"at `\$\.?([^`]*)`")
-_MISSING = re.compile(r"missing required field `([^`]+)`")
-
-
-def error_param(exc: Exception) -> str:
-    """The request field a msgspec decode error points at ('' when it cannot tell)."""
-    text = str(exc)
-    missing = _MISSING.search(text)
-    path = _PATH.search(text)
-    if missing:
-        prefix = path.group(1) + "." if path and path.group(1) else ""
-        return prefix + missing.group(1)
-    return path.group(1) if path else ""
 
 
 def message_text(message: ChatMessage) -> str:

@@ -273,12 +273,12 @@ def test_pad_batch_shapes_and_values():
 
 
 def test_encode_decode_round_trip_msgpack_and_json():
-    from agentrl.queue.client import encode_body
+    from agentrl.queue.client import declared, encode_body
     from agentrl.types import decode_trajectories, encode_json
 
     t = Trajectory(id="x", prompt_ids=pack_tokens([1, 2]), response_ids=pack_tokens([3]), logprobs=pack_floats([-0.5]),
                    versions=[(1, 1)], metadata={"k": [1, "v"]}, reward=0.25)  # fmt: skip
-    assert decode_trajectories(encode_body([t, t]))[1] == t
+    assert decode_trajectories(encode_body([t, t]))[1] == declared(t)  # the client declares array dtypes
     as_dict = {"id": "x", "prompt_ids": [1, 2], "response_ids": t.response_ids, "policy_version": 1}
     assert decode_trajectories(encode_body(as_dict))[0].response_ids == t.response_ids
     assert decode_trajectories(msgspec.json.encode(msgspec.to_builtins(t)), "application/json")[0] == t

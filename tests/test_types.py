@@ -2,12 +2,12 @@
 
 import math
 
-import msgspec
 import numpy as np
 import pytest
 
 from agentrl import types as T
 from agentrl.errors import InvalidTrajectory
+from agentrl.queue.client import packed
 
 
 def make(**kw):
@@ -48,12 +48,39 @@ def test_all_ones_mask_is_dropped_and_partial_mask_kept():
         (dict(id=""), "id"),
         (dict(response_ids=b"\x01\x00\x00"), "response_ids"),
         (dict(versions=[(1, 2)]), "policy_version"),
+        (dict(logprobs=[-1.0, -1e30]), "logprobs"),
+        (dict(response_ids=T.Packed("float32", b"\0" * 8)), "response_ids.dtype"),
+        (dict(response_ids=T.Packed("int64", b"\0" * 12)), "response_ids"),
+        (dict(response_ids=[4.5, 5]), "response_ids"),
+        (dict(metadata={"k": {"n": 2**64}}), "metadata.k.n"),
+        (dict(metadata={"k": [object()]}), "metadata.k[0]"),
     ],
 )
 def test_invalid_fields_are_named(kw, field):
     with pytest.raises(InvalidTrajectory) as err:
         T.normalize(make(**kw))
     assert err.value.field == field
+
+
+def test_arrays_are_read_in_the_dtype_they_declare():
+    """int64 [8, 2] is [8, 2], never its bytes read as int32 ([8, 0, 2, 0])."""
+    int64 = np.array([8, 2], dtype=np.int64)
+    for value in (int64, T.Packed("int64", int64.tobytes()), packed(int64), [8.0, 2]):
+        t = T.normalize(make(response_ids=value))
+        assert T.tokens(t.response_ids).tolist() == [8, 2], value
+    t = T.normalize(make(logprobs=T.Packed("float64", np.array([-0.5, -2.0]).tobytes())))
+    assert T.floats(t.logprobs).tolist() == [-0.5, -2.0]
+
+
+def test_max_version_refuses_versions_from_the_future():
+    T.normalize(make(policy_version=3), max_version=3)
+    for kw, field in (
+        (dict(policy_version=4), "policy_version"),
+        (dict(policy_version=None, versions=[(3, 1), (5, 1)]), "versions[1]"),
+    ):
+        with pytest.raises(InvalidTrajectory) as err:
+            T.normalize(make(**kw), max_version=3)
+        assert err.value.field == field
 
 
 def test_vocab_bound():
@@ -86,15 +113,17 @@ def test_msgpack_and_json_round_trip():
         assert out[0] == t
 
 
-def test_json_accepts_plain_lists_and_base64():
+def test_bodies_logged_before_declared_dtypes_still_decode_as_int32():
+    """A WAL replays request bodies as received: bare bytes (base64 in JSON) were little-endian int32."""
     body = b'{"id": "a", "prompt_ids": [1, 2], "response_ids": "BAAAAAUAAAA=", "reward": 1}'
     (t,) = T.decode_trajectories(body, "application/json")
     assert T.tokens(T.normalize(t).response_ids).tolist() == [4, 5]
 
 
 def test_unknown_field_rejected_with_name():
-    with pytest.raises(msgspec.ValidationError, match="bogus"):
+    with pytest.raises(InvalidTrajectory) as err:
         T.decode_trajectories(b'{"id": "a", "bogus": 1}', "application/json")
+    assert err.value.field == "bogus"
 
 
 def test_token_view_is_zero_copy():

@@ -2,7 +2,10 @@
 
 Invariants:
 - Screening is all or nothing: every item must normalize, else the whole put is refused with InvalidTrajectory
-  naming `[i].field` (the bare field for a single item). An id already known, or repeated in the call, is a
+  naming `[i].field` (the bare field for a single item) and counted in `rejected_invalid` (one per put, as
+  `rejected_full` counts refused puts).
+  An `external` put (HTTP) may not carry a policy version above the queue's: in-process producers may (the
+  engines learn a new version just before the queue does). An id already known, or repeated in the call, is a
   duplicate; a grouped member whose group was released, or past `group_size`, is late. Neither is queued.
   Screening changes only the metrics.
 - Window (AReaL): admitted + in_flight <= window = (policy_version + max_staleness + 1) * batch_size, where
@@ -25,7 +28,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from agentrl.errors import InvalidTrajectory, QueueClosed, QueueFull
 from agentrl.queue.primitives import Ticket, _Group, _Signal
-from agentrl.types import Trajectory, normalize
+from agentrl.types import Trajectory, normalize, where
 
 if TYPE_CHECKING:
     from agentrl.queue.core import ReplayQueue
@@ -53,10 +56,16 @@ class Admission:
         return int(q.cfg.external_share * (q.cfg.max_staleness + 1) * q.batch_size)
 
     def screen(
-        self, items: list[Trajectory], known: set[str], pending: dict[str, _Group], released: dict[str, int]
+        self,
+        items: list[Trajectory],
+        known: set[str],
+        pending: dict[str, _Group],
+        released: dict[str, int],
+        external: bool = False,
     ) -> tuple[list[Trajectory], list[int], set[str], int, int]:
         """Normalize `items`; returns (fresh, their indices in items, ungrouped fresh ids, duplicates, late)."""
         q = self.queue
+        max_version = q.policy_version if external else None
         fresh: list[Trajectory] = []
         indices: list[int] = []
         ungrouped: set[str] = set()
@@ -67,16 +76,14 @@ class Admission:
             try:
                 if not isinstance(raw, Trajectory):
                     raise InvalidTrajectory("$", f"expected a Trajectory, got {type(raw).__name__}")
-                traj = normalize(raw, vocab_size=q.vocab_size, default_version=q.policy_version)
+                traj = normalize(raw, vocab_size=q.vocab_size, default_version=q.policy_version,
+                                 max_version=max_version)  # fmt: skip
             except InvalidTrajectory as exc:
-                q.metrics.inc("rejected_invalid", len(items))
-                where = f"[{i}].{exc.field}" if len(items) > 1 else exc.field
-                raise InvalidTrajectory(where, exc.message) from None
-            except (OverflowError, ValueError, TypeError) as exc:  # e.g. a loss_mask value beyond int64
-                q.metrics.inc("rejected_invalid", len(items))
-                raise InvalidTrajectory(
-                    f"[{i}]" if len(items) > 1 else "$", f"value out of range ({exc})"
-                ) from None
+                q.metrics.inc("rejected_invalid")
+                raise InvalidTrajectory(where(i, len(items), exc.field), exc.message) from None
+            except (OverflowError, ValueError, TypeError) as exc:  # in-process items of the wrong shape
+                q.metrics.inc("rejected_invalid")
+                raise InvalidTrajectory(where(i, len(items), "$"), f"malformed trajectory ({exc})") from None
             if traj.id in known or traj.id in seen:
                 duplicates += 1
                 continue

@@ -20,7 +20,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--run-dir", default="runs/queue", help="directory of the write-ahead log and ledger")
     parser.add_argument("--token", default=None, help=f"bearer token clients must send (or ${TOKEN_ENV})")
-    parser.add_argument("--model", default="", help="HF model/tokenizer dir: enables chat-form trajectories")
+    parser.add_argument(
+        "--model",
+        default="",
+        help="HF model/tokenizer dir: enables chat-form trajectories and bounds token ids by its vocabulary",
+    )
+    parser.add_argument("--vocab-size", type=int, default=None, help="refuse token ids >= N (default: the "
+                        "--model tokenizer's size; with neither, ids are unchecked and /v1/status says so)")  # fmt: skip
     parser.add_argument("--config", default=None, help="TOML config file ([queue] section is used)")
     parser.add_argument(
         "--policy-version", type=int, default=0, help="policy version to stamp unversioned data"
@@ -34,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resolve(args: argparse.Namespace):
     from agentrl.config import load_config, parse_overrides
+    from agentrl.errors import ConfigError
 
     extra = parse_overrides(list(args.overrides or []))
     if args.config is None:  # standalone queue: honour max_staleness (sync mode would force it to 0)
@@ -47,6 +54,11 @@ def resolve(args: argparse.Namespace):
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV, "")
     if token:
         q.token = token
+    if args.vocab_size is not None and args.vocab_size < 1:
+        raise ConfigError(f"--vocab-size must be >= 1, got {args.vocab_size}")
+    from agentrl.queue.server import check_token
+
+    check_token(q.token)
     return cfg
 
 
@@ -85,11 +97,20 @@ async def _serve(cfg, args: argparse.Namespace) -> None:
     from agentrl.queue.server import QueueServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    queue = ReplayQueue(cfg.queue, args.run_dir, policy_version=args.policy_version)
-    server = QueueServer(queue, cfg.queue, tokenizer_path=args.model or None)
-    await server.start()
+    queue = ReplayQueue(
+        cfg.queue, args.run_dir, policy_version=args.policy_version, vocab_size=args.vocab_size
+    )
+    try:
+        server = QueueServer(queue, cfg.queue, tokenizer_path=args.model or None)
+        await server.start()
+    except BaseException:
+        queue.close()
+        raise
     auth = "token required" if server.token else "no token"
     print(f"agentrl queue listening on {server.url} (run dir {args.run_dir}, {auth})", flush=True)
+    if queue.vocab_size is None:
+        print("agentrl queue: token ids are not checked against a vocabulary (pass --vocab-size N or --model "
+              "DIR); /v1/status says token_ids_checked = false", file=sys.stderr, flush=True)  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

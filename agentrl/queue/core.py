@@ -85,6 +85,7 @@ class ReplayQueue(DurableQueue):
         *,
         ticket: Ticket | None = None,
         raw: tuple[str, Any] | None = None,
+        external: bool = False,
     ) -> PutResult:
         """Validate all, then log and queue the new ones (all or nothing). Raises InvalidTrajectory, QueueFull,
         QueueClosed or StorageError, and then nothing of the call was accepted (except: a StorageError for
@@ -99,7 +100,7 @@ class ReplayQueue(DurableQueue):
         items = [trajectories] if isinstance(trajectories, Trajectory) else list(trajectories)
         now = time.time()
         fresh, indices, ungrouped, duplicates, late = self._admission.screen(
-            items, self._known, self._pending, self._released
+            items, self._known, self._pending, self._released, external
         )
         n, new_bytes = len(fresh), sum(nbytes(t) for t in fresh)
         self._admission.check(n, new_bytes, ticket, self._n_queued, self._bytes)

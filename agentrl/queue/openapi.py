@@ -1,38 +1,159 @@
-"""OpenAPI 3.1 description of the queue's HTTP API, with the trajectory schema generated from the Struct."""
+"""OpenAPI 3.1 description of the queue's HTTP API: the trajectory schema is generated from the Struct (whose
+`msgspec.Meta` bounds decoding also enforces) and completed here with what depends on the serving queue (the
+vocabulary, the current policy version, whether chat form is on) and the rules JSON Schema can state: the two
+forms, `policy_version` xor `versions`, one status code per answer the server gives.
+
+Two rules cross fields and have no JSON Schema keyword: `loss_mask` / `logprobs` hold one value per response
+token (`x-same-length-as`) and `versions` counts add up to the response length (`x-counts-sum-to-length-of`).
+"""
 
 from __future__ import annotations
 
-from functools import cache
+import copy
+from functools import lru_cache
 from typing import Any
 
 import msgspec
 
 from agentrl import __version__
-from agentrl.types import Trajectory
-
-_ERROR_CODES = {
-    "400": "malformed body (not msgpack / JSON)",
-    "401": "missing or wrong bearer token",
-    "413": "body over queue.max_body_bytes",
-    "415": "content type other than application/msgpack or application/json",
-    "422": "invalid trajectory; `field` names the offending field",
-    "429": "backpressure (staleness window, count or byte cap); honour Retry-After",
-    "503": "draining; honour Retry-After",
-    "507": "the write-ahead log could not store the request; nothing was accepted",
-}
+from agentrl.types import (
+    LOGPROB_MAX,
+    LOGPROB_MIN,
+    METADATA_MAX,
+    METADATA_MIN,
+    PACKED_DTYPES,
+    ROLES,
+    Trajectory,
+)
 
 
 def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
+_ARRAYS = ("prompt_ids", "response_ids", "loss_mask", "logprobs")
+_SUBMIT_ERRORS = {
+    "400": "malformed body (not msgpack / JSON); `field` is `body`",
+    "408": "body not received within queue.read_timeout_s",
+    "413": "body over queue.max_body_bytes",
+    "415": "content type other than application/msgpack or application/json; `field` is `Content-Type`",
+    "422": "invalid trajectory: `field` is its path (`id`, `[1].id`, `messages[2].role`, `response_ids[3]`)",
+    "429": "backpressure (staleness window, count or byte cap); honour Retry-After",
+    "503": "draining; honour Retry-After",
+    "507": "the write-ahead log could not store the request; nothing was accepted",
+}
+_INT = {"type": "integer", "minimum": 0}
+_WAIT = {"type": "object", "properties": {k: {"type": "number", "minimum": 0} for k in ("count", "sum_s", "mean_s", "max_s")}}  # fmt: skip
+_STATUS = {
+    "type": "object",
+    "properties": {
+        **{k: _INT for k in ("depth", "ready", "pending_groups", "in_sample", "bytes", "in_flight", "admitted",
+                             "policy_version", "max_staleness", "group_size", "known_ids", "committed_total")},
+        **{k: {"type": ["integer", "null"]} for k in ("window", "last_committed_step", "wal_bytes")},
+        "batch_size": {"type": "integer"},
+        "draining": {"type": "boolean"},
+        "counts": {"type": "object", "additionalProperties": _INT},
+        "staleness": {"type": "object", "additionalProperties": _INT},
+        "sample_wait": _WAIT,
+        "reserve_wait": _WAIT,
+        "vocab_size": {"type": ["integer", "null"], "minimum": 1},
+        "token_ids_checked": {"type": "boolean", "description": "false: serve-queue runs without --model or "
+                              "--vocab-size, and token ids are only checked to be int32 and >= 0"},
+    },
+    "required": ["depth", "policy_version", "counts", "draining", "vocab_size", "token_ids_checked"],
+}  # fmt: skip
+_JSON_VALUE = {
+    "description": "metadata: plain JSON, numbers within msgpack's integer range (the log stores it as msgpack)",
+    "anyOf": [
+        {"type": ["null", "boolean", "string"]},
+        {"type": "number", "minimum": METADATA_MIN, "maximum": METADATA_MAX},
+        {"type": "array", "items": _ref("JSONValue")},
+        {"type": "object", "additionalProperties": _ref("JSONValue")},
+    ],
+}
+_DESCRIPTION = (
+    "Submit trajectories as token ids (prompt_ids, response_ids, optional loss_mask / logprobs / versions) or, "
+    "when the server has the run's tokenizer (`--model`), in chat form (`messages`, tokenized by the server "
+    "as the multi-turn generator would). JSON bodies send arrays as lists of numbers. msgpack bodies may also "
+    'send an array as `{"dtype": ..., "data": <bin>}` (little-endian; int32/int64/uint8 for token ids and '
+    "loss_mask, float32/float64 for logprobs); bare bytes are refused (their dtype would be a guess). "
+    "Integers written as integral floats (608.0) are integers. Every error is `{error, field}`, `field` "
+    "naming what was wrong; a request is all or nothing."
+)
+
+
 def _json(schema: dict[str, Any]) -> dict[str, Any]:
     return {"application/json": {"schema": schema}}
 
 
-@cache
-def openapi_spec() -> dict[str, Any]:
+def _trajectory(base: dict[str, Any], *, packed: bool, vocab_size: int | None, policy_version: int,
+                chat: bool) -> dict[str, Any]:  # fmt: skip
+    """The Struct's schema for one media type and the serving queue's state."""
+    schema = copy.deepcopy(base)
+    props = schema["properties"]
+    # bare bytes (base64 strings in JSON) are refused on the wire; {"dtype", "data"} only in msgpack
+    for name in _ARRAYS:
+        keep = []
+        for variant in props[name]["anyOf"]:
+            if "$ref" in variant and packed:
+                dtypes = {"properties": {"dtype": {"enum": list(PACKED_DTYPES[name])}}}
+                keep.append({"allOf": [variant, dtypes]})
+            elif variant.get("type") == "array" and name.endswith("_ids") and vocab_size is not None:
+                variant["items"]["maximum"] = vocab_size - 1
+                keep.append(variant)
+            elif variant.get("type") in ("array", "null"):
+                keep.append(variant)
+        props[name] = {"anyOf": keep} if len(keep) > 1 else keep[0]
+    for name in ("loss_mask", "logprobs"):
+        props[name]["description"] = "one value per response_ids token"
+        props[name]["x-same-length-as"] = "response_ids"
+    props["logprobs"]["description"] += (
+        f" (log-probabilities: <= 0, up to {LOGPROB_MAX:g} of float rounding, >= {LOGPROB_MIN:g})"
+    )
+    versions = props["versions"]["anyOf"][0]
+    versions["items"]["prefixItems"][0]["maximum"] = policy_version
+    props["versions"].update(description="runs [policy_version, n_tokens] covering every response token",
+                             **{"x-counts-sum-to-length-of": "response_ids"})  # fmt: skip
+    props["metadata"]["additionalProperties"] = _ref("JSONValue")
+    props["policy_version"]["anyOf"][0]["maximum"] = policy_version
+    props["policy_version"]["description"] = "at most the queue's current version; left out: stamped with it"
+    for name in ("prompt_ids", "response_ids"):
+        props[name].pop("default", None)
+    both = {"required": ["policy_version", "versions"],
+            "properties": {"policy_version": {"type": "integer"}, "versions": {"type": "array"}}}  # fmt: skip
+    schema["not"] = both  # give either policy_version or versions
+    if not chat:
+        props["messages"] = {
+            "type": "null",
+            "description": "chat form needs the server's tokenizer (--model)",
+        }
+        schema["required"] = ["id", "response_ids"]
+        return schema
+    first = {"properties": {"role": {"enum": [r for r in ROLES if r != "assistant"]}}}
+    reply = {"properties": {"role": {"const": "assistant"}}}
+    chat_form = {
+        "required": ["messages"],
+        "properties": {
+            "messages": {"type": "array", "minItems": 2, "prefixItems": [first], "contains": reply},
+            **{name: {"type": "null"} for name in ("loss_mask", "logprobs", "versions")},
+        },
+        "not": {"anyOf": [{"required": ["prompt_ids"]}, {"required": ["response_ids"]}]},
+    }
+    token_form = {"required": ["response_ids"], "properties": {"messages": {"type": "null"}}}
+    schema["oneOf"] = [token_form, chat_form]
+    return schema
+
+
+@lru_cache(maxsize=8)
+def openapi_spec(
+    *, policy_version: int = 0, vocab_size: int | None = None, chat: bool = False
+) -> dict[str, Any]:
     _, components = msgspec.json.schema_components([Trajectory], ref_template="#/components/schemas/{name}")
+    base = components.pop("Trajectory")
+    state = {"vocab_size": vocab_size, "policy_version": policy_version, "chat": chat}
+    components["Trajectory"] = _trajectory(base, packed=False, **state)
+    components["TrajectoryMsgpack"] = _trajectory(base, packed=True, **state)
+    components["Packed"]["properties"]["data"] = {"description": "msgpack bin: little-endian values of dtype"}
     components["Error"] = {
         "type": "object",
         "properties": {"error": {"type": "string"}, "field": {"type": ["string", "null"]}},
@@ -40,21 +161,28 @@ def openapi_spec() -> dict[str, Any]:
     }
     components["Submitted"] = {
         "type": "object",
-        "properties": {n: {"type": "integer"} for n in ("accepted", "duplicates", "dropped")},
-        "required": ["accepted", "duplicates"],
+        "properties": {n: _INT for n in ("accepted", "duplicates", "dropped")},
+        "required": ["accepted", "duplicates", "dropped"],
     }
-    one_or_many = {"oneOf": [_ref("Trajectory"), {"type": "array", "items": _ref("Trajectory")}]}
-    errors = {
-        code: {"description": text, "content": _json(_ref("Error"))} for code, text in _ERROR_CODES.items()
+    components["Status"] = _STATUS
+    components["JSONValue"] = _JSON_VALUE
+
+    def one_or_many(name: str) -> dict[str, Any]:
+        return {"schema": {"oneOf": [_ref(name), {"type": "array", "items": _ref(name)}]}}
+
+    def error(text: str, headers: tuple[str, ...] = ()) -> dict[str, Any]:
+        out: dict[str, Any] = {"description": text, "content": _json(_ref("Error"))}
+        if headers:
+            out["headers"] = {h: {"required": True, "schema": {"type": "string"}} for h in headers}
+        return out
+
+    unauthorized = {
+        "401": error("missing or wrong bearer token; `field` is `Authorization`", ("WWW-Authenticate",))
     }
-    token_arrays = (
-        "Token arrays (prompt_ids, response_ids, loss_mask) are lists of ints or little-endian int32 bytes "
-        "(msgpack bin / base64 in JSON; loss_mask uint8); logprobs float32. Send either token ids or "
-        "chat-form `messages` (tokenized by the server with the run's tokenizer)."
-    )
+    submit_errors = {code: error(text, ("Retry-After",) if code in ("429", "503") else ()) for code, text in _SUBMIT_ERRORS.items()}  # fmt: skip
     return {
         "openapi": "3.1.0",
-        "info": {"title": "agentrl replay queue", "version": __version__, "description": token_arrays},
+        "info": {"title": "agentrl replay queue", "version": __version__, "description": _DESCRIPTION},
         "components": {
             "schemas": components,
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
@@ -67,21 +195,27 @@ def openapi_spec() -> dict[str, Any]:
                     "requestBody": {
                         "required": True,
                         "content": {
-                            "application/msgpack": {"schema": one_or_many},
-                            "application/json": {"schema": one_or_many},
+                            "application/json": one_or_many("Trajectory"),
+                            "application/msgpack": one_or_many("TrajectoryMsgpack"),
                         },
                     },
-                    "responses": {"202": {"description": "accepted", "content": _json(_ref("Submitted"))}, **errors},
+                    "responses": {"202": {"description": "accepted", "content": _json(_ref("Submitted"))},
+                                  **unauthorized, **submit_errors},
                 }
             },
             "/v1/status": {"get": {"summary": "Queue depth, policy version, counts, staleness histogram",
-                                   "responses": {"200": {"description": "status", "content": _json({"type": "object"})}}}},
+                                   "responses": {"200": {"description": "status", "content": _json(_ref("Status"))},
+                                                 **unauthorized}}},
             "/metrics": {"get": {"summary": "Prometheus text format",
                                  "responses": {"200": {"description": "metrics",
-                                                       "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+                                                       "content": {"text/plain": {"schema": {"type": "string"}}}},
+                                               **unauthorized}}},
             "/healthz": {"get": {"summary": "Liveness (no token needed); 503 while draining", "security": [],
-                                 "responses": {"200": {"description": "ok"}, "503": {"description": "draining"}}}},
+                                 "responses": {code: {"description": text, "content": _json(
+                                     {"type": "object", "properties": {"status": {"enum": ["ok", "draining"]}},
+                                      "required": ["status"]})} for code, text in (("200", "ok"), ("503", "draining"))}}},
             "/openapi.json": {"get": {"summary": "This document (no token needed)", "security": [],
-                                      "responses": {"200": {"description": "OpenAPI 3.1"}}}},
+                                      "responses": {"200": {"description": "OpenAPI 3.1",
+                                                            "content": _json({"type": "object"})}}}},
         },
     }  # fmt: skip

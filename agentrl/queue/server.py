@@ -2,10 +2,11 @@
 
 Routes: POST /v1/trajectories, GET /v1/status, GET /metrics, GET /healthz, GET /openapi.json.
 Invariants: every error is JSON `{"error": message, "field": field-or-null}` with the status codes of
-docs/queue.md; a request body is decoded and validated entirely before anything in it is accepted; only
-/healthz and /openapi.json are open without the bearer token; the token is never logged; a non-loopback
-address is refused without a token. Runs in-process (`await QueueServer(queue, cfg).start()` -> port) or
-from `agentrl serve-queue`.
+docs/queue.md and /openapi.json, `field` naming what was wrong (`[1].id`, `messages[2].role`, `body`,
+`Authorization`, ...); every 422 is counted in `counts.rejected_invalid`; a request body is decoded and
+validated entirely before anything in it is accepted; only /healthz and /openapi.json are open without the
+bearer token; the token is never logged; a blank token, or a non-loopback address without one, is refused.
+Runs in-process (`await QueueServer(queue, cfg).start()` -> port) or from `agentrl serve-queue`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import hmac
 import ipaddress
 import logging
 import math
-import re
 from typing import Any
 
 import msgspec
@@ -27,14 +27,13 @@ from agentrl.queue.chat import NO_TOKENIZER, ChatTokenizer
 from agentrl.queue.core import ReplayQueue
 from agentrl.queue.metrics import prometheus_text
 from agentrl.queue.openapi import openapi_spec
-from agentrl.types import decode_trajectories
+from agentrl.types import decode_trajectories, where
 
 log = logging.getLogger(__name__)
 
 MSGPACK_TYPES = {"application/msgpack", "application/x-msgpack", "application/vnd.msgpack"}
 JSON_TYPES = {"application/json"}
 OPEN_PATHS = {"/healthz", "/openapi.json"}
-_PATH_RE = re.compile(r"at `\$([^`]*)`")
 _json = msgspec.json.Encoder()
 
 
@@ -67,9 +66,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _validation_field(exc: msgspec.ValidationError) -> str | None:
-    match = _PATH_RE.search(str(exc))
-    return match.group(1).lstrip(".") or "$" if match else None
+def check_token(token: str) -> None:
+    """Refuse a token no client can send: blank, or with surrounding whitespace (HTTP strips it)."""
+    if token and token != token.strip():
+        raise ConfigError("the queue's bearer token (--token / queue.token / $AGENTRL_QUEUE_TOKEN) is blank or "
+                          "starts or ends with whitespace: no client could send it; set a real token")  # fmt: skip
 
 
 class QueueServer:
@@ -85,9 +86,14 @@ class QueueServer:
         self.queue = queue
         self.cfg = cfg or queue.cfg
         self.token = self.cfg.token if token is None else token
+        check_token(self.token)
         self.tokenizer = tokenizer or (ChatTokenizer(tokenizer_path) if tokenizer_path else None)
-        if self.tokenizer is not None and queue.vocab_size is None:
-            queue.vocab_size = self.tokenizer.vocab_size
+        if self.tokenizer is not None:
+            if queue.vocab_size is None:
+                queue.vocab_size = self.tokenizer.vocab_size
+            elif queue.vocab_size < self.tokenizer.vocab_size:
+                raise ConfigError(f"--vocab-size {queue.vocab_size} is smaller than the tokenizer's vocabulary "
+                                  f"({self.tokenizer.vocab_size}): chat-form token ids would be refused")  # fmt: skip
         self.draining = False
         self.port = 0
         self.host = self.cfg.host
@@ -148,7 +154,12 @@ class QueueServer:
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return error_response(exc.status, exc.reason, None, {"Allow": exc.headers.get("Allow", "")})
+            if isinstance(exc, web.HTTPMethodNotAllowed):
+                message = f"{request.method} is not allowed on {request.path}: use {exc.headers['Allow']}"
+                return error_response(405, message, "method", {"Allow": exc.headers["Allow"]})
+            if isinstance(exc, web.HTTPNotFound):
+                return error_response(404, f"no route {request.path} (see /openapi.json)", "path")
+            return error_response(exc.status, exc.reason, None)
         except Exception:  # a bug, never a client's fault: log it, answer JSON
             log.exception("queue server: %s %s failed", request.method, request.path)
             return error_response(500, "internal error (see the server log)")
@@ -173,9 +184,9 @@ class QueueServer:
             try:
                 return await request.read(), None
             except web.HTTPRequestEntityTooLarge:
-                raise HTTPError(413, f"body is over queue.max_body_bytes = {limit}") from None
+                raise HTTPError(413, f"body is over queue.max_body_bytes = {limit}", "body") from None
         if size > limit:
-            raise HTTPError(413, f"body of {size} bytes is over queue.max_body_bytes = {limit}")
+            raise HTTPError(413, f"body of {size} bytes is over queue.max_body_bytes = {limit}", "body")
         buf = self._spare if self._spare is not None and len(self._spare) >= size else bytearray(size)
         self._spare = None
         view = memoryview(buf)[:size]
@@ -222,20 +233,19 @@ class QueueServer:
 
     async def _submit(self, body: memoryview | bytes, ctype: str) -> web.Response:
         try:
-            trajectories = decode_trajectories(body, ctype)
-        except msgspec.ValidationError as exc:
-            raise HTTPError(422, f"invalid trajectory: {exc}", _validation_field(exc)) from None
+            trajectories = decode_trajectories(body, ctype, strict=True)
+            # the WAL stores the body as received (no re-encoding); chat form is logged tokenized
+            raw: tuple[str, Any] | None = (ctype, body)
+            if any(t.messages is not None for t in trajectories):
+                trajectories, raw = await self._tokenize(trajectories), None
+        except InvalidTrajectory as exc:  # refused before the queue screened it: count it here
+            self.queue.metrics.inc("rejected_invalid")
+            raise HTTPError(422, f"invalid trajectory: {exc}", exc.field) from None
         except (msgspec.DecodeError, UnicodeDecodeError, OverflowError, RecursionError) as exc:
             raise HTTPError(400, f"malformed {ctype} body: {exc}", "body") from None
         try:
-            raw: tuple[str, Any] | None = (
-                ctype,
-                body,
-            )  # the WAL stores the body as received (no re-encoding)
-            if any(t.messages is not None for t in trajectories):
-                trajectories, raw = await self._tokenize(trajectories), None
-            result = await self.queue.put(trajectories, raw=raw)
-        except InvalidTrajectory as exc:
+            result = await self.queue.put(trajectories, raw=raw, external=True)
+        except InvalidTrajectory as exc:  # the queue's screen counted it
             raise HTTPError(422, f"invalid trajectory: {exc}", exc.field) from None
         except QueueFull as exc:
             raise HTTPError(429, str(exc), None, self._retry_after(exc.retry_after_s)) from None
@@ -249,11 +259,10 @@ class QueueServer:
         )
 
     async def _tokenize(self, trajectories: list[Any]) -> list[Any]:
+        n = len(trajectories)
         if self.tokenizer is None:
             index = next(i for i, t in enumerate(trajectories) if t.messages is not None)
-            raise InvalidTrajectory(
-                f"[{index}].messages" if len(trajectories) > 1 else "messages", NO_TOKENIZER
-            )
+            raise InvalidTrajectory(where(index, n, "messages"), NO_TOKENIZER)
         tokenizer = self.tokenizer
 
         def run() -> list[Any]:
@@ -262,17 +271,24 @@ class QueueServer:
                 try:
                     out.append(traj if traj.messages is None else tokenizer.tokenize(traj))
                 except InvalidTrajectory as exc:
-                    where = f"[{i}].{exc.field}" if len(trajectories) > 1 else exc.field
-                    raise InvalidTrajectory(where, exc.message) from None
+                    raise InvalidTrajectory(where(i, n, exc.field), exc.message) from None
             return out
 
         return await asyncio.to_thread(run)
 
+    def _status(self) -> dict[str, Any]:
+        return {
+            **self.queue.status(),
+            "draining": self.draining or self.queue.closed,
+            "vocab_size": self.queue.vocab_size,
+            "token_ids_checked": self.queue.vocab_size is not None,
+        }
+
     async def status(self, request: web.Request) -> web.Response:
-        return json_response({**self.queue.status(), "draining": self.draining or self.queue.closed})
+        return json_response(self._status())
 
     async def metrics(self, request: web.Request) -> web.Response:
-        status = {**self.queue.status(), "draining": self.draining or self.queue.closed}
+        status = self._status()
         headers = {"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
         return web.Response(body=prometheus_text(status).encode(), headers=headers)
 
@@ -281,7 +297,11 @@ class QueueServer:
         return json_response({"status": "draining" if draining else "ok"}, 503 if draining else 200)
 
     async def openapi(self, request: web.Request) -> web.Response:
-        return json_response(openapi_spec())
+        q = self.queue  # the bounds that hold now keep holding: the policy version only grows
+        spec = openapi_spec(
+            policy_version=q.policy_version, vocab_size=q.vocab_size, chat=self.tokenizer is not None
+        )
+        return json_response(spec)
 
 
 class BackgroundServer:

@@ -116,6 +116,14 @@ def queue_bodies(rng: random.Random, n_per_category: int) -> Iterator[tuple[str,
             ('{"id": "' + "\u202e\u0000" * 40 + '", "response_ids": [1]}').encode() + b"\x00",
         )
         yield "empty", rng.choice([MP, JS]), b""  # (an empty list is a valid no-op: 202, accepted 0)
+        int64 = struct.pack("<3q", *(rng.randrange(1, 1000) for _ in range(3)))  # dtype left to a guess
+        yield "nonsense", MP, _mp.encode({**good, "response_ids": int64})
+        yield "nonsense", MP, _mp.encode({**good, "response_ids": {"dtype": "float32", "data": int64[:12]}})
+        yield "nonsense", rng.choice([MP, JS]), _mp.encode({**good, "logprobs": [-0.5, -1e30, -0.1]})
+        yield "nonsense", JS, _json({**good, "policy_version": rng.randint(1, 10**6)})  # not published yet
+        wizard = [{"role": "user", "content": "x"}, {"role": "wizard", "content": "y"}]
+        yield "nonsense", JS, _json({"id": "w", "messages": wizard})
+        yield "nonsense", JS, _json({**good, "metadata": {"n": 2 ** rng.randint(64, 200)}})
 
 
 def engine_bodies(rng: random.Random, n_per_category: int) -> Iterator[tuple[str, str, bytes]]:

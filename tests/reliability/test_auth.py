@@ -11,6 +11,7 @@ import sys
 
 import msgspec
 import pytest
+from run_support import tiny_config
 
 from reliability.support import HERE, Raw, Served, env, error_message, figure, serve_queue_cmd
 
@@ -151,3 +152,17 @@ def test_run_never_writes_or_prints_the_token(tiny_model, tmp_path):
     finally:
         rundir.close()
     assert cfg.queue.token == TOKEN  # the live config keeps it; only what is written is redacted
+
+
+def test_blank_token_is_refused_at_start(tiny_model, tmp_path):
+    """A whitespace-only token would start a queue that answers 401 to everyone: serve-queue and the queue of
+    `agentrl run` refuse it, naming where it came from."""
+    blank = env(AGENTRL_QUEUE_TOKEN=" \t ")
+    out = subprocess.run(
+        serve_queue_cmd(tmp_path / "q"), env=blank, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2 and "$AGENTRL_QUEUE_TOKEN" in out.stderr and "Traceback" not in out.stderr
+    cfg = tiny_config(tmp_path, tiny_model, run={"steps": 1, "eval_every": 0}, warmup={"steps": 0})
+    out = subprocess.run([sys.executable, "-m", "agentrl.cli", "run", str(cfg)], env=blank, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode != 0 and "queue.token" in out.stderr and "blank" in out.stderr, out.stderr[-2000:]

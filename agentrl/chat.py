@@ -1,0 +1,184 @@
+"""Chat-to-tokens: the one owner of how a conversation becomes token ids and a loss mask.
+
+Used by the multi-turn generator and the OpenAI proxy (turn by turn, through `ChatTokens`) and by the queue's
+chat form (a whole conversation at once, through `conversation_tokens`), so all three give the same tokens and
+mask for the same conversation.
+
+The rule: a trajectory holds exactly the tokens the engine saw and produced. Earlier tokens are never
+re-tokenized; each new turn appends (a) the model's output ids as generated and (b) the ids of the *delta*
+the chat template adds for the new non-assistant messages, tokenized on their own. Assistant tokens are
+trained up to and including the end-of-turn token; everything else (the prompt, env/tool/user deltas, and
+the template glue after the end-of-turn token, ChatML's `\\n`) has loss_mask 0.
+
+How the delta is found without re-rendering the conversation: render a dummy conversation
+`[user, assistant=MARK]`, whose text ends with the template's end-of-turn suffix after MARK (ChatML:
+`<|im_end|>\\n`), and the same conversation followed by the new messages with the generation prompt. The new
+text past the dummy is what the template appends for the new messages. The model's reply normally ends with
+the end-of-turn token (the suffix's first token, a stop token); then only the rest of the suffix (`\\n`) is
+prepended to the delta. If the reply ended otherwise (e.g. on a different eos), the whole suffix is.
+Prompts and deltas are cached by their messages (a group's n samples share a prompt; env feedback repeats).
+Nothing here imports transformers, torch or ray: the tokenizer is passed in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agentrl.errors import EnvError, InvalidTrajectory
+from agentrl.types import Message
+
+MARK = "QXZMARKZXQ"
+CACHE_SIZE = 4096
+_cache: dict[int, tuple[Any, ChatTokens]] = {}
+
+
+def _as_dicts(messages: list[Message] | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
+
+
+def _key(messages: list[Message] | list[dict[str, Any]]) -> tuple[tuple[str, str], ...]:
+    return tuple((m["role"], m["content"]) for m in _as_dicts(messages))
+
+
+class ChatTokens:
+    """Template-derived token pieces of one tokenizer (see the module docstring)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.has_template = bool(getattr(tokenizer, "chat_template", None))
+        self.eos_id = tokenizer.eos_token_id
+        self.eot_id: int | None = self.eos_id
+        self.after_eot = self.suffix = ""
+        backend = getattr(tokenizer, "_tokenizer", None)  # the Rust tokenizer: same ids, ~5x less overhead
+        self._fast_encode = getattr(backend, "encode", None) if hasattr(backend, "encode_batch") else None
+        self._prompts: dict[tuple, list[int]] = {}
+        self._deltas: dict[tuple, list[int]] = {}
+        if self.has_template:
+            self._probe()
+        self.stop_ids = sorted({i for i in (self.eos_id, self.eot_id) if i is not None})
+
+    def _probe(self) -> None:
+        self._base = self.render([{"role": "user", "content": "u"}, {"role": "assistant", "content": MARK}])
+        at = self._base.rfind(MARK)
+        if at < 0:
+            raise EnvError("the tokenizer's chat template drops assistant content; cannot derive turn tokens")
+        self.suffix = self._base[at + len(MARK) :]
+        suffix_ids = self.encode(self.suffix)
+        special = set(getattr(self.tokenizer, "all_special_ids", []))
+        if suffix_ids and suffix_ids[0] in special:
+            self.eot_id = suffix_ids[0]
+            self.after_eot = self.tokenizer.decode(suffix_ids[1:], skip_special_tokens=False)
+        else:
+            self.after_eot = self.suffix
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as exc:  # templates refuse conversations with jinja's raise_exception (roles, order)
+            if type(exc).__module__.startswith("jinja2"):
+                raise EnvError(f"the chat template refused the conversation: {exc}") from None
+            raise
+
+    def encode(self, text: str) -> list[int]:
+        if self._fast_encode is not None:
+            return self._fast_encode(text, add_special_tokens=False).ids
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def prompt_ids(
+        self, messages: list[Message] | list[dict[str, Any]], chat_template: bool = True
+    ) -> list[int]:
+        """The opening prompt: the template with the generation prompt, or (raw) the contents joined by newlines."""
+        key = (_key(messages), chat_template)
+        hit = self._prompts.get(key)
+        if hit is None:
+            if chat_template and self.has_template:
+                hit = self.encode(self.render(_as_dicts(messages), add_generation_prompt=True))
+            else:
+                hit = list(self.tokenizer.encode("\n".join(c for _, c in key[0]), add_special_tokens=True))
+            _remember(self._prompts, key, hit)
+        return list(hit)
+
+    def delta_ids(self, messages: list[Message] | list[dict[str, Any]], reply_ids: list[int]) -> list[int]:
+        """Tokens that follow a model reply `reply_ids` when the env adds `messages` and the model speaks next."""
+        if not self.has_template:
+            raise EnvError("multi-turn rollouts need a tokenizer with a chat template")
+        closed = bool(reply_ids) and reply_ids[-1] == self.eot_id
+        key = (_key(messages), closed)
+        hit = self._deltas.get(key)
+        if hit is None:
+            dummy = [{"role": "user", "content": "u"}, {"role": "assistant", "content": MARK}]
+            full = self.render(dummy + _as_dicts(messages), add_generation_prompt=True)
+            if not full.startswith(self._base):
+                raise EnvError("the chat template renders earlier turns differently once new messages follow")
+            hit = self.encode((self.after_eot if closed else self.suffix) + full[len(self._base) :])
+            _remember(self._deltas, key, hit)
+        return list(hit)
+
+    def closing_ids(self, reply_ids: list[int]) -> list[int]:
+        """End-of-turn tokens to append after a reply that did not end with one (for demonstrations)."""
+        if self.eot_id is None or (reply_ids and reply_ids[-1] == self.eot_id):
+            return []
+        return [self.eot_id]
+
+
+def _remember(cache: dict[tuple, list[int]], key: tuple, ids: list[int]) -> None:
+    if len(cache) >= CACHE_SIZE:
+        cache.pop(next(iter(cache)))  # oldest first (dicts keep insertion order)
+    cache[key] = ids
+
+
+def chat_tokens(tokenizer: Any) -> ChatTokens:
+    """The (cached) ChatTokens of a tokenizer."""
+    hit = _cache.get(id(tokenizer))
+    if hit is None or hit[0] is not tokenizer:
+        hit = (tokenizer, ChatTokens(tokenizer))
+        _cache[id(tokenizer)] = hit
+    return hit[1]
+
+
+def conversation_tokens(
+    chat: ChatTokens, messages: list[Message] | list[dict[str, Any]]
+) -> tuple[list[int], list[int], list[int]]:
+    """(prompt_ids, response_ids, loss_mask) of a whole conversation, exactly as a multi-turn rollout (or a
+    proxy session) that produced it would hold it: the opening messages are the prompt; each assistant
+    message is its content's tokens plus the end-of-turn token (mask 1); the messages after it are the
+    template delta (mask 0). Raises InvalidTrajectory naming `messages...` when the conversation cannot be
+    tokenized so."""
+    turns = _as_dicts(messages)
+    first = next((i for i, m in enumerate(turns) if m["role"] == "assistant"), None)
+    if first is None:
+        raise InvalidTrajectory("messages", "needs at least one message with role 'assistant'")
+    if first == 0:
+        raise InvalidTrajectory("messages[0].role", "the conversation must open with the prompt (a "
+                                "non-assistant message) before the first assistant reply")  # fmt: skip
+    if not chat.has_template:
+        raise InvalidTrajectory("messages", "the tokenizer has no chat template")
+    try:
+        prompt = chat.prompt_ids(turns[:first])
+    except EnvError as exc:
+        raise InvalidTrajectory("messages", str(exc)) from None
+    response: list[int] = []
+    mask: list[int] = []
+    i = first
+    while i < len(turns):
+        reply = chat.encode(turns[i]["content"])
+        reply += chat.closing_ids(reply)
+        response += reply
+        mask += [1] * len(reply)
+        j = i + 1
+        while j < len(turns) and turns[j]["role"] != "assistant":
+            j += 1
+        if j > i + 1:
+            try:
+                delta = chat.delta_ids(turns[i + 1 : j], reply)
+            except EnvError as exc:
+                raise InvalidTrajectory(f"messages[{i + 1}]", str(exc)) from None
+            response += delta
+            mask += [0] * len(delta)
+        i = j
+    return prompt, response, mask

@@ -1,0 +1,48 @@
+"""Schemathesis hooks (SCHEMATHESIS_HOOKS=schemathesis_hooks) for tests/test_queue_openapi.py.
+
+Two rules of /openapi.json cross fields, which JSON Schema has no keyword for; the document states them as
+`x-same-length-as` (loss_mask, logprobs: one value per response token) and `x-counts-sum-to-length-of`
+(versions). Generated *positive* bodies are made to honour them, read from the document itself, so
+"positive data accepted" checks everything else the schema says. Negative bodies are left alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import schemathesis
+
+from agentrl.queue.openapi import openapi_spec
+
+_PROPS = openapi_spec()["components"]["schemas"]["Trajectory"]["properties"]
+SAME_LENGTH = {name: p["x-same-length-as"] for name, p in _PROPS.items() if "x-same-length-as" in p}
+COUNTS = {
+    name: p["x-counts-sum-to-length-of"] for name, p in _PROPS.items() if "x-counts-sum-to-length-of" in p
+}
+
+
+def fit(item: dict[str, Any]) -> None:
+    for name, other in SAME_LENGTH.items():
+        values, ref = item.get(name), item.get(other)
+        if isinstance(values, list) and isinstance(ref, list):
+            if values:
+                item[name] = (values * (len(ref) // len(values) + 1))[: len(ref)]
+            else:
+                del item[name]
+    for name, other in COUNTS.items():
+        runs, ref = item.get(name), item.get(other)
+        if isinstance(runs, list) and isinstance(ref, list):
+            runs = runs[: len(ref)]
+            if runs:
+                item[name] = [[v, 1] for v, _ in runs[:-1]] + [[runs[-1][0], len(ref) - len(runs) + 1]]
+            else:
+                del item[name]
+
+
+@schemathesis.hook
+def map_case(context: Any, case: Any) -> Any:
+    if case.meta is not None and case.meta.generation.mode.is_positive and isinstance(case.body, list | dict):
+        for item in case.body if isinstance(case.body, list) else [case.body]:
+            if isinstance(item, dict):
+                fit(item)
+    return case
