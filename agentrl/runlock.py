@@ -73,13 +73,19 @@ def holder_pid(path: str | Path) -> int | None:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether `pid` runs. A zombie (killed, not yet reaped by its parent) counts as gone: it writes nothing more,
+    and a driver SIGKILLed under a parent that waits late would otherwise keep the fence open."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, owned by someone else
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # no procfs (macOS): kill(0) is all there is
+        return True
+    return stat[stat.rfind(")") + 2 :][:1] not in ("Z", "X")  # the state follows the parenthesised name
 
 
 class Fence:

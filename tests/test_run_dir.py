@@ -150,3 +150,15 @@ def test_summary_json_is_the_finished_marker(tmp_path):
     assert summary["steps"] == 2 and summary["stopped_by"] == "steps"
     RunDir(config(tmp_path), resume=True).close()  # resumed: not finished any more
     assert not (path / "summary.json").exists()
+
+
+def test_a_start_that_fails_before_ray_releases_the_run_directory(tmp_path):
+    """`run()` that fails after taking run.lock (here: no model and model.make_tiny = false) must not keep
+    the lock in a process that goes on (a notebook, a test): the next owner gets the directory."""
+    from agentrl.runlock import DirLock
+    from agentrl.runner.loop import run
+
+    cfg = config(tmp_path, "--model.path", str(tmp_path / "no-model"), "--model.make-tiny", "false")
+    with pytest.raises(ConfigError, match="make_tiny"):
+        run(cfg)
+    DirLock(tmp_path / "r" / "run.lock", "run directory").acquire().release()

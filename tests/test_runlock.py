@@ -47,3 +47,15 @@ def test_fence_closes_when_the_owner_dies_and_stays_closed():
         time.sleep(0.01)
     assert not fence.open()
     assert Fence(None).open()  # no owner to watch: always open
+
+
+def test_a_zombie_owner_counts_as_gone():
+    """A SIGKILLed driver whose parent has not reaped it yet must close the fence too."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    proc.kill()
+    deadline = time.monotonic() + 5
+    while Fence(proc.pid, interval_s=0.0).open() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not Fence(proc.pid, interval_s=0.0).open()
+    assert os.path.exists(f"/proc/{proc.pid}")  # still a zombie: not reaped
+    proc.wait()

@@ -362,7 +362,7 @@ class Coordinator:
         if self.queue is not None:
             try:
                 await asyncio.wait_for(self.queue.close.remote(), 10)
-            except Exception as exc:  # the WAL is append-only and fsync'd per record: nothing to lose
+            except Exception as exc:  # every acknowledged put is in the WAL already: nothing to lose
                 log.warning("queue close: %r", exc)
         for slot in self.workers + self.engines:
             try:

@@ -98,15 +98,16 @@ def run(cfg: Config, resume: bool = False) -> dict[str, Any]:
     cfg = prepare(cfg)
     activate(cfg.run)  # the user's modules, before any name is resolved (each actor does the same)
     rundir = RunDir(cfg, resume=resume)
-    model_path = ensure_model(cfg)
-    owns_ray = init_ray(cfg)
-    import ray
-
-    try:
+    owns_ray = False
+    try:  # from here on the run directory's lock is held: every way out releases it
+        model_path = ensure_model(cfg)
+        owns_ray = init_ray(cfg)
         return asyncio.run(Runner(cfg, rundir, model_path, resume).main())
     finally:
         rundir.close()
         if owns_ray:
+            import ray
+
             ray.shutdown()
 
 

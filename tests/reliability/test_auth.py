@@ -165,4 +165,5 @@ def test_blank_token_is_refused_at_start(tiny_model, tmp_path):
     cfg = tiny_config(tmp_path, tiny_model, run={"steps": 1, "eval_every": 0}, warmup={"steps": 0})
     out = subprocess.run([sys.executable, "-m", "agentrl.cli", "run", str(cfg)], env=blank, capture_output=True,
                          text=True, timeout=300)  # fmt: skip
-    assert out.returncode != 0 and "queue.token" in out.stderr and "blank" in out.stderr, out.stderr[-2000:]
+    assert out.returncode == 2 and "queue.token" in out.stderr and "blank" in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and "ray" not in out.stderr.lower(), out.stderr[-2000:]  # before Ray

@@ -14,6 +14,7 @@ must be right-padded (not packed): RoPE positions are 0..T-1 per row. PP > 1 (GP
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -313,20 +314,30 @@ class MegatronLearner(Learner):
         return not bool(bad.item())
 
     def _sum_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Loss terms (full-batch normalisers) and `*_sum` metrics are partial sums per DP rank: add them up."""
+        """Loss terms (full-batch normalisers) and `*_sum` metrics are partial sums per DP rank: add them up;
+        `*_max` metrics (per-turn ratio maxima) are partial maxima: take the max, so a turn whose tokens sit on
+        another rank has its maximum next to its sums."""
         if self.dp_size == 1:
             return metrics
         from megatron.core import parallel_state as ps
 
         group = ps.get_data_parallel_group()
         # A rank can have no micro-batch (fewer micro-batches than DP ranks) and so no loss keys: agree first.
-        mine = sorted(k for k in metrics if k.startswith("loss") or k.endswith("_sum"))
+        mine = sorted(k for k in metrics if k.startswith("loss") or k.endswith(("_sum", "_max")))
         every: list = [None] * self.dp_size
         dist.all_gather_object(every, mine, group=group)
-        keys = sorted(set().union(*every))
-        values = torch.tensor([metrics.get(k, 0.0) for k in keys], dtype=torch.float64, device=self.device)
-        dist.all_reduce(values, group=group)
-        return {**metrics, **dict(zip(keys, values.tolist(), strict=True))}
+        union = set().union(*every)
+        out = dict(metrics)
+        for keys, default, op in (
+            (sorted(k for k in union if not k.endswith("_max")), 0.0, dist.ReduceOp.SUM),
+            (sorted(k for k in union if k.endswith("_max")), -math.inf, dist.ReduceOp.MAX),
+        ):
+            values = torch.tensor(
+                [metrics.get(k, default) for k in keys], dtype=torch.float64, device=self.device
+            )
+            dist.all_reduce(values, op=op, group=group)
+            out.update(dict(zip(keys, values.tolist(), strict=True)))
+        return out
 
     # -- weights and checkpoints -------------------------------------------------------------------------
 
