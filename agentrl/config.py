@@ -7,19 +7,13 @@ naming the key and the closest valid one); CLI spelling `--queue.max-staleness 2
 
 from __future__ import annotations
 
-import difflib
-import sys
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 
+from agentrl.config_text import check_keys, explain, merge, parse_overrides, tomllib
 from agentrl.errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -249,74 +243,7 @@ class Config(_Section):
 
 
 # Keys whose values are free-form tables: anything below them is passed through unchecked.
-_OPEN_TABLES = {"env.kwargs", "engine.sglang.args"}
-
-
-def _check_keys(data: dict[str, Any], struct: type[msgspec.Struct], prefix: str = "") -> None:
-    fields = {f.name: f for f in msgspec.structs.fields(struct)}
-    for key, value in data.items():
-        path = f"{prefix}{key}"
-        if key not in fields:
-            hint = difflib.get_close_matches(key, list(fields), n=1)
-            near = (
-                f"; did you mean '{prefix}{hint[0]}'?"
-                if hint
-                else f"; valid keys: {', '.join(sorted(fields))}"
-            )
-            raise ConfigError(f"unknown config key '{path}'{near}")
-        sub = fields[key].type
-        if path not in _OPEN_TABLES and isinstance(sub, type) and issubclass(sub, msgspec.Struct):
-            if not isinstance(value, dict):
-                raise ConfigError(f"config key '{path}' must be a table, got {type(value).__name__}")
-            _check_keys(value, sub, path + ".")
-
-
-def _parse_value(text: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-class _Whole(dict):
-    """A table given whole on the command line (`--env.kwargs '{}'`): it replaces the file's table instead
-    of being merged into it (`--env.kwargs.low 5` still changes one key)."""
-
-
-def parse_overrides(args: list[str]) -> dict[str, Any]:
-    """`['--queue.max-staleness', '2', '--run.name=x']` -> nested dict. Flags use dashes or underscores."""
-    tree: dict[str, Any] = {}
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or "." not in arg:
-            raise ConfigError(f"unexpected argument '{arg}': overrides look like --section.key VALUE")
-        key, sep, value = arg[2:].partition("=")
-        if not sep:
-            if i + 1 >= len(args):
-                raise ConfigError(f"override '{arg}' needs a value")
-            value = args[i + 1]
-            i += 1
-        i += 1
-        parts = key.replace("-", "_").split(".")
-        node = tree
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        parsed = _parse_value(value)
-        node[parts[-1]] = _Whole(parsed) if isinstance(parsed, dict) else parsed
-    return tree
-
-
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, _Whole):
-            out[key] = dict(value)
-        elif isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
+OPEN_TABLES = {"env.kwargs", "engine.sglang.args"}
 
 
 def validate(cfg: Config) -> Config:
@@ -389,71 +316,10 @@ def load_config(
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: invalid TOML: {exc}") from None
     extra = parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {})
-    data = _merge(data, extra)
-    _check_keys(data, Config)
+    data = merge(data, extra)
+    check_keys(data, Config, OPEN_TABLES)
     try:
         cfg = msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:
-        raise ConfigError(_explain(exc, data)) from None
+        raise ConfigError(explain(exc, data, Config)) from None
     return validate(cfg)
-
-
-def _explain(exc: msgspec.ValidationError, data: dict[str, Any]) -> str:
-    """msgspec's `Invalid enum value 'x' - at `$.run.mode`` as `run.mode = 'x' is not valid: choose one of
-    'sync', 'async'`; other errors as `run.steps: Expected `int`, got `str``."""
-    message, _, where = str(exc).rpartition(" - at `$.")
-    if not where:
-        return f"invalid config value: {exc}"
-    key = where.rstrip("`")
-    field: Any = Config
-    value: Any = data
-    for part in key.split("."):
-        if isinstance(value, dict):
-            value = value.get(part)
-        fields = {f.name: f.type for f in msgspec.structs.fields(field)} if _is_struct(field) else {}
-        field = fields.get(part)
-    choices = getattr(field, "__args__", ()) if getattr(field, "__origin__", None) is Literal else ()
-    if choices:
-        valid = ", ".join(repr(c) for c in choices)
-        return f"{key} = {value!r} is not valid: choose one of {valid}"
-    return f"{key}: {message} (got {value!r})"
-
-
-def _is_struct(tp: Any) -> bool:
-    return isinstance(tp, type) and issubclass(tp, msgspec.Struct)
-
-
-def to_toml_dict(cfg: Config) -> dict[str, Any]:
-    return msgspec.to_builtins(cfg)
-
-
-def dump_toml(cfg: Config) -> str:
-    """Render the resolved config as TOML (what --dry-run prints and what the run directory keeps)."""
-    lines: list[str] = []
-
-    def emit(table: dict[str, Any], prefix: str) -> None:
-        scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
-        tables = {k: v for k, v in table.items() if isinstance(v, dict)}
-        if prefix and (scalars or not tables):
-            lines.append(f"[{prefix}]")
-        for key, value in scalars.items():
-            lines.append(f"{key} = {_toml_value(value)}")
-        if prefix and scalars:
-            lines.append("")
-        for key, value in tables.items():
-            emit(value, f"{prefix}.{key}" if prefix else key)
-
-    emit(to_toml_dict(cfg), "")
-    return "\n".join(lines).rstrip() + "\n"
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return msgspec.json.encode(value).decode()
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise ConfigError(f"cannot render {value!r} as TOML")

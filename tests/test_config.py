@@ -2,7 +2,8 @@
 
 import pytest
 
-from agentrl.config import dump_toml, load_config, parse_overrides
+from agentrl.config import load_config
+from agentrl.config_text import dump_toml, parse_overrides
 from agentrl.errors import ConfigError
 
 

@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve(args: argparse.Namespace):
-    from agentrl.config import load_config, parse_overrides
+    from agentrl.config import load_config
+    from agentrl.config_text import parse_overrides
     from agentrl.errors import ConfigError
 
     extra = parse_overrides(list(args.overrides or []))
@@ -67,7 +68,7 @@ def main(args: argparse.Namespace) -> int:
 
     import msgspec
 
-    from agentrl.config import dump_toml
+    from agentrl.config_text import dump_toml
 
     cfg = resolve(args)
     if args.dry_run:

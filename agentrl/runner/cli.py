@@ -116,7 +116,7 @@ def _quote(text: str) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from agentrl.config import dump_toml
+    from agentrl.config_text import dump_toml
     from agentrl.runner.rundir import redact
 
     cfg = resolve(args)

@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentrl.config import Config, dump_toml
+from agentrl.config import Config
+from agentrl.config_text import dump_toml
 from agentrl.errors import ConfigError, StorageError
 from agentrl.runlock import DirLock
 

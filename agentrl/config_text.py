@@ -1,0 +1,152 @@
+"""The config's text forms: command-line overrides in, key checking and error wording, TOML out.
+
+Kept apart from agentrl.config (the sections and their cross-field rules) so each stays small; generic over
+msgspec Structs, so it imports nothing of agentrl but the error type. Light: no torch or ray.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from typing import Any, Literal
+
+import msgspec
+
+from agentrl.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def check_keys(
+    data: dict[str, Any], struct: type[msgspec.Struct], open_tables: set[str], prefix: str = ""
+) -> None:
+    """Every key of `data` is a field of `struct` (recursively), except below the dotted `open_tables`;
+    an unknown key is an error naming the closest valid one."""
+    fields = {f.name: f for f in msgspec.structs.fields(struct)}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in fields:
+            hint = difflib.get_close_matches(key, list(fields), n=1)
+            near = (
+                f"; did you mean '{prefix}{hint[0]}'?"
+                if hint
+                else f"; valid keys: {', '.join(sorted(fields))}"
+            )
+            raise ConfigError(f"unknown config key '{path}'{near}")
+        sub = fields[key].type
+        if path not in open_tables and isinstance(sub, type) and issubclass(sub, msgspec.Struct):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key '{path}' must be a table, got {type(value).__name__}")
+            check_keys(value, sub, open_tables, path + ".")
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+class _Whole(dict):
+    """A table given whole on the command line (`--env.kwargs '{}'`): it replaces the file's table instead
+    of being merged into it (`--env.kwargs.low 5` still changes one key)."""
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """`['--queue.max-staleness', '2', '--run.name=x']` -> nested dict. Flags use dashes or underscores."""
+    tree: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"unexpected argument '{arg}': overrides look like --section.key VALUE")
+        key, sep, value = arg[2:].partition("=")
+        if not sep:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override '{arg}' needs a value")
+            value = args[i + 1]
+            i += 1
+        i += 1
+        parts = key.replace("-", "_").split(".")
+        node = tree
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        parsed = _parse_value(value)
+        node[parts[-1]] = _Whole(parsed) if isinstance(parsed, dict) else parsed
+    return tree
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, _Whole):
+            out[key] = dict(value)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def explain(exc: msgspec.ValidationError, data: dict[str, Any], root: type[msgspec.Struct]) -> str:
+    """msgspec's `Invalid enum value 'x' - at `$.run.mode`` as `run.mode = 'x' is not valid: choose one of
+    'sync', 'async'`; other errors as `run.steps: Expected `int`, got `str``."""
+    message, _, where = str(exc).rpartition(" - at `$.")
+    if not where:
+        return f"invalid config value: {exc}"
+    key = where.rstrip("`")
+    field: Any = root
+    value: Any = data
+    for part in key.split("."):
+        if isinstance(value, dict):
+            value = value.get(part)
+        fields = {f.name: f.type for f in msgspec.structs.fields(field)} if _is_struct(field) else {}
+        field = fields.get(part)
+    choices = getattr(field, "__args__", ()) if getattr(field, "__origin__", None) is Literal else ()
+    if choices:
+        valid = ", ".join(repr(c) for c in choices)
+        return f"{key} = {value!r} is not valid: choose one of {valid}"
+    return f"{key}: {message} (got {value!r})"
+
+
+def _is_struct(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, msgspec.Struct)
+
+
+def to_toml_dict(cfg: msgspec.Struct) -> dict[str, Any]:
+    return msgspec.to_builtins(cfg)
+
+
+def dump_toml(cfg: msgspec.Struct) -> str:
+    """Render the resolved config as TOML (what --dry-run prints and what the run directory keeps)."""
+    lines: list[str] = []
+
+    def emit(table: dict[str, Any], prefix: str) -> None:
+        scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
+        tables = {k: v for k, v in table.items() if isinstance(v, dict)}
+        if prefix and (scalars or not tables):
+            lines.append(f"[{prefix}]")
+        for key, value in scalars.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        if prefix and scalars:
+            lines.append("")
+        for key, value in tables.items():
+            emit(value, f"{prefix}.{key}" if prefix else key)
+
+    emit(to_toml_dict(cfg), "")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return msgspec.json.encode(value).decode()
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise ConfigError(f"cannot render {value!r} as TOML")
