@@ -67,23 +67,16 @@ class RemoteEngine(Engine):
         return self._version
 
 
-class NamedEngine(Engine):
-    """Engine `index` as generators see it: calls pass through; a failed request raises `RequestFailed`."""
+class ForwardingEngine(Engine):
+    """An `Engine` that passes every call to `inner` (the base of the router's views of one engine)."""
 
-    def __init__(self, inner: Engine, index: int):
+    def __init__(self, inner: Engine):
         self.inner = inner
-        url = getattr(inner, "url", None)
-        self.name = f"engine {index}" + (f" ({url})" if url else "")
 
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
     ) -> GenerateOutput:
-        try:
-            return await self.inner.generate(input_ids, sampling, request_id)
-        except RequestFailed:
-            raise
-        except EngineError as exc:  # RayTaskError(EngineError) too: it subclasses the cause
-            raise RequestFailed(self.name, request_id, describe_error(exc)) from exc
+        return await self.inner.generate(input_ids, sampling, request_id)
 
     async def abort(self, request_id: str) -> None:
         await self.inner.abort(request_id)
@@ -107,6 +100,25 @@ class NamedEngine(Engine):
     def policy_version(self) -> int:
         return self.inner.policy_version
 
+
+class NamedEngine(ForwardingEngine):
+    """Engine `index` as generators see it: calls pass through; a failed request raises `RequestFailed`."""
+
+    def __init__(self, inner: Engine, index: int):
+        super().__init__(inner)
+        url = getattr(inner, "url", None)
+        self.name = f"engine {index}" + (f" ({url})" if url else "")
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+    ) -> GenerateOutput:
+        try:
+            return await self.inner.generate(input_ids, sampling, request_id)
+        except RequestFailed:
+            raise
+        except EngineError as exc:  # RayTaskError(EngineError) too: it subclasses the cause
+            raise RequestFailed(self.name, request_id, describe_error(exc)) from exc
+
     def __getattr__(self, name: str) -> Any:
         """The engine's own attributes (`url`, `handle`, ...) show through."""
         if name == "inner":  # not set yet (copy, unpickling): no recursion
@@ -114,41 +126,19 @@ class NamedEngine(Engine):
         return getattr(self.inner, name)
 
 
-class StickyEngine(Engine):
+class StickyEngine(ForwardingEngine):
     """One episode's view of the router: all calls go to the engine chosen when the episode began."""
 
     def __init__(self, router: EngineRouter, index: int):
+        super().__init__(router.named[index])
         self.router = router
         self.index = index
-        self.engine = router.named[index]
         self._closed = False
 
-    async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
-    ) -> GenerateOutput:
-        return await self.engine.generate(input_ids, sampling, request_id)
-
-    async def abort(self, request_id: str) -> None:
-        await self.engine.abort(request_id)
-
-    async def pause(self, mode: PauseMode = "keep") -> None:
-        await self.engine.pause(mode)
-
-    async def resume(self) -> None:
-        await self.engine.resume()
-
-    async def update_weights(self, version: int, source: WeightSource) -> None:
-        await self.engine.update_weights(version, source)
-
-    async def flush_cache(self) -> None:
-        await self.engine.flush_cache()
-
-    async def health(self) -> dict[str, Any]:
-        return await self.engine.health()
-
     @property
-    def policy_version(self) -> int:
-        return self.engine.policy_version
+    def engine(self) -> NamedEngine:
+        """The `NamedEngine` this episode is bound to (what generators get as `ctx.engine`)."""
+        return self.inner  # type: ignore[return-value]
 
     def release(self) -> None:
         if not self._closed:
