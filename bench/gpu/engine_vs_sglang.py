@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import engine_bench as eb  # noqa: E402  (bench/engine_bench.py owns the workload and the embedded runs)
+import engine_bench as eb  # (bench/engine_bench.py owns the workload and the embedded runs)
 
 
 def split_runs(runs: list[dict]) -> dict:
@@ -61,7 +61,9 @@ def sglang_runs(path: Path, requests, args) -> dict:
             for _ in range(args.runs):
                 await engine.flush_cache()  # a repeated run must not be served cached prompts
                 tokens, elapsed = await eb.run_engine(engine, requests, seeded=False)
-                runs.append({"tokens": tokens, "seconds": round(elapsed, 3), "tok_s": round(tokens / elapsed, 1)})
+                runs.append(
+                    {"tokens": tokens, "seconds": round(elapsed, 3), "tok_s": round(tokens / elapsed, 1)}
+                )
                 print(json.dumps({"sglang_run": runs[-1]}), file=sys.stderr, flush=True)
             return runs
         finally:
@@ -85,13 +87,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", choices=["tiny", "qwen3-0.6b"], default="qwen3-0.6b")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", choices=list(eb.DTYPES), default=None, help="default: bfloat16 on cuda, else float32")
+    ap.add_argument(
+        "--dtype", choices=list(eb.DTYPES), default=None, help="default: bfloat16 on cuda, else float32"
+    )
     ap.add_argument("--n", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[100, 1024])
     ap.add_argument("--output-len", type=int, nargs=2, default=[100, 1024])
     ap.add_argument("--max-batch-size", type=int, default=256)
     ap.add_argument("--max-prefill-tokens", type=int, default=16384)
-    ap.add_argument("--variants", default="graphs", help="comma list of bench/engine_bench.py's embedded variants")
+    ap.add_argument(
+        "--variants", default="graphs", help="comma list of bench/engine_bench.py's embedded variants"
+    )
     ap.add_argument("--runs", type=int, default=3, help="passes over the request set per engine (>= 1)")
     ap.add_argument("--no-sglang", action="store_true", help="embedded engine only (CPU smoke)")
     ap.add_argument("--sglang-log", default="/tmp/sglang_bench_server.log")
