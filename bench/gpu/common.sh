@@ -3,7 +3,8 @@
 #                                         (idempotent per hold; bench/gpu/wheels.sh builds them here)
 #   gpu_setup WHAT...                     gpu_install WHAT..., then PYTHONPATH=/tmp/site:$PWD
 #   gpu_pytest NAME [pytest args]         failures' first lines and the summary; log /tmp/NAME.txt
-#   engine_bench NAME VARIANTS [args]     the 256-request engine bench (U[100,1024] in/out, Qwen3-0.6B arch)
+#   engine_bench NAME VARIANTS [args]     the 256-request engine bench (U[100,1024] in/out, Qwen3-0.6B arch;
+#                                         HF=1 adds transformers' generate at batch 256)
 #                                         -> $OUT/NAME.json; ENGINE_BENCH_TIMEOUT_S bounds one run (default 420)
 #   quickstart_run NAME TIMEOUT_S [agentrl run overrides]   `agentrl run examples/quickstart.toml`, log,
 #                                         metrics.jsonl and SGLang logs -> $OUT; the run's own limit is TIMEOUT_S - 40
@@ -56,9 +57,10 @@ gpu_pytest() {
 }
 
 engine_bench() {
-  local name=$1 variants=$2; shift 2
+  local name=$1 variants=$2 hf=(--skip-hf); shift 2
+  [ "${HF:-0}" = 1 ] && hf=(--hf-batch-size 256)  # transformers' generate too (minutes: off by default)
   timeout "${ENGINE_BENCH_TIMEOUT_S:-420}" python3 bench/engine_bench.py --device cuda --arch qwen3-0.6b --n 256 \
-    --prompt-len 100 1024 --output-len 100 1024 --skip-hf --embedded-variants "$variants" \
+    --prompt-len 100 1024 --output-len 100 1024 "${hf[@]}" --embedded-variants "$variants" \
     --out "$out/$name.json" "$@" > "/tmp/$name.log" 2>&1
   echo "$name rc=$?"; grep '^{' "/tmp/$name.log" | cut -c1-3000
 }

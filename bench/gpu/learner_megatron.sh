@@ -5,7 +5,8 @@
 #   bash bench/gpu/learner_megatron.sh profile   # nvidia-h200: fused log-prob tests; HF, compiled with and without the
 #                                                # fused log-probs, kernel profile of one step
 #   bash bench/gpu/learner_megatron.sh tp2 [VARIANTS]   # nvidia-h200-x2: TP = 2 then DP = 2 (default megatron_compile)
-#   bash bench/gpu/learner_megatron.sh torch      # nvidia-h200: agentrl's torch learner vs HF + AdamW, same workload
+#   bash bench/gpu/learner_megatron.sh torch [learner_bench.py args]   # nvidia-h200: agentrl's torch learner vs
+#                                                # HF + AdamW, same workload (bench/learner_bench.py train)
 # Correctness (DDP, TP = 2, PP = 2 vs HF): bash bench/gpu/gpu_tests.sh tests/test_megatron_gpu.py
 source bench/gpu/common.sh
 mode=${1:-bench1}
@@ -29,7 +30,7 @@ case $mode in
       --out "$out/megatron_bench_dp2.json" > "$out/megatron_dp2.log" 2>&1
     echo "megatron dp2 rc=$?"; grep -E '^\[' "$out/megatron_dp2.log" | cut -c1-400 ;;
   torch)
-    timeout 270 python3 bench/learner_bench.py train > "$out/learner_torch.log" 2>&1
+    timeout 270 python3 bench/learner_bench.py train "${@:2}" > "$out/learner_torch.log" 2>&1
     echo "torch learner rc=$?"; tail -8 "$out/learner_torch.log" ;;
   *) echo "unknown mode '$mode' (bench1 | profile | tp2 | torch)" >&2; exit 2 ;;
 esac
