@@ -57,7 +57,7 @@ def parse_args(argv=None):
 
 
 def fill_defaults(args, steps: tuple[int, int]):
-    """Workload defaults shared with tools/gpu/fsdp_check.py (same dims, batch and model directory);
+    """Workload defaults shared with bench/gpu/fsdp_check.py (same dims, batch and model directory);
     `steps` = (tiny, full) timed steps."""
     args.dims = TINY if args.tiny else QWEN3_06B
     args.batch = args.batch or (4 if args.tiny else 8)

@@ -1,6 +1,6 @@
 """GPU checks of the embedded engine's fast decode path (skipped without CUDA / triton).
 
-Run on the GPU machine: `python3 -m pytest -q tests/test_gpu_engine.py` (tools/gpu/ scripts do). The Triton
+Run on the GPU machine: `python3 -m pytest -q tests/test_gpu_engine.py` (`bash bench/gpu/gpu_tests.sh` does). The Triton
 decode kernel must equal SDPA over each row's own length; the CUDA-graph engine's logprobs must equal a
 teacher-forced Hugging Face forward of the same weights, also after an in-place weight update (graphs read
 the weights at fixed addresses).

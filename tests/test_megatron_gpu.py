@@ -65,7 +65,7 @@ def test_model_parallel_2_via_torchrun(model_dir, tp, pp):
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "tools/gpu/megatron_tp_check.py"), str(model_dir), "--tp", str(tp), "--pp", str(pp)]  # fmt: skip
+           str(ROOT / "tests/gpu_megatron_tp_check.py"), str(model_dir), "--tp", str(tp), "--pp", str(pp)]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])

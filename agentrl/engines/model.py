@@ -330,7 +330,7 @@ class CausalLM:
         (the leading dimension is dynamic), so prefill runs the same compiled halves: no recompilation when
         the number of packed prompt tokens changes. Inductor rounds every intermediate to the model dtype as
         eager torch does (`emulate_precision_casts`): without it the halves keep fp32 intermediates, and the
-        logprobs drift from transformers' 2.4x as far (tools/gpu/logprob_diag.py, docs/benchmarks/gpu.md)."""
+        logprobs drift from transformers' 2.4x as far (bench/gpu/logprob_diag.py, docs/benchmarks/gpu.md)."""
         if not enable:
             self._layer_in, self._layer_out, self.compiled = layer_in, layer_out, False
             return

@@ -178,7 +178,7 @@ class SGLangEngine(Engine):
     async def _abort_and_drain(self) -> None:
         """Abort every running request and wait, polling every `ABORT_POLL_S`, until this client's requests have
         returned, with new ones held at the gate. SGLang's own pause("abort") polls its request lock once a
-        second, so it alone costs ~1 s per publish (tools/gpu/sglang_update_modes.py); called after this, it
+        second, so it alone costs ~1 s per publish (bench/gpu/sglang_update_modes.py); called after this, it
         finds nothing running and returns at once."""
         self._gate.clear()
         deadline = asyncio.get_running_loop().time() + self.request_timeout_s

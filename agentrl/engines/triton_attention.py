@@ -83,7 +83,7 @@ DEFAULT_KERNEL = (64, 4, 2)  # BLOCK_N, num_warps, num_stages
 
 
 def kernel_config() -> tuple[int, int, int]:
-    """`AGENTRL_DECODE_KERNEL="BLOCK_N,num_warps,num_stages"` overrides the default (tools/gpu/decode_kernel_sweep.py
+    """`AGENTRL_DECODE_KERNEL="BLOCK_N,num_warps,num_stages"` overrides the default (bench/gpu/decode_kernel_sweep.py
     measures the choices); read per call, so a CUDA graph keeps the config it was captured with."""
     raw = os.environ.get("AGENTRL_DECODE_KERNEL")
     if not raw:

@@ -1,7 +1,7 @@
 """Decode-attention kernel configs (BLOCK_N, num_warps, num_stages) timed at engine-bench shapes (issue 7 item 4).
 
-    python3 tools/gpu/decode_kernel_sweep.py --out $OUT        # CUDA + triton
-    TRITON_INTERPRET=1 python3 tools/gpu/decode_kernel_sweep.py --device cpu --quick   # CPU smoke (slow)
+    python3 bench/gpu/decode_kernel_sweep.py --out $OUT        # CUDA + triton
+    TRITON_INTERPRET=1 python3 bench/gpu/decode_kernel_sweep.py --device cpu --quick   # CPU smoke (slow)
 
 One layer's K/V cache of the Qwen3-0.6B arch (8 KV heads, head_dim 128, bf16), rows with KV lengths drawn
 U[100, 2048) as in the 256-request engine bench, at several batch sizes. Each config is checked against the

@@ -1,7 +1,7 @@
 """Where a decode step of the embedded engine spends its time, by batch size and KV length (for the next GPU call).
 
-    python3 tools/gpu/profile_decode.py --out $OUT                  # Qwen3-0.6B arch, bf16, CUDA
-    python3 tools/gpu/profile_decode.py --device cpu --arch tiny    # CPU smoke test (eager SDPA only)
+    python3 bench/gpu/profile_decode.py --out $OUT                  # Qwen3-0.6B arch, bf16, CUDA
+    python3 bench/gpu/profile_decode.py --device cpu --arch tiny    # CPU smoke test (eager SDPA only)
 
 For each (batch B, KV length L): the model step alone (CUDA graph replay with the Triton kernel; eager SDPA;
 eager Triton), sampling (torch ops on [B, vocab] fp32 logits; the fused kernel on model-dtype logits), and

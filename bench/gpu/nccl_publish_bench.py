@@ -1,8 +1,8 @@
 """Publish bandwidth: learner on GPU 0 broadcasts the model to an engine on GPU 1 (issue 7 item 3 / 4).
 
-    python3 tools/gpu/nccl_publish_bench.py --server sglang --out $OUT            # 2 GPUs, real SGLang on GPU 1
-    python3 tools/gpu/nccl_publish_bench.py --server embedded --out $OUT          # agentrl serve-engine on GPU 1
-    python3 tools/gpu/nccl_publish_bench.py --device cpu --backend gloo --arch tiny   # CPU smoke test
+    python3 bench/gpu/nccl_publish_bench.py --server sglang --out $OUT            # 2 GPUs, real SGLang on GPU 1
+    python3 bench/gpu/nccl_publish_bench.py --server embedded --out $OUT          # agentrl serve-engine on GPU 1
+    python3 bench/gpu/nccl_publish_bench.py --device cpu --backend gloo --arch tiny   # CPU smoke test
 
 The learner (this process, HF model on GPU 0) joins the engine's `/init_weights_update_group` (NCCL), then
 publishes the whole model `--repeats` times per bucket size: `0` = one broadcast per tensor, otherwise
@@ -11,7 +11,7 @@ timed from the first broadcast to the engine's answer for the last bucket (recei
 measured in the same script: one plain `torch.distributed.broadcast` of a flat buffer of the same size from
 this process to a helper process on the engine's GPU. Prints one JSON line; `ratio` = limit time / publish
 time (1.0 = publishing costs no more than the raw transfer); `fixed_call_s` is one update call carrying only
-the smallest tensor (the engine's per-call cost; `calls` per publish). Set NCCL_NVLS_ENABLE=0 (tools/gpu/*.sh do).
+the smallest tensor (the engine's per-call cost; `calls` per publish). Set NCCL_NVLS_ENABLE=0 (bench/gpu/common.sh does).
 """
 
 from __future__ import annotations

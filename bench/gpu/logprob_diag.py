@@ -1,6 +1,6 @@
 """Which part of the embedded engine's GPU path moves its logprobs away from a teacher-forced HF forward.
 
-    python3 tools/gpu/logprob_diag.py            # CUDA; prints one JSON line per configuration
+    python3 bench/gpu/logprob_diag.py            # CUDA; prints one JSON line per configuration
 
 The setup of tests/test_gpu_engine.py::test_graph_engine_logprobs_match_hf_across_update (tiny Qwen3, bf16,
 5 prompts x 40 tokens; then every weight x 1.3, published in place), for several engine seeds (different

@@ -1,7 +1,7 @@
 """FSDP2 torch learner (learner.fsdp) vs the single-GPU torch learner on the Qwen3-0.6B architecture.
 
-GPU:       torchrun --standalone --nproc_per_node 2 tools/gpu/fsdp_check.py --out DIR
-CPU smoke: torchrun --standalone --nproc_per_node 2 tools/gpu/fsdp_check.py --device cpu --tiny --out DIR
+GPU:       torchrun --standalone --nproc_per_node 2 bench/gpu/fsdp_check.py --out DIR
+CPU smoke: torchrun --standalone --nproc_per_node 2 bench/gpu/fsdp_check.py --device cpu --tiny --out DIR
 
 Rank 0 first trains the plain learner alone (one GPU) for warmup + timed steps and records its first-step loss,
 grad norm and log-probs; then every rank runs the FSDP learner from the same random-init HF directory on the same

@@ -1,6 +1,6 @@
 """Publishing into a busy SGLang server: `engine.update_mode` keep vs abort vs no publish, long generations.
 
-    python3 tools/gpu/sglang_update_modes.py --out $OUT     # one GPU; real SGLang (tools/gpu/setup.sh sglang)
+    python3 bench/gpu/sglang_update_modes.py --out $OUT     # one GPU; real SGLang (bench/gpu/common.sh gpu_install sglang)
 
 Qwen3-0.6B arch (random weights), `--n` requests of 64 prompt tokens and `--new-tokens` output tokens each (eos
 ignored) through agentrl's `SGLangEngine`; `--publish-after-s` into the run, the same weights are published as

@@ -1,7 +1,7 @@
 """Tensor/pipeline/data-parallel correctness check of the Megatron learner; run under torchrun on >= 2 GPUs.
 
-    torchrun --standalone --nproc_per_node 2 tools/gpu/megatron_tp_check.py MODEL_DIR --tp 2
-    torchrun --standalone --nproc_per_node 2 tools/gpu/megatron_tp_check.py MODEL_DIR --tp 1 --pp 2
+    torchrun --standalone --nproc_per_node 2 tests/gpu_megatron_tp_check.py MODEL_DIR --tp 2
+    torchrun --standalone --nproc_per_node 2 tests/gpu_megatron_tp_check.py MODEL_DIR --tp 1 --pp 2
 
 Checks, on every rank: log-probs equal the HF model's (fp32, max |d| <= 1e-3 with TF32 off), `weights()` streams
 tensors bit-equal to the HF checkpoint (TP gather + unpacking), one train step's loss equals the single-process
@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[2] / "tests")]
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
 
 import torch  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Summarise an `agentrl run` directory's metrics.jsonl: steps, throughput, staleness and publish times.
 
-python3 tools/gpu/run_summary.py runs/NAME [--out FILE]
+python3 bench/gpu/run_summary.py runs/NAME [--out FILE]
 """
 
 from __future__ import annotations

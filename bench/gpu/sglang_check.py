@@ -1,6 +1,6 @@
 """agentrl's SGLang adapter against a real SGLang server on the GPU machine (issue 7 item 1).
 
-    python3 tools/gpu/sglang_check.py --out $OUT [--dist-backend gloo|nccl] [--sglang-<flag> VALUE ...]
+    python3 bench/gpu/sglang_check.py --out $OUT [--dist-backend gloo|nccl] [--sglang-<flag> VALUE ...]
 
 Writes a random-init Qwen3-0.6B-architecture HF directory, launches `sglang.launch_server` through
 `SGLangServer` (every `--sglang-*` flag passes through), generates with logprobs through `SGLangEngine`, then

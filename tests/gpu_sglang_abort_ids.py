@@ -2,7 +2,7 @@
 docs/engines.md "Request ids"), and the abort path of issue 16 end to end (SGLangEngine + multi_turn + weight
 publishes in `abort` mode while requests run and wait queued). Prints one JSON summary; exit 1 if a check
 fails.
-    python3 tools/gpu/sglang_abort_ids.py OUT_DIR    # after tools/gpu/setup.sh sglang (carry .sgl)
+    python3 tests/gpu_sglang_abort_ids.py OUT_DIR   # after `gpu_install sglang` (bench/gpu/common.sh); pytest: tests/test_gpu_sglang.py
 The server runs at most 2 requests at a time (`--max-running-requests 2`), so the others wait queued.
 """
 

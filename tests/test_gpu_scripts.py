@@ -1,0 +1,75 @@
+"""The GPU reproductions, checked on any machine: every bench/gpu script parses, its shared helper refuses bad
+input by name, every GPU row of docs/benchmarks.md names the bench/gpu script that reproduces it, every script the
+docs name exists, and the engine comparison reports its first (cold) run apart from the later ones."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_SCRIPTS = sorted((ROOT / "bench/gpu").glob("*.sh"))
+GPU_WORDS = re.compile(r"GPU|H100|H200|SGLang|NCCL|Megatron|FSDP")
+
+
+@pytest.mark.parametrize("script", GPU_SCRIPTS, ids=lambda p: p.name)
+def test_script_parses(script):
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_install_helper_names_what_it_refuses(tmp_path):
+    cmd = 'source bench/gpu/common.sh; gpu_install sglang-typo; echo "rc=$?"'
+    proc = subprocess.run(["bash", "-c", cmd], cwd=ROOT, env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True)  # fmt: skip
+    assert "rc=2" in proc.stdout and "sglang-typo" in proc.stderr, proc.stdout + proc.stderr
+
+
+def test_old_gpu_tools_are_gone():
+    assert not (ROOT / "tools/gpu").exists()
+
+
+def _summary_rows() -> list[list[str]]:
+    text = (ROOT / "docs/benchmarks.md").read_text()
+    rows = [
+        line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| ") and "---" not in line
+    ]
+    return [cells for cells in rows[1:] if len(cells) == 5]
+
+
+def test_every_gpu_row_names_its_bench_gpu_script():
+    rows = [cells for cells in _summary_rows() if GPU_WORDS.search(cells[0] + cells[2])]
+    assert len(rows) >= 10
+    missing = [cells[0].strip() for cells in rows if "bench/gpu/" not in cells[1]]
+    assert not missing, f"GPU rows without a bench/gpu command: {missing}"
+
+
+def test_every_named_script_exists():
+    docs = [
+        ROOT / "docs/benchmarks.md",
+        *sorted((ROOT / "docs/benchmarks").glob("*.md")),
+        ROOT / "bench/gpu/README.md",
+    ]
+    named = {m for doc in docs for m in re.findall(r"bench/gpu/[\w.]+\.(?:sh|py)", doc.read_text())}
+    assert named, "no bench/gpu script named in the docs"
+    assert not [n for n in named if not (ROOT / n).exists()]
+
+
+def test_engine_comparison_reports_cold_and_later_runs_apart(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench/gpu"))
+    from engine_vs_sglang import main
+
+    out = tmp_path / "r.json"
+    result = main(["--device", "cpu", "--arch", "tiny", "--n", "4", "--prompt-len", "4", "8", "--output-len", "4", "8",
+                   "--variants", "eager", "--runs", "3", "--no-sglang", "--out", str(out)])  # fmt: skip
+    runs = result["embedded_eager"]
+    assert runs["cold"]["tokens"] > 0 and len(runs["later"]) == 2
+    later = [r["tok_s"] for r in runs["later"]]
+    assert min(later) <= runs["later_tok_s_median"] <= max(later)
+    assert out.exists()
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--variants", "no_such_variant", "--no-sglang"])
