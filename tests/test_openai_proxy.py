@@ -21,6 +21,7 @@ from generators.openai_proxy import OpenAIProxy
 
 TASK = {"a": 23, "b": 45, "op": "+", "answer": 68}
 Q = [{"role": "user", "content": "What is 23+45?"}]
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
 
 
 @pytest.fixture(scope="module")
@@ -181,8 +182,17 @@ async def test_session_from_header_or_user_field(tiny, tok):
         ({"messages": Q, "temperature": "hot"}, "temperature"),
         ({"messages": Q, "temperature": -1}, "temperature"),
         ({"messages": Q, "top_p": 0}, "top_p"),
-        ({"messages": Q, "n": 2}, "n"),
-        ({"messages": Q, "stream": True}, "stream"),
+        ({"messages": Q, "n": 0}, "n"),
+        ({"messages": Q, "n": 65}, "n"),
+        ({"messages": Q, "stream": "yes"}, "stream"),
+        ({"messages": Q, "tool_choice": "auto"}, "tool_choice"),
+        ({"messages": Q, "tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
+        ({"messages": Q, "tools": [ADD, ADD]}, "tools"),
+        ({"messages": Q, "tools": [ADD], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"messages": Q, "tools": [ADD], "tool_choice": {"type": "function", "function": {"name": "mul"}}},
+         "tool_choice"),  # fmt: skip
+        ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+         "messages[0].tool_calls[0].function.name"),  # fmt: skip
         ({"messages": Q, "max_tokens": 0}, "max_tokens"),
         ({"messages": Q, "stop": ["</calc>"]}, "stop"),
         (b"{not json", None),
