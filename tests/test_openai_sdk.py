@@ -47,7 +47,7 @@ class Live:
     """A proxy on loopback, an SDK client per session, and the trajectories it closes."""
 
     def __init__(self, engine, tok):
-        self.sunk, self.tok = [], tok
+        self.sunk, self.tok, self.clients = [], tok, []
 
         async def sink(trajs):
             self.sunk += trajs
@@ -59,10 +59,14 @@ class Live:
         return self
 
     async def __aexit__(self, *exc):
+        for client in self.clients:
+            await client.close()
         await self.proxy.stop()
 
     def client(self, sid):
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1/sessions/{sid}", api_key="unused", max_retries=0)
+        client = openai.AsyncOpenAI(base_url=f"{self.url}/v1/sessions/{sid}", api_key="unused", max_retries=0)
+        self.clients.append(client)
+        return client
 
     async def close(self, sid, reward=1.0):
         url = f"{self.url}/v1/sessions/{sid}/reward"
@@ -232,4 +236,62 @@ async def test_sdk_errors_name_the_field(tiny, tok):
         assert err.value.body["param"] == "n"
         assert (await client.chat.completions.create(model="m", messages=Q)).choices[0].message.content == "x"
         (traj,) = await live.close("err")  # the refused requests left nothing behind
+    assert traj.metadata["turns"] == 1
+
+
+async def test_history_matching_by_arguments_and_tools(tiny, tok):
+    engine = scripted(tiny, tok, CALL, "5", "again")
+    async with Live(engine, tok) as live:
+        client = live.client("hist")
+        first = await client.chat.completions.create(model="m", messages=Q, tools=TOOLS)
+        call = first.choices[0].message.tool_calls[0]
+        respelled = {"role": "assistant", "content": "", "tool_calls": [{"id": "other", "type": "function",
+                     "function": {"name": "add", "arguments": '{"b":3,"a":2}'}}]}  # fmt: skip
+        history = [*Q, respelled, {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+        await client.chat.completions.create(model="m", messages=history, tools=TOOLS)
+        assert len(live.proxy.sessions["hist"].segments) == 1  # same call, re-serialized: same segment
+        await client.chat.completions.create(model="m", messages=history, tools=TOOLS[:1])
+        assert len(live.proxy.sessions["hist"].segments) == 2  # other tools: another prompt, a new segment
+        first_seg, second_seg = await live.close("hist")
+    assert first_seg.metadata["history_rewritten"] and second_seg.metadata["segment"] == 1
+    # the rewritten segment's prompt renders the call's arguments from the JSON string, as objects
+    shown = tok.decode(tokens(second_seg.prompt_ids).tolist())
+    assert '"arguments": {"b": 3, "a": 2}' in shown and '"mul"' not in shown
+
+
+async def test_qwen3_coder_parser_through_the_proxy(tiny, tok):
+    xml = "<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n3\n</parameter>\n</function>\n</tool_call>"  # fmt: skip
+    engine = scripted(tiny, tok, xml)
+    proxy = OpenAIProxy([engine], tok, sampling=SamplingParams(max_new_tokens=160), tool_parser="qwen3_coder")
+    url = await proxy.start()
+    try:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1/sessions/x", api_key="k", max_retries=0) as client:
+            resp = await client.chat.completions.create(model="m", messages=Q, tools=TOOLS)
+    finally:
+        await proxy.stop()
+    (call,) = resp.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("add", {"a": 2, "b": 3})
+
+
+async def test_n_is_all_or_nothing(tiny, tok):
+    engine = scripted(tiny, tok, "a", "b", "c", "d")
+    async with Live(engine, tok) as live:
+        client = live.client("all")
+        await client.chat.completions.create(model="m", messages=Q)
+        before = list(live.proxy.sessions["all"].segments[0].log.response_ids)
+        real, calls = engine.generate, []
+
+        async def second_fails(*args, **kw):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("engine died")
+            return await real(*args, **kw)
+
+        engine.generate = second_fails
+        history = [*Q, {"role": "assistant", "content": "a"}, {"role": "user", "content": "more"}]
+        with pytest.raises(openai.InternalServerError, match="engine died"):
+            await client.chat.completions.create(model="m", messages=history, n=2)
+        assert set(live.proxy.sessions) == {"all"}  # no fork was opened
+        assert live.proxy.sessions["all"].segments[0].log.response_ids == before  # nor the session moved on
+        (traj,) = await live.close("all")
     assert traj.metadata["turns"] == 1
