@@ -66,6 +66,7 @@ class ChatTokens:
         self._prompts: dict[tuple, list[int]] = {}
         self._deltas: dict[tuple, list[int]] = {}
         self._bases: dict[str, str] = {}  # the dummy conversation rendered with each tools list
+        self._shows_tools: dict[tuple, bool] = {}
         if self.has_template:
             self._probe()
         self.stop_ids = sorted({i for i in (self.eos_id, self.eot_id) if i is not None})
@@ -99,6 +100,16 @@ class ChatTokens:
             if type(exc).__module__.startswith("jinja2"):
                 raise EnvError(f"the chat template refused the conversation: {exc}") from None
             raise
+
+    def renders_tools(self, tools: list[dict[str, Any]]) -> bool:
+        """Whether the template shows `tools` at all: one without tool support drops them silently."""
+        key = (_tools_key(tools),)
+        hit = self._shows_tools.get(key)
+        if hit is None:
+            probe = [{"role": "user", "content": "u"}]
+            hit = self.has_template and self.render(probe, True, tools=tools) != self.render(probe, True)
+            _remember(self._shows_tools, key, hit)
+        return hit
 
     def encode(self, text: str) -> list[int]:
         if self._fast_encode is not None:
@@ -159,7 +170,7 @@ class ChatTokens:
         return [self.eot_id]
 
 
-def _remember(cache: dict[tuple, list[int]], key: tuple, ids: list[int]) -> None:
+def _remember(cache: dict[tuple, Any], key: tuple, ids: Any) -> None:
     if len(cache) >= CACHE_SIZE:
         cache.pop(next(iter(cache)))  # oldest first (dicts keep insertion order)
     cache[key] = ids

@@ -171,6 +171,8 @@ class ProxySessions:
             if choice is not None and choice != "none":
                 raise RequestError(400, "tool_choice needs tools", "tool_choice")
             return ToolPlan()
+        if not self.chat.renders_tools(tools):
+            raise RequestError(400, "the model's chat template does not render tools", "tools")
         names = [t["function"]["name"] for t in tools]
         if len(set(names)) < len(names):
             raise RequestError(400, "tool function names must be unique", "tools")

@@ -5,6 +5,7 @@ logprobs still the model's). Each test checks that the recorded trajectory decod
 conversation the SDK sent and received (as the chat template renders it) and that the mask covers only the
 model's tokens."""
 
+import copy
 import json
 
 import aiohttp
@@ -237,6 +238,20 @@ async def test_sdk_errors_name_the_field(tiny, tok):
         assert (await client.chat.completions.create(model="m", messages=Q)).choices[0].message.content == "x"
         (traj,) = await live.close("err")  # the refused requests left nothing behind
     assert traj.metadata["turns"] == 1
+
+
+async def test_template_without_tools_is_refused(tiny, tok):
+    plain = copy.deepcopy(tok)
+    plain.chat_template = (
+        "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+        "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+    async with Live(scripted(tiny, plain, "x"), plain) as live:
+        client = live.client("nt")
+        with pytest.raises(openai.BadRequestError, match="does not render tools") as err:
+            await client.chat.completions.create(model="m", messages=Q, tools=TOOLS)
+        assert err.value.body["param"] == "tools"  # rather than a prompt that silently lacks the schemas
+        assert (await client.chat.completions.create(model="m", messages=Q)).choices[0].message.content == "x"
 
 
 async def test_history_matching_by_arguments_and_tools(tiny, tok):
