@@ -279,6 +279,10 @@ class ProxySessions:
         try:
             if plan.prefill:  # the call's opening is given, not generated: loss-masked like a delta
                 seg.log.add_env(self.chat.encode(plan.prefill), engine.policy_version)
+                if len(seg.log) >= self.max_seq_len:
+                    raise RequestError(
+                        400, f"conversation exceeds max_seq_len = {self.max_seq_len} tokens", "messages"
+                    )
             start = len(seg.log.response_ids)
             out, reply = await generate_turn(
                 ctx, seg.log, sampling, f"{session.id}.{len(seg.finish_reasons)}"

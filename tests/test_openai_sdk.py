@@ -47,13 +47,13 @@ def scripted(tiny, tok, *texts):
 class Live:
     """A proxy on loopback, an SDK client per session, and the trajectories it closes."""
 
-    def __init__(self, engine, tok):
+    def __init__(self, engine, tok, **kw):
         self.sunk, self.tok, self.clients = [], tok, []
 
         async def sink(trajs):
             self.sunk += trajs
 
-        self.proxy = OpenAIProxy([engine], tok, sink=sink, sampling=SamplingParams(max_new_tokens=160))
+        self.proxy = OpenAIProxy([engine], tok, sink=sink, sampling=SamplingParams(max_new_tokens=160), **kw)
 
     async def __aenter__(self):
         self.url = await self.proxy.start()
@@ -310,3 +310,17 @@ async def test_n_is_all_or_nothing(tiny, tok):
         assert live.proxy.sessions["all"].segments[0].log.response_ids == before  # nor the session moved on
         (traj,) = await live.close("all")
     assert traj.metadata["turns"] == 1
+
+
+async def test_forced_call_opening_past_max_seq_len_is_refused(tiny, tok):
+    room = len(chat_tokens(tok).prompt_ids(Q, tools=TOOLS)) + 3  # the prompt fits, the call's opening not
+    async with Live(scripted(tiny, tok, "x", "y"), tok, max_seq_len=room) as live:
+        client = live.client("long")
+        named = {"type": "function", "function": {"name": "add"}}
+        with pytest.raises(openai.BadRequestError, match="max_seq_len") as err:
+            await client.chat.completions.create(
+                model="m", messages=Q, tools=TOOLS, tool_choice=named, max_tokens=2
+            )
+        assert err.value.body["param"] == "messages" and live.proxy.sessions["long"].segments == []
+        resp = await client.chat.completions.create(model="m", messages=Q, tools=TOOLS, max_tokens=2)
+        assert resp.choices[0].message.content == "x"
