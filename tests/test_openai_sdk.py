@@ -238,6 +238,7 @@ async def test_sdk_errors_name_the_field(tiny, tok):
         assert (await client.chat.completions.create(model="m", messages=Q)).choices[0].message.content == "x"
         (traj,) = await live.close("err")  # the refused requests left nothing behind
     assert traj.metadata["turns"] == 1
+    assert_recorded(tok, traj, [*Q, {"role": "assistant", "content": "x"}])
 
 
 async def test_template_without_tools_is_refused(tiny, tok):
