@@ -17,11 +17,16 @@ text past the dummy is what the template appends for the new messages. The model
 the end-of-turn token (the suffix's first token, a stop token); then only the rest of the suffix (`\\n`) is
 prepended to the delta. If the reply ended otherwise (e.g. on a different eos), the whole suffix is.
 Prompts and deltas are cached by their messages (a group's n samples share a prompt; env feedback repeats).
+Tools (OpenAI function schemas) are rendered by the template itself (`apply_chat_template(..., tools=...)`):
+`prompt_ids` and `delta_ids` take them, and a delta with tools is measured against the dummy rendered with the
+same tools. Messages may carry `tool_calls` / `tool_call_id` (OpenAI form, arguments as objects), which the
+template renders; they are part of the cache key.
 Nothing here imports transformers, torch or ray: the tokenizer is passed in.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from agentrl.errors import EnvError, InvalidTrajectory
@@ -36,8 +41,15 @@ def _as_dicts(messages: list[Message] | list[dict[str, Any]]) -> list[dict[str, 
     return [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
 
 
-def _key(messages: list[Message] | list[dict[str, Any]]) -> tuple[tuple[str, str], ...]:
-    return tuple((m["role"], m["content"]) for m in _as_dicts(messages))
+def _key(messages: list[Message] | list[dict[str, Any]]) -> tuple[tuple[str, ...], ...]:
+    return tuple(
+        (m["role"], m["content"]) if len(m) == 2 else (m["role"], m["content"], json.dumps(m, sort_keys=True))
+        for m in _as_dicts(messages)
+    )
+
+
+def _tools_key(tools: list[dict[str, Any]] | None) -> str:
+    return "" if tools is None else json.dumps(tools, sort_keys=True)
 
 
 class ChatTokens:
@@ -53,6 +65,8 @@ class ChatTokens:
         self._fast_encode = getattr(backend, "encode", None) if hasattr(backend, "encode_batch") else None
         self._prompts: dict[tuple, list[int]] = {}
         self._deltas: dict[tuple, list[int]] = {}
+        self._bases: dict[str, str] = {}  # the dummy conversation rendered with each tools list
+        self._shows_tools: dict[tuple, bool] = {}
         if self.has_template:
             self._probe()
         self.stop_ids = sorted({i for i in (self.eos_id, self.eot_id) if i is not None})
@@ -71,15 +85,31 @@ class ChatTokens:
         else:
             self.after_eot = self.suffix
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        extra = {} if tools is None else {"tools": tools}
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
             )
         except Exception as exc:  # templates refuse conversations with jinja's raise_exception (roles, order)
             if type(exc).__module__.startswith("jinja2"):
                 raise EnvError(f"the chat template refused the conversation: {exc}") from None
             raise
+
+    def renders_tools(self, tools: list[dict[str, Any]]) -> bool:
+        """Whether the template shows `tools` at all: one without tool support drops them silently."""
+        key = (_tools_key(tools),)
+        hit = self._shows_tools.get(key)
+        if hit is None:
+            probe = [{"role": "user", "content": "u"}]
+            hit = self.has_template and self.render(probe, True, tools=tools) != self.render(probe, True)
+            _remember(self._shows_tools, key, hit)
+        return hit
 
     def encode(self, text: str) -> list[int]:
         if self._fast_encode is not None:
@@ -90,32 +120,46 @@ class ChatTokens:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def prompt_ids(
-        self, messages: list[Message] | list[dict[str, Any]], chat_template: bool = True
+        self,
+        messages: list[Message] | list[dict[str, Any]],
+        chat_template: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """The opening prompt: the template with the generation prompt, or (raw) the contents joined by newlines."""
-        key = (_key(messages), chat_template)
+        """The opening prompt: the template with the generation prompt (and `tools`), or (raw) the contents
+        joined by newlines."""
+        key = (_key(messages), chat_template, _tools_key(tools))
         hit = self._prompts.get(key)
         if hit is None:
             if chat_template and self.has_template:
-                hit = self.encode(self.render(_as_dicts(messages), add_generation_prompt=True))
+                hit = self.encode(self.render(_as_dicts(messages), add_generation_prompt=True, tools=tools))
             else:
                 hit = list(self.tokenizer.encode("\n".join(c for _, c in key[0]), add_special_tokens=True))
             _remember(self._prompts, key, hit)
         return list(hit)
 
-    def delta_ids(self, messages: list[Message] | list[dict[str, Any]], reply_ids: list[int]) -> list[int]:
-        """Tokens that follow a model reply `reply_ids` when the env adds `messages` and the model speaks next."""
+    def delta_ids(
+        self,
+        messages: list[Message] | list[dict[str, Any]],
+        reply_ids: list[int],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """Tokens that follow a model reply `reply_ids` when the env adds `messages` and the model speaks next
+        (in a conversation whose prompt was rendered with `tools`)."""
         if not self.has_template:
             raise EnvError("multi-turn rollouts need a tokenizer with a chat template")
         closed = bool(reply_ids) and reply_ids[-1] == self.eot_id
-        key = (_key(messages), closed)
+        tools_key = _tools_key(tools)
+        key = (_key(messages), closed, tools_key)
         hit = self._deltas.get(key)
         if hit is None:
             dummy = [{"role": "user", "content": "u"}, {"role": "assistant", "content": MARK}]
-            full = self.render(dummy + _as_dicts(messages), add_generation_prompt=True)
-            if not full.startswith(self._base):
+            base = self._base if tools is None else self._bases.get(tools_key)
+            if base is None:
+                base = self._bases[tools_key] = self.render(dummy, tools=tools)
+            full = self.render(dummy + _as_dicts(messages), add_generation_prompt=True, tools=tools)
+            if not full.startswith(base):
                 raise EnvError("the chat template renders earlier turns differently once new messages follow")
-            hit = self.encode((self.after_eot if closed else self.suffix) + full[len(self._base) :])
+            hit = self.encode((self.after_eot if closed else self.suffix) + full[len(base) :])
             _remember(self._deltas, key, hit)
         return list(hit)
 
@@ -126,7 +170,7 @@ class ChatTokens:
         return [self.eot_id]
 
 
-def _remember(cache: dict[tuple, list[int]], key: tuple, ids: list[int]) -> None:
+def _remember(cache: dict[tuple, Any], key: tuple, ids: Any) -> None:
     if len(cache) >= CACHE_SIZE:
         cache.pop(next(iter(cache)))  # oldest first (dicts keep insertion order)
     cache[key] = ids

@@ -6,11 +6,14 @@ Routes (aiohttp):
   `base_url="http://host:port/v1/sessions/{sid}"`. Also `POST /v1/chat/completions` with the session in the
   `X-Session-Id` header, or else in the `user` field. Fields: model, messages, temperature,
   top_p, max_tokens / max_completion_tokens, stop (strings that are one token each; as in OpenAI the
-  returned text omits the stop string, the recorded tokens keep it), n=1, logprobs, seed.
-  Reply shaped like OpenAI's: choices[0].message.content, finish_reason, usage, optional logprobs.
+  returned text omits the stop string, the recorded tokens keep it), n (choice i > 0 continues in session
+  `{sid}.n{i}`, named in the choice's `session_id`), logprobs, seed, tools, tool_choice (`auto`, `none`,
+  `required`, a named function), stream + stream_options.include_usage.
+  Reply shaped like OpenAI's (generators/openai_response.py): choices[i].message.content / tool_calls,
+  finish_reason (`stop`, `length`, `tool_calls`), usage, optional logprobs; or SSE chunks ending `[DONE]`.
 - `POST /v1/sessions/{sid}/reward` `{reward, group_id?, turn_rewards?, metadata?}` closes the session into
   trajectories handed to the sink (the runner passes the queue's put); `DELETE /v1/sessions/{sid}` drops it.
-- `GET /v1/models`, `GET /health`.
+- `GET /v1/models`, `GET /health` (with the proxy's counters, e.g. `tool_call_parse_errors`).
 
 Sessions, segments and token-in/token-out are kept by `ProxySessions` (generators/proxy_session.py, whose
 docstring states their invariants); this module is its HTTP front and the `openai_proxy` generator.
@@ -37,6 +40,7 @@ from agentrl.errors import ConfigError, QueueClosed, QueueFull
 from agentrl.generator import RolloutContext
 from agentrl.plugins import load_object
 from agentrl.types import ROLES, Trajectory, validation_field
+from generators.openai_response import chunks, completion
 from generators.openai_schema import chat_decoder, encoder, error_body, reward_decoder
 
 # Segment, Session and RequestError stay importable from here
@@ -62,8 +66,11 @@ class OpenAIProxy(ProxySessions):
         token: str = "",
         max_body_bytes: int = 16 << 20,
         read_timeout_s: float = 30.0,
+        tool_parser: str = "",
     ):
-        super().__init__(engines, tokenizer, sampling, max_seq_len, model_name, env_name, session_timeout_s)
+        super().__init__(
+            engines, tokenizer, sampling, max_seq_len, model_name, env_name, session_timeout_s, tool_parser
+        )
         self.sink = sink
         self.token, self.max_body_bytes, self.read_timeout_s = token, max_body_bytes, read_timeout_s
         self.runner: web.AppRunner | None = None
@@ -147,7 +154,7 @@ class OpenAIProxy(ProxySessions):
         except asyncio.TimeoutError:
             raise RequestError(408, f"body not received within {self.read_timeout_s}s", "body") from None
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await self._body(request)
             try:
@@ -168,9 +175,20 @@ class OpenAIProxy(ProxySessions):
                 raise RequestError(
                     400, "no session: use /v1/sessions/{id}/chat/completions, X-Session-Id or user", "user"
                 )
-            return self._json(await self.complete(sid, req))
+            choices = await self.complete(sid, req)
         except RequestError as exc:
             return self._error(exc)
+        model = req.model or self.model_name
+        if not req.stream:
+            return self._json(completion(model, self.tokenizer, choices, req.logprobs))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        for chunk in chunks(model, self.tokenizer, choices, req.logprobs, usage):
+            await resp.write(b"data: " + encoder.encode(chunk) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
     async def _reward(self, request: web.Request) -> web.Response:
         sid = request.match_info["sid"]
@@ -213,7 +231,9 @@ class OpenAIProxy(ProxySessions):
         )
 
     async def _health(self, request: web.Request) -> web.Response:
-        return self._json({"ok": True, "sessions": len(self.sessions), "in_flight": self.in_flight})
+        return self._json(
+            {"ok": True, "sessions": len(self.sessions), "in_flight": self.in_flight, **self.metrics}
+        )
 
 
 # -- as a generator: `rollout.generator = "openai_proxy"` --------------------------------------------------
@@ -228,7 +248,8 @@ async def proxy_for(ctx: RolloutContext) -> OpenAIProxy:
     if future is None:
 
         async def start() -> OpenAIProxy:
-            proxy = OpenAIProxy([ctx.engine], ctx.tokenizer, sampling=ctx.sampling, max_seq_len=ctx.max_seq_len, env_name=ctx.env_name)  # fmt: skip
+            proxy = OpenAIProxy([ctx.engine], ctx.tokenizer, sampling=ctx.sampling, max_seq_len=ctx.max_seq_len,
+                                env_name=ctx.env_name, tool_parser=ctx.extra.get("tool_parser", ""))  # fmt: skip
             await proxy.start(ctx.extra.get("proxy_host", "127.0.0.1"))
             return proxy
 

@@ -6,6 +6,7 @@ reported as a 400 naming it (`param`), the way OpenAI reports invalid requests.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
@@ -16,9 +17,48 @@ class ContentPart(msgspec.Struct):
     text: str = ""
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str = "{}"  # a JSON string, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct):
+    function: FunctionCall
+    id: str = ""
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class FunctionDef(msgspec.Struct):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct):
+    function: FunctionDef
+    type: str = "function"
+
+
+class NamedFunction(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct):
+    function: NamedFunction
+    type: str = "function"
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
 
 
 class ChatRequest(msgspec.Struct, kw_only=True):
@@ -33,6 +73,10 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     seed: int | None = None
     user: str | None = None
 
@@ -55,6 +99,52 @@ def message_text(message: ChatMessage) -> str:
     if isinstance(message.content, str):
         return message.content
     return "".join(part.text for part in message.content if part.type == "text")
+
+
+def tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """The tools as the chat template takes them (OpenAI form, unset fields left out)."""
+    if not tools:
+        return None
+    return [
+        {
+            "type": t.type,
+            "function": {k: v for k, v in msgspec.to_builtins(t.function).items() if v is not None},
+        }
+        for t in tools
+    ]
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text  # not JSON: the template renders the string as given
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as the chat template takes it: content as text, tool-call arguments as objects (what
+    Hugging Face templates expect), `tool_call_id` / `name` when given."""
+    out: dict[str, Any] = {"role": message.role, "content": message_text(message)}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": c.type,
+             "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+            for c in message.tool_calls
+        ]  # fmt: skip
+    for key in ("tool_call_id", "name"):
+        if getattr(message, key) is not None:
+            out[key] = getattr(message, key)
+    return out
+
+
+def turn_key(message: ChatMessage) -> tuple[Any, ...]:
+    """What must match for a message to be the one recorded: role, text and tool calls (name + arguments as
+    JSON values, so re-serialized arguments still match; call ids are not compared)."""
+    calls = tuple(
+        (c.function.name, json.dumps(_arguments(c.function.arguments), sort_keys=True))
+        for c in message.tool_calls or []
+    )
+    return (message.role, message_text(message), calls)
 
 
 def error_body(message: str, param: str = "", kind: str = "invalid_request_error") -> bytes:

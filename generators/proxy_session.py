@@ -5,6 +5,16 @@ Invariants:
 - Token-in/token-out: a session's turns form one segment as long as each request's messages extend the
   previous request's messages plus the reply it got (compared as role + text): the new messages are appended
   as template-delta tokens (loss-masked) after the exact reply tokens, never re-tokenizing earlier ones.
+  Messages are compared by `openai_schema.turn_key` (role, text, tool calls by name + arguments), and the
+  segment's `tools` must be the same: tools are rendered into the prompt by the chat template.
+- Tool calls: the reply text is parsed by the session's tool parser (generators/tool_parsers.py) into
+  `tool_calls` (finish_reason `tool_calls`); a malformed call is returned as text and counted
+  (`metrics["tool_call_parse_errors"]`, trajectory metadata `tool_call_errors`). `tool_choice` `none` skips
+  parsing; `required` / a named function put the parser's call opening after the generation prompt as
+  loss-masked tokens, so the model's reply is a call.
+- `n > 1`: the turn runs n times on copies of the session, concurrently; choice 0 continues session `sid`,
+  choice i opens session `sid.n{i}` (its id is in the choice's `session_id`), all in group `sid`. Either all
+  n succeed or the session is left as it was.
 - When an agent rewrites history (drops, edits or summarises turns), a new segment starts from a fresh
   prompt; each segment with a generated token closes into its own trajectory (`id` = sid, then `sid.1`,
   `sid.2`, ...; metadata `segment`, `segments`, `history_rewritten`).
@@ -19,8 +29,8 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +42,19 @@ from agentrl.generator import RolloutContext
 from agentrl.types import Trajectory
 from generators.chat import chat_tokens
 from generators.multi_turn import TokenLog, generate_turn
-from generators.openai_schema import ChatRequest, message_text
+from generators.openai_response import Choice
+from generators.openai_schema import (
+    ChatMessage,
+    ChatRequest,
+    FunctionCall,
+    ToolCall,
+    template_message,
+    tool_dicts,
+    turn_key,
+)
+from generators.tool_parsers import ToolParser, parser_for
+
+MAX_N = 64
 
 
 class RequestError(Exception):
@@ -44,9 +66,19 @@ class RequestError(Exception):
 @dataclass
 class Segment:
     log: TokenLog
-    messages: list[tuple[str, str]] = field(default_factory=list)  # what the agent sent + the reply it got
+    messages: list[tuple] = field(default_factory=list)  # turn keys: what the agent sent + the reply it got
+    tools: str = ""  # the tools the prompt was rendered with (JSON; "" for none)
     last_reply: list[int] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
+    tool_call_errors: int = 0
+
+
+@dataclass
+class ToolPlan:
+    tools: list[dict[str, Any]] | None = None
+    key: str = ""
+    parser: ToolParser | None = None  # None: the reply is text
+    prefill: str = ""  # opens a call after the generation prompt (tool_choice required / named)
 
 
 @dataclass
@@ -57,6 +89,7 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     created_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
+    group_id: str = ""  # n > 1: the session the choices were forked from
 
 
 class ProxySessions:
@@ -71,6 +104,7 @@ class ProxySessions:
         model_name: str = "agentrl",
         env_name: str = "openai_proxy",
         session_timeout_s: float = 3600.0,
+        tool_parser: str = "",
     ):
         if not engines:
             raise AgentRLError("OpenAIProxy needs at least one engine")
@@ -81,6 +115,8 @@ class ProxySessions:
         self.session_timeout_s = session_timeout_s
         self.sessions: dict[str, Session] = {}
         self.in_flight = [0] * len(engines)
+        self.parser = parser_for(tool_parser, getattr(tokenizer, "chat_template", None))
+        self.metrics: dict[str, int] = {"tool_call_parse_errors": 0}
 
     def _session(self, sid: str) -> Session:
         session = self.sessions.get(sid)
@@ -94,10 +130,8 @@ class ProxySessions:
         return session
 
     def _sampling(self, req: ChatRequest) -> SamplingParams:
-        if req.n != 1:
-            raise RequestError(400, "only n = 1 is supported (run n sessions instead)", "n")
-        if req.stream:
-            raise RequestError(400, "streaming is not supported", "stream")
+        if not 1 <= req.n <= MAX_N:
+            raise RequestError(400, f"n must be in [1, {MAX_N}]", "n")
         if req.temperature is not None and req.temperature < 0:
             raise RequestError(400, "temperature must be >= 0", "temperature")
         if req.top_p is not None and not 0 < req.top_p <= 1:
@@ -130,97 +164,163 @@ class ProxySessions:
             stop_token_ids=sorted(stop_ids),
         )
 
-    def _segment_for(self, session: Session, messages: list[tuple[str, str]]) -> tuple[Segment, int | None]:
+    def _tool_plan(self, req: ChatRequest) -> ToolPlan:
+        tools = tool_dicts(req.tools)
+        choice = req.tool_choice
+        if tools is None:
+            if choice is not None and choice != "none":
+                raise RequestError(400, "tool_choice needs tools", "tool_choice")
+            return ToolPlan()
+        if not self.chat.renders_tools(tools):
+            raise RequestError(400, "the model's chat template does not render tools", "tools")
+        names = [t["function"]["name"] for t in tools]
+        if len(set(names)) < len(names):
+            raise RequestError(400, "tool function names must be unique", "tools")
+        plan = ToolPlan(tools, msgspec.json.encode(tools).decode(), self.parser)
+        if choice is None or choice == "auto":
+            return plan
+        if choice == "none":
+            plan.parser = None
+        elif choice == "required":
+            plan.prefill = self.parser.prefill(None)
+        elif isinstance(choice, str):
+            raise RequestError(
+                400, "tool_choice must be 'auto', 'none', 'required' or a function", "tool_choice"
+            )
+        elif choice.function.name not in names:
+            raise RequestError(
+                400, f"tool_choice names {choice.function.name!r}, not one of the tools", "tool_choice"
+            )
+        else:
+            plan.prefill = self.parser.prefill(choice.function.name)
+        return plan
+
+    def _segment_for(
+        self, session: Session, keys: list[tuple], turns: list[dict[str, Any]], plan: ToolPlan
+    ) -> tuple[Segment, int | None]:
         """The segment this request continues (with its new delta tokens added) or a fresh one; returns it
         and the response length to roll back to if the turn fails (None: a fresh segment, to drop)."""
         seg = session.segments[-1] if session.segments else None
         if (
             seg is not None
-            and len(messages) > len(seg.messages)
-            and messages[: len(seg.messages)] == seg.messages
+            and seg.tools == plan.key
+            and len(keys) > len(seg.messages)
+            and keys[: len(seg.messages)] == seg.messages
         ):
-            new = [{"role": r, "content": c} for r, c in messages[len(seg.messages) :]]
             mark = len(seg.log.response_ids)
-            delta = self.chat.delta_ids(new, seg.last_reply)
+            delta = self.chat.delta_ids(turns[len(seg.messages) :], seg.last_reply, tools=plan.tools)
             if len(seg.log) + len(delta) >= self.max_seq_len:
                 raise RequestError(
                     400, f"conversation exceeds max_seq_len = {self.max_seq_len} tokens", "messages"
                 )
             seg.log.add_env(delta, self.engines[session.engine_index].policy_version)
             return seg, mark
-        prompt = self.chat.prompt_ids([{"role": r, "content": c} for r, c in messages])
+        prompt = self.chat.prompt_ids(turns, tools=plan.tools)
         if len(prompt) >= self.max_seq_len:
             raise RequestError(
                 400, f"prompt of {len(prompt)} tokens exceeds max_seq_len = {self.max_seq_len}", "messages"
             )
-        seg = Segment(TokenLog(prompt))
+        seg = Segment(TokenLog(prompt), tools=plan.key)
         session.segments.append(seg)
         return seg, None
 
-    async def complete(self, sid: str, req: ChatRequest) -> dict[str, Any]:
+    async def complete(self, sid: str, req: ChatRequest) -> list[Choice]:
+        """Run one chat turn (n choices) of session `sid`; raises RequestError on bad input or failure."""
         if not req.messages:
             raise RequestError(400, "messages must not be empty", "messages")
         sampling = self._sampling(req)
-        messages = [(m.role, message_text(m)) for m in req.messages]
+        plan = self._tool_plan(req)
+        keys = [turn_key(m) for m in req.messages]
+        turns = [template_message(m) for m in req.messages]
         session = self._session(sid)
         async with session.lock:
-            seg, mark = self._segment_for(session, messages)
-            engine = self.engines[session.engine_index]
-            ctx = RolloutContext(engine=engine, tokenizer=self.tokenizer, make_env=_no_env, env_name=self.env_name,
-                                 sampling=sampling, max_seq_len=self.max_seq_len)  # fmt: skip
-            self.in_flight[session.engine_index] += 1
-            start = len(seg.log.response_ids)
-            try:
-                out, reply = await generate_turn(ctx, seg.log, sampling, f"{sid}.{len(seg.finish_reasons)}")
-                if out.finish_reason == "abort":
-                    raise RequestError(503, "the engine aborted the request (weight update); retry")
-            except Exception as exc:  # undo this turn so the session stays consistent for a retry
-                if mark is None:
-                    session.segments.pop()
-                else:
-                    seg.log.rollback(mark)
-                if isinstance(exc, RequestError):
-                    raise
-                raise RequestError(502, f"engine error: {exc}") from exc
-            finally:
-                self.in_flight[session.engine_index] -= 1
-            user_stop = out.finish_reason == "stop" and reply and reply[-1] not in self.chat.stop_ids
-            text = self.chat.decode(reply[:-1] if user_stop else reply)  # OpenAI omits the stop sequence
-            seg.messages = [*messages, ("assistant", text)]
-            seg.last_reply = reply
-            seg.finish_reasons.append(out.finish_reason)
-            logprobs = seg.log.logprobs[start:]
-        return self._response(req, text, out.finish_reason, len(seg.log) - len(reply), reply, logprobs)
+            if req.n == 1:
+                return [await self._turn(session, keys, turns, plan, sampling, 0)]
+            forks = [self._fork(session, sid if i == 0 else f"{sid}.n{i}") for i in range(req.n)]
+            taken = [f.id for f in forks[1:] if f.id in self.sessions]
+            if taken:
+                raise RequestError(400, f"session {taken[0]!r} of an earlier n > 1 turn is still open", "n")
+            seeded = [
+                sampling
+                if sampling.seed is None
+                else msgspec.structs.replace(sampling, seed=sampling.seed + i)
+                for i in range(req.n)
+            ]  # one seed for all would give n equal samples
+            results = await asyncio.gather(
+                *[self._turn(f, keys, turns, plan, seeded[i], i) for i, f in enumerate(forks)],
+                return_exceptions=True,
+            )
+            failed = next((r for r in results if isinstance(r, BaseException)), None)
+            if failed is not None:  # all or nothing: the session and no fork changed
+                raise failed
+            session.segments = forks[0].segments
+            for fork in forks[1:]:
+                self.sessions[fork.id] = fork
+            return list(results)  # type: ignore[arg-type]
 
-    def _response(
-        self, req: ChatRequest, text: str, finish: str, n_prompt: int, reply: list[int], logprobs: list[float]
-    ) -> dict[str, Any]:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": "length" if finish == "length" else "stop",
-            "logprobs": None,
-        }
-        if req.logprobs:
-            pieces = [self.tokenizer.decode([t], skip_special_tokens=False) for t in reply]
-            choice["logprobs"] = {
-                "content": [
-                    {"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": [], "token_id": t}
-                    for p, lp, t in zip(pieces, logprobs, reply, strict=True)
-                ]
-            }
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": req.model or self.model_name,
-            "choices": [choice],
-            "usage": {
-                "prompt_tokens": n_prompt,
-                "completion_tokens": len(reply),
-                "total_tokens": n_prompt + len(reply),
-            },
-        }
+    def _fork(self, session: Session, fork_id: str) -> Session:
+        return Session(fork_id, session.engine_index, copy.deepcopy(session.segments),
+                       created_at=session.created_at, group_id=session.group_id or session.id)  # fmt: skip
+
+    async def _turn(
+        self,
+        session: Session,
+        keys: list[tuple],
+        turns: list[dict[str, Any]],
+        plan: ToolPlan,
+        sampling: SamplingParams,
+        index: int,
+    ) -> Choice:
+        seg, mark = self._segment_for(session, keys, turns, plan)
+        engine = self.engines[session.engine_index]
+        ctx = RolloutContext(engine=engine, tokenizer=self.tokenizer, make_env=_no_env, env_name=self.env_name,
+                             sampling=sampling, max_seq_len=self.max_seq_len)  # fmt: skip
+        self.in_flight[session.engine_index] += 1
+        try:
+            if plan.prefill:  # the call's opening is given, not generated: loss-masked like a delta
+                seg.log.add_env(self.chat.encode(plan.prefill), engine.policy_version)
+                if len(seg.log) >= self.max_seq_len:
+                    raise RequestError(
+                        400, f"conversation exceeds max_seq_len = {self.max_seq_len} tokens", "messages"
+                    )
+            start = len(seg.log.response_ids)
+            out, reply = await generate_turn(
+                ctx, seg.log, sampling, f"{session.id}.{len(seg.finish_reasons)}"
+            )
+            if out.finish_reason == "abort":
+                raise RequestError(503, "the engine aborted the request (weight update); retry")
+        except Exception as exc:  # undo this turn so the session stays consistent for a retry
+            if mark is None:
+                session.segments.pop()
+            else:
+                seg.log.rollback(mark)
+            if isinstance(exc, RequestError):
+                raise
+            raise RequestError(502, f"engine error: {exc}") from exc
+        finally:
+            self.in_flight[session.engine_index] -= 1
+        user_stop = out.finish_reason == "stop" and reply and reply[-1] not in self.chat.stop_ids
+        text_ids = reply[:-1] if user_stop else reply  # OpenAI omits the stop sequence
+        text = plan.prefill + self.chat.decode(text_ids)
+        content: str | None = text
+        calls: list[dict[str, Any]] = []
+        if plan.parser is not None:
+            parsed = plan.parser.parse(text, plan.tools)
+            if parsed.error:
+                self.metrics["tool_call_parse_errors"] += 1
+                seg.tool_call_errors += 1
+            else:
+                content, calls = parsed.content, parsed.tool_calls
+        finish = "tool_calls" if calls else "length" if out.finish_reason == "length" else "stop"
+        sent = ChatMessage(
+            "assistant", content, [ToolCall(FunctionCall(**c["function"])) for c in calls] or None
+        )
+        seg.messages = [*keys, turn_key(sent)]
+        seg.last_reply = reply
+        seg.finish_reasons.append(out.finish_reason)
+        return Choice(index=index, session_id=session.id, content=content, tool_calls=calls,
+                      finish_reason=finish, prompt_tokens=len(seg.log) - len(reply), reply_ids=reply,
+                      text_ids=text_ids, prefill=plan.prefill, logprobs=seg.log.logprobs[start:])  # fmt: skip
 
     def _existing(self, sid: str) -> Session:
         session = self.sessions.get(sid)
@@ -255,6 +355,7 @@ class ProxySessions:
     ) -> list[Trajectory]:
         """One trajectory per segment with at least one generated token."""
         base = trajectory_id or session.id
+        group_id = group_id or session.group_id or session.id
         segments = [s for s in session.segments if s.log.response_ids]
         out = []
         for k, seg in enumerate(segments):
@@ -267,11 +368,12 @@ class ProxySessions:
                 "history_rewritten": len(segments) > 1,
                 "turns": len(seg.finish_reasons),
                 "finish_reasons": seg.finish_reasons,
+                "tool_call_errors": seg.tool_call_errors,
             }
             out.append(
                 seg.log.trajectory(
                     id=base if k == 0 else f"{base}.{k}",
-                    group_id=group_id or session.id,
+                    group_id=group_id,
                     env=self.env_name,
                     reward=float(reward),
                     turn_rewards=turn_rewards,

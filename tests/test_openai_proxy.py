@@ -21,6 +21,7 @@ from generators.openai_proxy import OpenAIProxy
 
 TASK = {"a": 23, "b": 45, "op": "+", "answer": 68}
 Q = [{"role": "user", "content": "What is 23+45?"}]
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
 
 
 @pytest.fixture(scope="module")
@@ -181,8 +182,21 @@ async def test_session_from_header_or_user_field(tiny, tok):
         ({"messages": Q, "temperature": "hot"}, "temperature"),
         ({"messages": Q, "temperature": -1}, "temperature"),
         ({"messages": Q, "top_p": 0}, "top_p"),
-        ({"messages": Q, "n": 2}, "n"),
-        ({"messages": Q, "stream": True}, "stream"),
+        ({"messages": Q, "n": 0}, "n"),
+        ({"messages": Q, "n": 65}, "n"),
+        ({"messages": Q, "stream": "yes"}, "stream"),
+        ({"messages": Q, "tool_choice": "auto"}, "tool_choice"),
+        ({"messages": Q, "tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
+        ({"messages": Q, "tools": [ADD, ADD]}, "tools"),
+        ({"messages": Q, "tools": [ADD], "tool_choice": "sometimes"}, "tool_choice"),
+        (
+            {"messages": Q, "tools": [ADD], "tool_choice": {"type": "function", "function": {"name": "mul"}}},
+            "tool_choice",
+        ),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+            "messages[0].tool_calls[0].function.name",
+        ),
         ({"messages": Q, "max_tokens": 0}, "max_tokens"),
         ({"messages": Q, "stop": ["</calc>"]}, "stop"),
         (b"{not json", None),
@@ -297,3 +311,20 @@ async def test_abort_continued_and_engine_error_rolled_back(tiny, tok):
         await p.post("/v1/sessions/ab/reward", {"reward": 1})
     _prompt, response, loss_mask = demonstration_tokens(tok, make_env("calculator").demonstration(TASK))
     assert tokens(p.sunk[0].response_ids).tolist() == response and mask(p.sunk[0]).tolist() == loss_mask
+
+
+async def test_stream_is_server_sent_events_ending_done(tiny, tok):
+    async with Proxy([scripted(tiny, tok, "12+34")], tok) as p:
+        body = {"messages": Q, "stream": True, "stream_options": {"include_usage": True}}
+        async with p.http.post(p.url + "/v1/sessions/sse/chat/completions", json=body) as resp:
+            assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+            raw = (await resp.read()).decode()
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: ") for e in events[:-1])
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-2]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0]["role"] == "assistant" and "".join(d.get("content", "") for d in deltas) == "12+34"
+    assert len(deltas) >= 6  # role, then one content delta per token ("1", "2", "+", "3", "4"), then finish
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"

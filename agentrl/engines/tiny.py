@@ -2,8 +2,9 @@
 
 `make_tiny_model(dir)` writes a byte-level BPE tokenizer (trained here with `tokenizers` on generated text
 covering arithmetic, the guess-the-number game, calculator tool calls and `\\boxed{}` answers; digits are
-split one per token, Qwen2's pre-tokenizer), a ChatML chat template (`<|im_start|>role\\n...<|im_end|>\\n`), and a random-init
-causal LM (Qwen2, Qwen3 or Llama architecture, ~0.6M parameters by default) saved as safetensors.
+split one per token, Qwen2's pre-tokenizer), a ChatML chat template (`<|im_start|>role\\n...<|im_end|>\\n`;
+tools rendered as Qwen2.5 does), and a random-init causal LM (Qwen2, Qwen3 or Llama architecture, ~0.6M
+parameters by default) saved as safetensors.
 Invariants: the same `(arch, seed, sizes)` gives the same files; the tokenizer does not depend on `seed`
 (models of every seed and arch share token ids); `AutoTokenizer` and
 `AutoModelForCausalLM.from_pretrained(dir)` load the result; eos is `<|im_end|>`, pad is `<|endoftext|>`;
@@ -26,9 +27,43 @@ SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
 # every tokenizer class that may load the directory tokenizes the same way.
 PRETOKENIZE_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 
+# ChatML for every role, plus tools the way Qwen2.5's template renders them: the function schemas in a system
+# turn (merged with a leading system message), assistant `tool_calls` as `<tool_call>{json}</tool_call>` blocks
+# and a tool result that answers a call (it has `tool_call_id`) inside `<tool_response>`. A conversation without
+# tools renders exactly as plain ChatML.
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_FORMAT = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
+    "\n</tool_call>"
+)
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- " + repr(TOOLS_PREAMBLE) + " }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- " + repr(TOOLS_FORMAT) + " + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- if not (tools and loop.first and message['role'] == 'system') %}"
+    "{%- if message['role'] == 'tool' and message.tool_call_id is defined %}"
+    "{{- '<|im_start|>tool\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{%- for call in (message.tool_calls or []) if message['role'] == 'assistant' %}"
+    "{%- set f = call.function if call.function is defined else call %}"
+    "{{- '\\n' if (message['content'] or not loop.first) else '' }}"
+    '{{- \'<tool_call>\\n{"name": "\' + f.name + \'", "arguments": \' }}'
+    "{{- f.arguments if f.arguments is string else f.arguments | tojson }}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )

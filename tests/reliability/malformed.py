@@ -175,7 +175,7 @@ def proxy_bodies(rng: random.Random, n_per_category: int) -> Iterator[tuple[str,
         yield "invalid-json", JS, rng.randbytes(rng.randint(1, 120))
         field, value = rng.choice([("messages", "hi"), ("messages", [{"role": 3}]), ("messages", []),
                                    ("messages", [{"role": "wizard", "content": "x"}]), ("max_tokens", "ten"),
-                                   ("max_tokens", 0), ("temperature", "hot"), ("n", 3), ("stream", "yes"),
+                                   ("max_tokens", 0), ("temperature", "hot"), ("n", 0), ("stream", "yes"),
                                    ("stop", ["not one token at all"]), ("top_p", -1), ("seed", 1.5)])  # fmt: skip
         yield "wrong-types", JS, _json({**good, field: value})
         yield (
