@@ -121,21 +121,23 @@ def drive(url: str, pid: int, seconds: float, clients: int) -> dict:
 
 
 def account(run_dir: Path, acked: list[str]) -> dict:
-    """Acknowledged ids against ledger.jsonl (consumed) and the WAL (still queued)."""
-    from agentrl.queue.wal import WriteAheadLog
+    """Acknowledged ids against ledger.jsonl (consumed) and the WAL (still queued), as a restart sees them: the
+    queue is reopened first, since a kill between a step's commit record and its ledger line leaves the line to
+    the reopen's ledger repair (the commit itself is durable in the WAL)."""
+    from agentrl.queue.core import ReplayQueue
 
+    queue = ReplayQueue(run_dir=run_dir)
+    uncommitted = queue.pending_ids()
+    queue.close()
     consumed = [
         i
         for line in (run_dir / "ledger.jsonl").read_text().splitlines()
         if line
         for i in json.loads(line)["ids"]
     ]
-    wal = WriteAheadLog(run_dir)
-    state = wal.replay()
-    wal.close()
-    held = set(consumed) | set(state.uncommitted)
+    held = set(consumed) | set(uncommitted)
     return {"lost": len(set(acked) - held), "trained_twice": len(consumed) - len(set(consumed)),
-            "consumed": len(consumed), "still_queued": len(state.uncommitted)}  # fmt: skip
+            "consumed": len(consumed), "still_queued": len(uncommitted)}  # fmt: skip
 
 
 def main() -> None:
