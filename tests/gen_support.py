@@ -156,6 +156,16 @@ def sft_on_demonstrations(model_dir: Path, out_dir: Path, env_name: str, steps: 
     return {"first_loss": losses[0], "last_loss": losses[-1]}
 
 
+def scripted_replies(model_dir: Path, tok: Any, *texts: str) -> HFEngine:
+    """An HFEngine whose successive replies are exactly `texts`, each closed by the chat's end-of-turn token
+    (a tool call the random tiny model would never write)."""
+    from generators.chat import chat_tokens
+
+    eot = chat_tokens(tok).eot_id
+    replies = iter([[*tok.encode(t, add_special_tokens=False), eot] for t in texts])
+    return HFEngine(model_dir, script=lambda _input: next(replies))
+
+
 class Recording(Engine):
     """Wraps a real engine, records every request's input ids, and can run a hook before a given call."""
 

@@ -8,7 +8,8 @@ import urllib.request
 
 import aiohttp
 import pytest
-from gen_support import HFEngine, embedded_engine, tiny_model_dir
+from gen_support import embedded_engine, tiny_model_dir
+from gen_support import scripted_replies as scripted
 
 from agentrl.engines.base import SamplingParams
 from agentrl.engines.tiny import load_tokenizer
@@ -32,12 +33,6 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tok(tiny):
     return load_tokenizer(tiny)
-
-
-def scripted(tiny, tok, *texts):
-    chat = chat_tokens(tok)
-    replies = iter([[*tok.encode(t, add_special_tokens=False), chat.eot_id] for t in texts])
-    return HFEngine(tiny, script=lambda _input: next(replies))
 
 
 class Proxy:

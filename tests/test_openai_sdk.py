@@ -12,6 +12,7 @@ import aiohttp
 import openai
 import pytest
 from gen_support import HFEngine, tiny_model_dir
+from gen_support import scripted_replies as scripted
 
 from agentrl.engines.base import SamplingParams
 from agentrl.engines.tiny import load_tokenizer
@@ -36,12 +37,6 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tok(tiny):
     return load_tokenizer(tiny)
-
-
-def scripted(tiny, tok, *texts):
-    eot = chat_tokens(tok).eot_id
-    replies = iter([[*tok.encode(t, add_special_tokens=False), eot] for t in texts])
-    return HFEngine(tiny, script=lambda _input: next(replies))
 
 
 class Live:
