@@ -10,6 +10,7 @@ import resource
 import signal
 import struct
 import subprocess
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -78,15 +79,20 @@ def test_full_disk_refuses_with_507_and_keeps_acknowledged_data(serve_queue, tmp
            refused_but_stored=len(stored_refused), wal_limit_kib=limit >> 10)  # fmt: skip
 
 
-@pytest.mark.parametrize("damage", ["torn-append", "cut-last-record"])
-def test_torn_wal_tail_is_cut_and_the_rest_replays(serve_queue, tmp_path, damage):
-    run_dir = tmp_path / "q"
+def forty_acknowledged_then_killed(serve_queue, run_dir: Path) -> Path:
+    """A serve-queue on `run_dir` acknowledges t0..t39, then is SIGKILLed; returns its WAL."""
     served = serve_queue(run_dir=run_dir)
     raw = Raw(served.url)
     for i in range(40):
         assert submit(raw, i)[0] == 202
     served.stop(signal.SIGKILL)
-    wal = run_dir / "queue.wal"
+    return run_dir / "queue.wal"
+
+
+@pytest.mark.parametrize("damage", ["torn-append", "cut-last-record"])
+def test_torn_wal_tail_is_cut_and_the_rest_replays(serve_queue, tmp_path, damage):
+    run_dir = tmp_path / "q"
+    wal = forty_acknowledged_then_killed(serve_queue, run_dir)
     size = wal.stat().st_size
     with open(wal, "r+b") as f:
         if damage == "torn-append":  # a crash in the middle of an (unacknowledged) append
@@ -141,12 +147,7 @@ def test_a_second_serve_queue_on_one_run_dir_exits_naming_the_holder(serve_queue
 
 def test_a_flipped_byte_mid_wal_costs_one_record_and_is_reported(serve_queue, tmp_path):
     run_dir = tmp_path / "q"
-    served = serve_queue(run_dir=run_dir)
-    raw = Raw(served.url)
-    for i in range(40):
-        assert submit(raw, i)[0] == 202
-    served.stop(signal.SIGKILL)
-    wal = run_dir / "queue.wal"
+    wal = forty_acknowledged_then_killed(serve_queue, run_dir)
     data = bytearray(wal.read_bytes())
     pos = 8
     for _ in range(20):  # to record 20 (t20)
