@@ -226,3 +226,12 @@ def conversation_tokens(
             mask += [0] * len(delta)
         i = j
     return prompt, response, mask
+
+
+def demonstration_tokens(tokenizer: Any, messages: list[Message]) -> tuple[list[int], list[int], list[int]]:
+    """(prompt_ids, response_ids, loss_mask) of a demonstration conversation, tokenized exactly as a
+    multi-turn rollout of it would be (assistant tokens + end-of-turn: mask 1; env deltas: mask 0)."""
+    try:
+        return conversation_tokens(chat_tokens(tokenizer), messages)
+    except InvalidTrajectory as exc:
+        raise EnvError(f"cannot tokenize the demonstration: {exc}") from None

@@ -54,8 +54,9 @@ async def evaluate(model_dir: Path, env_name: str, tok, n: int) -> tuple[float, 
 def main(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
 
-    from agentrl.engines.tiny import load_tokenizer, make_tiny_model
+    from agentrl.engines.tiny import make_tiny_model
     from agentrl.envs import make_env
+    from agentrl.tokenizer import load_tokenizer
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

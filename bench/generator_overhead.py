@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from gen_support import Recording, embedded_engine, sft_on_demonstrations, tiny_model_dir
 
 from agentrl.engines.base import SamplingParams
-from agentrl.engines.tiny import load_tokenizer
 from agentrl.envs import env_factory, make_env
 from agentrl.generator import RolloutContext, resolve_generator
+from agentrl.tokenizer import load_tokenizer
 
 
 async def main(args: argparse.Namespace) -> None:

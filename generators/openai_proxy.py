@@ -26,7 +26,6 @@ not sent within `read_timeout_s` get 408 (or the connection is closed).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +37,7 @@ from aiohttp import web
 from agentrl.engines.base import Engine, SamplingParams
 from agentrl.errors import ConfigError, QueueClosed, QueueFull
 from agentrl.generator import RolloutContext
+from agentrl.net import bearer_ok, is_loopback
 from agentrl.plugins import load_object
 from agentrl.types import ROLES, Trajectory, validation_field
 from generators.openai_response import chunks, completion
@@ -89,8 +89,6 @@ class OpenAIProxy(ProxySessions):
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        from agentrl.queue.server import is_loopback
-
         if not self.token and not is_loopback(host):
             raise ConfigError(
                 f"refusing to serve the OpenAI proxy on non-loopback address {host!r} without a token"
@@ -123,14 +121,14 @@ class OpenAIProxy(ProxySessions):
     @web.middleware
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """Bearer token (all routes but /health); HTTP errors of aiohttp as OpenAI-shaped JSON."""
-        if self.token and request.path != "/health":
-            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                given.strip().encode(), self.token.encode()
-            ):
-                resp = self._error(RequestError(401, "missing or wrong bearer token", "Authorization"))
-                resp.headers["WWW-Authenticate"] = "Bearer"
-                return resp
+        if (
+            self.token
+            and request.path != "/health"
+            and not bearer_ok(request.headers.get("Authorization", ""), self.token)
+        ):
+            resp = self._error(RequestError(401, "missing or wrong bearer token", "Authorization"))
+            resp.headers["WWW-Authenticate"] = "Bearer"
+            return resp
         try:
             return await handler(request)
         except web.HTTPException as exc:

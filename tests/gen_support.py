@@ -126,8 +126,8 @@ def sft_on_demonstrations(model_dir: Path, out_dir: Path, env_name: str, steps: 
     (loss on assistant tokens only); saves the model to `out_dir`. Returns the first and last losses."""
     from transformers import AutoModelForCausalLM
 
-    from agentrl.engines.tiny import load_tokenizer
     from agentrl.envs import make_env
+    from agentrl.tokenizer import load_tokenizer
     from generators.chat import demonstration_tokens
 
     torch.manual_seed(seed)

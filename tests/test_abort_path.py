@@ -14,9 +14,10 @@ from agentrl.engines.base import DiskSource, SamplingParams
 from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.server import EngineServer
 from agentrl.engines.sglang import SGLangEngine
-from agentrl.engines.tiny import load_tokenizer, make_tiny_model
+from agentrl.engines.tiny import make_tiny_model
 from agentrl.envs import env_factory
 from agentrl.generator import RolloutContext, resolve_generator
+from agentrl.tokenizer import load_tokenizer
 from agentrl.types import expand_versions, floats, n_response
 
 torch.set_num_threads(1)

@@ -12,11 +12,11 @@ from gen_support import HFEngine, tiny_model_dir
 
 from agentrl.config import QueueSection
 from agentrl.engines.base import SamplingParams
-from agentrl.engines.tiny import load_tokenizer
 from agentrl.envs import env_factory, make_env
 from agentrl.generator import RolloutContext, resolve_generator
 from agentrl.queue import ReplayQueue
 from agentrl.queue.server import BackgroundServer
+from agentrl.tokenizer import load_tokenizer
 from agentrl.types import Trajectory, mask, tokens
 from generators.chat import chat_tokens
 from generators.openai_proxy import OpenAIProxy

@@ -21,9 +21,9 @@ from agentrl.config import load_config
 from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.server import EngineServer
 from agentrl.engines.sglang import SGLangEngine
-from agentrl.engines.sglang_launcher import free_port
 from agentrl.engines.tiny import make_tiny_model
 from agentrl.errors import AgentRLError
+from agentrl.net import free_port
 
 torch.set_num_threads(1)
 TASK = {"a": 2, "b": 3, "op": "+", "answer": 5}

@@ -8,9 +8,9 @@ import torch
 
 from agentrl.engines.base import DiskSource, InvalidRequest, SamplingParams, TensorSource
 from agentrl.engines.embedded import EmbeddedEngine
-from agentrl.engines.sglang_launcher import free_port
 from agentrl.engines.tiny import ARCHS, make_tiny_model
 from agentrl.errors import EngineError
+from agentrl.net import free_port
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)

@@ -15,9 +15,10 @@ from agentrl.config import SGLangSection
 from agentrl.engines.base import DiskSource, InvalidRequest, SamplingParams, TensorSource
 from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.sglang import SGLangEngine
-from agentrl.engines.sglang_launcher import SGLangServer, free_port, parse_sglang_flags, sglang_argv
+from agentrl.engines.sglang_launcher import SGLangServer, parse_sglang_flags, sglang_argv
 from agentrl.engines.tiny import make_tiny_model
 from agentrl.errors import ConfigError, EngineError, WeightSyncError
+from agentrl.net import free_port
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)

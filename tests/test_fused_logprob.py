@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from agentrl.engines.sglang_launcher import free_port
 from agentrl.learners import fused_logprob
+from agentrl.net import free_port
 
 
 def reference(logits, targets, temperature):

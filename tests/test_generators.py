@@ -21,9 +21,9 @@ from gen_support import (
 from safetensors.torch import load_file
 
 from agentrl.engines.base import SamplingParams, TensorSource
-from agentrl.engines.tiny import load_tokenizer
 from agentrl.envs import env_factory, make_env
 from agentrl.generator import RolloutContext, resolve_generator
+from agentrl.tokenizer import load_tokenizer
 from agentrl.types import Message, expand_versions, floats, mask, n_response, normalize, tokens
 from generators.chat import chat_tokens, demonstration_tokens
 

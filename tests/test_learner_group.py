@@ -13,7 +13,8 @@ from agentrl import types
 from agentrl.actors.learner_group import LearnerGroup, spawn_learner
 from agentrl.actors.remote import spawn
 from agentrl.config import load_config
-from agentrl.engines.tiny import load_tokenizer, make_tiny_model
+from agentrl.engines.tiny import make_tiny_model
+from agentrl.tokenizer import load_tokenizer
 
 pytest.importorskip("megatron.core")
 

@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from agentrl.engines.sglang_launcher import free_port
 from agentrl.engines.tiny import make_tiny_model
+from agentrl.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, vocab_size=300, init_std=0.2)

@@ -15,8 +15,8 @@ pytest.importorskip("megatron.core")
 
 from megatron_helpers import write_model
 
-from agentrl.engines.sglang_launcher import free_port
 from agentrl.engines.tiny import make_tiny_model
+from agentrl.net import free_port
 
 
 def _worker(rank: int, world: int, runs: list[tuple[int, int, str]], port: int, out_dir: str) -> None:

@@ -12,10 +12,10 @@ from gen_support import embedded_engine, tiny_model_dir
 from gen_support import scripted_replies as scripted
 
 from agentrl.engines.base import SamplingParams
-from agentrl.engines.tiny import load_tokenizer
 from agentrl.envs import env_factory, make_env
 from agentrl.errors import EngineError, QueueFull
 from agentrl.generator import RolloutContext, resolve_generator
+from agentrl.tokenizer import load_tokenizer
 from agentrl.types import floats, mask, n_response, tokens
 from generators.chat import chat_tokens, demonstration_tokens
 from generators.openai_proxy import OpenAIProxy

@@ -15,7 +15,7 @@ from gen_support import HFEngine, tiny_model_dir
 from gen_support import scripted_replies as scripted
 
 from agentrl.engines.base import SamplingParams
-from agentrl.engines.tiny import load_tokenizer
+from agentrl.tokenizer import load_tokenizer
 from agentrl.types import mask, tokens
 from generators.chat import chat_tokens
 from generators.openai_proxy import OpenAIProxy

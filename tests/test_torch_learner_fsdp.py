@@ -8,11 +8,11 @@ import torch
 from test_torch_learner import make_trajs
 
 from agentrl.config import AlgorithmSection, ConfigError, LearnerSection, learner_ranks, load_config
-from agentrl.engines.sglang_launcher import free_port
 from agentrl.engines.tiny import make_tiny_model
 from agentrl.errors import LearnerError
 from agentrl.learners.batch import build_batch
 from agentrl.learners.torch_learner import TorchLearner
+from agentrl.net import free_port
 
 torch.set_num_threads(1)
 ALGO = AlgorithmSection(advantage="grpo", entropy_coef=0.01, kl_coef=0.05)  # kl: the replicated reference

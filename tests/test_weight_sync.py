@@ -9,7 +9,6 @@ import textwrap
 
 import torch
 
-from agentrl.engines.sglang_launcher import free_port
 from agentrl.engines.weight_sync import (
     describe,
     describe_publish,
@@ -20,6 +19,7 @@ from agentrl.engines.weight_sync import (
     send_bucket,
     stream_buckets,
 )
+from agentrl.net import free_port
 
 # A copy of sglang.srt.utils.common.init_custom_process_group (sglang 0.5.12) and of what its
 # update_weights_from_distributed does on the receiving side, per tensor and with load_format="flattened_bucket".

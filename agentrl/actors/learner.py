@@ -39,7 +39,7 @@ class LearnerWorker:
         import torch
 
         torch.manual_seed(cfg.run.seed)
-        from agentrl.engines.tiny import load_tokenizer
+        from agentrl.tokenizer import load_tokenizer
 
         self.rank = int(os.environ.get("RANK", "0"))
         if os.environ.get("AGENTRL_LOCAL_RANK_FROM_RAY") == "1":
@@ -94,7 +94,7 @@ class LearnerWorker:
 
     def warmup(self) -> dict[str, Any]:
         """Supervised warm-up on env demonstrations for `warmup.steps` steps (or `warmup.time_limit_s`)."""
-        from agentrl.runner.warmup import run_warmup
+        from agentrl.actors.warmup import run_warmup
 
         return run_warmup(self.cfg, self.learner, self.tokenizer, self.pad_id)
 

@@ -52,8 +52,8 @@ class RolloutWorker:
         id_prefix: str = "",
     ):
         from agentrl.actors.engine import make_engines
-        from agentrl.engines.tiny import load_tokenizer
         from agentrl.envs.registry import env_factory
+        from agentrl.tokenizer import load_tokenizer
 
         self.cfg = cfg
         self.worker_id = worker_id

@@ -15,6 +15,8 @@ on a masked token cannot turn into inf * 0 = NaN; ratios come from agentrl.algor
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from agentrl.algorithms import advantages as adv_lib
@@ -25,7 +27,9 @@ from agentrl.algorithms.off_policy import age_mask, importance_weights
 from agentrl.algorithms.ratios import clamp_log_ratio
 from agentrl.config import AlgorithmSection
 from agentrl.errors import ConfigError, LearnerError
-from agentrl.learners.batch import Batch
+
+if TYPE_CHECKING:  # annotations only: the learners call the algorithms, never the other way round
+    from agentrl.learners.batch import Batch
 
 SEQUENCE_LEVEL = {"grpo": "grpo", "gspo": "grpo", "cispo": "grpo", "dr_grpo": "dr_grpo", "rloo": "rloo"}
 

@@ -21,7 +21,6 @@ wait before the engine sees them, so an abort (by id or all) does not reach them
 from __future__ import annotations
 
 import asyncio
-import hmac
 import re
 import time
 import uuid
@@ -35,7 +34,7 @@ from agentrl.engines import wire
 from agentrl.engines.base import DiskSource, DistributedSource, InvalidRequest, TensorSource
 from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.errors import ConfigError, EngineError, WeightSyncError
-from agentrl.queue.server import is_loopback
+from agentrl.net import bearer_ok, is_loopback
 
 _PAUSE_MODES = {"abort": "abort", "wait": "wait", "keep": "keep", "in_place": "keep", "retract": "keep"}
 _DECODERS: dict[type, msgspec.json.Decoder] = {}
@@ -180,13 +179,10 @@ class EngineServer:
     @web.middleware
     async def _errors(self, request: web.Request, handler):
         try:
-            if self.token and request.path not in _OPEN_PATHS:
-                scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-                if scheme.lower() != "bearer" or not hmac.compare_digest(
-                    given.strip().encode(), self.token.encode()
-                ):
-                    body = wire.error_body("missing or wrong bearer token", "Authorization", 401)
-                    return web.json_response(body, status=401, headers={"WWW-Authenticate": "Bearer"})
+            authorization = request.headers.get("Authorization", "")
+            if self.token and request.path not in _OPEN_PATHS and not bearer_ok(authorization, self.token):
+                body = wire.error_body("missing or wrong bearer token", "Authorization", 401)
+                return web.json_response(body, status=401, headers={"WWW-Authenticate": "Bearer"})
             return await handler(request)
         except BadRequest as exc:
             return web.json_response(wire.error_body(str(exc), exc.field, exc.status), status=exc.status)

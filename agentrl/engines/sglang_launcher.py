@@ -14,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +26,7 @@ from typing import Any
 
 from agentrl.config import EngineSection, SGLangSection
 from agentrl.errors import ConfigError, EngineError
+from agentrl.net import free_port
 
 MANAGED = {"model_path", "host", "port"}
 
@@ -100,22 +99,6 @@ def sglang_argv(python: str, model_path: str, host: str, port: int, args: dict[s
 
 
 SERVER_PORTS = (20_000, 55_000)  # SGLang also binds port + 10_000 (its gRPC port), which must stay <= 65_535
-
-
-def free_port(host: str = "127.0.0.1", ports: tuple[int, int] | None = None) -> int:
-    """A port nobody listens on: any free one, or one in `ports` (inclusive range) when given."""
-    if ports is None:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return s.getsockname()[1]
-    for port in random.Random().sample(range(ports[0], ports[1] + 1), 200):
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise EngineError(f"no free port in {ports[0]}-{ports[1]} on {host}")
 
 
 class SGLangServer:

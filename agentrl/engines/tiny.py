@@ -200,10 +200,3 @@ def make_tiny_model(
     meta = {"arch": arch, "seed": seed, "params": sum(p.numel() for p in model.parameters())}
     (path / "agentrl_tiny.json").write_text(json.dumps(meta) + "\n")
     return path
-
-
-def load_tokenizer(path: str | Path):
-    """Load the tokenizer of an HF directory (tiny or real) with `AutoTokenizer`."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))

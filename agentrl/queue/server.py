@@ -12,8 +12,6 @@ Runs in-process (`await QueueServer(queue, cfg).start()` -> port) or from `agent
 from __future__ import annotations
 
 import asyncio
-import hmac
-import ipaddress
 import logging
 import math
 from typing import Any
@@ -23,6 +21,7 @@ from aiohttp import web
 
 from agentrl.config import QueueSection
 from agentrl.errors import ConfigError, InvalidTrajectory, QueueClosed, QueueFull, StorageError
+from agentrl.net import bearer_ok, is_loopback
 from agentrl.queue.chat import NO_TOKENIZER, ChatTokenizer
 from agentrl.queue.core import ReplayQueue
 from agentrl.queue.metrics import prometheus_text
@@ -55,15 +54,6 @@ def error_response(
     status: int, message: str, field: str | None = None, headers: dict[str, str] | None = None
 ):
     return json_response({"error": message, "field": field}, status, headers)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_token(token: str) -> None:
@@ -165,9 +155,7 @@ class QueueServer:
             return error_response(500, "internal error (see the server log)")
 
     def _check_token(self, request: web.Request) -> None:
-        auth = request.headers.get("Authorization", "")
-        scheme, _, given = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.token.encode()):
+        if not bearer_ok(request.headers.get("Authorization", ""), self.token):
             raise HTTPError(401, "missing or wrong bearer token (header 'Authorization: Bearer <token>')",
                             "Authorization", {"WWW-Authenticate": "Bearer"})  # fmt: skip
 

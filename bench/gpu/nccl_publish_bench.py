@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 
 from agentrl.engines.sglang import SGLangEngine
-from agentrl.engines.sglang_launcher import SGLangServer, free_port
+from agentrl.engines.sglang_launcher import SGLangServer
 from agentrl.engines.weight_sync import (
     broadcast_tensor,
     describe,
@@ -41,6 +41,7 @@ from agentrl.engines.weight_sync import (
     send_broadcast,
     send_bucket,
 )
+from agentrl.net import free_port
 
 SGLANG_FLAGS = {
     "attention_backend": "triton", "sampling_backend": "pytorch", "grammar_backend": "none",

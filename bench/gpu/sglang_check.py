@@ -30,7 +30,7 @@ import torch
 
 from agentrl.engines.base import DiskSource, SamplingParams, TensorSource
 from agentrl.engines.sglang import SGLangEngine
-from agentrl.engines.sglang_launcher import SGLangServer, free_port, parse_sglang_flags
+from agentrl.engines.sglang_launcher import SGLangServer, parse_sglang_flags
 from agentrl.engines.weight_sync import (
     describe,
     init_weights_update_group,
@@ -38,6 +38,7 @@ from agentrl.engines.weight_sync import (
     send_broadcast,
     send_bucket,
 )
+from agentrl.net import free_port
 
 DEFAULT_FLAGS = [
     "--sglang-attention-backend", "triton", "--sglang-sampling-backend", "pytorch",

@@ -15,7 +15,7 @@ async def main(model_dir: str, token: str, read_timeout_s: float) -> None:
 
     from agentrl.engines.base import SamplingParams
     from agentrl.engines.embedded import EmbeddedEngine
-    from agentrl.engines.tiny import load_tokenizer
+    from agentrl.tokenizer import load_tokenizer
     from generators.openai_proxy import OpenAIProxy
 
     torch.set_num_threads(1)

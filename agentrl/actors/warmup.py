@@ -1,10 +1,10 @@
 """Supervised warm-up (`[warmup]`): a few SFT steps on the env's demonstrations before RL.
 
 Demonstrations are tokenized exactly as a multi-turn rollout of the same conversation would be
-(generators.chat.demonstration_tokens): loss on assistant tokens and their end-of-turn, none on env/tool
+(agentrl.chat.demonstration_tokens): loss on assistant tokens and their end-of-turn, none on env/tool
 tokens. Tasks come from `warmup.seed` (agentrl.data.warmup_source): env tasks from a seed range apart from
 training and evaluation, or, with `data.path`, the dataset's rows in a `warmup.seed` order. Runs inside the
-learner's process; the policy version is left unchanged (v0 is the warmed-up model).
+learner's process (LearnerWorker.warmup); the policy version is left unchanged (v0 is the warmed-up model).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from agentrl.chat import demonstration_tokens
 from agentrl.config import Config
 from agentrl.errors import EnvError
 from agentrl.types import Trajectory, pack_tokens
@@ -22,8 +23,6 @@ from agentrl.types import Trajectory, pack_tokens
 def demonstration_batch(
     cfg: Config, env: Any, tokenizer: Any, tasks: list[dict[str, Any]], tag: str
 ) -> list[Trajectory]:
-    from generators.chat import demonstration_tokens
-
     trajs = []
     for i, task in enumerate(tasks):
         try:
