@@ -12,7 +12,15 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
-from agentrl.config_text import check_bounds, check_keys, explain, merge, parse_overrides, tomllib
+from agentrl.config_text import (
+    check_bounds,
+    check_keys,
+    explain,
+    markdown_reference,
+    merge,
+    parse_overrides,
+    tomllib,
+)
 from agentrl.errors import ConfigError
 
 
@@ -432,3 +440,9 @@ def load_config(
     except msgspec.ValidationError as exc:
         raise ConfigError(explain(exc, data, Config)) from None
     return validate(cfg)
+
+
+REGENERATE_DOCS = "python -m agentrl.config > docs/config.md"
+
+if __name__ == "__main__":
+    print(markdown_reference(Config, REGENERATE_DOCS), end="")

@@ -213,3 +213,52 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise ConfigError(f"cannot render {value!r} as TOML")
+
+
+def markdown_reference(root: type[msgspec.Struct], regenerate: str) -> str:
+    """docs/config.md: one table per section (key, type, default, bounds, description), read from the
+    fields' types, defaults and `msgspec.Meta`; `regenerate` is the command that writes it."""
+    lines = [
+        "# Configuration reference",
+        "",
+        f"Generated from the config's fields by `{regenerate}`; do not edit by hand.",
+        "Every key is a TOML key in its section and a flag: `[queue] max_staleness = 2` is "
+        "`--queue.max-staleness 2`.",
+    ]
+
+    def section(struct: type[msgspec.Struct], prefix: str, about: str) -> None:
+        lines.extend(["", f"## [{prefix}]", "", about, "", "| key | type | default | bounds | description |"])
+        lines.append("|---|---|---|---|---|")
+        nested = []
+        for f in msgspec.structs.fields(struct):
+            tp, meta = unwrap(f.type)
+            description = meta.description if meta is not None and meta.description else ""
+            if _is_struct(tp):
+                nested.append((tp, f"{prefix}.{f.name}", description))
+                continue
+            default = f.default_factory() if f.default is msgspec.NODEFAULT else f.default
+            cells = [
+                f"`{f.name}`",
+                _type_name(tp),
+                f"`{_default_text(default)}`",
+                bounds_text(meta),
+                description,
+            ]
+            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        for sub, key, about_sub in nested:
+            section(sub, key, about_sub)
+
+    for f in msgspec.structs.fields(root):
+        tp, meta = unwrap(f.type)
+        section(tp, f.name, meta.description if meta is not None and meta.description else "")
+    return "\n".join(lines) + "\n"
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return " | ".join(repr(c) for c in tp.__args__)
+    return tp.__name__ if isinstance(tp, type) and not get_origin(tp) else str(tp).replace("typing.", "")
+
+
+def _default_text(value: Any) -> str:
+    return "{}" if isinstance(value, dict) else _toml_value(value)
