@@ -25,7 +25,7 @@ from agentrl.errors import ConfigError
 
 
 def doc(description: str, **bounds: float) -> msgspec.Meta:
-    """A field's description and bounds (ge, gt, le, lt), read by msgspec on load and by the docs generator."""
+    """A field's description and bounds (ge, gt, le, lt), for msgspec's load and the docs."""
     return msgspec.Meta(description=description, **bounds)
 
 
@@ -39,7 +39,6 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class RunSection(_Section):
     key = "run"
-
     name: Annotated[str, doc("run directory is root/name (agentrl.runner.rundir)")] = "default"
     root: Annotated[str, doc("directory holding the run directories")] = "runs"
     overwrite: Annotated[
@@ -75,9 +74,9 @@ class RunSection(_Section):
     ray_address: Annotated[str, doc("Ray cluster to join; empty = start a local Ray")] = ""
     ray_num_cpus: Annotated[int, doc("CPUs of a local Ray; 0 = this machine's count", ge=0)] = 0
     progress: Annotated[bool, doc("show the progress line on the terminal")] = True
-    tensorboard: Annotated[
-        bool, doc("write events under runs/NAME/events (tensorboard is a dependency of agentrl)")
-    ] = True
+    tensorboard: Annotated[bool, doc("events in runs/NAME/events (tensorboard is an agentrl dependency)")] = (
+        True
+    )
     placement: Annotated[
         Literal["colocated", "split", "disaggregated"],
         doc("where actors run: learner and engine in one process, split, or engines as their own actors"),
@@ -89,7 +88,6 @@ class RunSection(_Section):
 
 class ModelSection(_Section):
     key = "model"
-
     path: Annotated[str, doc("Hugging Face model directory")] = "runs/tiny-model"
     make_tiny: Annotated[bool, doc("create a tiny random model at model.path if it is missing")] = True
     arch: Annotated[Literal["qwen3", "qwen2", "llama"], doc("architecture of the tiny model")] = "qwen2"
@@ -98,18 +96,15 @@ class ModelSection(_Section):
 
 class QueueSection(_Section):
     key = "queue"
-
     host: Annotated[str, doc("address the queue's HTTP front door listens on")] = "127.0.0.1"
     port: Annotated[int, doc("HTTP port; 0 = any free port", ge=0, le=65535)] = 0
     token: Annotated[str, doc("bearer token HTTP clients must send; empty = none")] = ""
-    max_staleness: Annotated[
-        int, doc("most policy versions a trajectory may lag the learner (sync mode: 0)", ge=0)
-    ] = 1
+    max_staleness: Annotated[int, doc("most versions a trajectory may lag the learner (sync: 0)", ge=0)] = 1
     stale_policy: Annotated[Literal["drop", "keep"], doc("what happens to a too-stale trajectory")] = "drop"
     group_size: Annotated[int, doc("trajectories per group released together", ge=1)] = 1
-    group_timeout_s: Annotated[
-        float, doc("seconds an incomplete group waits before straggler_policy applies", gt=0)
-    ] = 120.0
+    group_timeout_s: Annotated[float, doc("seconds an incomplete group waits for straggler_policy", gt=0)] = (
+        120.0
+    )
     straggler_policy: Annotated[
         Literal["release", "drop"], doc("an incomplete group at its timeout is released as is, or dropped")
     ] = "release"
@@ -126,7 +121,7 @@ class QueueSection(_Section):
     ] = 0.0
     retry_after_s: Annotated[float, doc("Retry-After a refused put is told to wait", ge=0)] = 1.0
     read_timeout_s: Annotated[
-        float, doc("a client must send headers and body within this (slowloris): 408", gt=0)
+        float, doc("client sends headers and body within this (slowloris): 408", gt=0)
     ] = 30.0
     wal: Annotated[bool, doc("keep a write-ahead log so accepted trajectories survive a restart")] = True
     fsync: Annotated[
@@ -142,7 +137,6 @@ class QueueSection(_Section):
 
 class SGLangSection(_Section):
     key = "engine.sglang"
-
     python: Annotated[str, doc("Python interpreter that runs the SGLang server")] = "python3"
     args: Annotated[dict[str, Any], doc("extra SGLang server arguments (--key value), passed unchecked")] = {}
     startup_timeout_s: Annotated[float, doc("seconds a server may take to start", gt=0)] = 300.0
@@ -152,7 +146,6 @@ class SGLangSection(_Section):
 
 class EngineSection(_Section):
     key = "engine"
-
     kind: Annotated[Literal["embedded", "sglang"], doc("inference engine")] = "embedded"
     num_engines: Annotated[int, doc("engine instances", ge=1)] = 1
     device: Annotated[str, doc("torch device of the engine: 'cpu', 'cuda', 'cuda:N'")] = "cpu"
@@ -182,6 +175,11 @@ class EngineSection(_Section):
         default_factory=SGLangSection
     )
 
+    def validate(self) -> None:
+        """This section's cross-field checks (agentrl.config.validate calls it)."""
+        if self.kind == "sglang" and self.device == "cpu" and not self.external_urls:
+            raise ConfigError("engine.kind = 'sglang' needs engine.device = 'cuda' or engine.external_urls")
+
     @property
     def effective_update_mode(self) -> str:
         """`update_mode` with "auto" resolved (validate() also writes it back into the config)."""
@@ -192,7 +190,6 @@ class EngineSection(_Section):
 
 class LearnerSection(_Section):
     key = "learner"
-
     kind: Annotated[Literal["torch", "megatron"], doc("training backend")] = "torch"
     device: Annotated[str, doc("torch device of the learner: 'cpu', 'cuda'")] = "cpu"
     dtype: Annotated[Literal["float32", "bfloat16"], doc("weights' dtype in the learner")] = "float32"
@@ -211,13 +208,9 @@ class LearnerSection(_Section):
         float, doc("nccl: 0 = a broadcast per tensor in one call; else flattened buckets of this size", ge=0)
     ] = 0.0
     reference_model: Annotated[bool, doc("keep a frozen reference model (for the KL term)")] = False
-    pack_tokens: Annotated[
-        int, doc("pack sequences into rows of at most this many tokens; 0 = off", ge=0)
-    ] = 0
+    pack_tokens: Annotated[int, doc("pack sequences in rows of at most this many tokens; 0 = off", ge=0)] = 0
     gradient_checkpointing: Annotated[bool, doc("recompute activations in the backward pass")] = False
-    fsdp: Annotated[
-        bool, doc("torch learner: FSDP2 over learner.data_parallel ranks (one process per GPU)")
-    ] = False
+    fsdp: Annotated[bool, doc("torch: FSDP2 over learner.data_parallel ranks (a process per GPU)")] = False
     minibatches: Annotated[
         int,
         doc(
@@ -231,10 +224,23 @@ class LearnerSection(_Section):
     ] = 1
     epochs: Annotated[int, doc("times the minibatch split is repeated (see minibatches)", ge=1)] = 1
 
+    def validate(self) -> None:
+        """This section's cross-field checks (agentrl.config.validate calls it)."""
+        if self.kind == "megatron" and self.device == "cpu" and self.tensor_parallel > 1:
+            raise ConfigError("learner.tensor_parallel > 1 needs learner.device = 'cuda' (CPU runs TP=PP=1)")
+        if self.fsdp and self.kind != "torch":
+            raise ConfigError(
+                "learner.fsdp = true needs learner.kind = 'torch' (Megatron shards by its own DP)"
+            )
+        if self.kind == "torch" and self.data_parallel > 1 and not self.fsdp:
+            raise ConfigError(
+                f"learner.data_parallel = {self.data_parallel} with learner.kind = 'torch' needs "
+                "learner.fsdp = true (the torch learner shards with FSDP2)"
+            )
+
 
 class AlgorithmSection(_Section):
     key = "algorithm"
-
     advantage: Annotated[
         Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "cispo", "ppo"],
         doc("advantage estimator and loss (docs/algorithms.md)"),
@@ -293,7 +299,6 @@ class AlgorithmSection(_Section):
 
 class RolloutSection(_Section):
     key = "rollout"
-
     generator: Annotated[str, doc("registered generator or 'module:function'")] = "multi_turn"
     num_workers: Annotated[int, doc("rollout worker actors", ge=1)] = 1
     concurrency: Annotated[int, doc("episodes in flight per worker", ge=1)] = 32
@@ -305,7 +310,7 @@ class RolloutSection(_Section):
     top_p: Annotated[float, doc("nucleus sampling mass", gt=0, le=1)] = 1.0
     top_k: Annotated[int, doc("top-k sampling; -1 = off", ge=-1)] = -1
     dynamic_sampling: Annotated[
-        bool, doc("drop groups whose rewards all agree (agentrl.rewards.dynamic_sampling)")
+        bool, doc("drop groups whose rewards agree (agentrl.rewards.dynamic_sampling)")
     ] = False
     max_oversample: Annotated[
         float, doc("with dynamic_sampling: request at most this many times the prompts needed", ge=1)
@@ -317,17 +322,13 @@ class RolloutSection(_Section):
 
 class EnvSection(_Section):
     key = "env"
-
     name: Annotated[str, doc("a registered env (`agentrl envs` lists them)")] = "guess_number"
     kwargs: Annotated[dict[str, Any], doc("passed to the env's constructor")] = {}
-    reward: Annotated[
-        str, doc("override the env's episode reward: 'exact_match', 'math' or 'module:function'")
-    ] = ""
+    reward: Annotated[str, doc("env's reward instead: 'exact_match', 'math' or 'module:function'")] = ""
 
 
 class DataSection(_Section):
     key = "data"
-
     path: Annotated[str, doc("JSONL or Parquet prompts; empty: the env generates tasks (sample_tasks)")] = ""
     eval_path: Annotated[str, doc("JSONL or Parquet evaluation prompts; empty: the env's")] = ""
     input_key: Annotated[str, doc("record key holding the prompt")] = "prompt"
@@ -341,7 +342,6 @@ class DataSection(_Section):
 
 class WarmupSection(_Section):
     key = "warmup"
-
     steps: Annotated[int, doc("supervised warm-up steps on env demonstrations; 0 = none", ge=0)] = 0
     batch_size: Annotated[int, doc("demonstrations per warm-up step", ge=1)] = 32
     lr: Annotated[float, doc("warm-up learning rate", ge=0)] = 1e-3
@@ -377,16 +377,13 @@ OPEN_TABLES = {"env.kwargs", "engine.sglang.args"}
 
 
 def validate(cfg: Config) -> Config:
-    """Cross-field checks; each message names the conflicting settings."""
+    """Cross-field checks; each message names the conflicting settings. A section's own checks are its
+    `validate()`; the ones spanning sections are here."""
+    cfg.engine.validate()
+    cfg.learner.validate()
     if cfg.run.mode == "sync" and cfg.queue.max_staleness != 0:
         cfg.queue.max_staleness = 0
     cfg.engine.update_mode = cfg.engine.effective_update_mode  # type: ignore[assignment]
-    if cfg.engine.kind == "sglang" and cfg.engine.device == "cpu" and not cfg.engine.external_urls:
-        raise ConfigError("engine.kind = 'sglang' needs engine.device = 'cuda' or engine.external_urls")
-    if cfg.learner.kind == "megatron" and cfg.learner.device == "cpu" and cfg.learner.tensor_parallel > 1:
-        raise ConfigError("learner.tensor_parallel > 1 needs learner.device = 'cuda' (CPU runs TP=PP=1)")
-    if cfg.learner.fsdp and cfg.learner.kind != "torch":
-        raise ConfigError("learner.fsdp = true needs learner.kind = 'torch' (Megatron shards by its own DP)")
     if cfg.learner.fsdp and cfg.algorithm.advantage == "ppo":
         raise ConfigError("learner.fsdp = true does not support algorithm.advantage = 'ppo' (value head)")
     if cfg.learner.publish == "nccl" and cfg.run.placement != "disaggregated":
@@ -398,11 +395,6 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"learner.publish = 'nccl' needs learner.device and engine.device on the same kind of device "
             f"(nccl between GPUs, gloo between CPUs), got '{cfg.learner.device}' and '{cfg.engine.device}'"
-        )
-    if cfg.learner.kind == "torch" and cfg.learner.data_parallel > 1 and not cfg.learner.fsdp:
-        raise ConfigError(
-            f"learner.data_parallel = {cfg.learner.data_parallel} with learner.kind = 'torch' needs "
-            "learner.fsdp = true (the torch learner shards with FSDP2)"
         )
     if cfg.run.placement == "colocated" and learner_ranks(cfg) > 1:
         raise ConfigError(

@@ -3,7 +3,7 @@
 import msgspec
 import pytest
 
-from agentrl.config import Config, RolloutSection, load_config
+from agentrl.config import Config, EngineSection, LearnerSection, RolloutSection, load_config
 from agentrl.config_text import dump_toml, parse_overrides, unwrap
 from agentrl.errors import ConfigError
 
@@ -121,3 +121,18 @@ def test_every_field_has_a_description():
 
     missing = [key for key, meta in walk(Config, "") if meta is None or not meta.description]
     assert not missing, f"fields without a description: {missing}"
+
+
+def test_a_sections_own_checks_are_its_validate_with_the_load_messages():
+    cases = [
+        (EngineSection(kind="sglang"), ["--engine.kind", "sglang"], r"engine\.kind = 'sglang' needs"),
+        (LearnerSection(fsdp=True, kind="megatron"), ["--learner.fsdp", "true", "--learner.kind", "megatron"],
+         r"learner\.fsdp = true needs learner\.kind = 'torch'"),
+        (LearnerSection(data_parallel=2), ["--learner.data-parallel", "2"],
+         r"learner\.data_parallel = 2 with learner\.kind = 'torch' needs learner\.fsdp = true"),
+    ]  # fmt: skip
+    for section, flags, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            section.validate()
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, flags)
