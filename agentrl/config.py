@@ -8,103 +8,177 @@ naming the key and the closest valid one); CLI spelling `--queue.max-staleness 2
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
-from agentrl.config_text import check_keys, explain, merge, parse_overrides, tomllib
+from agentrl.config_text import (
+    check_bounds,
+    check_keys,
+    explain,
+    markdown_reference,
+    merge,
+    parse_overrides,
+    tomllib,
+)
 from agentrl.errors import ConfigError
 
 
+def doc(description: str, **bounds: float) -> msgspec.Meta:
+    """A field's description and bounds (ge, gt, le, lt), for msgspec's load and the docs."""
+    return msgspec.Meta(description=description, **bounds)
+
+
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    pass
+    # The section's dotted key, for messages about a section built directly rather than loaded.
+    key: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        check_bounds(self, f"{self.key}." if self.key else "")
 
 
 class RunSection(_Section):
-    name: str = "default"  # the run directory is root/name (agentrl.runner.rundir)
-    root: str = "runs"
-    # A run directory that already holds a run is refused unless the run is resumed (--resume) or this is
-    # true: then agentrl's files in it (checkpoints, queue.wal, ledger, metrics, events) are deleted first.
-    overwrite: bool = False
-    # Modules imported in the driver and in every actor before anything is resolved (user envs registered
-    # with @register_env, rewards, generators); also `--import MODULE`.
-    imports: list[str] = []
-    # Directories searched first for run.imports and 'module:function' names; the config file's directory
-    # and the working directory are added (all made absolute) when the run starts (agentrl.plugins).
-    import_path: list[str] = []
-    mode: Literal["sync", "async"] = "sync"
-    steps: int = 20
-    seed: int = 0
-    time_limit_s: float = 0.0
-    eval_every: int = 0
-    eval_prompts: int = 32
-    checkpoint_every: int = 5
-    ray_address: str = ""
-    ray_num_cpus: int = 0
-    progress: bool = True
-    tensorboard: bool = True  # events under runs/NAME/events (tensorboard is a dependency of agentrl)
-    placement: Literal["colocated", "split", "disaggregated"] = "split"
-    torch_threads: int = 1
-    max_restarts: int = 3
-    publish_timeout_s: float = 120.0
+    key = "run"
+    name: Annotated[str, doc("run directory is root/name (agentrl.runner.rundir)")] = "default"
+    root: Annotated[str, doc("directory holding the run directories")] = "runs"
+    overwrite: Annotated[
+        bool,
+        doc(
+            "a run directory that already holds a run is refused unless resumed (--resume) or this is true: "
+            "then agentrl's files in it (checkpoints, queue.wal, ledger, metrics, events) are deleted first"
+        ),
+    ] = False
+    imports: Annotated[
+        list[str],
+        doc(
+            "modules imported in the driver and every actor before anything is resolved (user envs "
+            "registered with @register_env, rewards, generators); also `--import MODULE`"
+        ),
+    ] = []
+    import_path: Annotated[
+        list[str],
+        doc(
+            "directories searched first for run.imports and 'module:function' names; the config file's "
+            "directory and the working directory are added (all made absolute) when the run starts"
+        ),
+    ] = []
+    mode: Annotated[
+        Literal["sync", "async"], doc("sync: learner and rollouts alternate (staleness 0); async: overlap")
+    ] = "sync"
+    steps: Annotated[int, doc("learner steps (policy versions) to train", ge=0)] = 20
+    seed: Annotated[int, doc("seed of the run's random number generators")] = 0
+    time_limit_s: Annotated[float, doc("stop after this many seconds; 0 = no limit", ge=0)] = 0.0
+    eval_every: Annotated[int, doc("evaluate every this many steps; 0 = never", ge=0)] = 0
+    eval_prompts: Annotated[int, doc("prompts per evaluation", ge=1)] = 32
+    checkpoint_every: Annotated[int, doc("checkpoint every this many steps; 0 = never", ge=0)] = 5
+    ray_address: Annotated[str, doc("Ray cluster to join; empty = start a local Ray")] = ""
+    ray_num_cpus: Annotated[int, doc("CPUs of a local Ray; 0 = this machine's count", ge=0)] = 0
+    progress: Annotated[bool, doc("show the progress line on the terminal")] = True
+    tensorboard: Annotated[bool, doc("events in runs/NAME/events (tensorboard is an agentrl dependency)")] = (
+        True
+    )
+    placement: Annotated[
+        Literal["colocated", "split", "disaggregated"],
+        doc("where actors run: learner and engine in one process, split, or engines as their own actors"),
+    ] = "split"
+    torch_threads: Annotated[int, doc("torch CPU threads per actor", ge=1)] = 1
+    max_restarts: Annotated[int, doc("restarts of a crashed actor before the run fails", ge=0)] = 3
+    publish_timeout_s: Annotated[float, doc("seconds a weight publish may take", gt=0)] = 120.0
 
 
 class ModelSection(_Section):
-    path: str = "runs/tiny-model"
-    make_tiny: bool = True
-    arch: Literal["qwen3", "qwen2", "llama"] = "qwen2"
-    seed: int = 0
+    key = "model"
+    path: Annotated[str, doc("Hugging Face model directory")] = "runs/tiny-model"
+    make_tiny: Annotated[bool, doc("create a tiny random model at model.path if it is missing")] = True
+    arch: Annotated[Literal["qwen3", "qwen2", "llama"], doc("architecture of the tiny model")] = "qwen2"
+    seed: Annotated[int, doc("seed of the tiny model's weights")] = 0
 
 
 class QueueSection(_Section):
-    host: str = "127.0.0.1"
-    port: int = 0
-    token: str = ""
-    max_staleness: int = 1
-    stale_policy: Literal["drop", "keep"] = "drop"
-    group_size: int = 1
-    group_timeout_s: float = 120.0
-    straggler_policy: Literal["release", "drop"] = "release"
-    max_trajectories: int = 100_000
-    max_bytes: int = 2 << 30
-    max_body_bytes: int = 64 << 20
-    batch_size: int = (
-        0  # trajectories per learner step for the admission window; 0 = no window (runner sets it)
+    key = "queue"
+    host: Annotated[str, doc("address the queue's HTTP front door listens on")] = "127.0.0.1"
+    port: Annotated[int, doc("HTTP port; 0 = any free port", ge=0, le=65535)] = 0
+    token: Annotated[str, doc("bearer token HTTP clients must send; empty = none")] = ""
+    max_staleness: Annotated[int, doc("most versions a trajectory may lag the learner (sync: 0)", ge=0)] = 1
+    stale_policy: Annotated[Literal["drop", "keep"], doc("what happens to a too-stale trajectory")] = "drop"
+    group_size: Annotated[int, doc("trajectories per group released together", ge=1)] = 1
+    group_timeout_s: Annotated[float, doc("seconds an incomplete group waits for straggler_policy", gt=0)] = (
+        120.0
     )
-    external_share: float = 0.0  # part of the staleness window rollout reservations leave to HTTP submissions
-    retry_after_s: float = 1.0
-    read_timeout_s: float = 30.0  # a client must send headers and body within this (slowloris): 408
-    wal: bool = True
-    # acknowledge (202, put returns) only once an fsync covers the record (group commit: concurrent puts
-    # share one); false: acknowledged = in the page cache (survives a process kill, not a machine crash)
-    fsync: bool = True
-    compact_every: int = 50
+    straggler_policy: Annotated[
+        Literal["release", "drop"], doc("an incomplete group at its timeout is released as is, or dropped")
+    ] = "release"
+    max_trajectories: Annotated[int, doc("trajectories the queue holds before refusing puts", ge=1)] = 100_000
+    max_bytes: Annotated[int, doc("bytes the queue holds before refusing puts", ge=1)] = 2 << 30
+    max_body_bytes: Annotated[int, doc("largest HTTP request body (413 above)", ge=1)] = 64 << 20
+    batch_size: Annotated[
+        int,
+        doc("trajectories per learner step for the admission window; 0 = no window (runner sets it)", ge=0),
+    ] = 0
+    external_share: Annotated[
+        float,
+        doc("part of the staleness window rollout reservations leave to HTTP submissions", ge=0, lt=1),
+    ] = 0.0
+    retry_after_s: Annotated[float, doc("Retry-After a refused put is told to wait", ge=0)] = 1.0
+    read_timeout_s: Annotated[
+        float, doc("client sends headers and body within this (slowloris): 408", gt=0)
+    ] = 30.0
+    wal: Annotated[bool, doc("keep a write-ahead log so accepted trajectories survive a restart")] = True
+    fsync: Annotated[
+        bool,
+        doc(
+            "acknowledge (202, put returns) only once an fsync covers the record (group commit: concurrent "
+            "puts share one); false: acknowledged = in the page cache (survives a process kill, not a "
+            "machine crash)"
+        ),
+    ] = True
+    compact_every: Annotated[int, doc("compact the log every this many commits; 0 = never", ge=0)] = 50
 
 
 class SGLangSection(_Section):
-    python: str = "python3"
-    args: dict[str, Any] = {}
-    startup_timeout_s: float = 300.0
-    restart_on_crash: bool = True
-    max_restarts: int = 5
+    key = "engine.sglang"
+    python: Annotated[str, doc("Python interpreter that runs the SGLang server")] = "python3"
+    args: Annotated[dict[str, Any], doc("extra SGLang server arguments (--key value), passed unchecked")] = {}
+    startup_timeout_s: Annotated[float, doc("seconds a server may take to start", gt=0)] = 300.0
+    restart_on_crash: Annotated[bool, doc("restart a crashed server")] = True
+    max_restarts: Annotated[int, doc("restarts of a crashed server before the engine fails", ge=0)] = 5
 
 
 class EngineSection(_Section):
-    kind: Literal["embedded", "sglang"] = "embedded"
-    num_engines: int = 1
-    device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    max_batch_size: int = 64
-    max_seq_len: int = 1024
-    max_prefill_tokens: int = 8192
-    decode_steps: int = 0  # embedded: decode steps per iteration, one host sync (0: 8 on CUDA, 1 on CPU)
-    sampler: Literal["auto", "torch", "triton"] = "auto"  # embedded: auto = fused Triton kernel on CUDA
-    external_urls: list[str] = []
-    request_timeout_s: float = 300.0
-    update_timeout_s: float = 120.0
-    # auto: abort for SGLang (its update waits for every running request), keep for the embedded engine
-    update_mode: Literal["auto", "keep", "abort", "wait"] = "auto"
-    sglang: SGLangSection = msgspec.field(default_factory=SGLangSection)
+    key = "engine"
+    kind: Annotated[Literal["embedded", "sglang"], doc("inference engine")] = "embedded"
+    num_engines: Annotated[int, doc("engine instances", ge=1)] = 1
+    device: Annotated[str, doc("torch device of the engine: 'cpu', 'cuda', 'cuda:N'")] = "cpu"
+    dtype: Annotated[Literal["float32", "bfloat16", "float16"], doc("weights' dtype in the engine")] = (
+        "float32"
+    )
+    max_batch_size: Annotated[int, doc("sequences decoded together", ge=1)] = 64
+    max_seq_len: Annotated[int, doc("longest sequence (prompt + reply) in tokens", ge=1)] = 1024
+    max_prefill_tokens: Annotated[int, doc("prompt tokens prefilled in one iteration", ge=1)] = 8192
+    decode_steps: Annotated[
+        int, doc("embedded: decode steps per iteration, one host sync (0: 8 on CUDA, 1 on CPU)", ge=0)
+    ] = 0
+    sampler: Annotated[
+        Literal["auto", "torch", "triton"], doc("embedded: auto = fused Triton kernel on CUDA")
+    ] = "auto"
+    external_urls: Annotated[list[str], doc("already-running engine servers to use instead of starting")] = []
+    request_timeout_s: Annotated[float, doc("seconds a generate request may take", gt=0)] = 300.0
+    update_timeout_s: Annotated[float, doc("seconds a weight update may take", gt=0)] = 120.0
+    update_mode: Annotated[
+        Literal["auto", "keep", "abort", "wait"],
+        doc(
+            "running requests at a weight update; auto: abort for SGLang (its update waits for every "
+            "running request), keep for the embedded engine"
+        ),
+    ] = "auto"
+    sglang: Annotated[SGLangSection, doc("SGLang server settings")] = msgspec.field(
+        default_factory=SGLangSection
+    )
+
+    def validate(self) -> None:
+        """This section's cross-field checks (agentrl.config.validate calls it)."""
+        if self.kind == "sglang" and self.device == "cpu" and not self.external_urls:
+            raise ConfigError("engine.kind = 'sglang' needs engine.device = 'cuda' or engine.external_urls")
 
     @property
     def effective_update_mode(self) -> str:
@@ -115,131 +189,187 @@ class EngineSection(_Section):
 
 
 class LearnerSection(_Section):
-    kind: Literal["torch", "megatron"] = "torch"
-    device: str = "cpu"
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
-    micro_batch_tokens: int = 8192
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    data_parallel: int = 1  # learner ranks: Megatron TP x PP x DP; torch DP (with fsdp)
-    publish: Literal["auto", "tensor", "object_store", "nccl", "disk"] = "auto"
-    publish_bucket_mb: float = 0.0  # nccl: 0 = a broadcast per tensor in one call; else flattened buckets
-    reference_model: bool = False
-    pack_tokens: int = 0
-    gradient_checkpointing: bool = False
-    fsdp: bool = False  # torch learner: FSDP2 over learner.data_parallel ranks (one process per GPU)
-    # Optimizer updates per rollout batch = minibatches x epochs (slime's num-steps-per-rollout, verl's
-    # ppo_mini_batch_size / ppo_epochs): the batch's rows are split into `minibatches` parts, each one update
-    # normalised by its own loss tokens, and the whole split is repeated `epochs` times; the ratio is taken
-    # against the log-probs from before the first update, so clipping acts from the second update on. The
-    # policy version still advances once per rollout batch. Both 1: one update per batch, as before.
-    minibatches: int = 1
-    epochs: int = 1
+    key = "learner"
+    kind: Annotated[Literal["torch", "megatron"], doc("training backend")] = "torch"
+    device: Annotated[str, doc("torch device of the learner: 'cpu', 'cuda'")] = "cpu"
+    dtype: Annotated[Literal["float32", "bfloat16"], doc("weights' dtype in the learner")] = "float32"
+    lr: Annotated[float, doc("learning rate", ge=0)] = 3e-4
+    weight_decay: Annotated[float, doc("AdamW weight decay", ge=0)] = 0.0
+    betas: Annotated[tuple[float, float], doc("AdamW betas")] = (0.9, 0.999)
+    grad_clip: Annotated[float, doc("gradient norm clip; 0 = none", ge=0)] = 1.0
+    micro_batch_tokens: Annotated[int, doc("tokens per micro-batch (gradient accumulation)", ge=1)] = 8192
+    tensor_parallel: Annotated[int, doc("Megatron tensor-parallel ranks", ge=1)] = 1
+    pipeline_parallel: Annotated[int, doc("Megatron pipeline-parallel ranks", ge=1)] = 1
+    data_parallel: Annotated[int, doc("learner ranks: Megatron TP x PP x DP; torch DP (with fsdp)", ge=1)] = 1
+    publish: Annotated[
+        Literal["auto", "tensor", "object_store", "nccl", "disk"], doc("how new weights reach the engines")
+    ] = "auto"
+    publish_bucket_mb: Annotated[
+        float, doc("nccl: 0 = a broadcast per tensor in one call; else flattened buckets of this size", ge=0)
+    ] = 0.0
+    reference_model: Annotated[bool, doc("keep a frozen reference model (for the KL term)")] = False
+    pack_tokens: Annotated[int, doc("pack sequences in rows of at most this many tokens; 0 = off", ge=0)] = 0
+    gradient_checkpointing: Annotated[bool, doc("recompute activations in the backward pass")] = False
+    fsdp: Annotated[bool, doc("torch: FSDP2 over learner.data_parallel ranks (a process per GPU)")] = False
+    minibatches: Annotated[
+        int,
+        doc(
+            "optimizer updates per rollout batch = minibatches x epochs (slime's num-steps-per-rollout, "
+            "verl's ppo_mini_batch_size / ppo_epochs): the batch's rows are split into this many parts, each "
+            "one update normalised by its own loss tokens; the ratio is taken against the log-probs from "
+            "before the first update, so clipping acts from the second update on; the policy version "
+            "still advances once per rollout batch",
+            ge=1,
+        ),
+    ] = 1
+    epochs: Annotated[int, doc("times the minibatch split is repeated (see minibatches)", ge=1)] = 1
 
-    def __post_init__(self) -> None:
-        for name in ("minibatches", "epochs"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"learner.{name} must be >= 1, got {getattr(self, name)}")
+    def validate(self) -> None:
+        """This section's cross-field checks (agentrl.config.validate calls it)."""
+        if self.kind == "megatron" and self.device == "cpu" and self.tensor_parallel > 1:
+            raise ConfigError("learner.tensor_parallel > 1 needs learner.device = 'cuda' (CPU runs TP=PP=1)")
+        if self.fsdp and self.kind != "torch":
+            raise ConfigError(
+                "learner.fsdp = true needs learner.kind = 'torch' (Megatron shards by its own DP)"
+            )
+        if self.kind == "torch" and self.data_parallel > 1 and not self.fsdp:
+            raise ConfigError(
+                f"learner.data_parallel = {self.data_parallel} with learner.kind = 'torch' needs "
+                "learner.fsdp = true (the torch learner shards with FSDP2)"
+            )
 
 
 class AlgorithmSection(_Section):
-    advantage: Literal[
-        "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "cispo", "ppo"
+    key = "algorithm"
+    advantage: Annotated[
+        Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "cispo", "ppo"],
+        doc("advantage estimator and loss (docs/algorithms.md)"),
     ] = "grpo"
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float = 0.0
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    kl_mode: Literal["loss", "reward"] = "loss"
-    # auto: seq_mean_token_mean for gspo (the paper's sequence-level objective: every sequence weighs the same),
-    # token_mean otherwise; resolved when the section is built, so the resolved config shows the mode used
-    loss_agg: Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "auto"
-    # w = pi_prox / mu per loss token (docs/algorithms.md): tis min(w, tis_cap); seq_tis the same on the geometric
-    # mean of a sequence's w; decoupled (AReaL) w, dropping tokens with w > tis_cap
-    off_policy: Literal["none", "tis", "seq_tis", "decoupled"] = "decoupled"
-    tis_cap: float = 2.0
-    # Train/inference mismatch masking (IcePop, slime's MIS, verl's rollout_corr rejection): "token" gives weight 0
-    # to loss tokens whose w is outside [mismatch_low, mismatch_high], "sequence" to whole sequences whose
-    # geometric-mean w is; mismatch_veto > 1 also drops every sequence holding a token with w outside
-    # [1 / veto, veto]. Dropped tokens stay in the normalisers, as decoupled's do.
-    mismatch_mask: Literal["none", "token", "sequence"] = "none"
-    mismatch_low: float = 0.5
-    mismatch_high: float = 2.0
-    mismatch_veto: float = 0.0
-    max_token_age: int = 0
-    gamma: float = 1.0
-    lam: float = 1.0
-    value_clip: float = 0.2
-    vf_coef: float = 0.5
-    norm_eps: float = 1e-6
-    recompute_proximal: bool = False
+    clip_low: Annotated[float, doc("ratio clip below 1: 1 - clip_low", ge=0)] = 0.2
+    clip_high: Annotated[float, doc("ratio clip above 1: 1 + clip_high", ge=0)] = 0.28
+    dual_clip: Annotated[float, doc("dual-clip bound for negative advantages; 0 = off", ge=0)] = 0.0
+    entropy_coef: Annotated[float, doc("entropy bonus coefficient")] = 0.0
+    kl_coef: Annotated[float, doc("KL penalty coefficient; 0 = off", ge=0)] = 0.0
+    kl_estimator: Annotated[Literal["k1", "k2", "k3"], doc("KL estimator")] = "k3"
+    kl_mode: Annotated[Literal["loss", "reward"], doc("KL as a loss term or in the reward")] = "loss"
+    loss_agg: Annotated[
+        Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum"],
+        doc(
+            "auto: seq_mean_token_mean for gspo (the paper's sequence-level objective: every sequence "
+            "weighs the same), token_mean otherwise; resolved when the section is built"
+        ),
+    ] = "auto"
+    off_policy: Annotated[
+        Literal["none", "tis", "seq_tis", "decoupled"],
+        doc(
+            "w = pi_prox / mu per loss token (docs/algorithms.md): tis min(w, tis_cap); seq_tis the same on "
+            "the geometric mean of a sequence's w; decoupled (AReaL) w, dropping tokens with w > tis_cap"
+        ),
+    ] = "decoupled"
+    tis_cap: Annotated[float, doc("cap on the importance weight w", gt=0)] = 2.0
+    mismatch_mask: Annotated[
+        Literal["none", "token", "sequence"],
+        doc(
+            "train/inference mismatch masking (IcePop, slime's MIS, verl's rollout_corr rejection): token "
+            "gives weight 0 to loss tokens whose w is outside [mismatch_low, mismatch_high], sequence to "
+            "whole sequences whose geometric-mean w is; dropped tokens stay in the normalisers"
+        ),
+    ] = "none"
+    mismatch_low: Annotated[float, doc("lower end of the kept w range", ge=0)] = 0.5
+    mismatch_high: Annotated[float, doc("upper end of the kept w range", ge=0)] = 2.0
+    mismatch_veto: Annotated[
+        float,
+        doc("> 1: drop every sequence holding a token with w outside [1 / veto, veto]; 0 = off", ge=0),
+    ] = 0.0
+    max_token_age: Annotated[int, doc("drop tokens older than this many versions; 0 = off", ge=0)] = 0
+    gamma: Annotated[float, doc("discount (ppo)", ge=0, le=1)] = 1.0
+    lam: Annotated[float, doc("GAE lambda (ppo)", ge=0, le=1)] = 1.0
+    value_clip: Annotated[float, doc("value-loss clip (ppo)", ge=0)] = 0.2
+    vf_coef: Annotated[float, doc("value-loss coefficient (ppo)", ge=0)] = 0.5
+    norm_eps: Annotated[float, doc("epsilon of the advantage normalisation", ge=0)] = 1e-6
+    recompute_proximal: Annotated[
+        bool, doc("recompute the proximal policy's log-probs in the learner instead of using the engine's")
+    ] = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.loss_agg == "auto":
             self.loss_agg = "seq_mean_token_mean" if self.advantage == "gspo" else "token_mean"
 
 
 class RolloutSection(_Section):
-    generator: str = "multi_turn"
-    num_workers: int = 1
-    concurrency: int = 32
-    n_samples_per_prompt: int = 8
-    prompts_per_step: int = 8
-    max_new_tokens: int = 32
-    max_turns: int = 4
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    dynamic_sampling: bool = False  # drop groups whose rewards all agree (agentrl.rewards.dynamic_sampling)
-    max_oversample: float = 4.0  # with dynamic_sampling: request at most this many times the prompts needed
-    agent: str = (
-        ""  # openai_proxy generator: 'module:function' agent (default generators.proxy_agent:env_agent)
-    )
+    key = "rollout"
+    generator: Annotated[str, doc("registered generator or 'module:function'")] = "multi_turn"
+    num_workers: Annotated[int, doc("rollout worker actors", ge=1)] = 1
+    concurrency: Annotated[int, doc("episodes in flight per worker", ge=1)] = 32
+    n_samples_per_prompt: Annotated[int, doc("samples per prompt (the group size)", ge=1)] = 8
+    prompts_per_step: Annotated[int, doc("prompts per learner step", ge=1)] = 8
+    max_new_tokens: Annotated[int, doc("tokens generated per turn", ge=1)] = 32
+    max_turns: Annotated[int, doc("turns per episode", ge=1)] = 4
+    temperature: Annotated[float, doc("sampling temperature", ge=0)] = 1.0
+    top_p: Annotated[float, doc("nucleus sampling mass", gt=0, le=1)] = 1.0
+    top_k: Annotated[int, doc("top-k sampling; -1 = off", ge=-1)] = -1
+    dynamic_sampling: Annotated[
+        bool, doc("drop groups whose rewards agree (agentrl.rewards.dynamic_sampling)")
+    ] = False
+    max_oversample: Annotated[
+        float, doc("with dynamic_sampling: request at most this many times the prompts needed", ge=1)
+    ] = 4.0
+    agent: Annotated[
+        str, doc("openai_proxy generator: 'module:function' agent (default generators.proxy_agent:env_agent)")
+    ] = ""
 
 
 class EnvSection(_Section):
-    name: str = "guess_number"  # a registered env (`agentrl envs` lists them)
-    kwargs: dict[str, Any] = {}  # passed to the env's constructor
-    reward: str = ""  # override the env's episode reward: 'exact_match', 'math' or 'module:function'
+    key = "env"
+    name: Annotated[str, doc("a registered env (`agentrl envs` lists them)")] = "guess_number"
+    kwargs: Annotated[dict[str, Any], doc("passed to the env's constructor")] = {}
+    reward: Annotated[str, doc("env's reward instead: 'exact_match', 'math' or 'module:function'")] = ""
 
 
 class DataSection(_Section):
-    path: str = ""  # JSONL or Parquet prompts; empty: the env generates tasks (sample_tasks)
-    eval_path: str = ""
-    input_key: str = "prompt"
-    label_key: str = "answer"
-    metadata_key: str = ""
-    apply_chat_template: bool = True
-    shuffle: bool = True
-    seed: int = 0
-    epochs: int = 1
+    key = "data"
+    path: Annotated[str, doc("JSONL or Parquet prompts; empty: the env generates tasks (sample_tasks)")] = ""
+    eval_path: Annotated[str, doc("JSONL or Parquet evaluation prompts; empty: the env's")] = ""
+    input_key: Annotated[str, doc("record key holding the prompt")] = "prompt"
+    label_key: Annotated[str, doc("record key holding the answer")] = "answer"
+    metadata_key: Annotated[str, doc("record key passed to the env as metadata; empty = none")] = ""
+    apply_chat_template: Annotated[bool, doc("wrap prompts in the tokenizer's chat template")] = True
+    shuffle: Annotated[bool, doc("shuffle the prompts every epoch")] = True
+    seed: Annotated[int, doc("seed of the shuffle")] = 0
+    epochs: Annotated[int, doc("passes over the prompts", ge=1)] = 1
 
 
 class WarmupSection(_Section):
-    steps: int = 0
-    batch_size: int = 32
-    lr: float = 1e-3
-    time_limit_s: float = 0.0
-    seed: int = 12345
+    key = "warmup"
+    steps: Annotated[int, doc("supervised warm-up steps on env demonstrations; 0 = none", ge=0)] = 0
+    batch_size: Annotated[int, doc("demonstrations per warm-up step", ge=1)] = 32
+    lr: Annotated[float, doc("warm-up learning rate", ge=0)] = 1e-3
+    time_limit_s: Annotated[float, doc("stop warm-up after this many seconds; 0 = no limit", ge=0)] = 0.0
+    seed: Annotated[int, doc("seed of the demonstrations")] = 12345
 
 
 class Config(_Section):
-    run: RunSection = msgspec.field(default_factory=RunSection)
-    model: ModelSection = msgspec.field(default_factory=ModelSection)
-    queue: QueueSection = msgspec.field(default_factory=QueueSection)
-    engine: EngineSection = msgspec.field(default_factory=EngineSection)
-    learner: LearnerSection = msgspec.field(default_factory=LearnerSection)
-    algorithm: AlgorithmSection = msgspec.field(default_factory=AlgorithmSection)
-    rollout: RolloutSection = msgspec.field(default_factory=RolloutSection)
-    env: EnvSection = msgspec.field(default_factory=EnvSection)
-    data: DataSection = msgspec.field(default_factory=DataSection)
-    warmup: WarmupSection = msgspec.field(default_factory=WarmupSection)
+    run: Annotated[RunSection, doc("the run: name, length, placement, checkpoints")] = msgspec.field(
+        default_factory=RunSection
+    )
+    model: Annotated[ModelSection, doc("the model trained")] = msgspec.field(default_factory=ModelSection)
+    queue: Annotated[QueueSection, doc("the replay queue and its HTTP front door")] = msgspec.field(
+        default_factory=QueueSection
+    )
+    engine: Annotated[EngineSection, doc("inference engines")] = msgspec.field(default_factory=EngineSection)
+    learner: Annotated[LearnerSection, doc("the learner")] = msgspec.field(default_factory=LearnerSection)
+    algorithm: Annotated[AlgorithmSection, doc("advantages and loss")] = msgspec.field(
+        default_factory=AlgorithmSection
+    )
+    rollout: Annotated[RolloutSection, doc("rollout workers and sampling")] = msgspec.field(
+        default_factory=RolloutSection
+    )
+    env: Annotated[EnvSection, doc("the environment")] = msgspec.field(default_factory=EnvSection)
+    data: Annotated[DataSection, doc("prompt data")] = msgspec.field(default_factory=DataSection)
+    warmup: Annotated[WarmupSection, doc("supervised warm-up before RL")] = msgspec.field(
+        default_factory=WarmupSection
+    )
 
 
 # Keys whose values are free-form tables: anything below them is passed through unchecked.
@@ -247,28 +377,15 @@ OPEN_TABLES = {"env.kwargs", "engine.sglang.args"}
 
 
 def validate(cfg: Config) -> Config:
-    """Cross-field checks; each message names the conflicting settings."""
+    """Cross-field checks; each message names the conflicting settings. A section's own checks are its
+    `validate()`; the ones spanning sections are here."""
+    cfg.engine.validate()
+    cfg.learner.validate()
     if cfg.run.mode == "sync" and cfg.queue.max_staleness != 0:
         cfg.queue.max_staleness = 0
     cfg.engine.update_mode = cfg.engine.effective_update_mode  # type: ignore[assignment]
-    if cfg.queue.max_staleness < 0:
-        raise ConfigError("queue.max_staleness must be >= 0")
-    if not 0.0 <= cfg.queue.external_share < 1.0:
-        raise ConfigError(f"queue.external_share must be in [0, 1), got {cfg.queue.external_share}")
-    if cfg.rollout.n_samples_per_prompt < 1:
-        raise ConfigError("rollout.n_samples_per_prompt must be >= 1")
-    if cfg.engine.kind == "sglang" and cfg.engine.device == "cpu" and not cfg.engine.external_urls:
-        raise ConfigError("engine.kind = 'sglang' needs engine.device = 'cuda' or engine.external_urls")
-    if cfg.learner.kind == "megatron" and cfg.learner.device == "cpu" and cfg.learner.tensor_parallel > 1:
-        raise ConfigError("learner.tensor_parallel > 1 needs learner.device = 'cuda' (CPU runs TP=PP=1)")
-    if cfg.learner.fsdp and cfg.learner.kind != "torch":
-        raise ConfigError("learner.fsdp = true needs learner.kind = 'torch' (Megatron shards by its own DP)")
     if cfg.learner.fsdp and cfg.algorithm.advantage == "ppo":
         raise ConfigError("learner.fsdp = true does not support algorithm.advantage = 'ppo' (value head)")
-    if cfg.learner.publish_bucket_mb < 0:
-        raise ConfigError(
-            f"learner.publish_bucket_mb must be >= 0 (0 = per tensor), got {cfg.learner.publish_bucket_mb}"
-        )
     if cfg.learner.publish == "nccl" and cfg.run.placement != "disaggregated":
         raise ConfigError(
             f"learner.publish = 'nccl' needs run.placement = 'disaggregated' (engines as their own actors), "
@@ -278,14 +395,6 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"learner.publish = 'nccl' needs learner.device and engine.device on the same kind of device "
             f"(nccl between GPUs, gloo between CPUs), got '{cfg.learner.device}' and '{cfg.engine.device}'"
-        )
-    for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
-        if getattr(cfg.learner, name) < 1:
-            raise ConfigError(f"learner.{name} must be >= 1, got {getattr(cfg.learner, name)}")
-    if cfg.learner.kind == "torch" and cfg.learner.data_parallel > 1 and not cfg.learner.fsdp:
-        raise ConfigError(
-            f"learner.data_parallel = {cfg.learner.data_parallel} with learner.kind = 'torch' needs "
-            "learner.fsdp = true (the torch learner shards with FSDP2)"
         )
     if cfg.run.placement == "colocated" and learner_ranks(cfg) > 1:
         raise ConfigError(
@@ -323,3 +432,9 @@ def load_config(
     except msgspec.ValidationError as exc:
         raise ConfigError(explain(exc, data, Config)) from None
     return validate(cfg)
+
+
+REGENERATE_DOCS = "python -m agentrl.config > docs/config.md"
+
+if __name__ == "__main__":
+    print(markdown_reference(Config, REGENERATE_DOCS), end="")

@@ -7,8 +7,10 @@ msgspec Structs, so it imports nothing of agentrl but the error type. Light: no 
 from __future__ import annotations
 
 import difflib
+import functools
+import operator
 import sys
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_origin
 
 import msgspec
 
@@ -36,7 +38,7 @@ def check_keys(
                 else f"; valid keys: {', '.join(sorted(fields))}"
             )
             raise ConfigError(f"unknown config key '{path}'{near}")
-        sub = fields[key].type
+        sub, _ = unwrap(fields[key].type)
         if path not in open_tables and isinstance(sub, type) and issubclass(sub, msgspec.Struct):
             if not isinstance(value, dict):
                 raise ConfigError(f"config key '{path}' must be a table, got {type(value).__name__}")
@@ -93,23 +95,84 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 def explain(exc: msgspec.ValidationError, data: dict[str, Any], root: type[msgspec.Struct]) -> str:
     """msgspec's `Invalid enum value 'x' - at `$.run.mode`` as `run.mode = 'x' is not valid: choose one of
-    'sync', 'async'`; other errors as `run.steps: Expected `int`, got `str``."""
+    'sync', 'async'`; a broken bound as `queue.port must be >= 0 and <= 65535, got 70000`; other errors as
+    `run.steps: Expected `int`, got `str``."""
     message, _, where = str(exc).rpartition(" - at `$.")
     if not where:
         return f"invalid config value: {exc}"
     key = where.rstrip("`")
     field: Any = root
+    meta: msgspec.Meta | None = None
     value: Any = data
     for part in key.split("."):
         if isinstance(value, dict):
             value = value.get(part)
         fields = {f.name: f.type for f in msgspec.structs.fields(field)} if _is_struct(field) else {}
-        field = fields.get(part)
+        field, meta = unwrap(fields.get(part))
+    if broken := bound_error(key, value, meta):
+        return broken
     choices = getattr(field, "__args__", ()) if getattr(field, "__origin__", None) is Literal else ()
     if choices:
         valid = ", ".join(repr(c) for c in choices)
         return f"{key} = {value!r} is not valid: choose one of {valid}"
     return f"{key}: {message} (got {value!r})"
+
+
+# msgspec.Meta's bound attributes, as written in messages, and the test each one makes.
+_BOUNDS = (
+    ("ge", ">=", operator.ge),
+    ("gt", ">", operator.gt),
+    ("le", "<=", operator.le),
+    ("lt", "<", operator.lt),
+)
+
+
+def unwrap(tp: Any) -> tuple[Any, msgspec.Meta | None]:
+    """`Annotated[T, msgspec.Meta(...)]` -> (T, the Meta); any other type -> (it, None)."""
+    if get_origin(tp) is not Annotated:
+        return tp, None
+    metas = [m for m in tp.__metadata__ if isinstance(m, msgspec.Meta)]
+    return tp.__origin__, (metas[0] if metas else None)
+
+
+def bounds_text(meta: msgspec.Meta | None) -> str:
+    """The bounds of a field as `>= 0 and < 1`; empty when it has none."""
+    if meta is None:
+        return ""
+    limits = [
+        f"{sign} {getattr(meta, name)!r}" for name, sign, _ in _BOUNDS if getattr(meta, name) is not None
+    ]
+    return " and ".join(limits)
+
+
+def bound_error(key: str, value: Any, meta: msgspec.Meta | None) -> str:
+    """`key must be >= 0 and < 1, got 1.5` when `value` breaks a bound of `meta`; empty otherwise."""
+    if meta is None or not isinstance(value, int | float) or isinstance(value, bool):
+        return ""
+    for name, _, ok in _BOUNDS:
+        limit = getattr(meta, name)
+        if limit is not None and not ok(value, limit):
+            return f"{key} must be {bounds_text(meta)}, got {value!r}"
+    return ""
+
+
+@functools.cache
+def _bounded_fields(struct: type[msgspec.Struct]) -> tuple[tuple[str, msgspec.Meta], ...]:
+    out = []
+    for f in msgspec.structs.fields(struct):
+        _, meta = unwrap(f.type)
+        if meta is not None and bounds_text(meta):
+            out.append((f.name, meta))
+    return tuple(out)
+
+
+def check_bounds(obj: msgspec.Struct, prefix: str) -> None:
+    """The bounds msgspec checks when it decodes, checked on a Struct built directly (`LearnerSection(...)`),
+    with the wording of `explain`."""
+    for name, meta in _bounded_fields(type(obj)):
+        message = bound_error(f"{prefix}{name}", getattr(obj, name), meta)
+        if message:
+            raise ConfigError(message)
 
 
 def _is_struct(tp: Any) -> bool:
@@ -150,3 +213,52 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise ConfigError(f"cannot render {value!r} as TOML")
+
+
+def markdown_reference(root: type[msgspec.Struct], regenerate: str) -> str:
+    """docs/config.md: one table per section (key, type, default, bounds, description), read from the
+    fields' types, defaults and `msgspec.Meta`; `regenerate` is the command that writes it."""
+    lines = [
+        "# Configuration reference",
+        "",
+        f"Generated from the config's fields by `{regenerate}`; do not edit by hand.",
+        "Every key is a TOML key in its section and a flag: `[queue] max_staleness = 2` is "
+        "`--queue.max-staleness 2`.",
+    ]
+
+    def section(struct: type[msgspec.Struct], prefix: str, about: str) -> None:
+        lines.extend(["", f"## [{prefix}]", "", about, "", "| key | type | default | bounds | description |"])
+        lines.append("|---|---|---|---|---|")
+        nested = []
+        for f in msgspec.structs.fields(struct):
+            tp, meta = unwrap(f.type)
+            description = meta.description if meta is not None and meta.description else ""
+            if _is_struct(tp):
+                nested.append((tp, f"{prefix}.{f.name}", description))
+                continue
+            default = f.default_factory() if f.default is msgspec.NODEFAULT else f.default
+            cells = [
+                f"`{f.name}`",
+                _type_name(tp),
+                f"`{_default_text(default)}`",
+                bounds_text(meta),
+                description,
+            ]
+            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        for sub, key, about_sub in nested:
+            section(sub, key, about_sub)
+
+    for f in msgspec.structs.fields(root):
+        tp, meta = unwrap(f.type)
+        section(tp, f.name, meta.description if meta is not None and meta.description else "")
+    return "\n".join(lines) + "\n"
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return " | ".join(repr(c) for c in tp.__args__)
+    return tp.__name__ if isinstance(tp, type) and not get_origin(tp) else str(tp).replace("typing.", "")
+
+
+def _default_text(value: Any) -> str:
+    return "{}" if isinstance(value, dict) else _toml_value(value)

@@ -1,9 +1,10 @@
 """Config: TOML + dotted overrides, unknown keys named with the closest valid one, dry-run rendering."""
 
+import msgspec
 import pytest
 
-from agentrl.config import load_config
-from agentrl.config_text import dump_toml, parse_overrides
+from agentrl.config import Config, EngineSection, LearnerSection, RolloutSection, load_config
+from agentrl.config_text import dump_toml, parse_overrides, unwrap
 from agentrl.errors import ConfigError
 
 
@@ -95,3 +96,43 @@ def test_a_table_given_whole_on_the_command_line_replaces_the_file_table(tmp_pat
     assert load_config(path, ["--env.kwargs", "{}"]).env.kwargs == {}
     assert load_config(path, ["--env.kwargs", "{ high = 20 }"]).env.kwargs == {"high": 20}
     assert load_config(path, ["--env.kwargs.low", "5"]).env.kwargs == {"low": 5, "high": 49, "ops": "+"}
+
+
+def test_out_of_bounds_value_is_one_line_naming_key_and_bound(tmp_path):
+    with pytest.raises(ConfigError, match=r"^queue\.port must be >= 0 and <= 65535, got 70000$"):
+        load_config(None, ["--queue.port", "70000"])
+    path = tmp_path / "c.toml"
+    path.write_text("[rollout]\ntop_p = 0.0\n")
+    with pytest.raises(ConfigError, match=r"^rollout\.top_p must be > 0 and <= 1, got 0\.0$"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"^engine\.sglang\.max_restarts must be >= 0, got -1$"):
+        load_config(None, ["--engine.sglang.max-restarts", "-1"])
+    with pytest.raises(ConfigError, match=r"^rollout\.num_workers must be >= 1, got 0$"):
+        RolloutSection(num_workers=0)  # built directly, not loaded: the same bound, the same words
+
+
+def test_every_field_has_a_description():
+    def walk(struct, prefix):
+        for f in msgspec.structs.fields(struct):
+            tp, meta = unwrap(f.type)
+            yield prefix + f.name, meta
+            if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+                yield from walk(tp, f"{prefix}{f.name}.")
+
+    missing = [key for key, meta in walk(Config, "") if meta is None or not meta.description]
+    assert not missing, f"fields without a description: {missing}"
+
+
+def test_a_sections_own_checks_are_its_validate_with_the_load_messages():
+    cases = [
+        (EngineSection(kind="sglang"), ["--engine.kind", "sglang"], r"engine\.kind = 'sglang' needs"),
+        (LearnerSection(fsdp=True, kind="megatron"), ["--learner.fsdp", "true", "--learner.kind", "megatron"],
+         r"learner\.fsdp = true needs learner\.kind = 'torch'"),
+        (LearnerSection(data_parallel=2), ["--learner.data-parallel", "2"],
+         r"learner\.data_parallel = 2 with learner\.kind = 'torch' needs learner\.fsdp = true"),
+    ]  # fmt: skip
+    for section, flags, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            section.validate()
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, flags)
