@@ -7,8 +7,7 @@ end-of-turn token are trained, the template glue after it (`\\n`) is not."""
 from __future__ import annotations
 
 import aiohttp
-import pytest
-from gen_support import HFEngine, tiny_model_dir
+from gen_support import HFEngine
 
 from agentrl.config import QueueSection
 from agentrl.engines.base import SamplingParams
@@ -32,11 +31,6 @@ CHAT = [
     {"role": "tool", "content": "<result>ok</result>"},
     {"role": "assistant", "content": "three two one"},
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model_dir(str(tmp_path_factory.mktemp("tiny")))
 
 
 def scripted(tiny, tok, conversation: list[dict]) -> HFEngine:

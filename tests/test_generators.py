@@ -16,7 +16,6 @@ from gen_support import (
     embedded_engine,
     real_model_logprob,
     sft_on_demonstrations,
-    tiny_model_dir,
 )
 from safetensors.torch import load_file
 
@@ -31,21 +30,11 @@ TASK = {"a": 23, "b": 45, "op": "+", "answer": 68}
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model_dir(str(tmp_path_factory.mktemp("tiny")))
-
-
-@pytest.fixture(scope="module")
 def tuned(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("tuned")
     losses = sft_on_demonstrations(tiny, out, "calculator", steps=80)
     assert losses["last_loss"] < losses["first_loss"] / 2
     return out
-
-
-@pytest.fixture(scope="module")
-def tok(tiny):
-    return load_tokenizer(tiny)
 
 
 def context(engine, tok, env="calculator", max_turns=3, max_seq_len=256, env_kwargs=None, **sampling):

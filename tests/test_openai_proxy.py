@@ -8,14 +8,13 @@ import urllib.request
 
 import aiohttp
 import pytest
-from gen_support import embedded_engine, tiny_model_dir
+from gen_support import embedded_engine
 from gen_support import scripted_replies as scripted
 
 from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory, make_env
 from agentrl.errors import EngineError, QueueFull
 from agentrl.generator import RolloutContext, resolve_generator
-from agentrl.tokenizer import load_tokenizer
 from agentrl.types import floats, mask, n_response, tokens
 from generators.chat import chat_tokens, demonstration_tokens
 from generators.openai_proxy import OpenAIProxy
@@ -23,16 +22,6 @@ from generators.openai_proxy import OpenAIProxy
 TASK = {"a": 23, "b": 45, "op": "+", "answer": 68}
 Q = [{"role": "user", "content": "What is 23+45?"}]
 ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model_dir(str(tmp_path_factory.mktemp("tiny")))
-
-
-@pytest.fixture(scope="module")
-def tok(tiny):
-    return load_tokenizer(tiny)
 
 
 class Proxy:

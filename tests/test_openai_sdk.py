@@ -11,11 +11,10 @@ import json
 import aiohttp
 import openai
 import pytest
-from gen_support import HFEngine, tiny_model_dir
+from gen_support import HFEngine
 from gen_support import scripted_replies as scripted
 
 from agentrl.engines.base import SamplingParams
-from agentrl.tokenizer import load_tokenizer
 from agentrl.types import mask, tokens
 from generators.chat import chat_tokens
 from generators.openai_proxy import OpenAIProxy
@@ -27,16 +26,6 @@ TOOLS = [
     {"type": "function", "function": {"name": "mul", "parameters": {"type": "object", "properties": {}}}},
 ]  # fmt: skip
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model_dir(str(tmp_path_factory.mktemp("tiny")))
-
-
-@pytest.fixture(scope="module")
-def tok(tiny):
-    return load_tokenizer(tiny)
 
 
 class Live:
