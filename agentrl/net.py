@@ -11,7 +11,7 @@ import ipaddress
 import random
 import socket
 
-from agentrl.errors import EngineError
+from agentrl.errors import ConfigError, EngineError
 
 
 def is_loopback(host: str) -> bool:
@@ -27,6 +27,13 @@ def bearer_ok(authorization: str, token: str) -> bool:
     """Whether an `Authorization` header value carries `Bearer <token>` (constant-time compare)."""
     scheme, _, given = authorization.partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def check_token(token: str) -> None:
+    """Refuse a token no client can send: blank, or with surrounding whitespace (HTTP strips it)."""
+    if token and token != token.strip():
+        raise ConfigError("the queue's bearer token (--token / queue.token / $AGENTRL_QUEUE_TOKEN) is blank or "
+                          "starts or ends with whitespace: no client could send it; set a real token")  # fmt: skip
 
 
 def free_port(host: str = "127.0.0.1", ports: tuple[int, int] | None = None) -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import Config
-from agentrl.runlock import Fence, holder_pid, pid_alive
+from agentrl.runlock import RUN_LOCK, Fence, holder_pid, pid_alive
 from agentrl.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ FENCE_CHECK_S = 0.5  # how often an idle actor looks for its driver (a put check
 def driver_fence(run_dir: str) -> Fence | None:
     """A fence on the driver that holds `run_dir/run.lock`; None without one (a queue outside a run) or when
     that pid is not alive here (a driver on another host: no fencing rather than refusing everything)."""
-    pid = holder_pid(Path(run_dir) / "run.lock")
+    pid = holder_pid(Path(run_dir) / RUN_LOCK)
     if pid is None or not pid_alive(pid):
         return None
     return Fence(pid)

@@ -57,7 +57,7 @@ def resolve(args: argparse.Namespace):
         q.token = token
     if args.vocab_size is not None and args.vocab_size < 1:
         raise ConfigError(f"--vocab-size must be >= 1, got {args.vocab_size}")
-    from agentrl.queue.server import check_token
+    from agentrl.net import check_token
 
     check_token(q.token)
     return cfg

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from agentrl.config import QueueSection
 from agentrl.errors import ConfigError, InvalidTrajectory, QueueClosed, QueueFull, StorageError
-from agentrl.net import bearer_ok, is_loopback
+from agentrl.net import bearer_ok, check_token, is_loopback
 from agentrl.queue.chat import NO_TOKENIZER, ChatTokenizer
 from agentrl.queue.core import ReplayQueue
 from agentrl.queue.metrics import prometheus_text
@@ -54,13 +54,6 @@ def error_response(
     status: int, message: str, field: str | None = None, headers: dict[str, str] | None = None
 ):
     return json_response({"error": message, "field": field}, status, headers)
-
-
-def check_token(token: str) -> None:
-    """Refuse a token no client can send: blank, or with surrounding whitespace (HTTP strips it)."""
-    if token and token != token.strip():
-        raise ConfigError("the queue's bearer token (--token / queue.token / $AGENTRL_QUEUE_TOKEN) is blank or "
-                          "starts or ends with whitespace: no client could send it; set a real token")  # fmt: skip
 
 
 class QueueServer:

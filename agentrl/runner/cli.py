@@ -122,7 +122,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = resolve(args)
     if not cfg.queue.token:  # the queue's HTTP token, kept out of `ps` and of the run dir
         cfg.queue.token = os.environ.get("AGENTRL_QUEUE_TOKEN", "")
-    from agentrl.queue.server import check_token
+    from agentrl.net import check_token
 
     check_token(cfg.queue.token)  # before Ray: a blank token is one line here, a traceback from the actor
     if args.dry_run:

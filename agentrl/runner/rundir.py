@@ -30,14 +30,15 @@ from typing import Any
 from agentrl.config import Config
 from agentrl.config_text import dump_toml
 from agentrl.errors import ConfigError, StorageError
-from agentrl.runlock import DirLock
+from agentrl.queue.walformat import LEDGER_NAME, WAL_NAME
+from agentrl.runlock import RUN_LOCK, DirLock
 
 log = logging.getLogger(__name__)
 
 # Every file or directory agentrl writes into a run directory (what `run.overwrite` and the clean-up of a
 # failed start delete); lock files stay, they are how the next owner is kept out.
 RUN_FILES = (
-    "config.toml", "metrics.jsonl", "metrics.tmp", "ledger.jsonl", "queue.wal", "queue.wal.tmp", "queue_url",
+    "config.toml", "metrics.jsonl", "metrics.tmp", LEDGER_NAME, WAL_NAME, f"{WAL_NAME}.tmp", "queue_url",
     "summary.json", "events", "checkpoints", "published",
 )  # fmt: skip
 SUMMARY_FILE = "summary.json"
@@ -139,7 +140,7 @@ class RunDir:
         if resume and cfg.run.overwrite:
             raise ConfigError("--resume and run.overwrite = true are exclusive (continue, or start afresh)")
         self.path.mkdir(parents=True, exist_ok=True)
-        self._lock = DirLock(self.path / "run.lock", f"run directory {self.path}").acquire()
+        self._lock = DirLock(self.path / RUN_LOCK, f"run directory {self.path}").acquire()
         self._tb = None
         try:
             self._claim(resume)
@@ -171,7 +172,7 @@ class RunDir:
 
     @property
     def ledger_path(self) -> Path:
-        return self.path / "ledger.jsonl"
+        return self.path / LEDGER_NAME
 
     @property
     def metrics_path(self) -> Path:
