@@ -166,6 +166,19 @@ def scripted_replies(model_dir: Path, tok: Any, *texts: str) -> HFEngine:
     return HFEngine(model_dir, script=lambda _input: next(replies))
 
 
+def calculator_context(engine: Engine, model_dir: Path, max_new_tokens: int, max_seq_len: int) -> Any:
+    """A greedy two-turn calculator `RolloutContext` for the multi_turn generator (the abort-path checks)."""
+    from agentrl.envs import env_factory
+    from agentrl.generator import RolloutContext
+    from agentrl.tokenizer import load_tokenizer
+
+    return RolloutContext(
+        engine=engine, tokenizer=load_tokenizer(model_dir), make_env=env_factory("calculator", None),
+        env_name="calculator", sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens),
+        max_turns=2, max_seq_len=max_seq_len,
+    )  # fmt: skip
+
+
 class Recording(Engine):
     """Wraps a real engine, records every request's input ids, and can run a hook before a given call."""
 

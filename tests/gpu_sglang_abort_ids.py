@@ -16,16 +16,15 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
+from gen_support import calculator_context
 
 from agentrl.actors.broadcast import load_into_engines
 from agentrl.config import SGLangSection
-from agentrl.engines.base import DiskSource, SamplingParams
+from agentrl.engines.base import DiskSource
 from agentrl.engines.sglang import SGLangEngine
 from agentrl.engines.sglang_launcher import SGLangServer
 from agentrl.engines.tiny import make_tiny_model
-from agentrl.envs import env_factory
-from agentrl.generator import RolloutContext, resolve_generator
-from agentrl.tokenizer import load_tokenizer
+from agentrl.generator import resolve_generator
 from agentrl.types import expand_versions, floats, n_response
 
 FLAGS = {
@@ -104,11 +103,7 @@ class Outcomes(SGLangEngine):
 
 async def abort_path(url: str, models: list[Path], episodes: int = 8, publishes: int = 3) -> dict:
     client = Outcomes(url)
-    ctx = RolloutContext(
-        engine=client, tokenizer=load_tokenizer(models[0]), make_env=env_factory("calculator", None),
-        env_name="calculator", sampling=SamplingParams(temperature=0.0, max_new_tokens=1500), max_turns=2,
-        max_seq_len=2000,
-    )  # fmt: skip
+    ctx = calculator_context(client, models[0], max_new_tokens=1500, max_seq_len=2000)
     generate = resolve_generator("multi_turn")
     tasks = [asyncio.create_task(generate(ctx, TASK, f"t0-s{k}", "t0")) for k in range(episodes)]
     for version in range(1, publishes + 1):

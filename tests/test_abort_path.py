@@ -7,17 +7,15 @@ from collections import Counter
 
 import pytest
 import torch
-from gen_support import Recording
+from gen_support import Recording, calculator_context
 
 from agentrl.actors.broadcast import load_into_engines
-from agentrl.engines.base import DiskSource, SamplingParams
+from agentrl.engines.base import DiskSource
 from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.server import EngineServer
 from agentrl.engines.sglang import SGLangEngine
 from agentrl.engines.tiny import make_tiny_model
-from agentrl.envs import env_factory
-from agentrl.generator import RolloutContext, resolve_generator
-from agentrl.tokenizer import load_tokenizer
+from agentrl.generator import resolve_generator
 from agentrl.types import expand_versions, floats, n_response
 
 torch.set_num_threads(1)
@@ -49,11 +47,7 @@ async def test_publish_in_abort_mode_continues_queued_and_running_episodes(model
     server = EngineServer(engine)
     client = SGLangEngine(await server.start())
     recorder = Outcomes(client)
-    ctx = RolloutContext(
-        engine=recorder, tokenizer=load_tokenizer(models[0]), make_env=env_factory("calculator", None),
-        env_name="calculator", sampling=SamplingParams(temperature=0.0, max_new_tokens=200), max_turns=2,
-        max_seq_len=512,
-    )  # fmt: skip
+    ctx = calculator_context(recorder, models[0], max_new_tokens=200, max_seq_len=512)
     generate = resolve_generator("multi_turn")
     try:
         episodes = [asyncio.create_task(generate(ctx, TASK, f"t0-s{k}", "t0")) for k in range(EPISODES)]
