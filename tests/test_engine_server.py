@@ -1,6 +1,7 @@
 """`serve-engine` HTTP routes in-process: SGLang-shaped responses and 4xx errors that name the field."""
 
 import asyncio
+import contextlib
 
 import aiohttp
 import pytest
@@ -22,14 +23,23 @@ def model_dirs(tmp_path_factory):
     )
 
 
-@pytest.fixture
-async def served(model_dirs):
-    engine = EmbeddedEngine(str(model_dirs[0]), max_batch_size=4, max_seq_len=128)
+@contextlib.asynccontextmanager
+async def serving(model_dir, max_batch_size: int):
+    """`serve-engine` on loopback over an embedded engine, and a client session: (url, session, engine, server)."""
+    engine = EmbeddedEngine(str(model_dir), max_batch_size=max_batch_size, max_seq_len=128)
     server = EngineServer(engine)
     url = await server.start()
-    async with aiohttp.ClientSession() as session:
+    try:
+        async with aiohttp.ClientSession() as session:
+            yield url, session, engine, server
+    finally:
+        await server.stop(close_engine=True)
+
+
+@pytest.fixture
+async def served(model_dirs):
+    async with serving(model_dirs[0], max_batch_size=4) as (url, session, engine, _):
         yield url, session, engine
-    await server.stop(close_engine=True)
 
 
 async def post(session, url, body):
@@ -161,12 +171,8 @@ async def test_pause_abort_over_http_returns_partial(served):
 @pytest.fixture
 async def small(model_dirs):
     """A server whose engine runs two requests at a time (more wait queued)."""
-    engine = EmbeddedEngine(str(model_dirs[0]), max_batch_size=2, max_seq_len=128)
-    server = EngineServer(engine)
-    url = await server.start()
-    async with aiohttp.ClientSession() as session:
-        yield url, session, engine, server
-    await server.stop(close_engine=True)
+    async with serving(model_dirs[0], max_batch_size=2) as running:
+        yield running
 
 
 def long_request(rid, prompt=(1, 2), n=100):
