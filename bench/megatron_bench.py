@@ -6,9 +6,12 @@ DP = 2:    torchrun --nproc_per_node 2 bench/megatron_bench.py --variants megatr
 CPU smoke: python bench/megatron_bench.py --device cpu --tiny
 
 Random-init weights (written once as an HF directory), bf16 on GPU. A step is one optimizer step over the whole
-batch (forward + backward + update). FLOPs per token = 6 N (N = all parameters, tied embedding counted once)
-+ 12 L H d S (attention scores and values, fwd + bwd, full S x S as in PaLM); `mfu_6n` uses 6 N alone (the
-convention of the 17.6% HF baseline in the notes). Peak 989e12 FLOP/s (H100/H200 bf16 dense) per GPU.
+batch (forward + backward + update). `mfu` counts FLOPs per token = 6 N + 6 L H d S: N = all parameters (tied
+embedding counted once, so the LM head's matmul is in 6 N), and causal attention's scores and values (fwd +
+bwd) at half of the full S x S (12 L H d S / 2: a causal kernel skips the upper triangle). `mfu_full_attention`
+counts the full 12 L H d S (PaLM's convention, what earlier docs reported); `mfu_6n` 6 N alone. Peak 989e12
+FLOP/s (H100/H200 bf16 dense) per GPU. Run-to-run spread is large (host time between kernels varies):
+bench/learner_mfu.py runs this script several times and reports medians.
 Each variant runs in its own try block: a failure is reported (with its traceback) and the others still run.
 """
 
@@ -29,6 +32,8 @@ import torch
 
 PEAK_FLOPS = 989e12
 QWEN3_06B = dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, ffn=3072, vocab=151936)
+QWEN3_17B = dict(hidden=2048, layers=28, heads=16, kv_heads=8, head_dim=128, ffn=6144, vocab=151936)
+MODELS = {"qwen3-0.6b": QWEN3_06B, "qwen3-1.7b": QWEN3_17B}
 TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=512)
 
 
@@ -36,11 +41,14 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true", help="tiny model and batch (CPU smoke test)")
+    p.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODELS), help="architecture (random init)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (launch with torchrun)")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size (launch with torchrun)")
     p.add_argument("--variants", default="hf,megatron,megatron_compile",
                    help="comma list of hf, megatron, megatron_compile (torch.compile), torch_learner; a "
-                        "'_unfused' suffix (megatron_compile_unfused) runs with AGENTRL_FUSED_LOGPROBS=0")  # fmt: skip
+                        "'_unfused' suffix (megatron_compile_unfused) runs with AGENTRL_FUSED_LOGPROBS=0, a "
+                        "'_fallback' suffix with megatron-core's own fallback optimizer ops instead of "
+                        "agentrl's (learners/megatron/fast_optim.py)")  # fmt: skip
     p.add_argument(
         "--profile", action="store_true", help="print the top CUDA kernels of one step per variant"
     )
@@ -59,12 +67,12 @@ def parse_args(argv=None):
 def fill_defaults(args, steps: tuple[int, int]):
     """Workload defaults shared with bench/gpu/fsdp_check.py (same dims, batch and model directory);
     `steps` = (tiny, full) timed steps."""
-    args.dims = TINY if args.tiny else QWEN3_06B
+    args.dims = TINY if args.tiny else MODELS[getattr(args, "model", "qwen3-0.6b")]
     args.batch = args.batch or (4 if args.tiny else 8)
     args.seq = args.seq or (64 if args.tiny else 2048)
     args.steps = args.steps or (steps[0] if args.tiny else steps[1])
     args.dtype = "float32" if args.device == "cpu" else "bfloat16"
-    name = "tiny" if args.tiny else "qwen3-0.6b"
+    name = "tiny" if args.tiny else getattr(args, "model", "qwen3-0.6b")
     args.model_dir = args.model_dir or f"/tmp/agentrl-bench-{name}-{args.dtype}"
     return args
 
@@ -113,10 +121,11 @@ def n_params(dims: dict) -> int:
     return v * h + dims["layers"] * layer + h
 
 
-def flops_per_token(dims: dict, seq: int) -> tuple[float, float]:
+def flops_per_token(dims: dict, seq: int) -> dict[str, float]:
+    """Training FLOPs per token under the three conventions named in the module docstring."""
     six_n = 6.0 * n_params(dims)
-    attention = 12.0 * dims["layers"] * dims["heads"] * dims["head_dim"] * seq
-    return six_n + attention, six_n
+    full_attention = 12.0 * dims["layers"] * dims["heads"] * dims["head_dim"] * seq
+    return {"mfu": six_n + full_attention / 2, "mfu_full_attention": six_n + full_attention, "mfu_6n": six_n}
 
 
 def make_batch(args, device: str):
@@ -209,13 +218,14 @@ def run_megatron_compile(args, path: Path, world: int) -> dict:
 
 
 def run_megatron(args, path: Path, world: int, compile: bool = False) -> dict:
+    fast = "_fallback" not in getattr(args, "variant", "")
     from agentrl.config import AlgorithmSection
     from agentrl.learners.megatron.learner import MegatronLearner
 
     algo = AlgorithmSection(advantage="grpo", off_policy="none")
     learner = MegatronLearner(
         path, learner_section(args, "megatron", world), algo, attention=args.attention, entropy_metric=False,
-        compile=compile,
+        compile=compile, fast_optimizer=fast,
     )  # fmt: skip
     batch = make_batch(args, args.device)
     result = timed(lambda: learner.train_step(batch)["loss"], args)
@@ -264,7 +274,7 @@ def run_variant(runner, args, path: Path, world: int, single: bool) -> dict:
         args.micro_batch_tokens, args.hf_chunks = saved
 
 
-def write_summary(args, results: dict, world: int, rank: int, flops: float) -> None:
+def write_summary(args, results: dict, world: int, rank: int, flops: dict) -> None:
     for name in ("megatron", "megatron_compile"):
         if "error" not in results.get("hf", {"error": 1}) and "error" not in results.get(name, {"error": 1}):
             results[f"speedup_{name}_vs_hf"] = results["hf"]["step_s"] / results[name]["step_s"]
@@ -292,7 +302,7 @@ def main(argv=None) -> int:
         log(f"gpu: {torch.cuda.get_device_name()}")
     path = ensure_model_dir(args)
     tokens = args.batch * args.seq
-    flops, flops_6n = flops_per_token(args.dims, args.seq)
+    flops = flops_per_token(args.dims, args.seq)
     results = {}
     runners = {
         "hf": run_hf, "megatron": run_megatron, "megatron_compile": run_megatron_compile,
@@ -300,12 +310,15 @@ def main(argv=None) -> int:
     }  # fmt: skip
     for name in [v.strip() for v in args.variants.split(",") if v.strip()]:
         single = not name.startswith("megatron")
-        os.environ["AGENTRL_FUSED_LOGPROBS"] = "0" if name.endswith("_unfused") else "1"
+        args.variant = name
+        os.environ["AGENTRL_FUSED_LOGPROBS"] = "0" if "_unfused" in name else "1"
         if single and world > 1:
             log(f"[{name}] skipped: single-GPU baseline (run it without torchrun)")
             continue
         try:
-            res = run_variant(runners[name.removesuffix("_unfused")], args, path, world, single)
+            res = run_variant(
+                runners[name.replace("_unfused", "").replace("_fallback", "")], args, path, world, single
+            )
         except Exception as exc:  # a failing variant must not hide the others
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
             log(f"[{name}] FAILED on rank {rank}:\n{traceback.format_exc()}")
@@ -317,8 +330,8 @@ def main(argv=None) -> int:
         gpus = world if not single else 1
         res["tokens_per_s"] = tokens / res["step_s"]
         if args.device == "cuda":
-            res["mfu"] = flops * res["tokens_per_s"] / (PEAK_FLOPS * gpus)
-            res["mfu_6n"] = flops_6n * res["tokens_per_s"] / (PEAK_FLOPS * gpus)
+            for key, per_token in flops.items():
+                res[key] = per_token * res["tokens_per_s"] / (PEAK_FLOPS * gpus)
         results[name] = res
         log(
             f"[{name}] " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()})

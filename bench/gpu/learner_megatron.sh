@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # How fast is the Megatron learner's train step (tokens/s, MFU) against HF + AdamW, on one GPU and with
 # TP = 2 / DP = 2? Qwen3-0.6B arch, 8 x 2,048 tokens. Carry .gpu (or .whl), ~5 min.
+#   bash bench/gpu/learner_megatron.sh mfu [MODELS] [VARIANTS] [REPEATS]   # 1 GPU: bench/learner_mfu.py, median and
+#                                                # spread of REPEATS (3) fresh processes per model; default
+#                                                # qwen3-0.6b, hf,megatron_compile_fallback,megatron_compile
 #   bash bench/gpu/learner_megatron.sh [bench1] [VARIANTS]   # nvidia-h200, 1 GPU; default hf,megatron,megatron_compile
 #   bash bench/gpu/learner_megatron.sh profile   # nvidia-h200: fused log-prob tests; HF, compiled with and without the
 #                                                # fused log-probs, kernel profile of one step
@@ -12,6 +15,10 @@ source bench/gpu/common.sh
 mode=${1:-bench1}
 gpu_setup megatron
 case $mode in
+  mfu)
+    timeout 570 python3 bench/learner_mfu.py --models "${2:-qwen3-0.6b}" \
+      --variants "${3:-hf,megatron_compile_fallback,megatron_compile}" --repeats "${4:-3}" \
+      --out "$out/learner_mfu_${2:-qwen3-0.6b}.json" 2>&1 | tee "$out/learner_mfu.log" | grep -vE "Warning|warn" ;;
   bench1)
     timeout 270 python3 bench/megatron_bench.py --variants "${2:-hf,megatron,megatron_compile}" \
       --out "$out/megatron_bench_1gpu.json" > "$out/megatron_1gpu.log" 2>&1
@@ -32,5 +39,5 @@ case $mode in
   torch)
     timeout 270 python3 bench/learner_bench.py train "${@:2}" > "$out/learner_torch.log" 2>&1
     echo "torch learner rc=$?"; tail -8 "$out/learner_torch.log" ;;
-  *) echo "unknown mode '$mode' (bench1 | profile | tp2 | torch)" >&2; exit 2 ;;
+  *) echo "unknown mode '$mode' (mfu | bench1 | profile | tp2 | torch)" >&2; exit 2 ;;
 esac

@@ -28,7 +28,7 @@ from agentrl.errors import LearnerError
 from agentrl.learners import fused_logprob
 from agentrl.learners.base import Learner
 from agentrl.learners.batch import Batch, micro_batches
-from agentrl.learners.megatron import checkpoint, convert, ops, pipeline
+from agentrl.learners.megatron import checkpoint, convert, fast_optim, ops, pipeline
 from agentrl.learners.megatron.model import ArchSpec, build_gpt, unwrap
 from agentrl.learners.megatron.parallel import init_parallel
 
@@ -48,6 +48,7 @@ class MegatronLearner(Learner):
         fused: bool | None = None,
         entropy_metric: bool = True,
         compile: bool = False,
+        fast_optimizer: bool = True,
     ):
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
@@ -85,6 +86,7 @@ class MegatronLearner(Learner):
         torch.manual_seed(seed)
         self.model = self._load_model()
         self.ref_model = self._load_model().eval().requires_grad_(False) if lc.reference_model else None
+        self.fast_optimizer = fast_optimizer
         self.optimizer = self._make_optimizer()
         self.optimizer_steps = 0
         if compile:  # inductor fuses RoPE, norms, SwiGLU and residual adds (no Transformer Engine needed)
@@ -139,7 +141,11 @@ class MegatronLearner(Learner):
             adam_beta2=lc.betas[1], adam_eps=1e-8, clip_grad=lc.grad_clip if lc.grad_clip > 0 else 0.0,
             bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype, use_distributed_optimizer=True,
         )  # fmt: skip
-        return get_megatron_optimizer(opt_config, [self.model])
+        optimizer = get_megatron_optimizer(opt_config, [self.model])
+        fast_optim.install(self.fast_optimizer)  # process-wide: megatron reads these module globals per step
+        if self.fast_optimizer:
+            fast_optim.fuse_adam(optimizer)
+        return optimizer
 
     # -- forward -----------------------------------------------------------------------------------------
 
@@ -301,14 +307,20 @@ class MegatronLearner(Learner):
         lr_used = float(lr if lr is not None else saved[0])
         return {"grad_norm": grad_norm, "lr": lr_used, "updates_skipped": float(skip)}
 
+    def _grad_buffers(self) -> list:
+        """Megatron DDP's contiguous gradient buffers (GPU path); none on the CPU path."""
+        if not self.cuda:
+            return []
+        return [*getattr(self.model, "buffers", []), *getattr(self.model, "expert_parallel_buffers", [])]
+
     def _grads_finite(self, params: list[torch.nn.Parameter]) -> bool:
         """Whether every gradient of every learner rank is finite (an all-reduce: all ranks agree to skip)."""
         bad = torch.zeros((), dtype=torch.float32, device=self.device)
-        for p in params:
-            grad = getattr(p, "main_grad", None)  # Megatron DDP's buffer; plain .grad on the CPU path
-            grad = p.grad if grad is None else grad
-            if grad is not None:
-                bad = torch.maximum(bad, (~torch.isfinite(grad)).any().float())
+        # Megatron DDP keeps every gradient in a few contiguous buffers: one check each instead of one per
+        # parameter (~300 tiny kernels); the CPU path has plain per-parameter .grad.
+        grads = [b.grad_data for b in self._grad_buffers()] or [p.grad for p in params if p.grad is not None]
+        for grad in grads:
+            bad = torch.maximum(bad, (~torch.isfinite(grad)).any().float())
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return not bool(bad.item())

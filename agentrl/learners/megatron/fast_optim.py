@@ -1,0 +1,84 @@
+"""Host-sync-free replacements for megatron-core's fallback multi-tensor ops, and a fused AdamW step.
+
+Without Transformer Engine or apex (agentrl installs neither), megatron-core falls back to Python loops in
+`megatron.core.utils`: `local_multi_tensor_l2_norm` builds `torch.tensor([...])` from one CUDA scalar per
+parameter, which is one device-to-host sync per parameter (~310 for Qwen3-0.6B) inside every optimizer step,
+and `local_multi_tensor_scale` launches a multiply and a copy per tensor; its Adam is torch's AdamW on the
+`foreach` path. A profile of the learner step showed ~172 ms of GPU work in a 217-243 ms step: the rest was
+the host between kernels, much of it these syncs. `install()` swaps in `torch._foreach_*` versions (one sync
+per step, when megatron reads the norm as a float for the clip coefficient) and `fuse_adam()` switches the
+inner torch optimizer to its fused CUDA kernel. Numerics are those of the same fp32 math (the fused AdamW and
+the foreach AdamW agree to rounding). With TE or apex installed, their kernels are kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Drop-in for `multi_tensor_l2norm` (apex signature): the l2 norm over all tensors of tensor_lists[0],
+    returned as a 1-element fp32 tensor on their device, with no host sync."""
+    tensors = [t for t in tensor_lists[0] if t.numel() > 0]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float32, device=_device(tensor_lists)), None
+    norms = torch._foreach_norm(tensors, 2.0)
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0)
+    return total.reshape(1), None
+
+
+def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """Drop-in for `multi_tensor_scale`: tensor_lists[1][i] = tensor_lists[0][i] * scale, batched."""
+    src, dst = tensor_lists[0], tensor_lists[1]
+    if not src:
+        return
+    if all(s is d for s, d in zip(src, dst, strict=True)):
+        torch._foreach_mul_(dst, scale)
+    elif scale == 1.0:
+        torch._foreach_copy_(dst, src)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def _device(tensor_lists) -> torch.device:
+    for tensors in tensor_lists:
+        for t in tensors:
+            return t.device
+    return torch.device("cuda")
+
+
+def install(enabled: bool = True) -> bool:
+    """Swap megatron-core's local fallbacks for the foreach versions (or back, `enabled=False`: the baseline of
+    bench/megatron_bench.py); False when TE/apex kernels are in use (already batched) and nothing changed."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    swaps = (
+        (clip_grads, "l2_norm_impl", utils.local_multi_tensor_l2_norm, foreach_l2_norm),
+        (clip_grads, "multi_tensor_scale_impl", utils.local_multi_tensor_scale, foreach_scale),
+        (optimizer, "multi_tensor_scale_impl", utils.local_multi_tensor_scale, foreach_scale),
+    )
+    changed = False
+    for module, name, local, fast in swaps:
+        old, new = (local, fast) if enabled else (fast, local)
+        if getattr(module, name) is old:
+            setattr(module, name, new)
+            changed = True
+    return changed
+
+
+def fuse_adam(megatron_optimizer) -> int:
+    """Switch every torch Adam/AdamW inside a megatron optimizer (chained or not) to `fused=True`; returns how
+    many param groups changed. Called before the first step, so the optimizer state is created for the fused
+    kernel (its `step` counters live on the parameters' device)."""
+    changed = 0
+    inners = getattr(megatron_optimizer, "chained_optimizers", None) or [megatron_optimizer]
+    for inner in inners:
+        opt = getattr(inner, "optimizer", None)
+        if not isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in opt.param_groups:
+            if all(p.dtype.is_floating_point for p in group["params"]):  # fused: CUDA and CPU kernels
+                group["fused"], group["foreach"] = True, False
+                changed += 1
+    return changed
