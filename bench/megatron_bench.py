@@ -168,13 +168,36 @@ def timed(step, args) -> dict:
 
 
 def profile_step(step) -> None:
-    """One step under torch.profiler: the 15 CUDA kernels with the most total time (rank 0)."""
+    """One step under torch.profiler (rank 0): the step's wall time against the time the GPU was busy (union
+    of kernel intervals; the rest is the host between kernels), the kernel count, the host ops with the most
+    self CPU time, syncs, and the 15 CUDA kernels with the most total time."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         step()
         torch.cuda.synchronize()
-    log(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
+        wall_s = time.perf_counter() - t0
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start
+    )
+    busy_us, cur_start, cur_end = 0.0, None, None
+    for start, end in kernels:
+        if cur_end is None or start > cur_end:
+            busy_us += 0.0 if cur_end is None else cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy_us += 0.0 if cur_end is None else cur_end - cur_start
+    syncs = [e for e in prof.events() if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::item",
+                                                     "aten::_local_scalar_dense", "cudaMemcpyAsync")]  # fmt: skip
+    log(f"profile: step wall {wall_s * 1e3:.1f} ms (under the profiler), GPU busy {busy_us / 1e3:.1f} ms, "
+        f"{len(kernels)} kernels, {len(syncs)} sync/copy calls")  # fmt: skip
+    averages = prof.key_averages()
+    log(averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    log(averages.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
 
 
 def run_hf(args, path: Path) -> dict:
