@@ -48,7 +48,7 @@ def parse_args(argv=None):
                    help="comma list of hf, megatron, megatron_compile (torch.compile), torch_learner; a "
                         "'_unfused' suffix (megatron_compile_unfused) runs with AGENTRL_FUSED_LOGPROBS=0, a "
                         "'_fallback' suffix with megatron-core's own fallback optimizer ops instead of "
-                        "agentrl's (learners/megatron/fast_optim.py)")  # fmt: skip
+                        "agentrl's (learners/megatron/host_overhead.py)")  # fmt: skip
     p.add_argument(
         "--profile", action="store_true", help="print the top CUDA kernels of one step per variant"
     )
@@ -248,7 +248,7 @@ def run_megatron(args, path: Path, world: int, compile: bool = False) -> dict:
     algo = AlgorithmSection(advantage="grpo", off_policy="none")
     learner = MegatronLearner(
         path, learner_section(args, "megatron", world), algo, attention=args.attention, entropy_metric=False,
-        compile=compile, fast_optimizer=fast,
+        compile=compile, reduce_host_overhead=fast,
     )  # fmt: skip
     batch = make_batch(args, args.device)
     result = timed(lambda: learner.train_step(batch)["loss"], args)

@@ -28,7 +28,7 @@ from agentrl.errors import LearnerError
 from agentrl.learners import fused_logprob
 from agentrl.learners.base import Learner
 from agentrl.learners.batch import Batch, micro_batches
-from agentrl.learners.megatron import checkpoint, convert, fast_optim, ops, pipeline
+from agentrl.learners.megatron import checkpoint, convert, host_overhead, ops, pipeline
 from agentrl.learners.megatron.model import ArchSpec, build_gpt, unwrap
 from agentrl.learners.megatron.parallel import init_parallel
 
@@ -48,7 +48,7 @@ class MegatronLearner(Learner):
         fused: bool | None = None,
         entropy_metric: bool = True,
         compile: bool = False,
-        fast_optimizer: bool = True,
+        reduce_host_overhead: bool = True,
     ):
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
@@ -86,10 +86,11 @@ class MegatronLearner(Learner):
         torch.manual_seed(seed)
         self.model = self._load_model()
         self.ref_model = self._load_model().eval().requires_grad_(False) if lc.reference_model else None
-        self.fast_optimizer = fast_optimizer
+        self.reduce_host_overhead = reduce_host_overhead  # False: megatron-core as is (the bench's baseline)
         self.optimizer = self._make_optimizer()
         self.optimizer_steps = 0
         if compile:  # inductor fuses RoPE, norms, SwiGLU and residual adds (no Transformer Engine needed)
+            host_overhead.default_tp_group_quietly(self.reduce_host_overhead)
             inner = unwrap(self.model)
             inner.forward = torch.compile(inner.forward)
 
@@ -142,9 +143,10 @@ class MegatronLearner(Learner):
             bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype, use_distributed_optimizer=True,
         )  # fmt: skip
         optimizer = get_megatron_optimizer(opt_config, [self.model])
-        fast_optim.install(self.fast_optimizer)  # process-wide: megatron reads these module globals per step
-        if self.fast_optimizer:
-            fast_optim.fuse_adam(optimizer)
+        # process-wide: megatron reads these module globals at every step
+        host_overhead.install(self.reduce_host_overhead)
+        if self.reduce_host_overhead:
+            host_overhead.fuse_adam(optimizer)
         return optimizer
 
     # -- forward -----------------------------------------------------------------------------------------
