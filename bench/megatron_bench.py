@@ -179,18 +179,27 @@ def profile_step(step) -> None:
         torch.cuda.synchronize()
         wall_s = time.perf_counter() - t0
     kernels = sorted(
-        (e.time_range.start, e.time_range.end)
+        (e.time_range.start, e.time_range.end, e.name)
         for e in prof.events()
         if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start
     )
-    busy_us, cur_start, cur_end = 0.0, None, None
-    for start, end in kernels:
+    busy_us, cur_start, cur_end, gaps, last_name = 0.0, None, None, [], ""
+    for start, end, name in kernels:
         if cur_end is None or start > cur_end:
             busy_us += 0.0 if cur_end is None else cur_end - cur_start
+            if cur_end is not None:
+                gaps.append((start - cur_end, last_name, name))
             cur_start, cur_end = start, end
         else:
             cur_end = max(cur_end, end)
+        last_name = name if end >= cur_end else last_name
     busy_us += 0.0 if cur_end is None else cur_end - cur_start
+    gaps.sort(reverse=True)
+    log(
+        f"profile: idle gaps between kernels: {sum(g[0] for g in gaps) / 1e3:.1f} ms in {len(gaps)}; largest:"
+    )
+    for gap_us, before, after in gaps[:12]:
+        log(f"  {gap_us / 1e3:7.2f} ms  after {before[:70]}  before {after[:70]}")
     syncs = [e for e in prof.events() if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::item",
                                                      "aten::_local_scalar_dense", "cudaMemcpyAsync")]  # fmt: skip
     log(f"profile: step wall {wall_s * 1e3:.1f} ms (under the profiler), GPU busy {busy_us / 1e3:.1f} ms, "
