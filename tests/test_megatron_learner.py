@@ -13,7 +13,7 @@ from megatron_helpers import hf_logprobs, hf_state, make_batch
 from agentrl import types
 from agentrl.config import AlgorithmSection, LearnerSection
 from agentrl.engines.tiny import make_tiny_model
-from agentrl.errors import LearnerError
+from agentrl.errors import ConfigError, LearnerError
 from agentrl.learners import checkpoint as learner_checkpoint
 from agentrl.learners.batch import build_batch
 from agentrl.learners.megatron import convert, cpu_compat, ops
@@ -192,3 +192,30 @@ def test_cpu_substitutes_and_errors(models):
         learner = MegatronLearner(models[("qwen2", False)], LearnerSection(kind="megatron"))
         trajs = [types.normalize(types.Trajectory(id="x", prompt_ids=[1, 2], response_ids=[3, 4]))]
         learner.compute_logprobs(build_batch(trajs, pad_id=0, pack_tokens=16))
+
+
+def test_compiled_learner_from_config_has_no_graph_breaks_and_equals_eager(models):
+    """`learner.compile = true` reaches the Megatron learner through make_learner; the compiled forward is one
+    graph (megatron-core's None-tp_group warning used to split every layer: host_overhead.py) and gives the
+    eager learner's logprobs."""
+    import msgspec
+    from torch._dynamo.utils import counters
+
+    from agentrl.actors.learner import make_learner
+    from agentrl.config import Config
+
+    path = models[("qwen3", True)]
+    cfg = Config()
+    cfg.learner = msgspec.structs.replace(cfg.learner, kind="megatron", compile=True, micro_batch_tokens=64)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = make_learner(cfg, str(path))
+    assert compiled.compile_enabled
+    batch = make_batch(compiled.arch.vocab_size, seed=5)
+    got = compiled.compute_logprobs(batch)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    eager = MegatronLearner(path, msgspec.structs.replace(cfg.learner, compile=False))
+    want = eager.compute_logprobs(batch)
+    assert torch.allclose(got, want, atol=1e-4)
+    with pytest.raises(ConfigError, match=r"learner\.compile = true needs learner\.kind = 'megatron'"):
+        msgspec.structs.replace(cfg.learner, kind="torch", compile=True).validate()

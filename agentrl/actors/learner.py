@@ -26,11 +26,14 @@ from agentrl.types import Trajectory, min_version, n_response
 
 
 def make_learner(cfg: Config, model_path: str):
+    common = dict(temperature=cfg.rollout.temperature, seed=cfg.run.seed)
     if cfg.learner.kind == "megatron":
-        from agentrl.learners.megatron import MegatronLearner as cls
-    else:
-        from agentrl.learners.torch_learner import TorchLearner as cls
-    return cls(model_path, cfg.learner, cfg.algorithm, temperature=cfg.rollout.temperature, seed=cfg.run.seed)
+        from agentrl.learners.megatron import MegatronLearner
+
+        return MegatronLearner(model_path, cfg.learner, cfg.algorithm, compile=cfg.learner.compile, **common)
+    from agentrl.learners.torch_learner import TorchLearner
+
+    return TorchLearner(model_path, cfg.learner, cfg.algorithm, **common)
 
 
 class LearnerWorker:

@@ -89,6 +89,7 @@ class MegatronLearner(Learner):
         self.reduce_host_overhead = reduce_host_overhead  # False: megatron-core as is (the bench's baseline)
         self.optimizer = self._make_optimizer()
         self.optimizer_steps = 0
+        self.compile_enabled = compile
         if compile:  # inductor fuses RoPE, norms, SwiGLU and residual adds (no Transformer Engine needed)
             host_overhead.default_tp_group_quietly(self.reduce_host_overhead)
             inner = unwrap(self.model)
