@@ -253,3 +253,15 @@ async def test_errors_name_the_parameter_and_leave_nothing_behind(tiny, tok):
         (traj,) = await live.close("err")
     assert traj.metadata["turns"] == 1
     assert_recorded(tok, traj, [user(), {"role": "assistant", "content": "x"}])
+
+
+async def test_proxy_token_is_the_sdks_auth_token(tiny, tok):
+    async with Live(scripted(tiny, tok, "ok"), tok, token="s3cret") as live:
+        url = f"{live.url}/v1/sessions/t"
+        wrong = anthropic.AsyncAnthropic(base_url=url, auth_token="nope", max_retries=0)
+        right = anthropic.AsyncAnthropic(base_url=url, auth_token="s3cret", max_retries=0)
+        live.clients += [wrong, right]
+        with pytest.raises(anthropic.AuthenticationError):
+            await wrong.messages.create(model="m", max_tokens=8, messages=[user()])
+        resp = await right.messages.create(model="m", max_tokens=8, messages=[user()])
+        assert resp.content[0].text == "ok"
