@@ -203,19 +203,22 @@ async def test_count_tokens_matches_the_prompt(tiny, tok):
 
 
 async def test_session_from_header_or_metadata(tiny, tok):
-    async with Live(scripted(tiny, tok, "a", "b"), tok) as live:
+    async with Live(scripted(tiny, tok, "a", "b", "c"), tok) as live:
         by_header = anthropic.AsyncAnthropic(base_url=live.url, api_key="k", max_retries=0,
                                              default_headers={"X-Session-Id": "hdr"})  # fmt: skip
-        live.clients.append(by_header)
-        await by_header.messages.create(model="m", max_tokens=8, messages=[user()])
-        await by_header.messages.create(
-            model="m", max_tokens=8, messages=[user()], metadata={"user_id": "ignored"}
-        )
         plain = anthropic.AsyncAnthropic(base_url=live.url, api_key="k", max_retries=0)
-        live.clients.append(plain)
+        live.clients += [by_header, plain]
+        await by_header.messages.create(model="m", max_tokens=8, messages=[user()])
+        await plain.messages.create(model="m", max_tokens=8, messages=[user()], metadata={"user_id": "meta"})
+        await by_header.messages.create(
+            model="m", max_tokens=8, messages=[user()], metadata={"user_id": "other"}
+        )  # the header wins over metadata.user_id
         with pytest.raises(anthropic.BadRequestError, match=r"metadata\.user_id"):
             await plain.messages.create(model="m", max_tokens=8, messages=[user()])
-        assert set(live.proxy.sessions) == {"hdr"}  # the header wins over metadata.user_id
+        assert set(live.proxy.sessions) == {"hdr", "meta"}
+        assert (
+            len(live.proxy.sessions["hdr"].segments) == 2 and len(live.proxy.sessions["meta"].segments) == 1
+        )
 
 
 async def test_errors_name_the_parameter_and_leave_nothing_behind(tiny, tok):
