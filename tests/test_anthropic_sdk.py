@@ -143,36 +143,31 @@ async def test_forced_tool_choice_opens_the_call(tiny, tok, tool_choice, prefill
 
 
 async def test_streaming_text_and_tool_use(tiny, tok):
-    async with Live(scripted(tiny, tok, "Adding 2 and 3 now.", CALL), tok) as live:
+    async with Live(scripted(tiny, tok, "Adding 2 and 3 now.", "Let me add.\n" + CALL), tok) as live:
         client = live.anthropic("st")
-        async with client.messages.stream(
-            model="m", max_tokens=64, messages=[user()], tools=A_TOOLS
-        ) as stream:
+        stream_it = client.messages.stream
+        async with stream_it(model="m", max_tokens=64, messages=[user()], tools=A_TOOLS) as stream:
             pieces = [piece async for piece in stream.text_stream]
             final = await stream.get_final_message()
-        assert "".join(pieces) == "Adding 2 and 3 now." and len(pieces) > 3  # a delta per token
-        assert [b.text for b in final.content] == ["Adding 2 and 3 now."] and final.stop_reason == "end_turn"
         text = "".join(pieces)
+        assert text == "Adding 2 and 3 now." and len(pieces) > 3  # a delta per token
+        assert [b.text for b in final.content] == [text] and final.stop_reason == "end_turn"
         assert final.usage.output_tokens == len(tok.encode(text, add_special_tokens=False)) + 1
         history = [user(), {"role": "assistant", "content": final.content}, user("Use the tool.")]
-        async with client.messages.stream(
-            model="m", max_tokens=64, messages=history, tools=A_TOOLS
-        ) as stream:
+        async with stream_it(model="m", max_tokens=64, messages=history, tools=A_TOOLS) as stream:
             kinds = [event.type async for event in stream]
             called = await stream.get_final_message()  # the SDK's own accumulation of the events
-        (call,) = called.content
-        assert (call.type, call.name, call.input, called.stop_reason) == (
-            "tool_use",
-            "add",
-            {"a": 2, "b": 3},
-            "tool_use",
-        )
+        said, call = called.content
+        assert (said.type, said.text, called.stop_reason) == ("text", "Let me add.", "tool_use")
+        assert (call.type, call.name, call.input) == ("tool_use", "add", {"a": 2, "b": 3})
         raw = [k for k in kinds if k.startswith(("message", "content_block"))]
-        assert raw == ["message_start", "content_block_start", "content_block_delta", "content_block_stop",
-                       "message_delta", "message_stop"]  # fmt: skip
+        block = ["content_block_start", "content_block_delta", "content_block_stop"]
+        assert raw == ["message_start", *block, *block, "message_delta", "message_stop"]
         (traj,) = await live.close("st")
-    conversation = [user(), {"role": "assistant", "content": text}, user("Use the tool."), CALLED]
-    assert_recorded(tok, traj, conversation, TOOLS)
+    reply = {**CALLED, "content": "Let me add."}
+    assert_recorded(
+        tok, traj, [user(), {"role": "assistant", "content": text}, user("Use the tool."), reply], TOOLS
+    )
 
 
 async def test_stop_sequence_is_reported_and_recorded(tiny, tok):
