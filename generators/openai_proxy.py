@@ -40,6 +40,7 @@ from agentrl.generator import RolloutContext
 from agentrl.net import bearer_ok, is_loopback
 from agentrl.plugins import load_object
 from agentrl.types import ROLES, Trajectory, validation_field
+from generators.anthropic_messages import add_routes as add_anthropic_routes
 from generators.openai_response import chunks, completion
 from generators.openai_schema import chat_decoder, encoder, error_body, reward_decoder
 
@@ -86,6 +87,7 @@ class OpenAIProxy(ProxySessions):
         app.router.add_delete("/v1/sessions/{sid}", self._drop)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        add_anthropic_routes(app, self)  # POST /v1/messages (generators/anthropic_messages.py)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
