@@ -19,7 +19,7 @@ def short_run(tmp_path_factory) -> Path:
     if (run_dir / "summary.json").exists():
         return run_dir
     root.mkdir(exist_ok=True)
-    cfg = tiny_config(root, make_model(root), run={"placement": "colocated", "steps": 4})
+    cfg = tiny_config(root, make_model(root), run={"placement": "colocated", "steps": 4, "progress": True})
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-m", "agentrl.cli", "run", str(cfg)], cwd=root, env=env,
                          capture_output=True, text=True, timeout=300)  # fmt: skip

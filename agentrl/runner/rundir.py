@@ -41,6 +41,7 @@ from agentrl.runlock import RUN_LOCK, DirLock
 
 log = logging.getLogger(__name__)
 WANDB_ID = "wandb_id"
+LOGPROBS_MAX_BYTES = 64 << 20
 
 # Every file or directory agentrl writes into a run directory (what `run.overwrite` and the clean-up of a
 # failed start delete); lock files stay, they are how the next owner is kept out.
@@ -204,6 +205,26 @@ class RunDir:
         values = scalars(metrics)
         for logger in self._loggers:
             logger.log(values, int(metrics.get("step", 0)))
+
+    def log_logprobs(self, step: int, sample: list[dict[str, Any]]) -> None:
+        """Append the learner's per-token sample of `step` to learner_logprobs.jsonl; past LOGPROBS_MAX_BYTES
+        the older half is dropped, so the file stays bounded however long the run (the viewer wants recent
+        steps; the WAL is compacted anyway)."""
+        if not sample:
+            return
+        path = self.path / LOGPROBS_NAME
+        try:
+            with path.open("a") as f:
+                f.writelines(
+                    json.dumps({"step": step, **row}, separators=(",", ":")) + "\n" for row in sample
+                )
+            if path.stat().st_size > LOGPROBS_MAX_BYTES:
+                lines = path.read_text().splitlines(keepends=True)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text("".join(lines[len(lines) // 2 :]))
+                os.replace(tmp, path)
+        except OSError as exc:
+            raise storage_error(exc, "learner log-prob sample", self.path, path) from None
 
     def read_metrics(self) -> list[dict[str, Any]]:
         return read_metrics(self.path)
