@@ -17,6 +17,8 @@ from agentrl.dashboard.server import Dashboard
 from agentrl.errors import ConfigError
 from agentrl.runlock import RUN_LOCK, DirLock
 
+pytestmark = pytest.mark.slow  # one short real `agentrl run` per session (tests/dashboard_support.py)
+
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):

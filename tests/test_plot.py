@@ -10,6 +10,8 @@ from dashboard_support import short_run
 from agentrl.cli import main
 from agentrl.dashboard.curves import CURVES
 
+pytestmark = pytest.mark.slow  # one short real `agentrl run` per session (tests/dashboard_support.py)
+
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):

@@ -77,9 +77,14 @@ class Dashboard:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if self.token and not (
-            bearer_ok(request.headers.get("Authorization", ""), self.token)
-            or secrets.compare_digest(request.query.get("token", "").encode(), self.token.encode())
+        # the page's code is public (it ships with agentrl); every run's data is behind the token
+        if (
+            self.token
+            and not request.path.startswith("/static/")
+            and not (
+                bearer_ok(request.headers.get("Authorization", ""), self.token)
+                or secrets.compare_digest(request.query.get("token", "").encode(), self.token.encode())
+            )
         ):
             raise web.HTTPUnauthorized(text="dashboard: send Authorization: Bearer TOKEN or ?token=TOKEN")
         return await handler(request)

@@ -53,10 +53,11 @@ function drawChart(canvas, series, xlabel) {
   for (let i = 0; i <= 4; i++) {
     const yv = y0 + (y1 - y0) * i / 4, xv = x0 + (x1 - x0) * i / 4;
     g.beginPath(); g.moveTo(L, Y(yv)); g.lineTo(w - R, Y(yv)); g.stroke();
-    g.fillText(fmt(yv), 2, Y(yv) + 4);
+    g.fillText(y1 - y0 < 1e-3 * Math.abs(y1) ? yv.toPrecision(6) : fmt(yv), 2, Y(yv) + 4);
     g.fillText(fmt(xv), X(xv) - 8, h - 6);
   }
   g.fillText(xlabel, w - R - 30, h - 6 - 10);
+  let legendX = L + 4;
   series.forEach((s, k) => {
     g.strokeStyle = g.fillStyle = s.colour || COLOURS[k % COLOURS.length];
     g.lineWidth = 1.5;
@@ -64,7 +65,8 @@ function drawChart(canvas, series, xlabel) {
     s.points.forEach(([x, y], i) => (i ? g.lineTo(X(x), Y(y)) : g.moveTo(X(x), Y(y))));
     g.stroke();
     if (s.points.length < 40) s.points.forEach(([x, y]) => g.fillRect(X(x) - 1.5, Y(y) - 1.5, 3, 3));
-    g.fillText(s.label, L + 4 + k * 130, 11);
+    g.fillText(s.label, legendX, 11);
+    legendX += g.measureText(s.label).width + 14;
   });
 }
 
@@ -188,17 +190,19 @@ function openTrajectory(i) {
       ` · advantage ${fmt(t.advantage)} · staleness ${t.staleness ?? "–"} · versions ${JSON.stringify(t.versions)}` +
       (t.sampled_by_learner ? "" : " · no learner log-probs (not in the learner's sample)") }),
     el("pre", { text: t.prompt }));
-  const turns = t.turns.map((turn, k) => {
+  let k2 = 0; // assistant turns seen: index into turn_rewards
+  const turns = t.turns.map(turn => {
     const box = el("div", { class: "turn " + turn.role + (turn.highlight ? " hot" : "") },
       el("div", { class: "head", text: `${turn.role} · ${turn.tokens.length} tokens` +
         (turn.mismatch != null ? ` · mismatch ${fmt(turn.mismatch)}` : "") +
-        (t.turn_rewards && turn.role === "assistant" ? "" : "") }));
+        (t.turn_rewards && turn.role === "assistant" && k2 < t.turn_rewards.length ? ` · turn reward ${fmt(t.turn_rewards[k2++])}` : "") }));
     for (const tok of turn.tokens) {
       const gap = tok.lp != null && tok.llp != null ? Math.abs(tok.lp - tok.llp) : null;
       const span = el("span", { class: "tok m" + tok.mask + (tok.mask && gap != null && gap > HOT ? " hot" : ""),
         title: `token ${tok.id} · version ${tok.v} · rollout lp ${fmt(tok.lp)} · learner lp ${fmt(tok.llp)}` +
           ` · advantage ${fmt(tok.adv)}` }, tok.text);
       box.append(span);
+      if (document.getElementById("f-versions").checked) box.append(el("sub", { class: "ver", text: "v" + tok.v }));
     }
     return box;
   });
@@ -206,7 +210,7 @@ function openTrajectory(i) {
     ? el("details", {}, el("summary", { text: "messages (env observations)" }),
       ...t.messages.map(m => el("pre", { text: m.role + ": " + m.content })))
     : null;
-  detail.replaceChildren(head, ...turns, messages);
+  detail.replaceChildren(...[head, ...turns, messages].filter(Boolean));
 }
 
 // -- tabs and start ------------------------------------------------------------------------------------
@@ -235,6 +239,10 @@ async function main() {
   buildCharts();
   const cfg = await api("api/config");
   document.getElementById("config-text").textContent = cfg.text || "(no config.toml)";
+  document.getElementById("f-versions").addEventListener("change", () => {
+    const sel = document.querySelector(".traj.sel");
+    if (sel) openTrajectory(Number(sel.dataset.i));
+  });
   document.getElementById("traj-form").addEventListener("submit", ev => {
     ev.preventDefault();
     loadTrajectories(query()).catch(err => console.warn(err.message));
