@@ -31,7 +31,11 @@ pytestmark = pytest.mark.slow  # one short real `agentrl run` per session (tests
 def chromium() -> str:
     found = next((b for b in map(shutil.which, BROWSERS) if b), None)
     if found is None and shutil.which("apt-get") and os.geteuid() == 0:
-        subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], capture_output=True, timeout=600)
+        for step in (["install"], ["update"], ["install"]):  # a fresh box has no package lists yet
+            out = subprocess.run(["apt-get", *step, "-y", "-q", *(["chromium"] if step == ["install"] else [])],
+                                 capture_output=True, timeout=600)  # fmt: skip
+            if step == ["install"] and out.returncode == 0:
+                break
         found = shutil.which("chromium")
     if found is None:
         pytest.skip("headless Chromium not found: install Debian's chromium (apt-get install -y chromium)")
@@ -135,6 +139,8 @@ async def test_the_page_draws_the_reward_curve_and_opens_a_trajectory(run_dir, t
                 assert await page.js(
                     "document.querySelector('#traj-detail .turn.assistant .tok.m1') !== null"
                 )
+                await page.js("document.getElementById('f-versions').click()")  # per-token version stamps
+                assert await page.until("document.querySelectorAll('#traj-detail sub.ver').length") > 0
                 await page.screenshot("viewer.png")
                 assert page.errors == []
     finally:
