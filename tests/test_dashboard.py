@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import stat
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -143,3 +144,25 @@ async def test_a_token_is_required_when_set_and_generated_off_loopback(run_dir):
 def test_logprob_samples_is_bounded():
     with pytest.raises(ConfigError, match=r"dashboard\.logprob_samples"):
         load_config(None, ["--dashboard.logprob-samples", "65"])
+
+
+def test_agentrl_dashboard_serves_a_finished_run_and_names_a_wrong_directory(run_dir, tmp_path):
+    import json
+    import subprocess
+    import sys
+    import urllib.request
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    bad = subprocess.run([sys.executable, "-m", "agentrl.cli", "dashboard", str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and f"{tmp_path} is not a run directory" in bad.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "dashboard", str(run_dir)], env=env,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        url = re.search(r"(http://127\.0\.0\.1:\d+/)$", line.strip()).group(1)
+        with urllib.request.urlopen(url + "api/status", timeout=30) as r:
+            assert json.load(r)["state"] == "finished"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

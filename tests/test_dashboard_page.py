@@ -1,5 +1,6 @@
 """The dashboard page in headless Chromium, driven over the DevTools protocol (aiohttp's websocket client):
-it loads without console errors, draws the reward curve, and the viewer opens a trajectory of the short run.
+it loads without console errors, draws the reward curve, the viewer opens a trajectory of the short run, and
+the curves of a running run take rows appended to its metrics.jsonl.
 
 Chromium: Debian's `chromium` package. Where it is missing and this runs as root with apt (CI's fresh box),
 the test installs it (about 30 s); otherwise it skips saying what to install. With
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
 import shutil
 import subprocess
@@ -21,6 +23,7 @@ from dashboard_support import short_run
 
 from agentrl.dashboard.server import Dashboard
 from agentrl.net import free_port
+from agentrl.runlock import RUN_LOCK, DirLock
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 WAIT_S = 60.0  # an upper bound for a slow shared box, not a speed check
@@ -99,6 +102,11 @@ async def test_the_page_draws_the_reward_curve_and_opens_a_trajectory(run_dir, t
     browser = chromium()
     board = Dashboard(run_dir, token="page-token")  # the page must forward the token to every call
     url = await board.start()
+    live = tmp_path / "live"
+    shutil.copytree(run_dir, live, ignore=shutil.ignore_patterns("checkpoints", "summary.json"))
+    lock = DirLock(live / RUN_LOCK, "run directory").acquire()  # as the driver of `agentrl run` does
+    live_board = Dashboard(live)
+    live_url = await live_board.start()
     port = free_port()
     proc = subprocess.Popen(
         [browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
@@ -142,8 +150,23 @@ async def test_the_page_draws_the_reward_curve_and_opens_a_trajectory(run_dir, t
                 await page.js("document.getElementById('f-versions').click()")  # per-token version stamps
                 assert await page.until("document.querySelectorAll('#traj-detail sub.ver').length") > 0
                 await page.screenshot("viewer.png")
+
+                # a running run (its driver holds run.lock): the curves take new metrics rows as they come
+                await page.call("Page.navigate", url=live_url)
+                assert await page.until(
+                    "Number(document.getElementById('chart-reward')?.dataset.points) >= 4"
+                )
+                assert await page.js("document.getElementById('run-state').textContent") == "running"
+                with (live / "metrics.jsonl").open("a") as f:
+                    f.write(
+                        json.dumps({"step": 5, "reward_mean": 0.5, "policy_version": 5, "wall_s": 40.0})
+                        + "\n"
+                    )
+                assert await page.until("Number(document.getElementById('chart-reward').dataset.points) >= 5")
                 assert page.errors == []
     finally:
         proc.terminate()
         proc.wait(timeout=30)
         await board.close()
+        await live_board.close()
+        lock.release()
