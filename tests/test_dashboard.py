@@ -166,3 +166,19 @@ def test_agentrl_dashboard_serves_a_finished_run_and_names_a_wrong_directory(run
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_metrics_tail_parses_only_new_complete_lines_and_rereads_a_rewritten_file(tmp_path):
+    from agentrl.dashboard.runfiles import MetricsTail
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "rew')  # the driver is in the middle of line 2
+    tail = MetricsTail(tmp_path)
+    assert [r["step"] for r in tail.read()] == [1]
+    with path.open("a") as f:
+        f.write('ard_mean": 0.5}\n{"step": 3}\n')
+    assert [r["step"] for r in tail.read()] == [1, 2, 3] and tail.rows[1]["reward_mean"] == 0.5
+    tmp = tmp_path / "metrics.tmp"  # --resume cuts the steps past the checkpoint (RunDir.truncate_metrics)
+    tmp.write_text('{"step": 1}\n')
+    os.replace(tmp, path)
+    assert [r["step"] for r in tail.read()] == [1]

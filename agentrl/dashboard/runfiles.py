@@ -9,6 +9,7 @@ half-written last line (metrics, side file) is skipped, and a WAL frame being ap
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,37 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 def read_metrics(run_dir: Path, since_step: int = -1) -> list[dict[str, Any]]:
     """metrics.jsonl rows with `step > since_step` (all of them by default)."""
     return [r for r in read_jsonl(Path(run_dir) / METRICS_NAME) if int(r.get("step", 0)) > since_step]
+
+
+class MetricsTail:
+    """metrics.jsonl read incrementally: each call parses only the bytes appended since the last one (the page
+    polls every few seconds; a long run's file is large). A file replaced or cut (`--resume` drops the steps
+    past its checkpoint) is read again from the start."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / METRICS_NAME
+        self.rows: list[dict[str, Any]] = []
+        self._at = (0, 0)  # (inode, offset of the first byte not parsed yet)
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open("rb") as f:
+                inode, size = os.fstat(f.fileno()).st_ino, os.fstat(f.fileno()).st_size
+                if inode != self._at[0] or size < self._at[1]:
+                    self.rows, self._at = [], (inode, 0)
+                f.seek(self._at[1])
+                data = f.read()
+        except FileNotFoundError:
+            self.rows, self._at = [], (0, 0)
+            return self.rows
+        complete = data[: data.rfind(b"\n") + 1]  # a line being written is parsed next time
+        for line in complete.splitlines():
+            try:
+                self.rows.append(json.loads(line))
+            except ValueError:
+                continue
+        self._at = (inode, self._at[1] + len(complete))
+        return self.rows
 
 
 def wal_trajectories(run_dir: Path) -> dict[str, Trajectory]:

@@ -61,6 +61,7 @@ class Dashboard:
         self.run_dir = Path(run_dir)
         self.token = token
         self._viewer: Viewer | None = None
+        self._tail = runfiles.MetricsTail(self.run_dir)
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -103,7 +104,7 @@ class Dashboard:
             since = int(request.query.get("since", "-1"))
         except ValueError:
             raise web.HTTPBadRequest(text=f"since: not an integer: {request.query['since']!r}") from None
-        rows = runfiles.read_metrics(self.run_dir, since)
+        rows = [r for r in self._tail.read() if int(r.get("step", 0)) > since]
         last = max((int(r.get("step", 0)) for r in rows), default=since)
         return _json({"rows": rows, "last_step": last})
 
@@ -118,7 +119,7 @@ class Dashboard:
         return _json({"config": tomllib.loads(text), "text": text})
 
     async def _status(self, request: web.Request) -> web.Response:
-        return _json(status(self.run_dir))
+        return _json(status(self.run_dir, self._tail.read()))
 
     async def _trajectories(self, request: web.Request) -> web.Response:
         query = _query(request)
@@ -153,12 +154,12 @@ class Dashboard:
             self._runner = None
 
 
-def status(run_dir: Path) -> dict[str, Any]:
+def status(run_dir: Path, metrics: list[dict[str, Any]]) -> dict[str, Any]:
     """running (the driver holds run.lock and lives), finished (summary.json) or stopped; the last step row."""
     pid = holder_pid(run_dir / RUN_LOCK)
     summary = _read_json(run_dir / "summary.json")
     state = "running" if pid and pid_alive(pid) else ("finished" if summary else "stopped")
-    rows = [r for r in runfiles.read_metrics(run_dir) if "phase" not in r]
+    rows = [r for r in metrics if "phase" not in r]
     config = {}
     try:
         config = tomllib.loads((run_dir / "config.toml").read_text())

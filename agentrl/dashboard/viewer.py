@@ -118,8 +118,9 @@ class Viewer:
         wal = self._trajectories()
         steps = runfiles.ledger_steps(self.run_dir)
         sampled = runfiles.learner_logprobs(self.run_dir)
+        committed = {i for ids in steps.values() for i in ids}
         for tid, row in sampled.items():  # steps trained but not committed yet (until their checkpoint)
-            if tid not in {i for ids in steps.values() for i in ids}:
+            if tid not in committed:
                 steps.setdefault(int(row["step"]), []).append(tid)
         step_of = {tid: s for s, ids in steps.items() for tid in ids}
         queued = [tid for tid in wal if tid not in step_of]
