@@ -26,6 +26,12 @@ COMMANDS = [
     ),
     ("export", "agentrl.learners.cli", "write a Hugging Face directory from a learner checkpoint"),
     ("envs", "agentrl.envs.cli", "list the registered agent environments"),
+    ("plot", "agentrl.runner.plot", "write PNGs of runs' curves (several runs overlaid)"),
+    (
+        "dashboard",
+        "agentrl.dashboard.cli",
+        "serve the live dashboard and trajectory viewer of a run directory",
+    ),
 ]
 
 

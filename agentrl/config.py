@@ -84,6 +84,17 @@ class RunSection(_Section):
     torch_threads: Annotated[int, doc("torch CPU threads per actor", ge=1)] = 1
     max_restarts: Annotated[int, doc("restarts of a crashed actor before the run fails", ge=0)] = 3
     publish_timeout_s: Annotated[float, doc("seconds a weight publish may take", gt=0)] = 120.0
+    wandb_project: Annotated[
+        str, doc("Weights & Biases project the metrics also go to; empty = no W&B (pip install wandb)")
+    ] = ""
+    wandb_entity: Annotated[str, doc("W&B entity (user or team); empty = your default")] = ""
+    wandb_name: Annotated[str, doc("W&B run name; empty = run.name")] = ""
+    wandb_group: Annotated[str, doc("W&B group (e.g. one per sweep); empty = none")] = ""
+    wandb_tags: Annotated[list[str], doc("W&B tags")] = []
+    wandb_mode: Annotated[
+        Literal["online", "offline", "disabled"],
+        doc("W&B mode: offline writes runs/NAME/wandb only (no network; `wandb sync` uploads it later)"),
+    ] = "online"
 
 
 class ModelSection(_Section):
@@ -361,6 +372,29 @@ class WarmupSection(_Section):
     seed: Annotated[int, doc("seed of the demonstrations")] = 12345
 
 
+class DashboardSection(_Section):
+    key = "dashboard"
+    enabled: Annotated[bool, doc("serve the live dashboard from the driver of `agentrl run`")] = True
+    host: Annotated[str, doc("address the dashboard listens on (loopback by default)")] = "127.0.0.1"
+    port: Annotated[int, doc("dashboard port; 0 = any free port", ge=0, le=65535)] = 0
+    token: Annotated[
+        str,
+        doc(
+            "bearer token (or ?token=) the page and clients must send; empty = none on loopback, a generated "
+            "one otherwise; also $AGENTRL_DASHBOARD_TOKEN"
+        ),
+    ] = ""
+    logprob_samples: Annotated[
+        int,
+        doc(
+            "trajectories per learner step whose per-token learner log-probs and advantages go to "
+            "runs/NAME/learner_logprobs.jsonl (the trajectory viewer's mismatch); 0 = none",
+            ge=0,
+            le=64,
+        ),
+    ] = 4
+
+
 class Config(_Section):
     run: Annotated[RunSection, doc("the run: name, length, placement, checkpoints")] = msgspec.field(
         default_factory=RunSection
@@ -381,6 +415,9 @@ class Config(_Section):
     data: Annotated[DataSection, doc("prompt data")] = msgspec.field(default_factory=DataSection)
     warmup: Annotated[WarmupSection, doc("supervised warm-up before RL")] = msgspec.field(
         default_factory=WarmupSection
+    )
+    dashboard: Annotated[DashboardSection, doc("the live dashboard and trajectory viewer")] = msgspec.field(
+        default_factory=DashboardSection
     )
 
 

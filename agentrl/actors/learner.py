@@ -52,6 +52,7 @@ class LearnerWorker:
         self.model_path = model_path
         self.tokenizer = load_tokenizer(model_path)
         self.learner = make_learner(cfg, model_path)
+        self.learner.logprob_samples = cfg.dashboard.logprob_samples
         self._group = None
 
     @property
@@ -93,6 +94,7 @@ class LearnerWorker:
             "response_tokens": n_tokens,
             "response_len_mean": n_tokens / max(1, len(trajectories)),
             "train_s": dt,
+            "logprob_sample": self.learner.logprob_sample,  # the driver writes it to learner_logprobs.jsonl
         }
 
     def warmup(self) -> dict[str, Any]:

@@ -38,6 +38,8 @@ class Learner(abc.ABC):
     cfg: LearnerSection
     algo: AlgorithmSection
     ref_model: Any = None
+    logprob_samples: int = 0  # k of dashboard.logprob_samples (set by the learner actor)
+    logprob_sample: list[dict[str, Any]] = []  # the last train_step's sample (see `_sample_logprobs`)
 
     @abc.abstractmethod
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
@@ -69,6 +71,7 @@ class Learner(abc.ABC):
         batch = self._prepare(batch)
         self._before_updates(batch)
         metrics = prepare_batch(self.algo, batch, self.policy_version)
+        self.logprob_sample = self._sample_logprobs(batch) if self.logprob_samples else []
         parts = mini_batches(batch, self.cfg.minibatches)
         updates, n_micro = [], 0
         for _ in range(self.cfg.epochs):
@@ -81,6 +84,37 @@ class Learner(abc.ABC):
         self.policy_version += 1
         metrics.update(self._counters(batch, start, n_micro))
         return metrics
+
+    @torch.no_grad()
+    def _sample_logprobs(self, batch: Batch) -> list[dict[str, Any]]:
+        """For the trajectory viewer: k trajectories spread over the batch, each with the learner's log-prob of
+        every response token before this step's first update (the proximal log-probs when the objective
+        computed them, else one no-grad forward over those rows only) and its advantage."""
+        n = len(batch.trajectory_ids)
+        picks = sorted(
+            {
+                round(i * (n - 1) / max(1, self.logprob_samples - 1))
+                for i in range(min(n, self.logprob_samples))
+            }
+        )
+        src = batch
+        logprobs = batch.old_logprobs
+        if logprobs is None:
+            rows = torch.nonzero(
+                torch.isin(batch.seq_index, torch.tensor(picks, device=batch.seq_index.device))
+            )
+            src = batch.select(torch.unique(rows[:, 0]))
+            logprobs = self.compute_logprobs(src)
+        out = []
+        for i in picks:
+            at = (src.seq_index == i) & (
+                src.token_versions >= 0
+            )  # the response tokens of sequence i, in order
+            row = {"id": batch.trajectory_ids[i], "learner_logprobs": logprobs[at].float().cpu().tolist()}
+            if src.advantages is not None:
+                row["advantages"] = src.advantages[at].float().cpu().tolist()
+            out.append(row)
+        return out
 
     def _skip_update(self, loss: float, grads_finite: bool) -> bool:
         """The non-finite guard of every optimizer update (the learner passes values every rank agrees on)."""

@@ -134,6 +134,7 @@ class Runner:
         self.groups_done = 0
         self.wall_offset_s = 0.0
         self.coord: Any = None
+        self.dashboard: Any = None
         self.dispatcher: asyncio.Task | None = None
         self.failure: Exception | None = None
         self.progress = Progress(
@@ -307,10 +308,12 @@ class Runner:
         wait_s = time.perf_counter() - t0
         self.training_ids = sampled.ids
         metrics = await self.coord.train(sampled.trajectories)
+        sample = metrics.pop("logprob_sample", [])
         self.policy_version = int(metrics["policy_version"])
         publish_s = await self.coord.publish(self.policy_version)
         self.step += 1
         self.pending.append((self.step, sampled.ids))
+        self.rundir.log_logprobs(self.step, sample)
         self.training_ids = []
         now = time.perf_counter()
         status = await self.coord.queue_call("status")
@@ -321,7 +324,13 @@ class Runner:
             step_s=now - last_end,
             tokens_per_s=metrics["response_tokens"] / max(1e-9, now - last_end),
             wall_s=self._wall(),
+            learner_tokens_per_s=metrics.get("train/tokens", 0.0) / max(1e-9, metrics.get("train_s", 0.0)),
             queue_depth=status.get("depth", 0),
+            admission_wait_mean_s=status.get("reserve_wait", {}).get("mean_s", 0.0),
+            admission_wait_max_s=status.get("reserve_wait", {}).get("max_s", 0.0),
+            staleness_hist=status.get(
+                "staleness", {}
+            ),  # the queue's: staleness at sample time -> trajectories
             queue_dropped_stale=status.get("dropped_stale", 0),
             rollout_reward_mean=_mean(self.rollout_rewards),
             groups_done=self.groups_done,
@@ -331,10 +340,25 @@ class Runner:
         self.rollout_rewards = []
         return metrics
 
+    async def _start_dashboard(self) -> None:
+        """The dashboard (agentrl.dashboard.server) in this loop; its URL on the console and in dashboard_url."""
+        from agentrl.dashboard.runfiles import DASHBOARD_URL_NAME
+        from agentrl.dashboard.server import Dashboard
+
+        d = self.cfg.dashboard
+        self.dashboard = Dashboard(self.rundir.path, d.token or os.environ.get("AGENTRL_DASHBOARD_TOKEN", ""))
+        url = await self.dashboard.start(d.host, d.port)
+        fd = os.open(self.rundir.path / DASHBOARD_URL_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:  # 0600: the URL may carry the token
+            f.write(url + "\n")
+        self.progress.note(f"dashboard: {url}", keep=True)
+
     async def main(self) -> dict[str, Any]:
         self.t0 = time.perf_counter()
         history: list[dict[str, Any]] = []
         try:
+            if self.cfg.dashboard.enabled:
+                await self._start_dashboard()
             await self._setup()
             if self.cfg.run.eval_every and self.step == 0:
                 first = await self._evaluate()
@@ -375,6 +399,8 @@ class Runner:
                 self.dispatcher.cancel()
                 await asyncio.gather(self.dispatcher, return_exceptions=True)
             self.progress.close()
+            if self.dashboard is not None:
+                await self.dashboard.close()
             if self.coord is not None:
                 await self.coord.shutdown()
 

@@ -1,8 +1,10 @@
 """The run directory `runs/<name>/` and its files.
 
 Layout: `run.lock` (held by the driver for the whole run; holds its pid), `config.toml` (resolved config),
-`metrics.jsonl` (one JSON line per learner step), `ledger.jsonl` (written by the replay queue's `commit`),
-`queue.wal` (the queue's write-ahead log), `queue_url`, `events/` (TensorBoard), `checkpoints/step_N/`
+`metrics.jsonl` (one JSON line per learner step: the source of truth; `RunDir.log` also hands its numbers to
+the loggers, TensorBoard and W&B), `learner_logprobs.jsonl` (the learner's sample for the trajectory viewer),
+`dashboard_url`, `ledger.jsonl` (written by the replay queue's `commit`),
+`queue.wal` (the queue's write-ahead log), `queue_url`, `events/` (TensorBoard), `wandb/` and `wandb_id`, `checkpoints/step_N/`
 (`learner/` from `Learner.save`, `state.json` with the driver's state: step, data cursor, trajectories trained
 since the previous checkpoint), `checkpoints/latest` naming the newest complete checkpoint, and
 `summary.json` once the run has finished. Invariants: one driver per directory (an exclusive lock, a second
@@ -22,24 +24,30 @@ import errno
 import json
 import logging
 import os
+import secrets
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from agentrl.config import Config
 from agentrl.config_text import dump_toml
+from agentrl.dashboard.runfiles import DASHBOARD_URL_NAME, LOGPROBS_NAME, read_metrics
 from agentrl.errors import ConfigError, StorageError
 from agentrl.queue.walformat import LEDGER_NAME, WAL_NAME
 from agentrl.runlock import RUN_LOCK, DirLock
 
 log = logging.getLogger(__name__)
+WANDB_ID = "wandb_id"
+LOGPROBS_MAX_BYTES = 64 << 20
 
 # Every file or directory agentrl writes into a run directory (what `run.overwrite` and the clean-up of a
 # failed start delete); lock files stay, they are how the next owner is kept out.
 RUN_FILES = (
     "config.toml", "metrics.jsonl", "metrics.tmp", LEDGER_NAME, WAL_NAME, f"{WAL_NAME}.tmp", "queue_url",
-    "summary.json", "events", "checkpoints", "published",
+    "summary.json", "events", "checkpoints", "published", "wandb", WANDB_ID, LOGPROBS_NAME, DASHBOARD_URL_NAME,
 )  # fmt: skip
 SUMMARY_FILE = "summary.json"
 STOPPED = {
@@ -60,13 +68,13 @@ class RunExists(ConfigError):
 
 
 def redact(cfg: Config) -> Config:
-    """The config without secrets (queue.token): what is written to disk or printed. On `--resume` the token
-    comes back from $AGENTRL_QUEUE_TOKEN or `--queue.token`."""
-    import msgspec
-
-    if not cfg.queue.token:
-        return cfg
-    return msgspec.structs.replace(cfg, queue=msgspec.structs.replace(cfg.queue, token=""))
+    """The config without secrets (queue.token, dashboard.token): what is written to disk or printed. On
+    `--resume` they come back from $AGENTRL_QUEUE_TOKEN / $AGENTRL_DASHBOARD_TOKEN or the flags."""
+    if cfg.queue.token:
+        cfg = msgspec.structs.replace(cfg, queue=msgspec.structs.replace(cfg.queue, token=""))
+    if cfg.dashboard.token:
+        cfg = msgspec.structs.replace(cfg, dashboard=msgspec.structs.replace(cfg.dashboard, token=""))
+    return cfg
 
 
 def shown(path: str | Path) -> str:
@@ -141,7 +149,7 @@ class RunDir:
             raise ConfigError("--resume and run.overwrite = true are exclusive (continue, or start afresh)")
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock = DirLock(self.path / RUN_LOCK, f"run directory {self.path}").acquire()
-        self._tb = None
+        self._loggers: list[Any] = []
         try:
             self._claim(resume)
             self.ckpt_root.mkdir(exist_ok=True)
@@ -152,8 +160,11 @@ class RunDir:
         except BaseException:
             self._lock.release()
             raise
-        if cfg.run.tensorboard:
-            self._tb = _summary_writer(self.path / "events")
+        try:
+            self._loggers = open_loggers(cfg, self.path, resume)
+        except BaseException:
+            self._lock.release()
+            raise
 
     def _claim(self, resume: bool) -> None:
         """Refuse a directory that holds a run (unless resumed or overwritten); clear leftovers otherwise."""
@@ -183,24 +194,40 @@ class RunDir:
         return self.path / "checkpoints"
 
     def log(self, metrics: dict[str, Any]) -> None:
-        """Append one metrics line (and mirror numeric values to TensorBoard at `metrics['step']`)."""
+        """Append one metrics line (the source of truth), then hand its numbers to each logger (TensorBoard,
+        W&B) at `metrics['step']`."""
         line = json.dumps(metrics, separators=(",", ":"), default=float)
         try:
             with self.metrics_path.open("a") as f:
                 f.write(line + "\n")
         except OSError as exc:
             raise storage_error(exc, "metrics", self.path, self.metrics_path) from None
-        if self._tb is not None:
-            step = int(metrics.get("step", 0))
-            for key, value in metrics.items():
-                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, step)
-            self._tb.flush()
+        values = scalars(metrics)
+        for logger in self._loggers:
+            logger.log(values, int(metrics.get("step", 0)))
+
+    def log_logprobs(self, step: int, sample: list[dict[str, Any]]) -> None:
+        """Append the learner's per-token sample of `step` to learner_logprobs.jsonl; past LOGPROBS_MAX_BYTES
+        the older half is dropped, so the file stays bounded however long the run (the viewer wants recent
+        steps; the WAL is compacted anyway)."""
+        if not sample:
+            return
+        path = self.path / LOGPROBS_NAME
+        try:
+            with path.open("a") as f:
+                f.writelines(
+                    json.dumps({"step": step, **row}, separators=(",", ":")) + "\n" for row in sample
+                )
+            if path.stat().st_size > LOGPROBS_MAX_BYTES:
+                lines = path.read_text().splitlines(keepends=True)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text("".join(lines[len(lines) // 2 :]))
+                os.replace(tmp, path)
+        except OSError as exc:
+            raise storage_error(exc, "learner log-prob sample", self.path, path) from None
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        if not self.metrics_path.exists():
-            return []
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        return read_metrics(self.path)
 
     def truncate_metrics(self, last_step: int) -> None:
         """Drop metrics lines of steps after `last_step` (they were not checkpointed)."""
@@ -305,9 +332,9 @@ class RunDir:
             raise storage_error(exc, "summary", self.path, tmp) from None
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        for logger in self._loggers:
+            logger.close()
+        self._loggers = []
         self._lock.release()
 
 
@@ -315,17 +342,76 @@ def _finite(value: Any) -> bool:
     return isinstance(value, int | float) and value == value and abs(value) != float("inf")
 
 
-def _summary_writer(path: Path) -> Any:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as exc:  # installed with --no-deps: say so once (metrics.jsonl still has it all)
-        log.warning(
-            "run.tensorboard: no TensorBoard events are written (%s); `pip install tensorboard`, or set "
-            "run.tensorboard = false to silence this",
-            exc,
-        )
-        return None
-    return SummaryWriter(str(path))
+def scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a metrics line every logger records (not the step, no flags, no nested values)."""
+    return {
+        k: float(v)
+        for k, v in metrics.items()
+        if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)
+    }
+
+
+class _TensorBoard:
+    def __init__(self, writer: Any):
+        self.writer = writer
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _Wandb:
+    """Weights & Biases (run.wandb_*): one W&B run per run directory, its id kept in `wandb_id` so --resume
+    continues it; files under runs/NAME/wandb (offline mode: `wandb sync runs/NAME/wandb/offline-run-*`)."""
+
+    def __init__(self, cfg: Config, path: Path, resume: bool):
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError(
+                "run.wandb_project is set but wandb is not installed: pip install wandb (or 'agentrl[wandb]'), "
+                "or leave run.wandb_project empty"
+            ) from None
+        r = cfg.run
+        id_file = path / WANDB_ID
+        run_id = id_file.read_text().strip() if resume and id_file.is_file() else secrets.token_hex(4)
+        id_file.write_text(run_id + "\n")
+        (path / "wandb").mkdir(exist_ok=True)
+        self.run = wandb.init(
+            project=r.wandb_project, entity=r.wandb_entity or None, name=r.wandb_name or r.name,
+            group=r.wandb_group or None, tags=list(r.wandb_tags) or None, mode=r.wandb_mode, dir=str(path),
+            id=run_id, resume="allow", config=msgspec.to_builtins(redact(cfg)),
+            settings=wandb.Settings(console="off", silent=True),
+        )  # fmt: skip
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def open_loggers(cfg: Config, path: Path, resume: bool) -> list[Any]:
+    """The loggers `RunDir.log` fans each metrics line out to (metrics.jsonl itself is not one of them)."""
+    loggers: list[Any] = []
+    if cfg.run.tensorboard:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:  # installed with --no-deps: say so once (metrics.jsonl still has it all)
+            log.warning(
+                "run.tensorboard: no TensorBoard events are written (%s); `pip install tensorboard`, or set "
+                "run.tensorboard = false to silence this",
+                exc,
+            )
+        else:
+            loggers.append(_TensorBoard(SummaryWriter(str(path / "events"))))
+    if cfg.run.wandb_project:
+        loggers.append(_Wandb(cfg, path, resume))
+    return loggers
 
 
 def read_ledger(path: str | Path) -> list[dict[str, Any]]:
