@@ -3,7 +3,9 @@
 A LoRA publish (agentrl.learners.lora) carries `<module>.lora_A.weight` ([r, in]) and `<module>.lora_B.weight`
 ([out, r], the scale alpha / r already applied) for each adapted linear layer. The engine merges it:
 W = W0 + B @ A, with W0 the base weight kept aside the first time a module is adapted, so the next version
-replaces the previous adapter instead of stacking on it. Merging (once per version) was chosen over applying
+replaces the previous adapter instead of stacking on it. A publish may come in several parts (bucketed
+broadcast): each part holds whole lora_A/lora_B pairs (`weight_sync.stream_buckets` never splits one) and is
+merged on arrival; a module missing from a part keeps its adapter. Merging (once per version) was chosen over applying
 x·A·B on the side of every decode step by measurement (docs/lora.md, bench/lora_publish.py), and it leaves the
 decode path (fused QKV, CUDA graphs, torch.compile) untouched. A full-weight load makes the loaded weights
 the new base (`forget`). Every name and shape is checked before anything is written, so a bad adapter changes
@@ -59,8 +61,6 @@ class AdapterMerger:
         """Merge one adapter version; returns the number of weights rewritten."""
         pairs = self._pairs(items)
         with torch.no_grad():
-            for name in [n for n in self.base if n not in pairs]:  # adapted before, not any more
-                self.params[name].copy_(self.base.pop(name))
             for name, (a, b) in pairs.items():
                 dst = self.params[name]
                 base = self.base.setdefault(name, dst.clone())
