@@ -63,9 +63,14 @@ class AdapterMerger:
         with torch.no_grad():
             for name, (a, b) in pairs.items():
                 dst = self.params[name]
-                base = self.base.setdefault(name, dst.clone())
-                delta = b.to(dst.device, torch.float32) @ a.to(dst.device, torch.float32)
-                dst.copy_((base.float() + delta).to(dst.dtype))
+                base = self.base.get(name)
+                if base is None:
+                    base = self.base[name] = dst.clone()
+                a, b = a.to(dst.device, torch.float32), b.to(dst.device, torch.float32)
+                if dst.dtype == torch.float32:  # one fused op, no temporaries
+                    torch.addmm(base, b, a, out=dst)
+                else:  # bf16 weights: add in fp32, round once
+                    dst.copy_(torch.addmm(base.float(), b, a))
         return len(pairs)
 
     def forget(self) -> None:
