@@ -63,6 +63,22 @@ def test_base_frozen_and_absent_from_optimizer(base):
     assert any(not torch.equal(p, torch.zeros_like(p)) for n, p in named.items() if "lora_B" in n)
 
 
+def test_adapter_learns_the_rewarded_responses(base):
+    learner = make_learner(base, micro_batch_tokens=16, minibatches=2)  # micro-batches, two updates per step
+    b = batch(learner, 9)
+    learner._prepare(b)
+    best, worst = [
+        seq_logprobs(learner, PROMPT, b.input_ids[i, len(PROMPT) : 9].tolist()).sum() for i in (3, 0)
+    ]
+    for _ in range(3):
+        learner.train_step(batch(learner, 9))
+    after_best, after_worst = (
+        seq_logprobs(learner, PROMPT, b.input_ids[i, len(PROMPT) : 9].tolist()).sum() for i in (3, 0)
+    )
+    assert after_best > best + 0.5 and after_worst < worst  # reward 3 up, reward 0 down
+    assert learner.policy_version == 3
+
+
 def test_reference_is_the_base_with_the_adapter_disabled(base):
     learner = make_learner(base, reference_model=True)
     assert learner.ref_model is learner.model  # no second copy
