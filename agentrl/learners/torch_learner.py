@@ -97,11 +97,11 @@ class TorchLearner(Learner):
         if temperature <= 0:
             raise LearnerError(f"temperature must be > 0, got {temperature}")
         self.model_path = Path(model_path)
+        if (
+            self.cfg.lora.enabled
+        ):  # the section's own checks (LoRA with FSDP, ...) for a learner built directly
+            self.cfg.validate()
         self.lora = self.cfg.lora if self.cfg.lora.enabled else None
-        if self.lora is not None and self.cfg.fsdp:
-            raise LearnerError(
-                "learner.lora.rank > 0 with learner.fsdp = true is not supported (use one rank)"
-            )
         self.base_path = self._base_path()
         self.temperature = temperature
         self.world = fsdp.World(self.cfg.device) if self.cfg.fsdp else None
