@@ -199,3 +199,8 @@ def test_adapter_export_of_a_full_checkpoint_is_refused(base, tmp_path, capsys):
 def test_conflicting_settings_are_named(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, ["--learner.lora.rank", "8", *overrides])
+
+
+def test_unknown_target_module_is_named(base):
+    with pytest.raises(LearnerError, match=r"learner\.lora\.target_modules = \['nope_proj'\]"):
+        make_learner(base, targets=("nope_proj",))
