@@ -4,8 +4,9 @@
 learner's `policy_version` becomes v+1 once, after the last) and returns metrics, among them the staleness of the batch (learner version minus the oldest token
 version of each trajectory). `warmup()` runs the supervised phase on env demonstrations (loss on assistant
 tokens only, tokenized exactly as the multi-turn generator does). `weights_payload()` /`save_hf()` /
-`distributed_source()` feed agentrl.actors.broadcast; the first three send the learner's `published_weights()`
-(the adapter alone under LoRA, logged with its size), `save_hf()` the full weights. Plain class: agentrl.actors.remote makes it a Ray actor.
+`distributed_source()` feed agentrl.actors.broadcast; all but `save_hf()` (full weights) send the learner's
+`published_weights()` (the adapter alone under LoRA), logged with their size. Plain class:
+agentrl.actors.remote makes it a Ray actor.
 
 A learner of several ranks (TP x PP x DP > 1) is one LearnerWorker per rank (agentrl.actors.learner_group), each
 started with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in its environment. Every method runs on every rank

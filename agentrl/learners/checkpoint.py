@@ -61,7 +61,8 @@ def hf_config_dir(directory: str | Path, meta: dict[str, Any]) -> Path:
     return (Path(directory) / meta["hf_config_dir"]).resolve()
 
 
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "README.md")
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # peft's names
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, "README.md")
 
 
 def export_checkpoint(path: str | Path, out: str | Path, adapter: bool = False) -> Path:
@@ -86,7 +87,7 @@ def export_checkpoint(path: str | Path, out: str | Path, adapter: bool = False) 
 def _export_adapter(path: Path, meta: dict[str, Any], out: Path) -> Path:
     from agentrl.learners import hf_io
 
-    if "lora_base" not in meta or not (path / ADAPTER_FILES[1]).is_file():
+    if "lora_base" not in meta or not (path / ADAPTER_WEIGHTS).is_file():
         raise LearnerError(f"{path}: not a LoRA checkpoint (no adapter to export; drop --adapter)")
     with hf_io.atomic_dir(out) as tmp:
         for name in ADAPTER_FILES:

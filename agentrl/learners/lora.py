@@ -20,9 +20,8 @@ import torch
 
 from agentrl.config import LoraSection
 from agentrl.errors import LearnerError
+from agentrl.learners.checkpoint import ADAPTER_WEIGHTS
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 _PREFIX = "base_model.model."  # what PeftModel puts before the wrapped model's own module names
 
 
