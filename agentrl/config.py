@@ -199,6 +199,32 @@ class EngineSection(_Section):
         return "abort" if self.kind == "sglang" else "keep"
 
 
+class LoraSection(_Section):
+    key = "learner.lora"
+    rank: Annotated[
+        int, doc("LoRA rank r; 0 = off (full fine-tuning), > 0 trains only the adapter", ge=0)
+    ] = 0
+    alpha: Annotated[float, doc("LoRA alpha: the adapter's update is scaled by alpha / rank", gt=0)] = 16.0
+    dropout: Annotated[float, doc("dropout on the adapter's input while training", ge=0, lt=1)] = 0.0
+    target_modules: Annotated[
+        list[str],
+        doc(
+            "Hugging Face module names that get an adapter (q_proj, k_proj, v_proj, o_proj, gate_proj, "
+            "up_proj, down_proj), or ['all-linear'] for every linear layer but the output head"
+        ),
+    ] = msgspec.field(default_factory=lambda: ["q_proj", "v_proj"])
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def validate(self) -> None:
+        if self.enabled and not self.target_modules:
+            raise ConfigError(
+                "learner.lora.target_modules must name at least one module when learner.lora.rank > 0"
+            )
+
+
 class LearnerSection(_Section):
     key = "learner"
     kind: Annotated[Literal["torch", "megatron"], doc("training backend")] = "torch"
@@ -242,12 +268,25 @@ class LearnerSection(_Section):
             "and one more when the batch width first changes (then shapes are dynamic)"
         ),
     ] = False
+    lora: Annotated[LoraSection, doc("LoRA: train and publish a low-rank adapter (docs/lora.md)")] = (
+        msgspec.field(default_factory=LoraSection)
+    )
 
     def validate(self) -> None:
         """This section's cross-field checks (agentrl.config.validate calls it)."""
         if self.compile and self.kind != "megatron":
             raise ConfigError(
                 "learner.compile = true needs learner.kind = 'megatron' (the torch learner is eager)"
+            )
+        self.lora.validate()
+        if self.lora.enabled and self.kind == "megatron":
+            raise ConfigError(
+                "learner.lora.rank > 0 needs learner.kind = 'torch' (LoRA in the Megatron learner is not "
+                "implemented yet)"
+            )
+        if self.lora.enabled and self.fsdp:
+            raise ConfigError(
+                "learner.lora.rank > 0 with learner.fsdp = true is not supported (use one rank)"
             )
         if self.kind == "megatron" and self.device == "cpu" and self.tensor_parallel > 1:
             raise ConfigError("learner.tensor_parallel > 1 needs learner.device = 'cuda' (CPU runs TP=PP=1)")
@@ -435,6 +474,11 @@ def validate(cfg: Config) -> Config:
     cfg.engine.update_mode = cfg.engine.effective_update_mode  # type: ignore[assignment]
     if cfg.learner.fsdp and cfg.algorithm.advantage == "ppo":
         raise ConfigError("learner.fsdp = true does not support algorithm.advantage = 'ppo' (value head)")
+    if cfg.learner.lora.enabled and cfg.engine.kind == "sglang":
+        raise ConfigError(
+            "learner.lora.rank > 0 with engine.kind = 'sglang': LoRA publish to SGLang is not implemented yet "
+            "(use engine.kind = 'embedded', or learner.lora.rank = 0)"
+        )
     if cfg.learner.publish == "nccl" and cfg.run.placement != "disaggregated":
         raise ConfigError(
             f"learner.publish = 'nccl' needs run.placement = 'disaggregated' (engines as their own actors), "

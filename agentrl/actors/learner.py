@@ -4,7 +4,9 @@
 learner's `policy_version` becomes v+1 once, after the last) and returns metrics, among them the staleness of the batch (learner version minus the oldest token
 version of each trajectory). `warmup()` runs the supervised phase on env demonstrations (loss on assistant
 tokens only, tokenized exactly as the multi-turn generator does). `weights_payload()` /`save_hf()` /
-`distributed_source()` feed agentrl.actors.broadcast. Plain class: agentrl.actors.remote makes it a Ray actor.
+`distributed_source()` feed agentrl.actors.broadcast; all but `save_hf()` (full weights) send the learner's
+`published_weights()` (the adapter alone under LoRA), logged with their size. Plain class:
+agentrl.actors.remote makes it a Ray actor.
 
 A learner of several ranks (TP x PP x DP > 1) is one LearnerWorker per rank (agentrl.actors.learner_group), each
 started with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in its environment. Every method runs on every rank
@@ -14,6 +16,7 @@ engines; the other ranks take part in the collectives and return nothing.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -23,6 +26,8 @@ import numpy as np
 from agentrl.actors.common import set_threads
 from agentrl.config import Config
 from agentrl.types import Trajectory, min_version, n_response
+
+log = logging.getLogger(__name__)
 
 
 def make_learner(cfg: Config, model_path: str):
@@ -107,7 +112,7 @@ class LearnerWorker:
 
     def _drain(self) -> None:
         """Ranks > 0: take part in gathering the weights, keep nothing."""
-        for _ in self.learner.weights():
+        for _ in self.learner.published_weights():
             pass
 
     def weights_payload(self) -> dict[str, Any]:
@@ -115,10 +120,22 @@ class LearnerWorker:
         if self.rank != 0:
             self._drain()
             return {}
-        return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in self.learner.weights()}
+        out = {
+            name: t.detach().to("cpu", copy=True).contiguous() for name, t in self.learner.published_weights()
+        }
+        return self._logged(out)
 
     def local_weights(self):
-        return self.learner.weights()
+        return self._logged(dict(self.learner.published_weights()))
+
+    def _logged(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """Log what one publish sends (the adapter alone is MBs where full weights are GBs)."""
+        self.last_publish_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        log.info(
+            "publish policy_version %d: %d tensors, %.3f MB%s", self.policy_version(), len(tensors),
+            self.last_publish_bytes / 1e6, " (LoRA adapter only)" if self.cfg.learner.lora.enabled else "",
+        )  # fmt: skip
+        return tensors
 
     def save_hf(self, path: str) -> str:
         """Write the current weights as a Hugging Face directory (the `disk` publish path)."""
@@ -147,7 +164,7 @@ class LearnerWorker:
 
         if self.rank != 0:
             return self._drain()
-        items = [(n, t) for n, t in self.learner.weights()]
+        items = list(self._logged(dict(self.learner.published_weights())).items())
         return describe_publish(self._group.name, items, self._bucket_bytes)
 
     def broadcast_weights(self) -> None:
@@ -162,7 +179,7 @@ class LearnerWorker:
             raise WeightSyncError(
                 "learner.publish = 'nccl': no weight-broadcast group (init_weight_group first)"
             )
-        send_publish(self._group, self.learner.weights(), self._bucket_bytes)
+        send_publish(self._group, self.learner.published_weights(), self._bucket_bytes)
 
     @property
     def _bucket_bytes(self) -> int:

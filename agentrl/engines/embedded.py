@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from agentrl.engines.adapter import AdapterMerger, adapter_items
 from agentrl.engines.base import (
     Engine,
     GenerateOutput,
@@ -77,6 +78,7 @@ class EmbeddedEngine(Engine):
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max(max_prefill_tokens, self.max_seq_len)
         self._version = policy_version
+        self._adapter = AdapterMerger(self.runner.model.params)
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._by_rid: dict[str, Request] = {}
@@ -222,12 +224,24 @@ class EmbeddedEngine(Engine):
         async with self._lock:
             loop = asyncio.get_running_loop()
             try:
-                await loop.run_in_executor(self._executor, self.runner.load, source)
+                await loop.run_in_executor(self._executor, self._load, source)
             except WeightSyncError:
                 raise
             except Exception as exc:
                 raise WeightSyncError(f"weight update to version {version} failed: {exc}") from exc
             self._version = version
+
+    def _load(self, source: WeightSource) -> None:
+        """On the worker thread: an adapter-only version is merged (agentrl.engines.adapter), full weights
+        are copied and become the base."""
+        items = adapter_items(source, self.runner.groups, self.device)
+        if items is None:
+            self.runner.load(source)
+            self._adapter.forget()
+            return
+        self._adapter.apply(items)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     async def flush_cache(self) -> None:
         """No prefix cache exists; KV of running requests is kept. Frees cached CUDA blocks when idle."""

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from agentrl.engines.adapter import LORA_A, LORA_B
 from agentrl.engines.base import DistributedSource
 from agentrl.errors import WeightSyncError
 
@@ -93,18 +94,23 @@ def plan_buckets(
 
 
 def stream_buckets(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list]:
-    """`plan_buckets` over an iterator: yields each bucket as soon as it is full (the same split)."""
+    """`plan_buckets` over an iterator: yields each bucket as soon as it is full (the same split). A LoRA
+    adapter's lora_B stays in the bucket of its lora_A: the engine merges each bucket on arrival."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in items:
         nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
+        if bucket and size + nbytes > bucket_bytes and not _lora_pair(bucket[-1][0], name):
             yield bucket
             bucket, size = [], 0
         bucket.append((name, tensor))
         size += nbytes
     if bucket:
         yield bucket
+
+
+def _lora_pair(previous: str, name: str) -> bool:
+    return previous.endswith(LORA_A) and name == previous.removesuffix(LORA_A) + LORA_B
 
 
 def describe_publish(group_name: str, items: list[tuple[str, torch.Tensor]], bucket_bytes: int

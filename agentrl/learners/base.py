@@ -131,6 +131,10 @@ class Learner(abc.ABC):
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The current weights as `(hf_name, tensor)` pairs, streamed (no full copy held)."""
 
+    def published_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a publish sends to the engines: `weights()`, or a LoRA learner's adapter alone."""
+        yield from self.weights()
+
     @abc.abstractmethod
     def save(self, path: str) -> None:
         """Model, optimizer, step and policy version, so `load` resumes exactly."""

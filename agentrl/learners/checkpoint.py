@@ -6,7 +6,10 @@ Every checkpoint directory holds `learner.json`:
 the torch learner writes them into the checkpoint itself, so it is "."). `export_checkpoint(path, out)` looks up
 the exporter of `kind` in EXPORTERS ("module:function", imported lazily by agentrl.plugins) and calls
 `fn(path, out)`; a torch checkpoint already is an HF directory plus optimizer state, a Megatron one is
-converted by `agentrl.learners.megatron.checkpoint:to_hf`. Nothing here imports torch at module level.
+converted by `agentrl.learners.megatron.checkpoint:to_hf`. A LoRA checkpoint (torch learner, `lora_base` in
+learner.json: the base model's directory) holds a PEFT adapter directory instead of weights; it exports merged
+into the base (the default) or, with `adapter=True`, as the PEFT adapter directory alone (docs/lora.md).
+Nothing here imports torch at module level.
 """
 
 from __future__ import annotations
@@ -58,9 +61,16 @@ def hf_config_dir(directory: str | Path, meta: dict[str, Any]) -> Path:
     return (Path(directory) / meta["hf_config_dir"]).resolve()
 
 
-def export_checkpoint(path: str | Path, out: str | Path) -> Path:
-    """Write a Hugging Face directory (config, tokenizer, model.safetensors) from any learner checkpoint."""
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # peft's names
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, "README.md")
+
+
+def export_checkpoint(path: str | Path, out: str | Path, adapter: bool = False) -> Path:
+    """Write a Hugging Face directory (config, tokenizer, model.safetensors) from any learner checkpoint, or
+    with `adapter` the PEFT adapter directory of a LoRA checkpoint."""
     meta = read_metadata(path)
+    if adapter:
+        return _export_adapter(Path(path), meta, Path(out))
     target = EXPORTERS.get(meta["kind"])
     if target is None:
         raise LearnerError(
@@ -74,14 +84,47 @@ def export_checkpoint(path: str | Path, out: str | Path) -> Path:
     return Path(out)
 
 
+def _export_adapter(path: Path, meta: dict[str, Any], out: Path) -> Path:
+    from agentrl.learners import hf_io
+
+    if "lora_base" not in meta or not (path / ADAPTER_WEIGHTS).is_file():
+        raise LearnerError(f"{path}: not a LoRA checkpoint (no adapter to export; drop --adapter)")
+    with hf_io.atomic_dir(out) as tmp:
+        for name in ADAPTER_FILES:
+            if (path / name).is_file():
+                shutil.copyfile(path / name, tmp / name)
+    return out
+
+
 def torch_to_hf(path: str, out: str) -> None:
-    """A torch-learner checkpoint holds HF-named weights: copy them with the config and tokenizer files."""
+    """A torch-learner checkpoint holds HF-named weights: copy them with the config and tokenizer files; a
+    LoRA checkpoint's adapter is merged into its base first."""
     from agentrl.learners import hf_io
 
     meta = read_metadata(path)
+    if "lora_base" in meta:
+        _merge_lora(path, meta, out)
+        return
     weights = Path(path) / hf_io.WEIGHTS_FILE
     if not weights.is_file():
         raise LearnerError(f"{path}: no {hf_io.WEIGHTS_FILE}")
     with hf_io.atomic_dir(out) as tmp:
         hf_io.copy_hf_files(hf_config_dir(path, meta), tmp)
         shutil.copyfile(weights, tmp / hf_io.WEIGHTS_FILE)
+
+
+def _merge_lora(path: str, meta: dict[str, Any], out: str) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.learners import hf_io, lora
+
+    base = Path(meta["lora_base"])
+    if not (base / "config.json").is_file():
+        raise LearnerError(f"{path}: the base model {base} (lora_base in {METADATA_FILE}) is not there")
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    model = PeftModel.from_pretrained(model, path)
+    with hf_io.atomic_dir(out) as tmp:
+        hf_io.copy_hf_files(hf_config_dir(path, meta), tmp)
+        hf_io.write_weights(tmp / hf_io.WEIGHTS_FILE, lora.merged_weights(model), hf_io.tied_embeddings(tmp))

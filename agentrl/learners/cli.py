@@ -1,6 +1,7 @@
 """Write a Hugging Face directory (config, tokenizer, model.safetensors) from a learner checkpoint.
 
 Works for checkpoints of every learner kind (torch or Megatron): `learner.json` in the checkpoint names the kind.
+A LoRA checkpoint exports merged into its base model, or with `--adapter` as a PEFT adapter directory.
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a learner checkpoint (holds learner.json), a run's checkpoints/step_N, or a run directory (its latest)",
     )
     parser.add_argument("--out", required=True, help="output Hugging Face directory (replaced atomically)")
+    parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help="LoRA checkpoints: write the PEFT adapter directory (peft.PeftModel.from_pretrained) instead of "
+        "the merged model",
+    )
 
 
 def resolve_checkpoint(path: str) -> Path:
@@ -38,8 +45,9 @@ def main(args: argparse.Namespace) -> int:
 
     checkpoint = resolve_checkpoint(args.checkpoint)
     meta = read_metadata(checkpoint)
-    out = export_checkpoint(checkpoint, args.out)
+    out = export_checkpoint(checkpoint, args.out, adapter=args.adapter)
+    what = "LoRA adapter of the" if args.adapter else ("merged LoRA" if "lora_base" in meta else meta["kind"])
     print(
-        f"exported {meta['kind']} checkpoint (step {meta['step']}, policy_version {meta['policy_version']}) to {out}"
+        f"exported {what} checkpoint (step {meta['step']}, policy_version {meta['policy_version']}) to {out}"
     )
     return 0

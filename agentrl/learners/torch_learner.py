@@ -15,6 +15,10 @@ ranks, so a step equals the single-process step. `weights()`, `save` and `load` 
 must call; `weights()` yields full tensors on every rank (publish from rank 0), `save` writes from rank 0, and the
 checkpoint (name-keyed optimizer state) loads into FSDP learners of any world size and into a plain learner. The
 reference model stays a replicated frozen copy; PPO (value head) is not supported with FSDP.
+`learner.lora.rank > 0` (agentrl.learners.lora): the base is frozen and only the adapter is in the optimizer;
+the reference model is the base with the adapter disabled; `published_weights()` is the adapter alone,
+`weights()` the merged full weights; checkpoints hold the PEFT adapter and its optimizer state, plus the path
+of the base model (`lora_base` in learner.json). Not combined with FSDP.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch.nn.functional as F
 from agentrl.algorithms import check, compute_loss, merge_metrics, sft_loss
 from agentrl.config import AlgorithmSection, LearnerSection
 from agentrl.errors import LearnerError
-from agentrl.learners import checkpoint, fsdp, hf_io
+from agentrl.learners import checkpoint, fsdp, hf_io, lora
 from agentrl.learners.base import Learner
 from agentrl.learners.batch import Batch, micro_batches
 
@@ -93,6 +97,12 @@ class TorchLearner(Learner):
         if temperature <= 0:
             raise LearnerError(f"temperature must be > 0, got {temperature}")
         self.model_path = Path(model_path)
+        if (
+            self.cfg.lora.enabled
+        ):  # the section's own checks (LoRA with FSDP, ...) for a learner built directly
+            self.cfg.validate()
+        self.lora = self.cfg.lora if self.cfg.lora.enabled else None
+        self.base_path = self._base_path()
         self.temperature = temperature
         self.world = fsdp.World(self.cfg.device) if self.cfg.fsdp else None
         if self.world is not None and self.algo.advantage == "ppo":
@@ -103,7 +113,7 @@ class TorchLearner(Learner):
         torch.manual_seed(seed)
 
         def load(dtype: torch.dtype, device: torch.device | None = self.device):
-            m = AutoModelForCausalLM.from_pretrained(str(self.model_path), dtype=dtype)
+            m = AutoModelForCausalLM.from_pretrained(str(self.base_path), dtype=dtype)
             m.config.use_cache = False
             return m.to(device) if device is not None else m
 
@@ -119,7 +129,11 @@ class TorchLearner(Learner):
         if self.world is not None:  # shards move to the device; the full model never lands there
             self.world.shard(self.model, self._autocast_dtype() is not None)
         self.ref_model = None
-        if self.cfg.reference_model:  # frozen: bf16 storage is enough where the forward runs in bf16 anyway
+        if self.lora is not None:
+            self.model = lora.wrap(self.model, self.lora)
+            if self.cfg.reference_model:  # the same module, run with the adapter disabled
+                self.ref_model = self.model
+        elif self.cfg.reference_model:  # frozen: bf16 storage is enough where the forward runs in bf16 anyway
             ref_dtype = torch.bfloat16 if self._autocast_dtype() is not None else torch.float32
             self.ref_model = load(ref_dtype).eval().requires_grad_(False)
         self.value_head = None
@@ -141,8 +155,18 @@ class TorchLearner(Learner):
         if meta.is_file() and (self.model_path / STATE_FILE).is_file():
             self.load(str(self.model_path))
 
+    def _base_path(self) -> Path:
+        """The HF directory the base weights load from: the model, or a LoRA checkpoint's base."""
+        if (self.model_path / checkpoint.METADATA_FILE).is_file():
+            base = checkpoint.read_metadata(self.model_path).get("lora_base")
+            if base is not None and self.lora is None:
+                raise LearnerError(f"{self.model_path}: a LoRA checkpoint needs learner.lora.rank > 0")
+            if base is not None:
+                return Path(base)
+        return self.model_path
+
     def _params(self) -> list[torch.nn.Parameter]:
-        params = list(self.model.parameters())
+        params = lora.trainable(self.model)  # every parameter, or the adapter's alone
         if self.value_head is not None:
             params += list(self.value_head.parameters())
         return params
@@ -183,7 +207,7 @@ class TorchLearner(Learner):
     def _whole_batch(self, model, batch: Batch, *, values: bool = False) -> torch.Tensor:
         batch = batch.to(self.device)
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
-        with torch.no_grad():
+        with torch.no_grad(), _eval(model):
             for (rows, mb), weight in self._share(self._split(batch)):
                 logp, _, vals = self._forward(model, mb, values=values)
                 if weight:
@@ -207,6 +231,9 @@ class TorchLearner(Learner):
     def compute_ref_logprobs(self, batch: Batch) -> torch.Tensor:
         if self.ref_model is None:
             raise LearnerError("no reference model (learner.reference_model = false)")
+        if self.lora is not None:
+            with self.model.disable_adapter():
+                return self._whole_batch(self.model, batch)
         return self._whole_batch(self.ref_model, batch)
 
     def _prepare(self, batch: Batch) -> Batch:
@@ -274,10 +301,18 @@ class TorchLearner(Learner):
         if self.world is not None:
             yield from fsdp.full_weights(self.model, {"lm_head.weight"} if self.tied else set())
             return
-        for name, tensor in self.model.state_dict().items():
+        pairs = lora.merged_weights(self.model) if self.lora is not None else self.model.state_dict().items()
+        for name, tensor in pairs:
             if self.tied and name == "lm_head.weight":
                 continue
             yield name, tensor.detach()
+
+    def published_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a publish sends: the adapter alone under LoRA (agentrl.learners.lora), else `weights()`."""
+        if self.lora is None:
+            yield from self.weights()
+            return
+        yield from lora.adapter_weights(self.model)
 
     def save(self, path: str) -> None:
         """Under FSDP a collective: every rank calls it, rank 0 writes (on a file system all ranks can read)."""
@@ -289,7 +324,12 @@ class TorchLearner(Learner):
             return
         with hf_io.atomic_dir(path) as tmp:
             hf_io.copy_hf_files(self._config_dir(), tmp)
-            hf_io.write_weights(tmp / hf_io.WEIGHTS_FILE, self.weights(), self.tied)
+            extra = {"temperature": self.temperature}
+            if self.lora is not None:  # the adapter only; the base stays where it is
+                lora.save_adapter(self.model, tmp, str(self.base_path.resolve()))
+                extra["lora_base"] = str(self.base_path.resolve())
+            else:
+                hf_io.write_weights(tmp / hf_io.WEIGHTS_FILE, self.weights(), self.tied)
             state = {"step": self.step, "policy_version": self.policy_version}
             if self.world is not None:  # name-keyed: loads at any world size and into a plain learner
                 state["optimizer"] = fsdp.optimizer_state(self.model, self.optimizer)
@@ -299,9 +339,7 @@ class TorchLearner(Learner):
             if self.value_head is not None:
                 state["value_head"] = self.value_head.state_dict()
             torch.save(state, tmp / STATE_FILE)
-            checkpoint.write_metadata(
-                tmp, "torch", self.step, self.policy_version, ".", temperature=self.temperature
-            )
+            checkpoint.write_metadata(tmp, "torch", self.step, self.policy_version, ".", **extra)
         if self.world is not None:
             torch.distributed.barrier()
 
@@ -315,6 +353,15 @@ class TorchLearner(Learner):
         meta = checkpoint.read_metadata(path)
         if meta["kind"] != "torch":
             raise LearnerError(f"{path}: a {meta['kind']!r} checkpoint cannot be loaded by the torch learner")
+        if (self.lora is not None) != ("lora_base" in meta):
+            raise LearnerError(
+                f"{path}: a {'LoRA' if 'lora_base' in meta else 'full-weight'} checkpoint cannot be loaded with "
+                f"learner.lora.rank = {self.cfg.lora.rank}"
+            )
+        if self.lora is not None:
+            lora.load_adapter(self.model, path)
+            self._load_state(path)
+            return
         weights = hf_io.load_weights(Path(path) / hf_io.WEIGHTS_FILE)
         if self.world is not None:
             names = set(self.model.state_dict())
@@ -327,6 +374,10 @@ class TorchLearner(Learner):
             raise LearnerError(
                 f"{path}: weights do not match the model (missing {missing}, unexpected {unexpected})"
             )
+        self._load_state(path)
+
+    def _load_state(self, path: str) -> None:
+        """Optimizer, value head, step and version from a checkpoint's trainer state."""
         location = "cpu" if self.world is not None else self.device
         state = torch.load(Path(path) / STATE_FILE, map_location=location, weights_only=True)
         if self.value_head is not None and "value_head" in state:
@@ -342,3 +393,14 @@ class TorchLearner(Learner):
             )
             fsdp.load_optimizer_state(self.model, self.optimizer, optim)
         self.step, self.policy_version = int(state["step"]), int(state["policy_version"])
+
+
+@contextlib.contextmanager
+def _eval(model):
+    """Eval mode for a no-grad pass (no dropout, e.g. LoRA's), restoring the mode after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
