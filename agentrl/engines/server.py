@@ -208,7 +208,7 @@ class EngineServer:
             raise BadRequest("send token ids in input_ids (text prompts are not supported)", "input_ids")
         if req.stream:
             raise BadRequest("streaming is not supported", "stream")
-        sampling = req.sampling_params.to_sampling()
+        sampling = req.to_sampling()
         self.engine.validate(req.input_ids, sampling)
         rid = req.rid or uuid.uuid4().hex
         if rid in self._rids or rid in self._held:
