@@ -67,10 +67,12 @@ class OpenAIProxy(ProxySessions):
         max_body_bytes: int = 16 << 20,
         read_timeout_s: float = 30.0,
         tool_parser: str = "",
+        sampling_policy: str = "refuse",
     ):
         super().__init__(
-            engines, tokenizer, sampling, max_seq_len, model_name, env_name, session_timeout_s, tool_parser
-        )
+            engines, tokenizer, sampling, max_seq_len, model_name, env_name, session_timeout_s, tool_parser,
+            sampling_policy,
+        )  # fmt: skip
         self.sink = sink
         self.token, self.max_body_bytes, self.read_timeout_s = token, max_body_bytes, read_timeout_s
         self.runner: web.AppRunner | None = None
@@ -84,7 +86,12 @@ class OpenAIProxy(ProxySessions):
         app.router.add_post("/v1/sessions/{sid}/chat/completions", self._chat)
         app.router.add_post("/v1/sessions/{sid}/reward", self._reward)
         app.router.add_delete("/v1/sessions/{sid}", self._drop)
-        app.router.add_get("/v1/models", self._models)
+        for prefix in (
+            "/v1",
+            "/v1/sessions/{sid}",
+        ):  # models.list() / retrieve() under a session base URL too
+            app.router.add_get(f"{prefix}/models", self._models)
+            app.router.add_get(f"{prefix}/models/{{model}}", self._model)
         app.router.add_get("/health", self._health)
         return app
 
@@ -223,10 +230,19 @@ class OpenAIProxy(ProxySessions):
             return self._error(RequestError(404, f"unknown session '{sid}'", "session_id"))
         return self._json({"session_id": sid, "dropped": True})
 
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "agentrl"}
+
     async def _models(self, request: web.Request) -> web.Response:
-        return self._json(
-            {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "agentrl"}]}
-        )
+        return self._json({"object": "list", "data": [self._model_card()]})
+
+    async def _model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.model_name:
+            return self._error(
+                RequestError(404, f"unknown model {name!r}; this proxy serves {self.model_name!r}", "model")
+            )
+        return self._json(self._model_card())
 
     async def _health(self, request: web.Request) -> web.Response:
         return self._json(
@@ -247,7 +263,8 @@ async def proxy_for(ctx: RolloutContext) -> OpenAIProxy:
 
         async def start() -> OpenAIProxy:
             proxy = OpenAIProxy([ctx.engine], ctx.tokenizer, sampling=ctx.sampling, max_seq_len=ctx.max_seq_len,
-                                env_name=ctx.env_name, tool_parser=ctx.extra.get("tool_parser", ""))  # fmt: skip
+                                env_name=ctx.env_name, tool_parser=ctx.extra.get("tool_parser", ""),
+                                sampling_policy=ctx.extra.get("proxy_sampling", "refuse"))  # fmt: skip
             await proxy.start(ctx.extra.get("proxy_host", "127.0.0.1"))
             return proxy
 

@@ -22,9 +22,9 @@ from generators.openai_proxy import OpenAIProxy
 Q = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "What is 2+3?"}]
 TOOLS = [
     {"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}},
-    {"type": "function", "function": {"name": "mul", "parameters": {"type": "object", "properties": {}}}},
-]  # fmt: skip
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}, "strict": True}},
+    {"type": "function", "function": {"name": "mul", "parameters": {"type": "object", "properties": {}}, "strict": True}},
+]  # fmt: skip  (strict: the SDK's chat.completions.stream parses only strict tools)
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 
 
@@ -91,7 +91,7 @@ def sent(message):
 async def test_plain_chat_with_the_sdk(tiny, tok):
     async with Live(scripted(tiny, tok, "5", "It is five."), tok) as live:
         client = live.client("plain")
-        first = await client.chat.completions.create(model="m", messages=Q, temperature=0)
+        first = await client.chat.completions.create(model="m", messages=Q)
         assert first.choices[0].message.content == "5" and first.choices[0].finish_reason == "stop"
         history = [*Q, sent(first.choices[0].message), {"role": "user", "content": "In words?"}]
         second = await client.chat.completions.create(model="m", messages=history)
