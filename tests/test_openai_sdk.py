@@ -20,11 +20,12 @@ from generators.chat import chat_tokens
 from generators.openai_proxy import OpenAIProxy
 
 Q = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "What is 2+3?"}]
+# strict: the SDK's chat.completions.stream parses the calls of strict tools only
 TOOLS = [
     {"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}, "strict": True}},
     {"type": "function", "function": {"name": "mul", "parameters": {"type": "object", "properties": {}}, "strict": True}},
-]  # fmt: skip  (strict: the SDK's chat.completions.stream parses only strict tools)
+]  # fmt: skip
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 
 
