@@ -189,3 +189,17 @@ def test_sampling_policy_is_checked(tiny, tok):
 
     with pytest.raises(AgentRLError, match="proxy_sampling"):
         OpenAIProxy([scripted(tiny, tok)], tok, sampling=SamplingParams(), sampling_policy="ignore")
+
+
+async def test_the_generator_proxy_takes_the_configured_policy(tiny, tok):
+    from agentrl.config import RolloutSection
+    from agentrl.generator import RolloutContext
+    from generators.openai_proxy import proxy_for, stop_proxies
+
+    assert RolloutSection().proxy_sampling == "refuse"
+    ctx = RolloutContext(engine=scripted(tiny, tok), tokenizer=tok, make_env=None, env_name="e",
+                         sampling=SamplingParams(), extra={"proxy_sampling": "record"})  # fmt: skip
+    try:
+        assert (await proxy_for(ctx)).sampling_policy == "record"
+    finally:
+        await stop_proxies()
