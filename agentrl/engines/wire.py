@@ -14,7 +14,7 @@ Imports no torch at module level.
 from __future__ import annotations
 
 import base64
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -22,6 +22,9 @@ from agentrl.engines.base import GenerateOutput, SamplingParams
 
 AGENTRL_TENSOR_FORMAT = "agentrl_safetensors"
 VERSIONS_KEY = "agentrl_versions"
+# bounds decoding enforces (and /openapi.json states, engines/openapi.py); the engine checks the rest
+Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -31,14 +34,14 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class WireSamplingParams(_Body, omit_defaults=True):
     """SGLang's sampling_params subset that agentrl implements (`sampling_seed` is SGLang's name for seed)."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 128
-    stop_token_ids: list[int] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)] = -1  # -1 (off) or >= 1
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] = 128
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    seed: int | None = None
-    sampling_seed: int | None = None
+    seed: Seed | None = None
+    sampling_seed: Seed | None = None
 
     def to_sampling(self) -> SamplingParams:
         seed = self.sampling_seed if self.sampling_seed is not None else self.seed
@@ -81,10 +84,10 @@ def sampling_to_wire(sp: SamplingParams) -> dict[str, Any]:
 
 
 class GenerateRequest(_Body):
-    input_ids: list[int] | None = None
+    input_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)] | None = None
     sampling_params: WireSamplingParams = msgspec.field(default_factory=WireSamplingParams)
     return_logprob: bool = False
-    top_logprobs_num: int = 0
+    top_logprobs_num: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] = 0
     rid: str | None = None
     stream: bool = False
     logprob_start_len: int = -1
