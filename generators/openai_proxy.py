@@ -13,12 +13,14 @@ Routes (aiohttp):
   finish_reason (`stop`, `length`, `tool_calls`), usage, optional logprobs; or SSE chunks ending `[DONE]`.
 - `POST /v1/sessions/{sid}/reward` `{reward, group_id?, turn_rewards?, metadata?}` closes the session into
   trajectories handed to the sink (the runner passes the queue's put); `DELETE /v1/sessions/{sid}` drops it.
-- `GET /v1/models`, `GET /health` (with the proxy's counters, e.g. `tool_call_parse_errors`).
+- `GET /v1/models` and `/v1/models/{model}` (also under `/v1/sessions/{sid}`), `GET /health` (with the
+  proxy's counters, e.g. `tool_call_parse_errors`), `GET /openapi.json` (generators/proxy_openapi.py: every
+  route, body and answer). A known path with a wrong method is a 405 with `Allow`.
 
 Sessions, segments and token-in/token-out are kept by `ProxySessions` (generators/proxy_session.py, whose
 docstring states their invariants); this module is its HTTP front and the `openai_proxy` generator.
 Bad input gets a 4xx whose `param` names the field.
-Hardening: with a `token` every route but /health needs `Authorization: Bearer <token>` (401; never logged)
+Hardening: with a `token` every route but /health and /openapi.json needs `Authorization: Bearer <token>` (401; never logged)
 and a non-loopback host without one is refused; bodies over `max_body_bytes` get 413, bodies (and headers)
 not sent within `read_timeout_s` get 408 (or the connection is closed).
 """
@@ -42,6 +44,7 @@ from agentrl.plugins import load_object
 from agentrl.types import ROLES, Trajectory, validation_field
 from generators.openai_response import chunks, completion
 from generators.openai_schema import chat_decoder, encoder, error_body, reward_decoder
+from generators.proxy_openapi import OPEN_PATHS, openapi_spec
 
 # Segment, Session and RequestError stay importable from here
 from generators.proxy_session import ProxySessions, RequestError, Segment, Session  # noqa: F401
@@ -93,6 +96,7 @@ class OpenAIProxy(ProxySessions):
             app.router.add_get(f"{prefix}/models", self._models)
             app.router.add_get(f"{prefix}/models/{{model}}", self._model)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/openapi.json", self._openapi)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -130,7 +134,7 @@ class OpenAIProxy(ProxySessions):
         """Bearer token (all routes but /health); HTTP errors of aiohttp as OpenAI-shaped JSON."""
         if (
             self.token
-            and request.path != "/health"
+            and request.path not in OPEN_PATHS
             and not bearer_ok(request.headers.get("Authorization", ""), self.token)
         ):
             resp = self._error(RequestError(401, "missing or wrong bearer token", "Authorization"))
@@ -138,6 +142,13 @@ class OpenAIProxy(ProxySessions):
             return resp
         try:
             return await handler(request)
+        except web.HTTPMethodNotAllowed as exc:
+            allow = exc.headers["Allow"]
+            resp = self._error(
+                RequestError(405, f"{request.method} is not allowed on {request.path}: use {allow}", "method")
+            )
+            resp.headers["Allow"] = allow
+            return resp
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -243,6 +254,10 @@ class OpenAIProxy(ProxySessions):
                 RequestError(404, f"unknown model {name!r}; this proxy serves {self.model_name!r}", "model")
             )
         return self._json(self._model_card())
+
+    async def _openapi(self, request: web.Request) -> web.Response:
+        spec = openapi_spec(sampling=self.sampling, policy=self.sampling_policy, max_seq_len=self.max_seq_len)
+        return self._json(spec)
 
     async def _health(self, request: web.Request) -> web.Response:
         return self._json(
