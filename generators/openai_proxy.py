@@ -4,11 +4,11 @@ tokens, so an agent written against the OpenAI SDK is trained unchanged.
 Routes (aiohttp):
 - `POST /v1/sessions/{sid}/chat/completions`: the primary form, so an SDK client needs only
   `base_url="http://host:port/v1/sessions/{sid}"`. Also `POST /v1/chat/completions` with the session in the
-  `X-Session-Id` header, or else in the `user` field. Fields: model, messages, temperature,
-  top_p, max_tokens / max_completion_tokens, stop (strings that are one token each; as in OpenAI the
-  returned text omits the stop string, the recorded tokens keep it), n (choice i > 0 continues in session
-  `{sid}.n{i}`, named in the choice's `session_id`), logprobs, seed, tools, tool_choice (`auto`, `none`,
-  `required`, a named function), stream + stream_options.include_usage.
+  `X-Session-Id` header, or else in the `user` field. Every parameter is honoured or refused with a 400
+  naming it (generators/openai_params.py owns the rule; docs/agents.md has the table): n (choice i > 0
+  continues in session `{sid}.n{i}`, named in the choice's `session_id`), tools / tool_choice, stream +
+  stream_options, logprobs + top_logprobs, stop (one-token strings), seed, max_(completion_)tokens;
+  temperature / top_p other than the run's are refused or recorded (`sampling_policy`).
   Reply shaped like OpenAI's (generators/openai_response.py): choices[i].message.content / tool_calls,
   finish_reason (`stop`, `length`, `tool_calls`), usage, optional logprobs; or SSE chunks ending `[DONE]`.
 - `POST /v1/sessions/{sid}/reward` `{reward, group_id?, turn_rewards?, metadata?}` closes the session into
