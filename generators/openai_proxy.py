@@ -37,13 +37,14 @@ import msgspec
 from aiohttp import web
 
 from agentrl.engines.base import Engine, SamplingParams
+from agentrl.engines.wire import integral_floats
 from agentrl.errors import ConfigError, QueueClosed, QueueFull
 from agentrl.generator import RolloutContext
 from agentrl.net import bearer_ok, is_loopback
 from agentrl.plugins import load_object
 from agentrl.types import ROLES, Trajectory, validation_field
 from generators.openai_response import chunks, completion
-from generators.openai_schema import chat_decoder, encoder, error_body, reward_decoder
+from generators.openai_schema import ChatRequest, chat_decoder, encoder, error_body, reward_decoder
 from generators.proxy_openapi import OPEN_PATHS, openapi_spec
 
 # Segment, Session and RequestError stay importable from here
@@ -174,7 +175,12 @@ class OpenAIProxy(ProxySessions):
         try:
             body = await self._body(request)
             try:
-                req = chat_decoder.decode(body)
+                try:
+                    req = chat_decoder.decode(body)
+                except msgspec.ValidationError as exc:
+                    if "got `float`" not in str(exc):
+                        raise
+                    req = msgspec.convert(integral_floats(msgspec.json.decode(body)), ChatRequest)
             except msgspec.ValidationError as exc:
                 raise RequestError(400, f"invalid request: {exc}", validation_field(exc)) from None
             except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:

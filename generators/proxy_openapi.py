@@ -83,7 +83,7 @@ def openapi_spec(*, sampling: Any, policy: str, max_seq_len: int) -> dict[str, A
 
     def errors(*codes: str) -> dict[str, Any]:
         text = {"400": "invalid request; `param` names the field", "401": "missing or wrong bearer token",
-                "404": "unknown session or model", "408": "body not received within read_timeout_s",
+                "404": "unknown session or model", "409": "an n > 1 turn would reopen a session still open", "408": "body not received within read_timeout_s",
                 "413": "body over max_body_bytes", "429": "queue full: retry after Retry-After",
                 "502": "the engine failed", "503": "the engine aborted the request or the queue closed: retry"}  # fmt: skip
         out = {c: {"description": text[c], "content": _json(_ref("Error"))} for c in codes}
@@ -96,7 +96,7 @@ def openapi_spec(*, sampling: Any, policy: str, max_seq_len: int) -> dict[str, A
     completion = {
         "200": {"description": "a chat.completion, or chat.completion.chunk events when stream",
                 "content": {**_json(obj), "text/event-stream": {"schema": {"anyOf": [obj, {"const": "[DONE]"}]}}}},
-        **errors("400", "401", "408", "413", "502", "503"),
+        **errors("400", "401", "408", "409", "413", "502", "503"),
     }  # fmt: skip
     chat_op = {
         "requestBody": {"required": True, "content": _json(_ref("ChatRequest"))},

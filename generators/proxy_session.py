@@ -205,7 +205,7 @@ class ProxySessions:
             forks = [self._fork(session, sid if i == 0 else f"{sid}.n{i}") for i in range(req.n)]
             taken = [f.id for f in forks[1:] if f.id in self.sessions]
             if taken:
-                raise RequestError(400, f"session {taken[0]!r} of an earlier n > 1 turn is still open", "n")
+                raise RequestError(409, f"session {taken[0]!r} of an earlier n > 1 turn is still open", "n")
             seed = params.sampling.seed
             seeded = [
                 params

@@ -94,21 +94,11 @@ async def _decode(request: web.Request, cls: type) -> Any:
             if "got `float`" not in str(exc):
                 raise
             # JSON (and JSON Schema) count 5.0 as an integer: read integral floats as integers
-            return msgspec.convert(_integral(msgspec.json.decode(raw)), cls)
+            return msgspec.convert(wire.integral_floats(msgspec.json.decode(raw)), cls)
     except msgspec.ValidationError as exc:
         raise BadRequest(str(exc), _field_of(str(exc))) from None
     except (msgspec.DecodeError, UnicodeDecodeError, OverflowError, RecursionError) as exc:
         raise BadRequest(f"malformed body: {exc}", "body") from None
-
-
-def _integral(value: Any) -> Any:
-    if type(value) is float and value.is_integer():
-        return int(value)
-    if isinstance(value, list):
-        return [_integral(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _integral(v) for k, v in value.items()}
-    return value
 
 
 def _version(text: str | None, engine: EmbeddedEngine) -> int:

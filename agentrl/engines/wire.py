@@ -175,6 +175,18 @@ def generate_response(out: GenerateOutput, rid: str, return_logprob: bool, sampl
     return body
 
 
+def integral_floats(value: Any) -> Any:
+    """Decoded JSON with integral floats (5.0) made integers, recursively: JSON and JSON Schema count 5.0 as an
+    integer, msgspec's typed decoding does not. For a second decode after a `got float` validation error."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [integral_floats(v) for v in value]
+    if isinstance(value, dict):
+        return {k: integral_floats(v) for k, v in value.items()}
+    return value
+
+
 def parse_version(text: Any, default: int) -> int:
     """SGLang's weight_version is a free string ("default" until set); agentrl's are integers."""
     try:
