@@ -79,3 +79,5 @@ def test_schemathesis_finds_no_failure(engine_url, tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp_path)
     report = out.stdout + out.stderr
     assert out.returncode == 0 and "No issues found" in report, report[-6000:]
+    tested = re.search(r"(\d+) generated, (\d+) passed", report)
+    assert tested and int(tested.group(1)) >= EXAMPLES_PER_OPERATION, report[-2000:]
