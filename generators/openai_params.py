@@ -12,7 +12,6 @@ learner does not read it today.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
@@ -32,12 +31,6 @@ class RequestError(Exception):
     def __init__(self, status: int, message: str, param: str = ""):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-
-
-@dataclass
-class TurnParams:
-    sampling: SamplingParams
-    recorded: dict[str, float]  # per-request sampling that differs from the run's ("record" policy)
 
 
 def _refuse_unsupported(req: Any) -> None:
@@ -93,7 +86,7 @@ def _sampling_overrides(req: Any, run: SamplingParams, policy: str) -> dict[str,
     return differs
 
 
-def turn_params(req: Any, run: SamplingParams, chat: Any, max_seq_len: int, policy: str) -> TurnParams:
+def turn_sampling(req: Any, run: SamplingParams, chat: Any, max_seq_len: int, policy: str) -> SamplingParams:
     """The engine's sampling for one request (`req`: a ChatRequest), or RequestError naming the parameter."""
     if not 1 <= req.n <= MAX_N:
         raise RequestError(400, f"n must be in [1, {MAX_N}]", "n")
@@ -116,7 +109,7 @@ def turn_params(req: Any, run: SamplingParams, chat: Any, max_seq_len: int, poli
                 400, f"stop string {text!r} is not a single token; only such stops are supported", "stop"
             )
         stop_ids.add(ids[0])
-    sampling = msgspec.structs.replace(
+    return msgspec.structs.replace(
         run,
         **differs,
         max_new_tokens=max_tokens,
@@ -124,4 +117,3 @@ def turn_params(req: Any, run: SamplingParams, chat: Any, max_seq_len: int, poli
         stop_token_ids=sorted(stop_ids),
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
     )
-    return TurnParams(sampling, differs)

@@ -43,7 +43,7 @@ from agentrl.generator import RolloutContext
 from agentrl.types import Trajectory
 from generators.chat import chat_tokens
 from generators.multi_turn import TokenLog, generate_turn
-from generators.openai_params import SAMPLING_POLICIES, RequestError, TurnParams, turn_params
+from generators.openai_params import SAMPLING_POLICIES, RequestError, turn_sampling
 from generators.openai_response import Choice
 from generators.openai_schema import (
     ChatMessage,
@@ -194,23 +194,22 @@ class ProxySessions:
         """Run one chat turn (n choices) of session `sid`; raises RequestError on bad input or failure."""
         if not req.messages:
             raise RequestError(400, "messages must not be empty", "messages")
-        params = turn_params(req, self.sampling, self.chat, self.max_seq_len, self.sampling_policy)
+        sampling = turn_sampling(req, self.sampling, self.chat, self.max_seq_len, self.sampling_policy)
         plan = self._tool_plan(req)
         keys = [turn_key(m) for m in req.messages]
         turns = [template_message(m) for m in req.messages]
         session = self._session(sid)
         async with session.lock:
             if req.n == 1:
-                return [await self._turn(session, keys, turns, plan, params, 0)]
+                return [await self._turn(session, keys, turns, plan, sampling, 0)]
             forks = [self._fork(session, sid if i == 0 else f"{sid}.n{i}") for i in range(req.n)]
             taken = [f.id for f in forks[1:] if f.id in self.sessions]
             if taken:
                 raise RequestError(409, f"session {taken[0]!r} of an earlier n > 1 turn is still open", "n")
-            seed = params.sampling.seed
             seeded = [
-                params
-                if seed is None
-                else TurnParams(msgspec.structs.replace(params.sampling, seed=seed + i), params.recorded)
+                sampling
+                if sampling.seed is None
+                else msgspec.structs.replace(sampling, seed=sampling.seed + i)
                 for i in range(req.n)
             ]  # one seed for all would give n equal samples
             results = await asyncio.gather(
@@ -235,12 +234,12 @@ class ProxySessions:
         keys: list[tuple],
         turns: list[dict[str, Any]],
         plan: ToolPlan,
-        params: TurnParams,
+        sampling: SamplingParams,
         index: int,
     ) -> Choice:
         seg, mark = self._segment_for(session, keys, turns, plan)
         engine = self.engines[session.engine_index]
-        sampling, recorder = params.sampling, _TopRecorder(engine)
+        recorder = _TopRecorder(engine)
         ctx = RolloutContext(engine=recorder, tokenizer=self.tokenizer, make_env=_no_env, env_name=self.env_name,
                              sampling=sampling, max_seq_len=self.max_seq_len)  # fmt: skip
         self.in_flight[session.engine_index] += 1
