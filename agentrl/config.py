@@ -380,6 +380,11 @@ class RolloutSection(_Section):
     agent: Annotated[
         str, doc("openai_proxy generator: 'module:function' agent (default generators.proxy_agent:env_agent)")
     ] = ""
+    proxy_sampling: Annotated[
+        Literal["refuse", "record"],
+        doc("OpenAI proxy: a request's temperature/top_p that differ from the run's are refused (400) or "
+            "sampled with and recorded per turn in the trajectory's metadata"),
+    ] = "refuse"  # fmt: skip
 
 
 class EnvSection(_Section):

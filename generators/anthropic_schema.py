@@ -117,7 +117,7 @@ def _text(blocks: str | list[Block] | None, where: str) -> list[ContentPart] | s
         if block.type != "text":
             raise RequestError(400, f"only text blocks are supported here, got {block.type!r}",
                                f"{where}[{j}].type")  # fmt: skip
-    return [ContentPart("text", b.text or "") for b in blocks]
+    return [ContentPart(text=b.text or "") for b in blocks]
 
 
 def _parts_text(parts: list[ContentPart] | str) -> str:
@@ -129,7 +129,7 @@ def _user(blocks: list[Block], where: str) -> list[ChatMessage]:
     text: list[ContentPart] = []
     for j, block in enumerate(blocks):
         if block.type == "text":
-            text.append(ContentPart("text", block.text or ""))
+            text.append(ContentPart(text=block.text or ""))
         elif block.type == "tool_result":
             if not block.tool_use_id:
                 raise RequestError(400, "tool_result needs a tool_use_id", f"{where}[{j}].tool_use_id")

@@ -4,21 +4,23 @@ tokens, so an agent written against the OpenAI SDK is trained unchanged.
 Routes (aiohttp):
 - `POST /v1/sessions/{sid}/chat/completions`: the primary form, so an SDK client needs only
   `base_url="http://host:port/v1/sessions/{sid}"`. Also `POST /v1/chat/completions` with the session in the
-  `X-Session-Id` header, or else in the `user` field. Fields: model, messages, temperature,
-  top_p, max_tokens / max_completion_tokens, stop (strings that are one token each; as in OpenAI the
-  returned text omits the stop string, the recorded tokens keep it), n (choice i > 0 continues in session
-  `{sid}.n{i}`, named in the choice's `session_id`), logprobs, seed, tools, tool_choice (`auto`, `none`,
-  `required`, a named function), stream + stream_options.include_usage.
+  `X-Session-Id` header, or else in the `user` field. Every parameter is honoured or refused with a 400
+  naming it (generators/openai_params.py owns the rule; docs/agents.md has the table): n (choice i > 0
+  continues in session `{sid}.n{i}`, named in the choice's `session_id`), tools / tool_choice, stream +
+  stream_options, logprobs + top_logprobs, stop (one-token strings), seed, max_(completion_)tokens;
+  temperature / top_p other than the run's are refused or recorded (`sampling_policy`).
   Reply shaped like OpenAI's (generators/openai_response.py): choices[i].message.content / tool_calls,
   finish_reason (`stop`, `length`, `tool_calls`), usage, optional logprobs; or SSE chunks ending `[DONE]`.
 - `POST /v1/sessions/{sid}/reward` `{reward, group_id?, turn_rewards?, metadata?}` closes the session into
   trajectories handed to the sink (the runner passes the queue's put); `DELETE /v1/sessions/{sid}` drops it.
-- `GET /v1/models`, `GET /health` (with the proxy's counters, e.g. `tool_call_parse_errors`).
+- `GET /v1/models` and `/v1/models/{model}` (also under `/v1/sessions/{sid}`), `GET /health` (with the
+  proxy's counters, e.g. `tool_call_parse_errors`), `GET /openapi.json` (generators/proxy_openapi.py: every
+  route, body and answer). A known path with a wrong method is a 405 with `Allow`.
 
 Sessions, segments and token-in/token-out are kept by `ProxySessions` (generators/proxy_session.py, whose
 docstring states their invariants); this module is its HTTP front and the `openai_proxy` generator.
 Bad input gets a 4xx whose `param` names the field.
-Hardening: with a `token` every route but /health needs `Authorization: Bearer <token>` (401; never logged)
+Hardening: with a `token` every route but /health and /openapi.json needs `Authorization: Bearer <token>` (401; never logged)
 and a non-loopback host without one is refused; bodies over `max_body_bytes` get 413, bodies (and headers)
 not sent within `read_timeout_s` get 408 (or the connection is closed).
 """
@@ -35,6 +37,7 @@ import msgspec
 from aiohttp import web
 
 from agentrl.engines.base import Engine, SamplingParams
+from agentrl.engines.wire import integral_floats
 from agentrl.errors import ConfigError, QueueClosed, QueueFull
 from agentrl.generator import RolloutContext
 from agentrl.net import bearer_ok, is_loopback
@@ -42,7 +45,8 @@ from agentrl.plugins import load_object
 from agentrl.types import ROLES, Trajectory, validation_field
 from generators.anthropic_messages import add_routes as add_anthropic_routes
 from generators.openai_response import chunks, completion
-from generators.openai_schema import chat_decoder, encoder, error_body, reward_decoder
+from generators.openai_schema import ChatRequest, chat_decoder, encoder, error_body, reward_decoder
+from generators.proxy_openapi import OPEN_PATHS, openapi_spec
 
 # Segment, Session and RequestError stay importable from here
 from generators.proxy_session import ProxySessions, RequestError, Segment, Session  # noqa: F401
@@ -68,10 +72,12 @@ class OpenAIProxy(ProxySessions):
         max_body_bytes: int = 16 << 20,
         read_timeout_s: float = 30.0,
         tool_parser: str = "",
+        sampling_policy: str = "refuse",
     ):
         super().__init__(
-            engines, tokenizer, sampling, max_seq_len, model_name, env_name, session_timeout_s, tool_parser
-        )
+            engines, tokenizer, sampling, max_seq_len, model_name, env_name, session_timeout_s, tool_parser,
+            sampling_policy,
+        )  # fmt: skip
         self.sink = sink
         self.token, self.max_body_bytes, self.read_timeout_s = token, max_body_bytes, read_timeout_s
         self.runner: web.AppRunner | None = None
@@ -85,8 +91,14 @@ class OpenAIProxy(ProxySessions):
         app.router.add_post("/v1/sessions/{sid}/chat/completions", self._chat)
         app.router.add_post("/v1/sessions/{sid}/reward", self._reward)
         app.router.add_delete("/v1/sessions/{sid}", self._drop)
-        app.router.add_get("/v1/models", self._models)
+        for prefix in (
+            "/v1",
+            "/v1/sessions/{sid}",
+        ):  # models.list() / retrieve() under a session base URL too
+            app.router.add_get(f"{prefix}/models", self._models)
+            app.router.add_get(f"{prefix}/models/{{model}}", self._model)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/openapi.json", self._openapi)
         add_anthropic_routes(app, self)  # POST /v1/messages (generators/anthropic_messages.py)
         return app
 
@@ -125,7 +137,7 @@ class OpenAIProxy(ProxySessions):
         """Bearer token (all routes but /health); HTTP errors of aiohttp as OpenAI-shaped JSON."""
         if (
             self.token
-            and request.path != "/health"
+            and request.path not in OPEN_PATHS
             and not bearer_ok(request.headers.get("Authorization", ""), self.token)
         ):
             resp = self._error(RequestError(401, "missing or wrong bearer token", "Authorization"))
@@ -133,6 +145,13 @@ class OpenAIProxy(ProxySessions):
             return resp
         try:
             return await handler(request)
+        except web.HTTPMethodNotAllowed as exc:
+            allow = exc.headers["Allow"]
+            resp = self._error(
+                RequestError(405, f"{request.method} is not allowed on {request.path}: use {allow}", "method")
+            )
+            resp.headers["Allow"] = allow
+            return resp
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -158,7 +177,12 @@ class OpenAIProxy(ProxySessions):
         try:
             body = await self._body(request)
             try:
-                req = chat_decoder.decode(body)
+                try:
+                    req = chat_decoder.decode(body)
+                except msgspec.ValidationError as exc:
+                    if "got `float`" not in str(exc):
+                        raise
+                    req = msgspec.convert(integral_floats(msgspec.json.decode(body)), ChatRequest)
             except msgspec.ValidationError as exc:
                 raise RequestError(400, f"invalid request: {exc}", validation_field(exc)) from None
             except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
@@ -225,10 +249,23 @@ class OpenAIProxy(ProxySessions):
             return self._error(RequestError(404, f"unknown session '{sid}'", "session_id"))
         return self._json({"session_id": sid, "dropped": True})
 
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "agentrl"}
+
     async def _models(self, request: web.Request) -> web.Response:
-        return self._json(
-            {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "agentrl"}]}
-        )
+        return self._json({"object": "list", "data": [self._model_card()]})
+
+    async def _model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.model_name:
+            return self._error(
+                RequestError(404, f"unknown model {name!r}; this proxy serves {self.model_name!r}", "model")
+            )
+        return self._json(self._model_card())
+
+    async def _openapi(self, request: web.Request) -> web.Response:
+        spec = openapi_spec(sampling=self.sampling, policy=self.sampling_policy, max_seq_len=self.max_seq_len)
+        return self._json(spec)
 
     async def _health(self, request: web.Request) -> web.Response:
         return self._json(
@@ -249,7 +286,8 @@ async def proxy_for(ctx: RolloutContext) -> OpenAIProxy:
 
         async def start() -> OpenAIProxy:
             proxy = OpenAIProxy([ctx.engine], ctx.tokenizer, sampling=ctx.sampling, max_seq_len=ctx.max_seq_len,
-                                env_name=ctx.env_name, tool_parser=ctx.extra.get("tool_parser", ""))  # fmt: skip
+                                env_name=ctx.env_name, tool_parser=ctx.extra.get("tool_parser", ""),
+                                sampling_policy=ctx.extra.get("proxy_sampling", "refuse"))  # fmt: skip
             await proxy.start(ctx.extra.get("proxy_host", "127.0.0.1"))
             return proxy
 

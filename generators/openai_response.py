@@ -4,6 +4,8 @@ content as one delta per decoded token (deltas that join to exactly the content)
 name delta then an arguments delta, a last chunk per choice with `finish_reason` (and the logprobs when
 asked), a usage chunk when `stream_options.include_usage`, then `[DONE]`. Errors are reported before the
 first byte, as JSON with a 4xx/5xx status, never mid-stream.
+Logprobs carry each token's true bytes (generators/token_bytes.py) and, when asked, its top logprobs as the
+engine reported them; `system_fingerprint` names the policy version of the reply's last token.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from generators.token_bytes import token_bytes
 
 
 @dataclass
@@ -27,14 +31,26 @@ class Choice:
     text_ids: list[int]  # the part of them the reply's text shows (a user stop string is left out)
     prefill: str = ""  # text given before the reply (tool_choice required / named)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per reply token, when asked
+    policy_version: int = 0  # of the reply's last token
+
+
+def fingerprint(choices: list[Choice]) -> str:
+    return f"agentrl-policy-v{max(c.policy_version for c in choices)}"
 
 
 def _logprobs(tokenizer: Any, choice: Choice) -> dict[str, Any]:
-    pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in choice.reply_ids]
+    to_bytes = token_bytes(tokenizer)
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        return {"token": text, "logprob": logprob, "bytes": list(to_bytes(token_id)), "token_id": token_id}
+
+    tops = choice.top_logprobs or [[] for _ in choice.reply_ids]
     return {
         "content": [
-            {"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": [], "token_id": t}
-            for p, lp, t in zip(pieces, choice.logprobs, choice.reply_ids, strict=True)
+            {**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+            for t, lp, top in zip(choice.reply_ids, choice.logprobs, tops, strict=True)
         ]
     }
 
@@ -59,6 +75,7 @@ def completion(model: str, tokenizer: Any, choices: list[Choice], logprobs: bool
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
+        "system_fingerprint": fingerprint(choices),
         "choices": out,
         "usage": _usage(choices),
     }
@@ -83,7 +100,7 @@ def chunks(
     model: str, tokenizer: Any, choices: list[Choice], logprobs: bool, include_usage: bool
 ) -> Iterator[dict[str, Any]]:
     base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": model}  # fmt: skip
+            "created": int(time.time()), "model": model, "system_fingerprint": fingerprint(choices)}  # fmt: skip
     usage: dict[str, Any] = {"usage": None} if include_usage else {}
 
     def chunk(c: Choice, delta: dict[str, Any], finish: str | None = None, lp: Any = None) -> dict[str, Any]:

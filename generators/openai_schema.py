@@ -1,67 +1,79 @@
-"""Request/response shapes of the OpenAI-compatible proxy (the subset agents use), as msgspec Structs.
+"""Request/response shapes of the OpenAI-compatible proxy, as msgspec Structs.
 
-Requests tolerate unknown fields (SDKs send many); the fields read here are type-checked, and a wrong one is
-reported as a 400 naming it (`param`), the way OpenAI reports invalid requests.
+Every request field is type-checked and a wrong one is reported as a 400 naming it (`param`), the way OpenAI
+reports invalid requests. Unknown fields are refused (at the top level and inside messages, tools and
+options): a field the proxy would not act on must not be silently ignored. Which values of the known fields
+are honoured is generators/openai_params.py's rule.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
 
-class ContentPart(msgspec.Struct):
-    type: str = "text"
-    text: str = ""
+class _Strict(msgspec.Struct, forbid_unknown_fields=True):
+    pass
 
 
-class FunctionCall(msgspec.Struct):
+class ContentPart(_Strict):
+    text: str
+    type: Literal["text"] = "text"  # images and audio cannot reach a text model's tokens
+
+
+class FunctionCall(_Strict):
     name: str
     arguments: str = "{}"  # a JSON string, as OpenAI sends it
 
 
-class ToolCall(msgspec.Struct):
+class ToolCall(_Strict):
     function: FunctionCall
     id: str = ""
-    type: str = "function"
+    type: Literal["function"] = "function"
 
 
-class ChatMessage(msgspec.Struct):
+class ChatMessage(_Strict):
     role: str
     content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    refusal: Literal[""] | None = None  # an SDK's echo of a reply the proxy sent (never a refusal)
 
 
-class FunctionDef(msgspec.Struct):
+class FunctionDef(_Strict):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(msgspec.Struct):
+class Tool(_Strict):
     function: FunctionDef
-    type: str = "function"
+    type: Literal["function"] = "function"
 
 
-class NamedFunction(msgspec.Struct):
+class NamedFunction(_Strict):
     name: str
 
 
-class NamedToolChoice(msgspec.Struct):
+class NamedToolChoice(_Strict):
     function: NamedFunction
-    type: str = "function"
+    type: Literal["function"] = "function"
 
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class ChatRequest(msgspec.Struct, kw_only=True):
+class ResponseFormat(_Strict):
+    type: str  # only "text" is honoured (openai_params); the others' options are not read
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatRequest(_Strict, kw_only=True):
     messages: list[ChatMessage]
     model: str = ""
     temperature: float | None = None
@@ -79,6 +91,10 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     parallel_tool_calls: bool | None = None
     seed: int | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 class RewardRequest(msgspec.Struct, kw_only=True):
@@ -98,7 +114,7 @@ def message_text(message: ChatMessage) -> str:
         return ""
     if isinstance(message.content, str):
         return message.content
-    return "".join(part.text for part in message.content if part.type == "text")
+    return "".join(part.text for part in message.content)
 
 
 def tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:

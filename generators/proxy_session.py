@@ -31,17 +31,19 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from agentrl.engines.base import Engine, SamplingParams
+from agentrl.engines.base import Engine, GenerateOutput, SamplingParams
 from agentrl.errors import AgentRLError
 from agentrl.generator import RolloutContext
 from agentrl.types import Trajectory
 from generators.chat import chat_tokens
 from generators.multi_turn import TokenLog, generate_turn
+from generators.openai_params import SAMPLING_POLICIES, RequestError, turn_sampling
 from generators.openai_response import Choice
 from generators.openai_schema import (
     ChatMessage,
@@ -54,14 +56,6 @@ from generators.openai_schema import (
 )
 from generators.tool_parsers import ToolParser, parser_for
 
-MAX_N = 64
-
-
-class RequestError(Exception):
-    def __init__(self, status: int, message: str, param: str = ""):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
 
 @dataclass
 class Segment:
@@ -71,6 +65,7 @@ class Segment:
     last_reply: list[int] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
     tool_call_errors: int = 0
+    turn_sampling: list[dict[str, float]] = field(default_factory=list)  # per turn ("record" policy)
 
 
 @dataclass
@@ -105,9 +100,15 @@ class ProxySessions:
         env_name: str = "openai_proxy",
         session_timeout_s: float = 3600.0,
         tool_parser: str = "",
+        sampling_policy: str = "refuse",
     ):
         if not engines:
             raise AgentRLError("OpenAIProxy needs at least one engine")
+        if sampling_policy not in SAMPLING_POLICIES:
+            raise AgentRLError(
+                f"rollout.proxy_sampling must be one of {list(SAMPLING_POLICIES)}, got {sampling_policy!r}"
+            )
+        self.sampling_policy = sampling_policy
         self.engines, self.tokenizer = engines, tokenizer
         self.chat = chat_tokens(tokenizer)
         self.sampling = sampling or SamplingParams()
@@ -128,41 +129,6 @@ class ProxySessions:
             session = self.sessions[sid] = Session(sid, index)
         session.last_used = time.monotonic()
         return session
-
-    def _sampling(self, req: ChatRequest) -> SamplingParams:
-        if not 1 <= req.n <= MAX_N:
-            raise RequestError(400, f"n must be in [1, {MAX_N}]", "n")
-        if req.temperature is not None and req.temperature < 0:
-            raise RequestError(400, "temperature must be >= 0", "temperature")
-        if req.top_p is not None and not 0 < req.top_p <= 1:
-            raise RequestError(400, "top_p must be in (0, 1]", "top_p")
-        max_tokens = next(
-            (v for v in (req.max_completion_tokens, req.max_tokens) if v is not None),
-            self.sampling.max_new_tokens,
-        )
-        if max_tokens < 1:
-            raise RequestError(400, "max_tokens must be >= 1", "max_tokens")
-        if max_tokens > self.max_seq_len:
-            raise RequestError(
-                400, f"max_tokens {max_tokens} exceeds max_seq_len = {self.max_seq_len}", "max_tokens"
-            )
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        stop_ids = set(self.sampling.stop_token_ids) | set(self.chat.stop_ids)
-        for text in stops:
-            ids = self.chat.encode(text)
-            if len(ids) != 1:
-                raise RequestError(
-                    400, f"stop string {text!r} is not a single token; only such stops are supported", "stop"
-                )
-            stop_ids.add(ids[0])
-        return msgspec.structs.replace(
-            self.sampling,
-            temperature=self.sampling.temperature if req.temperature is None else req.temperature,
-            top_p=self.sampling.top_p if req.top_p is None else req.top_p,
-            max_new_tokens=max_tokens,
-            seed=req.seed if req.seed is not None else self.sampling.seed,
-            stop_token_ids=sorted(stop_ids),
-        )
 
     def _tool_plan(self, req: ChatRequest) -> ToolPlan:
         tools = tool_dicts(req.tools)
@@ -228,7 +194,7 @@ class ProxySessions:
         """Run one chat turn (n choices) of session `sid`; raises RequestError on bad input or failure."""
         if not req.messages:
             raise RequestError(400, "messages must not be empty", "messages")
-        sampling = self._sampling(req)
+        sampling = turn_sampling(req, self.sampling, self.chat, self.max_seq_len, self.sampling_policy)
         plan = self._tool_plan(req)
         keys = [turn_key(m) for m in req.messages]
         turns = [template_message(m) for m in req.messages]
@@ -239,7 +205,7 @@ class ProxySessions:
             forks = [self._fork(session, sid if i == 0 else f"{sid}.n{i}") for i in range(req.n)]
             taken = [f.id for f in forks[1:] if f.id in self.sessions]
             if taken:
-                raise RequestError(400, f"session {taken[0]!r} of an earlier n > 1 turn is still open", "n")
+                raise RequestError(409, f"session {taken[0]!r} of an earlier n > 1 turn is still open", "n")
             seeded = [
                 sampling
                 if sampling.seed is None
@@ -273,7 +239,8 @@ class ProxySessions:
     ) -> Choice:
         seg, mark = self._segment_for(session, keys, turns, plan)
         engine = self.engines[session.engine_index]
-        ctx = RolloutContext(engine=engine, tokenizer=self.tokenizer, make_env=_no_env, env_name=self.env_name,
+        recorder = _TopRecorder(engine)
+        ctx = RolloutContext(engine=recorder, tokenizer=self.tokenizer, make_env=_no_env, env_name=self.env_name,
                              sampling=sampling, max_seq_len=self.max_seq_len)  # fmt: skip
         self.in_flight[session.engine_index] += 1
         try:
@@ -284,9 +251,10 @@ class ProxySessions:
                         400, f"conversation exceeds max_seq_len = {self.max_seq_len} tokens", "messages"
                     )
             start = len(seg.log.response_ids)
-            out, reply = await generate_turn(
-                ctx, seg.log, sampling, f"{session.id}.{len(seg.finish_reasons)}"
-            )
+            # a fresh id per attempt: an engine may still hold the id of an attempt it aborted (SGLang keeps
+            # the id of a request aborted while queued and refuses it again)
+            rid = f"{session.id}.{len(seg.finish_reasons)}.{uuid.uuid4().hex[:8]}"
+            out, reply = await generate_turn(ctx, seg.log, sampling, rid)
             if out.finish_reason == "abort":
                 raise RequestError(503, "the engine aborted the request (weight update); retry")
         except Exception as exc:  # undo this turn so the session stays consistent for a retry
@@ -318,9 +286,13 @@ class ProxySessions:
         seg.messages = [*keys, turn_key(sent)]
         seg.last_reply = reply
         seg.finish_reasons.append(out.finish_reason)
+        if self.sampling_policy == "record":
+            seg.turn_sampling.append({"temperature": sampling.temperature, "top_p": sampling.top_p})
         return Choice(index=index, session_id=session.id, content=content, tool_calls=calls,
                       finish_reason=finish, prompt_tokens=len(seg.log) - len(reply), reply_ids=reply,
-                      text_ids=text_ids, prefill=plan.prefill, logprobs=seg.log.logprobs[start:])  # fmt: skip
+                      text_ids=text_ids, prefill=plan.prefill, logprobs=seg.log.logprobs[start:],
+                      top_logprobs=recorder.top[-len(reply):] if sampling.top_logprobs and reply else [],
+                      policy_version=seg.log.versions[-1] if seg.log.versions else engine.policy_version)  # fmt: skip
 
     def _existing(self, sid: str) -> Session:
         session = self.sessions.get(sid)
@@ -370,6 +342,8 @@ class ProxySessions:
                 "finish_reasons": seg.finish_reasons,
                 "tool_call_errors": seg.tool_call_errors,
             }
+            if self.sampling_policy == "record":
+                meta["turn_sampling"] = seg.turn_sampling
             out.append(
                 seg.log.trajectory(
                     id=base if k == 0 else f"{base}.{k}",
@@ -383,6 +357,27 @@ class ProxySessions:
                     finished_at=time.time(),
                 )
             )
+        return out
+
+
+class _TopRecorder:
+    """The engine as a turn sees it, keeping the top logprobs of every request of the turn (a reply continued
+    after an abort spans several requests, and the turn returns only the last output)."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.top = engine, []
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+                       ) -> GenerateOutput:  # fmt: skip
+        out = await self.engine.generate(input_ids, sampling, request_id=request_id)
+        if sampling.top_logprobs:
+            if out.top_logprobs is None or len(out.top_logprobs) != len(out.output_ids):
+                raise AgentRLError("the engine did not return top_logprobs for every token")
+            self.top += out.top_logprobs
         return out
 
 

@@ -17,6 +17,8 @@ TOOLS = [
         "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}},
     {"type": "function", "function": {"name": "mul", "parameters": {"type": "object", "properties": {}}}},
 ]  # fmt: skip
+# the openai SDK's chat.completions.stream parses the calls of strict tools only
+STRICT_TOOLS = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 
 

@@ -12,7 +12,8 @@ import openai
 import pytest
 from gen_support import HFEngine
 from gen_support import scripted_replies as scripted
-from sdk_support import CALL, TOOLS, Live, Q, assert_recorded, sent
+from sdk_support import CALL, Live, Q, assert_recorded, sent
+from sdk_support import STRICT_TOOLS as TOOLS
 
 from agentrl.engines.base import SamplingParams
 from agentrl.types import mask, tokens
@@ -23,7 +24,7 @@ from generators.openai_proxy import OpenAIProxy
 async def test_plain_chat_with_the_sdk(tiny, tok):
     async with Live(scripted(tiny, tok, "5", "It is five."), tok) as live:
         client = live.client("plain")
-        first = await client.chat.completions.create(model="m", messages=Q, temperature=0)
+        first = await client.chat.completions.create(model="m", messages=Q)
         assert first.choices[0].message.content == "5" and first.choices[0].finish_reason == "stop"
         history = [*Q, sent(first.choices[0].message), {"role": "user", "content": "In words?"}]
         second = await client.chat.completions.create(model="m", messages=history)

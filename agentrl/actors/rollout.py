@@ -84,7 +84,10 @@ class RolloutWorker:
     # -- rollout -----------------------------------------------------------------------------------------
 
     def _context(self, engine: Engine, sampling: SamplingParams, request_prefix: str) -> RolloutContext:
-        extra: dict[str, Any] = {"request_prefix": request_prefix}
+        extra: dict[str, Any] = {
+            "request_prefix": request_prefix,
+            "proxy_sampling": self.cfg.rollout.proxy_sampling,
+        }
         if self.cfg.rollout.agent:
             extra["agent"] = self.cfg.rollout.agent
         return RolloutContext(

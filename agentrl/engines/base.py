@@ -5,7 +5,9 @@ holds runs of `(policy_version, n_tokens)` summing to `len(output_ids)`); `logpr
 `log_softmax(logits / temperature)[output_ids[i]]`: the distribution sampled from when top_p = 1 and
 top_k = -1, and the same quantity the learner computes, so importance ratios compare like with like
 (top-p/top-k truncation is left out of the logprob on purpose, as in slime and SGLang). Greedy
-(temperature 0) reports the temperature-1 logprob.
+(temperature 0) reports the temperature-1 logprob. `top_logprobs = k > 0` asks for each generated token's k
+most likely tokens under that same distribution (`GenerateOutput.top_logprobs[i]`: `(token_id, logprob)`
+pairs, most likely first).
 This module imports no torch.
 """
 
@@ -31,6 +33,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     stop_token_ids: list[int] = []
     seed: int | None = None
     ignore_eos: bool = False
+    top_logprobs: int = 0  # k most likely tokens reported per generated token (0: none)
 
 
 class GenerateOutput(msgspec.Struct, kw_only=True):
@@ -39,6 +42,7 @@ class GenerateOutput(msgspec.Struct, kw_only=True):
     finish_reason: FinishReason
     versions: list[tuple[int, int]]
     prompt_tokens: int = 0
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per output token when asked (SamplingParams)
 
 
 class InvalidRequest(EngineError):

@@ -144,6 +144,10 @@ class EmbeddedEngine(Engine):
             raise InvalidRequest("sampling_params.top_p", f"must be in (0, 1], got {sampling.top_p}")
         if sampling.top_k == 0 or sampling.top_k < -1:
             raise InvalidRequest("sampling_params.top_k", f"must be -1 (off) or >= 1, got {sampling.top_k}")
+        if not 0 <= sampling.top_logprobs <= self.spec.vocab_size:
+            raise InvalidRequest(
+                "top_logprobs_num", f"must be in [0, {self.spec.vocab_size}], got {sampling.top_logprobs}"
+            )
 
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
@@ -307,6 +311,7 @@ class EmbeddedEngine(Engine):
                     finish_reason=reason,
                     versions=versions,
                     prompt_tokens=len(req.prompt),
+                    top_logprobs=req.top_logprobs if req.sampling.top_logprobs else None,
                 )
             )
 
@@ -367,13 +372,13 @@ class EmbeddedEngine(Engine):
                     step = loop.run_in_executor(self._executor, self.runner.decode, batch, moves, n)
                 started = time.perf_counter()
                 try:
-                    tokens, logps = await step
+                    tokens, logps, tops = await step
                 except Exception as exc:  # a failed step fails its requests, not the engine
                     self._fail_running(EngineError(f"engine step failed: {exc!r}"))
                     continue
             self._count(can_admit, batch, len(tokens), time.perf_counter() - started)
             self.steps += len(tokens)
-            self._record(batch, tokens, logps, version)
+            self._record(batch, tokens, logps, version, tops)
 
     def _steps_for(self, batch: list[Request]) -> int:
         """Decode steps this iteration: `decode_steps`, no more than the longest remaining request needs,
@@ -400,16 +405,16 @@ class EmbeddedEngine(Engine):
         self._pending_moves.clear()
         self._idle.set()
 
-    def _record(self, batch: list[Request], tokens: list[list[int]], logps: list[list[float]], version: int
-                ) -> None:  # fmt: skip
+    def _record(self, batch: list[Request], tokens: list[list[int]], logps: list[list[float]], version: int,
+                tops: Any = None) -> None:  # fmt: skip
         """Append each step's token to each row until the row finishes (later steps of that row are dropped)."""
         done: list[tuple[Request, str]] = []
         finished: set[int] = set()
-        for step_tokens, step_logps in zip(tokens, logps, strict=True):
+        for s, (step_tokens, step_logps) in enumerate(zip(tokens, logps, strict=True)):
             for i, (req, tok, lp) in enumerate(zip(batch, step_tokens, step_logps, strict=True)):
                 if i in finished:
                     continue
-                req.add(tok, lp, version)
+                req.add(tok, lp, version, tops[s][i] if tops else None)
                 if tok in req.stop_ids:
                     done.append((req, "stop"))
                 elif (

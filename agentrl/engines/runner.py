@@ -17,12 +17,13 @@ import torch
 
 from agentrl.engines.base import DiskSource, DistributedSource, SamplingParams, TensorSource, WeightSource
 from agentrl.engines.model import CausalLM, KVCache, ModelSpec
-from agentrl.engines.sampling import BatchSampling, sample
+from agentrl.engines.sampling import BatchSampling, sample, top_logprobs
 from agentrl.errors import EngineError, WeightSyncError
 
 log = logging.getLogger(__name__)
 _SERIALS = itertools.count()
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+Tops = list[list[list[tuple[int, float]]]] | None  # [steps][row] -> (token id, logprob), when any row asks
 
 
 @dataclass(eq=False)
@@ -37,6 +38,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # when sampling asks
     abort_requested: bool = False
     serial: int = field(default_factory=lambda: next(_SERIALS))
 
@@ -44,9 +46,13 @@ class Request:
         """Tokens already in the KV cache (the last sampled token is fed on the next step)."""
         return len(self.prompt) + len(self.output_ids) - 1
 
-    def add(self, token: int, logprob: float, version: int) -> None:
+    def add(
+        self, token: int, logprob: float, version: int, top: list[tuple[int, float]] | None = None
+    ) -> None:
         self.output_ids.append(token)
         self.logprobs.append(logprob)
+        if self.sampling.top_logprobs:
+            self.top_logprobs.append(top or [])
         if self.versions and self.versions[-1][0] == version:
             self.versions[-1][1] += 1
         else:
@@ -172,17 +178,31 @@ class ModelRunner:
         return self._sampling_cache[1], gens
 
     @staticmethod
+    def _top_k(batch: list[Request]) -> int:
+        return max(r.sampling.top_logprobs for r in batch)
+
+    @staticmethod
     def _to_host(
-        tokens: list[torch.Tensor], logps: list[torch.Tensor]
-    ) -> tuple[list[list[int]], list[list[float]]]:
-        """Each step's sampled tokens and logprobs [B] -> host lists [steps][row], with one device sync."""
+        tokens: list[torch.Tensor], logps: list[torch.Tensor], batch: list[Request], tops: list[Any]
+    ) -> tuple[list[list[int]], list[list[float]], Tops]:
+        """Each step's sampled tokens and logprobs [B] -> host lists [steps][row], with one device sync; the
+        top logprobs (when asked) cut to each row's own k."""
         both = torch.stack((torch.stack(tokens).to(torch.float64), torch.stack(logps).to(torch.float64)))
         host = both.tolist()
-        return [[int(t) for t in row] for row in host[0]], host[1]
+        out_tops: Tops = None
+        if tops:
+            ks = [r.sampling.top_logprobs for r in batch]
+            values = torch.stack([v for v, _ in tops]).tolist()
+            ids = torch.stack([i for _, i in tops]).tolist()
+            out_tops = [
+                [list(zip(ids[s][r][: ks[r]], values[s][r][: ks[r]], strict=True)) for r in range(len(batch))]
+                for s in range(len(tops))
+            ]
+        return [[int(t) for t in row] for row in host[0]], host[1], out_tops
 
     def prefill(
         self, batch: list[Request], slot0: int, moves: list
-    ) -> tuple[list[list[int]], list[list[float]]]:
+    ) -> tuple[list[list[int]], list[list[float]], Tops]:
         """Prompts into the cache and each row's first token: the same [steps][row] shape as `decode` (1 step)."""
         self._apply_moves(moves)
         lengths = [len(r.prompt) for r in batch]
@@ -196,11 +216,12 @@ class ModelRunner:
         params, gens = self._batch_sampling(batch)
         at = torch.tensor([n - 1 for n in lengths], device=self.device)  # each prompt's last position
         sampled, logps = sample(logits, params, gens, self.generator, at)
-        return self._to_host([sampled], [logps])
+        k = self._top_k(batch)
+        return self._to_host([sampled], [logps], batch, [top_logprobs(logits, params, k)] if k else [])
 
     def decode(
         self, batch: list[Request], moves: list, steps: int = 1
-    ) -> tuple[list[list[int]], list[list[float]]]:
+    ) -> tuple[list[list[int]], list[list[float]], Tops]:
         """`steps` decode steps for `batch` with one host synchronisation: each step's sampled tokens feed the
         next on the device. Returns tokens and logprobs per step ([steps][row]); the caller drops what a row
         produced after it finished (its extra K/V stay inside its own slot, below max_seq_len)."""
@@ -209,19 +230,21 @@ class ModelRunner:
         positions = [r.kv_len() for r in batch]
         tokens = torch.tensor([r.output_ids[-1] for r in batch], dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        top = max(positions)
-        out_tokens, out_logps = [], []
+        top, k = max(positions), self._top_k(batch)
+        out_tokens, out_logps, out_tops = [], [], []
         for step in range(steps):
             max_len = min(self.max_seq_len, (top + step + 1 + 31) // 32 * 32)
             if self.graphs is not None:
                 logits = self.graphs(tokens, pos, max_len)
             else:
                 logits = self.model.decode(tokens, pos, self.cache, max_len, attention=self.attention)
+            if k:  # before sampling: a graph's logits buffer is only valid until the next replay
+                out_tops.append(top_logprobs(logits, params, k))
             tokens, logps = sample(logits, params, gens, self.generator, pos)
             out_tokens.append(tokens)
             out_logps.append(logps)
             pos = pos + 1
-        return self._to_host(out_tokens, out_logps)
+        return self._to_host(out_tokens, out_logps, batch, out_tops)
 
 
 def _use_triton(option: str, value: str, other: str, device: torch.device) -> bool:

@@ -9,6 +9,7 @@ Two implementations of the same draw: on CUDA with Triton, batches without top-p
 otherwise torch ops, with one noise tensor for the batch, rows with their own `torch.Generator` drawing from
 it. Either way a seeded request samples the same tokens whatever else is in the batch (the two paths draw
 different tokens for the same seed).
+`top_logprobs` reads the k most likely tokens of that same reported distribution, for requests that ask.
 """
 
 from __future__ import annotations
@@ -77,3 +78,12 @@ def sample(
     if params.any_greedy:
         tokens = torch.where(temps > 0, tokens, logits.argmax(dim=-1))
     return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+
+def top_logprobs(logits: torch.Tensor, params: BatchSampling, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`logits` [B, V] -> (logprobs [B, k] fp32, token ids [B, k] int64): each row's k most likely tokens under
+    the distribution whose logprob `sample` reports (temperature T, T = 1 for greedy rows), most likely first."""
+    temps = params.temperature
+    safe_t = torch.where(temps > 0, temps, torch.ones_like(temps))
+    logp = torch.log_softmax(logits.float() / safe_t[:, None], dim=-1)
+    return logp.topk(min(k, logp.shape[-1]), dim=-1)

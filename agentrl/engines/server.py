@@ -2,10 +2,11 @@
 
 Routes: POST /generate, /update_weights_from_disk, /update_weights_from_tensor, /init_weights_update_group,
 /update_weights_from_distributed, /pause_generation, /continue_generation, /flush_cache, /abort_request;
-GET /health, /health_generate, /get_model_info, /get_server_info. Bodies are JSON (msgpack is accepted for
+GET /health, /health_generate, /get_model_info, /get_server_info, /openapi.json (engines/openapi.py: every
+route, body and answer; a known path with a wrong method is a 405 with `Allow`). Bodies are JSON (msgpack is accepted for
 /update_weights_from_tensor). Every bad request is a 4xx `{"error": {"message", "field", "code"}}` naming the
 field; engine failures are 5xx. `EngineServer` hosts it in-process (start() returns the URL, stop()).
-Hardening: with a `token` every route but /health and /health_generate needs `Authorization: Bearer <token>`
+Hardening: with a `token` every route but /health, /health_generate and /openapi.json needs `Authorization: Bearer <token>`
 (401 otherwise; the token is never logged) and a non-loopback host without one is refused; bodies are
 capped at `max_body_bytes` (weight tensors at `max_tensor_bytes`): 413; a client must send its body within
 `read_timeout_s` (408) and its headers within that time too (the connection is closed).
@@ -33,12 +34,12 @@ from aiohttp import web
 from agentrl.engines import wire
 from agentrl.engines.base import DiskSource, DistributedSource, InvalidRequest, TensorSource
 from agentrl.engines.embedded import EmbeddedEngine
+from agentrl.engines.openapi import OPEN_PATHS, openapi_spec
 from agentrl.errors import ConfigError, EngineError, WeightSyncError
 from agentrl.net import bearer_ok, is_loopback
 
 _PAUSE_MODES = {"abort": "abort", "wait": "wait", "keep": "keep", "in_place": "keep", "retract": "keep"}
 _DECODERS: dict[type, msgspec.json.Decoder] = {}
-_OPEN_PATHS = {"/health", "/health_generate"}
 TOKEN_ENV = "AGENTRL_ENGINE_TOKEN"
 HELD_IDS_MAX = 65_536  # ids of queued-then-aborted requests kept registered (oldest forgotten first)
 
@@ -87,7 +88,13 @@ async def _decode(request: web.Request, cls: type) -> Any:
         if request.content_type in ("application/msgpack", "application/x-msgpack"):
             return msgspec.msgpack.decode(raw or b"\x80", type=cls)
         decoder = _DECODERS.setdefault(cls, msgspec.json.Decoder(cls))
-        return decoder.decode(raw or b"{}")
+        try:
+            return decoder.decode(raw or b"{}")
+        except msgspec.ValidationError as exc:
+            if "got `float`" not in str(exc):
+                raise
+            # JSON (and JSON Schema) count 5.0 as an integer: read integral floats as integers
+            return msgspec.convert(wire.integral_floats(msgspec.json.decode(raw)), cls)
     except msgspec.ValidationError as exc:
         raise BadRequest(str(exc), _field_of(str(exc))) from None
     except (msgspec.DecodeError, UnicodeDecodeError, OverflowError, RecursionError) as exc:
@@ -153,6 +160,7 @@ class EngineServer:
             self.app.router.add_get(path, self.health)
         self.app.router.add_get("/get_model_info", self.model_info)
         self.app.router.add_get("/get_server_info", self.server_info)
+        self.app.router.add_get("/openapi.json", self.openapi)
 
     async def start(self) -> str:
         if not self.token and not is_loopback(self.host):
@@ -180,7 +188,7 @@ class EngineServer:
     async def _errors(self, request: web.Request, handler):
         try:
             authorization = request.headers.get("Authorization", "")
-            if self.token and request.path not in _OPEN_PATHS and not bearer_ok(authorization, self.token):
+            if self.token and request.path not in OPEN_PATHS and not bearer_ok(authorization, self.token):
                 body = wire.error_body("missing or wrong bearer token", "Authorization", 401)
                 return web.json_response(body, status=401, headers={"WWW-Authenticate": "Bearer"})
             return await handler(request)
@@ -193,6 +201,12 @@ class EngineServer:
             return web.json_response(body, status=500)
         except EngineError as exc:
             return web.json_response(wire.error_body(str(exc), None, 503), status=503)
+        except web.HTTPMethodNotAllowed as exc:
+            allow = exc.headers["Allow"]
+            body = wire.error_body(
+                f"{request.method} is not allowed on {request.path}: use {allow}", "method", 405
+            )
+            return web.json_response(body, status=405, headers={"Allow": allow})
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -208,7 +222,7 @@ class EngineServer:
             raise BadRequest("send token ids in input_ids (text prompts are not supported)", "input_ids")
         if req.stream:
             raise BadRequest("streaming is not supported", "stream")
-        sampling = req.sampling_params.to_sampling()
+        sampling = req.to_sampling()
         self.engine.validate(req.input_ids, sampling)
         rid = req.rid or uuid.uuid4().hex
         if rid in self._rids or rid in self._held:
@@ -337,6 +351,10 @@ class EngineServer:
                 "arch": e.spec.arch,
             }
         )
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        spec = openapi_spec(vocab_size=self.engine.vocab_size, max_seq_len=self.engine.max_seq_len)
+        return web.json_response(spec)
 
     async def server_info(self, request: web.Request) -> web.Response:
         info = await self.engine.health()

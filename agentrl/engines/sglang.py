@@ -127,13 +127,7 @@ class SGLangEngine(Engine):
     ) -> GenerateOutput:
         self._ensure()
         await self._gate.wait()
-        body: dict[str, Any] = {
-            "input_ids": list(input_ids),
-            "sampling_params": wire.sampling_to_wire(sampling),
-            "return_logprob": True,
-        }
-        if request_id is not None:
-            body["rid"] = request_id
+        body = wire.generate_body(input_ids, sampling, request_id)
         self._in_flight += 1
         self._drained.clear()
         try:

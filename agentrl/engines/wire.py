@@ -2,7 +2,9 @@
 
 Shared by `agentrl serve-engine` (server.py) and the SGLang client (sglang.py). Request bodies are msgspec
 Structs with `forbid_unknown_fields`, so a misspelt key is a 400 that names it. Field names follow SGLang
-0.5.x (`/generate`: input_ids, sampling_params, return_logprob, rid; `/update_weights_from_*`:
+0.5.x (`/generate`: input_ids, sampling_params, return_logprob, top_logprobs_num (answered in
+`meta_info.output_top_logprobs`: per output token, `[logprob, token_id, null]` most likely first), rid;
+`/update_weights_from_*`:
 weight_version as a string, flush_cache, abort_all_requests). agentrl's additions: `meta_info.agentrl_versions`
 (per-token version runs) and `load_format = "agentrl_safetensors"` for `/update_weights_from_tensor` (base64
 or raw-msgpack safetensors bytes, works on CPU; SGLang's own format is a pickled CUDA-IPC payload).
@@ -12,7 +14,7 @@ Imports no torch at module level.
 from __future__ import annotations
 
 import base64
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -20,6 +22,9 @@ from agentrl.engines.base import GenerateOutput, SamplingParams
 
 AGENTRL_TENSOR_FORMAT = "agentrl_safetensors"
 VERSIONS_KEY = "agentrl_versions"
+# bounds decoding enforces (and /openapi.json states, engines/openapi.py); the engine checks the rest
+Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -29,14 +34,14 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class WireSamplingParams(_Body, omit_defaults=True):
     """SGLang's sampling_params subset that agentrl implements (`sampling_seed` is SGLang's name for seed)."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 128
-    stop_token_ids: list[int] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)] = -1  # -1 (off) or >= 1
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] = 128
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    seed: int | None = None
-    sampling_seed: int | None = None
+    seed: Seed | None = None
+    sampling_seed: Seed | None = None
 
     def to_sampling(self) -> SamplingParams:
         seed = self.sampling_seed if self.sampling_seed is not None else self.seed
@@ -49,6 +54,17 @@ class WireSamplingParams(_Body, omit_defaults=True):
             seed=seed,
             ignore_eos=self.ignore_eos,
         )
+
+
+def generate_body(input_ids: list[int], sp: SamplingParams, rid: str | None = None) -> dict[str, Any]:
+    """The `/generate` request for one engine request (top logprobs travel as SGLang's `top_logprobs_num`)."""
+    body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling_to_wire(sp),
+                            "return_logprob": True}  # fmt: skip
+    if sp.top_logprobs:
+        body["top_logprobs_num"] = sp.top_logprobs
+    if rid is not None:
+        body["rid"] = rid
+    return body
 
 
 def sampling_to_wire(sp: SamplingParams) -> dict[str, Any]:
@@ -68,12 +84,16 @@ def sampling_to_wire(sp: SamplingParams) -> dict[str, Any]:
 
 
 class GenerateRequest(_Body):
-    input_ids: list[int] | None = None
+    input_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)] | None = None
     sampling_params: WireSamplingParams = msgspec.field(default_factory=WireSamplingParams)
     return_logprob: bool = False
+    top_logprobs_num: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] = 0
     rid: str | None = None
     stream: bool = False
     logprob_start_len: int = -1
+
+    def to_sampling(self) -> SamplingParams:
+        return msgspec.structs.replace(self.sampling_params.to_sampling(), top_logprobs=self.top_logprobs_num)
 
 
 class DiskUpdateRequest(_Body):
@@ -147,10 +167,24 @@ def generate_response(out: GenerateOutput, rid: str, return_logprob: bool, sampl
         meta["output_token_logprobs"] = [
             [lp, tok, None] for lp, tok in zip(out.logprobs, out.output_ids, strict=True)
         ]
+        if out.top_logprobs is not None:
+            meta["output_top_logprobs"] = [[[lp, tok, None] for tok, lp in top] for top in out.top_logprobs]
     body: dict[str, Any] = {"output_ids": out.output_ids, "meta_info": meta}
     if text is not None:
         body["text"] = text
     return body
+
+
+def integral_floats(value: Any) -> Any:
+    """Decoded JSON with integral floats (5.0) made integers, recursively: JSON and JSON Schema count 5.0 as an
+    integer, msgspec's typed decoding does not. For a second decode after a `got float` validation error."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [integral_floats(v) for v in value]
+    if isinstance(value, dict):
+        return {k: integral_floats(v) for k, v in value.items()}
+    return value
 
 
 def parse_version(text: Any, default: int) -> int:
@@ -177,12 +211,18 @@ def parse_generate_response(body: dict[str, Any], default_version: int) -> Gener
     else:
         version = parse_version(meta.get("weight_version"), default_version)
         versions = [(version, len(output_ids))] if output_ids else []
+    tops = meta.get("output_top_logprobs")
+    if tops is not None:
+        tops = [[(int(t[1]), float(t[0])) for t in top or []] for top in tops]
+        if len(tops) != len(output_ids):
+            raise ValueError(f"{len(tops)} top-logprob lists for {len(output_ids)} output ids")
     return GenerateOutput(
         output_ids=output_ids,
         logprobs=logprobs,
         finish_reason=finish,
         versions=versions,
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        top_logprobs=tops,
     )
 
 
