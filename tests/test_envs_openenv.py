@@ -1,0 +1,122 @@
+"""OpenEnv environments through agentrl: a word game written here with OpenEnv's server classes
+(`Environment`, `Action`, `Observation`, `create_app`) is served by a real uvicorn subprocess, started by the
+`openenv` adapter as OpenEnv's templates serve an app, and played over OpenEnv's WebSocket client by the
+multi_turn generator on the tiny model. A server killed mid-episode, or one that stops answering, fails the
+episode with an error naming the server and the cause, instead of hanging."""
+
+import textwrap
+
+import pytest
+from gen_support import scripted_replies
+
+from agentrl.engines.base import SamplingParams
+from agentrl.envs import env_factory, make_env
+from agentrl.envs.openenv import _servers, stop_servers
+from agentrl.errors import EnvError
+from agentrl.generator import RolloutContext
+from agentrl.types import mask, tokens
+from generators.multi_turn import generate
+
+WORD_GAME = """
+import time
+
+from openenv.core.env_server import Action, Environment, Observation, State, create_app
+
+
+class WordAction(Action):
+    message: str
+
+
+class WordObservation(Observation):
+    prompt: str = ""
+
+
+class WordEnv(Environment):
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self):
+        super().__init__()
+        self._state, self.secret = State(step_count=0), ""
+
+    def reset(self, seed=None, episode_id=None, **kwargs):
+        self._state = State(episode_id=episode_id, step_count=0)
+        self.secret = ["apple", "pear", "plum"][(seed or 0) % 3]
+        return WordObservation(prompt=f"Say the word {self.secret}.")
+
+    def step(self, action, timeout_s=None, **kwargs):
+        self._state.step_count += 1
+        if action.message == "wait":
+            time.sleep(20)
+        if action.message.strip() == self.secret:
+            return WordObservation(prompt="Correct.", done=True, reward=1.0)
+        if self._state.step_count >= 3:
+            return WordObservation(prompt="Out of turns.", done=True, reward=0.0)
+        return WordObservation(prompt=f"No. Say {self.secret}.", reward=-0.1)
+
+    @property
+    def state(self):
+        return self._state
+
+
+app = create_app(WordEnv, WordAction, WordObservation, env_name="word_game", max_concurrent_envs=8)
+"""
+
+
+@pytest.fixture
+def game(tmp_path):
+    (tmp_path / "word_game.py").write_text(textwrap.dedent(WORD_GAME))
+    yield {"app": "word_game:app", "cwd": str(tmp_path), "observation_field": "prompt"}
+    stop_servers()
+
+
+def context(engine, tok, kwargs):
+    return RolloutContext(engine=engine, tokenizer=tok, make_env=env_factory("openenv", kwargs), env_name="openenv",
+                          sampling=SamplingParams(max_new_tokens=20), max_turns=4)  # fmt: skip
+
+
+async def test_word_game_is_played_over_the_openenv_client(game, tiny, tok):
+    env = make_env("openenv", game)
+    (task,) = env.sample_tasks(0, 1)  # seed 0: the secret is "apple"
+    engine = scripted_replies(tiny, tok, "pear", "apple")
+    traj = await generate(context(engine, tok, game), task, "t0", "g0")
+    assert (
+        traj.status == "completed" and traj.turn_rewards == [-0.1, 1.0] and traj.reward == pytest.approx(0.9)
+    )
+    text = tok.decode(tokens(traj.prompt_ids).tolist() + tokens(traj.response_ids).tolist())
+    assert text.index("Say the word apple.") < text.index("pear") < text.index("No. Say apple.")
+    assert text.rstrip().endswith("apple<|im_end|>")
+    trained = [t for t, m in zip(tokens(traj.response_ids).tolist(), mask(traj).tolist(), strict=True) if m]
+    assert tok.decode(trained) == "pear<|im_end|>apple<|im_end|>"  # the env's feedback is not trained
+
+
+async def test_a_server_killed_mid_episode_fails_clearly_and_the_next_episode_restarts_it(game, tiny, tok):
+    env = make_env("openenv", game)
+    opening = await env.reset({"seed": 1})
+    assert opening[-1].content == "Say the word pear."
+    (server,) = _servers.values()
+    server.process.kill()
+    with pytest.raises(EnvError, match=r"openenv server word_game:app: step failed: .*exited with code -9"):
+        await env.step("plum")
+    fresh = make_env("openenv", game)
+    assert (await fresh.reset({"seed": 2}))[-1].content == "Say the word plum."  # a new server process
+    (restarted,) = _servers.values()
+    assert restarted.process.pid != server.process.pid
+    gone = make_env("openenv", {"url": server.url, "connect_timeout_s": 2.0})
+    with pytest.raises(EnvError, match=rf"openenv server {server.url}: connect failed: ConnectionError"):
+        await gone.reset({"seed": 0})
+    await fresh.close()
+
+
+async def test_a_server_that_stops_answering_times_out(game, tiny, tok):
+    kwargs = {**game, "message_timeout_s": 1.0}
+    with pytest.raises(EnvError, match=r"step failed: no reply within env.kwargs.message_timeout_s = 1.0s"):
+        await generate(context(scripted_replies(tiny, tok, "wait"), tok, kwargs), {"seed": 0}, "t0", "g0")
+
+
+def test_bad_kwargs_name_the_field(game):
+    with pytest.raises(EnvError, match="exactly one of app"):
+        make_env("openenv", {**game, "url": "http://127.0.0.1:1"})
+    with pytest.raises(EnvError, match=r"env\.kwargs\.app = 'word_game'"):
+        make_env("openenv", {**game, "app": "word_game"})
+    with pytest.raises(EnvError, match=r"env\.kwargs\.message_timeout_s = 0"):
+        make_env("openenv", {**game, "message_timeout_s": 0})
