@@ -4,6 +4,7 @@
 multi_turn generator on the tiny model. A server killed mid-episode, or one that stops answering, fails the
 episode with an error naming the server and the cause, instead of hanging."""
 
+import sys
 import textwrap
 
 import pytest
@@ -120,3 +121,10 @@ def test_bad_kwargs_name_the_field(game):
         make_env("openenv", {**game, "app": "word_game"})
     with pytest.raises(EnvError, match=r"env\.kwargs\.message_timeout_s = 0"):
         make_env("openenv", {**game, "message_timeout_s": 0})
+
+
+def test_without_the_extra_one_line_names_the_install(game, monkeypatch):
+    monkeypatch.setitem(sys.modules, "openenv.core", None)  # as if openenv-core were not installed
+    with pytest.raises(EnvError) as err:
+        make_env("openenv", game)
+    assert "\n" not in str(err.value) and str(err.value).endswith("pip install 'agentrl[openenv]'")

@@ -6,6 +6,7 @@ the trajectory decodes to the conversation verifiers' client sent and received, 
 are trained, and that the reward is the rubric's."""
 
 import json
+import sys
 import textwrap
 
 import pytest
@@ -266,3 +267,10 @@ def test_tasks_are_seeded_and_carry_the_taskset_data(packages):
     assert first == env.sample_tasks(7, 4)
     assert sorted(t["prompt"] for t in first) == ["Say 0", "Say 1", "Say 2", "Say 3"]  # no repeats
     assert env.task(first[0]).data.answer == first[0]["vf_task"]["answer"]
+
+
+def test_without_the_extra_one_line_names_the_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "verifiers.v1", None)  # as if verifiers were not installed
+    with pytest.raises(EnvError) as err:
+        make_env("verifiers", {"env_id": "r2vf_not_installed"})
+    assert "\n" not in str(err.value) and str(err.value).endswith("pip install 'agentrl[verifiers]'")
