@@ -4,6 +4,7 @@
 multi_turn generator on the tiny model. A server killed mid-episode, or one that stops answering, fails the
 episode with an error naming the server and the cause, instead of hanging."""
 
+import asyncio
 import sys
 import textwrap
 
@@ -11,7 +12,7 @@ import pytest
 from gen_support import scripted_replies
 
 from agentrl.engines.base import SamplingParams
-from agentrl.envs import env_factory, make_env
+from agentrl.envs import env_factory, make_env, openenv
 from agentrl.envs.openenv import _servers, stop_servers
 from agentrl.errors import EnvError
 from agentrl.generator import RolloutContext
@@ -128,3 +129,23 @@ def test_without_the_extra_one_line_names_the_install(game, monkeypatch):
     with pytest.raises(EnvError) as err:
         make_env("openenv", game)
     assert "\n" not in str(err.value) and str(err.value).endswith("pip install 'agentrl[openenv]'")
+
+
+async def test_concurrent_episodes_share_one_server(game, monkeypatch):
+    started, start = [], openenv._start
+
+    async def counted(*args):
+        started.append(args)
+        return await start(*args)
+
+    monkeypatch.setattr(openenv, "_start", counted)
+    envs = [make_env("openenv", game) for _ in range(3)]
+    openings = await asyncio.gather(*(env.reset({"seed": k}) for k, env in enumerate(envs)))
+    assert [o[-1].content for o in openings] == [
+        "Say the word apple.",
+        "Say the word pear.",
+        "Say the word plum.",
+    ]
+    assert len(started) == 1  # one uvicorn process, not one per episode
+    for env in envs:
+        await env.close()

@@ -75,6 +75,7 @@ class _Server:
 
 
 _servers: dict[tuple[str, str], _Server] = {}
+_starting: dict[tuple[int, tuple[str, str]], asyncio.Lock] = {}  # per event loop: one start at a time
 
 
 def _wait_quietly(process: subprocess.Popen, timeout_s: float) -> None:
@@ -165,19 +166,25 @@ class OpenEnvEnv(AgentEnv):
         self.client_cls = load_object(client, "env.kwargs.client") if client else core.GenericEnvClient
         self.max_turns = max_turns
         self.session: Any = None
-        self.where = url or app
+        self.where, self.url = url or app, url
 
     def sample_tasks(self, seed: int, n: int) -> list[dict[str, Any]]:
         """OpenEnv environments make their own episodes: a task is the seed passed to `reset`."""
         return [{"seed": seed * 1000 + i} for i in range(n)]
 
     async def _server_url(self) -> str:
+        """The server's URL; the first episode of a process starts it, the others wait for that start."""
         if self.kwargs["url"]:
             return self.kwargs["url"]
         key = (self.kwargs["app"], self.kwargs["cwd"])
         server = _servers.get(key)
         if server is None or not server.alive():
-            server = _servers[key] = await _start(key[0], key[1], self.kwargs["startup_timeout_s"])
+            async with _starting.setdefault((id(asyncio.get_running_loop()), key), asyncio.Lock()):
+                server = _servers.get(key)
+                if server is None or not server.alive():
+                    if server is not None:
+                        server.stop()
+                    server = _servers[key] = await _start(key[0], key[1], self.kwargs["startup_timeout_s"])
         return server.url
 
     async def _failure(self, call: str, exc: BaseException) -> EnvError:
@@ -213,8 +220,8 @@ class OpenEnvEnv(AgentEnv):
 
     async def reset(self, task: dict[str, Any]) -> list[Message]:
         await self.close()
-        url = await self._server_url()
-        self.session = self.client_cls(base_url=url, connect_timeout_s=self.kwargs["connect_timeout_s"],
+        self.url = await self._server_url()
+        self.session = self.client_cls(base_url=self.url, connect_timeout_s=self.kwargs["connect_timeout_s"],
                                        message_timeout_s=self.kwargs["message_timeout_s"])  # fmt: skip
         kwargs = {**(self.kwargs["reset_kwargs"] or {}), **({"seed": task["seed"]} if "seed" in task else {})}
         result = await self._call("connect", self.session.connect())
