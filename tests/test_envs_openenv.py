@@ -12,8 +12,8 @@ import pytest
 from gen_support import scripted_replies
 
 from agentrl.engines.base import SamplingParams
-from agentrl.envs import env_factory, make_env, openenv
-from agentrl.envs.openenv import _servers, stop_servers
+from agentrl.envs import env_factory, make_env, openenv_env
+from agentrl.envs.openenv_env import _servers, stop_servers
 from agentrl.errors import EnvError
 from agentrl.generator import RolloutContext
 from agentrl.types import mask, tokens
@@ -132,13 +132,13 @@ def test_without_the_extra_one_line_names_the_install(game, monkeypatch):
 
 
 async def test_concurrent_episodes_share_one_server(game, monkeypatch):
-    started, start = [], openenv._start
+    started, start = [], openenv_env._start
 
     async def counted(*args):
         started.append(args)
         return await start(*args)
 
-    monkeypatch.setattr(openenv, "_start", counted)
+    monkeypatch.setattr(openenv_env, "_start", counted)
     envs = [make_env("openenv", game) for _ in range(3)]
     openings = await asyncio.gather(*(env.reset({"seed": k}) for k, env in enumerate(envs)))
     assert [o[-1].content for o in openings] == [
