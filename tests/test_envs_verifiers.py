@@ -152,6 +152,11 @@ def packages(tmp_path, monkeypatch):
         "r2vf_multi": {"__init__.py": MULTI},
         "r2vf_tool": {"__init__.py": TOOL_TASKSET, "tools.py": TOOLS},
         "r2vf_broken": {"__init__.py": SINGLE.replace("len(trace.last_reply) <= 3", "1 / 0")},
+        "r2vf_badload": {
+            "__init__.py": SINGLE.replace(
+                "return [SayTask", "raise LookupError('no words corpus')\n        return [SayTask"
+            )
+        },
     }.items():
         (tmp_path / name).mkdir()
         for file, text in files.items():
@@ -259,6 +264,10 @@ def test_missing_env_id_and_tasks_are_clear(packages):
         make_env("verifiers", {})
     with pytest.raises(EnvError, match=r"r2vf_nonexistent.*failed to load"):
         make_env("verifiers", {"env_id": "r2vf_nonexistent"})
+    with pytest.raises(
+        EnvError, match=r"'r2vf_badload': its taskset's load\(\) failed: LookupError: no words corpus"
+    ):
+        make_env("verifiers", {"env_id": "r2vf_badload"}).sample_tasks(0, 1)
 
 
 def test_tasks_are_seeded_and_carry_the_taskset_data(packages):

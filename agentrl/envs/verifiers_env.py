@@ -126,7 +126,16 @@ class VerifiersEnv(AgentEnv):
     def sample_tasks(self, seed: int, n: int) -> list[dict[str, Any]]:
         """`n` of the taskset's tasks chosen by `seed` (without repeats while n <= the taskset's size)."""
         if self._tasks is None:
-            self._tasks = list(islice(iter(self.vf_env.taskset), self.max_tasks))
+            try:
+                self._tasks = list(islice(iter(self.vf_env.taskset), self.max_tasks))
+            except Exception as exc:  # the taskset's own load(): any error, named with the env it came from
+                first = next(
+                    (line.strip() for line in str(exc).splitlines() if any(map(str.isalnum, line))), ""
+                )
+                raise EnvError(
+                    f"verifiers env '{self.kwargs['env_id']}': its taskset's load() failed: "
+                    f"{type(exc).__name__}: {first}"
+                ) from exc
             if not self._tasks:
                 raise EnvError(f"verifiers env '{self.kwargs['env_id']}' has no tasks")
         rng = random.Random(seed)
