@@ -64,11 +64,26 @@ app = create_app(WordEnv, WordAction, WordObservation, env_name="word_game", max
 """
 
 
-@pytest.fixture
-def game(tmp_path):
-    (tmp_path / "word_game.py").write_text(textwrap.dedent(WORD_GAME))
-    yield {"app": "word_game:app", "cwd": str(tmp_path), "observation_field": "prompt"}
+def write_game(path):
+    (path / "word_game.py").write_text(textwrap.dedent(WORD_GAME))
+    return {"app": "word_game:app", "cwd": str(path), "observation_field": "prompt"}
+
+
+@pytest.fixture(scope="module")
+def game(tmp_path_factory):
+    """One server for the module's tests (each episode has a session, and an env instance, of its own)."""
+    yield write_game(tmp_path_factory.mktemp("game"))
     stop_servers()
+
+
+@pytest.fixture
+def own_game(tmp_path):
+    """A server of the test's own: it is killed, or its start is counted."""
+    kwargs = write_game(tmp_path)
+    yield kwargs
+    server = _servers.pop((kwargs["app"], kwargs["cwd"]), None)
+    if server is not None:
+        server.stop()
 
 
 def context(engine, tok, kwargs):
@@ -91,18 +106,18 @@ async def test_word_game_is_played_over_the_openenv_client(game, tiny, tok):
     assert tok.decode(trained) == "pear<|im_end|>apple<|im_end|>"  # the env's feedback is not trained
 
 
-async def test_a_server_killed_mid_episode_fails_clearly_and_the_next_episode_restarts_it(game, tiny, tok):
-    env = make_env("openenv", game)
+async def test_a_server_killed_mid_episode_fails_clearly_and_the_next_episode_restarts_it(own_game):
+    key = (own_game["app"], own_game["cwd"])
+    env = make_env("openenv", own_game)
     opening = await env.reset({"seed": 1})
     assert opening[-1].content == "Say the word pear."
-    (server,) = _servers.values()
+    server = _servers[key]
     server.process.kill()
     with pytest.raises(EnvError, match=r"openenv server word_game:app: step failed: .*exited with code -9"):
         await env.step("plum")
-    fresh = make_env("openenv", game)
+    fresh = make_env("openenv", own_game)
     assert (await fresh.reset({"seed": 2}))[-1].content == "Say the word plum."  # a new server process
-    (restarted,) = _servers.values()
-    assert restarted.process.pid != server.process.pid
+    assert _servers[key].process.pid != server.process.pid
     gone = make_env("openenv", {"url": server.url, "connect_timeout_s": 2.0})
     with pytest.raises(EnvError, match=rf"openenv server {server.url}: connect failed: ConnectionError"):
         await gone.reset({"seed": 0})
@@ -131,7 +146,7 @@ def test_without_the_extra_one_line_names_the_install(game, monkeypatch):
     assert "\n" not in str(err.value) and str(err.value).endswith("pip install 'agentrl[openenv]'")
 
 
-async def test_concurrent_episodes_share_one_server(game, monkeypatch):
+async def test_concurrent_episodes_share_one_server(own_game, monkeypatch):
     started, start = [], openenv_env._start
 
     async def counted(*args):
@@ -139,7 +154,7 @@ async def test_concurrent_episodes_share_one_server(game, monkeypatch):
         return await start(*args)
 
     monkeypatch.setattr(openenv_env, "_start", counted)
-    envs = [make_env("openenv", game) for _ in range(3)]
+    envs = [make_env("openenv", own_game) for _ in range(3)]
     openings = await asyncio.gather(*(env.reset({"seed": k}) for k, env in enumerate(envs)))
     assert [o[-1].content for o in openings] == [
         "Say the word apple.",
