@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 from typing import Any
 
 import msgspec
@@ -62,8 +63,16 @@ def _trace_meta(trace: Any, env_id: str) -> dict[str, Any]:
         name: None if r is None else {"score": r.score, "weight": r.weight}
         for name, r in trace.rewards.items()
     }
-    return {"verifiers": {"env_id": env_id, "trace_id": trace.id, "agent": trace.agent.name, "rewards": rewards,
-                          "metrics": dict(trace.metrics), "stop_condition": trace.stop_condition}}  # fmt: skip
+    return {
+        "verifiers": {
+            "env_id": env_id,
+            "trace_id": trace.id,
+            "agent": trace.agent.name,
+            "rewards": rewards,
+            "metrics": dict(trace.metrics),
+            "stop_condition": trace.stop_condition,
+        }
+    }
 
 
 def _errors(episode: Any) -> list[str]:
@@ -81,9 +90,10 @@ async def play(
     ctx: RolloutContext, task: dict[str, Any], trajectory_id: str, group_id: str
 ) -> tuple[Trajectory, Any]:
     """One verifiers episode of `task`: the trajectory and verifiers' own `Episode` (its traces hold the
-    conversation each agent's client sent and received). The first trainable agent's session is the returned trajectory
-    (`trajectory_id`); other trainable sessions and rewritten-history segments go to `ctx.extra["sink"]`
-    when given (ids `trajectory_id.a{k}`, `....{segment}`), else they are dropped and counted in metadata."""
+    conversation each agent's client sent and received). The first trainable agent's session is the returned
+    trajectory (`trajectory_id`); other trainable sessions and rewritten-history segments go to
+    `ctx.extra["sink"]` when given (ids `trajectory_id.a{k}`, then `.{segment}`), else they are dropped and
+    counted in `metadata["dropped_segments"]`."""
     env = ctx.make_env()
     if not isinstance(env, VerifiersEnv):
         raise ConfigError(
@@ -123,14 +133,16 @@ async def play(
         )
     main = next((t for t in produced if t.id == trajectory_id), None)
     if main is None:
-        failed = Trajectory(id=trajectory_id, group_id=group_id, env=ctx.env_name, status="failed",
-                            metadata={"verifiers": {"env_id": env_id}, "error": "the model produced no token"})  # fmt: skip
+        meta = {"verifiers": {"env_id": env_id}, "error": "the model produced no token"}
+        failed = Trajectory(
+            id=trajectory_id, group_id=group_id, env=ctx.env_name, status="failed", metadata=meta
+        )
         return failed, episode
     rest = [t for t in produced if t is not main]
     sink = ctx.extra.get("sink")
     if rest and sink is not None:
         result = sink(rest)
-        if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
+        if inspect.isawaitable(result):
             await result
     meta = {**main.metadata, "dropped_segments": 0 if sink is not None else len(rest)}
     return msgspec.structs.replace(main, env=ctx.env_name, metadata=meta), episode

@@ -87,8 +87,14 @@ def own_game(tmp_path):
 
 
 def context(engine, tok, kwargs):
-    return RolloutContext(engine=engine, tokenizer=tok, make_env=env_factory("openenv", kwargs), env_name="openenv",
-                          sampling=SamplingParams(max_new_tokens=20), max_turns=4)  # fmt: skip
+    make = env_factory("openenv", kwargs)
+    return RolloutContext(
+        engine=engine,
+        tokenizer=tok,
+        make_env=make,
+        env_name="openenv",
+        sampling=SamplingParams(max_new_tokens=20),
+    )
 
 
 async def test_word_game_is_played_over_the_openenv_client(game, tiny, tok):

@@ -166,10 +166,12 @@ def packages(tmp_path, monkeypatch):
     return tmp_path
 
 
-def context(engine, tok, env_id, sink=None):
-    extra = {"sink": sink} if sink is not None else {}
-    return RolloutContext(engine=engine, tokenizer=tok, make_env=env_factory("verifiers", {"env_id": env_id}),
-                          env_name="verifiers", sampling=SamplingParams(max_new_tokens=80), extra=extra)  # fmt: skip
+def context(engine, tok, env_id):
+    make = env_factory("verifiers", {"env_id": env_id})
+    sampling = SamplingParams(max_new_tokens=80)
+    return RolloutContext(
+        engine=engine, tokenizer=tok, make_env=make, env_name="verifiers", sampling=sampling
+    )
 
 
 async def run(ctx, env_id, seed=0):
