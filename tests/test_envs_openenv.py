@@ -22,6 +22,8 @@ from generators.multi_turn import generate
 WORD_GAME = """
 import time
 
+from openenv.core.client_types import StepResult
+from openenv.core.env_client import EnvClient
 from openenv.core.env_server import Action, Environment, Observation, State, create_app
 
 
@@ -61,6 +63,19 @@ class WordEnv(Environment):
 
 
 app = create_app(WordEnv, WordAction, WordObservation, env_name="word_game", max_concurrent_envs=8)
+
+
+class WordClient(EnvClient[WordAction, WordObservation, State]):  # a typed client, as env packages ship
+
+    def _step_payload(self, action):
+        return action.model_dump()
+
+    def _parse_result(self, payload):
+        obs = WordObservation(**payload["observation"], reward=payload.get("reward"), done=payload["done"])
+        return StepResult(observation=obs, reward=obs.reward, done=obs.done)
+
+    def _parse_state(self, payload):
+        return State(**payload)
 """
 
 
@@ -110,6 +125,15 @@ async def test_word_game_is_played_over_the_openenv_client(game, tiny, tok):
     assert text.rstrip().endswith("apple<|im_end|>")
     trained = [t for t, m in zip(tokens(traj.response_ids).tolist(), mask(traj).tolist(), strict=True) if m]
     assert tok.decode(trained) == "pear<|im_end|>apple<|im_end|>"  # the env's feedback is not trained
+
+
+async def test_a_typed_client_gets_typed_actions(game, monkeypatch):
+    monkeypatch.syspath_prepend(game["cwd"])
+    env = make_env("openenv", {**game, "client": "word_game:WordClient"})
+    assert (await env.reset({"seed": 3}))[-1].content == "Say the word apple."
+    result = await env.step("apple")
+    assert result.done and result.reward == 1.0
+    await env.close()
 
 
 async def test_a_server_killed_mid_episode_fails_clearly_and_the_next_episode_restarts_it(own_game):
