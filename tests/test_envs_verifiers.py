@@ -92,6 +92,31 @@ class GuessEnv(vf.Env[GuessConfig]):
 __all__ = ["GuessTaskset", "GuessEnv"]
 '''
 
+DUO = """
+import verifiers.v1 as vf
+
+from r2vf_single import SayTaskset
+
+
+class DuoConfig(vf.EnvConfig):
+    player: vf.AgentConfig = vf.AgentConfig()
+    coach: vf.AgentConfig = vf.AgentConfig()
+
+
+class DuoEnv(vf.Env[DuoConfig]):
+    # the player answers, then an untrainable coach answers the same task
+
+    async def setup(self, agents):
+        agents.coach.trainable = False
+
+    async def run(self, task, agents):
+        await agents.player.run(task)
+        await agents.coach.run(task)
+
+
+__all__ = ["SayTaskset", "DuoEnv"]
+"""
+
 TOOLS = '''
 import verifiers.v1 as vf
 
@@ -151,6 +176,7 @@ def packages(tmp_path, monkeypatch):
         "r2vf_single": {"__init__.py": SINGLE},
         "r2vf_multi": {"__init__.py": MULTI},
         "r2vf_tool": {"__init__.py": TOOL_TASKSET, "tools.py": TOOLS},
+        "r2vf_duo": {"__init__.py": DUO},
         "r2vf_broken": {"__init__.py": SINGLE.replace("len(trace.last_reply) <= 3", "1 / 0")},
         "r2vf_badload": {
             "__init__.py": SINGLE.replace(
@@ -251,6 +277,20 @@ async def test_tool_env_calls_the_python_tool_over_mcp(packages, tiny, tok):
     assert traj.metadata["tool_call_errors"] == 0 and traj.metadata["segments"] == 1
     assert_recorded(tok, traj, trace)
     assert traj.reward == 1.0
+
+
+async def test_each_agent_is_its_own_session_and_untrainable_seats_are_not_trained(packages, tiny, tok):
+    engine = scripted_replies(tiny, tok, "1", "22")
+    _, traj, episode = await run(context(engine, tok, "r2vf_duo"), "r2vf_duo")
+    player, coach = sorted(episode.traces, key=lambda t: t.agent.name != "player")
+    assert (player.last_reply, coach.last_reply) == ("1", "22") and not coach.agent.trainable
+    assert (
+        traj.metadata["verifiers"]["trace_id"] == player.id
+        and traj.metadata["verifiers"]["agent"] == "player"
+    )
+    assert traj.metadata["segments"] == 1 and traj.metadata["dropped_segments"] == 0
+    assert_recorded(tok, traj, player)  # the coach's turn is not in the player's trajectory
+    assert traj.reward == player.reward
 
 
 async def test_a_failing_reward_function_gives_a_failed_trajectory(packages, tiny, tok):
