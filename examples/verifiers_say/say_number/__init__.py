@@ -24,7 +24,10 @@ class SayConfig(vf.TasksetConfig):
 class SayTaskset(vf.Taskset[SayTask, SayConfig]):
     def load(self):
         return [
-            SayTask(SayData(prompt=f"Reply with the number {i} and nothing else.", answer=str(i)), self.config.task)
+            SayTask(
+                SayData(prompt=f"Reply with the number {i} and nothing else.", answer=str(i)),
+                self.config.task,
+            )
             for i in range(self.config.num_tasks)
         ]
 
