@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 # failed start delete); lock files stay, they are how the next owner is kept out.
 RUN_FILES = (
     "config.toml", "metrics.jsonl", "metrics.tmp", LEDGER_NAME, WAL_NAME, f"{WAL_NAME}.tmp", "queue_url",
-    "summary.json", "events", "checkpoints", "published",
+    "summary.json", "events", "checkpoints", "published", "proxy.json",
 )  # fmt: skip
 SUMMARY_FILE = "summary.json"
 STOPPED = {
