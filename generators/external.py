@@ -18,7 +18,8 @@ An agent's loop (examples/agents/external_http_agent.py; URLs in runs/NAME/proxy
 A claimed task with no request from its agent (task server or its proxy session) for
 `rollout.external_timeout_s` ends as an `aborted` trajectory: what the session recorded, reward 0,
 `metadata.abandoned` (with nothing recorded the worker drops it, as any empty trajectory).
-`GET /v1/tasks` lists parked and claimed tasks; `GET /health` answers without a token. With
+Evaluation episodes (`run.eval_every`) are parked like training ones. `GET /v1/tasks` lists parked and
+claimed tasks; `GET /health` answers without a token. With
 `rollout.proxy_token` every other route (and the proxy) needs `Authorization: Bearer <token>`; a non-loopback
 `rollout.proxy_host` without one is refused.
 """
@@ -38,7 +39,7 @@ from agentrl.envs.base import AgentEnv
 from agentrl.errors import ConfigError
 from agentrl.generator import RolloutContext
 from agentrl.net import bearer_ok, is_loopback
-from agentrl.types import Trajectory
+from agentrl.types import Trajectory, validation_field
 from generators.endpoints import record_endpoint
 from generators.openai_proxy import proxy_for, session_trajectory
 from generators.openai_schema import error_body
@@ -226,8 +227,7 @@ async def _decode(request: web.Request, kind: type) -> Any:
     try:
         return msgspec.json.decode(await request.read(), type=kind)
     except msgspec.ValidationError as exc:
-        field_name = str(exc).rsplit("$.", 1)[-1].split("`")[0] if "$." in str(exc) else ""
-        raise TaskError(400, f"invalid request: {exc}", field_name) from None
+        raise TaskError(400, f"invalid request: {exc}", validation_field(exc)) from None
     except msgspec.DecodeError as exc:
         raise TaskError(400, f"request body is not valid JSON: {exc}") from None
 
