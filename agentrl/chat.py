@@ -186,12 +186,14 @@ def chat_tokens(tokenizer: Any) -> ChatTokens:
 
 
 def conversation_tokens(
-    chat: ChatTokens, messages: list[Message] | list[dict[str, Any]]
+    chat: ChatTokens,
+    messages: list[Message] | list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[list[int], list[int], list[int]]:
     """(prompt_ids, response_ids, loss_mask) of a whole conversation, exactly as a multi-turn rollout (or a
     proxy session) that produced it would hold it: the opening messages are the prompt; each assistant
     message is its content's tokens plus the end-of-turn token (mask 1); the messages after it are the
-    template delta (mask 0). Raises InvalidTrajectory naming `messages...` when the conversation cannot be
+    template delta (mask 0); `tools` are rendered as the proxy renders a request's. Raises InvalidTrajectory naming `messages...` when the conversation cannot be
     tokenized so."""
     turns = _as_dicts(messages)
     first = next((i for i, m in enumerate(turns) if m["role"] == "assistant"), None)
@@ -203,7 +205,7 @@ def conversation_tokens(
     if not chat.has_template:
         raise InvalidTrajectory("messages", "the tokenizer has no chat template")
     try:
-        prompt = chat.prompt_ids(turns[:first])
+        prompt = chat.prompt_ids(turns[:first], tools=tools)
     except EnvError as exc:
         raise InvalidTrajectory("messages", str(exc)) from None
     response: list[int] = []
@@ -219,7 +221,7 @@ def conversation_tokens(
             j += 1
         if j > i + 1:
             try:
-                delta = chat.delta_ids(turns[i + 1 : j], reply)
+                delta = chat.delta_ids(turns[i + 1 : j], reply, tools=tools)
             except EnvError as exc:
                 raise InvalidTrajectory(f"messages[{i + 1}]", str(exc)) from None
             response += delta
@@ -228,10 +230,13 @@ def conversation_tokens(
     return prompt, response, mask
 
 
-def demonstration_tokens(tokenizer: Any, messages: list[Message]) -> tuple[list[int], list[int], list[int]]:
+def demonstration_tokens(
+    tokenizer: Any, messages: list[Message] | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> tuple[list[int], list[int], list[int]]:
     """(prompt_ids, response_ids, loss_mask) of a demonstration conversation, tokenized exactly as a
-    multi-turn rollout of it would be (assistant tokens + end-of-turn: mask 1; env deltas: mask 0)."""
+    multi-turn rollout of it would be (assistant tokens + end-of-turn: mask 1; env deltas: mask 0), or, with
+    `tools` (OpenAI function schemas), as the proxy records a session that sent them."""
     try:
-        return conversation_tokens(chat_tokens(tokenizer), messages)
+        return conversation_tokens(chat_tokens(tokenizer), messages, tools)
     except InvalidTrajectory as exc:
         raise EnvError(f"cannot tokenize the demonstration: {exc}") from None

@@ -19,6 +19,8 @@ COMMANDS = [
     ("run", "agentrl.runner.cli", "train: rollout -> replay queue -> learner -> publish (sync, or --async)"),
     ("serve-queue", "agentrl.queue.cli", "serve the replay queue over HTTP for external agents"),
     ("serve-engine", "agentrl.engines.cli", "serve the embedded engine with SGLang's HTTP routes"),
+    # a plugin module (agentrl never imports `generators` statically): imported by name, like the others
+    ("serve-proxy", "generators.proxy_cli", "serve the OpenAI-compatible proxy in front of engine URLs"),
     (
         "make-tiny-model",
         "agentrl.engines.tiny_cli",

@@ -385,6 +385,20 @@ class RolloutSection(_Section):
         doc("OpenAI proxy: a request's temperature/top_p that differ from the run's are refused (400) or "
             "sampled with and recorded per turn in the trajectory's metadata"),
     ] = "refuse"  # fmt: skip
+    proxy_host: Annotated[
+        str, doc("openai_proxy / external generators: address their HTTP servers listen on (port: any free)")
+    ] = "127.0.0.1"
+    proxy_token: Annotated[
+        str, doc("openai_proxy / external generators: bearer token clients must send; required off loopback")
+    ] = ""
+    external_timeout_s: Annotated[
+        float,
+        doc(
+            "external generator: seconds a claimed task may go without a request from its agent before it "
+            "ends as an aborted trajectory",
+            gt=0,
+        ),
+    ] = 300.0
 
 
 class EnvSection(_Section):

@@ -32,7 +32,8 @@ class RolloutContext:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-BUILTIN_GENERATORS = ("multi_turn", "single_turn", "openai_proxy")  # modules of the `generators` package
+# modules of the `generators` package
+BUILTIN_GENERATORS = ("multi_turn", "single_turn", "openai_proxy", "external")
 GeneratorFn = Callable[[RolloutContext, dict[str, Any], str, str], Awaitable[Trajectory]]
 
 

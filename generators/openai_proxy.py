@@ -44,6 +44,7 @@ from agentrl.net import bearer_ok, is_loopback
 from agentrl.plugins import load_object
 from agentrl.types import ROLES, Trajectory, validation_field
 from generators.anthropic_messages import add_routes as add_anthropic_routes
+from generators.endpoints import record_endpoint
 from generators.openai_response import chunks, completion
 from generators.openai_schema import ChatRequest, chat_decoder, encoder, error_body, reward_decoder
 from generators.proxy_openapi import OPEN_PATHS, openapi_spec
@@ -287,8 +288,14 @@ async def proxy_for(ctx: RolloutContext) -> OpenAIProxy:
         async def start() -> OpenAIProxy:
             proxy = OpenAIProxy([ctx.engine], ctx.tokenizer, sampling=ctx.sampling, max_seq_len=ctx.max_seq_len,
                                 env_name=ctx.env_name, tool_parser=ctx.extra.get("tool_parser", ""),
-                                sampling_policy=ctx.extra.get("proxy_sampling", "refuse"))  # fmt: skip
+                                sampling_policy=ctx.extra.get("proxy_sampling", "refuse"),
+                                token=ctx.extra.get("proxy_token", ""))  # fmt: skip
             await proxy.start(ctx.extra.get("proxy_host", "127.0.0.1"))
+            # hook (serve-proxy / external agents, generators/endpoints.py): the URL goes to runs/NAME/proxy.json
+            name = f"w{ctx.extra.get('worker_id', 0)}.{len(_proxies) - 1}"
+            record_endpoint(
+                ctx.extra, "proxies", name, proxy.base_url, f"OpenAI proxy at {proxy.base_url}/v1"
+            )
             return proxy
 
         future = _proxies[key] = asyncio.ensure_future(start())
@@ -326,11 +333,28 @@ async def generate(
         raise
     finally:
         await env.close()
+    return await session_trajectory(proxy, ctx, sid, float(reward or 0.0), trajectory_id, group_id)
+
+
+async def session_trajectory(
+    proxy: OpenAIProxy,
+    ctx: RolloutContext,
+    sid: str,
+    reward: float,
+    trajectory_id: str,
+    group_id: str,
+    status: str = "",
+    metadata: dict[str, Any] | None = None,
+) -> Trajectory:
+    """Close session `sid` into the episode's trajectory (hook shared with generators/external.py): its last
+    segment, id `trajectory_id`; earlier segments go to `ctx.extra["sink"]` or are dropped and counted.
+    `status` overrides the trajectory's (e.g. "aborted" for an episode its agent abandoned)."""
     if sid not in proxy.sessions:
-        return Trajectory(id=trajectory_id, group_id=group_id, env=ctx.env_name, status="failed",
-                          metadata={"error": "the agent made no chat completion request"})  # fmt: skip
+        return Trajectory(id=trajectory_id, group_id=group_id, env=ctx.env_name, status=status or "failed",
+                          metadata={"error": "the agent made no chat completion request",
+                                    **(metadata or {})})  # fmt: skip
     trajs = await proxy.close_session(
-        sid, float(reward or 0.0), group_id=group_id, trajectory_id=trajectory_id
+        sid, reward, group_id=group_id, trajectory_id=trajectory_id, metadata=metadata
     )
     earlier = [msgspec.structs.replace(t, id=f"{trajectory_id}.seg{k}") for k, t in enumerate(trajs[:-1])]
     sink = ctx.extra.get("sink")
@@ -340,4 +364,6 @@ async def generate(
             await result
     last = trajs[-1]
     meta = {**last.metadata, "dropped_segments": 0 if sink is not None else len(earlier)}
-    return msgspec.structs.replace(last, id=trajectory_id, metadata=meta)
+    return msgspec.structs.replace(
+        last, id=trajectory_id, metadata=meta, **({"status": status} if status else {})
+    )

@@ -31,4 +31,10 @@ async def env_agent(base_url: str, task: dict[str, Any], env: AgentEnv) -> float
             if result.done or choice["finish_reason"] == "length":
                 break
             messages += [{"role": m.role, "content": m.content} for m in result.messages]
+    return episode_reward(total, info)
+
+
+def episode_reward(total: float, info: dict[str, Any]) -> float:
+    """An env episode's reward: the env's own `info["episode_reward"]` when it reports one, else the sum of
+    its step rewards (also the rule of the `external` generator's env steps)."""
     return float(info.get("episode_reward", total))

@@ -24,6 +24,7 @@ import asyncio
 import inspect
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -84,12 +85,20 @@ class RolloutWorker:
     # -- rollout -----------------------------------------------------------------------------------------
 
     def _context(self, engine: Engine, sampling: SamplingParams, request_prefix: str) -> RolloutContext:
+        r = self.cfg.rollout
+        # what the HTTP-serving generators (openai_proxy, external) need: where to listen, the token, and the
+        # run directory where they write their URLs (proxy.json)
         extra: dict[str, Any] = {
             "request_prefix": request_prefix,
-            "proxy_sampling": self.cfg.rollout.proxy_sampling,
+            "proxy_sampling": r.proxy_sampling,
+            "proxy_host": r.proxy_host,
+            "proxy_token": r.proxy_token,
+            "external_timeout_s": r.external_timeout_s,
+            "run_dir": str(Path(self.cfg.run.root) / self.cfg.run.name),
+            "worker_id": self.worker_id,
         }
-        if self.cfg.rollout.agent:
-            extra["agent"] = self.cfg.rollout.agent
+        if r.agent:
+            extra["agent"] = r.agent
         return RolloutContext(
             engine=engine,
             tokenizer=self.tokenizer,

@@ -31,7 +31,8 @@ def demonstration_batch(
             raise EnvError(
                 f"warmup.steps > 0 needs demonstrations, and env '{cfg.env.name}' has none"
             ) from None
-        prompt, response, mask = demonstration_tokens(tokenizer, messages)
+        # an env whose demonstrations are tool calls names its tools (`env.tools`): they go in the prompt
+        prompt, response, mask = demonstration_tokens(tokenizer, messages, getattr(env, "tools", None))
         trajs.append(
             Trajectory(
                 id=f"demo-{tag}-{i}",

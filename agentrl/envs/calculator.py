@@ -8,11 +8,17 @@
 Rewards (per turn, summing to at most 1): `tool_bonus` on the first tool call whose result equals the answer;
 `1 - tool_bonus` when the final reply (stripped) is exactly the answer. Any reply without a <calc> call is
 the final answer. Expressions are evaluated by a small arithmetic parser (no eval), so the tool is safe.
+
+`demo_form = "tool_call"` (env.kwargs) gives demonstrations in OpenAI function-calling form for agents that call
+the tool as a function (examples/agents/calculator_tools.py): the prompt renders `env.tools` (the `calculate`
+schema), the model writes a Hermes `<tool_call>` block, and the tool's answer (the env's `<result>` feedback
+to the equivalent `<calc>` step) comes back as a `tool` message; the env's rewards are unchanged.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import operator
 import random
 import re
@@ -29,6 +35,18 @@ _CALL = re.compile(r"<calc>(.*?)</calc>", re.S)
 _ARITHMETIC = re.compile(r"[0-9_.eE+\-*/()\s]*")
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 MAX_EXPR_CHARS = 64
+CALCULATE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculate",
+        "description": "Evaluate an arithmetic expression",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
 
 
 def calculate(expr: str) -> str:
@@ -79,6 +97,7 @@ class CalculatorEnv(AgentEnv):
         max_turns: int = 3,
         tool_role: str = "tool",
         system_prompt: str = "",
+        demo_form: str = "calc_tag",
     ):
         super().__init__(low=low, high=high, ops=ops, tool_bonus=tool_bonus, max_turns=max_turns)
         if not 0.0 <= tool_bonus <= 1.0 or max_turns < 2:
@@ -88,6 +107,10 @@ class CalculatorEnv(AgentEnv):
         self.low, self.high, self.ops = low, high, check_ops(ops)
         self.tool_bonus, self.max_turns = tool_bonus, max_turns
         self.tool_role, self.system_prompt = tool_role, system_prompt
+        if demo_form not in ("calc_tag", "tool_call"):
+            raise EnvError(f"env.kwargs.demo_form must be 'calc_tag' or 'tool_call', got {demo_form!r}")
+        self.demo_form = demo_form
+        self.tools = [CALCULATE_TOOL] if demo_form == "tool_call" else None  # rendered into warm-up prompts
         self.task: dict[str, Any] = {}
         self.turn, self.tool_rewarded = 0, False
 
@@ -99,8 +122,16 @@ class CalculatorEnv(AgentEnv):
         system = [Message("system", self.system_prompt)] if self.system_prompt else []
         return [*system, Message("user", question(task))]
 
-    def demonstration(self, task: dict[str, Any]) -> list[Message]:
+    def demonstration(self, task: dict[str, Any]) -> list[Message] | list[dict[str, Any]]:
         expr = f"{task['a']}{task['op']}{task['b']}"
+        if self.demo_form == "tool_call":  # the exact text a Hermes-format model writes for the call
+            call = json.dumps({"name": "calculate", "arguments": {"expression": expr}})
+            return [
+                *({"role": m.role, "content": m.content} for m in self.opening(task)),
+                {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+                {"role": "tool", "tool_call_id": "call_0", "content": f"<result>{calculate(expr)}</result>"},
+                {"role": "assistant", "content": str(task["answer"])},
+            ]
         return [
             *self.opening(task),
             Message("assistant", f"<calc>{expr}</calc>"),

@@ -48,6 +48,7 @@ LOGPROBS_MAX_BYTES = 64 << 20
 RUN_FILES = (
     "config.toml", "metrics.jsonl", "metrics.tmp", LEDGER_NAME, WAL_NAME, f"{WAL_NAME}.tmp", "queue_url",
     "summary.json", "events", "checkpoints", "published", "wandb", WANDB_ID, LOGPROBS_NAME, DASHBOARD_URL_NAME,
+    "proxy.json",
 )  # fmt: skip
 SUMMARY_FILE = "summary.json"
 STOPPED = {
