@@ -25,7 +25,7 @@ def _line(env, width: int, verbose: bool) -> str:
     if env.provides:
         shown = env.provides if verbose else env.provides[:PROVIDES_SHOWN]
         more = ", ..." if len(shown) < len(env.provides) else ""
-        line += f"; {len(env.provides)} provided: {', '.join(shown)}{more}"
+        line += f"; provides {len(env.provides)}: {', '.join(shown)}{more}"
     if verbose:
         line += f"  [{env.source}; max_turns={env.max_turns}]"
     return line
