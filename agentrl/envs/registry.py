@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 from agentrl.envs.base import AgentEnv, StepResult
 from agentrl.errors import EnvError
+from agentrl.plugins import load_object
 
 ENTRY_POINT_GROUP = "agentrl.envs"
 BUILTIN_MODULES = (
@@ -104,12 +105,23 @@ def register_adapter(
     return adapter
 
 
+def pip_hint(extra: str) -> str:
+    return f"pip install 'agentrl[{extra}]'"
+
+
 def missing_extra(requires: tuple[str, ...] | list[str], extra: str, what: str) -> str | None:
     """One line naming the pip extra when a package in `requires` is not importable, else None."""
     missing = [pkg for pkg in requires if importlib.util.find_spec(pkg) is None]
     if not missing:
         return None
-    return f"{what} needs {', '.join(missing)}, which is not installed: pip install 'agentrl[{extra}]'"
+    return f"{what} needs {', '.join(missing)}, which is not installed: {pip_hint(extra)}"
+
+
+def _not_shipped(adapter: Adapter) -> str | None:
+    """Set when this agentrl lacks the adapter's module (declared ahead of the module that implements it)."""
+    if importlib.util.find_spec(adapter.module) is None:
+        return f"env '{adapter.name}': its adapter module {adapter.module} is not in this agentrl"
+    return None
 
 
 def require_extra(requires: tuple[str, ...] | list[str], extra: str, what: str) -> None:
@@ -122,16 +134,15 @@ def require_extra(requires: tuple[str, ...] | list[str], extra: str, what: str) 
 def _load_adapter(adapter: Adapter) -> type[AgentEnv]:
     require_extra(adapter.requires, adapter.extra, f"env '{adapter.name}'")
     if adapter.name not in _registry:
+        absent = _not_shipped(adapter)
+        if absent:
+            raise EnvError(absent)
         try:
             importlib.import_module(adapter.module)
-        except ModuleNotFoundError as exc:
-            if exc.name is not None and adapter.module.startswith(exc.name):
-                raise EnvError(
-                    f"env '{adapter.name}': adapter module {adapter.module} is not in this build"
-                ) from None
-            raise EnvError(
-                f"env '{adapter.name}' failed to load ({exc}): pip install 'agentrl[{adapter.extra}]'"
-            ) from exc
+        except (
+            ModuleNotFoundError
+        ) as exc:  # a dependency of the package itself: reinstalling the extra fixes it
+            raise EnvError(f"env '{adapter.name}' failed to load ({exc}): {pip_hint(adapter.extra)}") from exc
         except Exception as exc:
             raise EnvError(f"env '{adapter.name}' ({adapter.module}) failed to load: {exc!r}") from exc
     if adapter.name not in _registry:
@@ -144,8 +155,7 @@ def adapter_provides(name: str) -> list[str]:
     adapter = _adapters[name]
     if not adapter.provides:
         return []
-    module, _, attr = adapter.provides.partition(":")
-    return list(getattr(importlib.import_module(module), attr)())
+    return list(load_object(adapter.provides, f"adapter '{name}' provides")())
 
 
 def _entry_points() -> dict[str, metadata.EntryPoint]:
@@ -202,8 +212,7 @@ class EnvInfo:
 def _adapter_info(adapter: Adapter) -> EnvInfo:
     info = EnvInfo(adapter.name, adapter.description, adapter.module, 0, extra=adapter.extra)
     info.missing = missing_extra(adapter.requires, adapter.extra, f"env '{adapter.name}'") or ""
-    if not info.missing and importlib.util.find_spec(adapter.module) is None:
-        info.missing = f"env '{adapter.name}': its adapter module {adapter.module} is not in this agentrl"
+    info.missing = info.missing or _not_shipped(adapter) or ""
     if info.missing:
         return info
     try:
