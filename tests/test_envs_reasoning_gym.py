@@ -9,9 +9,10 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from run_support import read_jsonl, tiny_config
+from run_support import read_jsonl
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
 
@@ -129,24 +130,19 @@ def test_agentrl_envs_lists_datasets_and_a_missing_extra_is_one_line():
 
 
 @pytest.mark.slow
-def test_agentrl_run_with_reasoning_gym(tmp_path, tiny):
-    cfg = tiny_config(
-        tmp_path, str(tiny),
-        run={"steps": 2, "eval_every": 2, "eval_prompts": 4, "ray_num_cpus": 2},
-        env={"name": "reasoning_gym"}, rollout={"max_turns": 1, "max_new_tokens": 8},
-        warmup={"steps": 2, "batch_size": 8},
-    )  # fmt: skip
-    kwargs = (
-        'kwargs = { dataset = "chain_sum", system_prompt = "", config = { min_terms = 2, max_terms = 2 } }'
-    )
-    cfg.write_text(cfg.read_text().replace('name = "reasoning_gym"', f'name = "reasoning_gym"\n{kwargs}'))
+def test_agentrl_run_of_the_example_config(tmp_path, tiny):
+    """examples/reasoning_gym.toml as documented, shortened: a few warm-up and RL steps on the tiny model."""
+    example = Path(__file__).parents[1] / "examples" / "reasoning_gym.toml"
+    shorter = ["--run.steps", "2", "--run.eval_every", "2", "--run.eval_prompts", "4", "--warmup.steps", "2",
+               "--rollout.prompts_per_step", "2", "--rollout.n_samples_per_prompt", "4", "--run.mode", "sync"]  # fmt: skip
     out = subprocess.run(
-        [sys.executable, "-m", "agentrl.cli", "run", str(cfg), "--run.mode", "sync"],
+        [sys.executable, "-m", "agentrl.cli", "run", str(example), "--model.path", str(tiny),
+         "--model.make_tiny", "false", "--run.root", str(tmp_path), "--run.progress", "false", *shorter],
         capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_AUTH_MODE": "disabled"},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    metrics = [m for m in read_jsonl(tmp_path / "t" / "metrics.jsonl") if "phase" not in m]
+    run = tmp_path / "reasoning_gym"
+    metrics = [m for m in read_jsonl(run / "metrics.jsonl") if "phase" not in m]
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(0.0 <= m["reward_mean"] <= 1.0 for m in metrics)
-    ledger = read_jsonl(tmp_path / "t" / "ledger.jsonl")
-    assert [len(row["ids"]) for row in ledger] == [8, 8]
+    assert [len(row["ids"]) for row in read_jsonl(run / "ledger.jsonl")] == [8, 8]
