@@ -30,20 +30,19 @@ from typing import Any
 import aiohttp
 
 from agentrl.envs.base import AgentEnv, StepResult
-from agentrl.envs.registry import register_env
+from agentrl.envs.registry import pip_hint, register_env, require_extra
 from agentrl.errors import EnvError
 from agentrl.net import free_port
 from agentrl.plugins import load_object
 from agentrl.types import Message
 
-INSTALL_HINT = "pip install 'agentrl[openenv]'"
-
 
 def _openenv() -> Any:
+    require_extra(("openenv",), "openenv", "env 'openenv'")  # the one missing-extra line
     try:
         import openenv.core as core
     except ImportError as exc:
-        raise EnvError(f"env 'openenv' needs openenv-core ({exc}): {INSTALL_HINT}") from None
+        raise EnvError(f"env 'openenv' needs openenv-core ({exc}): {pip_hint('openenv')}") from None
     return core
 
 

@@ -21,21 +21,23 @@ from itertools import islice
 from typing import Any
 
 from agentrl.envs.base import AgentEnv, StepResult
-from agentrl.envs.registry import register_env
+from agentrl.envs.registry import pip_hint, register_env, require_extra
 from agentrl.errors import EnvError
 from agentrl.types import Message
 
-INSTALL_HINT = "pip install 'agentrl[verifiers]'"
 HARNESS_ID = "agentrl_chat"
 GENERATOR = "generators.verifiers_env:generate"
 
 
 def vf_module() -> Any:
     """`verifiers.v1`, with the `agentrl_chat` harness registered; one line naming the extra when absent."""
+    require_extra(("verifiers",), "verifiers", "env 'verifiers'")  # the one missing-extra line
     try:
         import verifiers.v1 as vf
     except ImportError as exc:
-        raise EnvError(f"env 'verifiers' needs the verifiers package ({exc}): {INSTALL_HINT}") from None
+        raise EnvError(
+            f"env 'verifiers' needs the verifiers package ({exc}): {pip_hint('verifiers')}"
+        ) from None
     _register_harness(vf)
     return vf
 
