@@ -1,0 +1,160 @@
+"""TextArena under agentrl, against the real textarena package and a tiny real model: self-play gives one
+trajectory per seat, token-exact and with TextArena's zero-sum rewards; a random opponent; an illegal move
+ends the game as TextArena says; the rollout worker groups each seat's trajectories and queues only complete
+groups; an `agentrl run` of self-play keeps its ledger consistent."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from gen_support import HFEngine, real_model_logprob
+
+from agentrl.engines.base import SamplingParams
+from agentrl.envs import env_factory, make_env
+from agentrl.generator import RolloutContext, resolve_generator
+from agentrl.types import floats, mask, n_response, tokens
+from generators.chat import chat_tokens
+
+pytest.importorskip("textarena")
+
+
+def context(engine, tok, max_turns=6, max_seq_len=2048, **env_kwargs):
+    kwargs = {"game": "TicTacToe-v0", "opponent": "self", **env_kwargs}
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=0)
+    return RolloutContext(engine=engine, tokenizer=tok, make_env=env_factory("textarena", kwargs),
+                          env_name="textarena", sampling=params, max_turns=max_turns,
+                          max_seq_len=max_seq_len)  # fmt: skip
+
+
+def seat_script(tok, moves: dict[int, list[str]]):
+    """Force each seat's replies: the seat is read from its own prompt ("You are Player k")."""
+    chat = chat_tokens(tok)
+    left = {seat: iter(replies) for seat, replies in moves.items()}
+
+    def script(input_ids: list[int]) -> list[int]:
+        seat = 0 if "You are Player 0" in tok.decode(input_ids) else 1
+        return [*tok.encode(next(left[seat]), add_special_tokens=False), chat.eot_id]
+
+    return script
+
+
+async def replay_seats(tok, moves: list[tuple[int, str]], task):
+    """Play `moves` (seat, text) on a fresh game and build each seat's expected token record: the prompt,
+    then per move the reply tokens (mask 1) and the template delta of what the seat was shown next (mask 0)."""
+    chat = chat_tokens(tok)
+    env = make_env("textarena", {"game": "TicTacToe-v0", "opponent": "self"})
+    await env.begin(task)
+    expected: dict[int, tuple[list[int], list[int], list[int]]] = {}
+    last: dict[int, list[int]] = {}
+    for seat, text in moves:
+        player, messages = env.next_turn()
+        assert player == seat
+        if seat not in expected:
+            expected[seat] = (chat.prompt_ids(messages), [], [])
+        else:
+            delta = chat.delta_ids(messages, last[seat])
+            expected[seat][1].extend(delta)
+            expected[seat][2].extend([0] * len(delta))
+        reply = [*tok.encode(text, add_special_tokens=False), chat.eot_id]
+        expected[seat][1].extend(reply)
+        expected[seat][2].extend([1] * len(reply))
+        last[seat] = reply
+        await env.act(text)
+    return expected, env.seat_rewards()
+
+
+def test_self_play_gives_one_token_exact_trajectory_per_seat_with_zero_sum_rewards(tiny, tok):
+    moves = {0: ["[0]", "[1]", "[2]"], 1: ["[4]", "[8]"]}  # seat 0 takes the top row
+    engine = HFEngine(tiny, version=3, script=seat_script(tok, moves))
+    task = {"game": "TicTacToe-v0", "seed": 7}
+    trajs = asyncio.run(resolve_generator("self_play")(context(engine, tok), task, "t0-s0", "t0"))
+    assert [t.id for t in trajs] == ["t0-s0.p0", "t0-s0.p1"]
+    assert [t.group_id for t in trajs] == ["t0.p0", "t0.p1"]
+    assert [t.status for t in trajs] == ["completed", "completed"]
+    assert [t.reward for t in trajs] == [1.0, -1.0] and sum(t.reward for t in trajs) == 0
+    assert [t.metadata["seat"] for t in trajs] == [0, 1] and [t.metadata["turns"] for t in trajs] == [3, 2]
+    order = [(0, "[0]"), (1, "[4]"), (0, "[1]"), (1, "[8]"), (0, "[2]")]
+    expected, rewards = asyncio.run(replay_seats(tok, order, task))
+    assert rewards == {0: 1.0, 1: -1.0}
+    for seat, traj in enumerate(trajs):
+        prompt, response, loss_mask = expected[seat]
+        assert tokens(traj.prompt_ids).tolist() == prompt
+        assert tokens(traj.response_ids).tolist() == response
+        assert mask(traj).tolist() == loss_mask
+        lp = floats(traj.logprobs)
+        assert all(lp[i] == 0.0 for i, m in enumerate(loss_mask) if m == 0)
+        first = prompt + response[:1]  # the seat's first reply token: the model's own logprob
+        assert lp[0] == pytest.approx(real_model_logprob(tiny, prompt, first[-1]), abs=1e-4)
+    # token-in/token-out: every engine call saw exactly its seat's record so far, never the other seat's
+    records = {
+        seat: tokens(t.prompt_ids).tolist() + tokens(t.response_ids).tolist() for seat, t in enumerate(trajs)
+    }
+    for call in engine.calls:
+        seat = 0 if "You are Player 0" in tok.decode(call) else 1
+        assert records[seat][: len(call)] == call
+
+
+def test_random_opponent_plays_legal_moves_and_the_reward_is_textarenas(tiny, tok):
+    chat = chat_tokens(tok)
+
+    def first_free(input_ids):  # the policy (seat 1) plays the first available cell
+        shown = tok.decode(input_ids).rsplit("Available Moves:", 1)[-1]
+        cell = shown.split("'")[1]
+        return [*tok.encode(cell, add_special_tokens=False), chat.eot_id]
+
+    engine = HFEngine(tiny, script=first_free)
+    ctx = context(engine, tok, max_turns=9, opponent="random", seat=1)
+    task = {"game": "TicTacToe-v0", "seed": 3}
+    (traj,) = asyncio.run(resolve_generator("self_play")(ctx, task, "t1-s0", "t1"))
+    assert traj.id == "t1-s0" and traj.group_id == "t1" and traj.status == "completed"
+    info = traj.metadata["env_info"]["game"]
+    assert not info["0"]["invalid_move"] and not info["1"]["invalid_move"]
+    assert traj.reward in (-1.0, 0.0, 1.0)
+    # the same seed and the same policy moves replay the same game: the reward is TextArena's outcome
+    again = asyncio.run(resolve_generator("multi_turn")(context(HFEngine(tiny, script=first_free), tok,
+                        max_turns=9, opponent="random", seat=1), task, "t1-s0", "t1"))  # fmt: skip
+    assert (
+        again.reward == traj.reward
+        and tokens(again.response_ids).tolist() == tokens(traj.response_ids).tolist()
+    )
+    assert "You are Player 1" in tok.decode(tokens(traj.prompt_ids).tolist())
+
+
+def test_an_illegal_move_gets_one_retry_then_loses_as_textarena_says(tiny, tok):
+    # seat 0: a bad format (retry notice), then an occupied cell... no: first move legal, then two bad ones
+    moves = {0: ["[4]", "nonsense", "[4]"], 1: ["[0]"]}
+    engine = HFEngine(tiny, script=seat_script(tok, moves))
+    trajs = asyncio.run(resolve_generator("self_play")(context(engine, tok), {"seed": 1}, "t2-s0", "t2"))
+    assert [t.reward for t in trajs] == [-1.0, 1.0] and trajs[0].metadata["turns"] == 3
+    info = trajs[0].metadata["env_info"]
+    assert info["0"]["invalid_move"] and "already occupied" in info["0"]["reason"]
+    text = tok.decode(tokens(trajs[0].response_ids).tolist())
+    assert "attempted an invalid move" in text and "does not follow the correct format" in text
+    # seat 0 fails twice at once: the game is over before seat 1 moves, so seat 1 has no tokens
+    engine = HFEngine(tiny, script=seat_script(tok, {0: ["x", "y"], 1: []}))
+    trajs = asyncio.run(resolve_generator("self_play")(context(engine, tok), {"seed": 1}, "t3-s0", "t3"))
+    assert [t.reward for t in trajs] == [-1.0, 1.0] and [n_response(t) > 0 for t in trajs] == [True, False]
+    assert trajs[1].status == "completed" and trajs[1].metadata["turns"] == 0
+
+
+def test_multi_turn_with_self_play_env_names_the_generator(tok):
+    env = make_env("textarena", {"opponent": "self"})
+    from agentrl.errors import EnvError
+
+    with pytest.raises(EnvError, match=r"rollout\.generator = 'self_play'"):
+        asyncio.run(env.reset({"seed": 0}))
+    with pytest.raises(EnvError, match="TicTacToe-v0"):
+        make_env("textarena", {"game": "TicTacToe-v9"})
+    with pytest.raises(EnvError, match="opponent"):
+        make_env("textarena", {"opponent": "/no/such/model"})
+
+
+def test_hf_model_opponent(tiny, tok):
+    engine = HFEngine(tiny, script=seat_script(tok, {1: ["[0]", "[1]", "[2]", "[3]", "[5]"]}))
+    ctx = context(engine, tok, max_turns=5, opponent=str(tiny), seat=1, opponent_max_new_tokens=4)
+    (traj,) = asyncio.run(resolve_generator("self_play")(ctx, {"seed": 0}, "t4-s0", "t4"))
+    # the tiny model's greedy replies are no moves: TextArena disqualifies it (two invalid moves) at once
+    assert traj.status == "completed" and traj.reward == 1.0
+    assert traj.metadata["env_info"]["policy_moved"] is False
+    assert traj.metadata["env_info"]["game"]["0"]["invalid_move"]
