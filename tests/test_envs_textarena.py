@@ -6,6 +6,8 @@ groups; an `agentrl run` of self-play keeps its ledger consistent."""
 from __future__ import annotations
 
 import asyncio
+import inspect
+from types import SimpleNamespace
 
 import pytest
 from gen_support import HFEngine, real_model_logprob
@@ -158,3 +160,92 @@ def test_hf_model_opponent(tiny, tok):
     assert traj.status == "completed" and traj.reward == 1.0
     assert traj.metadata["env_info"]["policy_moved"] is False
     assert traj.metadata["env_info"]["game"]["0"]["invalid_move"]
+
+
+class Handle:
+    """A Ray actor handle's calling convention over an object in this process."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __getattr__(self, name):
+        method = getattr(self.obj, name)
+
+        async def call(*args):
+            result = method(*args)
+            return await result if inspect.isawaitable(result) else result
+
+        return SimpleNamespace(remote=call)
+
+
+def self_play_run(tmp_path, tiny, script, prompts_per_step=2):
+    """A coordinator, an in-process queue and a rollout worker playing TicTacToe self-play (sync window)."""
+    from agentrl.actors.coordinator import Coordinator, Slot
+    from agentrl.actors.queue import QueueActor
+    from agentrl.actors.rollout import RolloutWorker
+    from agentrl.config import load_config
+    from agentrl.runner.loop import prepare
+
+    over = {
+        "run": {"root": str(tmp_path), "mode": "sync"},
+        "model": {"path": str(tiny)},
+        "env": {"name": "textarena", "kwargs": {"game": "TicTacToe-v0", "opponent": "self"}},
+        "rollout": {"generator": "self_play", "n_samples_per_prompt": 2, "prompts_per_step": prompts_per_step,
+                    "max_new_tokens": 6, "max_turns": 6},
+        "engine": {"max_seq_len": 2048},
+    }  # fmt: skip
+    cfg = prepare(load_config(None, over))
+    queue = QueueActor(cfg, str(tmp_path / "run"), serve_http=False)
+    worker = RolloutWorker(cfg, str(tiny), queue, engines=[HFEngine(tiny, script=script)])
+    coord = Coordinator(cfg, str(tmp_path / "run"), str(tiny))
+    coord.queue, coord.workers = Handle(queue), [Slot("rollout", 0, Handle(worker), (), {})]
+    return coord, queue
+
+
+def first_free_cell(tok):
+    chat = chat_tokens(tok)
+
+    def script(input_ids):
+        cell = tok.decode(input_ids).rsplit("Available Moves:", 1)[-1].split("'")[1]
+        return [*tok.encode(cell, add_special_tokens=False), chat.eot_id]
+
+    return script
+
+
+async def test_a_self_play_task_reserves_and_queues_one_complete_group_per_seat(tmp_path, tiny, tok):
+    coord, queue = self_play_run(tmp_path, tiny, first_free_cell(tok))
+    assert coord.task_trajectories == 4  # 2 games x 2 seats: the window (one batch of 4) holds one task
+    first = asyncio.create_task(coord.run_group(0, {"game": "TicTacToe-v0", "seed": 0}))
+    second = asyncio.create_task(coord.run_group(1, {"game": "TicTacToe-v0", "seed": 1}))
+    summary = await asyncio.wait_for(first, 60)  # (reserving 2 per task, both puts waited forever)
+    assert summary["accepted"] == 4 and summary["unplayed_groups"] == 0
+    assert not second.done()  # its reservation waits for the next policy version (sync window)
+    batch = await queue.sample_batch(4, 0, 5.0)
+    groups = {}
+    for traj in batch.trajectories:
+        groups.setdefault(traj.group_id, []).append(traj)
+    assert sorted(groups) == ["t0.p0", "t0.p1"]
+    assert {g: sorted(t.id for t in ts) for g, ts in groups.items()} == {
+        "t0.p0": ["t0-s0.p0", "t0-s1.p0"], "t0.p1": ["t0-s0.p1", "t0-s1.p1"]
+    }  # fmt: skip
+    for k in range(2):  # each game is zero-sum between its seats
+        assert sum(t.reward for t in batch.trajectories if t.id.startswith(f"t0-s{k}.")) == 0
+    queue.set_policy_version(1)
+    assert (await asyncio.wait_for(second, 60))["accepted"] == 4
+    assert queue.tickets == {}
+    await queue.close()
+
+
+async def test_a_seat_that_never_moved_leaves_its_group_out(tmp_path, tiny, tok):
+    chat = chat_tokens(tok)
+    coord, queue = self_play_run(
+        tmp_path, tiny, lambda _ids: [*tok.encode("no", add_special_tokens=False), chat.eot_id]
+    )
+    summary = await asyncio.wait_for(coord.run_group(0, {"game": "TicTacToe-v0", "seed": 0}), 60)
+    # seat 0 is disqualified after two invalid moves: seat 1 never moved in either game
+    assert summary["n"] == 2 and summary["accepted"] == 2 and summary["unplayed_groups"] == 1
+    assert summary["rewards"] == [-1.0, -1.0]
+    batch = await queue.sample_batch(2, 0, 5.0)
+    assert sorted(t.id for t in batch.trajectories) == ["t0-s0.p0", "t0-s1.p0"]
+    assert queue.status()["pending_groups"] == 0 and queue.tickets == {}
+    await queue.close()
