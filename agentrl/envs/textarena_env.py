@@ -41,6 +41,7 @@ from agentrl.types import Message
 
 GAME_ID = -1  # TextArena's sender id for the game itself (ta.GAME_ID)
 _BRACKETED = re.compile(r"\[[^\[\]\n]{1,40}\]")
+_SENDER = re.compile(r"^\[[^\]\n]*\] ?", re.MULTILINE)
 
 
 def make_game(game: str) -> Any:
@@ -81,7 +82,7 @@ class RandomPlayer:
         self.seen: list[str] = []
 
     def __call__(self, text: str) -> str:
-        self.seen.append(text)
+        self.seen.append(_SENDER.sub("", text))  # the `[GAME]` / `[Player k]` tags are no options
         for past in reversed(self.seen):
             moves = _BRACKETED.findall(past.rsplit("Available Moves:", 1)[-1])
             if moves:
@@ -150,6 +151,24 @@ class TextArenaEnv(AgentEnv):
 
     def sample_tasks(self, seed: int, n: int) -> list[dict[str, Any]]:
         return [{"game": self.game, "seed": seed * 1_000_003 + i} for i in range(n)]
+
+    def demonstration(self, task: dict[str, Any]) -> list[Message]:
+        """A game of random legal moves (`RandomPlayer` in both seats) from the view of seat `seed % 2` (with a
+        fixed opponent: the policy's seat): it teaches the move format and legality, not strategy."""
+        seed = int(task.get("seed", 0))
+        seat = seed % 2 if self.opponent == "self" else self.seat
+        env = make_game(task.get("game", self.game))
+        env.reset(num_players=2, seed=seed)
+        players = {0: RandomPlayer(seed), 1: RandomPlayer(seed + 1)}
+        messages: list[Message] = []
+        while not env.state.done:
+            player, observations = env.get_observation()
+            text = render(observations, player, env.state.role_mapping)
+            move = players[player](text)
+            if player == seat:
+                messages += [Message("user", text), Message("assistant", move)]
+            env.step(move)
+        return messages
 
     # -- the multi-seat interface (self-play generator) ----------------------------------------------------
 
