@@ -152,6 +152,16 @@ def test_multi_turn_with_self_play_env_names_the_generator(tok):
         make_env("textarena", {"opponent": "/no/such/model"})
 
 
+def test_demonstrations_play_legal_moves_in_the_seats_view():
+    env = make_env("textarena", {"game": "TicTacToe-v0", "opponent": "self"})
+    for seed in (4, 5):
+        messages = env.demonstration({"seed": seed})
+        assert [m.role for m in messages] == ["user", "assistant"] * (len(messages) // 2)
+        assert f"You are Player {seed % 2}" in messages[0].content
+        for shown, move in zip(messages[::2], messages[1::2], strict=True):
+            assert f"'{move.content}'" in shown.content.rsplit("Available Moves:", 1)[1]
+
+
 def test_hf_model_opponent(tiny, tok):
     engine = HFEngine(tiny, script=seat_script(tok, {1: ["[0]", "[1]", "[2]", "[3]", "[5]"]}))
     ctx = context(engine, tok, max_turns=5, opponent=str(tiny), seat=1, opponent_max_new_tokens=4)
@@ -249,3 +259,34 @@ async def test_a_seat_that_never_moved_leaves_its_group_out(tmp_path, tiny, tok)
     assert sorted(t.id for t in batch.trajectories) == ["t0-s0.p0", "t0-s1.p0"]
     assert queue.status()["pending_groups"] == 0 and queue.tickets == {}
     await queue.close()
+
+
+@pytest.mark.slow
+def test_a_self_play_run_trains_every_queued_trajectory_once_in_complete_groups(tmp_path, monkeypatch):
+    from run_support import make_model, read_jsonl, tiny_config
+
+    from agentrl.config import load_config
+    from agentrl.queue.wal import WriteAheadLog
+    from agentrl.runner.loop import run
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    env = {"name": "textarena", "kwargs": {"game": "TicTacToe-v0", "opponent": "self"}}
+    rollout = {"generator": "self_play", "n_samples_per_prompt": 2, "prompts_per_step": 2, "max_new_tokens": 4,
+               "max_turns": 3}  # fmt: skip
+    path = tiny_config(tmp_path, make_model(tmp_path), env=env, rollout=rollout, run={"steps": 3, "eval_every": 0},
+                       warmup={"steps": 0}, engine={"max_seq_len": 1024})  # fmt: skip
+    summary = run(load_config(path, ["--run.mode", "sync"]))
+    assert summary["ok"] and summary["steps"] == 3
+    run_dir = tmp_path / "t"
+    ledger = read_jsonl(run_dir / "ledger.jsonl")
+    assert [row["step"] for row in ledger] == [1, 2, 3]
+    trained = [i for row in ledger for i in row["ids"]]
+    assert len(trained) == len(set(trained)) == 12, "a trajectory was trained twice"
+    replay = WriteAheadLog(run_dir).replay()
+    assert set(trained) <= replay.known_ids  # nothing trained that the queue did not log
+    assert set(trained) | set(replay.uncommitted) == replay.known_ids  # nothing queued was lost
+    for row in ledger:  # whole groups: a seat's group of a task (`t<i>.p<seat>`) holds its n = 2 games
+        groups = {}
+        for tid in row["ids"]:
+            groups.setdefault((tid.split("-")[0], tid.rsplit(".", 1)[1]), []).append(tid)
+        assert all(len(members) == 2 for members in groups.values()), groups
