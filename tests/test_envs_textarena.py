@@ -188,8 +188,9 @@ class Handle:
         return SimpleNamespace(remote=call)
 
 
-def self_play_run(tmp_path, tiny, script, prompts_per_step=2):
-    """A coordinator, an in-process queue and a rollout worker playing TicTacToe self-play (sync window)."""
+def self_play_run(tmp_path, tiny, script, mode="async"):
+    """A coordinator, an in-process queue and a rollout worker playing TicTacToe self-play: 2 games a task,
+    batches of 2 groups, one batch of staleness."""
     from agentrl.actors.coordinator import Coordinator, Slot
     from agentrl.actors.queue import QueueActor
     from agentrl.actors.rollout import RolloutWorker
@@ -197,17 +198,18 @@ def self_play_run(tmp_path, tiny, script, prompts_per_step=2):
     from agentrl.runner.loop import prepare
 
     over = {
-        "run": {"root": str(tmp_path), "mode": "sync"},
+        "run": {"root": str(tmp_path), "mode": mode},
         "model": {"path": str(tiny)},
         "env": {"name": "textarena", "kwargs": {"game": "TicTacToe-v0", "opponent": "self"}},
-        "rollout": {"generator": "self_play", "n_samples_per_prompt": 2, "prompts_per_step": prompts_per_step,
+        "rollout": {"generator": "self_play", "n_samples_per_prompt": 2, "prompts_per_step": 2,
                     "max_new_tokens": 6, "max_turns": 6},
+        "queue": {"max_staleness": 1},
         "engine": {"max_seq_len": 2048},
     }  # fmt: skip
     cfg = prepare(load_config(None, over))
+    coord = Coordinator(cfg, str(tmp_path / "run"), str(tiny))
     queue = QueueActor(cfg, str(tmp_path / "run"), serve_http=False)
     worker = RolloutWorker(cfg, str(tiny), queue, engines=[HFEngine(tiny, script=script)])
-    coord = Coordinator(cfg, str(tmp_path / "run"), str(tiny))
     coord.queue, coord.workers = Handle(queue), [Slot("rollout", 0, Handle(worker), (), {})]
     return coord, queue
 
@@ -224,26 +226,35 @@ def first_free_cell(tok):
 
 async def test_a_self_play_task_reserves_and_queues_one_complete_group_per_seat(tmp_path, tiny, tok):
     coord, queue = self_play_run(tmp_path, tiny, first_free_cell(tok))
-    assert coord.task_trajectories == 4  # 2 games x 2 seats: the window (one batch of 4) holds one task
-    first = asyncio.create_task(coord.run_group(0, {"game": "TicTacToe-v0", "seed": 0}))
-    second = asyncio.create_task(coord.run_group(1, {"game": "TicTacToe-v0", "seed": 1}))
-    summary = await asyncio.wait_for(first, 60)  # (reserving 2 per task, both puts waited forever)
-    assert summary["accepted"] == 4 and summary["unplayed_groups"] == 0
-    assert not second.done()  # its reservation waits for the next policy version (sync window)
-    batch = await queue.sample_batch(4, 0, 5.0)
+    assert coord.task_trajectories == 4  # 2 games x 2 seats; the window (2 batches of 4) holds two tasks
+    tasks = [asyncio.create_task(coord.run_group(i, {"game": "TicTacToe-v0", "seed": i})) for i in range(4)]
+    # (reserving 2 per task, four tasks filled the window with reservations and no put of 4 ever fit)
+    summaries = await asyncio.wait_for(asyncio.gather(*tasks[:2]), 60)
+    assert [s["accepted"] for s in summaries] == [4, 4] and [s["unplayed_groups"] for s in summaries] == [
+        0,
+        0,
+    ]
+    assert not any(t.done() for t in tasks[2:])  # their reservations wait for the next policy version
+    batch = await queue.sample_batch(8, 0, 5.0)
     groups = {}
     for traj in batch.trajectories:
         groups.setdefault(traj.group_id, []).append(traj)
-    assert sorted(groups) == ["t0.p0", "t0.p1"]
     assert {g: sorted(t.id for t in ts) for g, ts in groups.items()} == {
-        "t0.p0": ["t0-s0.p0", "t0-s1.p0"], "t0.p1": ["t0-s0.p1", "t0-s1.p1"]
-    }  # fmt: skip
-    for k in range(2):  # each game is zero-sum between its seats
-        assert sum(t.reward for t in batch.trajectories if t.id.startswith(f"t0-s{k}.")) == 0
-    queue.set_policy_version(1)
-    assert (await asyncio.wait_for(second, 60))["accepted"] == 4
+        f"t{i}.p{seat}": [f"t{i}-s0.p{seat}", f"t{i}-s1.p{seat}"] for i in (0, 1) for seat in (0, 1)
+    }
+    for game in {t.id.split(".")[0] for t in batch.trajectories}:  # each game is zero-sum between its seats
+        assert sum(t.reward for t in batch.trajectories if t.id.startswith(game + ".")) == 0
+    queue.set_policy_version(2)  # the window grows by one batch (one task) per version
+    assert [s["accepted"] for s in await asyncio.wait_for(asyncio.gather(*tasks[2:]), 60)] == [4, 4]
     assert queue.tickets == {}
     await queue.close()
+
+
+def test_self_play_needs_window_slack_for_a_task_that_delivers_less(tmp_path, tiny, tok):
+    from agentrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"run\.mode = 'async' and queue\.max_staleness"):
+        self_play_run(tmp_path, tiny, first_free_cell(tok), mode="sync")
 
 
 async def test_a_seat_that_never_moved_leaves_its_group_out(tmp_path, tiny, tok):
@@ -254,10 +265,14 @@ async def test_a_seat_that_never_moved_leaves_its_group_out(tmp_path, tiny, tok)
     summary = await asyncio.wait_for(coord.run_group(0, {"game": "TicTacToe-v0", "seed": 0}), 60)
     # seat 0 is disqualified after two invalid moves: seat 1 never moved in either game
     assert summary["n"] == 2 and summary["accepted"] == 2 and summary["unplayed_groups"] == 1
+    # the rest of the task's reservation went back to the window: the next task reserves and delivers
+    other = await asyncio.wait_for(coord.run_group(1, {"game": "TicTacToe-v0", "seed": 1}), 60)
+    assert other["accepted"] == 2
     assert summary["rewards"] == [-1.0, -1.0]
     batch = await queue.sample_batch(2, 0, 5.0)
     assert sorted(t.id for t in batch.trajectories) == ["t0-s0.p0", "t0-s1.p0"]
-    assert queue.status()["pending_groups"] == 0 and queue.tickets == {}
+    assert queue.queue.status()["pending_groups"] == 0
+    assert queue.tickets == {}
     await queue.close()
 
 
@@ -270,12 +285,13 @@ def test_a_self_play_run_trains_every_queued_trajectory_once_in_complete_groups(
     from agentrl.runner.loop import run
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    env = {"name": "textarena", "kwargs": {"game": "TicTacToe-v0", "opponent": "self"}}
     rollout = {"generator": "self_play", "n_samples_per_prompt": 2, "prompts_per_step": 2, "max_new_tokens": 4,
                "max_turns": 3}  # fmt: skip
-    path = tiny_config(tmp_path, make_model(tmp_path), env=env, rollout=rollout, run={"steps": 3, "eval_every": 0},
+    path = tiny_config(tmp_path, make_model(tmp_path), env={"name": "textarena"}, rollout=rollout, run={"steps": 3, "eval_every": 0},
                        warmup={"steps": 0}, engine={"max_seq_len": 1024})  # fmt: skip
-    summary = run(load_config(path, ["--run.mode", "sync"]))
+    with path.open("a") as f:
+        f.write('[env.kwargs]\ngame = "TicTacToe-v0"\nopponent = "self"\n')
+    summary = run(load_config(path, ["--run.mode", "async", "--queue.max-staleness", "1"]))
     assert summary["ok"] and summary["steps"] == 3
     run_dir = tmp_path / "t"
     ledger = read_jsonl(run_dir / "ledger.jsonl")

@@ -85,6 +85,8 @@ class Coordinator:
         # The admission one task reserves: all its trajectories, n per policy seat (self-play: a group per seat).
         seats = env_factory(cfg.env.name, cfg.env.kwargs, cfg.env.reward)().policy_seats()
         self.task_trajectories = cfg.rollout.n_samples_per_prompt * seats
+        if seats > 1:
+            _check_window_slack(cfg, self.task_trajectories)
         self.evaluations = 0
         self._lock = asyncio.Lock()
         self._queue_lock = asyncio.Lock()
@@ -385,3 +387,19 @@ class Coordinator:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.pg)
+
+
+def _check_window_slack(cfg: Config, task_trajectories: int) -> None:
+    """A multi-seat task may deliver fewer trajectories than it reserved (a seat's group is left out when the
+    seat never moved), so the batch being filled can stay short of a whole task. The next task must still fit
+    the staleness window beside it, or rollout and learner wait on each other forever: its reservation must
+    fit in the `max_staleness` batches of slack the window has past the batch in training (sync has none)."""
+    batch = cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt
+    slack = cfg.queue.max_staleness * batch
+    if task_trajectories > slack:
+        raise ConfigError(
+            f"env '{cfg.env.name}' with {task_trajectories // cfg.rollout.n_samples_per_prompt} policy seats: a "
+            f"task reserves {task_trajectories} trajectories and may deliver fewer, so it needs run.mode = "
+            f"'async' and queue.max_staleness * rollout.prompts_per_step * rollout.n_samples_per_prompt >= "
+            f"{task_trajectories} (now {slack})"
+        )
