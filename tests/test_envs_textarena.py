@@ -21,9 +21,9 @@ from generators.chat import chat_tokens
 pytest.importorskip("textarena")
 
 
-def context(engine, tok, max_turns=6, max_seq_len=2048, **env_kwargs):
+def context(engine, tok, max_turns=6, max_seq_len=2048, max_new_tokens=8, **env_kwargs):
     kwargs = {"game": "TicTacToe-v0", "opponent": "self", **env_kwargs}
-    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=0)
     return RolloutContext(engine=engine, tokenizer=tok, make_env=env_factory("textarena", kwargs),
                           env_name="textarena", sampling=params, max_turns=max_turns,
                           max_seq_len=max_seq_len)  # fmt: skip
@@ -95,6 +95,21 @@ def test_self_play_gives_one_token_exact_trajectory_per_seat_with_zero_sum_rewar
     for call in engine.calls:
         seat = 0 if "You are Player 0" in tok.decode(call) else 1
         assert records[seat][: len(call)] == call
+
+
+def test_self_play_of_a_conversation_game_truth_and_deception(tiny, tok):
+    engine = HFEngine(
+        tiny, script=seat_script(tok, {0: ["Trust me."] * 3, 1: ["Really?"] * 3 + ["[Fact 2]"]})
+    )
+    ctx = context(engine, tok, max_new_tokens=16, game="TruthAndDeception-v0")
+    task = {"game": "TruthAndDeception-v0", "seed": 2}
+    trajs = asyncio.run(resolve_generator("self_play")(ctx, task, "t5-s0", "t5"))
+    assert [t.status for t in trajs] == ["completed", "completed"]
+    assert [t.metadata["turns"] for t in trajs] == [3, 4] and sum(t.reward for t in trajs) == 0
+    guesser = tok.decode(tokens(trajs[1].prompt_ids).tolist() + tokens(trajs[1].response_ids).tolist())
+    assert "you are the Guesser" in guesser and "[Deceiver] Trust me." in guesser
+    assert "Fact 2: A group of crows is called a murder." in guesser  # the task's seed picks the facts
+    assert [t.reward for t in trajs] == [-1.0, 1.0]  # the guesser named the true fact: the deceiver lost
 
 
 def test_random_opponent_plays_legal_moves_and_the_reward_is_textarenas(tiny, tok):
