@@ -1,10 +1,11 @@
-"""The generator contract: a rollout program turns one task into one trajectory.
+"""The generator contract: a rollout program turns one task into one trajectory (or one per seat).
 
 A generator is an async function `generate(ctx: RolloutContext, task: dict, trajectory_id: str,
 group_id: str) -> Trajectory`, named in the config as `rollout.generator` ("multi_turn" means
 `generators.multi_turn:generate`; anything with a colon is `module:function`). agentrl never imports
 `generators` statically; it resolves the name at run time. The rollout worker runs n generators per task
-with one `group_id`.
+with one `group_id`. For a multi-agent env (`env.policy_seats() > 1`, e.g. `self_play`) it returns a list,
+one trajectory per seat, seat i's id `<trajectory_id>.p<i>` in group `<group_id>.p<i>`.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ class RolloutContext:
 
 
 # modules of the `generators` package
-BUILTIN_GENERATORS = ("multi_turn", "single_turn", "openai_proxy", "external")
-GeneratorFn = Callable[[RolloutContext, dict[str, Any], str, str], Awaitable[Trajectory]]
+BUILTIN_GENERATORS = ("multi_turn", "single_turn", "openai_proxy", "external", "self_play")
+GeneratorFn = Callable[[RolloutContext, dict[str, Any], str, str], Awaitable[Trajectory | list[Trajectory]]]
 
 
 def resolve_generator(name: str) -> GeneratorFn:

@@ -11,7 +11,8 @@ Placements (`run.placement`):
   episode-sticky routing). `run.ray_address` joins an existing cluster.
 Supervision: a rollout worker (or engine) that dies is replaced, loaded with the latest published version, and
 the groups it had in flight are re-issued under the same trajectory ids (the queue's idempotency makes
-re-issue safe; each issue of a task gets its own `attempt` number, so engine request ids are new). A group
+re-issue safe; each issue of a task gets its own `attempt` number, so engine request ids are new). A task
+reserves admission for all its trajectories: n_samples_per_prompt per policy seat (self-play: 2). A group
 that fails (dead worker, or an engine error naming engine, request and cause) is re-issued after an
 exponential backoff (`REISSUE_BACKOFF_S` doubling up to `REISSUE_BACKOFF_MAX_S`; each re-issue is logged with
 the attempt count and the last error); after `run.max_restarts` re-issues the run ends with one error line
@@ -37,6 +38,7 @@ from agentrl.actors.broadcast import Publisher, choose_path
 from agentrl.actors.learner_group import LearnerGroup, spawn_learner
 from agentrl.config import Config, learner_ranks
 from agentrl.engines.base import describe_error
+from agentrl.envs.registry import env_factory
 from agentrl.errors import AgentRLError, ConfigError, EngineError
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,11 @@ class Coordinator:
         self.held_ids: Callable[[], list[str]] = list
         self.reissue_backoff_s, self.reissue_backoff_max_s = REISSUE_BACKOFF_S, REISSUE_BACKOFF_MAX_S
         self.issues: dict[int, int] = {}  # task index -> times issued (the next attempt number)
+        # The admission one task reserves: all its trajectories, n per policy seat (self-play: a group per seat).
+        seats = env_factory(cfg.env.name, cfg.env.kwargs, cfg.env.reward)().policy_seats()
+        self.task_trajectories = cfg.rollout.n_samples_per_prompt * seats
+        if seats > 1:
+            _check_window_slack(cfg, self.task_trajectories)
         self.evaluations = 0
         self._lock = asyncio.Lock()
         self._queue_lock = asyncio.Lock()
@@ -259,7 +266,7 @@ class Coordinator:
             old_port = int(self.queue_url.rsplit(":", 1)[1]) if self.queue_url else None
             url = await queue.start.remote(old_port)
             reclaimed = await queue.reclaim.remote(self.held_ids())
-            n = c.rollout.n_samples_per_prompt
+            n = self.task_trajectories
             jobs = [asyncio.wait_for(queue.reserve.remote(n, key), 5.0) for key in sorted(self.reserved)]
             failed = [
                 r for r in await asyncio.gather(*jobs, return_exceptions=True) if isinstance(r, Exception)
@@ -302,7 +309,7 @@ class Coordinator:
         from ray.exceptions import RayActorError
 
         key = f"t{task_index}"
-        await self.queue_call("reserve", self.cfg.rollout.n_samples_per_prompt, key)
+        await self.queue_call("reserve", self.task_trajectories, key)
         self.reserved.add(key)
         queue_generation = self.queue_generation
         attempts, last = self.cfg.run.max_restarts + 1, ""
@@ -380,3 +387,19 @@ class Coordinator:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.pg)
+
+
+def _check_window_slack(cfg: Config, task_trajectories: int) -> None:
+    """A multi-seat task may deliver fewer trajectories than it reserved (a seat's group is left out when the
+    seat never moved), so the batch being filled can stay short of a whole task. The next task must still fit
+    the staleness window beside it, or rollout and learner wait on each other forever: its reservation must
+    fit in the `max_staleness` batches of slack the window has past the batch in training (sync has none)."""
+    batch = cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt
+    slack = cfg.queue.max_staleness * batch
+    if task_trajectories > slack:
+        raise ConfigError(
+            f"env '{cfg.env.name}' with {task_trajectories // cfg.rollout.n_samples_per_prompt} policy seats: a "
+            f"task reserves {task_trajectories} trajectories and may deliver fewer, so it needs run.mode = "
+            f"'async' and queue.max_staleness * rollout.prompts_per_step * rollout.n_samples_per_prompt >= "
+            f"{task_trajectories} (now {slack})"
+        )

@@ -2,7 +2,10 @@
 
 One call, `run_group(task_index, task, attempt)`, samples `rollout.n_samples_per_prompt` trajectories of one
 task concurrently (ids `<prefix>t<task_index>-s<k>`, one `group_id`), then puts the whole group into the
-queue, waiting out admission control (`QueueFull.retry_after_s`). Trajectory ids are deterministic, so
+queue, waiting out admission control (`QueueFull.retry_after_s`). A multi-agent env in self-play
+(`env.policy_seats()` = 2) gives one trajectory per seat per episode: n episodes make one group per seat
+(`t<i>.p<seat>`, ids `t<i>-s<k>.p<seat>`), all put with one call under the task's reservation; a seat that did
+not move in every game of the task has its group left out (complete groups only; `unplayed_groups`). Trajectory ids are deterministic, so
 re-issuing a group after a crash is idempotent at the queue; engine request ids are not reused: each episode
 run gets the request prefix `<trajectory id>` on the driver's first attempt, `<trajectory id>.a<attempt>` on a
 re-issue and `...r<n>` on its n-th re-run here (an engine may still hold the ids of an earlier attempt: SGLang
@@ -70,6 +73,7 @@ class RolloutWorker:
         self.router = EngineRouter(self.engines)
         self.tokenizer = load_tokenizer(model_path)
         self.make_env = env_factory(cfg.env.name, cfg.env.kwargs, cfg.env.reward)
+        self.seats = self.make_env().policy_seats()
         self.generate_fn = resolve_generator(cfg.rollout.generator)
         self.sem = asyncio.Semaphore(max(1, cfg.rollout.concurrency))
         stop = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
@@ -111,41 +115,49 @@ class RolloutWorker:
         )
 
     async def _episode(self, task: dict[str, Any], traj_id: str, group_id: str, sampling: SamplingParams,
-                       attempt: int = 0):  # fmt: skip
+                       attempt: int = 0) -> list[Trajectory]:  # fmt: skip
+        """One episode: its trajectory, or one per seat of a multi-agent env (see agentrl.generator)."""
         for rerun in range(MAX_ABORT_RETRIES + 1):
             prefix = traj_id + (f".a{attempt}" if attempt or rerun else "") + (f"r{rerun}" if rerun else "")
             async with self.sem:
                 with self.router.episode() as sticky:  # counts the load; generators see one object per engine
-                    traj = await self.generate_fn(
+                    out = await self.generate_fn(
                         self._context(sticky.engine, sampling, prefix), task, traj_id, group_id
                     )
-            if traj.status != "aborted" or self.cfg.engine.effective_update_mode != "abort":
+            trajs = out if isinstance(out, list) else [out]
+            if len(trajs) != self.seats:
+                raise AgentRLError(
+                    f"rollout.generator '{self.cfg.rollout.generator}' returned {len(trajs)} trajectories for an "
+                    f"episode of env '{self.cfg.env.name}', which has {self.seats} policy seats"
+                )
+            if all(t.status != "aborted" for t in trajs) or self.cfg.engine.effective_update_mode != "abort":
                 break
-        if not traj.env:
-            traj.env = self.cfg.env.name
-        return traj
+        for traj in trajs:
+            traj.env = traj.env or self.cfg.env.name
+        return trajs
 
     async def run_group(self, task_index: int, task: dict[str, Any], attempt: int = 0) -> dict[str, Any]:
-        """Sample one group for `task`, put it into the queue; returns a summary (rewards, tokens, failures).
-        `attempt`: how often the driver has issued this task before (it makes the engine request ids new)."""
+        """Sample one group for `task` (one per seat for a multi-agent env), put it into the queue; returns a
+        summary (rewards, tokens, failures). `attempt`: how often the driver has issued this task before (it
+        makes the engine request ids new)."""
         t0 = time.perf_counter()
         gid = f"{self.id_prefix}t{task_index}"
         n = self.cfg.rollout.n_samples_per_prompt
         jobs = [self._episode(task, f"{gid}-s{k}", gid, self.sampling, attempt) for k in range(n)]
         results = await asyncio.gather(*jobs, return_exceptions=True)
-        trajs = [t for t in results if isinstance(t, Trajectory) and n_response(t) > 0]
+        episodes = [r for r in results if isinstance(r, list)]
         errors = [describe_error(e) for e in results if isinstance(e, BaseException)]
         for e in errors[:1]:
             log.warning("rollout of task %d failed: %s", task_index, e)
-        informative = not self.cfg.rollout.dynamic_sampling or is_informative(t.reward for t in trajs)
-        if not informative:
-            self.dropped_groups += 1
-        if (
-            trajs
-            and informative
-            and not any(_infrastructure(e) for e in results if isinstance(e, BaseException))
-        ):
-            put = await self._put(trajs, gid)
+        groups, unplayed = _groups(episodes)
+        trajs = [t for group in groups for t in group]
+        informative = [
+            g for g in groups if not self.cfg.rollout.dynamic_sampling or is_informative(t.reward for t in g)
+        ]
+        self.dropped_groups += len(groups) - len(informative)
+        kept = [t for g in informative for t in g]
+        if kept and not any(_infrastructure(e) for e in results if isinstance(e, BaseException)):
+            put = await self._put(kept, gid)
         else:
             put = {"accepted": 0, "duplicates": 0, "dropped": 0}
             await self._queue_call("release", gid)
@@ -161,7 +173,8 @@ class RolloutWorker:
             "rewards": [t.reward for t in trajs],
             "tokens": sum(n_response(t) for t in trajs),
             "gen_s": time.perf_counter() - t0,
-            "informative": informative,
+            "informative": len(informative) == len(groups),
+            "unplayed_groups": unplayed,
             **put,
         }
 
@@ -207,7 +220,7 @@ class RolloutWorker:
             self._episode(task, f"eval-{i}", f"eval-{i}", self.greedy, round_index)
             for i, task in enumerate(tasks)
         ]
-        trajs = await asyncio.gather(*jobs)
+        trajs = [t for episode in await asyncio.gather(*jobs) for t in episode]
         rewards = [t.reward for t in trajs]
         return {
             "eval_reward_mean": sum(rewards) / max(1, len(rewards)),
@@ -249,6 +262,21 @@ class RolloutWorker:
         if self.local_engines:
             for engine in self.engines:
                 await engine.close()
+
+
+def _groups(episodes: list[list[Trajectory]]) -> tuple[list[list[Trajectory]], int]:
+    """The task's groups (by `group_id`: one, or one per seat) and how many were left out because a seat
+    never moved in one of the games (the game ended first): such a trajectory has no tokens, and the group
+    without it would be incomplete, so the seat's group for this task is not queued. Other trajectories
+    without tokens (an episode that produced nothing) are left out of their group, as ever."""
+    by_group: dict[str, list[Trajectory]] = {}
+    unplayed: set[str] = set()
+    for traj in (t for episode in episodes for t in episode):
+        if n_response(traj) > 0:
+            by_group.setdefault(traj.group_id, []).append(traj)
+        elif traj.status == "completed":
+            unplayed.add(traj.group_id)
+    return [g for gid, g in by_group.items() if gid not in unplayed], len(unplayed)
 
 
 def _infrastructure(exc: BaseException) -> bool:

@@ -50,5 +50,10 @@ class AgentEnv(abc.ABC):
         supervised warm-up data. Optional: envs without one raise NotImplementedError."""
         raise NotImplementedError(f"env '{self.name}' has no demonstration")
 
+    def policy_seats(self) -> int:
+        """How many seats of one episode the policy plays, each its own trajectory (a multi-agent env in
+        self-play: 2); the rollout worker and the coordinator count a task's trajectories by it."""
+        return 1
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release per-episode resources."""
