@@ -3,7 +3,6 @@ over a given engine, SDK clients per session (`openai` and `anthropic`), and the
 trajectory is exactly the conversation the SDK saw, with the mask on the model's tokens only."""
 
 import aiohttp
-import anthropic
 import openai
 
 from agentrl.engines.base import SamplingParams
@@ -48,6 +47,8 @@ class Live:
         return client
 
     def anthropic(self, sid):
+        import anthropic  # only the Anthropic tests need it (they importorskip it)
+
         client = anthropic.AsyncAnthropic(
             base_url=f"{self.url}/v1/sessions/{sid}", api_key="unused", max_retries=0
         )

@@ -6,8 +6,11 @@ tests/test_openai_sdk.py, replies that must be a given string (a tool call) are 
 sent and received (written here by hand in the chat template's form) with the mask on the model's tokens."""
 
 import aiohttp
-import anthropic
 import pytest
+
+pytest.importorskip("anthropic")
+
+import anthropic
 from gen_support import scripted_replies as scripted
 from sdk_support import CALL, TOOLS, Live, Q, assert_recorded
 

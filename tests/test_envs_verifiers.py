@@ -10,6 +10,9 @@ import sys
 import textwrap
 
 import pytest
+
+pytest.importorskip("verifiers")
+
 from gen_support import scripted_replies
 from verifiers.v1.dialects.chat import message_to_wire
 
