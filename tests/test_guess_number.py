@@ -2,6 +2,8 @@
 still in, `turn_cost` sets how much each extra turn costs a win; both reach the demonstration too, and bad
 values are refused naming the key."""
 
+from pathlib import Path
+
 import pytest
 
 from agentrl.envs import make_env
@@ -66,3 +68,18 @@ async def test_range_demonstration_replays_to_the_top_reward(kwargs):
 def test_bad_options_named(kwargs, key):
     with pytest.raises(EnvError, match=key.replace(".", r"\.")):
         make_env("guess_number", kwargs)
+
+
+def test_example_config_fits_the_env(tok):
+    """examples/guess_number.toml: every demonstration fits in rollout.max_turns, and every guess (plus the
+    end-of-turn token) fits in rollout.max_new_tokens, so the warm-up teaches what a rollout can produce."""
+    from agentrl.config import load_config
+
+    cfg = load_config(Path(__file__).parent.parent / "examples" / "guess_number.toml")
+    env = make_env(cfg.env.name, cfg.env.kwargs)
+    assert cfg.rollout.max_turns >= env.max_guesses
+    for secret in range(env.low, env.high + 1):
+        demo = env.demonstration({"secret": secret})
+        assert sum(m.role == "assistant" for m in demo) <= cfg.rollout.max_turns
+    longest = max(len(tok.encode(str(n), add_special_tokens=False)) for n in range(env.low, env.high + 1))
+    assert longest + 1 <= cfg.rollout.max_new_tokens
