@@ -1,13 +1,18 @@
 """`guess_number`: multi-turn guess-the-number with feedback.
 
-The secret lies in [low, high]; each turn the model replies with a number and gets "Higher." or "Lower."
-(the secret is higher/lower than the guess) or "Reply with a number from {low} to {high}.". Found on turn t
-(1-based) of `max_guesses`: reward 1 - (t-1)/max_guesses; not found: 0. The reward arrives on the last turn
-only. The demonstration is a binary search, which finds any secret within ceil(log2(high-low+2)) guesses.
+The secret lies in [low, high]; each turn the model replies with a number and gets feedback: with
+`feedback = "direction"` (the default) "Higher." or "Lower." (the secret is higher/lower than the guess); with
+`feedback = "range"` also the range the secret is still in, e.g. "Higher: 9 to 16.", so the next guess
+depends on the last message alone rather than on every earlier turn (docs/benchmarks/run.md: what the tiny
+model learns with each). A reply with no number in range gets "Reply with a number from {low} to {high}.".
+Found on turn t (1-based) of `max_guesses`: reward 1 - turn_cost * (t-1), with turn_cost = 1/max_guesses
+unless set; not found: 0. The reward arrives on the last turn only. The demonstration is a binary search,
+which finds any secret within ceil(log2(high-low+2)) guesses.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from typing import Any
@@ -18,6 +23,7 @@ from agentrl.errors import EnvError
 from agentrl.types import Message
 
 _INT = re.compile(r"-?\d+")
+FEEDBACK = ("direction", "range")
 
 
 def first_int(text: str) -> int | None:
@@ -31,15 +37,33 @@ class GuessNumberEnv(AgentEnv):
     description = "multi-turn: guess a secret number with higher/lower feedback (reward 1 - turns used / max)"
     max_turns = 5
 
-    def __init__(self, low: int = 1, high: int = 16, max_guesses: int = 5):
-        super().__init__(low=low, high=high, max_guesses=max_guesses)
+    def __init__(
+        self,
+        low: int = 1,
+        high: int = 16,
+        max_guesses: int = 5,
+        feedback: str = "direction",
+        turn_cost: float | None = None,
+    ):
+        super().__init__(low=low, high=high, max_guesses=max_guesses, feedback=feedback, turn_cost=turn_cost)
         if low >= high or max_guesses < 1:
             raise EnvError(
                 f"env.kwargs: need low < high and max_guesses >= 1 (got {low}, {high}, {max_guesses})"
             )
+        if feedback not in FEEDBACK:
+            raise EnvError(f"env.kwargs.feedback: expected one of {', '.join(FEEDBACK)} (got {feedback!r})")
+        cost = 1.0 / max_guesses if turn_cost is None else float(turn_cost)
+        # A win on the last turn must still score above a loss (0), or the reward stops ranking a win highest.
+        if not (math.isfinite(cost) and cost >= 0.0) or 1.0 - cost * (max_guesses - 1) <= 0.0:
+            raise EnvError(
+                f"env.kwargs.turn_cost: need 0 <= turn_cost < 1/(max_guesses-1) so a win on the last turn "
+                f"scores above 0 (got {turn_cost} with max_guesses {max_guesses})"
+            )
         self.low, self.high, self.max_guesses = low, high, max_guesses
+        self.feedback, self.turn_cost = feedback, cost
         self.max_turns = max_guesses
         self.secret, self.turn = 0, 0
+        self.range = (low, high)
 
     def sample_tasks(self, seed: int, n: int) -> list[dict[str, Any]]:
         rng = random.Random(seed)
@@ -47,6 +71,14 @@ class GuessNumberEnv(AgentEnv):
 
     def opening(self) -> str:
         return f"Guess my number from {self.low} to {self.high}."
+
+    def reply(self, secret: int, guess: int | None, lo: int, hi: int) -> tuple[str, int, int]:
+        """Feedback on a wrong guess, and the range [lo, hi] the secret is known to be in afterwards."""
+        if guess is None or not self.low <= guess <= self.high:
+            return f"Reply with a number from {self.low} to {self.high}.", lo, hi
+        lo, hi = (max(lo, guess + 1), hi) if secret > guess else (lo, min(hi, guess - 1))
+        word = "Higher" if secret > guess else "Lower"
+        return (f"{word}: {lo} to {hi}." if self.feedback == "range" else f"{word}."), lo, hi
 
     def demonstration(self, task: dict[str, Any]) -> list[Message]:
         lo, hi, secret = self.low, self.high, task["secret"]
@@ -56,27 +88,25 @@ class GuessNumberEnv(AgentEnv):
             messages.append(Message("assistant", str(guess)))
             if guess == secret:
                 return messages
-            lo, hi = (guess + 1, hi) if secret > guess else (lo, guess - 1)
-            messages.append(Message("user", "Higher." if secret > guess else "Lower."))
+            text, lo, hi = self.reply(secret, guess, lo, hi)
+            messages.append(Message("user", text))
         raise EnvError(
             f"max_guesses={self.max_guesses} is too small for a binary search over [{self.low}, {self.high}]"
         )
 
     async def reset(self, task: dict[str, Any]) -> list[Message]:
         self.secret, self.turn = int(task["secret"]), 0
+        self.range = (self.low, self.high)
         return [Message("user", self.opening())]
 
     async def step(self, action: str) -> StepResult:
         self.turn += 1
         guess = first_int(action)
-        last = self.turn >= self.max_guesses
         info = {"guess": guess, "secret": self.secret}
         if guess == self.secret:
-            return StepResult(reward=1.0 - (self.turn - 1) / self.max_guesses, done=True, info=info)
-        if last:
+            return StepResult(reward=1.0 - self.turn_cost * (self.turn - 1), done=True, info=info)
+        if self.turn >= self.max_guesses:
             return StepResult(reward=0.0, done=True, info=info)
-        if guess is None or not self.low <= guess <= self.high:
-            feedback = f"Reply with a number from {self.low} to {self.high}."
-        else:
-            feedback = "Higher." if self.secret > guess else "Lower."
-        return StepResult(messages=[Message("user", feedback)], info=info)
+        text, lo, hi = self.reply(self.secret, guess, *self.range)
+        self.range = (lo, hi)
+        return StepResult(messages=[Message("user", text)], info=info)

@@ -1,0 +1,85 @@
+"""guess_number's options for learnability (issue 15 item 4): `feedback = "range"` states the range the secret is
+still in, `turn_cost` sets how much each extra turn costs a win; both reach the demonstration too, and bad
+values are refused naming the key."""
+
+from pathlib import Path
+
+import pytest
+
+from agentrl.envs import make_env
+from agentrl.errors import EnvError
+
+
+async def play(env, secret: int, replies: list[str]):
+    await env.reset({"secret": secret})
+    results = []
+    for reply in replies:
+        results.append(await env.step(reply))
+        if results[-1].done:
+            break
+    return results
+
+
+async def test_range_feedback_narrows_and_never_widens():
+    env = make_env("guess_number", {"feedback": "range", "max_guesses": 6})
+    results = await play(env, 11, ["8", "12", "3", "banana", "10", "11"])
+    assert [r.messages[0].content for r in results[:-1]] == [
+        "Higher: 9 to 16.",
+        "Lower: 9 to 11.",
+        "Higher: 9 to 11.",  # a guess below the known range tells nothing new
+        "Reply with a number from 1 to 16.",
+        "Higher: 11 to 11.",
+    ]
+    assert results[-1].done and results[-1].reward == pytest.approx(1 - 5 / 6)
+    # A new episode starts from the whole range again.
+    assert (await play(env, 2, ["8"]))[0].messages[0].content == "Lower: 1 to 7."
+
+
+async def test_turn_cost_keeps_every_win_above_a_loss():
+    env = make_env("guess_number", {"turn_cost": 0.1})
+    assert [(await play(env, 5, ["5"]))[-1].reward] == [1.0]
+    last = await play(env, 5, ["1", "2", "3", "4", "5"])
+    assert last[-1].done and last[-1].reward == pytest.approx(0.6)
+    lost = await play(env, 5, ["1", "2", "3", "4", "6"])
+    assert lost[-1].done and lost[-1].reward == 0.0
+    # The default is unchanged: 1/max_guesses per extra turn.
+    assert (await play(make_env("guess_number"), 5, ["1", "5"]))[-1].reward == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize("kwargs", [{"feedback": "range"}, {"feedback": "range", "low": 1, "high": 8}])
+async def test_range_demonstration_replays_to_the_top_reward(kwargs):
+    env = make_env("guess_number", {**kwargs, "turn_cost": 0.1})
+    for secret in range(env.low, env.high + 1):
+        demo = env.demonstration({"secret": secret})
+        replies = [m.content for m in demo if m.role == "assistant"]
+        results = await play(make_env("guess_number", {**kwargs, "turn_cost": 0.1}), secret, replies)
+        assert [m for r in results for m in r.messages] == [m for m in demo[1:] if m.role == "user"]
+        assert results[-1].reward == pytest.approx(1 - 0.1 * (len(replies) - 1))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"feedback": "interval"}, "env.kwargs.feedback"),
+        ({"turn_cost": 0.25}, "env.kwargs.turn_cost"),  # a win on turn 5 would score 0, like a loss
+        ({"turn_cost": -0.1}, "env.kwargs.turn_cost"),
+    ],
+)
+def test_bad_options_named(kwargs, key):
+    with pytest.raises(EnvError, match=key.replace(".", r"\.")):
+        make_env("guess_number", kwargs)
+
+
+def test_example_config_fits_the_env(tok):
+    """examples/guess_number.toml: every demonstration fits in rollout.max_turns, and every guess (plus the
+    end-of-turn token) fits in rollout.max_new_tokens, so the warm-up teaches what a rollout can produce."""
+    from agentrl.config import load_config
+
+    cfg = load_config(Path(__file__).parent.parent / "examples" / "guess_number.toml")
+    env = make_env(cfg.env.name, cfg.env.kwargs)
+    assert cfg.rollout.max_turns >= env.max_guesses
+    for secret in range(env.low, env.high + 1):
+        demo = env.demonstration({"secret": secret})
+        assert sum(m.role == "assistant" for m in demo) <= cfg.rollout.max_turns
+    longest = max(len(tok.encode(str(n), add_special_tokens=False)) for n in range(env.low, env.high + 1))
+    assert longest + 1 <= cfg.rollout.max_new_tokens
