@@ -34,7 +34,7 @@ from agentrl.queue import wal as wal_mod
 from agentrl.queue.admission import Admission
 from agentrl.queue.durable import DurableQueue
 from agentrl.queue.metrics import QueueMetrics
-from agentrl.queue.primitives import PutResult, SampledBatch, Ticket, _Group, _Signal
+from agentrl.queue.primitives import Hold, PutResult, SampledBatch, Ticket, _Group, _Signal
 from agentrl.runlock import Fence
 from agentrl.types import Trajectory, min_version, nbytes
 
@@ -100,41 +100,19 @@ class ReplayQueue(DurableQueue):
         items = [trajectories] if isinstance(trajectories, Trajectory) else list(trajectories)
         now = time.time()
         fresh, indices, ungrouped, duplicates, late = self._admission.screen(
-            items, self._known, self._pending, self._released, external
+            items, self.is_known, self._pending, self._released, external
         )
         n, new_bytes = len(fresh), sum(nbytes(t) for t in fresh)
-        self._admission.check(n, new_bytes, ticket, self._n_queued, self._bytes)
-        used = ticket.take(n) if ticket is not None else 0
-        self._known.update(t.id for t in fresh)
-        self._admission.admitted += n
-        self._n_queued += n
-        self._bytes += new_bytes
-        if fresh and self._wal is not None:
-            self._unsynced.update((t.id, t) for t in fresh)  # a compaction meanwhile must keep them
-            try:
-                if raw is not None:
-                    meta = wal_mod.BodyMeta(raw[0], indices, self.policy_version, now)
-                    await self._append(wal_mod.RawPut(meta, raw[1]))
-                else:
-                    await self._append(wal_mod.PutRecord(fresh))
-            except (StorageError, QueueClosed) as exc:
-                self._known.difference_update(t.id for t in fresh)
-                self._admission.admitted -= n
-                self._n_queued -= n
-                self._bytes -= new_bytes
-                if ticket is not None:
-                    ticket.remaining += used
-                    self._admission.in_flight += used
-                if isinstance(exc, StorageError):
-                    self.metrics.inc("storage_errors")
-                raise
-            except asyncio.CancelledError:  # the record is in the log: hold what a replay would bring back
-                self._accept(fresh, ungrouped)
-                raise
-            finally:
-                for traj in fresh:
-                    self._unsynced.pop(traj.id, None)
-        self._accept(fresh, ungrouped)
+        with self._admission.holding(n, new_bytes, ticket, self._n_queued, self._bytes) as hold:
+            if fresh and self._wal is not None:
+                try:
+                    await self._log_put(fresh, indices, raw, now)
+                except (
+                    asyncio.CancelledError
+                ):  # the record is in the log: hold what a replay would bring back
+                    self._accept(hold, fresh, ungrouped)
+                    raise
+            self._accept(hold, fresh, ungrouped)
         self.metrics.inc("accepted", n)
         self.metrics.inc("duplicates", duplicates)
         self.metrics.inc("dropped_late", late)
@@ -143,7 +121,30 @@ class ReplayQueue(DurableQueue):
             await self._await_originals()
         return PutResult(accepted=n, duplicates=duplicates, dropped=late)
 
-    def _accept(self, fresh: list[Trajectory], ungrouped: set[str]) -> None:
+    async def _log_put(
+        self, fresh: list[Trajectory], indices: list[int], raw: tuple[str, Any] | None, now: float
+    ) -> None:
+        """Append the put's record and wait until it is durable; until then its ids count as known."""
+        self._unsynced.update((t.id, t) for t in fresh)  # a compaction meanwhile must keep them
+        try:
+            if raw is not None:
+                meta = wal_mod.BodyMeta(raw[0], indices, self.policy_version, now)
+                await self._append(wal_mod.RawPut(meta, raw[1]))
+            else:
+                await self._append(wal_mod.PutRecord(fresh))
+        except StorageError:
+            self.metrics.inc("storage_errors")
+            raise
+        finally:
+            for traj in fresh:
+                self._unsynced.pop(traj.id, None)
+
+    def _accept(self, hold: Hold, fresh: list[Trajectory], ungrouped: set[str]) -> None:
+        """The one place a put changes the queue's state: after its record is in the log."""
+        self._admission.admit(hold)
+        self._known.update(t.id for t in fresh)
+        self._n_queued += len(fresh)
+        self._bytes += hold.nbytes
         for traj in fresh:
             self._live[traj.id] = traj
             self._insert(traj, ungrouped=traj.id in ungrouped)
@@ -216,7 +217,7 @@ class ReplayQueue(DurableQueue):
             self._live.pop(traj.id, None)
             self._n_queued -= 1
             self._bytes -= nbytes(traj)
-        self._admission.admitted -= len(ids)
+        self._admission.discard(len(ids))
         self.metrics.inc(counter, len(ids))
         if self._wal is not None and ids:
             try:  # never acknowledged to anyone: if lost, the ids come back and are dropped again
@@ -226,7 +227,6 @@ class ReplayQueue(DurableQueue):
             except StorageError:
                 self.metrics.inc("storage_errors")
                 log.warning("queue log: cannot record %d dropped trajectories", len(ids))
-        self._admission.space.fire()
 
     # ----------------------------------------------------------------- learner
     def set_policy_version(self, version: int) -> None:
@@ -390,7 +390,8 @@ class ReplayQueue(DurableQueue):
         return max(self._committed_steps) if self._committed_steps else None
 
     def is_known(self, trajectory_id: str) -> bool:
-        return trajectory_id in self._known
+        """Accepted, or in a put waiting for the log (a second copy meanwhile is a duplicate)."""
+        return trajectory_id in self._known or trajectory_id in self._unsynced
 
     def __len__(self) -> int:
         return self._n_queued
