@@ -1,101 +1,12 @@
 """Trajectory types: the Structs and encoders (trajectory.py), decoding what clients send (wire.py) and the
 normalization every trajectory passes before the rest of agentrl trusts it (validate.py).
 
-Every name is importable from `agentrl.types` itself. Nothing here imports torch or ray.
+Every name is importable from `agentrl.types` itself (each module's `__all__`). No torch or ray.
 """
 
-from agentrl.types.trajectory import (
-    BARE_DTYPES,
-    LOGPROB_DTYPE,
-    LOGPROB_MAX,
-    LOGPROB_MIN,
-    MASK_DTYPE,
-    MAX_ID_CHARS,
-    METADATA_MAX,
-    METADATA_MIN,
-    NP_DTYPES,
-    PACKED_DTYPES,
-    ROLES,
-    TOKEN_DTYPE,
-    TOKEN_MAX,
-    DType,
-    FloatArray,
-    MaskArray,
-    Message,
-    Packed,
-    Role,
-    Status,
-    TokenArray,
-    TokenId,
-    Trajectory,
-    UnixTime,
-    Version,
-    encode_json,
-    encode_msgpack,
-    expand_versions,
-    floats,
-    mask,
-    max_version,
-    min_version,
-    n_response,
-    nbytes,
-    pack_floats,
-    pack_tokens,
-    tokens,
-    trajectory_schema,
-    version_runs,
-)
-from agentrl.types.validate import (
-    normalize,
-)
-from agentrl.types.wire import (
-    decode_trajectories,
-    validation_field,
-    where,
-)
+from agentrl.types import trajectory, validate, wire
+from agentrl.types.trajectory import *  # noqa: F403
+from agentrl.types.validate import *  # noqa: F403
+from agentrl.types.wire import *  # noqa: F403
 
-__all__ = [
-    "BARE_DTYPES",
-    "LOGPROB_DTYPE",
-    "LOGPROB_MAX",
-    "LOGPROB_MIN",
-    "MASK_DTYPE",
-    "MAX_ID_CHARS",
-    "METADATA_MAX",
-    "METADATA_MIN",
-    "NP_DTYPES",
-    "PACKED_DTYPES",
-    "ROLES",
-    "TOKEN_DTYPE",
-    "TOKEN_MAX",
-    "DType",
-    "FloatArray",
-    "MaskArray",
-    "Message",
-    "Packed",
-    "Role",
-    "Status",
-    "TokenArray",
-    "TokenId",
-    "Trajectory",
-    "UnixTime",
-    "Version",
-    "decode_trajectories",
-    "encode_json",
-    "encode_msgpack",
-    "expand_versions",
-    "floats",
-    "mask",
-    "max_version",
-    "min_version",
-    "n_response",
-    "nbytes",
-    "normalize",
-    "pack_floats",
-    "pack_tokens",
-    "tokens",
-    "trajectory_schema",
-    "validation_field",
-    "version_runs",
-    "where",
-]
+__all__ = [*trajectory.__all__, *wire.__all__, *validate.__all__]

@@ -20,6 +20,48 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
+__all__ = [
+    "BARE_DTYPES",
+    "LOGPROB_DTYPE",
+    "LOGPROB_MAX",
+    "LOGPROB_MIN",
+    "MASK_DTYPE",
+    "MAX_ID_CHARS",
+    "METADATA_MAX",
+    "METADATA_MIN",
+    "NP_DTYPES",
+    "PACKED_DTYPES",
+    "ROLES",
+    "TOKEN_DTYPE",
+    "TOKEN_MAX",
+    "DType",
+    "FloatArray",
+    "MaskArray",
+    "Message",
+    "Packed",
+    "Role",
+    "Status",
+    "TokenArray",
+    "TokenId",
+    "Trajectory",
+    "UnixTime",
+    "Version",
+    "encode_json",
+    "encode_msgpack",
+    "expand_versions",
+    "floats",
+    "mask",
+    "max_version",
+    "min_version",
+    "n_response",
+    "nbytes",
+    "pack_floats",
+    "pack_tokens",
+    "tokens",
+    "trajectory_schema",
+    "version_runs",
+]
+
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
 MASK_DTYPE = np.dtype("u1")

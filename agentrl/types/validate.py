@@ -30,6 +30,8 @@ from agentrl.types.trajectory import (
     Trajectory,
 )
 
+__all__ = ["normalize"]
+
 _MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # ndarray.min/max without the Python-level wrapper
 
 

@@ -17,6 +17,8 @@ import msgspec
 from agentrl.errors import InvalidTrajectory
 from agentrl.types.trajectory import BARE_DTYPES, Packed, Trajectory
 
+__all__ = ["decode_trajectories", "validation_field", "where"]
+
 # Decoders are created once: msgspec caches the schema work in them.
 _msgpack_decoder = msgspec.msgpack.Decoder(Trajectory | list[Trajectory])
 _json_decoder = msgspec.json.Decoder(Trajectory | list[Trajectory])
