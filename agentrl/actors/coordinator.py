@@ -59,7 +59,10 @@ class Slot:
 
 
 class Coordinator:
-    def __init__(self, cfg: Config, run_dir: str, model_path: str, policy_version: int = 0):
+    def __init__(self, cfg: Config, run_dir: str, model_path: str, policy_version: int = 0,
+                 held_ids: Callable[[], list[str]] = list):  # fmt: skip
+        """`held_ids`: the ids the learner holds and the queue has not committed (a restarted queue reclaims
+        them)."""
         self.cfg = cfg
         self.run_dir = run_dir
         self.model_path = model_path
@@ -78,7 +81,7 @@ class Coordinator:
         self.reissued = 0
         self.queue_url = ""
         self.reserved: set[str] = set()
-        self.held_ids: Callable[[], list[str]] = list
+        self.held_ids = held_ids
         self.reissue_backoff_s, self.reissue_backoff_max_s = REISSUE_BACKOFF_S, REISSUE_BACKOFF_MAX_S
         self.issues: dict[int, int] = {}  # task index -> times issued (the next attempt number)
         self.evaluations = 0
