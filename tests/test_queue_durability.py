@@ -235,3 +235,27 @@ async def test_a_ticket_released_while_its_put_waits_for_a_failing_fsync_stays_r
     full = await asyncio.wait_for(q.reserve(4), 5)  # the whole window is free again
     assert (await q.put([traj(f"t{i}") for i in range(4)], ticket=full)).accepted == 4
     q.close()
+
+
+async def test_a_reservation_waiting_on_a_put_that_fails_at_the_log_gets_the_slots(tmp_path, monkeypatch):
+    entered, go = threading.Event(), threading.Event()
+
+    def failing_fsync(fd):
+        entered.set()
+        go.wait(10)
+        raise OSError(errno.EIO, "Input/output error")
+
+    q = ReplayQueue(QueueSection(max_staleness=0, group_size=1), tmp_path, batch_size=4)
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    put = asyncio.ensure_future(q.put([traj("a"), traj("b")]))  # unreserved: 2 of the window's 4
+    assert await asyncio.to_thread(entered.wait, 10)
+    waiting = asyncio.ensure_future(q.reserve(4))  # fits only if that put's slots come back
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    go.set()
+    with pytest.raises(StorageError):
+        await put
+    ticket = await asyncio.wait_for(waiting, 5)  # woken by the failed put itself, nothing else happens
+    assert ticket.remaining == 4 and q.status()["admitted"] == 0
+    monkeypatch.undo()
+    q.close()

@@ -151,6 +151,7 @@ class Admission:
             yield hold
         finally:
             self._holds.remove(hold)
+            self.space.fire()  # a put that failed at the log leaves its slots to a waiting `reserve`
 
     def admit(self, hold: Hold) -> None:
         """The put of `hold` is in the log: count it, spending its ticket (what a release left of it)."""
