@@ -108,10 +108,8 @@ class ReplayQueue(GroupedQueue, DurableQueue):
             if fresh and self._wal is not None:
                 try:
                     await self._log_put(fresh, indices, raw, now)
-                except (
-                    asyncio.CancelledError
-                ):  # the record is in the log: hold what a replay would bring back
-                    self._accept(hold, fresh, ungrouped)
+                except asyncio.CancelledError:
+                    self._accept(hold, fresh, ungrouped)  # it is in the log: hold what a replay brings back
                     raise
             self._accept(hold, fresh, ungrouped)
         self.metrics.inc("accepted", n)
