@@ -207,27 +207,33 @@ async def test_a_put_that_fails_at_the_log_leaves_counters_and_ticket_as_they_we
     q.close()
 
 
+class StuckFsync:
+    """Replaces os.fsync: blocks until `go` is set (`entered` says it started), then fails like a bad disk."""
+
+    def __init__(self) -> None:
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def __call__(self, fd: int) -> None:
+        self.entered.set()
+        self.go.wait(10)
+        raise OSError(errno.EIO, "Input/output error")
+
+
 async def test_a_ticket_released_while_its_put_waits_for_a_failing_fsync_stays_released(
     tmp_path, monkeypatch
 ):
     """The put's fsync fails after the driver gave the group up (released its ticket): the window must not
     get the reservation back (a rollback into the ticket would hold those slots forever)."""
-    entered, go = threading.Event(), threading.Event()
-
-    def failing_fsync(fd):
-        entered.set()
-        go.wait(10)
-        raise OSError(errno.EIO, "Input/output error")
-
+    stuck = StuckFsync()
     q = ReplayQueue(QueueSection(max_staleness=0, group_size=1), tmp_path, batch_size=4)
     before = window_state(q)
     ticket = await q.reserve(2)
-    monkeypatch.setattr(os, "fsync", failing_fsync)
+    monkeypatch.setattr(os, "fsync", stuck)
     put = asyncio.ensure_future(q.put([traj("a"), traj("b")], ticket=ticket))
-    assert await asyncio.to_thread(entered.wait, 10)
+    assert await asyncio.to_thread(stuck.entered.wait, 10)
     assert q.status()["admitted"] == 0  # nothing counted before the log has it
     ticket.release()
-    go.set()
+    stuck.go.set()
     with pytest.raises(StorageError):
         await put
     monkeypatch.undo()
@@ -238,21 +244,15 @@ async def test_a_ticket_released_while_its_put_waits_for_a_failing_fsync_stays_r
 
 
 async def test_a_reservation_waiting_on_a_put_that_fails_at_the_log_gets_the_slots(tmp_path, monkeypatch):
-    entered, go = threading.Event(), threading.Event()
-
-    def failing_fsync(fd):
-        entered.set()
-        go.wait(10)
-        raise OSError(errno.EIO, "Input/output error")
-
+    stuck = StuckFsync()
     q = ReplayQueue(QueueSection(max_staleness=0, group_size=1), tmp_path, batch_size=4)
-    monkeypatch.setattr(os, "fsync", failing_fsync)
+    monkeypatch.setattr(os, "fsync", stuck)
     put = asyncio.ensure_future(q.put([traj("a"), traj("b")]))  # unreserved: 2 of the window's 4
-    assert await asyncio.to_thread(entered.wait, 10)
+    assert await asyncio.to_thread(stuck.entered.wait, 10)
     waiting = asyncio.ensure_future(q.reserve(4))  # fits only if that put's slots come back
     await asyncio.sleep(0)
     assert not waiting.done()
-    go.set()
+    stuck.go.set()
     with pytest.raises(StorageError):
         await put
     ticket = await asyncio.wait_for(waiting, 5)  # woken by the failed put itself, nothing else happens
