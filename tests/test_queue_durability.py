@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -180,4 +181,81 @@ async def test_fsync_off_keeps_acknowledgement_at_write(tmp_path, monkeypatch):
     await asyncio.gather(*(q.put(traj(f"t{i}")) for i in range(10)))
     await q.commit(0, (await q.sample_batch(2)).ids)
     assert fsyncs.calls == 0 and len(q) == 8
+    q.close()
+
+
+def window_state(q: ReplayQueue) -> dict:
+    s = q.status()
+    return {k: s[k] for k in ("admitted", "in_flight", "depth", "bytes", "known_ids")}
+
+
+async def test_a_put_that_fails_at_the_log_leaves_counters_and_ticket_as_they_were(tmp_path, monkeypatch):
+    def enospc(fd, buffers):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    q = ReplayQueue(QueueSection(max_staleness=0, group_size=1), tmp_path, batch_size=4)
+    await q.put(traj("first"))
+    with await q.reserve(2) as ticket:
+        before = window_state(q)
+        monkeypatch.setattr(wal_mod, "_writev", enospc)
+        with pytest.raises(StorageError):
+            await q.put([traj("a"), traj("b")], ticket=ticket)
+        assert window_state(q) == before and ticket.remaining == 2
+        monkeypatch.undo()
+        assert (await q.put([traj("a"), traj("b")], ticket=ticket)).accepted == 2
+    assert ticket.remaining == 0 and q.status()["admitted"] == 3 and q.status()["in_flight"] == 0
+    q.close()
+
+
+class StuckFsync:
+    """Replaces os.fsync: blocks until `go` is set (`entered` says it started), then fails like a bad disk."""
+
+    def __init__(self) -> None:
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def __call__(self, fd: int) -> None:
+        self.entered.set()
+        self.go.wait(10)
+        raise OSError(errno.EIO, "Input/output error")
+
+
+async def test_a_ticket_released_while_its_put_waits_for_a_failing_fsync_stays_released(
+    tmp_path, monkeypatch
+):
+    """The put's fsync fails after the driver gave the group up (released its ticket): the window must not
+    get the reservation back (a rollback into the ticket would hold those slots forever)."""
+    stuck = StuckFsync()
+    q = ReplayQueue(QueueSection(max_staleness=0, group_size=1), tmp_path, batch_size=4)
+    before = window_state(q)
+    ticket = await q.reserve(2)
+    monkeypatch.setattr(os, "fsync", stuck)
+    put = asyncio.ensure_future(q.put([traj("a"), traj("b")], ticket=ticket))
+    assert await asyncio.to_thread(stuck.entered.wait, 10)
+    assert q.status()["admitted"] == 0  # nothing counted before the log has it
+    ticket.release()
+    stuck.go.set()
+    with pytest.raises(StorageError):
+        await put
+    monkeypatch.undo()
+    assert window_state(q) == before and ticket.remaining == 0
+    full = await asyncio.wait_for(q.reserve(4), 5)  # the whole window is free again
+    assert (await q.put([traj(f"t{i}") for i in range(4)], ticket=full)).accepted == 4
+    q.close()
+
+
+async def test_a_reservation_waiting_on_a_put_that_fails_at_the_log_gets_the_slots(tmp_path, monkeypatch):
+    stuck = StuckFsync()
+    q = ReplayQueue(QueueSection(max_staleness=0, group_size=1), tmp_path, batch_size=4)
+    monkeypatch.setattr(os, "fsync", stuck)
+    put = asyncio.ensure_future(q.put([traj("a"), traj("b")]))  # unreserved: 2 of the window's 4
+    assert await asyncio.to_thread(stuck.entered.wait, 10)
+    waiting = asyncio.ensure_future(q.reserve(4))  # fits only if that put's slots come back
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    stuck.go.set()
+    with pytest.raises(StorageError):
+        await put
+    ticket = await asyncio.wait_for(waiting, 5)  # woken by the failed put itself, nothing else happens
+    assert ticket.remaining == 4 and q.status()["admitted"] == 0
+    monkeypatch.undo()
     q.close()

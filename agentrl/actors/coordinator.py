@@ -16,11 +16,12 @@ reserves admission for all its trajectories: n_samples_per_prompt per policy sea
 that fails (dead worker, or an engine error naming engine, request and cause) is re-issued after an
 exponential backoff (`REISSUE_BACKOFF_S` doubling up to `REISSUE_BACKOFF_MAX_S`; each re-issue is logged with
 the attempt count and the last error); after `run.max_restarts` re-issues the run ends with one error line
-naming the task, the attempts and the last error. The queue actor that dies is recreated on the same run dir
-(`queue_call`): its WAL replays the uncommitted trajectories, the ids the learner holds (`held_ids`: trained
-or training, commit pending) are reclaimed so they are not sampled twice, admission is re-reserved for the
-groups in flight, workers get the new handle, `queue_url` is rewritten, and the call in flight is retried on
-the new actor; at most `run.max_restarts` times. `shutdown()` closes the queue (WAL flushed) and kills every
+naming the task, the attempts and the last error. Every queue call goes through a `QueueHandle`
+(agentrl.actors.queue_handle: the one owner of queue-actor death recovery); when the actor dies, it calls
+`_respawn_queue`, which recreates it on the same run dir: its WAL replays the uncommitted trajectories, the
+ids the learner holds (`held_ids`: trained or training, commit pending) are reclaimed so they are not sampled
+twice, admission is re-reserved for the groups in flight, workers get the new handle, `queue_url` is
+rewritten; the handle retries the call in flight on the new actor, at most `run.max_restarts` times. `shutdown()` closes the queue (WAL flushed) and kills every
 actor.
 """
 
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +36,7 @@ from typing import Any
 
 from agentrl.actors.broadcast import Publisher, choose_path
 from agentrl.actors.learner_group import LearnerGroup, spawn_learner
+from agentrl.actors.queue_handle import QueueHandle
 from agentrl.config import Config, learner_ranks
 from agentrl.engines.base import describe_error
 from agentrl.envs.registry import env_factory
@@ -60,13 +61,19 @@ class Slot:
 
 
 class Coordinator:
-    def __init__(self, cfg: Config, run_dir: str, model_path: str, policy_version: int = 0):
+    def __init__(self, cfg: Config, run_dir: str, model_path: str, policy_version: int = 0,
+                 held_ids: Callable[[], list[str]] = list):  # fmt: skip
+        """`held_ids`: the ids the learner holds and the queue has not committed (a restarted queue reclaims
+        them)."""
         self.cfg = cfg
         self.run_dir = run_dir
         self.model_path = model_path
         self.policy_version = policy_version
         self.placement = cfg.run.placement
-        self.queue: Any = None
+        self.queue_handle = QueueHandle(
+            None, restart=self._respawn_queue, max_restarts=cfg.run.max_restarts,
+            give_up_hint=f"; `agentrl run --resume {run_dir}` continues from the last checkpoint",
+        )  # fmt: skip
         self.learner: Any = None
         self.workers: list[Slot] = []
         self.engines: list[Slot] = []
@@ -75,11 +82,8 @@ class Coordinator:
         self.restarts = 0
         self.reissued = 0
         self.queue_url = ""
-        self.queue_generation = 0
-        self.queue_restarts = 0
-        self.queue_recovery_s: list[float] = []
         self.reserved: set[str] = set()
-        self.held_ids: Callable[[], list[str]] = list
+        self.held_ids = held_ids
         self.reissue_backoff_s, self.reissue_backoff_max_s = REISSUE_BACKOFF_S, REISSUE_BACKOFF_MAX_S
         self.issues: dict[int, int] = {}  # task index -> times issued (the next attempt number)
         # The admission one task reserves: all its trajectories, n per policy seat (self-play: a group per seat).
@@ -89,7 +93,23 @@ class Coordinator:
             _check_window_slack(cfg, self.task_trajectories)
         self.evaluations = 0
         self._lock = asyncio.Lock()
-        self._queue_lock = asyncio.Lock()
+
+    @property
+    def queue(self) -> Any:
+        """The queue actor now (after a restart, its successor)."""
+        return self.queue_handle.actor
+
+    @queue.setter
+    def queue(self, actor: Any) -> None:
+        self.queue_handle.actor = actor
+
+    @property
+    def queue_generation(self) -> int:
+        return self.queue_handle.generation
+
+    @property
+    def queue_restarts(self) -> int:
+        return self.queue_handle.restarts
 
     # -- placement ---------------------------------------------------------------------------------------
 
@@ -231,64 +251,42 @@ class Coordinator:
                 )
 
     async def queue_call(self, name: str, *args: Any) -> Any:
-        """Call the queue actor's `name`; if the actor dies, restart it and retry the call on the new one."""
-        from ray.exceptions import RayActorError
+        """Call the queue actor's `name`; its death is recovered by the QueueHandle (then `_respawn_queue`)."""
+        return await self.queue_handle.call(name, *args)
 
-        for _attempt in range(self.cfg.run.max_restarts + 1):
-            handle, generation = self.queue, self.queue_generation
-            try:
-                return await getattr(handle, name).remote(*args)
-            except RayActorError:
-                await self._restart_queue(generation)
-        raise AgentRLError(f"queue call {name} failed {self.cfg.run.max_restarts + 1} times")
-
-    async def _restart_queue(self, generation: int) -> None:
-        """Recreate the dead queue actor (once per death) on the same run dir; see the module docstring."""
+    async def _respawn_queue(self, dead: Any) -> Any:
+        """Recreate the dead queue actor on the same run dir for this run; see the module docstring."""
         import ray
 
         from agentrl.actors.remote import spawn
 
-        async with self._queue_lock:
-            if self.queue_generation != generation:
-                return  # someone already restarted it
-            if self.queue_restarts >= self.cfg.run.max_restarts:
-                raise AgentRLError(
-                    f"the queue actor died and cannot be restarted (run.max_restarts = {self.cfg.run.max_restarts}); "
-                    f"`agentrl run --resume {self.run_dir}` continues from the last checkpoint"
-                )
-            t0 = time.perf_counter()
-            try:
-                ray.kill(self.queue, no_restart=True)
-            except Exception:
-                pass
-            c = self.cfg
-            queue = spawn("queue", c, self.run_dir, self.policy_version, None, self.model_path, name=None)
-            old_port = int(self.queue_url.rsplit(":", 1)[1]) if self.queue_url else None
-            url = await queue.start.remote(old_port)
-            reclaimed = await queue.reclaim.remote(self.held_ids())
-            n = self.task_trajectories
-            jobs = [asyncio.wait_for(queue.reserve.remote(n, key), 5.0) for key in sorted(self.reserved)]
-            failed = [
-                r for r in await asyncio.gather(*jobs, return_exceptions=True) if isinstance(r, Exception)
-            ]
-            if failed:  # their puts go unreserved (retried while the window is full)
-                log.warning("queue restart: %d in-flight groups not re-reserved: %r", len(failed), failed[0])
-            for slot in self.workers:  # args (c, model_path, queue, ...): a later restart gets the new queue
-                if slot.kind in ("rollout", "colocated"):
-                    slot.args = (*slot.args[:2], queue, *slot.args[3:])
-            await asyncio.gather(
-                *(w.handle.set_queue.remote(queue) for w in self.workers), return_exceptions=True
-            )
-            self.queue, self.queue_url = queue, url
-            self.queue_generation += 1
-            self.queue_restarts += 1
-            self.restarts += 1
-            self._write_queue_url()
-            self.queue_recovery_s.append(time.perf_counter() - t0)
-            log.warning(
-                "restarted the queue actor (restart %d) in %.1fs: %d held ids reclaimed, %d groups in flight",
-                self.queue_restarts, self.queue_recovery_s[-1], reclaimed, len(self.reserved),
-            )  # fmt: skip
+        try:
+            ray.kill(dead, no_restart=True)
+        except Exception:
+            pass
+        c = self.cfg
+        queue = spawn("queue", c, self.run_dir, self.policy_version, None, self.model_path, name=None)
+        old_port = int(self.queue_url.rsplit(":", 1)[1]) if self.queue_url else None
+        url = await queue.start.remote(old_port)
+        reclaimed = await queue.reclaim.remote(self.held_ids())
+        n = self.task_trajectories  # a task's whole reservation (n per policy seat)
+        jobs = [asyncio.wait_for(queue.reserve.remote(n, key), 5.0) for key in sorted(self.reserved)]
+        failed = [r for r in await asyncio.gather(*jobs, return_exceptions=True) if isinstance(r, Exception)]
+        if failed:  # their puts go unreserved (retried while the window is full)
+            log.warning("queue restart: %d in-flight groups not re-reserved: %r", len(failed), failed[0])
+        for slot in self.workers:  # args (c, model_path, queue, ...): a later restart gets the new queue
+            if slot.kind in ("rollout", "colocated"):
+                slot.args = (*slot.args[:2], queue, *slot.args[3:])
+        await asyncio.gather(
+            *(w.handle.set_queue.remote(queue) for w in self.workers), return_exceptions=True
+        )
+        self.queue_url = url
+        self.restarts += 1
+        self._write_queue_url()
+        log.warning(
+            "queue restart: %d held ids reclaimed, %d groups in flight", reclaimed, len(self.reserved)
+        )
+        return queue
 
     def _write_queue_url(self) -> None:
         if self.queue_url:

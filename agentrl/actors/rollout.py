@@ -14,7 +14,7 @@ episode cut by a weight update is continued by the generator and, if it still en
 start; with "keep" the engine continues it with the new weights and the per-token versions record the switch.
 An engine failure fails the group with one line naming the engine, the request and the cause (the coordinator
 re-issues it). If the queue actor dies, a put (or release) waits for the coordinator's restarted queue
-(`set_queue`) and is retried there, at most `QUEUE_WAIT_S`. The worker either owns its engines (embedded
+(`set_queue`) and is retried there (agentrl.actors.queue_handle). The worker either owns its engines (embedded
 engines in this process: the cheapest placement on CPU) or reaches engine actors through `RemoteEngine`
 handles; either way an `EngineRouter` sends each episode to the least-loaded engine and keeps all its turns
 there.
@@ -24,7 +24,6 @@ Plain class: agentrl.actors.remote makes it a Ray actor.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any
 
 import msgspec
 
+from agentrl.actors.queue_handle import QueueHandle, actor_died
 from agentrl.actors.router import EngineRouter, RemoteEngine
 from agentrl.config import Config
 from agentrl.engines.base import Engine, SamplingParams, describe_error
@@ -42,7 +42,6 @@ from agentrl.types import Trajectory, n_response
 
 log = logging.getLogger(__name__)
 MAX_ABORT_RETRIES = 3
-QUEUE_WAIT_S = 120.0
 
 
 class RolloutWorker:
@@ -62,7 +61,7 @@ class RolloutWorker:
         self.cfg = cfg
         self.worker_id = worker_id
         self.id_prefix = id_prefix
-        self.queue = queue
+        self.queue = QueueHandle(queue)
         self.local_engines = engines is None
         if engines is None:
             self.engines = make_engines(cfg, model_path)
@@ -178,12 +177,6 @@ class RolloutWorker:
             **put,
         }
 
-    @staticmethod
-    async def _call(method: Any, *args: Any) -> Any:
-        """Call a queue method on a Ray actor handle or on an in-process object alike."""
-        result = method.remote(*args) if hasattr(method, "remote") else method(*args)
-        return await result if inspect.isawaitable(result) else result
-
     async def _put(self, trajs: list[Trajectory], key: str) -> dict[str, int]:
         while True:
             try:
@@ -192,26 +185,11 @@ class RolloutWorker:
                 await asyncio.sleep(max(0.01, exc.retry_after_s))
 
     async def _queue_call(self, name: str, *args: Any) -> Any:
-        """A queue call that outlives the queue actor: on its death, wait for the new handle and retry."""
-        deadline = time.monotonic() + QUEUE_WAIT_S
-        while True:
-            queue = self.queue
-            try:
-                return await self._call(getattr(queue, name), *args)
-            except Exception as exc:
-                if not _actor_died(exc):
-                    raise
-                log.warning("queue actor died during %s; waiting for its restart", name)
-            while self.queue is queue:
-                if time.monotonic() > deadline:
-                    raise AgentRLError(
-                        f"the queue actor died and was not restarted within {QUEUE_WAIT_S:.0f}s"
-                    )
-                await asyncio.sleep(0.05)
+        return await self.queue.call(name, *args)  # outlives the queue actor: see QueueHandle
 
     async def set_queue(self, queue: Any) -> None:
         """Put into a restarted queue actor from now on (the coordinator calls this)."""
-        self.queue = queue
+        self.queue.replace(queue)
 
     async def evaluate(self, tasks: list[dict[str, Any]], round_index: int = 0) -> dict[str, float]:
         """Greedy rollouts of held-out tasks (not queued): mean reward and success rate. `round_index` (the
@@ -281,12 +259,4 @@ def _groups(episodes: list[list[Trajectory]]) -> tuple[list[list[Trajectory]], i
 
 def _infrastructure(exc: BaseException) -> bool:
     """Failures of the machinery (a dead engine actor or server), as opposed to a bug in one episode."""
-    return isinstance(exc, EngineError) or _actor_died(exc)
-
-
-def _actor_died(exc: BaseException) -> bool:
-    try:
-        from ray.exceptions import RayActorError
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(exc, RayActorError)
+    return isinstance(exc, EngineError) or actor_died(exc)

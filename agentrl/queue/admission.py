@@ -12,6 +12,9 @@ Invariants:
   `admitted` counts every trajectory accepted and not dropped (consumed ones included) and `in_flight` the
   producers' reservations. A put spends its ticket's reservation; only the unreserved rest is checked against
   the window. batch_size <= 0 turns the window off. Hard caps on queued count and bytes hold ticket or not.
+- Admission is the only writer of `admitted`, `in_flight` and a ticket's `remaining`. A put is checked (no
+  change), then appended to the log, then `admit`ted; while it waits for the log it is a `Hold` that later
+  checks count, so a put that fails at the log leaves the counters and its ticket as they were.
 - Reservations never take the last `external_room` = external_share * (max_staleness + 1) * batch_size slots
   of the window: those stay for unreserved (HTTP) puts. A reservation that could never fit is refused at once.
 - Refusals raise QueueFull(retry_after_s) and change nothing but the `rejected_full` counter.
@@ -24,10 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, NoReturn
 
 from agentrl.errors import InvalidTrajectory, QueueClosed, QueueFull
-from agentrl.queue.primitives import Ticket, _Group, _Signal
+from agentrl.queue.primitives import Hold, Ticket, _Group, _Signal
 from agentrl.types import Trajectory, normalize, where
 
 if TYPE_CHECKING:
@@ -42,6 +47,7 @@ class Admission:
         self.admitted = 0  # accepted and not dropped, consumed ones included
         self.in_flight = 0  # reserved by producers, not put yet
         self.space = _Signal()  # fired whenever the window may have room again
+        self._holds: list[Hold] = []  # puts checked and waiting for the log, not counted yet
 
     @property
     def window(self) -> int:
@@ -58,7 +64,7 @@ class Admission:
     def screen(
         self,
         items: list[Trajectory],
-        known: set[str],
+        known: Callable[[str], bool],
         pending: dict[str, _Group],
         released: dict[str, int],
         external: bool = False,
@@ -84,7 +90,7 @@ class Admission:
             except (OverflowError, ValueError, TypeError) as exc:  # in-process items of the wrong shape
                 q.metrics.inc("rejected_invalid")
                 raise InvalidTrajectory(where(i, len(items), "$"), f"malformed trajectory ({exc})") from None
-            if traj.id in known or traj.id in seen:
+            if known(traj.id) or traj.id in seen:
                 duplicates += 1
                 continue
             seen.add(traj.id)
@@ -101,23 +107,76 @@ class Admission:
             indices.append(i)
         return fresh, indices, ungrouped, duplicates, late
 
-    def check(self, n: int, new_bytes: int, ticket: Ticket | None, queued: int, queued_bytes: int) -> None:
-        """Raise QueueFull unless `n` more trajectories (`new_bytes`) fit beside `queued` (`queued_bytes`)."""
+    def check(self, n: int, new_bytes: int, ticket: Ticket | None, queued: int, queued_bytes: int) -> Hold:
+        """Raise QueueFull unless `n` more trajectories (`new_bytes`) fit beside `queued` (`queued_bytes`) and
+        the puts still waiting for the log; returns their hold (changes nothing: `holding` registers it)."""
+        reserved = min(n, self._unheld(ticket)) if ticket is not None else 0
+        hold = Hold(n, new_bytes, ticket, reserved)
         if not n:
-            return
+            return hold
         q, cfg = self.queue, self.queue.cfg
+        queued += sum(h.n for h in self._holds)
+        queued_bytes += sum(h.nbytes for h in self._holds)
         if queued + n > cfg.max_trajectories:
             self.refuse(
                 f"queue holds {queued} trajectories (queue.max_trajectories = {cfg.max_trajectories})"
             )
         if queued_bytes + new_bytes > cfg.max_bytes:
             self.refuse(f"queue holds {queued_bytes} bytes (queue.max_bytes = {cfg.max_bytes})")
-        unreserved = n - (min(n, ticket.remaining) if ticket is not None else 0)
-        if unreserved and q.batch_size > 0 and self.admitted + self.in_flight + unreserved > self.window:
+        unreserved = n - reserved
+        used = self.used
+        if unreserved and q.batch_size > 0 and used + unreserved > self.window:
             self.refuse(
                 f"rollout would run more than max_staleness + 1 = {cfg.max_staleness + 1} batches ahead of the "
                 f"learner (admitted {self.admitted} + in flight {self.in_flight} + {unreserved} > {self.window})"
             )
+        return hold
+
+    @property
+    def used(self) -> int:
+        """Window slots taken: admitted, reserved, and the unreserved part of puts waiting for the log."""
+        return self.admitted + self.in_flight + sum(h.n - h.reserved for h in self._holds)
+
+    def _unheld(self, ticket: Ticket) -> int:
+        """What is left of `ticket` after the puts that wait for the log with it."""
+        return ticket.remaining - sum(h.reserved for h in self._holds if h.ticket is ticket)
+
+    @contextmanager
+    def holding(self, n: int, new_bytes: int, ticket: Ticket | None, queued: int, queued_bytes: int
+                ) -> Iterator[Hold]:  # fmt: skip
+        """`check`, then count the put in later checks while it waits for the log (until `admit`)."""
+        hold = self.check(n, new_bytes, ticket, queued, queued_bytes)
+        self._holds.append(hold)
+        try:
+            yield hold
+        finally:
+            self._holds.remove(hold)
+            self.space.fire()  # a put that failed at the log leaves its slots to a waiting `reserve`
+
+    def admit(self, hold: Hold) -> None:
+        """The put of `hold` is in the log: count it, spending its ticket (what a release left of it)."""
+        ticket = hold.ticket
+        if ticket is not None:
+            spent = min(hold.n, ticket.remaining)
+            ticket.remaining -= spent
+            self.in_flight -= spent
+        self.admitted += hold.n
+
+    def discard(self, n: int) -> None:
+        """`n` admitted trajectories were dropped: their window slots are free again."""
+        self.admitted -= n
+        self.space.fire()
+
+    def restore(self, n: int) -> None:
+        """After a replay of the log: `n` trajectories were admitted before (committed or not)."""
+        self.admitted = n
+
+    def unreserve(self, ticket: Ticket) -> None:
+        """Return what is left of `ticket` to the window."""
+        if ticket.remaining:
+            self.in_flight -= ticket.remaining
+            ticket.remaining = 0
+            self.space.fire()
 
     def refuse(self, message: str) -> NoReturn:
         self.queue.metrics.inc("rejected_full")
@@ -135,7 +194,7 @@ class Admission:
 
         def fits() -> bool:
             limit = self.window - self.external_room
-            return q.closed or q.batch_size <= 0 or self.admitted + self.in_flight + n <= limit
+            return q.closed or q.batch_size <= 0 or self.used + n <= limit
 
         await asyncio.wait_for(self.space.wait_for(fits), timeout_s)
         if q.closed:

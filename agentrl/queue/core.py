@@ -6,7 +6,7 @@ Invariants:
   Reopening the queue on the same run dir brings back every uncommitted trajectory exactly once (including
   ones sampled but not committed); every id ever accepted stays known, so re-sending it is counted as a
   duplicate, never queued twice. The log's half of the queue (recovery, durability, the one-writer lock and
-  the fence) is in durable.py.
+  the fence) is in durable.py; pending and ready groups (completion, timeouts, staleness drops) in groups.py.
 - Groups (same `group_id`, `group_size` samples) reach the learner only whole: complete, or released partial /
   dropped by `straggler_policy` after `group_timeout_s`. A trajectory sent without a `group_id` is a group of
   one. Members arriving after their group was released are dropped and counted (`dropped_late`).
@@ -33,15 +33,16 @@ from agentrl.errors import QueueClosed, StorageError
 from agentrl.queue import wal as wal_mod
 from agentrl.queue.admission import Admission
 from agentrl.queue.durable import DurableQueue
+from agentrl.queue.groups import GroupedQueue
 from agentrl.queue.metrics import QueueMetrics
-from agentrl.queue.primitives import PutResult, SampledBatch, Ticket, _Group, _Signal
+from agentrl.queue.primitives import Hold, PutResult, SampledBatch, Ticket, _Group, _Signal
 from agentrl.runlock import Fence
 from agentrl.types import Trajectory, min_version, nbytes
 
 log = logging.getLogger(__name__)
 
 
-class ReplayQueue(DurableQueue):
+class ReplayQueue(GroupedQueue, DurableQueue):
     def __init__(
         self,
         cfg: QueueSection | None = None,
@@ -100,41 +101,17 @@ class ReplayQueue(DurableQueue):
         items = [trajectories] if isinstance(trajectories, Trajectory) else list(trajectories)
         now = time.time()
         fresh, indices, ungrouped, duplicates, late = self._admission.screen(
-            items, self._known, self._pending, self._released, external
+            items, self.is_known, self._pending, self._released, external
         )
         n, new_bytes = len(fresh), sum(nbytes(t) for t in fresh)
-        self._admission.check(n, new_bytes, ticket, self._n_queued, self._bytes)
-        used = ticket.take(n) if ticket is not None else 0
-        self._known.update(t.id for t in fresh)
-        self._admission.admitted += n
-        self._n_queued += n
-        self._bytes += new_bytes
-        if fresh and self._wal is not None:
-            self._unsynced.update((t.id, t) for t in fresh)  # a compaction meanwhile must keep them
-            try:
-                if raw is not None:
-                    meta = wal_mod.BodyMeta(raw[0], indices, self.policy_version, now)
-                    await self._append(wal_mod.RawPut(meta, raw[1]))
-                else:
-                    await self._append(wal_mod.PutRecord(fresh))
-            except (StorageError, QueueClosed) as exc:
-                self._known.difference_update(t.id for t in fresh)
-                self._admission.admitted -= n
-                self._n_queued -= n
-                self._bytes -= new_bytes
-                if ticket is not None:
-                    ticket.remaining += used
-                    self._admission.in_flight += used
-                if isinstance(exc, StorageError):
-                    self.metrics.inc("storage_errors")
-                raise
-            except asyncio.CancelledError:  # the record is in the log: hold what a replay would bring back
-                self._accept(fresh, ungrouped)
-                raise
-            finally:
-                for traj in fresh:
-                    self._unsynced.pop(traj.id, None)
-        self._accept(fresh, ungrouped)
+        with self._admission.holding(n, new_bytes, ticket, self._n_queued, self._bytes) as hold:
+            if fresh and self._wal is not None:
+                try:
+                    await self._log_put(fresh, indices, raw, now)
+                except asyncio.CancelledError:
+                    self._accept(hold, fresh, ungrouped)  # it is in the log: hold what a replay brings back
+                    raise
+            self._accept(hold, fresh, ungrouped)
         self.metrics.inc("accepted", n)
         self.metrics.inc("duplicates", duplicates)
         self.metrics.inc("dropped_late", late)
@@ -143,7 +120,30 @@ class ReplayQueue(DurableQueue):
             await self._await_originals()
         return PutResult(accepted=n, duplicates=duplicates, dropped=late)
 
-    def _accept(self, fresh: list[Trajectory], ungrouped: set[str]) -> None:
+    async def _log_put(
+        self, fresh: list[Trajectory], indices: list[int], raw: tuple[str, Any] | None, now: float
+    ) -> None:
+        """Append the put's record and wait until it is durable; until then its ids count as known."""
+        self._unsynced.update((t.id, t) for t in fresh)  # a compaction meanwhile must keep them
+        try:
+            if raw is not None:
+                meta = wal_mod.BodyMeta(raw[0], indices, self.policy_version, now)
+                await self._append(wal_mod.RawPut(meta, raw[1]))
+            else:
+                await self._append(wal_mod.PutRecord(fresh))
+        except StorageError:
+            self.metrics.inc("storage_errors")
+            raise
+        finally:
+            for traj in fresh:
+                self._unsynced.pop(traj.id, None)
+
+    def _accept(self, hold: Hold, fresh: list[Trajectory], ungrouped: set[str]) -> None:
+        """The one place a put changes the queue's state: after its record is in the log."""
+        self._admission.admit(hold)
+        self._known.update(t.id for t in fresh)
+        self._n_queued += len(fresh)
+        self._bytes += hold.nbytes
         for traj in fresh:
             self._live[traj.id] = traj
             self._insert(traj, ungrouped=traj.id in ungrouped)
@@ -161,73 +161,6 @@ class ReplayQueue(DurableQueue):
         `with await queue.reserve(n) as ticket: ...; await queue.put(trajectories, ticket=ticket)`."""
         return await self._admission.reserve(n, timeout_s)
 
-    # ----------------------------------------------------------------- groups
-    def _insert(self, traj: Trajectory, *, ungrouped: bool) -> None:
-        if ungrouped or self.cfg.group_size <= 1:
-            self._release(_Group(traj.group_id, 1, [traj]))
-            return
-        group = self._pending.get(traj.group_id)
-        if group is None:
-            group = self._pending[traj.group_id] = _Group(traj.group_id, self.cfg.group_size)
-            self._untimed.append(group)
-        group.trajectories.append(traj)
-        if len(group.trajectories) >= group.size:
-            del self._pending[group.group_id]
-            self._release(group)
-
-    def _release(self, group: _Group) -> None:
-        if group.timer is not None:
-            group.timer.cancel()
-            group.timer = None
-        if group.size > 1:
-            self._released[group.group_id] = len(group.trajectories)
-        group.oldest_version = min(min_version(t) for t in group.trajectories)
-        self._ready[next(self._seq)] = group
-        self._n_ready += len(group.trajectories)
-        if self._wanted and self._n_ready >= min(
-            self._wanted
-        ):  # wake samplers only when a batch may be ready
-            self._ready_signal.fire()
-
-    def _schedule_timers(self) -> None:
-        if not self._untimed:
-            return
-        loop = asyncio.get_running_loop()
-        for group in self._untimed:
-            if self._pending.get(group.group_id) is group:
-                group.timer = loop.call_later(self.cfg.group_timeout_s, self._expire, group)
-        self._untimed.clear()
-
-    def _expire(self, group: _Group) -> None:
-        if self._pending.get(group.group_id) is not group:
-            return
-        del self._pending[group.group_id]
-        group.timer = None
-        if self.cfg.straggler_policy == "release":
-            self.metrics.inc("released_partial", len(group.trajectories))
-            self._release(group)
-        else:
-            self._released[group.group_id] = 0
-            self._drop([group], "dropped_straggler")
-
-    def _drop(self, groups: list[_Group], counter: str) -> None:
-        ids = [t.id for g in groups for t in g.trajectories]
-        for traj in (t for g in groups for t in g.trajectories):
-            self._live.pop(traj.id, None)
-            self._n_queued -= 1
-            self._bytes -= nbytes(traj)
-        self._admission.admitted -= len(ids)
-        self.metrics.inc(counter, len(ids))
-        if self._wal is not None and ids:
-            try:  # never acknowledged to anyone: if lost, the ids come back and are dropped again
-                self._wal.append(wal_mod.DropRecord(ids, counter))
-            except QueueClosed:
-                pass
-            except StorageError:
-                self.metrics.inc("storage_errors")
-                log.warning("queue log: cannot record %d dropped trajectories", len(ids))
-        self._admission.space.fire()
-
     # ----------------------------------------------------------------- learner
     def set_policy_version(self, version: int) -> None:
         """The learner published `version`: stamp new unversioned trajectories with it and re-check staleness."""
@@ -237,33 +170,6 @@ class ReplayQueue(DurableQueue):
         self._purge_stale()
         self._admission.space.fire()
         self._ready_signal.fire()
-
-    def _purge_stale(self) -> None:
-        if self.cfg.stale_policy == "keep":
-            return
-        limit = self.policy_version - self.cfg.max_staleness
-        stale = [(k, g) for k, g in self._ready.items() if g.oldest_version < limit]
-        for key, group in stale:
-            del self._ready[key]
-            self._n_ready -= len(group.trajectories)
-        if stale:
-            self._drop([g for _, g in stale], "dropped_stale")
-
-    def _take(self, size: int) -> list[int] | None:
-        """Keys of FIFO whole groups filling `size`; short only when the next group does not fit (or closed)."""
-        chosen: list[int] = []
-        total = 0
-        for key, group in self._ready.items():
-            n = len(group.trajectories)
-            if n > size:
-                raise ValueError(f"sample_batch size {size} is smaller than group {group.group_id!r} ({n})")
-            if total + n > size:
-                return chosen
-            chosen.append(key)
-            total += n
-            if total == size:
-                return chosen
-        return chosen if (self.closed and chosen) else None
 
     async def sample_batch(
         self, size: int, learner_version: int | None = None, timeout_s: float | None = None
@@ -359,24 +265,6 @@ class ReplayQueue(DurableQueue):
                 self._sampled[tid] = self._live[tid]
         return len(held)
 
-    def _forget_queued(self, ids: set[str]) -> None:
-        """Take `ids` out of the ready and pending groups (the learner holds them already)."""
-        for groups, is_ready in ((self._ready, True), (self._pending, False)):
-            for key, group in list(groups.items()):
-                gone = [t for t in group.trajectories if t.id in ids]
-                if not gone:
-                    continue
-                group.trajectories = [t for t in group.trajectories if t.id not in ids]
-                self._n_queued -= len(gone)
-                self._bytes -= sum(nbytes(t) for t in gone)
-                if is_ready:
-                    self._n_ready -= len(gone)
-                if not group.trajectories:
-                    if group.timer is not None:
-                        group.timer.cancel()
-                    del groups[key]
-        self._admission.space.fire()
-
     # ----------------------------------------------------------------- state
     def pending_ids(self) -> list[str]:
         """Uncommitted ids (queued, waiting for their group, or sampled), in acceptance order."""
@@ -390,7 +278,8 @@ class ReplayQueue(DurableQueue):
         return max(self._committed_steps) if self._committed_steps else None
 
     def is_known(self, trajectory_id: str) -> bool:
-        return trajectory_id in self._known
+        """Accepted, or in a put waiting for the log (a second copy meanwhile is a duplicate)."""
+        return trajectory_id in self._known or trajectory_id in self._unsynced
 
     def __len__(self) -> int:
         return self._n_queued

@@ -47,7 +47,7 @@ class DurableQueue:
         self._known = state.known_ids
         self._committed_steps = state.committed_steps
         self._n_committed = state.n_committed
-        self._admission.admitted = state.n_committed + len(state.uncommitted)
+        self._admission.restore(state.n_committed + len(state.uncommitted))
         # `put` normalised an empty group_id to the trajectory's id, so group_id == id alone does not say
         # "ungrouped": a group may be named after one of its members. Ungrouped = nobody else shares it.
         sharing = Counter(t.group_id for t in state.uncommitted.values())

@@ -148,6 +148,20 @@ def _trajectory(base: dict[str, Any], *, packed: bool, vocab_size: int | None, p
 def openapi_spec(
     *, policy_version: int = 0, vocab_size: int | None = None, chat: bool = False
 ) -> dict[str, Any]:
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "agentrl replay queue", "version": __version__, "description": _DESCRIPTION},
+        "components": {
+            "schemas": _components(policy_version=policy_version, vocab_size=vocab_size, chat=chat),
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}],
+        "paths": _paths(),
+    }
+
+
+def _components(*, policy_version: int, vocab_size: int | None, chat: bool) -> dict[str, Any]:
+    """The schemas: the trajectory in both forms (with what depends on the serving queue) and the answers."""
     _, components = msgspec.json.schema_components([Trajectory], ref_template="#/components/schemas/{name}")
     base = components.pop("Trajectory")
     state = {"vocab_size": vocab_size, "policy_version": policy_version, "chat": chat}
@@ -166,6 +180,11 @@ def openapi_spec(
     }
     components["Status"] = _STATUS
     components["JSONValue"] = _JSON_VALUE
+    return components
+
+
+def _paths() -> dict[str, Any]:
+    """Each endpoint with one status code per answer the server gives."""
 
     def one_or_many(name: str) -> dict[str, Any]:
         return {"schema": {"oneOf": [_ref(name), {"type": "array", "items": _ref(name)}]}}
@@ -181,41 +200,32 @@ def openapi_spec(
     }
     submit_errors = {code: error(text, ("Retry-After",) if code in ("429", "503") else ()) for code, text in _SUBMIT_ERRORS.items()}  # fmt: skip
     return {
-        "openapi": "3.1.0",
-        "info": {"title": "agentrl replay queue", "version": __version__, "description": _DESCRIPTION},
-        "components": {
-            "schemas": components,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-        },
-        "security": [{"bearer": []}],
-        "paths": {
-            "/v1/trajectories": {
-                "post": {
-                    "summary": "Submit one trajectory or a list (all or nothing; duplicates by id are counted)",
-                    "requestBody": {
-                        "required": True,
-                        "content": {
-                            "application/json": one_or_many("Trajectory"),
-                            "application/msgpack": one_or_many("TrajectoryMsgpack"),
-                        },
+        "/v1/trajectories": {
+            "post": {
+                "summary": "Submit one trajectory or a list (all or nothing; duplicates by id are counted)",
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": one_or_many("Trajectory"),
+                        "application/msgpack": one_or_many("TrajectoryMsgpack"),
                     },
-                    "responses": {"202": {"description": "accepted", "content": _json(_ref("Submitted"))},
-                                  **unauthorized, **submit_errors},
-                }
-            },
-            "/v1/status": {"get": {"summary": "Queue depth, policy version, counts, staleness histogram",
-                                   "responses": {"200": {"description": "status", "content": _json(_ref("Status"))},
-                                                 **unauthorized}}},
-            "/metrics": {"get": {"summary": "Prometheus text format",
-                                 "responses": {"200": {"description": "metrics",
-                                                       "content": {"text/plain": {"schema": {"type": "string"}}}},
-                                               **unauthorized}}},
-            "/healthz": {"get": {"summary": "Liveness (no token needed); 503 while draining", "security": [],
-                                 "responses": {code: {"description": text, "content": _json(
-                                     {"type": "object", "properties": {"status": {"enum": ["ok", "draining"]}},
-                                      "required": ["status"]})} for code, text in (("200", "ok"), ("503", "draining"))}}},
-            "/openapi.json": {"get": {"summary": "This document (no token needed)", "security": [],
-                                      "responses": {"200": {"description": "OpenAPI 3.1",
-                                                            "content": _json({"type": "object"})}}}},
+                },
+                "responses": {"202": {"description": "accepted", "content": _json(_ref("Submitted"))},
+                              **unauthorized, **submit_errors},
+            }
         },
+        "/v1/status": {"get": {"summary": "Queue depth, policy version, counts, staleness histogram",
+                               "responses": {"200": {"description": "status", "content": _json(_ref("Status"))},
+                                             **unauthorized}}},
+        "/metrics": {"get": {"summary": "Prometheus text format",
+                             "responses": {"200": {"description": "metrics",
+                                                   "content": {"text/plain": {"schema": {"type": "string"}}}},
+                                           **unauthorized}}},
+        "/healthz": {"get": {"summary": "Liveness (no token needed); 503 while draining", "security": [],
+                             "responses": {code: {"description": text, "content": _json(
+                                 {"type": "object", "properties": {"status": {"enum": ["ok", "draining"]}},
+                                  "required": ["status"]})} for code, text in (("200", "ok"), ("503", "draining"))}}},
+        "/openapi.json": {"get": {"summary": "This document (no token needed)", "security": [],
+                                  "responses": {"200": {"description": "OpenAPI 3.1",
+                                                        "content": _json({"type": "object"})}}}},
     }  # fmt: skip

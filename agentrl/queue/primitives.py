@@ -1,5 +1,5 @@
 """Small value types of the replay queue: groups, put results, sampled batches, the wake-up signal and the
-admission ticket. Pure asyncio; no torch or ray."""
+admission ticket and hold. Pure asyncio; no torch or ray."""
 
 from __future__ import annotations
 
@@ -66,26 +66,29 @@ class _Signal:
 
 
 class Ticket:
-    """Admission reserved by `ReplayQueue.reserve(n)`; `put(..., ticket=)` uses it, `release()` returns the rest."""
+    """Admission reserved by `ReplayQueue.reserve(n)`; `put(..., ticket=)` spends it, `release()` returns the rest.
+    Admission alone changes `remaining` (and the window counters with it)."""
 
     def __init__(self, admission: Admission, n: int):
         self._admission = admission
         self.remaining = n
 
-    def take(self, n: int) -> int:
-        used = min(n, self.remaining)
-        self.remaining -= used
-        self._admission.in_flight -= used
-        return used
-
     def release(self) -> None:
-        if self.remaining:
-            self._admission.in_flight -= self.remaining
-            self.remaining = 0
-            self._admission.space.fire()
+        self._admission.unreserve(self)
 
     def __enter__(self) -> Ticket:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+@dataclass(eq=False)
+class Hold:
+    """A put between its admission check and its durable append: counted by later checks, written to no
+    counter (a put that fails at the log then leaves nothing to undo)."""
+
+    n: int
+    nbytes: int
+    ticket: Ticket | None
+    reserved: int  # of `n`, covered by the ticket when checked

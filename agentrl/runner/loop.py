@@ -15,8 +15,9 @@ committed, and each records the (step, ids) it covers that are not committed yet
 complete checkpoint is loaded and its commits are rolled forward (a repeated step is a no-op in the queue,
 and ids that came back from the WAL leave the ready set); every trajectory sampled after it comes back from
 the WAL. So nothing is lost or trained twice, whatever `checkpoint_every` and wherever the process is killed.
-The queue actor alone dying is recovered in-run (agentrl.actors.coordinator): the same WAL replay, with the
-ids the learner holds (`pending` + the batch in training) reclaimed rather than committed early.
+The queue actor alone dying is recovered in-run (agentrl.actors.queue_handle, through the coordinator): the
+same WAL replay, with the ids the learner holds (`pending` + the batch in training) reclaimed rather than
+committed early.
 """
 
 from __future__ import annotations
@@ -169,10 +170,11 @@ class Runner:
         if ckpt is not None:
             _, state = ckpt
             self.step, self.policy_version = int(state["step"]), int(state["policy_version"])
-        self.coord = Coordinator(self.cfg, str(self.rundir.path), self.model_path, self.policy_version)
+        self.coord = Coordinator(
+            self.cfg, str(self.rundir.path), self.model_path, self.policy_version, held_ids=self._held_ids
+        )
         self.progress.note(f"starting actors ({self.cfg.run.placement})")
         await self.coord.start()
-        self.coord.held_ids = self._held_ids
         if self.coord.queue_url:  # (the coordinator writes runs/NAME/queue_url, again after a queue restart)
             self.progress.note(f"external agents: POST {self.coord.queue_url}/v1/trajectories", keep=True)
         if ckpt is not None:
