@@ -1,4 +1,5 @@
-"""Fixtures shared across test modules: the tiny local model and its tokenizer (one per module, as before)."""
+"""Fixtures shared across test modules: the tiny local model and its tokenizer (one per module, as before), and a
+local Ray session that restores the environment it changes."""
 
 from __future__ import annotations
 
@@ -16,3 +17,15 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tok(tiny):
     return load_tokenizer(tiny)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local Ray (2 CPUs, no dashboard, auth off) for the module; RAY_AUTH_MODE is restored afterwards."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_AUTH_MODE", "disabled")
+        import ray
+
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        yield ray
+        ray.shutdown()

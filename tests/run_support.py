@@ -1,9 +1,12 @@
-"""Shared helpers of the `agentrl run` tests: a tiny config writer and a JSONL reader."""
+"""Shared helpers of the `agentrl run` tests: a tiny config writer, a JSONL reader, and a stand-in for a Ray actor
+handle over an object in this process."""
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 
 def make_model(root: Path) -> str:
@@ -78,3 +81,19 @@ async def engine_killing_generate(ctx, task, trajectory_id, group_id):
 async def broken_generate(ctx, task, trajectory_id, group_id):
     """A generator with a bug: every episode raises."""
     raise ValueError(f"env bug in {trajectory_id}")
+
+
+class Handle:
+    """A Ray actor handle's calling convention over an object in this process."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __getattr__(self, name):
+        method = getattr(self.obj, name)
+
+        async def call(*args):
+            result = method(*args)
+            return await result if inspect.isawaitable(result) else result
+
+        return SimpleNamespace(remote=call)

@@ -5,14 +5,13 @@ after backed-off re-issues; the failure of issue 16 (an id SGLang 0.5.12 still h
 re-issue, whose request ids are new."""
 
 import asyncio
-import inspect
 import logging
 import re
-from types import SimpleNamespace
 
 import aiohttp
 import pytest
 import torch
+from run_support import Handle
 
 from agentrl.actors.coordinator import Coordinator, Slot
 from agentrl.actors.queue import QueueActor
@@ -27,22 +26,6 @@ from agentrl.net import free_port
 
 torch.set_num_threads(1)
 TASK = {"a": 2, "b": 3, "op": "+", "answer": 5}
-
-
-class Handle:
-    """A Ray actor handle's calling convention over an object in this process."""
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def __getattr__(self, name):
-        method = getattr(self.obj, name)
-
-        async def call(*args):
-            result = method(*args)
-            return await result if inspect.isawaitable(result) else result
-
-        return SimpleNamespace(remote=call)
 
 
 @pytest.fixture(scope="module")

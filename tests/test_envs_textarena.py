@@ -6,11 +6,10 @@ groups; an `agentrl run` of self-play keeps its ledger consistent."""
 from __future__ import annotations
 
 import asyncio
-import inspect
-from types import SimpleNamespace
 
 import pytest
 from gen_support import HFEngine, real_model_logprob
+from run_support import Handle
 
 from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory, make_env
@@ -185,22 +184,6 @@ def test_hf_model_opponent(tiny, tok):
     assert traj.status == "completed" and traj.reward == 1.0
     assert traj.metadata["env_info"]["policy_moved"] is False
     assert traj.metadata["env_info"]["game"]["0"]["invalid_move"]
-
-
-class Handle:
-    """A Ray actor handle's calling convention over an object in this process."""
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def __getattr__(self, name):
-        method = getattr(self.obj, name)
-
-        async def call(*args):
-            result = method(*args)
-            return await result if inspect.isawaitable(result) else result
-
-        return SimpleNamespace(remote=call)
 
 
 def self_play_run(tmp_path, tiny, script, mode="async"):

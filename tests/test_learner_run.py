@@ -3,22 +3,10 @@ version still advances once per batch and the staleness bound of an async run ho
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from run_support import make_model, read_jsonl, tiny_config
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    yield ray
-    ray.shutdown()
 
 
 def test_async_run_with_minibatches_and_epochs(ray_session, tmp_path):

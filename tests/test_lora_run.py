@@ -4,8 +4,6 @@ them, and the run directory exports to a model transformers loads."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from run_support import make_model, read_jsonl, tiny_config
@@ -13,16 +11,6 @@ from run_support import make_model, read_jsonl, tiny_config
 from agentrl.cli import main as cli_main
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    yield ray
-    ray.shutdown()
 
 
 def test_lora_run_checkpoints_resumes_and_exports(ray_session, tmp_path):
