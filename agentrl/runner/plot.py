@@ -3,7 +3,7 @@
 One PNG per curve of `agentrl.dashboard.curves` (the list the live dashboard draws), each run a colour, each
 metric of the curve a line style, a legend when there is more than one line. x is the learner step, or the
 wall time (`--x wall`). Reads only metrics.jsonl, so it works on a finished run, a running one, or a copy.
-matplotlib is imported after the arguments are parsed (`pip install 'agentrl[plot]'` when missing).
+matplotlib (a dependency of agentrl) is imported after the arguments are parsed; an install without it gets one line.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def plot_runs(paths: list[Path], out: Path, x: str = "step", every: bool = False
         import matplotlib
     except ImportError:
         raise ConfigError(
-            "agentrl plot needs matplotlib: pip install 'agentrl[plot]' (or matplotlib)"
+            "agentrl plot needs matplotlib, which is not installed: pip install matplotlib"
         ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
