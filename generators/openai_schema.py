@@ -9,7 +9,7 @@ are honoured is generators/openai_params.py's rule.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -32,6 +32,9 @@ class ToolCall(_Strict):
     function: FunctionCall
     id: str = ""
     type: Literal["function"] = "function"
+    # a streamed call's position, which clients that rebuild history from stream deltas send back (verifiers
+    # does); the list order already says it, so it changes no token
+    index: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] | None = None
 
 
 class ChatMessage(_Strict):

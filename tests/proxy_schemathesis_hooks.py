@@ -23,6 +23,13 @@ def _fit(body: dict[str, Any]) -> None:
     for message in body.get("messages") or []:
         if isinstance(message, dict) and isinstance(message.get("content"), str):
             message["content"] = message["content"][:MAX_TEXT_CHARS]
+        if isinstance(message, dict) and isinstance(message.get("tool_calls"), list):
+            message["tool_calls"] = message["tool_calls"][:2]  # each is rendered into the prompt
+            for call in message["tool_calls"]:
+                function = call.get("function") if isinstance(call, dict) else None
+                for key in ("name", "arguments"):
+                    if isinstance(function, dict) and isinstance(function.get(key), str):
+                        function[key] = function[key][:40]
         if isinstance(message, dict) and isinstance(message.get("content"), list):
             message["content"] = message["content"][:2]
             for part in message["content"]:
