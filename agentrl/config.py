@@ -66,6 +66,32 @@ class RunSection(_Section):
     checkpoint_every: Annotated[int, doc("checkpoint every this many steps; 0 = never", ge=0)] = 5
     ray_address: Annotated[str, doc("Ray cluster to join; empty = start a local Ray")] = ""
     ray_num_cpus: Annotated[int, doc("CPUs of a local Ray; 0 = this machine's count", ge=0)] = 0
+    nodes: Annotated[
+        int,
+        doc(
+            "Ray nodes the run spans; > 1 (with placement = 'disaggregated'): wait for that many, then place "
+            "each role by its resources over them (docs/multinode.md)",
+            ge=1,
+        ),
+    ] = 1
+    learner_nodes: Annotated[
+        int,
+        doc("with nodes > 1: hosts the learner's ranks are split over (one STRICT_PACK group each)", ge=1),
+    ] = 1
+    engines_per_node: Annotated[
+        int,
+        doc("with nodes > 1: engines per STRICT_PACK group (one host); 0 = all engines on one host", ge=0),
+    ] = 0
+    learner_resources: Annotated[
+        dict[str, float],
+        doc("with nodes > 1: Ray custom resources each learner rank asks for, e.g. {learner = 1}"),
+    ] = {}
+    engine_resources: Annotated[
+        dict[str, float], doc("with nodes > 1: Ray custom resources each engine actor asks for")
+    ] = {}
+    rollout_resources: Annotated[
+        dict[str, float], doc("with nodes > 1: Ray custom resources each rollout worker asks for")
+    ] = {}
     progress: Annotated[bool, doc("show the progress line on the terminal")] = True
     tensorboard: Annotated[bool, doc("events in runs/NAME/events (tensorboard is an agentrl dependency)")] = (
         True

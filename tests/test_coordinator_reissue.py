@@ -44,7 +44,7 @@ def coordinator(tmp_path, model, url):
     queue = QueueActor(cfg, str(tmp_path / "run"), serve_http=False)
     worker = RolloutWorker(cfg, model, queue, engines=[SGLangEngine(url, retries=0)])
     coord = Coordinator(cfg, str(tmp_path / "run"), model)
-    coord.queue, coord.workers = Handle(queue), [Slot("rollout", 0, Handle(worker), (), {})]
+    coord.queue, coord.workers = Handle(queue), [Slot("rollout", 0, Handle(worker))]
     coord.reissue_backoff_s = 0.01
     return coord, queue, worker
 

@@ -208,7 +208,7 @@ def self_play_run(tmp_path, tiny, script, mode="async"):
     coord = Coordinator(cfg, str(tmp_path / "run"), str(tiny))
     queue = QueueActor(cfg, str(tmp_path / "run"), serve_http=False)
     worker = RolloutWorker(cfg, str(tiny), queue, engines=[HFEngine(tiny, script=script)])
-    coord.queue, coord.workers = Handle(queue), [Slot("rollout", 0, Handle(worker), (), {})]
+    coord.queue, coord.workers = Handle(queue), [Slot("rollout", 0, Handle(worker))]
     return coord, queue
 
 

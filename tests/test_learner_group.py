@@ -10,6 +10,7 @@ import ray
 import torch
 
 from agentrl import types
+from agentrl.actors.learner import LearnerWorker
 from agentrl.actors.learner_group import LearnerGroup, spawn_learner
 from agentrl.actors.remote import spawn
 from agentrl.config import load_config
@@ -63,7 +64,7 @@ def config(kind: str, ranks: int, model_dir: str, micro_batch_tokens: int = 40):
 @pytest.mark.parametrize(("kind", "mbt"), [("megatron", 40), ("megatron", 4096), ("torch", 40)])
 async def test_two_ranks_equal_one_process(cluster, model_dir, tmp_path, kind, mbt):
     vocab = len(load_tokenizer(model_dir))
-    single = spawn("learner", config(kind, 1, model_dir, mbt), model_dir)
+    single = spawn(LearnerWorker, cfg=config(kind, 1, model_dir, mbt), model_path=model_dir)
     group = spawn_learner(config(kind, 2, model_dir, mbt), model_dir, lambda rank: {"num_cpus": 0})
     assert isinstance(group, LearnerGroup) and len(group.handles) == 2
     try:

@@ -42,13 +42,14 @@ async def kill(actor) -> None:
 
 
 async def test_a_killed_queue_actor_is_restarted_once_and_every_caller_retries_on_it(cluster, tmp_path):
+    from agentrl.actors.queue import QueueActor
     from agentrl.actors.remote import spawn
 
     cfg = load_config(None, {"queue": {"max_staleness": 100}})
     run_dir = str(tmp_path / "run")
 
     def new_queue():
-        return spawn("queue", cfg, run_dir, 0, None, "", False)  # (no HTTP server)
+        return spawn(QueueActor, cfg=cfg, run_dir=run_dir, serve_http=False)
 
     first = new_queue()
     worker = QueueHandle(first, wait_s=60)

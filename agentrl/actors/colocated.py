@@ -43,6 +43,12 @@ class ColocatedHost(RolloutWorker):
     async def load(self, path: str) -> int:
         return await asyncio.to_thread(self.learner.load, path)
 
+    async def save_archive(self) -> bytes:
+        return await asyncio.to_thread(self.learner.save_archive)
+
+    async def load_archive(self, data: bytes) -> int:
+        return await asyncio.to_thread(self.learner.load_archive, data)
+
     async def weights_payload(self) -> dict[str, Any]:
         return self.learner.weights_payload()
 

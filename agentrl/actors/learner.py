@@ -5,8 +5,9 @@ learner's `policy_version` becomes v+1 once, after the last) and returns metrics
 version of each trajectory). `warmup()` runs the supervised phase on env demonstrations (loss on assistant
 tokens only, tokenized exactly as the multi-turn generator does). `weights_payload()` /`save_hf()` /
 `distributed_source()` feed agentrl.actors.broadcast; all but `save_hf()` (full weights) send the learner's
-`published_weights()` (the adapter alone under LoRA), logged with their size. Plain class:
-agentrl.actors.remote makes it a Ray actor.
+`published_weights()` (the adapter alone under LoRA), logged with their size. `save_archive()` /
+`load_archive()` move checkpoints as bytes when the learner runs on another node than the run directory.
+Plain class: agentrl.actors.remote makes it a Ray actor.
 
 A learner of several ranks (TP x PP x DP > 1) is one LearnerWorker per rank (agentrl.actors.learner_group), each
 started with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in its environment. Every method runs on every rank
@@ -191,6 +192,19 @@ class LearnerWorker:
     def load(self, path: str) -> int:
         self.learner.load(path)
         return self.policy_version()
+
+    def save_archive(self) -> bytes:
+        """`save` into a directory on this node, returned packed: the driver on another node writes it into
+        the run directory (agentrl.actors.cluster). Every rank returns the files it wrote."""
+        from agentrl.actors.transfer import save_packed
+
+        return save_packed(self.save)
+
+    def load_archive(self, data: bytes) -> int:
+        """`load` a checkpoint the driver sent packed from its run directory."""
+        from agentrl.actors.transfer import load_packed
+
+        return load_packed(data, self.load)
 
 
 def _local_rank_from_ray() -> None:

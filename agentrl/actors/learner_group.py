@@ -8,7 +8,8 @@ parallel_state, FSDP2's mesh) forms the group. Callers keep writing `await learn
 - every method runs on every rank (training, checkpoints and weight gathering are collectives) and the call
   returns rank 0's result once all ranks finished, so a failing rank fails the call;
 - `weights_payload` returns rank 0's ObjectRef without waiting (the object-store publish passes it by reference);
-- `init_weight_group` runs on rank 0 alone: only rank 0 joins the engines' broadcast group.
+- `init_weight_group` runs on rank 0 alone: only rank 0 joins the engines' broadcast group;
+- `save_archive` returns every rank's result (each rank's checkpoint files, streamed to the driver's node).
 The rendezvous address is the node of rank 0's placement (the driver's node when the learner is not placed in a
 placement group).
 """
@@ -23,6 +24,7 @@ from agentrl.config import Config, learner_ranks
 
 RANK0_ONLY = frozenset({"init_weight_group"})
 BY_REFERENCE = frozenset({"weights_payload"})
+ALL_RANKS = frozenset({"save_archive"})
 
 
 class LearnerGroup:
@@ -45,11 +47,15 @@ class _Call:
         refs = [getattr(h, self.method).remote(*args, **kwargs) for h in self.handles]
         if self.method in BY_REFERENCE:
             return refs[0]
-        return _first(refs)
+        return _all(refs) if self.method in ALL_RANKS else _first(refs)
 
 
 async def _first(refs: list[Any]) -> Any:
     return (await asyncio.gather(*refs))[0]
+
+
+async def _all(refs: list[Any]) -> list[Any]:
+    return list(await asyncio.gather(*refs))
 
 
 def _rendezvous(options: dict[str, Any]) -> tuple[str, int]:
@@ -71,11 +77,12 @@ def _rendezvous(options: dict[str, Any]) -> tuple[str, int]:
 def spawn_learner(cfg: Config, model_path: str, options_for: Callable[[int], dict[str, Any]]) -> Any:
     """One learner actor, or a LearnerGroup of `learner_ranks(cfg)` of them; `options_for(rank)` gives each
     rank's Ray options (resources, placement bundle)."""
+    from agentrl.actors.learner import LearnerWorker
     from agentrl.actors.remote import spawn
 
     world = learner_ranks(cfg)
     if world == 1 and not cfg.learner.fsdp:
-        return spawn("learner", cfg, model_path, options=options_for(0))
+        return spawn(LearnerWorker, options=options_for(0), cfg=cfg, model_path=model_path)
     address, port = _rendezvous(options_for(0))
     handles = []
     for rank in range(world):
@@ -85,5 +92,5 @@ def spawn_learner(cfg: Config, model_path: str, options_for: Callable[[int], dic
         if options.get("num_gpus"):
             env["AGENTRL_LOCAL_RANK_FROM_RAY"] = "1"  # Ray picked this rank's GPU: derive LOCAL_RANK from it
         options["runtime_env"] = {"env_vars": env}
-        handles.append(spawn("learner", cfg, model_path, options=options))
+        handles.append(spawn(LearnerWorker, options=options, cfg=cfg, model_path=model_path))
     return LearnerGroup(handles)

@@ -73,15 +73,17 @@ def ensure_model(cfg: Config) -> str:
 
 
 def init_ray(cfg: Config) -> bool:
-    """Start (or join) Ray; returns False when the caller had already initialised it (then it owns it)."""
+    """Start (or join: `run.ray_address`, else $RAY_ADDRESS as under `ray job submit`) Ray; returns False when
+    the caller had already initialised it (then it owns it)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     import ray
 
     if ray.is_initialized():
         return False
-    if cfg.run.ray_address:
-        ray.init(address=cfg.run.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+    address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS", "")  # `ray job submit` sets RAY_ADDRESS
+    if address:
+        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     else:
         ray.init(
             num_cpus=cfg.run.ray_num_cpus or os.cpu_count() or 2,
@@ -179,7 +181,7 @@ class Runner:
             self.progress.note(f"external agents: POST {self.coord.queue_url}/v1/trajectories", keep=True)
         if ckpt is not None:
             path, state = ckpt
-            await self.coord.learner.load.remote(str(path / "learner"))
+            await self.coord.cluster.load_learner(str(path / "learner"))
             for step, ids in state.get("pending_commits", []):  # roll forward what the checkpoint trained on
                 await self.coord.queue_call("commit", int(step), list(ids))
             self.task_index = int(state["task_index"])
@@ -258,7 +260,7 @@ class Runner:
     async def _checkpoint(self) -> None:
         tmp = self.rundir.begin_checkpoint(self.step)
         try:
-            await self.coord.learner.save.remote(str(tmp / "learner"))
+            await self.coord.cluster.save_learner(str(tmp / "learner"))
         except BaseException as exc:  # disk full in the learner: one line naming the path, no .tmp_step_N
             error = self.rundir.abort_checkpoint(tmp, exc)
             if error is exc:
