@@ -190,12 +190,9 @@ class Cluster:
         """Load the checkpoint at `path` (in the run directory) into every learner rank."""
         if self.learner_is_local():
             return await self.learner.load.remote(path)
-        import ray
-
         from agentrl.actors.transfer import pack_dir
 
-        data = ray.put(pack_dir(path))  # one copy in the object store, fetched by each rank's node
-        return await self.learner.load_archive.remote(data)
+        return await self.learner.load_archive.remote(pack_dir(path))  # (Ray stores large arguments once per call)
 
     # -- supervision -------------------------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ from agentrl.actors.cluster import Cluster, Slot
 from agentrl.config import Config
 from agentrl.engines.base import describe_error
 from agentrl.envs.registry import env_factory
-from agentrl.errors import AgentRLError, ConfigError, EngineError
+from agentrl.errors import AgentRLError, ConfigError, EngineError, WeightSyncError
 
 log = logging.getLogger(__name__)
 REISSUE_BACKOFF_S = 1.0  # wait before the first re-issue of a failed group; doubles per re-issue
@@ -141,25 +141,30 @@ class Coordinator:
 
     async def _on_replaced(self, slot: Slot, old: Any) -> None:
         assert self.publisher is not None
-        self.publisher.targets = [slot.handle if t is old else t for t in self.publisher.targets]
-        await self.publisher.catch_up(slot.handle)
-        if slot.kind == "engine":
+        if any(t is old for t in self.publisher.targets):  # an engine host (a worker owning none loads none)
+            self.publisher.targets = [slot.handle if t is old else t for t in self.publisher.targets]
+            await self.publisher.catch_up(slot.handle)
+        if slot.kind == "engine":  # a worker that died too (same node) is replaced with the new engines
             await asyncio.gather(
-                *(w.handle.replace_engine.remote(slot.index, slot.handle) for w in self.workers)
+                *(w.handle.replace_engine.remote(slot.index, slot.handle) for w in self.workers),
+                return_exceptions=True,
             )
 
     async def queue_call(self, name: str, *args: Any) -> Any:
         """Call the queue actor's `name`; its death is recovered by the QueueHandle (then the Cluster)."""
         return await self.cluster.queue_handle.call(name, *args)
 
-    async def check_engines(self, timeout_s: float = 60.0) -> None:
-        """Ping every engine actor; replace the ones that do not answer."""
-        for slot in self.engines:
+    async def check_engines(self, timeout_s: float = 60.0, slots: list[Slot] | None = None) -> int:
+        """Ping every engine actor (or `slots`); replace the ones that do not answer; returns how many."""
+        replaced = 0
+        for slot in self.engines if slots is None else slots:
             generation = slot.generation
             try:
                 await asyncio.wait_for(slot.handle.health.remote(), timeout_s)
             except Exception:
                 await self._replace(slot, generation)
+                replaced += 1
+        return replaced
 
     async def run_group(self, task_index: int, task: dict[str, Any]) -> dict[str, Any]:
         """Reserve admission, run the group on the least-busy worker; on a worker/engine death, recover and
@@ -213,8 +218,19 @@ class Coordinator:
         return await self.learner.train.remote(trajectories)
 
     async def publish(self, version: int) -> float:
+        """Publish `version` to every engine host, then tell the queue. A host that died (its node lost, say)
+        fails the publish: it is replaced (loaded with the last version) and the publish retried once."""
         assert self.publisher is not None
-        seconds = await self.publisher.publish(version)
+        try:
+            seconds = await self.publisher.publish(version)
+        except WeightSyncError as exc:
+            hosts = self.engines or [w for w in self.workers if w.kind == "rollout"]
+            if not await self.check_engines(slots=hosts):
+                raise
+            log.warning(
+                "publish of policy_version %d failed (%s); retrying on the replaced hosts", version, exc
+            )
+            seconds = await self.publisher.publish(version)
         self.policy_version = version
         await self.queue_call("set_policy_version", version)
         return seconds

@@ -1,0 +1,115 @@
+"""The Cluster's rules that need no second node: checkpoints of a learner on another node travel as bytes (the
+driver writes the run directory, the learner never sees it), the node settings are checked with messages that
+name them, and the disk publish path is refused when engines cannot read the learner's files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from run_support import Handle, make_model
+
+from agentrl.actors import placement
+from agentrl.actors.cluster import Cluster
+from agentrl.actors.coordinator import Coordinator
+from agentrl.actors.learner import LearnerWorker
+from agentrl.config import load_config
+from agentrl.errors import ConfigError
+
+DRIVER = {"node_id": "head", "ip": "10.0.0.1"}
+OTHER = {"node_id": "gpu-1", "ip": "10.0.0.2"}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return make_model(tmp_path_factory.mktemp("cluster"))
+
+
+class RecordingLearner(LearnerWorker):
+    """A real learner that remembers where it was asked to write."""
+
+    saved_to: list[str]
+
+    def save(self, path: str) -> None:
+        self.saved_to.append(path)
+        super().save(path)
+
+
+async def test_a_learner_on_another_node_streams_its_checkpoint_into_the_run_directory(tmp_path, model):
+    cfg = load_config(None, {"model": {"path": model}, "learner": {"lr": 1e-2}})
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cluster = Cluster(cfg, str(run_dir), model)
+    learner = RecordingLearner(cfg, model)
+    learner.saved_to = []
+    cluster.learner = Handle(learner)
+    cluster.nodes = {"driver": DRIVER, "learner": [OTHER]}
+    assert not cluster.learner_is_local()
+
+    target = run_dir / "checkpoints" / "step_1" / "learner"
+    await cluster.save_learner(str(target))
+    (written,) = learner.saved_to
+    assert not Path(written).is_relative_to(run_dir)  # the learner wrote on its own disk only
+    assert not Path(written).exists()  # and its scratch copy is gone
+    learner.save(str(tmp_path / "direct"))  # what the learner writes itself, file for file
+    files = sorted(p.relative_to(target) for p in target.rglob("*"))
+    assert "model.safetensors" in map(str, files)
+    assert files == sorted(p.relative_to(tmp_path / "direct") for p in (tmp_path / "direct").rglob("*"))
+
+    fresh = LearnerWorker(cfg, model)
+    fresh.learner.policy_version = 99
+    cluster.learner = Handle(fresh)
+    assert await cluster.load_learner(str(target)) == learner.policy_version()
+
+
+async def test_a_learner_on_the_driver_node_writes_the_run_directory_itself(tmp_path, model):
+    cfg = load_config(None, {"model": {"path": model}})
+    cluster = Cluster(cfg, str(tmp_path), model)
+    learner = RecordingLearner(cfg, model)
+    learner.saved_to = []
+    cluster.learner = Handle(learner)
+    cluster.nodes = {"driver": DRIVER, "learner": [DRIVER]}
+    await cluster.save_learner(str(tmp_path / "ck"))
+    assert learner.saved_to == [str(tmp_path / "ck")]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        ({"run": {"nodes": 2, "placement": "split"}}, ["run.nodes = 2", "run.placement = 'disaggregated'"]),
+        ({"run": {"nodes": 2, "placement": "disaggregated", "learner_nodes": 2}}, ["run.learner_nodes = 2"]),
+        (
+            {
+                "run": {"nodes": 2, "placement": "disaggregated", "engines_per_node": 2},
+                "engine": {"num_engines": 3},
+            },
+            ["engine.num_engines = 3", "run.engines_per_node = 2"],
+        ),
+    ],
+)
+def test_node_settings_are_checked_with_their_names(overrides, words):
+    with pytest.raises(ConfigError) as info:
+        placement.check(load_config(None, overrides))
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+async def test_disk_publish_is_refused_when_engines_are_on_another_node(tmp_path, model):
+    cfg = load_config(None, {"model": {"path": model}, "learner": {"publish": "disk"},
+                             "run": {"placement": "disaggregated"}})  # fmt: skip
+    coord = Coordinator(cfg, str(tmp_path), model)
+
+    async def start() -> list:
+        coord.cluster.nodes = {
+            "driver": DRIVER,
+            "learner": [DRIVER],
+            "engines": [DRIVER, OTHER],
+            "workers": [],
+        }
+        return []
+
+    coord.cluster.start = start
+    with pytest.raises(ConfigError) as info:
+        await coord.start()
+    message = str(info.value)
+    assert "learner.publish = 'disk'" in message and "engine host 1 on 10.0.0.2" in message, message
+    assert "engine host 0" not in message
