@@ -3,7 +3,7 @@
 Every caller of the replay queue (the coordinator, the training loop through it, each rollout worker) calls
 it through a `QueueHandle`: `await handle.call("put", trajectories, key)`. If the queue actor has died, the
 call is retried on its successor:
-- the driver's handle has a `restart` (the coordinator's, which knows the run: it recreates the actor on the
+- the driver's handle has a `restart` (the Cluster's, agentrl.actors.cluster: it recreates the actor on the
   same run dir, reclaims the ids the learner holds, re-reserves the groups in flight and hands the new actor
   to the workers). One restart per death however many calls saw it (a generation number), at most
   `max_restarts` in a run, each timed (`recovery_s`).

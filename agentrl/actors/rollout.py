@@ -13,7 +13,7 @@ re-issue and `...r<n>` on its n-th re-run here (an engine may still hold the ids
 episode cut by a weight update is continued by the generator and, if it still ends aborted, re-run from the
 start; with "keep" the engine continues it with the new weights and the per-token versions record the switch.
 An engine failure fails the group with one line naming the engine, the request and the cause (the coordinator
-re-issues it). If the queue actor dies, a put (or release) waits for the coordinator's restarted queue
+re-issues it). If the queue actor dies, a put (or release) waits for the restarted queue (agentrl.actors.cluster)
 (`set_queue`) and is retried there (agentrl.actors.queue_handle). The worker either owns its engines (embedded
 engines in this process: the cheapest placement on CPU) or reaches engine actors through `RemoteEngine`
 handles; either way an `EngineRouter` sends each episode to the least-loaded engine and keeps all its turns
@@ -188,7 +188,7 @@ class RolloutWorker:
         return await self.queue.call(name, *args)  # outlives the queue actor: see QueueHandle
 
     async def set_queue(self, queue: Any) -> None:
-        """Put into a restarted queue actor from now on (the coordinator calls this)."""
+        """Put into a restarted queue actor from now on (the Cluster calls this)."""
         self.queue.replace(queue)
 
     async def evaluate(self, tasks: list[dict[str, Any]], round_index: int = 0) -> dict[str, float]:
