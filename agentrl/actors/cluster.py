@@ -192,7 +192,7 @@ class Cluster:
             return await self.learner.load.remote(path)
         from agentrl.actors.transfer import pack_dir
 
-        return await self.learner.load_archive.remote(pack_dir(path))  # (Ray stores large arguments once per call)
+        return await self.learner.load_archive.remote(pack_dir(path))
 
     # -- supervision -------------------------------------------------------------------------------------
 
