@@ -113,3 +113,34 @@ async def test_disk_publish_is_refused_when_engines_are_on_another_node(tmp_path
     message = str(info.value)
     assert "learner.publish = 'disk'" in message and "engine host 1 on 10.0.0.2" in message, message
     assert "engine host 0" not in message
+
+
+@pytest.mark.parametrize(
+    ("api", "cls"),
+    [("QueueAPI", "queue:QueueActor"), ("LearnerAPI", "learner:LearnerWorker"),
+     ("RolloutAPI", "rollout:RolloutWorker"), ("EngineAPI", "engine:EngineActor")],
+)  # fmt: skip
+def test_each_actor_implements_its_declared_remote_api(api, cls):
+    import importlib
+    import inspect
+
+    from agentrl.actors import api as apis
+
+    protocol = getattr(apis, api)
+    module, name = cls.split(":")
+    actor = getattr(importlib.import_module(f"agentrl.actors.{module}"), name)
+    for method in apis.methods(protocol):
+        declared, actual = getattr(protocol, method), getattr(actor, method)
+        assert list(inspect.signature(declared).parameters) == list(inspect.signature(actual).parameters), (
+            method
+        )
+        assert inspect.iscoroutinefunction(declared) == inspect.iscoroutinefunction(actual), method
+
+
+def test_a_learner_group_forwards_only_the_learner_api():
+    from agentrl.actors.learner_group import LearnerGroup
+
+    group = LearnerGroup([])
+    assert group.save_archive.method == "save_archive"
+    with pytest.raises(AttributeError, match="no remote method 'sav'"):
+        group.sav  # noqa: B018 (a misspelt call must fail here, not as a Ray error on every rank)

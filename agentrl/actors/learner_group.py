@@ -20,11 +20,13 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from agentrl.actors.api import LearnerAPI, methods
 from agentrl.config import Config, learner_ranks
 
 RANK0_ONLY = frozenset({"init_weight_group"})
 BY_REFERENCE = frozenset({"weights_payload"})
 ALL_RANKS = frozenset({"save_archive"})
+LEARNER_METHODS = methods(LearnerAPI) | {"where"}
 
 
 class LearnerGroup:
@@ -32,8 +34,8 @@ class LearnerGroup:
         self.handles = handles
 
     def __getattr__(self, method: str) -> _Call:
-        if method.startswith("_"):
-            raise AttributeError(method)
+        if method not in LEARNER_METHODS:  # only the learner's declared remote API (agentrl.actors.api)
+            raise AttributeError(f"LearnerGroup has no remote method {method!r}")
         return _Call(self.handles, method)
 
 
