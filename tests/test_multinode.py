@@ -99,11 +99,13 @@ def test_a_run_over_three_nodes_survives_losing_the_rollout_node(ray_cluster, tm
     )  # fmt: skip
     run = tmp_path / "t"
     log_path = tmp_path / "driver.log"
-    cmd = [sys.executable, "-m", "agentrl.cli", "run", str(cfg), "--ray-address", ray_cluster.address,
+    # the cluster's address as `ray job submit` hands it to its entrypoint: in RAY_ADDRESS
+    cmd = [sys.executable, "-m", "agentrl.cli", "run", str(cfg),
            "--run.learner-resources", "{learner = 1}", "--run.engine-resources", "{rollout = 1}",
            "--run.rollout-resources", "{rollout = 1}"]  # fmt: skip
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {**os.environ, "RAY_ADDRESS": ray_cluster.address}
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             wait_for_step(run, KILL_AT_STEP, proc, RUN_TIMEOUT_S / 2, log_path)
             before = json.loads((run / "placement.json").read_text())

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.actors.learner_group import LearnerGroup
+from agentrl.actors.placement import Placement
 from agentrl.actors.queue_handle import QueueHandle
 from agentrl.config import Config
 from agentrl.errors import AgentRLError, ConfigError
@@ -85,7 +86,7 @@ class Cluster:
         """Start every actor (see the module docstring); returns the engine hosts weights are published to."""
         from agentrl.actors import placement
 
-        placement.check(self.cfg)
+        placement.check(self.cfg)  # before the queue starts: a config error leaves nothing behind
         self.queue_handle.actor = self._spawn_queue()
         self.queue_url = await self.queue_handle.actor.start.remote()
         self._write_queue_url()
@@ -104,7 +105,7 @@ class Cluster:
         return spawn(QueueActor, options=placement.queue_options(), cfg=self.cfg, run_dir=self.run_dir,
                      policy_version=self._policy_version(), tokenizer_path=self.model_path)  # fmt: skip
 
-    def _spawn_all(self, layout: Any) -> list[Any]:
+    def _spawn_all(self, layout: Placement) -> list[Any]:
         """Learner, engines, workers (blocking: a learner of several ranks rendezvouses first)."""
         from agentrl.actors.learner_group import spawn_learner
 
