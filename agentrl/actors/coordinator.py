@@ -178,14 +178,14 @@ class Coordinator:
         attempts, last = self.cfg.run.max_restarts + 1, ""
         try:
             for attempt in range(attempts):
-                if attempt:
+                if attempt:  # counted when decided: a step finishing during the backoff already shows it
+                    self.reissued += 1
                     delay_s = min(self.reissue_backoff_s * 2 ** (attempt - 1), self.reissue_backoff_max_s)
                     log.warning(
                         "task %d: rollout attempt %d/%d failed: %s; re-issuing the group in %.2fs",
                         task_index, attempt, attempts, last, delay_s,
                     )  # fmt: skip
                     await asyncio.sleep(delay_s)
-                    self.reissued += 1
                 issue = self.issues.get(task_index, 0)
                 self.issues[task_index] = issue + 1
                 slot = min(self.workers, key=lambda s: s.in_flight)
