@@ -351,7 +351,11 @@ def main(argv=None) -> int:
             continue
         try:
             res = run_variant(
-                runners[name.replace("_unfused", "").replace("_fallback", "").replace("_graphs", "")], args, path, world, single
+                runners[name.replace("_unfused", "").replace("_fallback", "").replace("_graphs", "")],
+                args,
+                path,
+                world,
+                single,
             )
         except Exception as exc:  # a failing variant must not hide the others
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
