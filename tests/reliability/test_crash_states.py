@@ -46,15 +46,18 @@ class CrashStates:
             return
         self._busy = True
         try:
+            self.checked += 1
             copy = self.scratch / str(self.checked)
             copy.mkdir()
             for name, data in (files or self.files()).items():
                 (copy / name).write_bytes(data)
-            result = self.bench.account(copy, sorted(self.acked))
-            if result["lost"] or result["trained_twice"]:
+            try:  # (an error here must not reach the hooked write: the queue would take it for a disk error)
+                result = self.bench.account(copy, sorted(self.acked))
+            except Exception as exc:
+                result = {"error": repr(exc)}
+            if result.get("error") or result["lost"] or result["trained_twice"]:
                 self.failures.append((label, result))
             shutil.rmtree(copy)
-            self.checked += 1
         finally:
             self._busy = False
 
