@@ -11,7 +11,8 @@ Invariants:
   started, so concurrent puts share fsyncs. If that fsync fails, every record it covered is cut off the
   log and each waiter gets `StorageError` (nothing of theirs acknowledged). Without `fsync` a record is in
   the page cache when `append` returns: it survives a process kill, not a machine crash.
-- A failed write leaves the file as it was (cut back to the last good offset) and raises `StorageError`.
+- A failed write leaves the file as it was (cut back to the last good offset) and raises `StorageError`;
+  so does a failed ledger line (a retry never glues a whole line onto a partial one).
 - Replay keeps every intact record: mid-file damage is skipped (its bytes go to a side file, the log is
   rewritten without them), only a torn tail is cut; then the ledger is reconciled with the log as a whole.
 - Compaction and the rewrite after damage write a temporary file, fsync it and rename it over the log, so

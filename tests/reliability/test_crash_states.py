@@ -147,3 +147,26 @@ async def test_no_crash_state_of_the_load_bench_loses_an_acknowledged_id(tmp_pat
     assert not states.failures, states.failures[:3]
     figure("crash_states.load_bench", crash_states=states.checked, acknowledged=len(states.acked),
            committed_steps=steps, failures=len(states.failures))  # fmt: skip
+
+
+async def test_the_accounting_says_where_lost_ids_are(tmp_path):
+    """The failure this suite once saw, built by hand: a step's ledger line is gone and a compaction dropped its
+    commit record. `lost_detail` must show it: the ids known to the snapshot, in no commit record, the step
+    missing from the ledger."""
+    from agentrl.types import Trajectory
+
+    run_dir = tmp_path / "q"
+    queue = ReplayQueue(QueueSection(compact_every=0), run_dir)
+    await queue.put([Trajectory(id=f"c0-{s}-{k}", response_ids=[5]) for s in range(3) for k in range(8)])
+    for step in (1, 2):
+        await queue.commit(step, (await queue.sample_batch(8)).ids)
+    queue.compact()
+    queue.close()
+    ledger = run_dir / wal_mod.LEDGER_NAME
+    ledger.write_text(ledger.read_text().splitlines()[1] + "\n")  # step 1's line lost
+    acked = [f"c0-{s}-{k}" for s in range(3) for k in range(8)]
+    result = load_bench().account(run_dir, acked)
+    detail = result["lost_detail"]
+    assert result["lost"] == 8 and detail["requests"] == 1 and detail["ids"][0] == "c0-0-0"
+    assert detail["in_snapshot"] == 8 and detail["log_commit_steps"] == [] and detail["in_puts"] == 0
+    assert detail["ledger_missing_steps"] == [1] and detail["ledger_steps_at_kill"] == 1
