@@ -38,7 +38,9 @@ def test_sync_runs_with_zero_staleness_without_overwriting_the_setting():
     cfg = load_config(None, ["--run.mode", "sync", "--queue.max-staleness", "3"])
     assert cfg.queue.max_staleness == 3 and cfg.effective_max_staleness == 0
     assert cfg.run_queue().max_staleness == 0  # what the run's replay queue gets
-    assert load_config(None, ["--run.mode", "async", "--queue.max-staleness", "3"]).effective_max_staleness == 3
+    assert (
+        load_config(None, ["--run.mode", "async", "--queue.max-staleness", "3"]).effective_max_staleness == 3
+    )
 
 
 def test_dump_round_trips(tmp_path):
