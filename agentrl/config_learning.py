@@ -22,7 +22,7 @@ def doc(description: str, **bounds: float | str) -> msgspec.Meta:
     return msgspec.Meta(description=description, **bounds)  # type: ignore[arg-type]
 
 
-# A torch device as the config spells it.
+# A torch device as the config spells it, and an AdamW beta.
 DEVICE = r"^(cpu|cuda(:[0-9]+)?)$"
 Beta = Annotated[float, msgspec.Meta(ge=0, lt=1)]
 

@@ -111,6 +111,7 @@ def test_config_files_compose_in_order_later_wins(tmp_path):
     assert (cfg.run.mode, cfg.run.steps, cfg.queue.max_staleness) == ("async", 9, 2)
     assert cfg.env.kwargs == {"low": 1, "high": 5}  # tables merge
     assert load_config([more, base]).run.steps == 3
+    assert load_config([base]) == load_config(base)
     for argv in (
         [str(base), "@", str(more), "--queue.max-staleness", "2"],
         [str(base), "--queue.max-staleness", "2", f"@{more}"],
@@ -145,7 +146,7 @@ def test_run_help_lists_every_key_with_its_description_and_default_by_section():
     assert "--queue.max-staleness int  (default 1; >= 0)" in out
 
 
-def test_serve_queue_help_lists_the_queue_keys_only():
+def test_serve_queue_takes_its_section_as_given_and_lists_only_its_keys_in_help(tmp_path):
     from agentrl.queue import cli as queue_cli
 
     parser = argparse.ArgumentParser()
@@ -153,3 +154,11 @@ def test_serve_queue_help_lists_the_queue_keys_only():
     text = parser.format_help()
     assert "--queue.max-staleness int" in text and "--queue.fsync bool" in text
     assert "--run.steps" not in text
+    path = tmp_path / "q.toml"
+    path.write_text(
+        "[queue]\nmax_staleness = 3\n"
+    )  # run.mode is sync by default: no run derives from it here
+    args, extra = parser.parse_known_args(["--config", str(path), "--queue.batch-size", "16"])
+    args.overrides = extra
+    cfg = queue_cli.resolve(args)
+    assert (cfg.queue.max_staleness, cfg.queue.batch_size) == (3, 16)
