@@ -5,8 +5,9 @@ the queue's staleness window), workers stream finished groups into the queue, th
 `prompts_per_step * n_samples_per_prompt` trajectories, trains (version v -> v+1), publishes v+1 to every
 engine, and the step's ids are committed to the ledger once a checkpoint holding that step is on disk.
 
-- sync (`run.mode = "sync"`, which runs with staleness 0: `Config.effective_max_staleness`): the window holds exactly one batch per version, so
-  generation of batch v+1 starts only when v+1 is published: generate -> train -> publish -> repeat.
+- sync (`run.mode = "sync"`, run with staleness 0: `Config.effective_max_staleness`): the window holds
+  exactly one batch per version, so generation of batch v+1 starts only when v+1 is published:
+  generate -> train -> publish -> repeat.
 - async: the window is `(v + max_staleness + 1) * batch`, so rollout runs ahead while the learner trains;
   engines reload between decode steps and tokens carry the version that sampled them.
 
