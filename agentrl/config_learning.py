@@ -106,11 +106,6 @@ class LearnerSection(_Section):
                 "learner.compile = true needs learner.kind = 'megatron' (the torch learner is eager)"
             )
         self.lora.validate()
-        if self.lora.enabled and self.kind == "megatron":
-            raise ConfigError(
-                "learner.lora.rank > 0 needs learner.kind = 'torch' (LoRA in the Megatron learner is not "
-                "implemented yet)"
-            )
         if self.lora.enabled and self.fsdp:
             raise ConfigError(
                 "learner.lora.rank > 0 with learner.fsdp = true is not supported (use one rank)"

@@ -28,7 +28,7 @@ from agentrl.errors import LearnerError
 from agentrl.learners import fused_logprob
 from agentrl.learners.base import Learner
 from agentrl.learners.batch import Batch, micro_batches
-from agentrl.learners.megatron import checkpoint, convert, host_overhead, ops, pipeline
+from agentrl.learners.megatron import checkpoint, convert, host_overhead, lora, ops, pipeline
 from agentrl.learners.megatron.model import ArchSpec, build_gpt, unwrap
 from agentrl.learners.megatron.parallel import init_parallel
 
@@ -84,8 +84,13 @@ class MegatronLearner(Learner):
         pad = hf_config.pad_token_id
         self.pad_id = int(pad if pad is not None else (hf_config.eos_token_id or 0))
         torch.manual_seed(seed)
+        self.lora = lc.lora if lc.lora.enabled else None
         self.model = self._load_model()
-        self.ref_model = self._load_model().eval().requires_grad_(False) if lc.reference_model else None
+        if self.lora is not None:  # base frozen; the reference model is this one with the adapter disabled
+            lora.attach(self.model, self.arch, self.lora, self.tp_rank, self.tp_size, seed)
+        self.ref_model = None
+        if lc.reference_model:
+            self.ref_model = self.model if self.lora else self._load_model().eval().requires_grad_(False)
         self.reduce_host_overhead = reduce_host_overhead  # False: megatron-core as is (the bench's baseline)
         self.optimizer = self._make_optimizer()
         self.optimizer_steps = 0
@@ -107,7 +112,8 @@ class MegatronLearner(Learner):
     def _load_model(self) -> torch.nn.Module:
         model = build_gpt(
             self.arch, dtype=self.dtype, device=str(self.device), attention=self.attention, fused=self.fused,
-            calculate_per_token_loss=True, **self._pipeline_config(),
+            calculate_per_token_loss=True, use_te=False if self.lora is not None else None,
+            **self._pipeline_config(),
         )  # fmt: skip
         convert.check_hf_names(self.arch, checkpoint.weight_map(self.model_path))
         with checkpoint.hf_reader(self.model_path) as get_hf:
@@ -127,7 +133,7 @@ class MegatronLearner(Learner):
         lc = self.cfg
         if not self.cuda:
             return torch.optim.AdamW(
-                self.model.parameters(), lr=lc.lr, betas=tuple(lc.betas), weight_decay=lc.weight_decay
+                self._trainable(), lr=lc.lr, betas=tuple(lc.betas), weight_decay=lc.weight_decay
             )
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -205,6 +211,9 @@ class MegatronLearner(Learner):
         return self._whole_batch(self.model, batch)
 
     def compute_ref_logprobs(self, batch: Batch) -> torch.Tensor:
+        if self.lora is not None and self.cfg.reference_model:
+            with lora.disabled(unwrap(self.model)):
+                return self._whole_batch(self.model, batch)
         if self.ref_model is None:
             raise LearnerError("no reference model (learner.reference_model = false)")
         return self._whole_batch(self.ref_model, batch)
@@ -282,7 +291,7 @@ class MegatronLearner(Learner):
         if lr is not None:
             for g in groups:
                 g["lr"] = lr
-        params = list(self.model.parameters())
+        params = self._trainable()
         if self.cuda:
             from megatron.core.distributed import finalize_model_grads
 
@@ -309,6 +318,10 @@ class MegatronLearner(Learner):
         self.optimizer_steps += int(not skip)
         lr_used = float(lr if lr is not None else saved[0])
         return {"grad_norm": grad_norm, "lr": lr_used, "updates_skipped": float(skip)}
+
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        """Every parameter, or the adapter's alone under LoRA (the base is frozen)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def _grad_buffers(self) -> list:
         """Megatron DDP's contiguous gradient buffers (GPU path); none on the CPU path."""
@@ -357,7 +370,17 @@ class MegatronLearner(Learner):
     # -- weights and checkpoints -------------------------------------------------------------------------
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return convert.iter_hf(unwrap(self.model), self.arch)
+        """HF-named full weights (with a LoRA adapter merged in). Collective under TP/PP."""
+        base = convert.iter_hf(unwrap(self.model), self.arch)
+        if self.lora is None:
+            return base
+        return lora.merged(base, lora.gather(unwrap(self.model), scaled=True))
+
+    def published_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a publish sends: the adapter alone under LoRA (peft's names, B times alpha / r)."""
+        if self.lora is None:
+            return self.weights()
+        return iter(lora.gather(unwrap(self.model), scaled=True).items())
 
     def save(self, path: str) -> None:
         checkpoint.save(self, Path(path))
