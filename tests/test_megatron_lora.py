@@ -124,12 +124,17 @@ def test_tensor_parallel_2_equals_torch_peft(tmp_path):
     """TP = 2 on the GPU code path (Megatron DDP + distributed optimizer, fake CUDA over gloo): each rank holds
     half of the query groups' q/k/v rows of B, half of gate/up, and half of A's columns for o_proj/down_proj."""
     model = make_tiny_model(tmp_path / "qwen2", "qwen2", seed=3, tie_embeddings=False, **TINY)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+    }
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)
     proc = subprocess.run([sys.executable, str(ROOT / "tests/megatron_lora_tp.py"), str(model), str(tmp_path)],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in range(2):
-        for targets, out in json.loads((tmp_path / f"rank{rank}.json").read_text()).items():
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert set(results) == {"all-linear", ",".join(SUBSET)}
+        for out in results.values():
             check(out)
