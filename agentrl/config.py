@@ -323,13 +323,16 @@ def validate(cfg: Config) -> Config:
     cfg.learner.validate()
     if cfg.run.mode == "sync" and cfg.queue.max_staleness != 0:
         cfg.queue.max_staleness = 0
+    lora_sglang = cfg.learner.lora.enabled and cfg.engine.kind == "sglang"
+    if lora_sglang and cfg.engine.update_mode == "auto":  # loading an adapter disturbs no running request
+        cfg.engine.update_mode = "keep"
     cfg.engine.update_mode = cfg.engine.effective_update_mode  # type: ignore[assignment]
     if cfg.learner.fsdp and cfg.algorithm.advantage == "ppo":
         raise ConfigError("learner.fsdp = true does not support algorithm.advantage = 'ppo' (value head)")
-    if cfg.learner.lora.enabled and cfg.engine.kind == "sglang":
+    if lora_sglang and cfg.learner.publish not in ("auto", "disk"):
         raise ConfigError(
-            "learner.lora.rank > 0 with engine.kind = 'sglang': LoRA publish to SGLang is not implemented yet "
-            "(use engine.kind = 'embedded', or learner.lora.rank = 0)"
+            f"learner.lora.rank > 0 with engine.kind = 'sglang' publishes by 'disk' (a PEFT adapter directory "
+            f"SGLang loads with /load_lora_adapter), got learner.publish = '{cfg.learner.publish}'"
         )
     if cfg.learner.publish == "nccl" and cfg.run.placement != "disaggregated":
         raise ConfigError(

@@ -48,3 +48,6 @@ class ColocatedHost(RolloutWorker):
 
     async def save_hf(self, path: str) -> str:
         return await asyncio.to_thread(self.learner.save_hf, path)
+
+    async def save_adapter(self, path: str) -> Any:
+        return await asyncio.to_thread(self.learner.save_adapter, path)

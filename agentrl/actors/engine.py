@@ -26,9 +26,10 @@ def make_engine(cfg: Config, model_path: str, index: int = 0) -> Engine:
     timeouts = {"request_timeout_s": e.request_timeout_s, "update_timeout_s": e.update_timeout_s}
     if e.external_urls:
         return SGLangEngine(e.external_urls[index % len(e.external_urls)], **timeouts)
-    from agentrl.engines.sglang_launcher import SGLangServer
+    from agentrl.engines.sglang_launcher import SGLangServer, lora_server_args
 
-    server = SGLangServer(model_path, e.sglang)
+    args = {**lora_server_args(cfg.learner.lora), **e.sglang.args}  # the user's own flags win
+    server = SGLangServer(model_path, e.sglang, args=args)
     engine = SGLangEngine(server.start(), **timeouts)
     engine._server = server  # type: ignore[attr-defined]  # kept alive with the client, stopped on close
     return engine

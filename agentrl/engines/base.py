@@ -107,7 +107,15 @@ class DistributedSource:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-WeightSource = TensorSource | DiskSource | DistributedSource
+@dataclass
+class AdapterSource:
+    """A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) for the served base model:
+    SGLang loads it by name (`/load_lora_adapter`), the embedded engine merges it."""
+
+    path: str
+
+
+WeightSource = TensorSource | DiskSource | DistributedSource | AdapterSource
 
 
 class Engine(abc.ABC):

@@ -314,6 +314,13 @@ class TorchLearner(Learner):
             return
         yield from lora.adapter_weights(self.model)
 
+    def save_adapter_dir(self, path: str) -> None:
+        """The LoRA adapter alone, as a PEFT adapter directory (what SGLang's /load_lora_adapter reads)."""
+        if self.lora is None:
+            raise LearnerError("save_adapter_dir needs learner.lora.rank > 0")
+        with hf_io.atomic_dir(path) as tmp:
+            lora.save_adapter(self.model, tmp, str(self.base_path.resolve()))
+
     def save(self, path: str) -> None:
         """Under FSDP a collective: every rank calls it, rank 0 writes (on a file system all ranks can read)."""
         if self.world is not None and self.world.rank != 0:

@@ -196,6 +196,20 @@ def _write_adapter(path: Path, adapter: dict[str, torch.Tensor], cfg: LoraSectio
     (path / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg, base), indent=1) + "\n")
 
 
+def save_adapter_dir(learner: MegatronLearner, path: Path) -> None:
+    """The adapter alone as a PEFT directory, written atomically by rank 0 (a collective gather first)."""
+    import torch.distributed as dist
+
+    from agentrl.learners.megatron.model import unwrap
+
+    if learner.lora is None:
+        raise LearnerError("save_adapter_dir needs learner.lora.rank > 0")
+    adapter = lora.gather(unwrap(learner.model), scaled=False)
+    if dist.get_rank() == 0:
+        with hf_io.atomic_dir(path) as tmp:
+            _write_adapter(Path(tmp), adapter, learner.lora, str(Path(learner.model_path).resolve()))
+
+
 def adapter_config(cfg: LoraSection, base: str) -> dict[str, Any]:
     """peft's adapter_config.json for this LoRA section (target names spelled out, `all-linear` expanded)."""
     return {

@@ -14,7 +14,6 @@ must be right-padded (not packed): RoPE positions are 0..T-1 per row. PP > 1 (GP
 from __future__ import annotations
 
 import functools
-import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +29,7 @@ from agentrl.learners.base import Learner
 from agentrl.learners.batch import Batch, micro_batches
 from agentrl.learners.megatron import checkpoint, convert, host_overhead, lora, ops, pipeline
 from agentrl.learners.megatron.model import ArchSpec, build_gpt, unwrap
-from agentrl.learners.megatron.parallel import init_parallel
+from agentrl.learners.megatron.parallel import init_parallel, sum_over_dp
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -342,30 +341,7 @@ class MegatronLearner(Learner):
         return not bool(bad.item())
 
     def _sum_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Loss terms (full-batch normalisers) and `*_sum` metrics are partial sums per DP rank: add them up;
-        `*_max` metrics (per-turn ratio maxima) are partial maxima: take the max, so a turn whose tokens sit on
-        another rank has its maximum next to its sums."""
-        if self.dp_size == 1:
-            return metrics
-        from megatron.core import parallel_state as ps
-
-        group = ps.get_data_parallel_group()
-        # A rank can have no micro-batch (fewer micro-batches than DP ranks) and so no loss keys: agree first.
-        mine = sorted(k for k in metrics if k.startswith("loss") or k.endswith(("_sum", "_max")))
-        every: list = [None] * self.dp_size
-        dist.all_gather_object(every, mine, group=group)
-        union = set().union(*every)
-        out = dict(metrics)
-        for keys, default, op in (
-            (sorted(k for k in union if not k.endswith("_max")), 0.0, dist.ReduceOp.SUM),
-            (sorted(k for k in union if k.endswith("_max")), -math.inf, dist.ReduceOp.MAX),
-        ):
-            values = torch.tensor(
-                [metrics.get(k, default) for k in keys], dtype=torch.float64, device=self.device
-            )
-            dist.all_reduce(values, op=op, group=group)
-            out.update(dict(zip(keys, values.tolist(), strict=True)))
-        return out
+        return metrics if self.dp_size == 1 else sum_over_dp(metrics, self.device)
 
     # -- weights and checkpoints -------------------------------------------------------------------------
 
@@ -384,6 +360,10 @@ class MegatronLearner(Learner):
 
     def save(self, path: str) -> None:
         checkpoint.save(self, Path(path))
+
+    def save_adapter_dir(self, path: str) -> None:
+        """The LoRA adapter as a PEFT directory (collective under TP/PP; rank 0 writes)."""
+        checkpoint.save_adapter_dir(self, Path(path))
 
     def load(self, path: str) -> None:
         checkpoint.load(self, Path(path))
