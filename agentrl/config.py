@@ -74,6 +74,14 @@ class RunSection(_Section):
         Literal["colocated", "split", "disaggregated"],
         doc("where actors run: learner and engine in one process, split, or engines as their own actors"),
     ] = "split"
+    offload: Annotated[
+        bool,
+        doc(
+            "colocated sync runs on one GPU: the learner's parameters, gradients and optimizer state wait in "
+            "pinned CPU memory during rollout, the engines release their weights and KV cache during training "
+            "(docs/architecture.md, colocated hand-off)"
+        ),
+    ] = False
     torch_threads: Annotated[int, doc("torch CPU threads per actor", ge=1)] = 1
     max_restarts: Annotated[int, doc("restarts of a crashed actor before the run fails", ge=0)] = 3
     publish_timeout_s: Annotated[float, doc("seconds a weight publish may take", gt=0)] = 120.0
@@ -344,12 +352,28 @@ def validate(cfg: Config) -> Config:
             f"learner.publish = 'nccl' needs learner.device and engine.device on the same kind of device "
             f"(nccl between GPUs, gloo between CPUs), got '{cfg.learner.device}' and '{cfg.engine.device}'"
         )
+    if cfg.run.offload:
+        _check_offload(cfg)
     if cfg.run.placement == "colocated" and learner_ranks(cfg) > 1:
         raise ConfigError(
             f"run.placement = 'colocated' runs one learner process, but learner ranks = {learner_ranks(cfg)} "
             "(tensor_parallel x pipeline_parallel x data_parallel); use 'split' or 'disaggregated'"
         )
     return cfg
+
+
+def _check_offload(cfg: Config) -> None:
+    """run.offload hands one GPU between the phases of a sync colocated run of the torch learner."""
+    for ok, need in (
+        (cfg.run.placement == "colocated", f"run.placement = 'colocated', got '{cfg.run.placement}'"),
+        (
+            cfg.run.mode == "sync",
+            f"run.mode = 'sync' (rollout and training take turns), got '{cfg.run.mode}'",
+        ),
+        (cfg.learner.kind == "torch" and not cfg.learner.fsdp, "learner.kind = 'torch' without learner.fsdp"),
+    ):
+        if not ok:
+            raise ConfigError(f"run.offload = true needs {need}")
 
 
 def learner_ranks(cfg: Config) -> int:

@@ -141,6 +141,14 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def flush_cache(self) -> None: ...
 
+    async def release_memory(self) -> None:
+        """Give the GPU memory this engine can spare back while a colocated learner trains (`run.offload`)."""
+        raise EngineError(f"{type(self).__name__} cannot release its memory (run.offload)")
+
+    async def resume_memory(self, tags: list[str]) -> None:
+        """Take back what `release_memory` gave: tags 'weights' (then a weight update follows), 'kv_cache'."""
+        raise EngineError(f"{type(self).__name__} cannot resume its memory (run.offload)")
+
     @abc.abstractmethod
     async def health(self) -> dict[str, Any]: ...
 

@@ -216,6 +216,15 @@ class SGLangEngine(Engine):
     async def flush_cache(self) -> None:
         await self._call("POST", "/flush_cache", {})
 
+    async def release_memory(self) -> None:
+        """SGLang gives back its weights, KV cache and CUDA graphs (needs --enable-memory-saver, an idle server)."""
+        await self._call("POST", "/release_memory_occupation", {"tags": None}, self.update_timeout_s)
+
+    async def resume_memory(self, tags: list[str]) -> None:
+        """'weights' (a weight update must follow: the contents are gone), 'kv_cache' (with its CUDA graphs)."""
+        wanted = [t for tag in tags for t in (("kv_cache", "cuda_graph") if tag == "kv_cache" else (tag,))]
+        await self._call("POST", "/resume_memory_occupation", {"tags": wanted}, self.update_timeout_s)
+
     async def health(self) -> dict[str, Any]:
         try:
             await self._call("GET", "/health_generate", timeout_s=min(30.0, self.request_timeout_s))
