@@ -17,10 +17,12 @@ pytest.importorskip("peft")
 from megatron_helpers import hf_logprobs, make_batch
 from megatron_lora_helpers import ALGO, SETTINGS, compare, lora_section, torch_learner
 
+from agentrl import types
 from agentrl.cli import main as cli_main
 from agentrl.config import AlgorithmSection, LearnerSection, load_config
 from agentrl.engines.tiny import make_tiny_model
 from agentrl.errors import LearnerError
+from agentrl.learners.batch import build_batch
 from agentrl.learners.checkpoint import read_metadata
 from agentrl.learners.megatron.learner import MegatronLearner
 from agentrl.learners.megatron.parallel import init_parallel
@@ -73,6 +75,31 @@ def test_one_step_equals_torch_peft(models, arch, targets):
     names = {n for n, _ in mega.published_weights()}
     assert names == {n for n, _ in ref.published_weights()}
     assert ("model.layers.0.self_attn.k_proj.lora_A.weight" in names) == (targets == ("all-linear",))
+
+
+async def test_adapter_publish_gives_the_embedded_engine_the_learners_logprobs(models, tmp_path):
+    from agentrl.engines.base import AdapterSource, SamplingParams, TensorSource
+    from agentrl.engines.embedded import EmbeddedEngine
+
+    mega = mega_learner(models["qwen2"], SUBSET)
+    mega.train_step(make_batch(300, seed=3))
+    engine = EmbeddedEngine(str(models["qwen2"]), max_batch_size=2, max_seq_len=64)
+    sampling = SamplingParams(max_new_tokens=6, temperature=1.0, seed=2, ignore_eos=True)
+    prompt = [5, 6, 7, 8]
+    try:
+        mega.save_adapter_dir(str(tmp_path / "v1"))  # the directory SGLang would load
+        for version, source in ((1, TensorSource(dict(mega.published_weights()))),
+                                (2, AdapterSource(str(tmp_path / "v1")))):  # fmt: skip
+            await engine.update_weights(version, source)
+            out = await engine.generate(prompt, sampling)
+            traj = types.Trajectory(
+                id="x", group_id="x", prompt_ids=prompt, response_ids=out.output_ids, reward=0.0
+            )
+            probe = build_batch([types.normalize(traj)], mega.pad_id)
+            expected = mega.compute_logprobs(probe)[0, len(prompt) : len(prompt) + len(out.output_ids)]
+            assert (torch.tensor(out.logprobs) - expected).abs().max() <= 1e-4, version
+    finally:
+        await engine.close()
 
 
 def test_checkpoint_resume_and_export(models, tmp_path):
