@@ -261,9 +261,12 @@ class SGLangEngine(Engine):
         """Load `version`'s adapter under its own name, route new requests to it, unload the previous one
         once its requests have returned."""
         name = adapter_name(version)
-        if self._lora.current is None or self._lora.current[0] != name:
-            body = {"lora_name": name, "lora_path": source.path, "pinned": False}
+        body = {"lora_name": name, "lora_path": source.path, "pinned": False}
+        try:
             await self._call("POST", "/load_lora_adapter", body, self.update_timeout_s, WeightSyncError)
+        except WeightSyncError as exc:  # a catch-up of the version the server already has is not an error
+            if "already loaded" not in str(exc):
+                raise
         self._unload_later(self._lora.switch(version))
         self._version = version
 
