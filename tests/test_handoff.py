@@ -3,7 +3,6 @@ the embedded engine frees and restores its KV cache, the hand-off calls engines 
 and reports each phase's peak, SGLang gets the memory-occupation requests it takes, the config refuses what
 it cannot do, and a colocated sync run trains with it (real Ray, tiny model)."""
 
-
 import pytest
 import torch
 from aiohttp import web
