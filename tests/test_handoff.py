@@ -201,7 +201,8 @@ def test_sglang_is_launched_with_the_memory_saver(monkeypatch):
     cfg = load_config(None, ["--run.offload", "true", "--run.placement", "colocated", "--engine.kind", "sglang",
                              "--engine.device", "cuda", "--learner.lora.rank", "4"])  # fmt: skip
     engine_mod.make_engine(cfg, "M")
-    assert launched["enable_memory_saver"] is True and launched["enable_lora"] is True
+    assert launched["enable_memory_saver"] is True and launched["enable_weights_cpu_backup"] is True
+    assert launched["enable_lora"] is True
 
 
 @pytest.mark.slow

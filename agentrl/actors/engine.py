@@ -29,8 +29,10 @@ def make_engine(cfg: Config, model_path: str, index: int = 0) -> Engine:
     from agentrl.engines.sglang_launcher import SGLangServer, lora_server_args
 
     args = {**lora_server_args(cfg.learner.lora), **e.sglang.args}  # the user's own flags win
-    if cfg.run.offload:  # /release_memory_occupation needs SGLang's torch_memory_saver
+    if cfg.run.offload:  # /release_memory_occupation needs SGLang's torch_memory_saver; the CPU backup brings
+        # back what a publish does not send (a LoRA run's base weights, buffers such as RoPE caches)
         args.setdefault("enable_memory_saver", True)
+        args.setdefault("enable_weights_cpu_backup", True)
     server = SGLangServer(model_path, e.sglang, args=args)
     engine = SGLangEngine(server.start(), **timeouts)
     engine._server = server  # type: ignore[attr-defined]  # kept alive with the client, stopped on close

@@ -5,7 +5,8 @@
 
 The pieces `agentrl run --run.placement colocated --run.offload true` puts in one process, without Ray or a
 tokenizer: a random-init Qwen3 architecture, the torch learner (fp32 weights + AdamW: 16 bytes a parameter,
-bf16 autocast, gradient checkpointing), an SGLang server on the same GPU (`--enable-memory-saver` with offload)
+bf16 autocast, gradient checkpointing), an SGLang server on the same GPU (with offload: `--enable-memory-saver
+--enable-weights-cpu-backup`)
 and agentrl's `HandOff`. Each step: rollout (8 prompts x 8 samples, random 128-token prompts, 256 new tokens,
 temperature 1), GRPO train step, publish (`update_weights_from_tensor`, CUDA IPC). Without offload the learner
 stays on the GPU next to SGLang; an out-of-memory error (SGLang refusing to start, or CUDA OOM) is recorded as
@@ -85,7 +86,12 @@ async def run(args) -> dict:
     result["learner_params_b"] = round(sum(p.numel() for p in learner.model.parameters()) / 1e9, 2)
     if args.offload:
         learner.offload()
-    flags = {**SGLANG_FLAGS, "mem_fraction_static": args.mem_fraction, "enable_memory_saver": args.offload}
+    flags = {
+        **SGLANG_FLAGS,
+        "mem_fraction_static": args.mem_fraction,
+        "enable_memory_saver": args.offload,
+        "enable_weights_cpu_backup": args.offload,
+    }  # as agentrl.actors.engine launches it with run.offload
     server = SGLangServer(str(path), args=flags, log_path=str(Path(args.out) / f"sglang_{args.arch}_{args.offload}.log"),
                           startup_timeout_s=600, restart_on_crash=False)  # fmt: skip
     engine, handoff, meter = None, None, None
