@@ -9,6 +9,9 @@ equals one big batch. GPU: Megatron DDP + distributed optimizer (fp32 main param
 learner.dtype = "bfloat16", grad clip inside `optimizer.step`). CPU: TP = PP = 1 over gloo, torch AdamW +
 clip_grad_norm_ (gradients all-reduced over DP ranks under torchrun), with the cpu_compat substitutes. Batches
 must be right-padded (not packed): RoPE positions are 0..T-1 per row. PP > 1 (GPU) runs Megatron's 1F1B schedule (pipeline.py); results come from the last stage.
+`learner.lora.rank > 0` (lora.py): adapters on the TP linears, the base frozen and outside the optimizer, the
+reference pass = adapters off; `published_weights()` is the adapter under peft's names, `weights()` the merged
+full weights; checkpoints hold the PEFT adapter directory and the adapter's optimizer state (checkpoint.py).
 """
 
 from __future__ import annotations
