@@ -147,6 +147,7 @@ def test_config_takes_megatron_lora_and_names_unknown_targets(models):
         mega_learner(models["qwen3"], ("q_proj", "nope_proj"))
 
 
+@pytest.mark.slow
 def test_tensor_parallel_2_equals_torch_peft(tmp_path):
     """TP = 2 on the GPU code path (Megatron DDP + distributed optimizer, fake CUDA over gloo): each rank holds
     half of the query groups' q/k/v rows of B, half of gate/up, and half of A's columns for o_proj/down_proj."""
