@@ -49,7 +49,7 @@ class MegatronLearner(Learner):
         attention: str = "sdpa",
         fused: bool | None = None,
         entropy_metric: bool = True,
-        compile: bool = False,
+        compile: bool | str = False,
         reduce_host_overhead: bool = True,
     ):
         from megatron.core import parallel_state as ps
@@ -100,7 +100,9 @@ class MegatronLearner(Learner):
         if compile:  # inductor fuses RoPE, norms, SwiGLU and residual adds (no Transformer Engine needed)
             host_overhead.default_tp_group_quietly(self.reduce_host_overhead)
             inner = unwrap(self.model)
-            inner.forward = torch.compile(inner.forward)
+            # `compile` may name a torch.compile mode ("reduce-overhead": CUDA graphs; the bench tries it)
+            mode = compile if isinstance(compile, str) else None
+            inner.forward = torch.compile(inner.forward, mode=mode)
 
     # -- construction ------------------------------------------------------------------------------------
 
