@@ -1,4 +1,5 @@
-"""Two gloo ranks, TP = 2, the Megatron learner's GPU code path on CPU (megatron_fake_cuda): LoRA vs torch + peft.
+"""Two gloo ranks, TP = 2 and PP = 2, the Megatron learner's GPU code path on CPU (megatron_fake_cuda): LoRA vs
+torch + peft.
 
 Usage: python tests/megatron_lora_tp.py MODEL_DIR OUT_DIR  -> OUT_DIR/rank{0,1}.json (test_megatron_lora.py).
 """
@@ -30,10 +31,12 @@ def worker(rank: int, world: int, model_dir: str, out_dir: str, port: int) -> No
             return super()._make_optimizer()
 
     results = {}
-    for targets in (("all-linear",), SUBSET):
-        lc = LearnerSection(kind="megatron", tensor_parallel=2, lora=lora_section(targets), **SETTINGS)
+    for name, tp, pp, targets in (("tp2", 2, 1, ("all-linear",)), ("tp2-subset", 2, 1, SUBSET),
+                                  ("pp2", 1, 2, ("all-linear",))):  # fmt: skip
+        lc = LearnerSection(kind="megatron", tensor_parallel=tp, pipeline_parallel=pp, lora=lora_section(targets),
+                            **SETTINGS)  # fmt: skip
         mega = GpuPathLearner(model_dir, lc, AlgorithmSection(**ALGO))
-        results[",".join(targets)] = compare(mega, torch_learner(model_dir, targets), 300)
+        results[name] = compare(mega, torch_learner(model_dir, targets), 300)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
 

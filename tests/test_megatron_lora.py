@@ -148,9 +148,10 @@ def test_config_takes_megatron_lora_and_names_unknown_targets(models):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_equals_torch_peft(tmp_path):
+def test_tensor_and_pipeline_parallel_2_equal_torch_peft(tmp_path):
     """TP = 2 on the GPU code path (Megatron DDP + distributed optimizer, fake CUDA over gloo): each rank holds
-    half of the query groups' q/k/v rows of B, half of gate/up, and half of A's columns for o_proj/down_proj."""
+    half of the query groups' q/k/v rows of B, half of gate/up, and half of A's columns for o_proj/down_proj;
+    PP = 2: each stage holds its layers' adapters, gathered into one adapter for publish and checks."""
     model = make_tiny_model(tmp_path / "qwen2", "qwen2", seed=3, tie_embeddings=False, **TINY)
     env = {
         **os.environ,
@@ -163,6 +164,6 @@ def test_tensor_parallel_2_equals_torch_peft(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in range(2):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert set(results) == {"all-linear", ",".join(SUBSET)}
+        assert set(results) == {"tp2", "tp2-subset", "pp2"}
         for out in results.values():
             check(out)
