@@ -8,7 +8,7 @@ with `[learner.lora]` (peft, all-linear) on the same GPU, and for versions 1..N:
 (B != 0, large enough to move the log-probs), writes it with `save_adapter_dir`, publishes it with
 `SGLangEngine.update_weights(v, AdapterSource)` (`/load_lora_adapter` under the name agentrl-v{v}, the previous
 one unloaded after its requests) and samples. Every version must stamp each token with v, and SGLang's
-log-probs of the sampled tokens must match the learner's (`compute_logprobs`, bf16 autocast) to a mean |d| <=
+log-probs of the sampled tokens must match the learner's (`compute_logprobs`, fp32) to a mean |d| <=
 1e-2, and differ from the previous version's by more than 5e-2. Prints one JSON line per version and a summary.
 """
 
@@ -82,7 +82,8 @@ async def main_async(args, flags: dict) -> dict:
     await asyncio.to_thread(server.start)
     result: dict = {"startup_s": round(time.perf_counter() - t0, 1), "flags": server.argv[3:], "checks": []}
     engine = SGLangEngine(server.url, update_timeout_s=300)
-    lc = LearnerSection(device="cuda", dtype="bfloat16", lora=lora)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the learner is the fp32 reference of SGLang's bf16 serving
+    lc = LearnerSection(device="cuda", dtype="float32", lora=lora)
     learner = TorchLearner(path, lc, AlgorithmSection(advantage="rloo"))
     g = torch.Generator().manual_seed(0)
     vocab = learner.model.config.vocab_size
