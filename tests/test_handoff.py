@@ -11,7 +11,7 @@ from test_lora import PROMPT, batch
 
 from agentrl.actors.handoff import GIB, HandOff, PeakMeter, wait_until_free
 from agentrl.config import AlgorithmSection, LearnerSection, load_config
-from agentrl.engines.base import SamplingParams
+from agentrl.engines.base import DiskSource, SamplingParams
 from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.sglang import SGLangEngine
 from agentrl.engines.tiny import make_tiny_model
@@ -152,6 +152,7 @@ async def test_sglang_memory_occupation_requests():
     app = web.Application()
     app.router.add_post("/release_memory_occupation", record)
     app.router.add_post("/resume_memory_occupation", record)
+    app.router.add_post("/update_weights_from_disk", record)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -160,11 +161,15 @@ async def test_sglang_memory_occupation_requests():
     try:
         await engine.release_memory()
         await engine.resume_memory(["weights"])
+        await engine.update_weights(1, DiskSource("/new"))
         await engine.resume_memory(["kv_cache"])
+        await engine.update_weights(2, DiskSource("/newer"))
     finally:
         await engine.close()
         await runner.cleanup()
-    assert seen == [
+    flush = [body["flush_cache"] for route, body in seen if route == "/update_weights_from_disk"]
+    assert flush == [False, True]  # no cache flush while the KV cache is released
+    assert [entry for entry in seen if entry[0] != "/update_weights_from_disk"] == [
         ("/release_memory_occupation", {"tags": None}),  # weights, KV cache and CUDA graphs
         ("/resume_memory_occupation", {"tags": ["weights"]}),
         ("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}),

@@ -74,6 +74,7 @@ class SGLangEngine(Engine):
         self._gate: asyncio.Event | None = None
         self._paused: PauseMode | None = None
         self._lora = LoraVersions()
+        self._kv_released = False  # between release_memory and resume_memory(["kv_cache"])
         self._unloads: set[asyncio.Task] = set()
 
     @property
@@ -219,11 +220,14 @@ class SGLangEngine(Engine):
     async def release_memory(self) -> None:
         """SGLang gives back its weights, KV cache and CUDA graphs (needs --enable-memory-saver, an idle server)."""
         await self._call("POST", "/release_memory_occupation", {"tags": None}, self.update_timeout_s)
+        self._kv_released = True  # SGLang flushed its cache before releasing it
 
     async def resume_memory(self, tags: list[str]) -> None:
         """'weights' (a weight update must follow: the contents are gone), 'kv_cache' (with its CUDA graphs)."""
         wanted = [t for tag in tags for t in (("kv_cache", "cuda_graph") if tag == "kv_cache" else (tag,))]
         await self._call("POST", "/resume_memory_occupation", {"tags": wanted}, self.update_timeout_s)
+        if "kv_cache" in tags:
+            self._kv_released = False
 
     async def health(self) -> dict[str, Any]:
         try:
@@ -287,8 +291,12 @@ class SGLangEngine(Engine):
         if isinstance(source, AdapterSource):
             await self._load_adapter(version, source)
             return
-        # SGLang refuses to flush while requests sit in the running batch (in-place pause): keep their KV.
-        common = {"weight_version": str(version), "flush_cache": self._paused != "keep"}
+        # SGLang refuses to flush while requests sit in the running batch (in-place pause): keep their KV. No
+        # flush either while the KV cache is released (the release flushed it; a flush would touch freed memory).
+        common = {
+            "weight_version": str(version),
+            "flush_cache": self._paused != "keep" and not self._kv_released,
+        }
         if isinstance(source, DiskSource):
             route, body = "/update_weights_from_disk", {"model_path": source.path, **common}
         elif isinstance(source, TensorSource):
