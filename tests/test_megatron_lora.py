@@ -167,3 +167,23 @@ def test_tensor_and_pipeline_parallel_2_equal_torch_peft(tmp_path):
         assert set(results) == {"tp2", "tp2-subset", "pp2"}
         for out in results.values():
             check(out)
+
+
+@pytest.mark.slow
+def test_agentrl_run_with_megatron_lora_checkpoints_and_resumes(ray_session, tmp_path):
+    from run_support import make_model, read_jsonl, tiny_config
+
+    from agentrl.runner.loop import run
+
+    path = tiny_config(tmp_path, make_model(tmp_path), run={"steps": 2, "eval_every": 0},
+                       learner={"lr": 1e-2, "kind": "megatron"})  # fmt: skip
+    lora = ["--learner.lora.rank", "4", "--learner.lora.target-modules", '["all-linear"]']
+    assert run(load_config(path, lora))["ok"]
+    run_dir = tmp_path / "t"
+    step = (run_dir / "checkpoints" / "latest").read_text().strip()
+    files = {p.name for p in (run_dir / "checkpoints" / step / "learner").iterdir()}
+    assert "adapter_model.safetensors" in files and not any(f.startswith("model_tp") for f in files)
+    assert run(load_config(path, [*lora, "--run.steps", "3"]), resume=True)["steps"] == 3
+    versions = [m["policy_version"] for m in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in m]
+    assert versions == [1, 2, 3]
+    assert cli_main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
