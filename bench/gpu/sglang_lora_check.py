@@ -9,7 +9,7 @@ with `[learner.lora]` (peft, all-linear) on the same GPU, and for versions 1..N:
 `SGLangEngine.update_weights(v, AdapterSource)` (`/load_lora_adapter` under the name agentrl-v{v}, the previous
 one unloaded after its requests) and samples. Every version must stamp each token with v, and SGLang's
 log-probs of the sampled tokens must match the learner's (`compute_logprobs`, fp32) to a mean |d| <=
-1e-2, and differ from the previous version's by more than 5e-2. Prints one JSON line per version and a summary.
+1e-2, and differ from the previous version's by more than 3x that difference. Prints one JSON line per version and a summary.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def randomize_adapter(learner: TorchLearner, seed: int) -> None:
     with torch.no_grad():
         for name, p in learner.model.named_parameters():
             if "lora_B" in name:  # |B·A·x| comparable to the base's outputs: a clearly different policy
-                p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * 0.02)
+                p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * 0.05)
 
 
 async def sample(engine, learner, prompts, version: int, previous=None) -> dict:
@@ -66,8 +66,10 @@ async def sample(engine, learner, prompts, version: int, previous=None) -> dict:
     if previous is not None:  # the same tokens scored by the previous version's learner state
         row["vs_previous_mean_abs_diff"] = round(float(torch.cat(previous(outs, prompts)).mean()), 4)
     row["ok"] = row["versions_ok"] and row["logprob_mean_abs_diff"] <= TOL
-    if previous is not None:  # the new adapter is really served: far from the previous version's log-probs
-        row["ok"] = row["ok"] and row["vs_previous_mean_abs_diff"] > 5 * TOL
+    if (
+        previous is not None
+    ):  # the new adapter is really served: the previous version is 3x further than the noise
+        row["ok"] = row["ok"] and row["vs_previous_mean_abs_diff"] > 3 * row["logprob_mean_abs_diff"]
     return row
 
 
@@ -82,7 +84,9 @@ async def main_async(args, flags: dict) -> dict:
     await asyncio.to_thread(server.start)
     result: dict = {"startup_s": round(time.perf_counter() - t0, 1), "flags": server.argv[3:], "checks": []}
     engine = SGLangEngine(server.url, update_timeout_s=300)
-    torch.backends.cuda.matmul.allow_tf32 = False  # the learner is the fp32 reference of SGLang's bf16 serving
+    torch.backends.cuda.matmul.allow_tf32 = (
+        False  # the learner is the fp32 reference of SGLang's bf16 serving
+    )
     lc = LearnerSection(device="cuda", dtype="float32", lora=lora)
     learner = TorchLearner(path, lc, AlgorithmSection(advantage="rloo"))
     g = torch.Generator().manual_seed(0)
