@@ -9,7 +9,8 @@ with `[learner.lora]` (peft, all-linear) on the same GPU, and for versions 1..N:
 `SGLangEngine.update_weights(v, AdapterSource)` (`/load_lora_adapter` under the name agentrl-v{v}, the previous
 one unloaded after its requests) and samples. Every version must stamp each token with v, and SGLang's
 log-probs of the sampled tokens must match the learner's (`compute_logprobs`, fp32) to a mean |d| <=
-1e-2, and differ from the previous version's by more than 3x that difference. Prints one JSON line per version and a summary.
+1e-2, and differ from the previous version's by more than 3x that difference. Prints one JSON line per version
+and a summary.
 """
 
 from __future__ import annotations
@@ -66,9 +67,7 @@ async def sample(engine, learner, prompts, version: int, previous=None) -> dict:
     if previous is not None:  # the same tokens scored by the previous version's learner state
         row["vs_previous_mean_abs_diff"] = round(float(torch.cat(previous(outs, prompts)).mean()), 4)
     row["ok"] = row["versions_ok"] and row["logprob_mean_abs_diff"] <= TOL
-    if (
-        previous is not None
-    ):  # the new adapter is really served: the previous version is 3x further than the noise
+    if previous is not None:  # the new adapter is served: the previous version is 3x further than the noise
         row["ok"] = row["ok"] and row["vs_previous_mean_abs_diff"] > 3 * row["logprob_mean_abs_diff"]
     return row
 
