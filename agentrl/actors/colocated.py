@@ -68,3 +68,8 @@ class ColocatedHost(RolloutWorker):
 
     async def save_adapter(self, path: str) -> Any:
         return await asyncio.to_thread(self.learner.save_adapter, path)
+
+    async def close(self) -> None:
+        if self.handoff is not None:
+            self.handoff.close()
+        await super().close()
