@@ -79,6 +79,14 @@ class RunSection(_Section):
         Literal["colocated", "split", "disaggregated"],
         doc("where actors run: learner and engine in one process, split, or engines as their own actors"),
     ] = "split"
+    offload: Annotated[
+        bool,
+        doc(
+            "colocated sync runs on one GPU: the learner's parameters, gradients and optimizer state wait in "
+            "pinned CPU memory during rollout, the engines release their weights and KV cache during training "
+            "(docs/architecture.md, colocated hand-off)"
+        ),
+    ] = False
     torch_threads: Annotated[int, doc("torch CPU threads per actor", ge=1)] = 1
     max_restarts: Annotated[int, doc("restarts of a crashed actor before the run fails", ge=0)] = 3
     publish_timeout_s: Annotated[float, doc("seconds a weight publish may take", gt=0)] = 120.0
@@ -95,6 +103,8 @@ class RunSection(_Section):
     ] = "online"
 
     def validate(self, cfg: Config | None = None) -> None:
+        if cfg is not None and self.offload:
+            _check_offload(cfg)
         if cfg is not None and self.placement == "colocated" and cfg.learner.ranks > 1:
             raise ConfigError(
                 f"run.placement = 'colocated' runs one learner process, but learner ranks = {cfg.learner.ranks} "
@@ -206,13 +216,6 @@ class EngineSection(_Section):
         if self.kind == "sglang" and self.device == "cpu" and not self.external_urls:
             raise ConfigError("engine.kind = 'sglang' needs engine.device = 'cuda' or engine.external_urls")
 
-    @property
-    def effective_update_mode(self) -> str:
-        """`update_mode` with "auto" resolved."""
-        if self.update_mode != "auto":
-            return self.update_mode
-        return "abort" if self.kind == "sglang" else "keep"
-
 
 class RolloutSection(_Section):
     key = "rollout"
@@ -288,6 +291,17 @@ class Config(_Section):
 
     # Values that follow from the settings: computed here, their one owner, and never written back.
     @property
+    def effective_update_mode(self) -> str:
+        """engine.update_mode with "auto" resolved: abort for SGLang (its update waits for every running
+        request), keep for the embedded engine, and keep for an SGLang LoRA run (loading an adapter disturbs
+        no running request)."""
+        if self.engine.update_mode != "auto":
+            return self.engine.update_mode
+        if self.engine.kind == "sglang" and not self.learner.lora.enabled:
+            return "abort"
+        return "keep"
+
+    @property
     def effective_max_staleness(self) -> int:
         """queue.max_staleness, or 0 with run.mode = 'sync' (rollout waits for each version)."""
         return 0 if self.run.mode == "sync" else self.queue.max_staleness
@@ -320,7 +334,10 @@ class Config(_Section):
                 "rollout.n_samples_per_prompt if queue.group_size = 1",
             ),
             "queue.batch_size": (self.batch_trajectories, "rollout.prompts_per_step x n_samples_per_prompt"),
-            "engine.update_mode": (self.engine.effective_update_mode, "'auto': abort for sglang, else keep"),
+            "engine.update_mode": (
+                self.effective_update_mode,
+                "'auto': abort for sglang without LoRA, else keep",
+            ),
             "learner ranks": (self.learner.ranks, "megatron: TP x PP x DP; torch: data_parallel"),
         }
 
@@ -333,6 +350,20 @@ def validate(cfg: Config) -> Config:
     """Every section's cross-field checks (`Config.validate`); each message names the conflicting settings."""
     cfg.validate()
     return cfg
+
+
+def _check_offload(cfg: Config) -> None:
+    """run.offload hands one GPU between the phases of a sync colocated run of the torch learner."""
+    for ok, need in (
+        (cfg.run.placement == "colocated", f"run.placement = 'colocated', got '{cfg.run.placement}'"),
+        (
+            cfg.run.mode == "sync",
+            f"run.mode = 'sync' (rollout and training take turns), got '{cfg.run.mode}'",
+        ),
+        (cfg.learner.kind == "torch" and not cfg.learner.fsdp, "learner.kind = 'torch' without learner.fsdp"),
+    ):
+        if not ok:
+            raise ConfigError(f"run.offload = true needs {need}")
 
 
 def learner_ranks(cfg: Config) -> int:

@@ -64,10 +64,11 @@ class LoraSection(_Section):
             raise ConfigError(
                 "learner.lora.target_modules must name at least one module when learner.lora.rank > 0"
             )
-        if cfg is not None and self.enabled and cfg.engine.kind == "sglang":
+        sglang = cfg is not None and cfg.engine.kind == "sglang"
+        if sglang and self.enabled and cfg.learner.publish not in ("auto", "disk"):
             raise ConfigError(
-                "learner.lora.rank > 0 with engine.kind = 'sglang': LoRA publish to SGLang is not implemented yet "
-                "(use engine.kind = 'embedded', or learner.lora.rank = 0)"
+                f"learner.lora.rank > 0 with engine.kind = 'sglang' publishes by 'disk' (a PEFT adapter directory "
+                f"SGLang loads with /load_lora_adapter), got learner.publish = '{cfg.learner.publish}'"
             )
 
 
@@ -131,11 +132,6 @@ class LearnerSection(_Section):
                 "learner.compile = true needs learner.kind = 'megatron' (the torch learner is eager)"
             )
         self.lora.validate(cfg)
-        if self.lora.enabled and self.kind == "megatron":
-            raise ConfigError(
-                "learner.lora.rank > 0 needs learner.kind = 'torch' (LoRA in the Megatron learner is not "
-                "implemented yet)"
-            )
         if self.lora.enabled and self.fsdp:
             raise ConfigError(
                 "learner.lora.rank > 0 with learner.fsdp = true is not supported (use one rank)"

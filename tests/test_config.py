@@ -78,11 +78,11 @@ def test_nccl_publish_settings_named():
 
 
 def test_update_mode_auto_is_abort_for_sglang_keep_for_embedded():
-    assert load_config(None, []).engine.effective_update_mode == "keep"
+    assert load_config(None, []).effective_update_mode == "keep"
     sglang = ["--engine.kind", "sglang", "--engine.device", "cuda"]
     assert load_config(None, sglang).engine.update_mode == "auto"  # the setting as given
-    assert load_config(None, sglang).engine.effective_update_mode == "abort"
-    assert load_config(None, [*sglang, "--engine.update-mode", "keep"]).engine.effective_update_mode == "keep"
+    assert load_config(None, sglang).effective_update_mode == "abort"
+    assert load_config(None, [*sglang, "--engine.update-mode", "keep"]).effective_update_mode == "keep"
 
 
 def test_enum_error_lists_the_valid_choices(tmp_path):
