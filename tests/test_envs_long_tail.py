@@ -124,3 +124,21 @@ def test_short_run_end_to_end(ray_session, tmp_path):
     assert all(0.0 <= m["reward_mean"] <= 1.0 and m["response_len_mean"] > 0 for m in metrics)
     warm = [m for m in read_jsonl(tmp_path / "t" / "metrics.jsonl") if m.get("phase") == "warmup"]
     assert warm and warm[0]["warmup_steps"] == 2
+
+
+def test_example_config_fits_the_longest_episode():
+    from pathlib import Path
+
+    from agentrl.config import load_config
+    from agentrl.engines.tiny import train_tokenizer
+    from generators.chat import demonstration_tokens
+
+    cfg = load_config(Path(__file__).parents[1] / "examples" / "long_tail.toml")
+    env = make_env(cfg.env.name, cfg.env.kwargs)
+    longest = {"n1": env.max_n, "n2": env.max_n}
+    tok = train_tokenizer()
+    prompt, response, _ = demonstration_tokens(tok, env.demonstration(longest))
+    replies = [len(tok.encode(m.content)) + 1 for m in env.demonstration(longest) if m.role == "assistant"]
+    assert max(replies) <= cfg.rollout.max_new_tokens  # + 1: the reply's end-of-turn token
+    assert len(prompt) + len(response) <= cfg.engine.max_seq_len
+    assert cfg.rollout.max_turns == env.max_turns == 2
