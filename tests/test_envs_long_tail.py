@@ -45,27 +45,27 @@ def test_longest_replies_pass_2048_tokens():
         m.content for m in env.demonstration({"n1": env.max_n, "n2": env.max_n}) if m.role == "assistant"
     ]
     lengths = [len(tok.encode(r)) for r in replies]
-    assert lengths[1] >= 2048 and lengths[0] >= 1900, lengths
+    assert min(lengths) >= 2048, lengths
     _, _, mask = demonstration_tokens(tok, env.demonstration({"n1": 24, "n2": 24}))
     assert 100 < sum(mask) < 200  # a median task: both replies together ~150 tokens
 
 
 async def test_reward_is_the_fraction_right():
     env = make_env("long_tail")
-    task = {"n1": 4, "n2": 4}
+    task = {"n1": 4, "n2": 3}
     opening = await env.reset(task)
-    assert opening[0].content == "Count from 1 to 4."
-    first = await env.step(" 1 2 3 4 ")
+    assert opening[0].content == "Count down from 4 to 1."
+    first = await env.step(" 4 3 2 1 ")
     assert first.reward == pytest.approx(0.5) and not first.done
-    assert first.messages[0].content == "Continue from 5 to 8."
-    second = await env.step("5 6 7 8")
+    assert first.messages[0].content == "Now count down from 3 to 1."
+    second = await env.step("3 2 1")
     assert second.done and second.reward == pytest.approx(0.5)
     cases = {
-        "1 2 3 4": 1.0,
-        "1 2": 0.5,  # stopped early
-        "1 2 3 4 5 6 7 8": 0.5,  # ran on
-        "1 3 4 5": 0.25,  # a skipped number puts the rest off position
-        "one two": 0.0,
+        "4 3 2 1": 1.0,
+        "4 3": 0.5,  # stopped early
+        "4 3 2 1 0 -1 -2 -3": 0.5,  # ran on
+        "4 2 1 0": 0.25,  # a skipped number puts the rest off position
+        "four three": 0.0,
         "": 0.0,
     }
     for reply, fraction in cases.items():
@@ -81,7 +81,7 @@ async def test_demonstration_tokens_decode_to_right_replies():
 
     tok = train_tokenizer()
     env = make_env("long_tail")
-    for task in [*env.sample_tasks(seed=11, n=6), {"n1": 300, "n2": 97}]:
+    for task in [*env.sample_tasks(seed=11, n=6), {"n1": 300, "n2": 1}]:
         _, response, mask = demonstration_tokens(tok, env.demonstration(task))
         spans, current = [], []
         for token, trained in zip(response, mask, strict=True):

@@ -1,23 +1,23 @@
-"""`long_tail`: a two-turn counting task whose correct replies have a long-tailed length distribution.
+"""`long_tail`: a two-turn countdown whose correct replies have a long-tailed length distribution.
 
-    user:      Count from 1 to 37.
-    assistant: 1 2 3 ... 37
-    user:      Continue from 38 to 45.
-    assistant: 38 39 ... 45
+    user:      Count down from 37 to 1.
+    assistant: 37 36 35 ... 1
+    user:      Now count down from 8 to 1.
+    assistant: 8 7 6 5 4 3 2 1
 
 The two counts `n1` (first turn) and `n2` (second) are drawn independently from a lognormal law clipped to
 `[min_n, max_n]`: `n = clip(round(median_n * exp(sigma * Z)), min_n, max_n)`, `Z ~ N(0, 1)`, from a
 `random.Random(seed)` per `sample_tasks` call, so tasks are reproducible. With the defaults (median 24,
-sigma 1.3, max 512) the median reply is ~24 numbers (~70 tokens), ~3% of turns count past 280 (~1,000
-tokens) and ~1% sit at the cap: with the offline kit's tokenizer (digits one per token, as Qwen's), 1..512 is
-1,939 tokens and a second turn from 513 to 1,024 is 2,072, so the longest replies pass 2,048 tokens.
-A rollout's time is dominated by its longest reply: that is the tail a synchronous step waits for.
+sigma 1.3, max 600) the median reply is 24 numbers (~70 tokens), ~3% of turns count down from past 280
+(~1,000 tokens) and ~0.6% sit at the cap: with the offline kit's tokenizer (digits one per token, as Qwen's),
+600..1 is 2,291 tokens, so the longest replies pass 2,048 tokens. A rollout's time is dominated by its
+longest reply: that is the tail a synchronous step waits for.
 
 Reward: each turn is worth `1 / 2` and scores the fraction of its reply that is right: numbers equal to the
 expected number at the same position, over the longer of the reply and the expected list (so stopping early
-and running on both lose credit). Counting is learnable by a tiny model (increment the previous number, stop
-at the number in the prompt), so a supervised warm-up on `demonstration(task)` makes real replies of the
-drawn lengths rather than random tokens.
+and running on both lose credit). Counting down is learnable by a tiny model from the demonstrations (copy the
+number in the prompt, decrement, stop after 1), so after a short supervised warm-up on `demonstration(task)`
+its replies are real and their lengths track the drawn counts, rather than random tokens.
 """
 
 from __future__ import annotations
@@ -39,18 +39,16 @@ def draw_count(rng: random.Random, median_n: float, sigma: float, min_n: int, ma
     return min(max_n, max(min_n, round(median_n * math.exp(sigma * rng.gauss(0.0, 1.0)))))
 
 
-def count_text(first: int, last: int) -> str:
-    return " ".join(str(i) for i in range(first, last + 1))
+def countdown(n: int) -> str:
+    return " ".join(str(i) for i in range(n, 0, -1))
 
 
 def prompts(task: dict[str, Any]) -> tuple[str, str]:
-    n1, n2 = task["n1"], task["n2"]
-    return f"Count from 1 to {n1}.", f"Continue from {n1 + 1} to {n1 + n2}."
+    return f"Count down from {task['n1']} to 1.", f"Now count down from {task['n2']} to 1."
 
 
 def expected(task: dict[str, Any], turn: int) -> list[int]:
-    n1, n2 = task["n1"], task["n2"]
-    return list(range(1, n1 + 1)) if turn == 0 else list(range(n1 + 1, n1 + n2 + 1))
+    return list(range(task["n1" if turn == 0 else "n2"], 0, -1))
 
 
 def fraction_right(reply: str, want: list[int]) -> float:
@@ -66,12 +64,12 @@ def fraction_right(reply: str, want: list[int]) -> float:
 class LongTailEnv(AgentEnv):
     name = "long_tail"
     description = (
-        "two-turn counting, reply lengths long-tailed up to >2,048 tokens (clipped lognormal); "
+        "two-turn countdown, reply lengths long-tailed up to >2,048 tokens (clipped lognormal); "
         "reward: fraction of each reply that is right"
     )
     max_turns = TURNS
 
-    def __init__(self, median_n: float = 24.0, sigma: float = 1.3, min_n: int = 2, max_n: int = 512):
+    def __init__(self, median_n: float = 24.0, sigma: float = 1.3, min_n: int = 2, max_n: int = 600):
         super().__init__(median_n=median_n, sigma=sigma, min_n=min_n, max_n=max_n)
         if not (median_n > 0 and sigma >= 0 and 1 <= min_n <= max_n):
             raise EnvError(
@@ -89,12 +87,11 @@ class LongTailEnv(AgentEnv):
 
     def demonstration(self, task: dict[str, Any]) -> list[Message]:
         first, second = prompts(task)
-        n1, n2 = task["n1"], task["n2"]
         return [
             Message("user", first),
-            Message("assistant", count_text(1, n1)),
+            Message("assistant", countdown(task["n1"])),
             Message("user", second),
-            Message("assistant", count_text(n1 + 1, n1 + n2)),
+            Message("assistant", countdown(task["n2"])),
         ]
 
     async def reset(self, task: dict[str, Any]) -> list[Message]:

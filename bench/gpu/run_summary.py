@@ -57,6 +57,7 @@ def summarise(run_dir: Path) -> dict[str, Any]:
         "last_policy_version": rows[-1].get("policy_version") if rows else None,
         "wall_s": round(float(rows[-1].get("wall_s", 0.0)), 1) if rows else None,
         "loop_s": round(loop_s(rows, len(rows)), 2) if rows else None,
+        "dropped_stale": rows[-1].get("queue_dropped_stale") if rows else None,  # the queue's count so far
     }
     for key in KEYS:
         out[key] = spread([float(r[key]) for r in rows if r.get(key) is not None])
