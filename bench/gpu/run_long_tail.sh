@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
 # Does async beat sync on a long-tailed multi-turn workload (issue 16 item 2)? `agentrl run --async` against
-# `agentrl run` (sync), colocated on one GPU, on the long_tail env (examples/long_tail.toml: two-turn counting,
-# replies from a few tokens to past 2,048), both runs starting from ONE shared warmed-up model, STEPS steps each
-# (the same trained trajectories), with the defaults otherwise. nvidia-h200 or H100.
-#   bash bench/gpu/run_long_tail.sh install warm           # call 1, carry .whl (~3 min: warm-up ~2 min)
-#   STEPS=100 bash bench/gpu/run_long_tail.sh async sync   # call 2 of the same hold, carry .sgl .gpu
-#   STACK=torch-embedded STEPS=100 bash bench/gpu/run_long_tail.sh install warm async sync   # one call, .whl
+# `agentrl run` (sync), colocated on one GPU, on the long_tail env (examples/long_tail.toml: a two-turn countdown,
+# replies from a few tokens to 2,291), both runs starting from ONE shared warmed-up model and training STEPS
+# steps each (the same trained trajectories), the defaults otherwise. nvidia-h200 or H100; a hold's installs and
+# runs/ last between its calls, so a later call reuses the warm-up and the other mode's run.
+#   STACK=megatron-embedded STEPS=100 bash bench/gpu/run_long_tail.sh install warm async sync   # call 1, .whl
+#   STEPS=50 bash bench/gpu/run_long_tail.sh async sync          # call 2 (megatron-sglang), carry .sgl .gpu
+#   STEPS=100 bash bench/gpu/run_long_tail.sh async / ... sync   # 100 SGLang steps: one mode per call
 #   DEVICE=cpu STEPS=3 bash bench/gpu/run_long_tail.sh warm async sync   # CPU smoke (tiny model, law shrunk)
 # Modes run in the order given: install (Ray, megatron-core from .whl), warm (bench/long_tail.py: build MODEL,
 # WARM_STEPS supervised steps capped at WARM_S seconds, save runs/long_tail_warm_MODEL/warm and $OUT/warm.json:
 # reply lengths vs N; skipped when that model exists), async, sync (agentrl run from the warmed model).
 # STACK=megatron-sglang (default): Megatron learner + real SGLang (publish over CUDA IPC, update_mode auto =
-#   abort); STACK=torch-embedded: torch learner + the embedded engine (update_mode auto = keep).
-# MODEL=small (default: 8 x 512, ~25M parameters on the 1,024-token offline tokenizer) | qwen3-0.6b (Qwen3-0.6B's
-#   28 layers on that tokenizer) | tiny. Overrides after `--` go to every `agentrl run` last (TAG names the runs).
-# Writes each run's log and metrics.jsonl, warm.json and long_tail[_TAG]_summary.json (run_summary.py --compare:
-# step / publish / train time, staleness, mismatch as median with p10-p90 and min-max; loop wall time; the
-# sync/async ratio over the same trained samples) to $OUT.
+#   abort); megatron-embedded / torch-embedded: that learner + the embedded engine (update_mode auto = keep).
+# MODEL=small (default: 8 x 512, ~32M parameters on the 1,024-token offline tokenizer) | qwen3-0.6b (Qwen3-0.6B's
+#   28 layers on that tokenizer, ~0.44B) | tiny. Overrides after `--` go to every `agentrl run` last; TAG names
+#   the runs (runs/long_tail_STACK[_TAG]_MODE). RUN_TIMEOUT bounds one run (default 560 s).
+# Writes each run's log and metrics.jsonl, warm.json and long_tail_STACK[_TAG]_summary.json (run_summary.py
+# --compare: step / publish / train time, staleness, mismatch as median with p10-p90 and min-max; the loop's
+# wall time; the sync/async ratio over the same trained samples) to $OUT.
 source bench/gpu/common.sh
 export RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1
 device=${DEVICE:-cuda} stack=${STACK:-megatron-sglang} model=${MODEL:-small} steps=${STEPS:-100}
@@ -38,24 +40,25 @@ if [ "$device" = cpu ]; then  # the law shrunk to <= 40 numbers a turn so a 2-co
   warm_args=(--device cpu --dtype float32 --eval-tasks 8 "${law[@]/#/--set=}")
 else
   case $stack in
-    megatron-sglang) flags=("${MEGATRON_GPU[@]}" "${SGLANG_GPU[@]}" --sglang-mem-fraction-static 0.4) ;;
+    megatron-sglang) flags=("${MEGATRON_GPU[@]}" "${SGLANG_GPU[@]}" --sglang-mem-fraction-static 0.3) ;;
+    megatron-embedded) flags=("${MEGATRON_GPU[@]}" --engine.device cuda --engine.dtype bfloat16) ;;
     torch-embedded) flags=(--engine.device cuda --engine.dtype bfloat16 --learner.device cuda
       --learner.dtype bfloat16) ;;
-    *) echo "STACK: unknown '$stack' (megatron-sglang | torch-embedded)" >&2; exit 2 ;;
+    *) echo "STACK: unknown '$stack' (megatron-sglang | megatron-embedded | torch-embedded)" >&2; exit 2 ;;
   esac
   warm_args=(--device cuda --dtype bfloat16 --eval-tasks 64)
 fi
 
 long_tail_run() {  # MODE: agentrl run examples/long_tail.toml from the warmed model, STEPS steps
-  local mode=$1 name=long_tail_${TAG:+${TAG}_}$1
+  local mode=$1 name=$prefix$1
   [ -f "$warm_dir/warm/config.json" ] || { echo "no warmed model in $warm_dir: run the 'warm' mode first" >&2; return 1; }
   agentrl_run examples/long_tail.toml "$name" "${RUN_TIMEOUT:-560}" --run.mode "$mode" --run.steps "$steps" \
     --run.placement colocated --run.checkpoint-every "$steps" --model.path "$warm_dir/warm" \
     --model.make-tiny false --warmup.steps 0 --run.overwrite true "${flags[@]}" "${overrides[@]}"
-  runs+=("runs/$name")
 }
 
-runs=()
+prefix=long_tail_${stack}_${TAG:+${TAG}_}
+[ "$device" = cpu ] && prefix=long_tail_cpu_${TAG:+${TAG}_}
 for mode in "${modes[@]}"; do
   case $mode in
     install) gpu_install megatron 2>&1 | tail -1 ;;
@@ -72,6 +75,8 @@ for mode in "${modes[@]}"; do
       long_tail_run "$mode" ;;
   esac
 done
+# every run of this stack and TAG on disk (an earlier call of the hold may have made the other mode)
+runs=(); for mode in async sync; do [ -f "runs/$prefix$mode/metrics.jsonl" ] && runs+=("runs/$prefix$mode"); done
 [ ${#runs[@]} -eq 0 ] && exit 0
-compare=(); [ ${#runs[@]} -eq 2 ] && [ "${runs[0]}" != "${runs[1]}" ] && [[ ${runs[0]} == *async ]] && compare=(--compare)
-python3 bench/gpu/run_summary.py "${runs[@]}" "${compare[@]}" --out "$out/long_tail${TAG:+_$TAG}_summary.json"
+compare=(); [ ${#runs[@]} -eq 2 ] && compare=(--compare)
+python3 bench/gpu/run_summary.py "${runs[@]}" "${compare[@]}" --out "$out/${prefix}summary.json"
