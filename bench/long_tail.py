@@ -10,7 +10,8 @@ the async and the sync run start from, `--model.path DIR/warm --warmup.steps 0`)
 model on held-out tasks with the embedded engine and the `multi_turn` generator at the run's temperature.
 Prints and writes DIR/warm.json: warm-up loss and time; per turn the expected count N and the count the
 model wrote, their Pearson correlation, the fraction right (the env's reward), and reply-length quantiles in
-tokens, so "replies are real and long-tailed" is a number, not a claim.
+tokens, so "replies are real and long-tailed" is a number, not a claim. `sample` (same flags) only samples
+DIR/warm, made earlier, and writes DIR/sample.json.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -108,6 +107,7 @@ async def sample(cfg: Any, model_dir: Path, n_tasks: int) -> tuple[list[dict[str
     from agentrl.envs import env_factory, make_env
     from agentrl.generator import RolloutContext, resolve_generator
     from agentrl.tokenizer import load_tokenizer
+    from agentrl.types import mask
 
     e = cfg.engine
     engine = EmbeddedEngine(str(model_dir), device=e.device, dtype=e.dtype, max_batch_size=n_tasks,
@@ -125,7 +125,7 @@ async def sample(cfg: Any, model_dir: Path, n_tasks: int) -> tuple[list[dict[str
         trajs = await asyncio.gather(*[gen(ctx, t, f"eval{i}", f"g{i}") for i, t in enumerate(tasks)])
     finally:
         await engine.close()
-    return infos, [int(np.frombuffer(t.loss_mask, dtype=np.uint8).sum()) for t in trajs]
+    return infos, [int(mask(t).sum()) for t in trajs]
 
 
 def report(infos: list[dict[str, Any]], reply_tokens: list[int]) -> dict[str, Any]:
@@ -144,7 +144,7 @@ def report(infos: list[dict[str, Any]], reply_tokens: list[int]) -> dict[str, An
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["warm"])
+    ap.add_argument("what", choices=["warm", "sample"], help="sample: only sample DIR/warm, made earlier")
     ap.add_argument("--out", required=True)
     ap.add_argument("--config", default=str(ROOT / "examples" / "long_tail.toml"))
     ap.add_argument("--model", choices=sorted(MODELS), default="small")
@@ -158,8 +158,11 @@ def main() -> None:
     )
     args = ap.parse_args()
     t0 = time.perf_counter()
-    result = warm(args)
-    cfg = result.pop("cfg")
+    if args.what == "warm":
+        result = warm(args)
+        cfg = result.pop("cfg")
+    else:
+        result, cfg = {"model": args.model}, load_cfg(args, Path(args.out) / "warm")
     t1 = time.perf_counter()
     infos, tokens = asyncio.run(sample(cfg, Path(args.out) / "warm", args.eval_tasks))
     result.update(
@@ -167,7 +170,7 @@ def main() -> None:
     )
     line = json.dumps(result)
     print(line, flush=True)
-    (Path(args.out) / "warm.json").write_text(line + "\n")
+    (Path(args.out) / f"{args.what}.json").write_text(line + "\n")
 
 
 if __name__ == "__main__":
