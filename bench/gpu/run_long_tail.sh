@@ -37,6 +37,7 @@ if [ "$device" = cpu ]; then  # the law shrunk to <= 40 numbers a turn so a 2-co
     rollout.prompts_per_step=2 rollout.n_samples_per_prompt=4)
   flags=(--engine.device cpu --learner.device cpu "${law[@]/#/--}")
   model=${MODEL:-tiny} warm_dir=runs/long_tail_warm_${MODEL:-tiny}
+  export RAY_ADDRESS=${RAY_ADDRESS:-local}  # a Ray of its own, not another user's cluster on a shared machine
   warm_args=(--device cpu --dtype float32 --eval-tasks 8 "${law[@]/#/--set=}")
 else
   case $stack in
