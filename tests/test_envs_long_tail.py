@@ -113,11 +113,11 @@ def test_short_run_end_to_end(ray_session, tmp_path):
     from agentrl.runner.loop import run
 
     model = make_model(tmp_path)
-    law = {"median_n": 4.0, "sigma": 1.0, "min_n": 1, "max_n": 40}
-    path = tiny_config(tmp_path, model, env={"name": "long_tail", "kwargs": law},
-                       rollout={"max_turns": 2, "max_new_tokens": 160}, run={"eval_every": 0},
-                       engine={"max_batch_size": 16, "max_seq_len": 512})  # fmt: skip
-    summary = run(load_config(path, ["--run.mode", "async"]))
+    law = ["--env.kwargs.median_n", "4.0", "--env.kwargs.sigma", "1.0", "--env.kwargs.min_n", "1",
+           "--env.kwargs.max_n", "40"]  # fmt: skip
+    path = tiny_config(tmp_path, model, env={"name": "long_tail"}, rollout={"max_turns": 2, "max_new_tokens": 160},
+                       run={"eval_every": 0}, engine={"max_batch_size": 16, "max_seq_len": 512})  # fmt: skip
+    summary = run(load_config(path, ["--run.mode", "async", *law]))
     assert summary["ok"] and summary["steps"] == 3
     metrics = [m for m in read_jsonl(tmp_path / "t" / "metrics.jsonl") if "phase" not in m]
     assert [m["step"] for m in metrics] == [1, 2, 3]
