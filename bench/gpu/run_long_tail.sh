@@ -4,9 +4,13 @@
 # replies from a few tokens to 2,291), both runs starting from ONE shared warmed-up model and training STEPS
 # steps each (the same trained trajectories), the defaults otherwise. nvidia-h200 or H100; a hold's installs and
 # runs/ last between its calls, so a later call reuses the warm-up and the other mode's run.
-#   STACK=megatron-embedded STEPS=100 bash bench/gpu/run_long_tail.sh install warm async sync   # call 1, .whl
-#   STEPS=50 bash bench/gpu/run_long_tail.sh async sync          # call 2 (megatron-sglang), carry .sgl .gpu
-#   STEPS=100 bash bench/gpu/run_long_tail.sh async / ... sync   # 100 SGLang steps: one mode per call
+#   STACK=megatron-embedded STEPS=100 WARM_S=100 RUN_TIMEOUT=190 bash bench/gpu/run_long_tail.sh install warm \
+#     async sync                   # call 1, carry .whl: install + warm-up ~3 min, then the embedded pair ~6 min
+#   STEPS=40 RUN_TIMEOUT=270 bash bench/gpu/run_long_tail.sh async sync   # call 2, carry .sgl .gpu: SGLang's
+#                                  # pair (its start-up is 2-3 min a run); 100 steps need one mode per call:
+#   STEPS=100 bash bench/gpu/run_long_tail.sh async   then, next call,   STEPS=100 bash ... sync
+# A run stops at RUN_TIMEOUT - 40 s of wall time (start-up included) if STEPS are not done by then; the
+# comparison then covers the steps both runs made.
 #   DEVICE=cpu STEPS=3 bash bench/gpu/run_long_tail.sh warm async sync   # CPU smoke (tiny model, law shrunk)
 # Modes run in the order given: install (Ray, megatron-core from .whl), warm (bench/long_tail.py: build MODEL,
 # WARM_STEPS supervised steps capped at WARM_S seconds, save runs/long_tail_warm_MODEL/warm and $OUT/warm.json:
