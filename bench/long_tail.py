@@ -58,6 +58,7 @@ def load_cfg(args: argparse.Namespace, model_path: Path):
     cfg = load_config(Path(args.config), [f"--{kv}" for kv in args.set])
     cfg.model.path, cfg.model.make_tiny = str(model_path), False
     cfg.learner.kind, cfg.learner.device, cfg.learner.dtype = "torch", args.device, args.dtype
+    cfg.engine.device, cfg.engine.dtype = args.device, args.dtype  # the sampling after the warm-up
     cfg.warmup.steps = args.steps
     if args.time_limit_s:
         cfg.warmup.time_limit_s = args.time_limit_s

@@ -142,3 +142,32 @@ def test_example_config_fits_the_longest_episode():
     assert max(replies) <= cfg.rollout.max_new_tokens  # + 1: the reply's end-of-turn token
     assert len(prompt) + len(response) <= cfg.engine.max_seq_len
     assert cfg.rollout.max_turns == env.max_turns == 2
+
+
+@pytest.mark.slow
+def test_bench_warm_saves_the_model_and_reports_lengths(tmp_path):
+    """bench/long_tail.py warm: the shared warm-up the GPU script runs once, on the CPU with a tiny model."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    law = [
+        "env.kwargs.median_n=3",
+        "env.kwargs.max_n=12",
+        "engine.max_seq_len=256",
+        "rollout.max_new_tokens=60",
+    ]
+    cmd = [sys.executable, "bench/long_tail.py", "warm", "--out", str(tmp_path), "--model", "tiny", "--steps", "3",
+           "--eval-tasks", "4", *[f"--set={kv}" for kv in law], "--set=warmup.batch_size=4"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "warm.json").read_text())
+    assert report["warmup_steps"] == 3 and report["model"] == "tiny"
+    assert 1 <= report["turns_scored"] <= 8 and report["expected_n"]["p100"] <= 12
+    assert report["episode_model_tokens"]["p100"] > 0
+    config = json.loads((tmp_path / "warm" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 8192
