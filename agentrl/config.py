@@ -1,8 +1,11 @@
 """Run configuration: msgspec Structs, loaded from TOML plus dotted command-line overrides.
 
 Invariants: importing this module imports no torch or ray; every key is checked (unknown keys are errors
-naming the key and the closest valid one); CLI spelling `--queue.max-staleness 2` equals TOML
-`[queue] max_staleness = 2`. Sections are owned by the subsystem of the same name.
+naming the key and the closest valid one; a value out of its bounds names the key and the bound); CLI
+spelling `--queue.max-staleness 2` equals TOML `[queue] max_staleness = 2`. Sections are owned by the
+subsystem of the same name; each section's `validate()` holds its cross-field checks. A loaded config holds
+what the user wrote: values that follow from other settings (sync's staleness 0, the queue's batch and group
+size) are computed by `Config`'s properties, never written over the settings.
 """
 
 from __future__ import annotations
@@ -13,18 +16,20 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from agentrl.config_learning import (  # noqa: F401 - re-exported: the sections are imported from agentrl.config
+    DEVICE,
     AlgorithmSection,
     LearnerSection,
     LoraSection,
     _Section,
     doc,
 )
-from agentrl.config_text import (
+from agentrl.config_sections import DashboardSection, DataSection, EnvSection, WarmupSection
+from agentrl.config_text import (  # noqa: F401 - tomllib re-exported
     check_keys,
     explain,
-    markdown_reference,
     merge,
     parse_overrides,
+    read_toml_files,
     tomllib,
 )
 from agentrl.errors import ConfigError
@@ -59,7 +64,7 @@ class RunSection(_Section):
         Literal["sync", "async"], doc("sync: learner and rollouts alternate (staleness 0); async: overlap")
     ] = "sync"
     steps: Annotated[int, doc("learner steps (policy versions) to train", ge=0)] = 20
-    seed: Annotated[int, doc("seed of the run's random number generators")] = 0
+    seed: Annotated[int, doc("seed of the run's random number generators", ge=0)] = 0
     time_limit_s: Annotated[float, doc("stop after this many seconds; 0 = no limit", ge=0)] = 0.0
     eval_every: Annotated[int, doc("evaluate every this many steps; 0 = never", ge=0)] = 0
     eval_prompts: Annotated[int, doc("prompts per evaluation", ge=1)] = 32
@@ -100,6 +105,14 @@ class RunSection(_Section):
         Literal["colocated", "split", "disaggregated"],
         doc("where actors run: learner and engine in one process, split, or engines as their own actors"),
     ] = "split"
+    offload: Annotated[
+        bool,
+        doc(
+            "colocated sync runs on one GPU: the learner's parameters, gradients and optimizer state wait in "
+            "pinned CPU memory during rollout, the engines release their weights and KV cache during training "
+            "(docs/architecture.md, colocated hand-off)"
+        ),
+    ] = False
     torch_threads: Annotated[int, doc("torch CPU threads per actor", ge=1)] = 1
     max_restarts: Annotated[int, doc("restarts of a crashed actor before the run fails", ge=0)] = 3
     publish_timeout_s: Annotated[float, doc("seconds a weight publish may take", gt=0)] = 120.0
@@ -115,13 +128,22 @@ class RunSection(_Section):
         doc("W&B mode: offline writes runs/NAME/wandb only (no network; `wandb sync` uploads it later)"),
     ] = "online"
 
+    def validate(self, cfg: Config | None = None) -> None:
+        if cfg is not None and self.offload:
+            _check_offload(cfg)
+        if cfg is not None and self.placement == "colocated" and cfg.learner.ranks > 1:
+            raise ConfigError(
+                f"run.placement = 'colocated' runs one learner process, but learner ranks = {cfg.learner.ranks} "
+                "(tensor_parallel x pipeline_parallel x data_parallel); use 'split' or 'disaggregated'"
+            )
+
 
 class ModelSection(_Section):
     key = "model"
     path: Annotated[str, doc("Hugging Face model directory")] = "runs/tiny-model"
     make_tiny: Annotated[bool, doc("create a tiny random model at model.path if it is missing")] = True
     arch: Annotated[Literal["qwen3", "qwen2", "llama"], doc("architecture of the tiny model")] = "qwen2"
-    seed: Annotated[int, doc("seed of the tiny model's weights")] = 0
+    seed: Annotated[int, doc("seed of the tiny model's weights", ge=0)] = 0
 
 
 class QueueSection(_Section):
@@ -129,9 +151,16 @@ class QueueSection(_Section):
     host: Annotated[str, doc("address the queue's HTTP front door listens on")] = "127.0.0.1"
     port: Annotated[int, doc("HTTP port; 0 = any free port", ge=0, le=65535)] = 0
     token: Annotated[str, doc("bearer token HTTP clients must send; empty = none")] = ""
-    max_staleness: Annotated[int, doc("most versions a trajectory may lag the learner (sync: 0)", ge=0)] = 1
+    max_staleness: Annotated[
+        int, doc("most versions a trajectory may lag the learner; run.mode = 'sync' runs with 0", ge=0)
+    ] = 1
     stale_policy: Annotated[Literal["drop", "keep"], doc("what happens to a too-stale trajectory")] = "drop"
-    group_size: Annotated[int, doc("trajectories per group released together", ge=1)] = 1
+    group_size: Annotated[
+        int,
+        doc(
+            "trajectories per group released together; 1 in `agentrl run`: rollout.n_samples_per_prompt", ge=1
+        ),
+    ] = 1
     group_timeout_s: Annotated[float, doc("seconds an incomplete group waits for straggler_policy", gt=0)] = (
         120.0
     )
@@ -143,7 +172,11 @@ class QueueSection(_Section):
     max_body_bytes: Annotated[int, doc("largest HTTP request body (413 above)", ge=1)] = 64 << 20
     batch_size: Annotated[
         int,
-        doc("trajectories per learner step for the admission window; 0 = no window (runner sets it)", ge=0),
+        doc(
+            "trajectories per learner step for the admission window; 0 = no window. `agentrl run` ignores it "
+            "and uses rollout.prompts_per_step x rollout.n_samples_per_prompt",
+            ge=0,
+        ),
     ] = 0
     external_share: Annotated[
         float,
@@ -178,7 +211,7 @@ class EngineSection(_Section):
     key = "engine"
     kind: Annotated[Literal["embedded", "sglang"], doc("inference engine")] = "embedded"
     num_engines: Annotated[int, doc("engine instances", ge=1)] = 1
-    device: Annotated[str, doc("torch device of the engine: 'cpu', 'cuda', 'cuda:N'")] = "cpu"
+    device: Annotated[str, doc("torch device of the engine: 'cpu', 'cuda', 'cuda:N'", pattern=DEVICE)] = "cpu"
     dtype: Annotated[Literal["float32", "bfloat16", "float16"], doc("weights' dtype in the engine")] = (
         "float32"
     )
@@ -205,17 +238,9 @@ class EngineSection(_Section):
         default_factory=SGLangSection
     )
 
-    def validate(self) -> None:
-        """This section's cross-field checks (agentrl.config.validate calls it)."""
+    def validate(self, cfg: Config | None = None) -> None:
         if self.kind == "sglang" and self.device == "cpu" and not self.external_urls:
             raise ConfigError("engine.kind = 'sglang' needs engine.device = 'cuda' or engine.external_urls")
-
-    @property
-    def effective_update_mode(self) -> str:
-        """`update_mode` with "auto" resolved (validate() also writes it back into the config)."""
-        if self.update_mode != "auto":
-            return self.update_mode
-        return "abort" if self.kind == "sglang" else "keep"
 
 
 class RolloutSection(_Section):
@@ -260,58 +285,6 @@ class RolloutSection(_Section):
     ] = 300.0
 
 
-class EnvSection(_Section):
-    key = "env"
-    name: Annotated[str, doc("a registered env (`agentrl envs` lists them)")] = "guess_number"
-    kwargs: Annotated[dict[str, Any], doc("passed to the env's constructor")] = {}
-    reward: Annotated[str, doc("env's reward instead: 'exact_match', 'math' or 'module:function'")] = ""
-
-
-class DataSection(_Section):
-    key = "data"
-    path: Annotated[str, doc("JSONL or Parquet prompts; empty: the env generates tasks (sample_tasks)")] = ""
-    eval_path: Annotated[str, doc("JSONL or Parquet evaluation prompts; empty: the env's")] = ""
-    input_key: Annotated[str, doc("record key holding the prompt")] = "prompt"
-    label_key: Annotated[str, doc("record key holding the answer")] = "answer"
-    metadata_key: Annotated[str, doc("record key passed to the env as metadata; empty = none")] = ""
-    apply_chat_template: Annotated[bool, doc("wrap prompts in the tokenizer's chat template")] = True
-    shuffle: Annotated[bool, doc("shuffle the prompts every epoch")] = True
-    seed: Annotated[int, doc("seed of the shuffle")] = 0
-    epochs: Annotated[int, doc("passes over the prompts", ge=1)] = 1
-
-
-class WarmupSection(_Section):
-    key = "warmup"
-    steps: Annotated[int, doc("supervised warm-up steps on env demonstrations; 0 = none", ge=0)] = 0
-    batch_size: Annotated[int, doc("demonstrations per warm-up step", ge=1)] = 32
-    lr: Annotated[float, doc("warm-up learning rate", ge=0)] = 1e-3
-    time_limit_s: Annotated[float, doc("stop warm-up after this many seconds; 0 = no limit", ge=0)] = 0.0
-    seed: Annotated[int, doc("seed of the demonstrations")] = 12345
-
-
-class DashboardSection(_Section):
-    key = "dashboard"
-    enabled: Annotated[bool, doc("serve the live dashboard from the driver of `agentrl run`")] = True
-    host: Annotated[str, doc("address the dashboard listens on (loopback by default)")] = "127.0.0.1"
-    port: Annotated[int, doc("dashboard port; 0 = any free port", ge=0, le=65535)] = 0
-    token: Annotated[
-        str,
-        doc(
-            "bearer token (or ?token=) the page and clients must send; empty = none on loopback, a generated "
-            "one otherwise; also $AGENTRL_DASHBOARD_TOKEN"
-        ),
-    ] = ""
-    logprob_samples: Annotated[
-        int,
-        doc(
-            "trajectories per learner step whose per-token learner log-probs and advantages go to "
-            "runs/NAME/learner_logprobs.jsonl (the trajectory viewer's mismatch); 0 = none",
-            ge=0,
-            le=64,
-        ),
-    ] = 4
-
-
 class Config(_Section):
     run: Annotated[RunSection, doc("the run: name, length, placement, checkpoints")] = msgspec.field(
         default_factory=RunSection
@@ -337,64 +310,100 @@ class Config(_Section):
         default_factory=DashboardSection
     )
 
+    def validate(self, cfg: Config | None = None) -> None:
+        """Every section's checks, each given the whole config for those that span sections."""
+        for f in msgspec.structs.fields(self):
+            getattr(self, f.name).validate(self)
+
+    # Values that follow from the settings: computed here, their one owner, and never written back.
+    @property
+    def effective_update_mode(self) -> str:
+        """engine.update_mode with "auto" resolved: abort for SGLang (its update waits for every running
+        request), keep for the embedded engine, and keep for an SGLang LoRA run (loading an adapter disturbs
+        no running request)."""
+        if self.engine.update_mode != "auto":
+            return self.engine.update_mode
+        if self.engine.kind == "sglang" and not self.learner.lora.enabled:
+            return "abort"
+        return "keep"
+
+    @property
+    def effective_max_staleness(self) -> int:
+        """queue.max_staleness, or 0 with run.mode = 'sync' (rollout waits for each version)."""
+        return 0 if self.run.mode == "sync" else self.queue.max_staleness
+
+    @property
+    def batch_trajectories(self) -> int:
+        """Trajectories per learner step: rollout.prompts_per_step x rollout.n_samples_per_prompt."""
+        return self.rollout.prompts_per_step * self.rollout.n_samples_per_prompt
+
+    @property
+    def queue_group_size(self) -> int:
+        """queue.group_size, or rollout.n_samples_per_prompt when it is left at 1."""
+        return self.rollout.n_samples_per_prompt if self.queue.group_size == 1 else self.queue.group_size
+
+    def run_queue(self) -> QueueSection:
+        """The [queue] settings a run's replay queue works with: the user's, with the derived values in."""
+        return msgspec.structs.replace(
+            self.queue,
+            max_staleness=self.effective_max_staleness,
+            group_size=self.queue_group_size,
+            batch_size=self.batch_trajectories,
+        )
+
+    def derived(self) -> dict[str, tuple[Any, str]]:
+        """What `agentrl run` computes from the settings: {key: (value, from what)}; `--dry-run` prints it."""
+        return {
+            "queue.max_staleness": (self.effective_max_staleness, "0 with run.mode = 'sync'"),
+            "queue.group_size": (
+                self.queue_group_size,
+                "rollout.n_samples_per_prompt if queue.group_size = 1",
+            ),
+            "queue.batch_size": (self.batch_trajectories, "rollout.prompts_per_step x n_samples_per_prompt"),
+            "engine.update_mode": (
+                self.effective_update_mode,
+                "'auto': abort for sglang without LoRA, else keep",
+            ),
+            "learner ranks": (self.learner.ranks, "megatron: TP x PP x DP; torch: data_parallel"),
+        }
+
 
 # Keys whose values are free-form tables: anything below them is passed through unchecked.
 OPEN_TABLES = {"env.kwargs", "engine.sglang.args"}
 
 
 def validate(cfg: Config) -> Config:
-    """Cross-field checks; each message names the conflicting settings. A section's own checks are its
-    `validate()`; the ones spanning sections are here."""
-    cfg.engine.validate()
-    cfg.learner.validate()
-    if cfg.run.mode == "sync" and cfg.queue.max_staleness != 0:
-        cfg.queue.max_staleness = 0
-    cfg.engine.update_mode = cfg.engine.effective_update_mode  # type: ignore[assignment]
-    if cfg.learner.fsdp and cfg.algorithm.advantage == "ppo":
-        raise ConfigError("learner.fsdp = true does not support algorithm.advantage = 'ppo' (value head)")
-    if cfg.learner.lora.enabled and cfg.engine.kind == "sglang":
-        raise ConfigError(
-            "learner.lora.rank > 0 with engine.kind = 'sglang': LoRA publish to SGLang is not implemented yet "
-            "(use engine.kind = 'embedded', or learner.lora.rank = 0)"
-        )
-    if cfg.learner.publish == "nccl" and cfg.run.placement != "disaggregated":
-        raise ConfigError(
-            f"learner.publish = 'nccl' needs run.placement = 'disaggregated' (engines as their own actors), "
-            f"got run.placement = '{cfg.run.placement}'"
-        )
-    if cfg.learner.publish == "nccl" and ("cuda" in cfg.learner.device) != ("cuda" in cfg.engine.device):
-        raise ConfigError(
-            f"learner.publish = 'nccl' needs learner.device and engine.device on the same kind of device "
-            f"(nccl between GPUs, gloo between CPUs), got '{cfg.learner.device}' and '{cfg.engine.device}'"
-        )
-    if cfg.run.placement == "colocated" and learner_ranks(cfg) > 1:
-        raise ConfigError(
-            f"run.placement = 'colocated' runs one learner process, but learner ranks = {learner_ranks(cfg)} "
-            "(tensor_parallel x pipeline_parallel x data_parallel); use 'split' or 'disaggregated'"
-        )
+    """Every section's cross-field checks (`Config.validate`); each message names the conflicting settings."""
+    cfg.validate()
     return cfg
 
 
+def _check_offload(cfg: Config) -> None:
+    """run.offload hands one GPU between the phases of a sync colocated run of the torch learner."""
+    for ok, need in (
+        (cfg.run.placement == "colocated", f"run.placement = 'colocated', got '{cfg.run.placement}'"),
+        (
+            cfg.run.mode == "sync",
+            f"run.mode = 'sync' (rollout and training take turns), got '{cfg.run.mode}'",
+        ),
+        (cfg.learner.kind == "torch" and not cfg.learner.fsdp, "learner.kind = 'torch' without learner.fsdp"),
+    ):
+        if not ok:
+            raise ConfigError(f"run.offload = true needs {need}")
+
+
 def learner_ranks(cfg: Config) -> int:
-    """Processes of the learner: one per GPU (or CPU rank) of its TP x PP x DP grid."""
-    ln = cfg.learner
-    if ln.kind == "megatron":
-        return ln.tensor_parallel * ln.pipeline_parallel * ln.data_parallel
-    return ln.data_parallel
+    """Processes of the learner (LearnerSection.ranks)."""
+    return cfg.learner.ranks
 
 
 def load_config(
-    path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None
+    path: str | Path | list[str | Path] | None = None, overrides: list[str] | dict[str, Any] | None = None
 ) -> Config:
-    """Load TOML (optional), apply overrides, check every key and type, and return a validated Config."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    """Load TOML files (none, one, or several merged in order: later ones win), apply overrides, check every
+    key and type, and return a validated Config."""
+    paths = [] if path is None else list(path) if isinstance(path, list) else [path]
+    data = read_toml_files(paths)
     extra = parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {})
     data = merge(data, extra)
     check_keys(data, Config, OPEN_TABLES)
@@ -408,4 +417,6 @@ def load_config(
 REGENERATE_DOCS = "python -m agentrl.config > docs/config.md"
 
 if __name__ == "__main__":
+    from agentrl.config_docs import markdown_reference
+
     print(markdown_reference(Config, REGENERATE_DOCS), end="")

@@ -5,17 +5,26 @@ them from there. Light: no torch or ray.
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 import msgspec
 
 from agentrl.config_text import check_bounds
 from agentrl.errors import ConfigError
 
+if TYPE_CHECKING:
+    from agentrl.config import Config
 
-def doc(description: str, **bounds: float) -> msgspec.Meta:
-    """A field's description and bounds (ge, gt, le, lt), for msgspec's load and the docs."""
-    return msgspec.Meta(description=description, **bounds)
+
+def doc(description: str, **bounds: float | str) -> msgspec.Meta:
+    """A field's description and bounds (ge, gt, le, lt; `pattern` for a string), for msgspec's load, the
+    docs and `--help`."""
+    return msgspec.Meta(description=description, **bounds)  # type: ignore[arg-type]
+
+
+# A torch device as the config spells it, and an AdamW beta.
+DEVICE = r"^(cpu|cuda(:[0-9]+)?)$"
+Beta = Annotated[float, msgspec.Meta(ge=0, lt=1)]
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -24,6 +33,11 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def __post_init__(self) -> None:
         check_bounds(self, f"{self.key}." if self.key else "")
+
+    def validate(self, cfg: Config | None = None) -> None:
+        """This section's cross-field checks, each message naming both settings; with `cfg` (as
+        agentrl.config.validate passes it) also those against other sections. A section without any
+        inherits this one."""
 
 
 class LoraSection(_Section):
@@ -45,21 +59,27 @@ class LoraSection(_Section):
     def enabled(self) -> bool:
         return self.rank > 0
 
-    def validate(self) -> None:
+    def validate(self, cfg: Config | None = None) -> None:
         if self.enabled and not self.target_modules:
             raise ConfigError(
                 "learner.lora.target_modules must name at least one module when learner.lora.rank > 0"
+            )
+        sglang = cfg is not None and cfg.engine.kind == "sglang"
+        if sglang and self.enabled and cfg.learner.publish not in ("auto", "disk"):
+            raise ConfigError(
+                f"learner.lora.rank > 0 with engine.kind = 'sglang' publishes by 'disk' (a PEFT adapter directory "
+                f"SGLang loads with /load_lora_adapter), got learner.publish = '{cfg.learner.publish}'"
             )
 
 
 class LearnerSection(_Section):
     key = "learner"
     kind: Annotated[Literal["torch", "megatron"], doc("training backend")] = "torch"
-    device: Annotated[str, doc("torch device of the learner: 'cpu', 'cuda'")] = "cpu"
+    device: Annotated[str, doc("torch device of the learner: 'cpu', 'cuda'", pattern=DEVICE)] = "cpu"
     dtype: Annotated[Literal["float32", "bfloat16"], doc("weights' dtype in the learner")] = "float32"
-    lr: Annotated[float, doc("learning rate", ge=0)] = 3e-4
+    lr: Annotated[float, doc("learning rate", gt=0)] = 3e-4
     weight_decay: Annotated[float, doc("AdamW weight decay", ge=0)] = 0.0
-    betas: Annotated[tuple[float, float], doc("AdamW betas")] = (0.9, 0.999)
+    betas: Annotated[tuple[Beta, Beta], doc("AdamW betas")] = (0.9, 0.999)
     grad_clip: Annotated[float, doc("gradient norm clip; 0 = none", ge=0)] = 1.0
     micro_batch_tokens: Annotated[int, doc("tokens per micro-batch (gradient accumulation)", ge=1)] = 8192
     tensor_parallel: Annotated[int, doc("Megatron tensor-parallel ranks", ge=1)] = 1
@@ -99,18 +119,19 @@ class LearnerSection(_Section):
         msgspec.field(default_factory=LoraSection)
     )
 
-    def validate(self) -> None:
-        """This section's cross-field checks (agentrl.config.validate calls it)."""
+    @property
+    def ranks(self) -> int:
+        """Processes of the learner: one per GPU (or CPU rank) of its TP x PP x DP grid."""
+        if self.kind == "megatron":
+            return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+        return self.data_parallel
+
+    def validate(self, cfg: Config | None = None) -> None:
         if self.compile and self.kind != "megatron":
             raise ConfigError(
                 "learner.compile = true needs learner.kind = 'megatron' (the torch learner is eager)"
             )
-        self.lora.validate()
-        if self.lora.enabled and self.kind == "megatron":
-            raise ConfigError(
-                "learner.lora.rank > 0 needs learner.kind = 'torch' (LoRA in the Megatron learner is not "
-                "implemented yet)"
-            )
+        self.lora.validate(cfg)
         if self.lora.enabled and self.fsdp:
             raise ConfigError(
                 "learner.lora.rank > 0 with learner.fsdp = true is not supported (use one rank)"
@@ -125,6 +146,22 @@ class LearnerSection(_Section):
             raise ConfigError(
                 f"learner.data_parallel = {self.data_parallel} with learner.kind = 'torch' needs "
                 "learner.fsdp = true (the torch learner shards with FSDP2)"
+            )
+        if cfg is not None:
+            self._validate_against(cfg)
+
+    def _validate_against(self, cfg: Config) -> None:
+        if self.fsdp and cfg.algorithm.advantage == "ppo":
+            raise ConfigError("learner.fsdp = true does not support algorithm.advantage = 'ppo' (value head)")
+        if self.publish == "nccl" and cfg.run.placement != "disaggregated":
+            raise ConfigError(
+                f"learner.publish = 'nccl' needs run.placement = 'disaggregated' (engines as their own actors), "
+                f"got run.placement = '{cfg.run.placement}'"
+            )
+        if self.publish == "nccl" and ("cuda" in self.device) != ("cuda" in cfg.engine.device):
+            raise ConfigError(
+                f"learner.publish = 'nccl' needs learner.device and engine.device on the same kind of device "
+                f"(nccl between GPUs, gloo between CPUs), got '{self.device}' and '{cfg.engine.device}'"
             )
 
 

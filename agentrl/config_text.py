@@ -9,7 +9,9 @@ from __future__ import annotations
 import difflib
 import functools
 import operator
+import re
 import sys
+from pathlib import Path
 from typing import Annotated, Any, Literal, get_origin
 
 import msgspec
@@ -81,6 +83,52 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     return tree
 
 
+def split_config_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """`a.toml @ b.toml @c.toml --run.steps 7 d.toml` -> (the config files in order, the overrides): a word
+    after `@` (or glued to it) or one that is no flag's value is a file; `--key VALUE` / `--key=VALUE` are
+    overrides, as parse_overrides reads them."""
+    files: list[str] = []
+    overrides: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "@":
+            if i + 1 >= len(args):
+                raise ConfigError("'@' needs a config file after it")
+            files.append(args[i + 1])
+            i += 2
+        elif arg.startswith("@"):
+            files.append(arg[1:])
+            i += 1
+        elif arg.startswith("--") and "=" not in arg and i + 1 < len(args):
+            overrides += args[i : i + 2]
+            i += 2
+        elif arg.startswith("--"):
+            overrides.append(arg)
+            i += 1
+        else:
+            files.append(arg)
+            i += 1
+    return files, overrides
+
+
+def read_toml_files(paths: list[str | Path]) -> dict[str, Any]:
+    """The config files merged in order: a later file's keys win, its tables merge into earlier ones
+    (prime-rl's `@ base.toml @ override.toml` layering)."""
+    data: dict[str, Any] = {}
+    for path in paths:
+        try:
+            layer = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {path} is a directory") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+        data = merge(data, layer)
+    return data
+
+
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in extra.items():
@@ -105,10 +153,16 @@ def explain(exc: msgspec.ValidationError, data: dict[str, Any], root: type[msgsp
     meta: msgspec.Meta | None = None
     value: Any = data
     for part in key.split("."):
+        name, _, index = part.partition("[")  # `betas[1]`: an item of a list or tuple
         if isinstance(value, dict):
-            value = value.get(part)
-        fields = {f.name: f.type for f in msgspec.structs.fields(field)} if _is_struct(field) else {}
-        field, meta = unwrap(fields.get(part))
+            value = value.get(name)
+        fields = {f.name: f.type for f in msgspec.structs.fields(field)} if is_struct(field) else {}
+        field, meta = unwrap(fields.get(name))
+        if index:
+            i = int(index.rstrip("]"))
+            value = value[i] if isinstance(value, list | tuple) and i < len(value) else None
+            items = getattr(field, "__args__", ())
+            field, meta = unwrap(items[min(i, len(items) - 1)] if items else None)
     if broken := bound_error(key, value, meta):
         return broken
     choices = getattr(field, "__args__", ()) if getattr(field, "__origin__", None) is Literal else ()
@@ -146,7 +200,10 @@ def bounds_text(meta: msgspec.Meta | None) -> str:
 
 
 def bound_error(key: str, value: Any, meta: msgspec.Meta | None) -> str:
-    """`key must be >= 0 and < 1, got 1.5` when `value` breaks a bound of `meta`; empty otherwise."""
+    """`key must be >= 0 and < 1, got 1.5` when `value` breaks a bound of `meta` (`key = 'gpu' must match
+    ^(cpu|cuda(:[0-9]+)?)$` for a string's pattern); empty otherwise."""
+    if meta is not None and meta.pattern and isinstance(value, str) and not re.search(meta.pattern, value):
+        return f"{key} = {value!r} must match {meta.pattern}"
     if meta is None or not isinstance(value, int | float) or isinstance(value, bool):
         return ""
     for name, _, ok in _BOUNDS:
@@ -161,7 +218,7 @@ def _bounded_fields(struct: type[msgspec.Struct]) -> tuple[tuple[str, msgspec.Me
     out = []
     for f in msgspec.structs.fields(struct):
         _, meta = unwrap(f.type)
-        if meta is not None and bounds_text(meta):
+        if meta is not None and (bounds_text(meta) or meta.pattern):
             out.append((f.name, meta))
     return tuple(out)
 
@@ -175,7 +232,7 @@ def check_bounds(obj: msgspec.Struct, prefix: str) -> None:
             raise ConfigError(message)
 
 
-def _is_struct(tp: Any) -> bool:
+def is_struct(tp: Any) -> bool:
     return isinstance(tp, type) and issubclass(tp, msgspec.Struct)
 
 
@@ -193,7 +250,7 @@ def dump_toml(cfg: msgspec.Struct) -> str:
         if prefix and (scalars or not tables):
             lines.append(f"[{prefix}]")
         for key, value in scalars.items():
-            lines.append(f"{key} = {_toml_value(value)}")
+            lines.append(f"{key} = {toml_value(value)}")
         if prefix and scalars:
             lines.append("")
         for key, value in tables.items():
@@ -203,7 +260,7 @@ def dump_toml(cfg: msgspec.Struct) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):
@@ -211,54 +268,5 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         return msgspec.json.encode(value).decode()
     if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     raise ConfigError(f"cannot render {value!r} as TOML")
-
-
-def markdown_reference(root: type[msgspec.Struct], regenerate: str) -> str:
-    """docs/config.md: one table per section (key, type, default, bounds, description), read from the
-    fields' types, defaults and `msgspec.Meta`; `regenerate` is the command that writes it."""
-    lines = [
-        "# Configuration reference",
-        "",
-        f"Generated from the config's fields by `{regenerate}`; do not edit by hand.",
-        "Every key is a TOML key in its section and a flag: `[queue] max_staleness = 2` is "
-        "`--queue.max-staleness 2`.",
-    ]
-
-    def section(struct: type[msgspec.Struct], prefix: str, about: str) -> None:
-        lines.extend(["", f"## [{prefix}]", "", about, "", "| key | type | default | bounds | description |"])
-        lines.append("|---|---|---|---|---|")
-        nested = []
-        for f in msgspec.structs.fields(struct):
-            tp, meta = unwrap(f.type)
-            description = meta.description if meta is not None and meta.description else ""
-            if _is_struct(tp):
-                nested.append((tp, f"{prefix}.{f.name}", description))
-                continue
-            default = f.default_factory() if f.default is msgspec.NODEFAULT else f.default
-            cells = [
-                f"`{f.name}`",
-                _type_name(tp),
-                f"`{_default_text(default)}`",
-                bounds_text(meta),
-                description,
-            ]
-            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-        for sub, key, about_sub in nested:
-            section(sub, key, about_sub)
-
-    for f in msgspec.structs.fields(root):
-        tp, meta = unwrap(f.type)
-        section(tp, f.name, meta.description if meta is not None and meta.description else "")
-    return "\n".join(lines) + "\n"
-
-
-def _type_name(tp: Any) -> str:
-    if get_origin(tp) is Literal:
-        return " | ".join(repr(c) for c in tp.__args__)
-    return tp.__name__ if isinstance(tp, type) and not get_origin(tp) else str(tp).replace("typing.", "")
-
-
-def _default_text(value: Any) -> str:
-    return "{}" if isinstance(value, dict) else _toml_value(value)

@@ -123,21 +123,64 @@ def drive(url: str, pid: int, seconds: float, clients: int) -> dict:
 def account(run_dir: Path, acked: list[str]) -> dict:
     """Acknowledged ids against ledger.jsonl (consumed) and the WAL (still queued), as a restart sees them: the
     queue is reopened first, since a kill between a step's commit record and its ledger line leaves the line to
-    the reopen's ledger repair (the commit itself is durable in the WAL)."""
+    the reopen's ledger repair (the commit itself is durable in the WAL). Counting the ledger as the kill left
+    it called that step's ids (one batch) lost. With lost ids, `lost_detail` says where the log has them."""
+    from agentrl.queue import recovery
     from agentrl.queue.core import ReplayQueue
 
+    ledger_path = run_dir / "ledger.jsonl"
+    steps_at_kill = sorted(recovery.read_ledger(ledger_path)[0])  # (the reopen may repair lines)
     queue = ReplayQueue(run_dir=run_dir)
     uncommitted = queue.pending_ids()
     queue.close()
-    consumed = [
-        i
-        for line in (run_dir / "ledger.jsonl").read_text().splitlines()
-        if line
-        for i in json.loads(line)["ids"]
-    ]
-    held = set(consumed) | set(uncommitted)
-    return {"lost": len(set(acked) - held), "trained_twice": len(consumed) - len(set(consumed)),
-            "consumed": len(consumed), "still_queued": len(uncommitted)}  # fmt: skip
+    rows = (
+        [json.loads(line) for line in ledger_path.read_text().splitlines() if line]
+        if ledger_path.exists()
+        else []
+    )
+    consumed = [i for row in rows for i in row["ids"]]
+    lost = set(acked) - set(consumed) - set(uncommitted)
+    out = {"lost": len(lost), "trained_twice": len(consumed) - len(set(consumed)),
+           "consumed": len(consumed), "still_queued": len(uncommitted)}  # fmt: skip
+    if lost:
+        out["lost_detail"] = where_lost(run_dir, lost, steps_at_kill, [row["step"] for row in rows])
+    return out
+
+
+def where_lost(run_dir: Path, lost: set[str], steps_at_kill: list[int], steps: list[int]) -> dict:
+    """What the log and the ledger say about `lost` ids: the next failure's first clue."""
+    from agentrl.queue import recovery
+    from agentrl.queue.walformat import CommitRecord, PutRecord, SnapshotRecord
+
+    seen = {
+        "commit_steps": set(),
+        "in_puts": 0,
+        "in_snapshot": 0,
+        "snapshots": 0,
+        "commits_after_snapshot": [],
+    }
+
+    def apply(record) -> None:
+        if isinstance(record, CommitRecord):
+            seen["commits_after_snapshot"].append(record.step)
+            if lost & set(record.ids):
+                seen["commit_steps"].add(record.step)
+        elif isinstance(record, PutRecord):
+            seen["in_puts"] += len(lost & {t.id for t in record.trajectories})
+        elif isinstance(record, SnapshotRecord):
+            seen["snapshots"] += 1
+            seen["in_snapshot"] = len(lost & set(record.known_ids))
+            seen["commits_after_snapshot"] = []
+
+    found = recovery.scan((run_dir / "queue.wal").read_bytes(), apply)
+    after = seen.pop("commits_after_snapshot")
+    gaps = sorted(set(range(1, max(steps, default=0) + 1)) - set(steps))
+    return {"ids": sorted(lost)[:8], "requests": len({i.rsplit("-", 1)[0] for i in lost}),
+            "log_commit_steps": sorted(seen.pop("commit_steps")), **seen,
+            "log_commits_after_last_snapshot": [after[0], after[-1]] if after else [],
+            "log_records": found.n_records, "log_damaged_bytes": found.damaged_bytes,
+            "ledger_steps_at_kill": len(steps_at_kill), "ledger_last_step": max(steps, default=None),
+            "ledger_missing_steps": gaps[:10]}  # fmt: skip
 
 
 def main() -> None:

@@ -48,7 +48,8 @@ def parse_args(argv=None):
                    help="comma list of hf, megatron, megatron_compile (torch.compile), torch_learner; a "
                         "'_unfused' suffix (megatron_compile_unfused) runs with AGENTRL_FUSED_LOGPROBS=0, a "
                         "'_fallback' suffix with megatron-core's own fallback optimizer ops instead of "
-                        "agentrl's (learners/megatron/host_overhead.py)")  # fmt: skip
+                        "agentrl's (learners/megatron/host_overhead.py), a '_graphs' suffix compiles with "
+                        "mode='reduce-overhead' (CUDA graphs)")  # fmt: skip
     p.add_argument(
         "--profile", action="store_true", help="print the top CUDA kernels of one step per variant"
     )
@@ -246,7 +247,8 @@ def learner_section(args, kind: str, world: int):
 
 
 def run_megatron_compile(args, path: Path, world: int) -> dict:
-    return run_megatron(args, path, world, compile=True)
+    graphs = "_graphs" in getattr(args, "variant", "")  # CUDA graphs for the compiled forward and backward
+    return run_megatron(args, path, world, compile="reduce-overhead" if graphs else True)
 
 
 def run_megatron(args, path: Path, world: int, compile: bool = False) -> dict:
@@ -349,7 +351,11 @@ def main(argv=None) -> int:
             continue
         try:
             res = run_variant(
-                runners[name.replace("_unfused", "").replace("_fallback", "")], args, path, world, single
+                runners[name.replace("_unfused", "").replace("_fallback", "").replace("_graphs", "")],
+                args,
+                path,
+                world,
+                single,
             )
         except Exception as exc:  # a failing variant must not hide the others
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}

@@ -27,7 +27,9 @@ claimed tasks; `GET /health` answers without a token. With
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -188,12 +190,19 @@ class TaskBoard:
         episode.last_seen = time.monotonic()
         return episode
 
-    async def _step(self, request: web.Request) -> web.Response:
+    @contextlib.asynccontextmanager
+    async def _open(self, request: web.Request, kind: type) -> AsyncIterator[tuple[Episode, Any]]:
+        """The claimed episode and the decoded request, under the episode's lock, refused once it is over
+        (the one place a step or a reward checks that)."""
         episode = self._claimed(request)
-        req = await _decode(request, StepRequest)
+        req = await _decode(request, kind)
         async with episode.lock:
             if episode.done.done():
                 raise TaskError(409, f"task {episode.task_id!r} is already finished", "task_id")
+            yield episode, req
+
+    async def _step(self, request: web.Request) -> web.Response:
+        async with self._open(request, StepRequest) as (episode, req):
             result = await episode.env.step(req.action)
             episode.steps += 1
             episode.total += result.reward
@@ -204,11 +213,7 @@ class TaskBoard:
                       "done": done, "info": result.info})  # fmt: skip
 
     async def _reward(self, request: web.Request) -> web.Response:
-        episode = self._claimed(request)
-        req = await _decode(request, RewardRequest)
-        async with episode.lock:
-            if episode.done.done():
-                raise TaskError(409, f"task {episode.task_id!r} is already finished", "task_id")
+        async with self._open(request, RewardRequest) as (episode, req):
             episode.done.set_result((req.reward, req.metadata))
         return _json({"task_id": episode.task_id, "reward": req.reward})
 

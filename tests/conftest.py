@@ -1,22 +1,34 @@
-"""Fixtures shared across test modules: the tiny local model and its tokenizer (one per module, as before), and a
-local Ray session that restores the environment it changes."""
+"""Fixtures shared across test modules: the two tiny local models (each made once per session), the tokenizer, and
+a local Ray session that restores the environment it changes.
+
+The models are read-only to the tests: a test that writes into a model directory makes its own."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from gen_support import tiny_model_dir
+from run_support import make_model
 
 from agentrl.tokenizer import load_tokenizer
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> Path:
+    """The smallest model (qwen2, hidden 32, one layer): generators, proxies, envs."""
     return tiny_model_dir(str(tmp_path_factory.mktemp("tiny")))
 
 
 @pytest.fixture(scope="module")
-def tok(tiny):
+def tok(tiny):  # per module: a tokenizer object is mutable
     return load_tokenizer(tiny)
+
+
+@pytest.fixture(scope="session")
+def run_model(tmp_path_factory) -> str:
+    """The model of the `agentrl run` tests (qwen2, hidden 64, one layer; run_support.make_model)."""
+    return make_model(tmp_path_factory.mktemp("run-model"))
 
 
 @pytest.fixture(scope="module")

@@ -16,15 +16,13 @@ from agentrl.errors import ConfigError, WeightSyncError
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+def engines(run_model):
     import torch
 
     from agentrl.engines.embedded import EmbeddedEngine
-    from agentrl.engines.tiny import make_tiny_model
 
     torch.set_num_threads(1)
-    path = make_tiny_model(tmp_path_factory.mktemp("m") / "tiny", hidden=64, layers=1)
-    return [EmbeddedEngine(str(path), max_batch_size=8, max_seq_len=128, seed=i) for i in range(2)]
+    return [EmbeddedEngine(run_model, max_batch_size=8, max_seq_len=128, seed=i) for i in range(2)]
 
 
 async def test_router_least_loaded_and_sticky(engines):

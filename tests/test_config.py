@@ -34,8 +34,13 @@ def test_open_tables_pass_through():
     assert cfg.engine.sglang.args == {"mem_fraction_static": 0.7}
 
 
-def test_sync_mode_forces_zero_staleness():
-    assert load_config(None, ["--run.mode", "sync", "--queue.max-staleness", "3"]).queue.max_staleness == 0
+def test_sync_runs_with_zero_staleness_without_overwriting_the_setting():
+    cfg = load_config(None, ["--run.mode", "sync", "--queue.max-staleness", "3"])
+    assert cfg.queue.max_staleness == 3 and cfg.effective_max_staleness == 0
+    assert cfg.run_queue().max_staleness == 0  # what the run's replay queue gets
+    assert (
+        load_config(None, ["--run.mode", "async", "--queue.max-staleness", "3"]).effective_max_staleness == 3
+    )
 
 
 def test_dump_round_trips(tmp_path):
@@ -73,10 +78,11 @@ def test_nccl_publish_settings_named():
 
 
 def test_update_mode_auto_is_abort_for_sglang_keep_for_embedded():
-    assert load_config(None, []).engine.update_mode == "keep"
+    assert load_config(None, []).effective_update_mode == "keep"
     sglang = ["--engine.kind", "sglang", "--engine.device", "cuda"]
-    assert load_config(None, sglang).engine.update_mode == "abort"
-    assert load_config(None, [*sglang, "--engine.update-mode", "keep"]).engine.update_mode == "keep"
+    assert load_config(None, sglang).engine.update_mode == "auto"  # the setting as given
+    assert load_config(None, sglang).effective_update_mode == "abort"
+    assert load_config(None, [*sglang, "--engine.update-mode", "keep"]).effective_update_mode == "keep"
 
 
 def test_enum_error_lists_the_valid_choices(tmp_path):

@@ -20,7 +20,6 @@ from agentrl.config import load_config
 from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.server import EngineServer
 from agentrl.engines.sglang import SGLangEngine
-from agentrl.engines.tiny import make_tiny_model
 from agentrl.errors import AgentRLError
 from agentrl.net import free_port
 
@@ -29,8 +28,8 @@ TASK = {"a": 2, "b": 3, "op": "+", "answer": 5}
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("coord") / "tiny", hidden=64, layers=1))
+def model(run_model):
+    return run_model
 
 
 def coordinator(tmp_path, model, url):

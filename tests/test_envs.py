@@ -10,7 +10,7 @@ from agentrl.envs.calculator import calculate, tool_call
 from agentrl.errors import ConfigError, EnvError
 from agentrl.types import Message
 
-BUILTINS = ["arithmetic", "guess_number", "calculator"]
+BUILTINS = ["arithmetic", "guess_number", "calculator", "long_tail"]
 
 
 def test_builtins_listed():
@@ -217,11 +217,9 @@ def test_envs_json_into_a_closed_pipe_exits_quietly():
     assert out.stderr == "" and out.returncode == 141
 
 
-def test_math_env_warms_up_on_its_dataset(tmp_path):
+def test_math_env_warms_up_on_its_dataset(tmp_path, run_model):
     """`math` has no generated tasks: with data.path and warmup.steps > 0 the warm-up draws the dataset."""
     import json
-
-    from run_support import make_model
 
     from agentrl.actors.learner import LearnerWorker
     from agentrl.config import load_config
@@ -231,5 +229,5 @@ def test_math_env_warms_up_on_its_dataset(tmp_path):
                             for i in range(5)))  # fmt: skip
     cfg = load_config(None, {"env": {"name": "math"}, "data": {"path": str(data)},
                              "warmup": {"steps": 2, "batch_size": 4}})  # fmt: skip
-    stats = LearnerWorker(cfg, make_model(tmp_path)).warmup()
+    stats = LearnerWorker(cfg, run_model).warmup()
     assert stats["warmup_steps"] == 2 and stats["warmup_loss_last"] > 0

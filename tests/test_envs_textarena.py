@@ -275,8 +275,10 @@ async def test_a_seat_that_never_moved_leaves_its_group_out(tmp_path, tiny, tok)
 
 
 @pytest.mark.slow
-def test_a_self_play_run_trains_every_queued_trajectory_once_in_complete_groups(tmp_path, monkeypatch):
-    from run_support import make_model, read_jsonl, tiny_config
+def test_a_self_play_run_trains_every_queued_trajectory_once_in_complete_groups(
+    tmp_path, monkeypatch, run_model
+):
+    from run_support import read_jsonl, tiny_config
 
     from agentrl.config import load_config
     from agentrl.queue.wal import WriteAheadLog
@@ -285,7 +287,7 @@ def test_a_self_play_run_trains_every_queued_trajectory_once_in_complete_groups(
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     rollout = {"generator": "self_play", "n_samples_per_prompt": 2, "prompts_per_step": 2, "max_new_tokens": 4,
                "max_turns": 3}  # fmt: skip
-    path = tiny_config(tmp_path, make_model(tmp_path), env={"name": "textarena"}, rollout=rollout, run={"steps": 3, "eval_every": 0},
+    path = tiny_config(tmp_path, run_model, env={"name": "textarena"}, rollout=rollout, run={"steps": 3, "eval_every": 0},
                        warmup={"steps": 0}, engine={"max_seq_len": 1024})  # fmt: skip
     with path.open("a") as f:
         f.write('[env.kwargs]\ngame = "TicTacToe-v0"\nopponent = "self"\n')

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from run_support import make_model, read_jsonl, tiny_config
+from run_support import read_jsonl, tiny_config
 
 from agentrl.queue import recovery
 from agentrl.queue.walformat import LEDGER_NAME, WAL_NAME, PutRecord
@@ -32,8 +32,8 @@ def wal_trajectories(run: Path) -> dict:
     return found
 
 
-def test_external_agent_process_drives_a_run(tmp_path):
-    model = make_model(tmp_path)
+def test_external_agent_process_drives_a_run(tmp_path, run_model):
+    model = run_model
     cfg = tiny_config(
         tmp_path,
         model,

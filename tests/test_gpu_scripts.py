@@ -4,6 +4,7 @@ docs name exists, and the engine comparison reports its first (cold) run apart f
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -73,3 +74,35 @@ def test_engine_comparison_reports_cold_and_later_runs_apart(tmp_path):
     assert out.exists()
     with pytest.raises(SystemExit):
         main(["--device", "cpu", "--variants", "no_such_variant", "--no-sglang"])
+
+
+def _metrics(run: Path, step_s: list[float], start_s: float) -> None:
+    run.mkdir(parents=True)
+    wall, lines = start_s, [json.dumps({"step": 0, "phase": "warmup", "warmup_steps": 3})]
+    for i, dt in enumerate(step_s, 1):
+        wall += dt
+        lines.append(json.dumps({"step": i, "step_s": dt, "wall_s": wall, "n_trajectories": 64, "publish_s": 0.01 * i,
+                                 "staleness_mean": 0.5, "train/logprob_mismatch": 0.002}))  # fmt: skip
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_run_summary_spreads_and_async_sync_ratio(tmp_path):
+    """Loop time excludes start-up; the ratio covers only the steps both runs made (the same samples)."""
+    _metrics(tmp_path / "a", [5.0] + [1.0] * 9, start_s=100.0)
+    _metrics(tmp_path / "s", [2.0] * 8, start_s=30.0)  # stopped at step 8
+    out = tmp_path / "sum.json"
+    proc = subprocess.run([sys.executable, "bench/gpu/run_summary.py", str(tmp_path / "a"), str(tmp_path / "s"),
+                           "--compare", "--out", str(out)], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    a = result["runs"][0]
+    assert a["steps"] == 10 and a["trajectories"] == 640 and a["loop_s"] == 14.0
+    assert a["step_s"]["median"] == 1.0 and a["step_s"]["max"] == 5.0 and a["step_s"]["p90"] == 1.0
+    assert a["publish_s"]["min"] == 0.01 and a["publish_s"]["p10"] == 0.02 and a["publish_s"]["max"] == 0.1
+    pair = result["compare"][0]
+    assert pair["steps"] == 8 and pair["same_samples"] and pair["trajectories"] == 512
+    assert pair["async_loop_s"] == 12.0 and pair["sync_loop_s"] == 16.0 and pair["ratio"] == round(16 / 12, 3)
+    assert pair["ratio_from_step2"] == 2.0  # 14 s of sync steps 2-8 over 7 s of async ones
+    odd = subprocess.run([sys.executable, "bench/gpu/run_summary.py", str(tmp_path / "a"), "--compare"], cwd=ROOT,
+                         capture_output=True, text=True)  # fmt: skip
+    assert odd.returncode == 2 and "pairs" in odd.stderr

@@ -21,11 +21,8 @@ pytest.importorskip("megatron.core")
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
+def cluster(ray_session):
+    return ray_session
 
 
 @pytest.fixture(scope="module")

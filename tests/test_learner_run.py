@@ -4,16 +4,16 @@ version still advances once per batch and the staleness bound of an async run ho
 from __future__ import annotations
 
 import pytest
-from run_support import make_model, read_jsonl, tiny_config
+from run_support import read_jsonl, tiny_config
 
 pytestmark = pytest.mark.slow
 
 
-def test_async_run_with_minibatches_and_epochs(ray_session, tmp_path):
+def test_async_run_with_minibatches_and_epochs(ray_session, tmp_path, run_model):
     from agentrl.config import load_config
     from agentrl.runner.loop import run
 
-    model = make_model(tmp_path)
+    model = run_model
     cfg = load_config(
         tiny_config(
             tmp_path,

@@ -187,12 +187,7 @@ def test_adapter_export_of_a_full_checkpoint_is_refused(base, tmp_path, capsys):
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        (["--learner.kind", "megatron"], "learner.kind = 'torch'"),
         (["--learner.fsdp", "true", "--learner.data-parallel", "2"], "learner.fsdp = true is not supported"),
-        (
-            ["--engine.kind", "sglang", "--engine.external-urls", '["http://127.0.0.1:1"]'],
-            "not implemented yet",
-        ),
         (["--learner.lora.target-modules", "[]"], "learner.lora.target_modules"),
     ],
 )

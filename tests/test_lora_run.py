@@ -6,20 +6,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from run_support import make_model, read_jsonl, tiny_config
+from run_support import read_jsonl, tiny_config
 
 from agentrl.cli import main as cli_main
 
 pytestmark = pytest.mark.slow
 
 
-def test_lora_run_checkpoints_resumes_and_exports(ray_session, tmp_path):
+def test_lora_run_checkpoints_resumes_and_exports(ray_session, tmp_path, run_model):
     from transformers import AutoModelForCausalLM
 
     from agentrl.config import load_config
     from agentrl.runner.loop import run
 
-    model = make_model(tmp_path)
+    model = run_model
     path = tiny_config(tmp_path, model, run={"steps": 2, "eval_every": 0}, learner={"lr": 1e-2})
     lora = ["--learner.lora.rank", "4", "--learner.lora.target-modules", '["all-linear"]']
     assert run(load_config(path, lora))["ok"]

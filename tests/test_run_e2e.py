@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
-from run_support import make_model, read_jsonl, tiny_config
+from run_support import read_jsonl, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -57,22 +56,24 @@ def plugin_path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def ray_session(plugin_path):
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    here = str(Path(__file__).parent)  # run_support (test generators) for the Ray workers
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(plugin_path), here, os.environ.get("PYTHONPATH", "")])
-    os.environ["AGENTRL_TEST_CRASH_DIR"] = str(plugin_path)
-    sys.path.insert(0, str(plugin_path))
-    import ray
+    """A local Ray as conftest's, with the plugin and run_support (test generators) importable in the driver and
+    the Ray workers; every variable and sys.path entry set here is restored afterwards."""
+    here = str(Path(__file__).parent)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_AUTH_MODE", "disabled")
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(plugin_path), here, os.environ.get("PYTHONPATH", "")]))
+        mp.setenv("AGENTRL_TEST_CRASH_DIR", str(plugin_path))
+        mp.syspath_prepend(str(plugin_path))
+        import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    yield ray
-    ray.shutdown()
-    sys.path.remove(str(plugin_path))
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        yield ray
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return make_model(tmp_path_factory.mktemp("m"))
+def model_dir(run_model) -> str:
+    return run_model
 
 
 def check_run_dir(run: Path, steps: int) -> tuple[list[dict], list[dict]]:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from run_support import make_model, read_jsonl, tiny_config
+from run_support import read_jsonl, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +35,8 @@ def _trained_steps(run: Path) -> int:
     return max((r["step"] for r in rows if "phase" not in r), default=0)
 
 
-def test_resume_after_sigkill(tmp_path):
-    model_dir = make_model(tmp_path)
+def test_resume_after_sigkill(tmp_path, run_model):
+    model_dir = run_model
     cfg = tiny_config(
         tmp_path,
         model_dir,

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from run_support import make_model, read_jsonl, tiny_config
+from run_support import read_jsonl, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -72,11 +72,11 @@ def agentrl(cwd: Path, *args: str, timeout: float = 240) -> subprocess.Completed
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
 
-def test_the_same_command_twice_a_second_owner_and_a_user_env_module(tmp_path):
+def test_the_same_command_twice_a_second_owner_and_a_user_env_module(tmp_path, run_model):
     project = tmp_path / "proj"
     project.mkdir()
     (project / "user_envs.py").write_text(USER_ENVS)
-    cfg = tiny_config(project, make_model(tmp_path), env={"name": "echo3"}, rollout={"max_turns": 1},
+    cfg = tiny_config(project, run_model, env={"name": "echo3"}, rollout={"max_turns": 1},
                       run={"steps": 3, "eval_every": 2, "progress": True})  # fmt: skip
     run = project / "t"
     cwd = tmp_path / "elsewhere"  # the module is found next to the config, not through the cwd
@@ -130,11 +130,11 @@ def test_the_same_command_twice_a_second_owner_and_a_user_env_module(tmp_path):
     assert "step 3" in exported.stdout and (tmp_path / "hf" / "config.json").is_file()
 
 
-def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_tmp_step(tmp_path):
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_tmp_step(tmp_path, run_model):
     from agentrl.runner.rundir import existing_run
 
     (tmp_path / "disk_full.py").write_text(DISK_FULL)
-    cfg = tiny_config(tmp_path, make_model(tmp_path), warmup={"steps": 0}, run={"eval_every": 0})
+    cfg = tiny_config(tmp_path, run_model, warmup={"steps": 0}, run={"eval_every": 0})
     out = agentrl(tmp_path, "run", str(cfg), "--import", "disk_full")
     run = tmp_path / "t"
     assert out.returncode == 2, out.stderr[-3000:]

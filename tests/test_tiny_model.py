@@ -2,6 +2,7 @@
 
 import argparse
 import hashlib
+import json
 
 import pytest
 
@@ -86,6 +87,9 @@ def test_cli_writes_model(tmp_path, capsys):
     assert rc == 0
     assert (tmp_path / "m" / "config.json").exists() and (tmp_path / "m" / "tokenizer.json").exists()
     assert "qwen3" in capsys.readouterr().out
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["max_position_embeddings"] == 2048
+    tiny_cli.main(parser.parse_args([str(tmp_path / "long"), "--arch", "qwen3", "--max-position", "8192"]))
+    assert json.loads((tmp_path / "long" / "config.json").read_text())["max_position_embeddings"] == 8192
 
 
 def test_unknown_arch_is_a_config_error(tmp_path):

@@ -8,6 +8,7 @@ Paths (`learner.publish`, "auto" picks by placement and engine kind):
   a torch.distributed group it shares with the engines (engine side: a list of `DistributedSource`, one per
   update call, e.g. SGLang `update_weights_from_distributed`). GPUs (gloo on CPU).
 - `disk`: the learner writes a Hugging Face directory; engines load it (SGLang `update_weights_from_disk`).
+  Under LoRA it writes the PEFT adapter directory alone (`AdapterSource`; SGLang `/load_lora_adapter`).
 Every publish has a timeout (`run.publish_timeout_s`) and fails with `WeightSyncError` naming the path and
 the engine. After a publish, every engine host and the queue know the new `policy_version`.
 """
@@ -19,7 +20,7 @@ import time
 from typing import Any
 
 from agentrl.config import Config
-from agentrl.engines.base import DiskSource, DistributedSource, Engine, TensorSource
+from agentrl.engines.base import AdapterSource, DiskSource, DistributedSource, Engine, TensorSource
 from agentrl.errors import WeightSyncError
 
 PATHS = ("tensor", "object_store", "nccl", "disk")
@@ -29,6 +30,8 @@ def choose_path(cfg: Config) -> str:
     """The publish path for this config: explicit `learner.publish`, else the cheapest for the placement."""
     if cfg.learner.publish != "auto":
         return cfg.learner.publish
+    if cfg.engine.kind == "sglang" and cfg.learner.lora.enabled:  # SGLang loads adapters from a directory
+        return "disk"
     if cfg.run.placement == "colocated":
         return "tensor"
     if cfg.engine.kind == "sglang":
@@ -36,9 +39,9 @@ def choose_path(cfg: Config) -> str:
     return "object_store"
 
 
-def as_source(payload: Any) -> TensorSource | DiskSource | DistributedSource:
+def as_source(payload: Any) -> TensorSource | DiskSource | DistributedSource | AdapterSource:
     """What arrived over Ray (a tensor dict, a path, or a source) as an engine `WeightSource`."""
-    if isinstance(payload, TensorSource | DiskSource | DistributedSource):
+    if isinstance(payload, TensorSource | DiskSource | DistributedSource | AdapterSource):
         return payload
     if isinstance(payload, str):
         return DiskSource(payload)
@@ -151,6 +154,10 @@ class Publisher:
     async def _payload(self, version: int) -> Any:
         if self.path == "tensor":  # the target holds the learner: it copies in-process
             return None
+        if self.path == "disk" and self.cfg.learner.lora.enabled:  # the adapter alone, as a PEFT directory
+            path = f"{self.run_dir}/published/lora_v{version}"
+            return await _guard(self.learner.save_adapter.remote(path), "disk", "learner", version,
+                                self.timeout_s)  # fmt: skip
         if self.path == "disk":
             path = f"{self.run_dir}/published/v{version}"
             return await _guard(self.learner.save_hf.remote(path), "disk", "learner", version, self.timeout_s)

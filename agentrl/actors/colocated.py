@@ -2,7 +2,9 @@
 
 Publishing is a direct tensor copy from the learner's parameters into the engines (no serialization).
 Training runs in a worker thread (`asyncio.to_thread`), so the event loop keeps generating while the
-learner steps; torch releases the GIL inside its kernels.
+learner steps; torch releases the GIL inside its kernels. With `run.offload` (sync mode) the GPU is handed
+back and forth between rollout and training (agentrl.actors.handoff): the learner is offloaded before the
+engines start, every train / warm-up first takes the GPU back, every publish gives it to rollout again.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from agentrl.actors.handoff import HandOff
 from agentrl.actors.learner import LearnerWorker
 from agentrl.actors.rollout import RolloutWorker
 from agentrl.config import Config
@@ -20,12 +23,21 @@ from agentrl.types import Trajectory
 class ColocatedHost(RolloutWorker):
     def __init__(self, cfg: Config, model_path: str, queue: Any, worker_id: int = 0):
         self.learner = LearnerWorker(cfg, model_path)
+        if cfg.run.offload:  # before the engines start: they size their memory with the learner gone
+            self.learner.learner.offload()
         super().__init__(cfg, model_path, queue, None, worker_id)
+        self.handoff = HandOff(self.learner.learner, self.engines) if cfg.run.offload else None
 
     async def train(self, trajectories: list[Trajectory]) -> dict[str, Any]:
-        return await asyncio.to_thread(self.learner.train, trajectories)
+        if self.handoff is None:
+            return await asyncio.to_thread(self.learner.train, trajectories)
+        await self.handoff.to_training()
+        metrics = await asyncio.to_thread(self.learner.train, trajectories)
+        return {**metrics, **self.handoff.train_metrics()}
 
     async def warmup(self) -> dict[str, Any]:
+        if self.handoff is not None:
+            await self.handoff.to_training()
         return await asyncio.to_thread(self.learner.warmup)
 
     async def learner_version(self) -> int:
@@ -33,6 +45,11 @@ class ColocatedHost(RolloutWorker):
 
     async def update_weights(self, version: int, source: Any = None) -> int:
         """`source` None: copy straight from this process's learner (the `tensor` publish path)."""
+        if self.handoff is not None:
+            return await self.handoff.publish(lambda: self._update_weights(version, source))
+        return await self._update_weights(version, source)
+
+    async def _update_weights(self, version: int, source: Any) -> int:
         if source is None:
             source = TensorSource(dict(self.learner.local_weights()))
         return await super().update_weights(version, source)
@@ -54,3 +71,11 @@ class ColocatedHost(RolloutWorker):
 
     async def save_hf(self, path: str) -> str:
         return await asyncio.to_thread(self.learner.save_hf, path)
+
+    async def save_adapter(self, path: str) -> Any:
+        return await asyncio.to_thread(self.learner.save_adapter, path)
+
+    async def close(self) -> None:
+        if self.handoff is not None:
+            self.handoff.close()
+        await super().close()

@@ -246,8 +246,7 @@ def _check_window_slack(cfg: Config, task_trajectories: int) -> None:
     seat never moved), so the batch being filled can stay short of a whole task. The next task must still fit
     the staleness window beside it, or rollout and learner wait on each other forever: its reservation must
     fit in the `max_staleness` batches of slack the window has past the batch in training (sync has none)."""
-    batch = cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt
-    slack = cfg.queue.max_staleness * batch
+    slack = cfg.effective_max_staleness * cfg.batch_trajectories
     if task_trajectories > slack:
         raise ConfigError(
             f"env '{cfg.env.name}' with {task_trajectories // cfg.rollout.n_samples_per_prompt} policy seats: a "

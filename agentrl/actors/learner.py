@@ -148,6 +148,24 @@ class LearnerWorker:
         save_hf_dir(path, self.learner.weights(), self.model_path)
         return path
 
+    def save_adapter(self, path: str) -> Any:
+        """Write the LoRA adapter as a PEFT directory (the `disk` path to SGLang under LoRA); drop the ones
+        published two or more versions ago (SGLang has read them into memory when it loaded them)."""
+        import shutil
+        from pathlib import Path
+
+        from agentrl.engines.base import AdapterSource
+
+        self.learner.save_adapter_dir(path)  # collective on a Megatron learner: every rank calls it
+        if self.rank != 0:
+            return None
+        target = Path(path)
+        keep = {target.name, f"lora_v{self.policy_version() - 1}"}
+        for old in target.parent.glob("lora_v*"):
+            if old.name not in keep:
+                shutil.rmtree(old, ignore_errors=True)
+        return AdapterSource(str(target.resolve()))
+
     def init_weight_group(
         self, master_address: str, master_port: int, world_size: int, group_name: str
     ) -> None:

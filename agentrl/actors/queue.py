@@ -45,7 +45,7 @@ class QueueActor:
 
         self.cfg = cfg
         self.fence = driver_fence(run_dir)
-        self.queue = ReplayQueue(cfg.queue, run_dir, vocab_size=vocab_size, policy_version=policy_version,
+        self.queue = ReplayQueue(cfg.run_queue(), run_dir, vocab_size=vocab_size, policy_version=policy_version,
                                  fence=self.fence, lock_wait_s=LOCK_WAIT_S)  # fmt: skip
         self._watch: asyncio.Task | None = None
         self.tickets: dict[str, Any] = {}
@@ -62,14 +62,14 @@ class QueueActor:
             return self.url()
         from agentrl.queue.server import QueueServer
 
-        self.server = QueueServer(self.queue, self.cfg.queue, tokenizer_path=self.tokenizer_path or None)
+        self.server = QueueServer(self.queue, self.queue.cfg, tokenizer_path=self.tokenizer_path or None)
         try:
             await self.server.start(port=port)
         except OSError:
             if port is None:
                 raise
             await self.server.stop()
-            self.server = QueueServer(self.queue, self.cfg.queue, tokenizer_path=self.tokenizer_path or None)
+            self.server = QueueServer(self.queue, self.queue.cfg, tokenizer_path=self.tokenizer_path or None)
             await self.server.start()
         return self.url()
 

@@ -129,7 +129,7 @@ class RolloutWorker:
                     f"rollout.generator '{self.cfg.rollout.generator}' returned {len(trajs)} trajectories for an "
                     f"episode of env '{self.cfg.env.name}', which has {self.seats} policy seats"
                 )
-            if all(t.status != "aborted" for t in trajs) or self.cfg.engine.effective_update_mode != "abort":
+            if all(t.status != "aborted" for t in trajs) or self.cfg.effective_update_mode != "abort":
                 break
         for traj in trajs:
             traj.env = traj.env or self.cfg.env.name
@@ -212,7 +212,7 @@ class RolloutWorker:
         """Load weight version `version` into every engine this worker owns (see agentrl.actors.broadcast)."""
         from agentrl.actors.broadcast import load_into_engines
 
-        await load_into_engines(self.engines, version, source, self.cfg.engine.effective_update_mode)
+        await load_into_engines(self.engines, version, source, self.cfg.effective_update_mode)
         self.policy_version = version
         return version
 

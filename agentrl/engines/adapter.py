@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from agentrl.engines.base import DistributedSource, TensorSource, WeightSource
+from agentrl.engines.base import AdapterSource, DistributedSource, TensorSource, WeightSource
 from agentrl.errors import WeightSyncError
 
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
@@ -28,9 +28,38 @@ def is_adapter_name(name: str) -> bool:
     return name.endswith(LORA_A) or name.endswith(LORA_B)
 
 
+PEFT_PREFIX = (
+    "base_model.model."  # what peft puts before the model's module names in adapter_model.safetensors
+)
+
+
+def read_adapter_dir(path: str) -> list[tuple[str, torch.Tensor]]:
+    """A PEFT adapter directory as published pairs: B scaled by lora_alpha / r (from adapter_config.json)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    root = Path(path)
+    try:
+        config = json.loads((root / "adapter_config.json").read_text())
+        tensors = load_file(str(root / "adapter_model.safetensors"))
+    except (OSError, ValueError) as exc:
+        raise WeightSyncError(f"{path}: not a PEFT adapter directory ({exc})") from None
+    scale = float(config["lora_alpha"]) / int(config["r"])
+    out = []
+    for name, tensor in tensors.items():
+        name = name.removeprefix(PEFT_PREFIX)
+        out.append((name, tensor * scale if name.endswith(LORA_B) else tensor))
+    return out
+
+
 def adapter_items(source: WeightSource, groups: dict[str, Any], device: torch.device) -> list | None:
-    """The `(name, tensor)` pairs of an adapter-only source (received, for a broadcast), or None for full
-    weights. A tensor source that is an iterator is read into a list (put back on `source`) to look at it."""
+    """The `(name, tensor)` pairs of an adapter-only source (received, for a broadcast; read, for a PEFT
+    directory), or None for full weights. A tensor source that is an iterator is read into a list (put back on
+    `source`) to look at it."""
+    if isinstance(source, AdapterSource):
+        return read_adapter_dir(source.path)
     if isinstance(source, TensorSource):
         if not isinstance(source.tensors, dict):
             source.tensors = list(source.tensors)

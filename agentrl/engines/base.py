@@ -107,7 +107,15 @@ class DistributedSource:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-WeightSource = TensorSource | DiskSource | DistributedSource
+@dataclass
+class AdapterSource:
+    """A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) for the served base model:
+    SGLang loads it by name (`/load_lora_adapter`), the embedded engine merges it."""
+
+    path: str
+
+
+WeightSource = TensorSource | DiskSource | DistributedSource | AdapterSource
 
 
 class Engine(abc.ABC):
@@ -132,6 +140,14 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     async def flush_cache(self) -> None: ...
+
+    async def release_memory(self) -> None:
+        """Give the GPU memory this engine can spare back while a colocated learner trains (`run.offload`)."""
+        raise EngineError(f"{type(self).__name__} cannot release its memory (run.offload)")
+
+    async def resume_memory(self, tags: list[str]) -> None:
+        """Take back what `release_memory` gave: tags 'weights' (then a weight update follows), 'kv_cache'."""
+        raise EngineError(f"{type(self).__name__} cannot resume its memory (run.offload)")
 
     @abc.abstractmethod
     async def health(self) -> dict[str, Any]: ...

@@ -247,6 +247,32 @@ class EmbeddedEngine(Engine):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    async def release_memory(self) -> None:
+        """Free the KV cache while a colocated learner trains (the weights stay: they are the next base)."""
+        self._ensure_loop()
+        async with self._lock:
+            if self._running or self._waiting:
+                raise EngineError(
+                    "release_memory with requests running: the colocated hand-off runs between phases"
+                )
+            await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._with_sync, self.runner.release_kv
+            )
+
+    async def resume_memory(self, tags: list[str]) -> None:
+        if "kv_cache" in tags:
+            self._ensure_loop()
+            async with self._lock:
+                await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self._with_sync, self.runner.restore_kv
+                )
+
+    def _with_sync(self, fn) -> None:
+        fn()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
     async def flush_cache(self) -> None:
         """No prefix cache exists; KV of running requests is kept. Frees cached CUDA blocks when idle."""
         if not self._running and self.device.type == "cuda":

@@ -112,6 +112,17 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
+    def release(self) -> None:
+        """Free the buffers' memory, keeping the tensors (a colocated run's training phase needs the GPU)."""
+        for buf in (*self.k, *self.v):
+            buf.untyped_storage().resize_(0)
+
+    def restore(self) -> None:
+        """Allocate the buffers again (zeros; at new addresses: captured CUDA graphs must be captured again)."""
+        for buf in (*self.k, *self.v):
+            buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+            buf.zero_()
+
 
 # Inductor options of the compiled layer halves (bench/engine_bench.py's `_fp32_casts` variants clear them).
 COMPILE_OPTIONS = {"emulate_precision_casts": True}

@@ -85,6 +85,7 @@ class ModelRunner:
         self.groups: dict[str, Any] = {}
         self.attention = "triton" if _use_triton("attention", attention, "sdpa", self.device) else "sdpa"
         self.graphs = None
+        self.max_batch_size, self._recapture = max_batch_size, False
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
         if cuda_graphs:
@@ -127,6 +128,21 @@ class ModelRunner:
                     f"KV cache needs {need / 2**30:.1f} GiB for engine.max_batch_size={slots} x "
                     f"engine.max_seq_len={self.max_seq_len}, but {free / 2**30:.1f} GiB are free; lower one of them"
                 )
+
+    def release_kv(self) -> None:
+        """Free the KV cache (and the CUDA graphs that point into it) until `restore_kv`."""
+        self.cache.release()
+        if self.graphs is not None:
+            self.graphs = None
+            self._recapture = True
+
+    def restore_kv(self) -> None:
+        self.cache.restore()
+        if self._recapture:  # the buffers moved: graphs are captured again, lazily
+            from agentrl.engines.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.cache, self.max_batch_size, self.attention)
+            self._recapture = False
 
     # -- weights -------------------------------------------------------------------------------------------------
 

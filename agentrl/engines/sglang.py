@@ -8,19 +8,22 @@ so SGLang's once-a-second polling finds nothing running), keep -> "in_place"; "w
 sending, wait for this client's in-flight requests, then "in_place"), since SGLang has no such mode.
 Hot reload: /update_weights_from_disk, /update_weights_from_tensor (SGLang's pickled CUDA-IPC payload for
 real SGLang on the same GPU; safetensors bytes for serve-engine), /init_weights_update_group +
-/update_weights_from_distributed (NCCL broadcast from the trainer, rank 0).
+/update_weights_from_distributed (NCCL broadcast from the trainer, rank 0). LoRA versions (an `AdapterSource`)
+load by name through SGLang's LoRA serving API, each request routed to the current one (sglang_lora.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import aiohttp
 
 from agentrl.engines import wire
 from agentrl.engines.base import (
+    AdapterSource,
     DiskSource,
     DistributedSource,
     Engine,
@@ -32,9 +35,11 @@ from agentrl.engines.base import (
     WeightSource,
 )
 from agentrl.engines.sglang_launcher import SGLangServer
+from agentrl.engines.sglang_lora import LoraVersions, adapter_name
 from agentrl.errors import EngineError, WeightSyncError
 
 __all__ = ["SGLangEngine", "SGLangServer"]
+log = logging.getLogger(__name__)
 ABORT_POLL_S = 0.02  # pause("abort"): how often to re-send the abort while this client's requests drain
 
 
@@ -68,6 +73,9 @@ class SGLangEngine(Engine):
         self._drained: asyncio.Event | None = None
         self._gate: asyncio.Event | None = None
         self._paused: PauseMode | None = None
+        self._lora = LoraVersions()
+        self._kv_released = False  # between release_memory and resume_memory(["kv_cache"])
+        self._unloads: set[asyncio.Task] = set()
 
     @property
     def policy_version(self) -> int:
@@ -101,12 +109,16 @@ class SGLangEngine(Engine):
                     if resp.status >= 400:
                         err = (data or {}).get("error") if isinstance(data, dict) else None
                         msg = (err or {}).get("message") if isinstance(err, dict) else None
-                        msg = msg or (data.get("message") if isinstance(data, dict) else None) or str(data)
+                        if not msg and isinstance(data, dict):  # SGLang's LoRA routes answer error_message
+                            msg = data.get("message") or data.get("error_message")
+                        msg = msg or str(data)
                         if resp.status == 400 and route == "/generate":
                             raise InvalidRequest((err or {}).get("field") or "request", f"{where}: {msg}")
                         raise error(f"{where}: HTTP {resp.status}: {msg}")
                     if isinstance(data, dict) and data.get("success") is False:
-                        raise error(f"{where}: {data.get('message', 'failed')}")
+                        raise error(
+                            f"{where}: {data.get('message') or data.get('error_message') or 'failed'}"
+                        )
                     return data if isinstance(data, dict) else {"data": data}
             except (
                 aiohttp.ServerDisconnectedError,
@@ -128,6 +140,9 @@ class SGLangEngine(Engine):
         self._ensure()
         await self._gate.wait()
         body = wire.generate_body(input_ids, sampling, request_id)
+        lora = self._lora.acquire()
+        if lora is not None:
+            body["lora_path"] = lora[0]  # SGLang looks the adapter up by name
         self._in_flight += 1
         self._drained.clear()
         try:
@@ -136,10 +151,15 @@ class SGLangEngine(Engine):
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._drained.set()
+            if lora is not None:
+                self._unload_later(self._lora.release(lora[0]))
         try:
-            return wire.parse_generate_response(data, self._version)
+            out = wire.parse_generate_response(data, self._version)
         except (KeyError, TypeError, ValueError) as exc:
             raise EngineError(f"{self.url}/generate: malformed response ({exc!r})") from exc
+        if lora is not None:  # the whole request ran on the adapter it was sent with
+            out.versions = [(lora[1], len(out.output_ids))] if out.output_ids else []
+        return out
 
     async def abort(self, request_id: str) -> None:
         await self._call("POST", "/abort_request", {"rid": request_id})
@@ -197,6 +217,18 @@ class SGLangEngine(Engine):
     async def flush_cache(self) -> None:
         await self._call("POST", "/flush_cache", {})
 
+    async def release_memory(self) -> None:
+        """SGLang gives back its weights, KV cache and CUDA graphs (needs --enable-memory-saver, an idle server)."""
+        await self._call("POST", "/release_memory_occupation", {"tags": None}, self.update_timeout_s)
+        self._kv_released = True  # SGLang flushed its cache before releasing it
+
+    async def resume_memory(self, tags: list[str]) -> None:
+        """'weights' (a weight update must follow: the contents are gone), 'kv_cache' (with its CUDA graphs)."""
+        wanted = [t for tag in tags for t in (("kv_cache", "cuda_graph") if tag == "kv_cache" else (tag,))]
+        await self._call("POST", "/resume_memory_occupation", {"tags": wanted}, self.update_timeout_s)
+        if "kv_cache" in tags:
+            self._kv_released = False
+
     async def health(self) -> dict[str, Any]:
         try:
             await self._call("GET", "/health_generate", timeout_s=min(30.0, self.request_timeout_s))
@@ -229,9 +261,42 @@ class SGLangEngine(Engine):
             self.tensor_format = "agentrl" if info.get("engine") == "agentrl-embedded" else "sglang"
         return self.tensor_format
 
+    async def _load_adapter(self, version: int, source: AdapterSource) -> None:
+        """Load `version`'s adapter under its own name, route new requests to it, unload the previous one
+        once its requests have returned."""
+        name = adapter_name(version)
+        body = {"lora_name": name, "lora_path": source.path, "pinned": False}
+        try:
+            await self._call("POST", "/load_lora_adapter", body, self.update_timeout_s, WeightSyncError)
+        except WeightSyncError as exc:  # a catch-up of the version the server already has is not an error
+            if "already loaded" not in str(exc):
+                raise
+        self._unload_later(self._lora.switch(version))
+        self._version = version
+
+    def _unload_later(self, name: str | None) -> None:
+        if name is None:
+            return
+        task = asyncio.ensure_future(self._unload(name))
+        self._unloads.add(task)
+        task.add_done_callback(self._unloads.discard)
+
+    async def _unload(self, name: str) -> None:
+        try:
+            await self._call("POST", "/unload_lora_adapter", {"lora_name": name}, self.update_timeout_s)
+        except EngineError as exc:  # the adapter stays loaded (memory), generation is unaffected
+            log.warning("%s: could not unload LoRA adapter %s: %s", self.url, name, exc)
+
     async def update_weights(self, version: int, source: WeightSource) -> None:
-        # SGLang refuses to flush while requests sit in the running batch (in-place pause): keep their KV.
-        common = {"weight_version": str(version), "flush_cache": self._paused != "keep"}
+        if isinstance(source, AdapterSource):
+            await self._load_adapter(version, source)
+            return
+        # SGLang refuses to flush while requests sit in the running batch (in-place pause): keep their KV. No
+        # flush either while the KV cache is released (the release flushed it; a flush would touch freed memory).
+        common = {
+            "weight_version": str(version),
+            "flush_cache": self._paused != "keep" and not self._kv_released,
+        }
         if isinstance(source, DiskSource):
             route, body = "/update_weights_from_disk", {"model_path": source.path, **common}
         elif isinstance(source, TensorSource):
@@ -261,6 +326,8 @@ class SGLangEngine(Engine):
         self._version = version
 
     async def close(self) -> None:
+        if self._unloads:
+            await asyncio.gather(*self._unloads, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
             self._session = None

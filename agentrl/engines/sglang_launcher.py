@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from agentrl.config import EngineSection, SGLangSection
+from agentrl.config import EngineSection, LoraSection, SGLangSection
 from agentrl.errors import ConfigError, EngineError
 from agentrl.net import free_port
 
@@ -96,6 +96,14 @@ def sglang_argv(python: str, model_path: str, host: str, port: int, args: dict[s
         else:
             argv += [flag, str(value)]
     return argv
+
+
+def lora_server_args(lora: LoraSection) -> dict[str, Any]:
+    """The SGLang flags that let a server load this LoRA section's adapters at run time (/load_lora_adapter)."""
+    if not lora.enabled:
+        return {}
+    targets = ["all"] if lora.target_modules == ["all-linear"] else list(lora.target_modules)
+    return {"enable_lora": True, "max_lora_rank": lora.rank, "lora_target_modules": targets}
 
 
 SERVER_PORTS = (20_000, 55_000)  # SGLang also binds port + 10_000 (its gRPC port), which must stay <= 65_535

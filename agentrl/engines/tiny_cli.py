@@ -14,6 +14,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size target")
+    parser.add_argument(
+        "--max-position", type=int, default=2048, help="longest sequence (engines clamp max_seq_len to it)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -24,7 +27,7 @@ def main(args: argparse.Namespace) -> int:
 
     path = make_tiny_model(
         args.dir, arch=args.arch, seed=args.seed, hidden=args.hidden, layers=args.layers,
-        heads=args.heads, kv_heads=args.kv_heads, vocab_size=args.vocab_size,
+        heads=args.heads, kv_heads=args.kv_heads, vocab_size=args.vocab_size, max_position=args.max_position,
     )  # fmt: skip
     meta = json.loads((Path(path) / "agentrl_tiny.json").read_text())
     print(f"wrote {meta['arch']} model with {meta['params']:,} params to {path}")

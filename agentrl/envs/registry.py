@@ -37,6 +37,7 @@ BUILTIN_MODULES = (
     "agentrl.envs.guess_number",
     "agentrl.envs.calculator",
     "agentrl.envs.math_env",
+    "agentrl.envs.long_tail",
 )
 
 E = TypeVar("E", bound=type[AgentEnv])

@@ -35,48 +35,12 @@ import torch.nn.functional as F
 from agentrl.algorithms import check, compute_loss, merge_metrics, sft_loss
 from agentrl.config import AlgorithmSection, LearnerSection
 from agentrl.errors import LearnerError
-from agentrl.learners import checkpoint, fsdp, hf_io, lora
+from agentrl.learners import checkpoint, fsdp, hf_io, lora, offload
 from agentrl.learners.base import Learner
 from agentrl.learners.batch import Batch, micro_batches
+from agentrl.learners.token_ops import token_entropy, token_logprobs
 
 STATE_FILE = "trainer_state.pt"
-
-
-def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits = logits.float()
-    return logits if temperature == 1.0 else logits / temperature
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[R, T] target-aligned log-probs from [R, T, V] logits; column 0 is 0."""
-    rows, width, vocab = logits.shape
-    logits = _scaled(logits[:, :-1], temperature).reshape(-1, vocab)
-    # cross_entropy = fused log_softmax + gather (one pass each way, unlike logsumexp)
-    logp = -F.cross_entropy(logits, input_ids[:, 1:].reshape(-1), reduction="none")
-    return F.pad(logp.view(rows, width - 1), (1, 0))
-
-
-def token_entropy(logits: torch.Tensor, temperature: float, chunk_tokens: int = 4096) -> torch.Tensor:
-    """[R, T] entropy of the distribution that predicted each target token; column 0 is 0.
-
-    Without grad it runs in chunks of `chunk_tokens` positions, so it never holds a second [R, T, V] fp32 copy.
-    """
-    rows, width, vocab = logits.shape
-    flat = logits.reshape(-1, vocab)  # a view: entropy of every position, the last one of each row is dropped
-    if torch.is_grad_enabled():
-        ent = _entropy_chunk(_scaled(flat, temperature))
-    else:
-        chunks = [
-            _entropy_chunk(_scaled(flat[i : i + chunk_tokens], temperature))
-            for i in range(0, len(flat), chunk_tokens)
-        ]
-        ent = torch.cat(chunks)
-    return F.pad(ent.view(rows, width)[:, :-1], (1, 0))
-
-
-def _entropy_chunk(x: torch.Tensor) -> torch.Tensor:
-    logp = torch.log_softmax(x, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
 
 
 class TorchLearner(Learner):
@@ -297,6 +261,20 @@ class TorchLearner(Learner):
         lr_used = float(lr if lr is not None else saved[0])
         return {"grad_norm": grad_norm, "lr": lr_used, "updates_skipped": float(skip)}
 
+    def offload(self) -> None:
+        """Parameters, gradients and optimizer state to (pinned) CPU memory: the colocated rollout phase."""
+        offload.move_state(self._modules_on_device(), self.optimizer, torch.device("cpu"))
+
+    def onload(self) -> None:
+        """Everything `offload` moved, back to the learner's device (exactly: training continues as before)."""
+        offload.move_state(self._modules_on_device(), self.optimizer, self.device)
+
+    def _modules_on_device(self) -> list[torch.nn.Module]:
+        if self.world is not None:
+            raise LearnerError("run.offload does not support learner.fsdp = true")
+        modules = [self.model] + [m for m in (self.ref_model, self.value_head) if m not in (None, self.model)]
+        return modules
+
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.world is not None:
             yield from fsdp.full_weights(self.model, {"lm_head.weight"} if self.tied else set())
@@ -313,6 +291,13 @@ class TorchLearner(Learner):
             yield from self.weights()
             return
         yield from lora.adapter_weights(self.model)
+
+    def save_adapter_dir(self, path: str) -> None:
+        """The LoRA adapter alone, as a PEFT adapter directory (what SGLang's /load_lora_adapter reads)."""
+        if self.lora is None:
+            raise LearnerError("save_adapter_dir needs learner.lora.rank > 0")
+        with hf_io.atomic_dir(path) as tmp:
+            lora.save_adapter(self.model, tmp, str(self.base_path.resolve()))
 
     def save(self, path: str) -> None:
         """Under FSDP a collective: every rank calls it, rank 0 writes (on a file system all ranks can read)."""

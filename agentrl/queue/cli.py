@@ -32,9 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policy-version", type=int, default=0, help="policy version to stamp unversioned data"
     )
     parser.add_argument("--dry-run", action="store_true", help="print the resolved [queue] config and exit")
-    parser.epilog = (
-        "Any --queue.KEY VALUE override is accepted, e.g. --queue.max-staleness 2 --queue.batch-size 64."
-    )
+    from agentrl.config import Config
+    from agentrl.config_docs import add_config_help
+
+    add_config_help(parser, Config, only=("queue",))  # any --queue.KEY VALUE override is accepted
     parser.set_defaults(accepts_overrides=True)
 
 
@@ -44,9 +45,7 @@ def resolve(args: argparse.Namespace):
     from agentrl.errors import ConfigError
 
     extra = parse_overrides(list(args.overrides or []))
-    if args.config is None:  # standalone queue: honour max_staleness (sync mode would force it to 0)
-        extra.setdefault("run", {}).setdefault("mode", "async")
-    cfg = load_config(args.config, extra)
+    cfg = load_config(args.config, extra)  # a standalone queue: [queue] as given (no run derives from it)
     q = cfg.queue
     if args.host is not None:
         q.host = args.host

@@ -225,13 +225,23 @@ class ReplayQueue(GroupedQueue, DurableQueue):
         if step in self._committed_steps:
             return
         versions = {tid: self._live[tid].versions for tid in ids if tid in self._live}
+        if self._wal is None:
+            self._apply_commit(step, versions)
+            return
         record = wal_mod.CommitRecord(step, ids, versions)
-        if self._wal is not None:
-            self._committing += 1
-            try:
-                await self._append(record)
-            finally:
-                self._committing -= 1
+        self._committing += 1  # until the ledger line is written: compaction waits (durable.py)
+        try:
+            await self._append(record)
+            self._apply_commit(step, versions)
+            await self._log_ledger(record)  # a line that fails stays owed (the commit is durable already)
+        finally:
+            self._committing -= 1
+        self._commits_since_compact += 1
+        if 0 < self.cfg.compact_every <= self._commits_since_compact:
+            self.compact()
+
+    def _apply_commit(self, step: int, versions: dict[str, Any]) -> None:
+        """The commit of `step` is in the log: the ids in `versions` leave the queue."""
         self.reclaim(versions)  # a resume rolls commits forward: those ids came back from the log, unsampled
         for tid in versions:
             self._sampled.pop(tid, None)
@@ -239,20 +249,6 @@ class ReplayQueue(GroupedQueue, DurableQueue):
         self._n_committed += len(versions)
         self._committed_steps.append(step)
         self.metrics.inc("committed", len(versions))
-        if self._wal is not None:
-            try:  # the commit is durable in the log already; a missing ledger line is repaired on reopen
-                if self.cfg.fsync:
-                    await asyncio.to_thread(self._wal.ledger, record)
-                else:
-                    self._wal.ledger(record)
-            except QueueClosed:
-                raise
-            except StorageError:
-                self.metrics.inc("storage_errors")
-                log.warning("ledger: cannot record step %d (repaired when the queue reopens)", step)
-            self._commits_since_compact += 1
-            if 0 < self.cfg.compact_every <= self._commits_since_compact and not self._committing:
-                self.compact()  # (not while another commit waits for its fsync: the snapshot would miss it)
 
     def reclaim(self, ids: Iterable[str]) -> int:
         """Mark uncommitted `ids` as handed to the learner (no log record): a restarted queue replays them from

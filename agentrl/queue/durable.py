@@ -5,12 +5,16 @@ Invariants:
 - `_append` returns once the record is durable (group commit, see wal.py); until then the trajectories of
   a put are in `_unsynced`, so a compaction meanwhile keeps them, and a duplicate of one of them is
   answered only once they are durable too (`_await_originals`).
-- No compaction while a commit waits for its fsync (its snapshot would miss that commit).
+- A commit record leaves the log (compaction keeps only a snapshot) only once its ledger line is written:
+  the reopen's ledger repair re-appends lines only for the commit records the log still holds. So no
+  compaction while a commit waits for its fsync (the snapshot would miss it) or its ledger line, nor while
+  a ledger line that failed is owed; an owed line is written before the next commit's (step order).
 Pure asyncio; no torch or ray.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter
 from pathlib import Path
@@ -24,6 +28,23 @@ from agentrl.types import Trajectory, nbytes
 log = logging.getLogger(__name__)
 
 
+async def _to_the_end(coro: Any) -> Any:
+    """Await `coro`; if the caller is cancelled meanwhile, still wait for it to finish, then re-raise the
+    cancel: a worker thread outlives its caller, and what it wrote must be known before going on."""
+    task = asyncio.ensure_future(coro)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        while not task.done():
+            try:
+                await asyncio.wait([task])
+            except asyncio.CancelledError:
+                pass
+        if not task.cancelled():
+            task.exception()  # retrieved: the cancel is what the caller gets
+        raise
+
+
 class DurableQueue:
     """Mixed into ReplayQueue, whose state (`_live`, `_known`, counters, `_insert`) it reads and rebuilds."""
 
@@ -31,7 +52,8 @@ class DurableQueue:
 
     def _open_log(self, run_dir: str | Path | None, fence: Fence | None, lock_wait_s: float) -> None:
         self._unsynced: dict[str, Trajectory] = {}  # logged, waiting for the fsync that acknowledges them
-        self._committing = 0
+        self._committing = 0  # commits between their log append and their ledger line
+        self._ledger_owed: list[wal_mod.CommitRecord] = []  # logged commits whose ledger line failed
         self.wal_repairs: dict[str, Any] = {}
         self._wal = None
         if not run_dir or not self.cfg.wal:
@@ -72,9 +94,36 @@ class DurableQueue:
         if self._unsynced and self._wal is not None:
             await self._wal.sync(self._wal.written_seq)
 
+    async def _log_ledger(self, record: wal_mod.CommitRecord) -> None:
+        """Write the ledger lines owed by earlier failures, then `record`'s (a thread with fsync). One that
+        cannot be written stays owed (logged, counted): compaction waits for it, the next commit retries it."""
+        assert self._wal is not None
+        records, self._ledger_owed = [*self._ledger_owed, record], []
+        written = 0
+
+        def write() -> None:
+            nonlocal written
+            for r in records:
+                self._wal.ledger(r)
+                written += 1
+
+        try:
+            if self.cfg.fsync:
+                await _to_the_end(asyncio.to_thread(write))
+            else:
+                write()
+        except StorageError:
+            self.metrics.inc("storage_errors")
+            log.warning("ledger: cannot record step %s (retried at the next commit; compaction waits for it, "
+                        "the reopen repairs it)", " ".join(str(r.step) for r in records[written:]))  # fmt: skip
+        finally:  # (QueueClosed goes to the caller: the fence's owner is gone)
+            self._ledger_owed[:0] = records[written:]
+
     def compact(self) -> None:
-        """Rewrite the log as the known-id set plus the uncommitted trajectories (atomic rename)."""
-        if self._wal is None:
+        """Rewrite the log as the known-id set plus the uncommitted trajectories (atomic rename). Deferred
+        (the next commit tries again) while a commit's ledger line is in flight or owed: the rewrite drops
+        commit records, which a missing ledger line is repaired from."""
+        if self._wal is None or self._committing or self._ledger_owed:
             return
         known = list(self._known.difference(self._live, self._unsynced))
         snapshot = wal_mod.SnapshotRecord(known, self._committed_steps, self._n_committed)

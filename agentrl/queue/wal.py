@@ -11,7 +11,8 @@ Invariants:
   started, so concurrent puts share fsyncs. If that fsync fails, every record it covered is cut off the
   log and each waiter gets `StorageError` (nothing of theirs acknowledged). Without `fsync` a record is in
   the page cache when `append` returns: it survives a process kill, not a machine crash.
-- A failed write leaves the file as it was (cut back to the last good offset) and raises `StorageError`.
+- A failed write leaves the file as it was (cut back to the last good offset) and raises `StorageError`;
+  so does a failed ledger line (a retry never glues a whole line onto a partial one).
 - Replay keeps every intact record: mid-file damage is skipped (its bytes go to a side file, the log is
   rewritten without them), only a torn tail is cut; then the ledger is reconciled with the log as a whole.
 - Compaction and the rewrite after damage write a temporary file, fsync it and rename it over the log, so
@@ -82,6 +83,7 @@ class WriteAheadLog:
         self._fenced = False
         self._offset = 0
         self._lock = threading.Lock()
+        self._ledger_lock = threading.Lock()  # ledger lines are written from worker threads
         # group commit: records get sequence numbers; `_durable` is the last one an fsync covered
         self._seq = self._durable = 0
         self._synced_offset = 0  # file offset `_durable` corresponds to (a failed fsync cuts back to it)
@@ -287,17 +289,37 @@ class WriteAheadLog:
         return self._seq
 
     def ledger(self, record: CommitRecord) -> None:
-        """Append the learner step's consumption to ledger.jsonl (after its commit record is in the log)."""
+        """Append the learner step's consumption to ledger.jsonl (after its commit record is in the log).
+
+        A failed write leaves the ledger as it was (cut back), so a retry never glues a whole line onto a
+        partial one (one unreadable line would hide both steps). Lines are written one at a time (threads)."""
         line = {"step": record.step, "time": time.time(), "ids": record.ids, "versions": record.versions}
+        data = (json.dumps(line, separators=(",", ":")) + "\n").encode()
         with self._lock:
             self._check_fence()
+        with self._ledger_lock:
+            try:
+                fd = os.open(self.ledger_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise StorageError(f"ledger {self.ledger_path}: cannot open ({exc.strerror or exc})") from exc
+            try:
+                start = os.fstat(fd).st_size
+                self._write_ledger(fd, start, data)
+            finally:
+                os.close(fd)
+
+    def _write_ledger(self, fd: int, start: int, data: bytes) -> None:
         try:
-            with open(self.ledger_path, "a") as f:
-                f.write(json.dumps(line, separators=(",", ":")) + "\n")
-                if self.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if self.fsync:
+                os.fsync(fd)
         except OSError as exc:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                log.exception("ledger %s: cannot cut back a failed line", self.ledger_path)
             raise StorageError(f"ledger {self.ledger_path}: cannot append ({exc.strerror or exc})") from exc
 
     def _replace_file(self, chunks: list[Any]) -> int:

@@ -1,8 +1,10 @@
-"""`agentrl run CONFIG [--async] [--resume RUN_DIR] [--import MODULE] [--dry-run] [--section.key VALUE ...]`.
+"""`agentrl run CONFIG [@ CONFIG ...] [--async] [--resume RUN_DIR] [--import MODULE] [--dry-run] [--section.key VALUE ...]`.
 
 Light module: the config is parsed and validated here before anything heavy (torch, ray) is imported, so a
 wrong key fails in milliseconds; so do the names it refers to (env, reward, generator, agent), after the
 `run.imports` modules are imported (agentrl.plugins), which is why `--dry-run` catches an unknown env.
+Several CONFIG files compose (prime-rl's layering): `agentrl run base.toml @ big-model.toml` merges them in
+order, a later file's keys winning, then the `--section.key` flags on top.
 `--resume runs/NAME` reloads `runs/NAME/config.toml` (CONFIG is optional then); overrides still apply on
 top. A run directory that already holds a run is refused before anything starts (agentrl.runner.rundir);
 when that run is finished, its summary is printed and the exit status is 0.
@@ -22,7 +24,13 @@ if TYPE_CHECKING:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="?", help="TOML config file (optional with --resume)")
+    # CONFIG files are taken from the words argparse leaves over (agentrl.config_text.split_config_args), so
+    # that `a.toml --run.steps 7 @ b.toml` keeps its order; the usage line names them.
+    parser.usage = "%(prog)s [CONFIG ...] [@ CONFIG ...] [options] [--section.key VALUE ...]"
+    parser.description = (
+        "Train. CONFIG: TOML files merged in order, a later one's keys winning (`@ FILE` also works;\n"
+        "optional with --resume); then the --section.key VALUE overrides listed below."
+    )
     parser.add_argument(
         "--async", dest="async_mode", action="store_true", help="decoupled rollout and training"
     )
@@ -39,31 +47,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="import MODULE in the driver and every actor first (e.g. envs registered with @register_env); "
         "repeatable, adds to run.imports",
     )
-    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the config as given (TOML) and the values derived from it (as comments), and exit",
+    )
     parser.add_argument("--ray-address", metavar="ADDR", help="join an existing Ray cluster (e.g. auto)")
     parser.set_defaults(accepts_overrides=True)
+    from agentrl.config import Config
+    from agentrl.config_docs import add_config_help
+
+    add_config_help(parser, Config)
 
 
 def resolve(args: argparse.Namespace):
     """The validated Config for these arguments (no heavy imports)."""
     from agentrl.config import load_config
+    from agentrl.config_text import split_config_args
     from agentrl.engines.sglang_launcher import parse_sglang_flags
     from agentrl.errors import ConfigError
     from agentrl.plugins import search_path
 
-    path = args.config
-    overrides: list[str] = list(getattr(args, "overrides", []) or [])
-    if path and not Path(path).exists() and _dangling(overrides) is not None:
-        # argparse took an override's value for CONFIG (`--resume DIR --run.steps 7`): give it back.
-        i = _dangling(overrides)
-        overrides.insert(i + 1, path)
-        path = None
+    # --sglang-mem-fraction-static 0.7 -> engine.sglang.args (first: a bare --sglang-flag takes no value)
+    sglang_args, rest = parse_sglang_flags(list(getattr(args, "overrides", []) or []))
+    files, overrides = split_config_args(rest)
+    paths: list[str | Path] = list(files)
     if args.resume:
         saved = Path(args.resume) / "config.toml"
         if not saved.exists():
             raise ConfigError(f"--resume {args.resume}: no config.toml there (not a run directory)")
-        path = path or saved
-    if path is None:
+        paths = paths or [saved]
+    if not paths:
         raise ConfigError("agentrl run needs a CONFIG file (or --resume RUN_DIR)")
     if args.async_mode and args.sync_mode:
         raise ConfigError("--async and --sync are exclusive")
@@ -76,11 +90,12 @@ def resolve(args: argparse.Namespace):
     if args.resume:
         run_dir = Path(args.resume).resolve()
         overrides += ["--run.name", _quote(run_dir.name), "--run.root", _quote(str(run_dir.parent))]
-    sglang_args, overrides = parse_sglang_flags(overrides)  # --sglang-mem-fraction-static 0.7 -> args
-    cfg = load_config(path, overrides)
+    cfg = load_config(paths, overrides)
     cfg.engine.sglang.args.update(sglang_args)
     cfg.run.imports += [m for m in getattr(args, "imports", []) or [] if m not in cfg.run.imports]
-    config_dir = Path(args.config).parent if args.config and path == args.config else None
+    config_dir = (
+        Path(files[0]).parent if files else None
+    )  # relative run.import_path entries: the first file's
     cfg.run.import_path = search_path(cfg.run.import_path, config_dir)
     check_names(cfg)
     return cfg
@@ -99,16 +114,11 @@ def check_names(cfg: Config) -> None:
         load_object(cfg.rollout.agent, "rollout.agent")
 
 
-def _dangling(overrides: list[str]) -> int | None:
-    """Index of the first `--section.key` flag that has no value after it (and no `=`)."""
-    for i, arg in enumerate(overrides):
-        if (
-            arg.startswith("--")
-            and "=" not in arg
-            and (i + 1 == len(overrides) or overrides[i + 1].startswith("--"))
-        ):
-            return i
-    return None
+def derived_text(cfg: Config) -> str:
+    """The values a run computes from the settings, as TOML comments after them (they are not settings)."""
+    lines = ["", "# derived (computed from the settings above; not settable):"]
+    lines += [f"# {key} = {value!r}  ({why})" for key, (value, why) in cfg.derived().items()]
+    return "\n".join(lines) + "\n"
 
 
 def _quote(text: str) -> str:
@@ -126,7 +136,7 @@ def main(args: argparse.Namespace) -> int:
 
     check_token(cfg.queue.token)  # before Ray: a blank token is one line here, a traceback from the actor
     if args.dry_run:
-        sys.stdout.write(dump_toml(redact(cfg)))
+        sys.stdout.write(dump_toml(redact(cfg)) + derived_text(cfg))
         return 0
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from agentrl.errors import AgentRLError

@@ -5,8 +5,9 @@ the queue's staleness window), workers stream finished groups into the queue, th
 `prompts_per_step * n_samples_per_prompt` trajectories, trains (version v -> v+1), publishes v+1 to every
 engine, and the step's ids are committed to the ledger once a checkpoint holding that step is on disk.
 
-- sync (`run.mode = "sync"`, max_staleness forced to 0): the window holds exactly one batch per version, so
-  generation of batch v+1 starts only when v+1 is published: generate -> train -> publish -> repeat.
+- sync (`run.mode = "sync"`, run with staleness 0: `Config.effective_max_staleness`): the window holds
+  exactly one batch per version, so generation of batch v+1 starts only when v+1 is published:
+  generate -> train -> publish -> repeat.
 - async: the window is `(v + max_staleness + 1) * batch`, so rollout runs ahead while the learner trains;
   engines reload between decode steps and tokens carry the version that sampled them.
 
@@ -41,19 +42,13 @@ log = logging.getLogger(__name__)
 
 
 def prepare(cfg: Config) -> Config:
-    """Derived settings: the queue's group size and batch size follow the rollout section; paths absolute."""
+    """A copy with paths made absolute (values derived from the settings are Config's properties)."""
     from agentrl.plugins import search_path
 
     cfg = msgspec.convert(msgspec.to_builtins(cfg), Config)
     cfg.run.import_path = search_path(cfg.run.import_path)
-    n = cfg.rollout.n_samples_per_prompt
-    if cfg.queue.group_size == 1 and n > 1:
-        cfg.queue.group_size = n
-    cfg.queue.batch_size = cfg.rollout.prompts_per_step * n
     cfg.model.path = str(Path(cfg.model.path).resolve())
     cfg.run.root = str(Path(cfg.run.root).resolve())
-    if cfg.run.mode == "sync":
-        cfg.queue.max_staleness = 0
     return cfg
 
 
@@ -143,7 +138,7 @@ class Runner:
         self.progress = Progress(
             cfg.run.steps, cfg.run.progress, title=cfg.run.name, time_limit_s=cfg.run.time_limit_s
         )
-        self.batch_size = cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt
+        self.batch_size = cfg.batch_trajectories
 
     # -- setup -------------------------------------------------------------------------------------------
 

@@ -6,8 +6,9 @@
 #   engine_bench NAME VARIANTS [args]     the 256-request engine bench (U[100,1024] in/out, Qwen3-0.6B arch;
 #                                         HF=1 adds transformers' generate at batch 256)
 #                                         -> $OUT/NAME.json; ENGINE_BENCH_TIMEOUT_S bounds one run (default 420)
-#   quickstart_run NAME TIMEOUT_S [agentrl run overrides]   `agentrl run examples/quickstart.toml`, log,
-#                                         metrics.jsonl and SGLang logs -> $OUT; the run's own limit is TIMEOUT_S - 40
+#   agentrl_run CONFIG NAME TIMEOUT_S [agentrl run overrides]   `agentrl run CONFIG`, log, metrics.jsonl and
+#                                         SGLang logs -> $OUT; the run's own limit is TIMEOUT_S - 40
+#   quickstart_run NAME TIMEOUT_S [overrides]   agentrl_run on examples/quickstart.toml
 #   run_summary NAME RUN_DIR...           steps, throughput, staleness, publish times -> $OUT/NAME.json
 # and the flag sets MEGATRON_GPU (bf16 Megatron learner) and SGLANG_GPU (real SGLang with the flags of
 # docs/benchmarks/gpu.md; add --sglang-mem-fraction-static). Multicast stays off on these machines (KINDS.md).
@@ -65,10 +66,10 @@ engine_bench() {
   echo "$name rc=$?"; grep '^{' "/tmp/$name.log" | cut -c1-3000
 }
 
-quickstart_run() {
-  local name=$1 limit=$2; shift 2
+agentrl_run() {
+  local config=$1 name=$2 limit=$3; shift 3
   timeout "$limit" python3 -c "import sys; from agentrl.cli import main; sys.exit(main(sys.argv[1:]))" \
-    run examples/quickstart.toml --run.name "$name" --run.eval-every 0 --run.checkpoint-every 0 \
+    run "$config" --run.name "$name" --run.eval-every 0 --run.checkpoint-every 0 \
     --run.time-limit-s $((limit - 40)) --rollout.num-workers 1 "$@" > "$out/$name.log" 2>&1
   echo "$name rc=$?"; grep "^\[agentrl\]" "$out/$name.log" | tail -3
   grep -iE "error|traceback" "$out/$name.log" | grep -v "^\[agentrl\]" | tail -8
@@ -76,6 +77,8 @@ quickstart_run() {
   cp runs/"$name"/sglang-*.log "$out/" 2>/dev/null
   return 0
 }
+
+quickstart_run() { agentrl_run examples/quickstart.toml "$@"; }
 
 run_summary() {
   local name=$1; shift

@@ -1,6 +1,14 @@
-"""Summarise an `agentrl run` directory's metrics.jsonl: steps, throughput, staleness and publish times.
+"""Summarise `agentrl run` directories' metrics.jsonl: steps, loop wall time, step / publish / train times,
+staleness, mismatch and throughput as median with p10-p90 and min-max over steps; with `--compare`, the
+async/sync wall-time ratio of the training loops over the same trained samples.
 
-python3 bench/gpu/run_summary.py runs/NAME [--out FILE]
+python3 bench/gpu/run_summary.py runs/NAME... [--compare] [--out FILE]
+
+The loop's wall time to step k is `wall_s[k] - (wall_s[1] - step_s[1])`: from the moment the loop started
+waiting for its first batch (start-up, warm-up and the first publish excluded) to the end of step k.
+`--compare` takes the runs in pairs (async dir, sync dir): over the first k = min(steps) steps of both (the
+same number of trained trajectories, checked), ratio = sync loop time / async loop time; `ratio_from_step2`
+leaves out step 1 (the engine's first batch: CUDA graph capture, compilation) from both.
 """
 
 from __future__ import annotations
@@ -9,35 +17,87 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+from typing import Any
+
+KEYS = ("step_s", "publish_s", "train_s", "sample_wait_s", "staleness_mean", "staleness_max",
+        "train/logprob_mismatch", "tokens_per_s", "response_len_mean", "reward_mean")  # fmt: skip
 
 
-def summarise(run_dir: Path) -> dict:
+def load_rows(run_dir: Path) -> list[dict[str, Any]]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "step" in r and "step_s" in r]
+    return [r for r in rows if "step" in r and "step_s" in r]
 
-    def stats(key: str) -> dict:
-        vals = [float(r[key]) for r in rows if r.get(key) is not None]
-        if not vals:
-            return {}
-        return {"mean": round(statistics.fmean(vals), 4), "median": round(statistics.median(vals), 4),
-                "max": round(max(vals), 4)}  # fmt: skip
 
-    return {
+def spread(vals: list[float]) -> dict[str, float]:
+    """Median, p10 and p90 (nearest rank), min, max and mean of the values."""
+    if not vals:
+        return {}
+    ordered = sorted(vals)
+
+    def rank(q: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+    out = {"median": statistics.median(ordered), "p10": rank(0.1), "p90": rank(0.9), "min": ordered[0],
+           "max": ordered[-1], "mean": statistics.fmean(ordered)}  # fmt: skip
+    return {k: round(v, 4) for k, v in out.items()}
+
+
+def loop_s(rows: list[dict[str, Any]], k: int, first: int = 1) -> float:
+    """Wall seconds of the loop from the start of step `first` to the end of step `k` (1-based)."""
+    start = float(rows[first - 1]["wall_s"]) - float(rows[first - 1]["step_s"])
+    return float(rows[k - 1]["wall_s"]) - start
+
+
+def summarise(run_dir: Path) -> dict[str, Any]:
+    rows = load_rows(run_dir)
+    out: dict[str, Any] = {
         "run": run_dir.name,
         "steps": len(rows),
+        "trajectories": sum(int(r.get("n_trajectories", 0)) for r in rows),
         "last_policy_version": rows[-1].get("policy_version") if rows else None,
         "wall_s": round(float(rows[-1].get("wall_s", 0.0)), 1) if rows else None,
-        **{k: stats(k) for k in ("step_s", "tokens_per_s", "staleness_mean", "staleness_max", "publish_s",
-                                 "train_s", "sample_wait_s", "reward_mean", "train/logprob_mismatch")},
-    }  # fmt: skip
+        "loop_s": round(loop_s(rows, len(rows)), 2) if rows else None,
+        "dropped_stale": rows[-1].get("queue_dropped_stale") if rows else None,  # the queue's count so far
+    }
+    for key in KEYS:
+        out[key] = spread([float(r[key]) for r in rows if r.get(key) is not None])
+    return out
+
+
+def compare(async_dir: Path, sync_dir: Path) -> dict[str, Any]:
+    """The async/sync ratio over the steps both runs completed (the same trained trajectories)."""
+    a, s = load_rows(async_dir), load_rows(sync_dir)
+    k = min(len(a), len(s))
+    if k == 0:
+        return {"async": async_dir.name, "sync": sync_dir.name, "steps": 0}
+    samples = [sum(int(r.get("n_trajectories", 0)) for r in rows[:k]) for rows in (a, s)]
+    out: dict[str, Any] = {
+        "async": async_dir.name,
+        "sync": sync_dir.name,
+        "steps": k,
+        "trajectories": samples[0],
+        "same_samples": samples[0] == samples[1],
+        "async_loop_s": round(loop_s(a, k), 2),
+        "sync_loop_s": round(loop_s(s, k), 2),
+    }
+    out["ratio"] = round(out["sync_loop_s"] / max(1e-9, out["async_loop_s"]), 3)
+    if k >= 2:
+        out["ratio_from_step2"] = round(loop_s(s, k, 2) / max(1e-9, loop_s(a, k, 2)), 3)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", nargs="+")
+    ap.add_argument("--compare", action="store_true", help="runs in (async, sync) pairs: add their ratio")
     ap.add_argument("--out")
     args = ap.parse_args()
-    result = [summarise(Path(d)) for d in args.run_dir]
+    dirs = [Path(d) for d in args.run_dir]
+    result: Any = [summarise(d) for d in dirs]
+    if args.compare:
+        if len(dirs) % 2:
+            ap.error("--compare takes run directories in (async, sync) pairs")
+        result = {"runs": result, "compare": [compare(dirs[i], dirs[i + 1]) for i in range(0, len(dirs), 2)]}
     line = json.dumps(result)
     print(line)
     if args.out:

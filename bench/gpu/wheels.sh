@@ -2,7 +2,8 @@
 # Wheels for the GPU machine, built HERE (CPU machine with pip and PyPI; the GPU machine reaches no registry).
 # They travel in ignored folders named in a device call's `carry` (at most 64 MiB per call, so SGLang and Ray go
 # in separate calls of one hold); bench/gpu/common.sh `gpu_install` installs them there.
-#   bash bench/gpu/wheels.sh sglang [DIR]   # DIR/sglang_wheelhouse.tar (default .sgl): trimmed SGLang 0.5.12, ~50 MB
+#   bash bench/gpu/wheels.sh sglang [DIR]   # DIR/sglang_wheelhouse.tar (default .sgl): trimmed SGLang 0.5.12,
+#                                           # torch_memory_saver, peft, accelerate: ~54 MB
 #   bash bench/gpu/wheels.sh megatron       # .gpu/megatron-whl: megatron-core 0.16.1 + msgspec (~3 MB)
 #   bash bench/gpu/wheels.sh ray            # .whl: Ray 2.60 trimmed to 44.6 MB + msgspec, megatron-core, jsonschema,
 #                                           # rich, pytest-asyncio (~48 MB): what `agentrl run` needs there
@@ -24,7 +25,10 @@ dl wheels sglang==0.5.12 flashinfer-python==0.6.11.post1 apache-tvm-ffi==0.1.9 \
   distro==1.9.0 partial-json-parser==0.2.1.1.post7 dill==0.4.1 uvicorn==0.54.0 fastapi==0.141.1 annotated-doc==0.0.7 \
   compressed-tensors==0.20.0 loguru==0.7.3 gguf==0.19.0 msgspec==0.22.0 setproctitle==1.3.8 jsonschema==4.26.0 \
   jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 soundfile==0.13.1 cffi==2.1.1 \
-  python-multipart==0.0.34 nvidia-ml-py==13.615.71 typing-extensions==4.16.0
+  python-multipart==0.0.34 nvidia-ml-py==13.615.71 typing-extensions==4.16.0 \
+  torch_memory_saver==0.0.10 peft==0.21.2 accelerate==1.15.0
+# torch_memory_saver: SGLang's /release_memory_occupation (colocated hand-off, --enable-memory-saver);
+# peft + accelerate: the torch learner's LoRA (bench/gpu/sglang_lora_check.py).
 # sglang-kernel: keep only the sm90 common ops (drop FlashAttention-3, sm100, flashmla, mscclpp, headers).
 dl big sglang-kernel==0.4.2.post2
 k=$(ls big/sglang_kernel-*.whl); kd=sglang_kernel-0.4.2.post2.dist-info

@@ -28,7 +28,5 @@ def serve_queue(tmp_path) -> Iterator:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    from agentrl.engines.tiny import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("rel") / "tiny", hidden=64, layers=1))
+def tiny_model(run_model) -> str:
+    return run_model

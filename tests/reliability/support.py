@@ -22,6 +22,17 @@ from run_support import read_jsonl  # the suite's tests import it from here too
 
 HERE = Path(__file__).parent
 TESTS = HERE.parent
+LOAD_BENCH = TESTS.parent / "bench" / "load_bench.py"
+
+
+def load_bench():
+    """bench/load_bench.py as a module (its server, clients and accounting)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("load_bench", LOAD_BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def env(**extra: str) -> dict[str, str]:

@@ -6,25 +6,17 @@ in ledger.jsonl or the WAL, none consumed twice. p50/p99 latency are reported.""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 import pytest
 
-from reliability.support import TESTS, Served, figure
+from reliability.support import LOAD_BENCH as BENCH
+from reliability.support import Served, figure, load_bench
 
 pytestmark = pytest.mark.slow
 
-BENCH = TESTS.parent / "bench" / "load_bench.py"
 MAX_BYTES = 4 << 20
 MAX_TRAJECTORIES = 5000
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("load_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_sustained_submission_is_bounded_by_backpressure(tmp_path):

@@ -7,6 +7,9 @@ Layout of a checkpoint directory (learner.json follows agentrl.learners.checkpoi
   model_tp{t}_pp{p}.pt          {global Megatron name: tensor} for TP rank t / PP rank p (written by DP rank 0)
   optim_rank{r}.pt              optimizer of global rank r: its torch optimizer's state_dict and the (fp32 main)
                                 parameters it steps (GPU: the distributed optimizer's shard), once it has stepped
+With LoRA (`lora_base` in learner.json: the base model's directory) there are no model files: the adapter is a
+PEFT adapter directory (adapter_model.safetensors + adapter_config.json, peft's names, any TP/PP) and the
+optimizer files hold the adapter's state alone; export merges it into the base (agentrl.learners.checkpoint).
 Names use global layer numbering, so `to_hf` rebuilds HF tensors from the files alone (no torch.distributed).
 """
 
@@ -20,9 +23,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from agentrl.config import LoraSection
 from agentrl.errors import LearnerError
 from agentrl.learners import hf_io
-from agentrl.learners.checkpoint import hf_config_dir, read_metadata, write_metadata
+from agentrl.learners.checkpoint import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    hf_config_dir,
+    read_metadata,
+    torch_to_hf,
+    write_metadata,
+)
+from agentrl.learners.megatron import lora
 
 if TYPE_CHECKING:
     from agentrl.learners.megatron.learner import MegatronLearner
@@ -83,7 +95,13 @@ def save(learner: MegatronLearner, path: Path) -> None:
     rank = dist.get_rank()
     # Megatron's distributed optimizer cannot export state before its first step (no Adam state yet).
     has_state = learner.optimizer_steps > 0
-    if ps.get_data_parallel_rank() == 0:
+    extra = {}
+    if learner.lora is not None:  # collective over TP/PP; rank 0 writes it
+        extra["lora_base"] = str(Path(learner.model_path).resolve())
+        adapter = lora.gather(unwrap(learner.model), scaled=False)
+        if rank == 0:
+            _write_adapter(path, adapter, learner.lora, extra["lora_base"])
+    elif ps.get_data_parallel_rank() == 0:
         params = convert.global_params(unwrap(learner.model))
         torch.save({k: v.detach().cpu() for k, v in params.items()}, path / f"model_{_rank_suffix()}.pt")
     if has_state:
@@ -99,7 +117,7 @@ def save(learner: MegatronLearner, path: Path) -> None:
             path, "megatron", learner.step, learner.policy_version, "hf",
             tensor_parallel=learner.tp_size, pipeline_parallel=ps.get_pipeline_model_parallel_world_size(),
             dtype=learner.cfg.dtype, model_path=learner.model_path, temperature=learner.temperature,
-            optimizer_steps=learner.optimizer_steps, world_size=dist.get_world_size(),
+            optimizer_steps=learner.optimizer_steps, world_size=dist.get_world_size(), **extra,
         )  # fmt: skip
     if dist.get_world_size() > 1:
         dist.barrier()
@@ -116,9 +134,6 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 def load(learner: MegatronLearner, path: Path) -> None:
     from megatron.core import parallel_state as ps
 
-    from agentrl.learners.megatron import convert
-    from agentrl.learners.megatron.model import unwrap
-
     meta = read_meta(path)
     pp = ps.get_pipeline_model_parallel_world_size()
     if (meta["tensor_parallel"], meta["pipeline_parallel"]) != (learner.tp_size, pp):
@@ -127,14 +142,15 @@ def load(learner: MegatronLearner, path: Path) -> None:
             f"{meta['pipeline_parallel']}, learner runs {learner.tp_size}/{pp}; export it with `agentrl export` "
             "and start from the HF directory instead"
         )
-    saved = torch.load(path / f"model_{_rank_suffix()}.pt", map_location="cpu", weights_only=True)
-    params = convert.global_params(unwrap(learner.model))
-    if set(saved) != set(params):
+    if (learner.lora is not None) != ("lora_base" in meta):
         raise LearnerError(
-            f"{path}: parameter names differ from the model: {sorted(set(saved) ^ set(params))[:4]}"
+            f"{path}: a {'LoRA' if 'lora_base' in meta else 'full-weight'} checkpoint cannot be loaded with "
+            f"learner.lora.rank = {learner.cfg.lora.rank}"
         )
-    for name, param in params.items():
-        param.copy_(saved[name])
+    if learner.lora is not None:
+        _load_adapter(learner, path)
+    else:
+        _load_params(learner, path)
     learner.step, learner.policy_version = int(meta["step"]), int(meta["policy_version"])
     learner.optimizer_steps = int(meta.get("optimizer_steps", 0))
     if learner.cuda:  # the distributed optimizer keeps fp32 main params: refresh them from the loaded weights
@@ -152,6 +168,66 @@ def load(learner: MegatronLearner, path: Path) -> None:
         for param, value in zip(_params(opt), entry["params"], strict=True):
             param.copy_(value)
         opt.load_state_dict(entry["state"])
+
+
+def _load_params(learner: MegatronLearner, path: Path) -> None:
+    from agentrl.learners.megatron import convert
+    from agentrl.learners.megatron.model import unwrap
+
+    saved = torch.load(path / f"model_{_rank_suffix()}.pt", map_location="cpu", weights_only=True)
+    params = convert.global_params(unwrap(learner.model))
+    if set(saved) != set(params):
+        raise LearnerError(
+            f"{path}: parameter names differ from the model: {sorted(set(saved) ^ set(params))[:4]}"
+        )
+    for name, param in params.items():
+        param.copy_(saved[name])
+
+
+_PEFT_PREFIX = "base_model.model."  # what peft puts before the HF module names in adapter_model.safetensors
+
+
+def _write_adapter(path: Path, adapter: dict[str, torch.Tensor], cfg: LoraSection, base: str) -> None:
+    """A PEFT adapter directory (loadable by `PeftModel.from_pretrained` and SGLang's LoRA loader)."""
+    from safetensors.torch import save_file
+
+    save_file({_PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in adapter.items()},
+              str(path / ADAPTER_WEIGHTS))  # fmt: skip
+    (path / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg, base), indent=1) + "\n")
+
+
+def save_adapter_dir(learner: MegatronLearner, path: Path) -> None:
+    """The adapter alone as a PEFT directory, written atomically by rank 0 (a collective gather first)."""
+    import torch.distributed as dist
+
+    from agentrl.learners.megatron.model import unwrap
+
+    if learner.lora is None:
+        raise LearnerError("save_adapter_dir needs learner.lora.rank > 0")
+    adapter = lora.gather(unwrap(learner.model), scaled=False)
+    if dist.get_rank() == 0:
+        with hf_io.atomic_dir(path) as tmp:
+            _write_adapter(Path(tmp), adapter, learner.lora, str(Path(learner.model_path).resolve()))
+
+
+def adapter_config(cfg: LoraSection, base: str) -> dict[str, Any]:
+    """peft's adapter_config.json for this LoRA section (target names spelled out, `all-linear` expanded)."""
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": cfg.rank,
+        "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "target_modules": lora.targets(cfg),
+        "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+    }  # fmt: skip
+
+
+def _load_adapter(learner: MegatronLearner, path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from agentrl.learners.megatron.model import unwrap
+
+    if not (path / ADAPTER_WEIGHTS).is_file():
+        raise LearnerError(f"{path}: no {ADAPTER_WEIGHTS} (not a LoRA checkpoint)")
+    state = {k.removeprefix(_PEFT_PREFIX): v for k, v in load_file(str(path / ADAPTER_WEIGHTS)).items()}
+    lora.load(unwrap(learner.model), state, learner.tp_rank, learner.tp_size)
 
 
 def _torch_optimizers(learner: MegatronLearner) -> list[torch.optim.Optimizer]:
@@ -193,5 +269,9 @@ def iter_checkpoint_hf(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def to_hf(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
     """Write a Hugging Face directory (config, tokenizer, safetensors) from a Megatron learner checkpoint."""
-    config_dir = hf_config_dir(checkpoint_dir, read_meta(checkpoint_dir))
+    meta = read_meta(checkpoint_dir)
+    if "lora_base" in meta:  # the adapter merged into its base, through peft (as a torch LoRA checkpoint)
+        torch_to_hf(str(checkpoint_dir), str(out_dir))
+        return Path(out_dir)
+    config_dir = hf_config_dir(checkpoint_dir, meta)
     return hf_io.save_hf_dir(out_dir, iter_checkpoint_hf(checkpoint_dir), config_dir)

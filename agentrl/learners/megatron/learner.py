@@ -9,12 +9,14 @@ equals one big batch. GPU: Megatron DDP + distributed optimizer (fp32 main param
 learner.dtype = "bfloat16", grad clip inside `optimizer.step`). CPU: TP = PP = 1 over gloo, torch AdamW +
 clip_grad_norm_ (gradients all-reduced over DP ranks under torchrun), with the cpu_compat substitutes. Batches
 must be right-padded (not packed): RoPE positions are 0..T-1 per row. PP > 1 (GPU) runs Megatron's 1F1B schedule (pipeline.py); results come from the last stage.
+`learner.lora.rank > 0` (lora.py): adapters on the TP linears, the base frozen and outside the optimizer, the
+reference pass = adapters off; `published_weights()` is the adapter under peft's names, `weights()` the merged
+full weights; checkpoints hold the PEFT adapter directory and the adapter's optimizer state (checkpoint.py).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,9 +30,9 @@ from agentrl.errors import LearnerError
 from agentrl.learners import fused_logprob
 from agentrl.learners.base import Learner
 from agentrl.learners.batch import Batch, micro_batches
-from agentrl.learners.megatron import checkpoint, convert, host_overhead, ops, pipeline
+from agentrl.learners.megatron import checkpoint, convert, host_overhead, lora, ops, pipeline
 from agentrl.learners.megatron.model import ArchSpec, build_gpt, unwrap
-from agentrl.learners.megatron.parallel import init_parallel
+from agentrl.learners.megatron.parallel import init_parallel, sum_over_dp
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -47,7 +49,7 @@ class MegatronLearner(Learner):
         attention: str = "sdpa",
         fused: bool | None = None,
         entropy_metric: bool = True,
-        compile: bool = False,
+        compile: bool | str = False,
         reduce_host_overhead: bool = True,
     ):
         from megatron.core import parallel_state as ps
@@ -84,8 +86,13 @@ class MegatronLearner(Learner):
         pad = hf_config.pad_token_id
         self.pad_id = int(pad if pad is not None else (hf_config.eos_token_id or 0))
         torch.manual_seed(seed)
+        self.lora = lc.lora if lc.lora.enabled else None
         self.model = self._load_model()
-        self.ref_model = self._load_model().eval().requires_grad_(False) if lc.reference_model else None
+        if self.lora is not None:  # base frozen; the reference model is this one with the adapter disabled
+            lora.attach(self.model, self.arch, self.lora, self.tp_rank, self.tp_size, seed)
+        self.ref_model = None
+        if lc.reference_model:
+            self.ref_model = self.model if self.lora else self._load_model().eval().requires_grad_(False)
         self.reduce_host_overhead = reduce_host_overhead  # False: megatron-core as is (the bench's baseline)
         self.optimizer = self._make_optimizer()
         self.optimizer_steps = 0
@@ -93,7 +100,9 @@ class MegatronLearner(Learner):
         if compile:  # inductor fuses RoPE, norms, SwiGLU and residual adds (no Transformer Engine needed)
             host_overhead.default_tp_group_quietly(self.reduce_host_overhead)
             inner = unwrap(self.model)
-            inner.forward = torch.compile(inner.forward)
+            # `compile` may name a torch.compile mode ("reduce-overhead": CUDA graphs; the bench tries it)
+            mode = compile if isinstance(compile, str) else None
+            inner.forward = torch.compile(inner.forward, mode=mode)
 
     # -- construction ------------------------------------------------------------------------------------
 
@@ -107,7 +116,8 @@ class MegatronLearner(Learner):
     def _load_model(self) -> torch.nn.Module:
         model = build_gpt(
             self.arch, dtype=self.dtype, device=str(self.device), attention=self.attention, fused=self.fused,
-            calculate_per_token_loss=True, **self._pipeline_config(),
+            calculate_per_token_loss=True, use_te=False if self.lora is not None else None,
+            **self._pipeline_config(),
         )  # fmt: skip
         convert.check_hf_names(self.arch, checkpoint.weight_map(self.model_path))
         with checkpoint.hf_reader(self.model_path) as get_hf:
@@ -127,7 +137,7 @@ class MegatronLearner(Learner):
         lc = self.cfg
         if not self.cuda:
             return torch.optim.AdamW(
-                self.model.parameters(), lr=lc.lr, betas=tuple(lc.betas), weight_decay=lc.weight_decay
+                self._trainable(), lr=lc.lr, betas=tuple(lc.betas), weight_decay=lc.weight_decay
             )
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -205,6 +215,9 @@ class MegatronLearner(Learner):
         return self._whole_batch(self.model, batch)
 
     def compute_ref_logprobs(self, batch: Batch) -> torch.Tensor:
+        if self.lora is not None and self.cfg.reference_model:
+            with lora.disabled(unwrap(self.model)):
+                return self._whole_batch(self.model, batch)
         if self.ref_model is None:
             raise LearnerError("no reference model (learner.reference_model = false)")
         return self._whole_batch(self.ref_model, batch)
@@ -282,7 +295,7 @@ class MegatronLearner(Learner):
         if lr is not None:
             for g in groups:
                 g["lr"] = lr
-        params = list(self.model.parameters())
+        params = self._trainable()
         if self.cuda:
             from megatron.core.distributed import finalize_model_grads
 
@@ -310,6 +323,10 @@ class MegatronLearner(Learner):
         lr_used = float(lr if lr is not None else saved[0])
         return {"grad_norm": grad_norm, "lr": lr_used, "updates_skipped": float(skip)}
 
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        """Every parameter, or the adapter's alone under LoRA (the base is frozen)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
     def _grad_buffers(self) -> list:
         """Megatron DDP's contiguous gradient buffers (GPU path); none on the CPU path."""
         if not self.cuda:
@@ -329,38 +346,29 @@ class MegatronLearner(Learner):
         return not bool(bad.item())
 
     def _sum_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Loss terms (full-batch normalisers) and `*_sum` metrics are partial sums per DP rank: add them up;
-        `*_max` metrics (per-turn ratio maxima) are partial maxima: take the max, so a turn whose tokens sit on
-        another rank has its maximum next to its sums."""
-        if self.dp_size == 1:
-            return metrics
-        from megatron.core import parallel_state as ps
-
-        group = ps.get_data_parallel_group()
-        # A rank can have no micro-batch (fewer micro-batches than DP ranks) and so no loss keys: agree first.
-        mine = sorted(k for k in metrics if k.startswith("loss") or k.endswith(("_sum", "_max")))
-        every: list = [None] * self.dp_size
-        dist.all_gather_object(every, mine, group=group)
-        union = set().union(*every)
-        out = dict(metrics)
-        for keys, default, op in (
-            (sorted(k for k in union if not k.endswith("_max")), 0.0, dist.ReduceOp.SUM),
-            (sorted(k for k in union if k.endswith("_max")), -math.inf, dist.ReduceOp.MAX),
-        ):
-            values = torch.tensor(
-                [metrics.get(k, default) for k in keys], dtype=torch.float64, device=self.device
-            )
-            dist.all_reduce(values, op=op, group=group)
-            out.update(dict(zip(keys, values.tolist(), strict=True)))
-        return out
+        return metrics if self.dp_size == 1 else sum_over_dp(metrics, self.device)
 
     # -- weights and checkpoints -------------------------------------------------------------------------
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return convert.iter_hf(unwrap(self.model), self.arch)
+        """HF-named full weights (with a LoRA adapter merged in). Collective under TP/PP."""
+        base = convert.iter_hf(unwrap(self.model), self.arch)
+        if self.lora is None:
+            return base
+        return lora.merged(base, lora.gather(unwrap(self.model), scaled=True))
+
+    def published_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a publish sends: the adapter alone under LoRA (peft's names, B times alpha / r)."""
+        if self.lora is None:
+            return self.weights()
+        return iter(lora.gather(unwrap(self.model), scaled=True).items())
 
     def save(self, path: str) -> None:
         checkpoint.save(self, Path(path))
+
+    def save_adapter_dir(self, path: str) -> None:
+        """The LoRA adapter as a PEFT directory (collective under TP/PP; rank 0 writes)."""
+        checkpoint.save_adapter_dir(self, Path(path))
 
     def load(self, path: str) -> None:
         checkpoint.load(self, Path(path))

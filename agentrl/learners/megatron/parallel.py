@@ -9,6 +9,7 @@ are rebuilt only when the requested TP/PP sizes change. CUDA RNG seeding on GPU,
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 
@@ -61,3 +62,26 @@ def init_parallel(tensor_parallel: int, pipeline_parallel: int, device: str, see
         mp_tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
         cpu_compat.install(seed)
+
+
+def sum_over_dp(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Loss terms (full-batch normalisers) and `*_sum` metrics are partial sums per DP rank: add them up;
+    `*_max` metrics (per-turn ratio maxima) are partial maxima: take the max, so a turn whose tokens sit on
+    another rank has its maximum next to its sums."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_data_parallel_group()
+    # A rank can have no micro-batch (fewer micro-batches than DP ranks) and so no loss keys: agree first.
+    mine = sorted(k for k in metrics if k.startswith("loss") or k.endswith(("_sum", "_max")))
+    every: list = [None] * ps.get_data_parallel_world_size()
+    dist.all_gather_object(every, mine, group=group)
+    union = set().union(*every)
+    out = dict(metrics)
+    for keys, default, op in (
+        (sorted(k for k in union if not k.endswith("_max")), 0.0, dist.ReduceOp.SUM),
+        (sorted(k for k in union if k.endswith("_max")), -math.inf, dist.ReduceOp.MAX),
+    ):
+        values = torch.tensor([metrics.get(k, default) for k in keys], dtype=torch.float64, device=device)
+        dist.all_reduce(values, op=op, group=group)
+        out.update(dict(zip(keys, values.tolist(), strict=True)))
+    return out

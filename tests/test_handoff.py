@@ -1,0 +1,226 @@
+"""The colocated memory hand-off (`run.offload`): the learner's state round-trips exactly through offload/onload,
+the embedded engine frees and restores its KV cache, the hand-off calls engines and learner in the right order
+and reports each phase's peak, SGLang gets the memory-occupation requests it takes, the config refuses what
+it cannot do, and a colocated sync run trains with it (real Ray, tiny model)."""
+
+import pytest
+import torch
+from aiohttp import web
+from run_support import make_model, read_jsonl, tiny_config
+from test_lora import PROMPT, batch
+
+from agentrl.actors.handoff import GIB, HandOff, PeakMeter, wait_until_free
+from agentrl.config import AlgorithmSection, LearnerSection, load_config
+from agentrl.engines.base import DiskSource, SamplingParams
+from agentrl.engines.embedded import EmbeddedEngine
+from agentrl.engines.sglang import SGLangEngine
+from agentrl.engines.tiny import make_tiny_model
+from agentrl.errors import ConfigError
+from agentrl.learners.torch_learner import TorchLearner
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return make_tiny_model(
+        tmp_path_factory.mktemp("handoff") / "m", "qwen3", seed=4, hidden=64, vocab_size=256
+    )
+
+
+def state(learner):
+    params = {n: p for n, p in learner.model.named_parameters()}
+    opt = [v for s in learner.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return params, opt
+
+
+def test_offload_and_onload_round_trip_the_learner_exactly(base):
+    make = lambda: TorchLearner(base, LearnerSection(lr=1e-2), AlgorithmSection(advantage="rloo"))  # noqa: E731
+    moved, twin = make(), make()
+    for learner in (moved, twin):
+        learner.train_step(batch(learner, 0))
+    params, opt = state(moved)
+    before = {n: (p.detach().clone(), p.grad.clone(), p.data_ptr()) for n, p in params.items()}
+    opt_before = [(t.clone(), t.data_ptr()) for t in opt]
+    moved.offload()
+    params_off, opt_off = state(moved)
+    assert params_off.keys() == params.keys() and all(
+        params_off[n] is params[n] for n in params
+    )  # same objects
+    for name, p in params_off.items():
+        value, grad, ptr = before[name]
+        assert p.data_ptr() != ptr and torch.equal(p, value) and torch.equal(p.grad, grad), name
+    assert all(
+        t.data_ptr() != ptr and torch.equal(t, v) for t, (v, ptr) in zip(opt_off, opt_before, strict=True)
+    )
+    moved.onload()
+    for learner in (moved, twin):
+        learner.train_step(batch(learner, 1))
+    for (name, p), q in zip(moved.model.named_parameters(), twin.model.parameters(), strict=True):
+        assert torch.equal(p, q), name  # the Adam moments survived the trip: the next step is the same
+
+
+async def test_embedded_engine_frees_and_restores_its_kv_cache(base):
+    engine = EmbeddedEngine(str(base), max_batch_size=2, max_seq_len=32)
+    sampling = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    try:
+        first = await engine.generate(PROMPT, sampling)
+        full = engine.cache.nbytes()
+        await engine.release_memory()
+        assert all(t.untyped_storage().nbytes() == 0 for t in (*engine.cache.k, *engine.cache.v)) and full > 0
+        await engine.resume_memory(["weights"])  # the weights never left: nothing to do
+        await engine.resume_memory(["kv_cache"])
+        assert sum(t.untyped_storage().nbytes() for t in (*engine.cache.k, *engine.cache.v)) == full
+        again = await engine.generate(PROMPT, sampling)
+        assert again.output_ids == first.output_ids and again.logprobs == first.logprobs
+    finally:
+        await engine.close()
+
+
+class Recorder:
+    """Learner and engines that log their hand-off calls into one list."""
+
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def offload(self):
+        self.log.append(("offload", self.name))
+
+    def onload(self):
+        self.log.append(("onload", self.name))
+
+    async def release_memory(self):
+        self.log.append(("release", self.name))
+
+    async def resume_memory(self, tags):
+        self.log.append(("resume", self.name, tuple(tags)))
+
+
+async def test_handoff_order_and_phase_peaks():
+    log, used = [], [0]
+    meter = PeakMeter(interval_s=3600, read=lambda: used[0])
+
+    async def wait_free():
+        log.append(("wait_free",))
+        return 0
+
+    async def update():
+        log.append(("update",))
+
+    engines = [Recorder(log, "e0"), Recorder(log, "e1")]
+    handoff = HandOff(Recorder(log, "learner"), engines, meter, wait_free)
+    try:
+        await handoff.publish(update)  # the first publish: the learner starts offloaded
+        taking = [("release", "e0"), ("release", "e1"), ("wait_free",), ("onload", "learner")]
+        giving = [("resume", "e0", ("weights",)), ("resume", "e1", ("weights",)), ("update",),
+                  ("offload", "learner"), ("resume", "e0", ("kv_cache",)), ("resume", "e1", ("kv_cache",))]  # fmt: skip
+        assert log == taking + giving
+        log.clear()
+        used[0] = 30 * int(GIB)  # rollout: engines at full size
+        meter.sample()
+        used[0] = 5 * int(GIB)
+        await handoff.to_training()
+        await handoff.to_training()  # already training: nothing happens
+        used[0] = 50 * int(GIB)  # training peak
+        meter.sample()
+        metrics = handoff.train_metrics()
+        assert metrics["memory/rollout_peak_gib"] == 30 and metrics["memory/train_peak_gib"] == 50
+        await handoff.publish(update)
+        assert log == taking + giving
+    finally:
+        handoff.close()
+
+
+async def test_wait_until_free_waits_for_the_release_to_settle():
+    values, taken = [10, 8, 6, 5, 5, 5] + [5] * 10, []
+
+    def read():
+        taken.append(values[len(taken)])
+        return taken[-1]
+
+    assert await wait_until_free(read, settle_s=0.001, tolerance_bytes=0) == 5
+    assert taken == [10, 8, 6, 5, 5, 5]  # it stopped at the third equal reading, not before
+
+
+async def test_sglang_memory_occupation_requests():
+    seen = []
+
+    async def record(request):
+        seen.append((request.path, await request.json()))
+        return web.json_response({"success": True, "message": ""})
+
+    app = web.Application()
+    app.router.add_post("/release_memory_occupation", record)
+    app.router.add_post("/resume_memory_occupation", record)
+    app.router.add_post("/update_weights_from_disk", record)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    engine = SGLangEngine(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+    try:
+        await engine.release_memory()
+        await engine.resume_memory(["weights"])
+        await engine.update_weights(1, DiskSource("/new"))
+        await engine.resume_memory(["kv_cache"])
+        await engine.update_weights(2, DiskSource("/newer"))
+    finally:
+        await engine.close()
+        await runner.cleanup()
+    flush = [body["flush_cache"] for route, body in seen if route == "/update_weights_from_disk"]
+    assert flush == [False, True]  # no cache flush while the KV cache is released
+    assert [entry for entry in seen if entry[0] != "/update_weights_from_disk"] == [
+        ("/release_memory_occupation", {"tags": None}),  # weights, KV cache and CUDA graphs
+        ("/resume_memory_occupation", {"tags": ["weights"]}),
+        ("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ([], "run.placement = 'colocated'"),
+        (["--run.placement", "colocated", "--run.mode", "async"], "run.mode = 'sync'"),
+        (["--run.placement", "colocated", "--learner.kind", "megatron"], "learner.kind = 'torch'"),
+    ],
+)
+def test_config_refuses_what_the_hand_off_cannot_do(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, ["--run.offload", "true", *overrides])
+
+
+def test_sglang_is_launched_with_the_memory_saver(monkeypatch):
+    from agentrl.actors import engine as engine_mod
+    from agentrl.engines import sglang_launcher
+
+    launched = {}
+
+    class Server:
+        def __init__(self, model_path, cfg, args):
+            launched.update(args)
+
+        def start(self):
+            return "http://127.0.0.1:1"
+
+    monkeypatch.setattr(sglang_launcher, "SGLangServer", Server)
+    cfg = load_config(None, ["--run.offload", "true", "--run.placement", "colocated", "--engine.kind", "sglang",
+                             "--engine.device", "cuda", "--learner.lora.rank", "4"])  # fmt: skip
+    engine_mod.make_engine(cfg, "M")
+    assert launched["enable_memory_saver"] is True and launched["enable_weights_cpu_backup"] is True
+    assert launched["enable_lora"] is True
+
+
+@pytest.mark.slow
+def test_colocated_sync_run_hands_the_device_over(ray_session, tmp_path):
+    from agentrl.runner.loop import run
+
+    path = tiny_config(tmp_path, make_model(tmp_path), run={"steps": 2, "eval_every": 0})
+    cfg = load_config(path, ["--run.placement", "colocated", "--run.mode", "sync", "--run.offload", "true"])
+    assert run(cfg)["ok"]
+    steps = [
+        m for m in read_jsonl(tmp_path / "t" / "metrics.jsonl") if "policy_version" in m and "phase" not in m
+    ]
+    assert [m["policy_version"] for m in steps] == [1, 2]
+    for m in steps:  # every step went through the hand-off and reports its phases (0 GiB: no GPU here)
+        assert {"memory/rollout_peak_gib", "memory/train_peak_gib", "handoff/to_training_s"} <= set(m)
+        assert "memory/publish_peak_gib" in m and "handoff/publish_s" in m
