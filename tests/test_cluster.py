@@ -115,6 +115,12 @@ async def test_disk_publish_is_refused_when_engines_are_on_another_node(tmp_path
     assert "engine host 0" not in message
 
 
+def apis_methods() -> frozenset[str]:
+    from agentrl.actors import api
+
+    return api.methods(api.LearnerAPI)
+
+
 @pytest.mark.parametrize(
     ("api", "cls"),
     [("QueueAPI", "queue:QueueActor"), ("LearnerAPI", "learner:LearnerWorker"),
@@ -138,7 +144,14 @@ def test_each_actor_implements_its_declared_remote_api(api, cls):
 
 
 def test_a_learner_group_forwards_only_the_learner_api():
+    import inspect
+
     from agentrl.actors.learner_group import LearnerGroup
+
+    called = {
+        name for name, _ in inspect.getmembers(LearnerWorker, inspect.isfunction) if not name.startswith("_")
+    }
+    assert called - {"local_weights"} <= apis_methods()  # every remote method of the learner is declared
 
     group = LearnerGroup([])
     assert group.save_archive.method == "save_archive"
