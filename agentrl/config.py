@@ -324,8 +324,11 @@ def validate(cfg: Config) -> Config:
     if cfg.run.mode == "sync" and cfg.queue.max_staleness != 0:
         cfg.queue.max_staleness = 0
     cfg.engine.update_mode = cfg.engine.effective_update_mode  # type: ignore[assignment]
-    if cfg.learner.fsdp and cfg.algorithm.advantage == "ppo":
-        raise ConfigError("learner.fsdp = true does not support algorithm.advantage = 'ppo' (value head)")
+    cfg.algorithm.validate()
+    if cfg.learner.fsdp and cfg.algorithm.needs().value_head:
+        raise ConfigError(
+            f"learner.fsdp = true does not support algorithm.advantage = '{cfg.algorithm.advantage}' (value head)"
+        )
     if cfg.learner.lora.enabled and cfg.engine.kind == "sglang":
         raise ConfigError(
             "learner.lora.rank > 0 with engine.kind = 'sglang': LoRA publish to SGLang is not implemented yet "

@@ -51,6 +51,8 @@ def prepare(cfg: Config) -> Config:
         cfg.queue.group_size = n
     cfg.queue.batch_size = cfg.rollout.prompts_per_step * n
     cfg.model.path = str(Path(cfg.model.path).resolve())
+    if cfg.algorithm.teacher:  # the learner actor may run in another directory
+        cfg.algorithm.teacher = str(Path(cfg.algorithm.teacher).resolve())
     cfg.run.root = str(Path(cfg.run.root).resolve())
     if cfg.run.mode == "sync":
         cfg.queue.max_staleness = 0
