@@ -7,14 +7,14 @@ once per arm:
 - `rl`: the config as is (grpo on the task reward);
 - `opd`: `algorithm.advantage = "opd"`, `algorithm.teacher = TEACHER`: the teacher's per-token reverse KL alone,
   the task reward unused (still logged);
-- `mixed` (with `--mixed`): grpo plus the teacher's term (`algorithm.teacher_coef`).
+- `mixed`: grpo plus the teacher's term (`algorithm.teacher_coef`).
 The teacher itself is measured the same way (`--model.path TEACHER`, no warm-up, lr 0: its sampled train reward
 over `--teacher-steps` steps and its greedy eval). Prints one JSON row per run (train reward, the mean of each
 block of `--every` steps; greedy eval at steps 0, 10, ...; steps until the 5-step mean reaches `--target`), then
 per arm the median over seeds.
 
     python bench/distill_curve.py --teacher runs/teacher-hf --seeds 0-2 [--steps 60] [--warmup-steps 40]
-        [--mixed] [--out FILE.json] [-- --learner.lr 5e-4 ...]
+        [--arms teacher,rl,opd,mixed] [--out FILE.json] [-- --learner.lr 5e-4 ...]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def summarise(metrics_path: Path, every: int, target: float) -> dict:
     smooth = [statistics.fmean(rewards[max(0, i - 4) : i + 1]) for i in range(len(rewards))]
     reached = next((i for i, v in enumerate(smooth) if v >= target), None)
     blocks = [round(statistics.fmean(rewards[i : i + every]), 3) for i in range(0, len(rewards), every)]
-    kl = [float(r["teacher_reverse_kl"]) for r in steps if "teacher_reverse_kl" in r]
+    kl = [float(r["train/teacher_reverse_kl"]) for r in steps if "train/teacher_reverse_kl" in r]
     return {
         "steps": len(steps),
         "reward_blocks": blocks,
@@ -113,7 +113,7 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=40)
     ap.add_argument("--teacher-steps", type=int, default=10)
     ap.add_argument("--teacher-coef", type=float, default=1.0)
-    ap.add_argument("--mixed", action="store_true", help="also run grpo + the teacher's term")
+    ap.add_argument("--arms", default="teacher,rl,opd", help="comma-separated: teacher, rl, opd, mixed")
     ap.add_argument(
         "--every", type=int, default=10, help="train reward averaged over blocks of this many steps"
     )
@@ -122,9 +122,9 @@ def main() -> None:
     ap.add_argument("--out")
     args, extra = ap.parse_known_args()
     extra = [a for a in extra if a != "--"]
-    arms = ["rl", "opd", *(["mixed"] if args.mixed else [])]
-    rows = [run_one("teacher", 0, args, extra)]
-    rows += [run_one(arm, seed, args, extra) for seed in args.seeds for arm in arms]
+    arms = args.arms.split(",")
+    rows = [run_one("teacher", 0, args, extra)] if "teacher" in arms else []
+    rows += [run_one(arm, seed, args, extra) for seed in args.seeds for arm in arms if arm != "teacher"]
     summary = {"args": vars(args), "overrides": extra, "median": medians(rows, args.target), "rows": rows}
     print(json.dumps(summary["median"]))
     if args.out:
