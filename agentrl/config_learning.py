@@ -5,7 +5,8 @@ them from there. Light: no torch or ray.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
+import warnings
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, NamedTuple
 
 import msgspec
 
@@ -151,8 +152,10 @@ class LearnerSection(_Section):
             self._validate_against(cfg)
 
     def _validate_against(self, cfg: Config) -> None:
-        if self.fsdp and cfg.algorithm.advantage == "ppo":
-            raise ConfigError("learner.fsdp = true does not support algorithm.advantage = 'ppo' (value head)")
+        if self.fsdp and cfg.algorithm.needs().value_head:
+            raise ConfigError(
+                f"learner.fsdp = true does not support algorithm.advantage = '{cfg.algorithm.advantage}' (value head)"
+            )
         if self.publish == "nccl" and cfg.run.placement != "disaggregated":
             raise ConfigError(
                 f"learner.publish = 'nccl' needs run.placement = 'disaggregated' (engines as their own actors), "
@@ -165,12 +168,83 @@ class LearnerSection(_Section):
             )
 
 
+class Estimator(NamedTuple):
+    """What an advantage estimator (`algorithm.advantage`) is and what it needs from the learner."""
+
+    level: Literal["sequence", "token", "none"]  # none: no task advantage (distillation alone)
+    value_head: bool = False  # a critic: V_old before the first update, a value loss
+    teacher: bool = False  # the teacher's log-probs (algorithm.teacher) are its only signal
+
+
+class PolicyLoss(NamedTuple):
+    """What a policy loss (`algorithm.loss`) needs: its default aggregation (`loss_agg = "auto"`)."""
+
+    default_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
+
+
+# The one registry of algorithms: agentrl.algorithms dispatches on these names (a test checks it covers exactly
+# these), the learners and the config ask `AlgorithmSection.needs()` instead of comparing names.
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator("sequence"),
+    "dr_grpo": Estimator("sequence"),
+    "rloo": Estimator("sequence"),
+    "reinforce_pp": Estimator("token"),
+    "reinforce_pp_baseline": Estimator("token"),
+    "gae": Estimator("token", value_head=True),
+    "opd": Estimator("none", teacher=True),
+}
+LOSSES: dict[str, PolicyLoss] = {
+    "ppo_clip": PolicyLoss(),
+    "gspo": PolicyLoss("seq_mean_token_mean"),
+    "cispo": PolicyLoss(),
+}
+# Values of `algorithm.advantage` before the estimator and the loss were separate settings -> (advantage, loss).
+DEPRECATED_ADVANTAGES: dict[str, tuple[str, str]] = {
+    "ppo": ("gae", "ppo_clip"),
+    "gspo": ("grpo", "gspo"),
+    "cispo": ("grpo", "cispo"),
+}
+
+
+class Needs(NamedTuple):
+    """What an [algorithm] section needs from the learner, declared once (see ESTIMATORS)."""
+
+    value_head: bool  # a critic trained next to the policy
+    reference_model: bool  # reference log-probs (learner.reference_model = true)
+    proximal_logprobs: bool  # a no-grad forward for pi_prox before the first update
+    teacher: bool  # the teacher's log-probs of the sampled tokens (algorithm.teacher)
+
+
 class AlgorithmSection(_Section):
     key = "algorithm"
     advantage: Annotated[
-        Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "cispo", "ppo"],
-        doc("advantage estimator and loss (docs/algorithms.md)"),
+        Literal[tuple(ESTIMATORS) + tuple(DEPRECATED_ADVANTAGES)],  # type: ignore[valid-type]
+        doc(
+            "advantage estimator (docs/algorithms.md): grpo, dr_grpo, rloo (per sequence), reinforce_pp, "
+            "reinforce_pp_baseline, gae (per token; gae trains a value head), opd (no task advantage: "
+            "distillation from algorithm.teacher alone); the old values ppo, gspo, cispo still load, as "
+            "gae + ppo_clip, grpo + gspo, grpo + cispo, with a deprecation warning"
+        ),
     ] = "grpo"
+    loss: Annotated[
+        Literal[tuple(LOSSES)],  # type: ignore[valid-type]
+        doc("policy loss (docs/algorithms.md): ppo_clip (clip-higher, dual clip), gspo, cispo"),
+    ] = "ppo_clip"
+    teacher: Annotated[
+        str,
+        doc(
+            "on-policy distillation: a Hugging Face model directory (same tokenizer as the student) that "
+            "the learner loads frozen to score the sampled tokens; '' = none (docs/algorithms.md)"
+        ),
+    ] = ""
+    teacher_coef: Annotated[
+        float,
+        doc(
+            "weight of the teacher's per-token advantage teacher_coef * (log pi_teacher - log mu), added to "
+            "the estimator's (advantage = 'opd': alone)",
+            ge=0,
+        ),
+    ] = 1.0
     clip_low: Annotated[float, doc("ratio clip below 1: 1 - clip_low", ge=0)] = 0.2
     clip_high: Annotated[float, doc("ratio clip above 1: 1 + clip_high", ge=0)] = 0.28
     dual_clip: Annotated[float, doc("dual-clip bound for negative advantages; 0 = off", ge=0)] = 0.0
@@ -181,7 +255,7 @@ class AlgorithmSection(_Section):
     loss_agg: Annotated[
         Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum"],
         doc(
-            "auto: seq_mean_token_mean for gspo (the paper's sequence-level objective: every sequence "
+            "auto: seq_mean_token_mean for loss = gspo (the paper's sequence-level objective: every sequence "
             "weighs the same), token_mean otherwise; resolved when the section is built"
         ),
     ] = "auto"
@@ -208,10 +282,10 @@ class AlgorithmSection(_Section):
         doc("> 1: drop every sequence holding a token with w outside [1 / veto, veto]; 0 = off", ge=0),
     ] = 0.0
     max_token_age: Annotated[int, doc("drop tokens older than this many versions; 0 = off", ge=0)] = 0
-    gamma: Annotated[float, doc("discount (ppo)", ge=0, le=1)] = 1.0
-    lam: Annotated[float, doc("GAE lambda (ppo)", ge=0, le=1)] = 1.0
-    value_clip: Annotated[float, doc("value-loss clip (ppo)", ge=0)] = 0.2
-    vf_coef: Annotated[float, doc("value-loss coefficient (ppo)", ge=0)] = 0.5
+    gamma: Annotated[float, doc("discount (token-level estimators)", ge=0, le=1)] = 1.0
+    lam: Annotated[float, doc("GAE lambda (advantage = gae)", ge=0, le=1)] = 1.0
+    value_clip: Annotated[float, doc("value-loss clip (advantage = gae)", ge=0)] = 0.2
+    vf_coef: Annotated[float, doc("value-loss coefficient (advantage = gae)", ge=0)] = 0.5
     norm_eps: Annotated[float, doc("epsilon of the advantage normalisation", ge=0)] = 1e-6
     recompute_proximal: Annotated[
         bool, doc("recompute the proximal policy's log-probs in the learner instead of using the engine's")
@@ -219,5 +293,58 @@ class AlgorithmSection(_Section):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.advantage in DEPRECATED_ADVANTAGES:
+            self._migrate_advantage()
         if self.loss_agg == "auto":
-            self.loss_agg = "seq_mean_token_mean" if self.advantage == "gspo" else "token_mean"
+            self.loss_agg = LOSSES[self.loss].default_agg
+
+    def _migrate_advantage(self) -> None:
+        """Rewrite an old combined value (`advantage = "gspo"`) as estimator + loss, so the run's config shows
+        the new keys; a conflicting explicit `loss` is an error."""
+        old = self.advantage
+        advantage, loss = DEPRECATED_ADVANTAGES[old]
+        if self.loss not in ("ppo_clip", loss):
+            raise ConfigError(
+                f"algorithm.advantage = '{old}' (deprecated: it means advantage = '{advantage}' and loss = "
+                f"'{loss}') conflicts with algorithm.loss = '{self.loss}'; set advantage = '{advantage}'"
+            )
+        warnings.warn(
+            f"algorithm.advantage = '{old}' is deprecated: use advantage = '{advantage}' and loss = '{loss}'",
+            FutureWarning,  # shown to end users by default (DeprecationWarning is not)
+            stacklevel=3,
+        )
+        self.advantage, self.loss = advantage, loss  # type: ignore[assignment]
+
+    @property
+    def estimator(self) -> Estimator:
+        return ESTIMATORS[self.advantage]
+
+    @property
+    def uses_teacher(self) -> bool:
+        """A teacher scores the sampled tokens: advantage = 'opd', or a task estimator mixed with a teacher."""
+        return self.estimator.teacher or (bool(self.teacher) and self.teacher_coef > 0)
+
+    def needs(self, updates: int = 1) -> Needs:
+        """What the learner must compute for this section; `updates` = optimizer updates per rollout batch
+        (learner.minibatches x learner.epochs).
+
+        Proximal log-probs need a forward of their own when the weights move between updates (updates > 1),
+        when `recompute_proximal` asks, or when KL reward shaping needs them before the advantages.
+        """
+        return Needs(
+            value_head=self.estimator.value_head,
+            reference_model=self.kl_coef > 0,
+            proximal_logprobs=updates > 1
+            or self.recompute_proximal
+            or (self.kl_coef > 0 and self.kl_mode == "reward"),
+            teacher=self.uses_teacher,
+        )
+
+    def validate(self, cfg: Config | None = None) -> None:
+        """This section's cross-field checks (Config.validate calls it)."""
+        if self.estimator.teacher and not self.teacher:
+            raise ConfigError(
+                f"algorithm.advantage = '{self.advantage}' needs algorithm.teacher (a Hugging Face directory)"
+            )
+        if self.estimator.teacher and self.teacher_coef <= 0:
+            raise ConfigError(f"algorithm.advantage = '{self.advantage}' needs algorithm.teacher_coef > 0")

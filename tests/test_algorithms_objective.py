@@ -11,7 +11,11 @@ from agentrl.algorithms import compute_loss, merge_metrics, prepare_batch
 from agentrl.config import AlgorithmSection
 from agentrl.learners.batch import build_batch, micro_batches
 
-ADVANTAGES = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "cispo", "ppo"]
+# (advantage estimator, policy loss): every estimator with the default loss, every loss with grpo
+OBJECTIVES = [
+    (a, "ppo_clip") for a in ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
+]
+OBJECTIVES += [("grpo", "gspo"), ("grpo", "cispo")]
 
 
 def traj(i, group, prompt, response, reward, mask=None, logprobs=None, version=0):
@@ -56,8 +60,8 @@ def test_grpo_loss_hand_computed(agg, expected):
 
 
 def test_on_policy_ratio_exactly_one_for_every_objective():
-    for advantage in ADVANTAGES:
-        cfg = AlgorithmSection(advantage=advantage, off_policy="decoupled")
+    for advantage, loss in OBJECTIVES:
+        cfg = AlgorithmSection(advantage=advantage, loss=loss, off_policy="decoupled")
         batch = two_sample_batch(logprobs=[-0.5, -1.5])
         logp = torch.randn(batch.input_ids.shape).clamp(max=0)
         batch.old_logprobs = logp.clone()
@@ -70,9 +74,11 @@ def test_on_policy_ratio_exactly_one_for_every_objective():
 
 
 def test_masked_env_tokens_do_not_change_loss_or_grad():
-    for advantage in ADVANTAGES:
+    for advantage, loss in OBJECTIVES:
         for agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
-            cfg = AlgorithmSection(advantage=advantage, loss_agg=agg, entropy_coef=0.01, off_policy="tis")
+            cfg = AlgorithmSection(
+                advantage=advantage, loss=loss, loss_agg=agg, entropy_coef=0.01, off_policy="tis"
+            )
             batch = two_sample_batch(mask=[1, 0], logprobs=[-0.5, -1.5])  # token 4 is an env/tool token
             batch.old_logprobs = torch.full(batch.input_ids.shape, -1.0)
             batch.old_values = torch.zeros(batch.input_ids.shape)
@@ -90,13 +96,15 @@ def test_masked_env_tokens_do_not_change_loss_or_grad():
             (l1, g1), (l2, g2) = run(-0.3), run(-4.0)
             assert l1 == l2, (advantage, agg)
             assert torch.equal(g1, g2) and g1[0, 3] == 0.0 and g1[0, :2].eq(0).all()
-            assert g1[0, 2] != 0.0 or advantage in ("grpo", "gspo", "cispo", "rloo", "dr_grpo")
+            assert g1[0, 2] != 0.0 or advantage in ("grpo", "rloo", "dr_grpo")
 
 
 def test_zero_variance_group_gives_zero_advantage_and_zero_policy_loss():
     trajs = [traj(i, "g", [1], [2, 3], 0.5) for i in range(4)]
-    for advantage in ("grpo", "dr_grpo", "rloo", "gspo", "cispo", "reinforce_pp_baseline"):
-        cfg = AlgorithmSection(advantage=advantage)
+    for advantage, loss in OBJECTIVES:
+        if advantage in ("reinforce_pp", "gae"):  # no group baseline
+            continue
+        cfg = AlgorithmSection(advantage=advantage, loss=loss)
         batch = build_batch(trajs, 0)
         prepare_batch(cfg, batch, 0)
         assert torch.equal(batch.advantages, torch.zeros_like(batch.advantages)), advantage
@@ -165,9 +173,9 @@ def test_config_round_trip_of_new_fields():
 def test_gspo_default_is_the_papers_sequence_objective():
     """GSPO (Zheng et al. 2025): J = 1/N sum_i min(s_i A_i, clip(s_i) A_i), s_i = exp(mean_t log(pi/pi_old))
     over the loss tokens of sequence i; the default aggregation gives its value and gradient exactly."""
-    cfg = AlgorithmSection(advantage="gspo", off_policy="none", clip_low=0.01, clip_high=0.012)
+    cfg = AlgorithmSection(loss="gspo", off_policy="none", clip_low=0.01, clip_high=0.012)
     assert cfg.loss_agg == "seq_mean_token_mean"
-    assert AlgorithmSection(advantage="gspo", loss_agg="token_mean").loss_agg == "token_mean"
+    assert AlgorithmSection(loss="gspo", loss_agg="token_mean").loss_agg == "token_mean"
     assert AlgorithmSection(advantage="grpo").loss_agg == "token_mean"
     lengths = [1, 3, 6, 2]  # unequal lengths: a length-weighted mean would differ
     trajs = [traj(i, "g", [1, 2], list(range(3, 3 + n)), float(i % 2)) for i, n in enumerate(lengths)]
@@ -198,6 +206,26 @@ def test_gspo_default_is_the_papers_sequence_objective():
     assert any(not 0.99 <= r <= 1.012 for r in ratios) and any(0.99 <= r <= 1.012 for r in ratios), ratios
     assert loss.item() == pytest.approx(paper.item(), abs=1e-6)
     assert torch.allclose(logp.grad, ref.grad, atol=1e-6)
-    _, logp_tm, _ = run(AlgorithmSection(advantage="gspo", off_policy="none", clip_low=0.01, clip_high=0.012,
+    _, logp_tm, _ = run(AlgorithmSection(loss="gspo", off_policy="none", clip_low=0.01, clip_high=0.012,
                                          loss_agg="token_mean"))  # fmt: skip
     assert not torch.allclose(logp_tm.grad, ref.grad, atol=1e-4)  # token_mean weighs sequences by length
+
+
+def test_every_registered_estimator_and_loss_has_an_implementation():
+    from agentrl.algorithms.objective import SEQUENCE_ESTIMATORS, TOKEN_ESTIMATORS
+    from agentrl.config_learning import ESTIMATORS, LOSSES
+
+    levels = {name: e.level for name, e in ESTIMATORS.items()}
+    assert {n for n, lv in levels.items() if lv == "sequence"} == set(SEQUENCE_ESTIMATORS)
+    assert {n for n, lv in levels.items() if lv == "token"} == set(TOKEN_ESTIMATORS)
+    assert all(
+        ESTIMATORS[n].teacher for n, lv in levels.items() if lv == "none"
+    )  # no task signal: a teacher's
+    outs = {}
+    for loss in LOSSES:  # off-policy (old != current): every loss gives its own value
+        cfg = AlgorithmSection(loss=loss, off_policy="none", clip_low=0.01, clip_high=0.01)
+        batch = two_sample_batch()
+        prepare_batch(cfg, batch, 0)
+        batch.old_logprobs = torch.full(batch.input_ids.shape, -1.0)
+        outs[loss], _ = compute_loss(cfg, batch, torch.full(batch.input_ids.shape, -0.7))
+    assert len({round(v.item(), 6) for v in outs.values()}) == len(LOSSES), outs

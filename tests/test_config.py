@@ -142,3 +142,50 @@ def test_a_sections_own_checks_are_its_validate_with_the_load_messages():
             section.validate()
         with pytest.raises(ConfigError, match=message):
             load_config(None, flags)
+
+
+def test_old_combined_advantage_values_load_as_estimator_plus_loss(tmp_path):
+    path = tmp_path / "c.toml"
+    for old, advantage, loss in [
+        ("gspo", "grpo", "gspo"),
+        ("cispo", "grpo", "cispo"),
+        ("ppo", "gae", "ppo_clip"),
+    ]:
+        path.write_text(f'[algorithm]\nadvantage = "{old}"\n')
+        with pytest.warns(
+            FutureWarning, match=rf"algorithm\.advantage = '{old}' is deprecated: use advantage = "
+        ):
+            cfg = load_config(path)
+        assert (cfg.algorithm.advantage, cfg.algorithm.loss) == (advantage, loss)
+        assert f'advantage = "{advantage}"' in dump_toml(
+            msgspec.to_builtins(cfg)
+        )  # the run dir shows the new keys
+    with pytest.warns(FutureWarning):
+        assert (
+            load_config(path, ["--algorithm.advantage", "gspo"]).algorithm.loss_agg == "seq_mean_token_mean"
+        )
+    with pytest.raises(
+        ConfigError, match=r"algorithm\.advantage = 'gspo' .* conflicts with algorithm\.loss = 'cispo'"
+    ):
+        load_config(None, ["--algorithm.advantage", "gspo", "--algorithm.loss", "cispo"])
+
+
+def test_algorithm_needs_come_from_the_registry():
+    gae = load_config(None, ["--algorithm.advantage", "gae"]).algorithm.needs()
+    assert gae.value_head and not gae.teacher and not gae.reference_model
+    grpo = load_config(
+        None, ["--algorithm.kl-coef", "0.1", "--algorithm.kl-mode", "reward"]
+    ).algorithm.needs()
+    assert grpo.reference_model and grpo.proximal_logprobs and not grpo.value_head
+    assert load_config(None).algorithm.needs(updates=2).proximal_logprobs
+    with pytest.raises(ConfigError, match=r"algorithm\.advantage = 'opd' needs algorithm\.teacher"):
+        load_config(None, ["--algorithm.advantage", "opd"])
+    with pytest.raises(ConfigError, match=r"algorithm\.loss = 'clip' is not valid: choose one of 'ppo_clip'"):
+        load_config(None, ["--algorithm.loss", "clip"])
+    mixed = load_config(None, ["--algorithm.teacher", "t", "--algorithm.teacher-coef", "0.5"]).algorithm
+    assert mixed.needs().teacher and mixed.estimator.level == "sequence"
+    assert (
+        not load_config(None, ["--algorithm.teacher", "t", "--algorithm.teacher-coef", "0"])
+        .algorithm.needs()
+        .teacher
+    )

@@ -52,8 +52,8 @@ def test_a_section_built_directly_checks_a_string_pattern_too():
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--learner.fsdp", "true", "--learner.data-parallel", "2", "--algorithm.advantage", "ppo"],
-         r"learner\.fsdp = true does not support algorithm\.advantage = 'ppo'"),
+        (["--learner.fsdp", "true", "--learner.data-parallel", "2", "--algorithm.advantage", "gae"],
+         r"learner\.fsdp = true does not support algorithm\.advantage = 'gae'"),
         (["--learner.lora.rank", "8", "--engine.kind", "sglang", "--engine.device", "cuda", "--learner.publish",
           "tensor"], r"learner\.lora\.rank > 0 with engine\.kind = 'sglang' publishes by 'disk'"),
         (["--run.placement", "colocated", "--learner.fsdp", "true", "--learner.data-parallel", "2"],

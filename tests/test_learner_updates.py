@@ -50,11 +50,11 @@ def learner(model_dir, algo, lr=1e-2, **kw):
     [
         AlgorithmSection(advantage="grpo"),
         AlgorithmSection(advantage="grpo", dual_clip=1.5, clip_low=0.05, clip_high=0.05),
-        AlgorithmSection(advantage="gspo", clip_low=3e-3, clip_high=4e-3),
-        AlgorithmSection(advantage="cispo", clip_low=0.05, clip_high=0.05),
-        AlgorithmSection(advantage="ppo", value_clip=0.01),
+        AlgorithmSection(loss="gspo", clip_low=3e-3, clip_high=4e-3),
+        AlgorithmSection(loss="cispo", clip_low=0.05, clip_high=0.05),
+        AlgorithmSection(advantage="gae", value_clip=0.01),
     ],
-    ids=["grpo", "dual_clip", "gspo", "cispo", "ppo"],
+    ids=["grpo", "dual_clip", "gspo", "cispo", "gae"],
 )
 def test_clipping_acts_from_the_second_update(model_dir, algo):
     one = learner(model_dir, algo).train_step(build_batch(make_trajs(), 0))
@@ -63,7 +63,7 @@ def test_clipping_acts_from_the_second_update(model_dir, algo):
     m = lrn.train_step(build_batch(make_trajs(), lrn.pad_id))
     assert m["updates"] == 4 and m["updates_skipped"] == 0 and lrn.policy_version == 1 and lrn.step == 1
     assert m["clip_frac"] > 0.0 and m["ratio_max"] > 1.0
-    if algo.advantage == "ppo":
+    if algo.needs().value_head:
         assert m["value_clip_frac"] > 0.0
     assert all(math.isfinite(v) for v in m.values())
 
@@ -113,13 +113,13 @@ def test_equals_hand_rolled_multi_step_loop(model_dir):
 def test_objectives_differ_once_off_policy(model_dir):
     """On-policy grpo-clip, gspo and cispo give the same gradient; after several updates they do not."""
     final = {}
-    for advantage in ("grpo", "gspo", "cispo"):
-        algo = AlgorithmSection(advantage=advantage, loss_agg="token_mean", clip_low=0.01, clip_high=0.01)
+    for loss in ("ppo_clip", "gspo", "cispo"):
+        algo = AlgorithmSection(loss=loss, loss_agg="token_mean", clip_low=0.01, clip_high=0.01)
         lrn = learner(model_dir, algo, minibatches=2, epochs=2)
         lrn.train_step(build_batch(make_trajs(), lrn.pad_id))
-        final[advantage] = torch.cat([t.flatten() for _, t in lrn.weights()])
-    assert (final["grpo"] - final["gspo"]).abs().max() > 1e-6
-    assert (final["grpo"] - final["cispo"]).abs().max() > 1e-6
+        final[loss] = torch.cat([t.flatten() for _, t in lrn.weights()])
+    assert (final["ppo_clip"] - final["gspo"]).abs().max() > 1e-6
+    assert (final["ppo_clip"] - final["cispo"]).abs().max() > 1e-6
 
 
 def test_non_finite_loss_skips_the_update(model_dir, caplog):

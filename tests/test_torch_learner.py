@@ -170,8 +170,8 @@ def test_sft_step_lowers_cross_entropy(model_dir):
     assert losses[-1] < losses[0] - 0.5 and learner.policy_version == 8 and learner.step == 0
 
 
-def test_ppo_critic_and_reference_kl(model_dir):
-    algo = AlgorithmSection(advantage="ppo", kl_coef=0.1, gamma=0.99, lam=0.95)
+def test_gae_critic_and_reference_kl(model_dir):
+    algo = AlgorithmSection(advantage="gae", kl_coef=0.1, gamma=0.99, lam=0.95)
     learner = TorchLearner(model_dir, LearnerSection(lr=1e-3, reference_model=True), algo)
     values = []
     for _ in range(3):

@@ -110,7 +110,7 @@ def test_fsdp_config_errors(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"learner\.fsdp = true needs learner\.kind = 'torch'"):
         load_config(overrides={"learner": {"fsdp": True, "kind": "megatron"}})
     with pytest.raises(ConfigError, match=r"learner\.fsdp = true does not support algorithm\.advantage"):
-        load_config(overrides={"learner": {"fsdp": True}, "algorithm": {"advantage": "ppo"}})
+        load_config(overrides={"learner": {"fsdp": True}, "algorithm": {"advantage": "gae"}})
     with pytest.raises(ConfigError, match=r"learner\.data_parallel = 2 .* needs learner\.fsdp = true"):
         load_config(overrides={"learner": {"data_parallel": 2}})
     with pytest.raises(ConfigError, match=r"run\.placement = 'colocated' runs one learner process"):

@@ -1,18 +1,17 @@
 """RL objectives in pure torch: advantages, policy/value losses, KL, off-policy correction (see docs/algorithms.md).
 
-Entry points for learners: `check`, `needs_old_logprobs`, `prepare_batch`, `compute_loss`, `merge_metrics`,
+Entry points for learners: `check`, `prepare_batch`, `compute_loss`, `merge_metrics`,
 `merge_updates`.
 """
 
 from agentrl.algorithms.losses import merge_metrics, merge_updates, sft_loss
-from agentrl.algorithms.objective import check, compute_loss, needs_old_logprobs, prepare_batch
+from agentrl.algorithms.objective import check, compute_loss, prepare_batch
 
 __all__ = [
     "check",
     "compute_loss",
     "merge_metrics",
     "merge_updates",
-    "needs_old_logprobs",
     "prepare_batch",
     "sft_loss",
 ]

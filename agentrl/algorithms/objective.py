@@ -1,10 +1,12 @@
 """The one objective both learners call, so the torch and Megatron learners compute identical losses.
 
 Per train step:
-1. the learner fills `batch.old_logprobs` (proximal, `needs_old_logprobs`), `batch.ref_logprobs` (when a
-   reference model is used) and `batch.old_values` (ppo), all over the whole batch before any update;
+1. the learner fills what `cfg.needs(updates)` (agentrl.config_learning's registry) asks for: `batch.old_logprobs`
+   (proximal), `batch.ref_logprobs` (reference model), `batch.teacher_logprobs` (distillation) and
+   `batch.old_values` (a value head), all over the whole batch before any update;
 2. `prepare_batch(cfg, batch, policy_version)` drops tokens older than `max_token_age`, applies KL reward shaping
-   and fills `batch.advantages` (and `batch.returns` for ppo) over the whole batch (groups must be complete);
+   and fills `batch.advantages` (the estimator's, plus the teacher's term) and `batch.returns` (gae) over the whole
+   batch (groups must be complete);
 3. for each micro-batch `compute_loss(cfg, mb, logprobs, entropy=..., values=...)` returns (loss, metrics);
    the learner backpropagates each loss (already scaled by the full-batch normalisers: no extra division) and
    merges metrics with `merge_metrics(parts)` weighted by `mb.n_loss_tokens`.
@@ -31,14 +33,18 @@ from agentrl.errors import ConfigError, LearnerError
 if TYPE_CHECKING:  # annotations only: the learners call the algorithms, never the other way round
     from agentrl.learners.batch import Batch
 
-SEQUENCE_LEVEL = {"grpo": "grpo", "gspo": "grpo", "cispo": "grpo", "dr_grpo": "dr_grpo", "rloo": "rloo"}
+# Implementations of the registry's names (agentrl.config_learning: ESTIMATORS, LOSSES); the registry says what
+# each needs, these say how it is computed.
+SEQUENCE_ESTIMATORS = {"grpo": adv_lib.grpo, "dr_grpo": adv_lib.dr_grpo, "rloo": adv_lib.rloo}
+TOKEN_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")
 
 
 def check(cfg: AlgorithmSection, has_reference: bool) -> None:
     """Raise ConfigError for settings that cannot work together."""
+    cfg.validate()
     if cfg.dual_clip and cfg.dual_clip <= 1.0:
         raise ConfigError(f"algorithm.dual_clip must be 0 (off) or > 1, got {cfg.dual_clip}")
-    if cfg.kl_coef > 0 and not has_reference:
+    if cfg.needs().reference_model and not has_reference:
         raise ConfigError("algorithm.kl_coef > 0 needs a reference model (learner.reference_model = true)")
     if cfg.off_policy in ("tis", "seq_tis") and cfg.tis_cap <= 0:
         raise ConfigError(f"algorithm.off_policy = '{cfg.off_policy}' needs algorithm.tis_cap > 0")
@@ -51,24 +57,12 @@ def check(cfg: AlgorithmSection, has_reference: bool) -> None:
         raise ConfigError(f"algorithm.mismatch_veto must be 0 (off) or > 1, got {cfg.mismatch_veto}")
 
 
-def needs_old_logprobs(cfg: AlgorithmSection, updates: int = 1) -> bool:
-    """Whether the learner must compute proximal log-probs with a separate forward before the first update.
-
-    `updates` = optimizer updates per rollout batch (learner.minibatches x learner.epochs). With one update the
-    proximal policy IS the current weights, so `compute_loss` takes `logprobs.detach()` unless
-    `recompute_proximal` asks for the extra forward; from the second update on the weights have moved, so the
-    proximal log-probs must be those of the weights before the first update; KL reward shaping needs them
-    before the advantages, hence always.
-    """
-    return updates > 1 or cfg.recompute_proximal or (cfg.kl_coef > 0 and cfg.kl_mode == "reward")
-
-
 def prepare_batch(cfg: AlgorithmSection, batch: Batch, policy_version: int) -> dict[str, float]:
     """Age masking, KL reward shaping and advantages over the whole batch (in place); returns metrics."""
     before = batch.total_loss_tokens
     batch.loss_mask = batch.loss_mask * age_mask(batch.token_versions, policy_version, cfg.max_token_age)
     batch.total_loss_tokens = float(batch.loss_mask.sum())
-    mask, seq = batch.loss_mask, batch.seq_index
+    mask = batch.loss_mask
     metrics = {"stale_frac": 1.0 - batch.total_loss_tokens / before if before else 0.0}
 
     kl_tokens = None
@@ -79,40 +73,79 @@ def prepare_batch(cfg: AlgorithmSection, batch: Batch, policy_version: int) -> d
         kl_tokens = kl_estimate(base, batch.ref_logprobs, cfg.kl_estimator, mask) * mask
         metrics["kl_reward"] = float(kl_tokens.sum() / max(batch.total_loss_tokens, 1.0))
 
-    rewards = batch.rewards.float()
-    if cfg.advantage in SEQUENCE_LEVEL:
-        if kl_tokens is not None:
-            per_seq = torch.zeros_like(rewards).index_add_(
-                0, seq.clamp(min=0).reshape(-1), kl_tokens.reshape(-1)
-            )
-            rewards = rewards - cfg.kl_coef * per_seq
-        kind = SEQUENCE_LEVEL[cfg.advantage]
-        if kind == "grpo":
-            seq_adv = adv_lib.grpo(rewards, batch.group_index, batch.n_groups, cfg.norm_eps)
-        elif kind == "dr_grpo":
-            seq_adv = adv_lib.dr_grpo(rewards, batch.group_index, batch.n_groups)
-        else:
-            seq_adv = adv_lib.rloo(rewards, batch.group_index, batch.n_groups)
-        batch.advantages = adv_lib.to_tokens(seq_adv, seq, mask)
+    level = cfg.estimator.level
+    if level == "sequence":
+        batch.advantages = _sequence_advantages(cfg, batch, kl_tokens)
+    elif level == "token":
+        batch.advantages = _token_advantages(cfg, batch, kl_tokens)
     else:
-        if cfg.advantage == "reinforce_pp_baseline":
-            _, _, mean, _ = adv_lib.group_stats(rewards, batch.group_index, batch.n_groups)
-            rewards = (rewards.double() - mean).float()
-        token_rewards = adv_lib.terminal_rewards(rewards, mask, seq, batch.n_seqs)
-        if kl_tokens is not None:
-            token_rewards = token_rewards - cfg.kl_coef * kl_tokens
-        if cfg.advantage == "ppo":
-            if batch.old_values is None:
-                raise LearnerError("algorithm.advantage = 'ppo' needs batch.old_values (the critic's values)")
-            raw, batch.returns = adv_lib.gae(token_rewards, batch.old_values, mask, seq, cfg.gamma, cfg.lam)
-        else:
-            raw, _ = adv_lib.gae(token_rewards, None, mask, seq, cfg.gamma, 1.0)
-        batch.advantages = adv_lib.whiten(raw, mask, cfg.norm_eps)
+        batch.advantages = torch.zeros_like(mask)
+    if cfg.needs().teacher:
+        batch.advantages = batch.advantages + _teacher_advantages(cfg, batch, metrics)
     n = max(batch.total_loss_tokens, 1.0)
     metrics["advantage_mean"] = float(batch.advantages.sum() / n)
     metrics["advantage_abs_mean"] = float(batch.advantages.abs().sum() / n)
     metrics["reward_mean"] = float(batch.rewards.float().mean())
     return metrics
+
+
+def _sequence_advantages(cfg: AlgorithmSection, batch: Batch, kl_tokens: torch.Tensor | None) -> torch.Tensor:
+    """A per-sequence estimator (grpo, dr_grpo, rloo) broadcast onto each sequence's loss tokens."""
+    rewards, seq = batch.rewards.float(), batch.seq_index
+    if kl_tokens is not None:
+        per_seq = torch.zeros_like(rewards).index_add_(0, seq.clamp(min=0).reshape(-1), kl_tokens.reshape(-1))
+        rewards = rewards - cfg.kl_coef * per_seq
+    estimate = SEQUENCE_ESTIMATORS[cfg.advantage]
+    if cfg.advantage == "grpo":
+        seq_adv = estimate(rewards, batch.group_index, batch.n_groups, cfg.norm_eps)
+    else:
+        seq_adv = estimate(rewards, batch.group_index, batch.n_groups)
+    return adv_lib.to_tokens(seq_adv, seq, batch.loss_mask)
+
+
+def _token_advantages(cfg: AlgorithmSection, batch: Batch, kl_tokens: torch.Tensor | None) -> torch.Tensor:
+    """Returns to go (reinforce_pp, reinforce_pp_baseline) or GAE with the critic (gae), whitened; gae also
+    fills `batch.returns`."""
+    rewards, mask, seq = batch.rewards.float(), batch.loss_mask, batch.seq_index
+    if cfg.advantage == "reinforce_pp_baseline":
+        _, _, mean, _ = adv_lib.group_stats(rewards, batch.group_index, batch.n_groups)
+        rewards = (rewards.double() - mean).float()
+    token_rewards = adv_lib.terminal_rewards(rewards, mask, seq, batch.n_seqs)
+    if kl_tokens is not None:
+        token_rewards = token_rewards - cfg.kl_coef * kl_tokens
+    if cfg.needs().value_head:
+        if batch.old_values is None:
+            raise LearnerError(
+                f"algorithm.advantage = '{cfg.advantage}' needs batch.old_values (the critic's values)"
+            )
+        raw, batch.returns = adv_lib.gae(token_rewards, batch.old_values, mask, seq, cfg.gamma, cfg.lam)
+    else:
+        raw, _ = adv_lib.gae(token_rewards, None, mask, seq, cfg.gamma, 1.0)
+    return adv_lib.whiten(raw, mask, cfg.norm_eps)
+
+
+def _teacher_advantages(cfg: AlgorithmSection, batch: Batch, metrics: dict[str, float]) -> torch.Tensor:
+    """On-policy distillation: teacher_coef * (log pi_teacher - log mu) on each loss token, the negative
+    per-token reverse KL of the sampled token (Thinking Machines' OPD, slime's --opd-kl-coef), undiscounted and
+    not whitened; clamped to +-20 nats like every log-ratio. mu = the sampler's log-probs; a sequence without
+    them uses pi_prox (the learner computes it then)."""
+    if batch.teacher_logprobs is None:
+        raise LearnerError("algorithm.teacher is set but the batch has no teacher_logprobs")
+    mask = batch.loss_mask
+    has_rollout = batch.has_rollout_logprobs[batch.seq_index.clamp(min=0)] & (batch.seq_index >= 0)
+    student = batch.rollout_logprobs
+    if not bool(has_rollout[mask > 0].all()):
+        if batch.old_logprobs is None:
+            raise LearnerError(
+                "on-policy distillation of trajectories without rollout log-probs needs old_logprobs"
+            )
+        student = torch.where(has_rollout, student, batch.old_logprobs)
+    log_ratio = clamp_log_ratio(
+        batch.teacher_logprobs - student, mask
+    )  # a -inf log-prob gives 20 nats, not inf
+    n = max(batch.total_loss_tokens, 1.0)
+    metrics["teacher_reverse_kl"] = float(-log_ratio.sum() / n)
+    return cfg.teacher_coef * log_ratio
 
 
 def _masked_sum(x: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -154,9 +187,9 @@ def compute_loss(
     mismatch_keep = mismatch.keep_mask(cfg, log_w, use, seq)
     is_weight = is_weight * mismatch_keep
 
-    if cfg.advantage == "gspo":
+    if cfg.loss == "gspo":
         per_token, ratio, clipped = gspo(logprobs, old, advantages, mask, seq, cfg.clip_low, cfg.clip_high)
-    elif cfg.advantage == "cispo":
+    elif cfg.loss == "cispo":
         per_token, ratio, clipped = cispo(logprobs, old, advantages, cfg.clip_low, cfg.clip_high, mask)
     else:
         per_token, ratio, clipped = ppo_clip(
@@ -179,9 +212,11 @@ def compute_loss(
         loss = loss + loss_kl
         stats["loss_kl"] = loss_kl.detach()
         stats["kl"] = _masked_stats(kl.detach(), mask)[0]
-    if cfg.advantage == "ppo":
+    if cfg.needs().value_head:
         if values is None or batch.old_values is None or batch.returns is None:
-            raise LearnerError("algorithm.advantage = 'ppo' needs values, batch.old_values and batch.returns")
+            raise LearnerError(
+                f"algorithm.advantage = '{cfg.advantage}' needs values, batch.old_values and batch.returns"
+            )
         v_loss, v_clipped = value_loss(values.float(), batch.old_values, batch.returns, cfg.value_clip)
         loss_value = cfg.vf_coef * _masked_sum(v_loss, weights, mask)
         loss = loss + loss_value

@@ -5,7 +5,8 @@ streams `(hf_name, tensor)` pairs in Hugging Face naming, so any engine can load
 `policy_version` is the version of the weights the learner holds and increases by one per `train_step`.
 
 `train_step` (one rollout batch) is owned here: everything the objective reads from the weights before the
-first update (proximal and reference log-probs, critic values) is computed over the whole batch, then
+first update (proximal, reference and teacher log-probs, critic values: what `algo.needs()` declares) is
+computed over the whole batch, then
 `prepare_batch` (advantages), then `learner.epochs` passes over the `learner.minibatches` mini-batches
 (`agentrl.learners.batch.mini_batches`), one optimizer update each (`_update`, learner-specific: micro-batches,
 data/tensor/pipeline parallelism). The policy version advances once, after the last update, so publishing and
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from agentrl.algorithms import merge_updates, needs_old_logprobs, prepare_batch
+from agentrl.algorithms import merge_updates, prepare_batch
 from agentrl.config import AlgorithmSection, LearnerSection
 from agentrl.learners.batch import Batch, mini_batches
 
@@ -38,6 +39,7 @@ class Learner(abc.ABC):
     cfg: LearnerSection
     algo: AlgorithmSection
     ref_model: Any = None
+    teacher_model: Any = None  # frozen, loaded from algorithm.teacher when `algo.needs().teacher`
     logprob_samples: int = 0  # k of dashboard.logprob_samples (set by the learner actor)
     logprob_sample: list[dict[str, Any]] = []  # the last train_step's sample (see `_sample_logprobs`)
 
@@ -46,6 +48,10 @@ class Learner(abc.ABC):
         """Per-token log-probabilities of the batch's targets under the current weights ([B, T], no grad)."""
 
     def compute_ref_logprobs(self, batch: Batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_teacher_logprobs(self, batch: Batch) -> torch.Tensor:
+        """The teacher's log-probs of the batch's targets ([B, T], no grad), the same pass as the reference's."""
         raise NotImplementedError
 
     @abc.abstractmethod
@@ -59,11 +65,17 @@ class Learner(abc.ABC):
 
     def _before_updates(self, batch: Batch) -> None:
         """Fill what the objective reads from the weights before the first update (no grad, whole batch)."""
-        updates = self.cfg.minibatches * self.cfg.epochs
+        needs = self.algo.needs(self.cfg.minibatches * self.cfg.epochs)
+        # Distillation scores the sampler's log-probs; a trajectory without them falls back to pi_prox.
+        missing_rollout = needs.teacher and not bool(batch.has_rollout_logprobs.all())
         # Proximal log-probs belong to the weights before THIS batch's first update: always recomputed.
-        batch.old_logprobs = self.compute_logprobs(batch) if needs_old_logprobs(self.algo, updates) else None
+        batch.old_logprobs = (
+            self.compute_logprobs(batch) if needs.proximal_logprobs or missing_rollout else None
+        )
         if self.ref_model is not None and batch.ref_logprobs is None:
             batch.ref_logprobs = self.compute_ref_logprobs(batch)
+        if needs.teacher:
+            batch.teacher_logprobs = self.compute_teacher_logprobs(batch)
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One rollout batch: learner.epochs x learner.minibatches optimizer updates, then version v -> v+1."""

@@ -42,6 +42,7 @@ ROW_TENSORS = (
     "advantages",
     "old_logprobs",
     "ref_logprobs",
+    "teacher_logprobs",
     "old_values",
     "returns",
     "turn_index",
@@ -68,8 +69,9 @@ class Batch:
     advantages: torch.Tensor | None = None  # [R, T] float32, filled by agentrl.algorithms
     old_logprobs: torch.Tensor | None = None  # [R, T] proximal log-probs (learner, before the update)
     ref_logprobs: torch.Tensor | None = None  # [R, T] reference-model log-probs
-    old_values: torch.Tensor | None = None  # [R, T] critic values before the update (ppo)
-    returns: torch.Tensor | None = None  # [R, T] value targets (ppo)
+    teacher_logprobs: torch.Tensor | None = None  # [R, T] teacher log-probs (on-policy distillation)
+    old_values: torch.Tensor | None = None  # [R, T] critic values before the update (gae)
+    returns: torch.Tensor | None = None  # [R, T] value targets (gae)
     turn_index: torch.Tensor | None = (
         None  # [R, T] int64: assistant turn (0..) of each loss token, -1 elsewhere
     )

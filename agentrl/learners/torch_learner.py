@@ -6,7 +6,7 @@ updates (the loop is agentrl.learners.base's), each over all micro-batches of it
 token budget, each loss already scaled by the mini-batch's normalisers, so accumulation equals one big batch);
 `policy_version` increases by one per `train_step` and per `sft_step`; parameters stay fp32, with bf16
 autocast on CUDA when `learner.dtype = "bfloat16"`; `weights()` streams HF names and omits `lm_head.weight` when
-the embeddings are tied; `learner.gradient_checkpointing` recomputes activations in the backward. PPO uses a
+the embeddings are tied; `learner.gradient_checkpointing` recomputes activations in the backward. GAE (advantage = "gae") uses a
 value head on the policy's last hidden state (shared trunk), saved with the optimizer state, never published.
 `learner.fsdp = true` (agentrl.learners.fsdp): one process per device (agentrl run or torchrun), FSDP2-sharded fp32
 parameters and AdamW state (bf16 compute on CUDA through FSDP's mixed precision, not autocast); each rank runs its
@@ -14,7 +14,8 @@ share of the micro-batches and of every log-prob pass, gradients are summed over
 ranks, so a step equals the single-process step. `weights()`, `save` and `load` are collectives that every rank
 must call; `weights()` yields full tensors on every rank (publish from rank 0), `save` writes from rank 0, and the
 checkpoint (name-keyed optimizer state) loads into FSDP learners of any world size and into a plain learner. The
-reference model stays a replicated frozen copy; PPO (value head) is not supported with FSDP.
+reference model and the distillation teacher (algorithm.teacher) stay replicated frozen copies; a value head
+(advantage = "gae") is not supported with FSDP.
 `learner.lora.rank > 0` (agentrl.learners.lora): the base is frozen and only the adapter is in the optimizer;
 the reference model is the base with the adapter disabled; `published_weights()` is the adapter alone,
 `weights()` the merged full weights; checkpoints hold the PEFT adapter and its optimizer state, plus the path
@@ -38,6 +39,7 @@ from agentrl.errors import LearnerError
 from agentrl.learners import checkpoint, fsdp, hf_io, lora, offload
 from agentrl.learners.base import Learner
 from agentrl.learners.batch import Batch, micro_batches
+from agentrl.learners.teacher import teacher_path
 from agentrl.learners.token_ops import token_entropy, token_logprobs
 
 STATE_FILE = "trainer_state.pt"
@@ -69,15 +71,15 @@ class TorchLearner(Learner):
         self.base_path = self._base_path()
         self.temperature = temperature
         self.world = fsdp.World(self.cfg.device) if self.cfg.fsdp else None
-        if self.world is not None and self.algo.advantage == "ppo":
+        if self.world is not None and self.algo.needs().value_head:
             raise LearnerError(
-                "learner.fsdp = true does not support algorithm.advantage = 'ppo' (value head)"
+                f"learner.fsdp = true does not support algorithm.advantage = '{self.algo.advantage}' (value head)"
             )
         self.device = self.world.device if self.world is not None else torch.device(self.cfg.device)
         torch.manual_seed(seed)
 
-        def load(dtype: torch.dtype, device: torch.device | None = self.device):
-            m = AutoModelForCausalLM.from_pretrained(str(self.base_path), dtype=dtype)
+        def load(dtype: torch.dtype, device: torch.device | None = self.device, path: Path = self.base_path):
+            m = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
             m.config.use_cache = False
             return m.to(device) if device is not None else m
 
@@ -92,16 +94,11 @@ class TorchLearner(Learner):
                 )
         if self.world is not None:  # shards move to the device; the full model never lands there
             self.world.shard(self.model, self._autocast_dtype() is not None)
-        self.ref_model = None
         if self.lora is not None:
             self.model = lora.wrap(self.model, self.lora)
-            if self.cfg.reference_model:  # the same module, run with the adapter disabled
-                self.ref_model = self.model
-        elif self.cfg.reference_model:  # frozen: bf16 storage is enough where the forward runs in bf16 anyway
-            ref_dtype = torch.bfloat16 if self._autocast_dtype() is not None else torch.float32
-            self.ref_model = load(ref_dtype).eval().requires_grad_(False)
+        self.ref_model, self.teacher_model = self._frozen_models(load)
         self.value_head = None
-        if self.algo.advantage == "ppo":
+        if self.algo.needs().value_head:
             self.value_head = torch.nn.Linear(self.model.config.hidden_size, 1).to(self.device)
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
@@ -118,6 +115,19 @@ class TorchLearner(Learner):
         meta = self.model_path / checkpoint.METADATA_FILE
         if meta.is_file() and (self.model_path / STATE_FILE).is_file():
             self.load(str(self.model_path))
+
+    def _frozen_models(self, load) -> tuple:
+        """(reference, teacher), each None unless configured: frozen, in bf16 where the forward runs in bf16
+        anyway, replicated under FSDP. Under LoRA the reference is the model itself with the adapter disabled."""
+        dtype = torch.bfloat16 if self._autocast_dtype() is not None else torch.float32
+        ref = None
+        if self.cfg.reference_model:
+            ref = self.model if self.lora is not None else load(dtype).eval().requires_grad_(False)
+        teacher = None
+        if self.algo.needs().teacher:
+            path = teacher_path(self.algo.teacher, self.base_path)
+            teacher = load(dtype, path=path).eval().requires_grad_(False)
+        return ref, teacher
 
     def _base_path(self) -> Path:
         """The HF directory the base weights load from: the model, or a LoRA checkpoint's base."""
@@ -189,7 +199,7 @@ class TorchLearner(Learner):
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
         if self.value_head is None:
-            raise LearnerError("compute_values needs algorithm.advantage = 'ppo' (no value head)")
+            raise LearnerError("compute_values needs algorithm.advantage = 'gae' (no value head)")
         return self._whole_batch(self.model, batch, values=True)
 
     def compute_ref_logprobs(self, batch: Batch) -> torch.Tensor:
@@ -199,6 +209,11 @@ class TorchLearner(Learner):
             with self.model.disable_adapter():
                 return self._whole_batch(self.model, batch)
         return self._whole_batch(self.ref_model, batch)
+
+    def compute_teacher_logprobs(self, batch: Batch) -> torch.Tensor:
+        if self.teacher_model is None:
+            raise LearnerError("no teacher model (algorithm.teacher is empty)")
+        return self._whole_batch(self.teacher_model, batch)
 
     def _prepare(self, batch: Batch) -> Batch:
         return batch.to(self.device)

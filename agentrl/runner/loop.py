@@ -48,6 +48,8 @@ def prepare(cfg: Config) -> Config:
     cfg = msgspec.convert(msgspec.to_builtins(cfg), Config)
     cfg.run.import_path = search_path(cfg.run.import_path)
     cfg.model.path = str(Path(cfg.model.path).resolve())
+    if cfg.algorithm.teacher:  # the learner actor may run in another directory
+        cfg.algorithm.teacher = str(Path(cfg.algorithm.teacher).resolve())
     cfg.run.root = str(Path(cfg.run.root).resolve())
     return cfg
 

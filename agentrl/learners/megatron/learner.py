@@ -1,7 +1,7 @@
 """MegatronLearner: a megatron-core GPTModel trained with the shared objective (agentrl.algorithms).
 
 Same API and semantics as agentrl.learners.torch_learner.TorchLearner (constructor, `sft_step`, metrics) and the
-same train loop (agentrl.learners.base): per `train_step`, proximal (and reference) log-probs over the whole
+same train loop (agentrl.learners.base): per `train_step`, proximal (reference, teacher) log-probs over the whole
 batch, `prepare_batch`, then learner.epochs x learner.minibatches updates (`_update`), each over micro-batches by
 token budget, each loss already scaled by the mini-batch's normalisers. Data-parallel rank d takes micro-batches
 d, d + dp, ...; DDP sums (not averages) gradients across DP ranks (`calculate_per_token_loss`), so any DP size
@@ -33,6 +33,7 @@ from agentrl.learners.batch import Batch, micro_batches
 from agentrl.learners.megatron import checkpoint, convert, host_overhead, lora, ops, pipeline
 from agentrl.learners.megatron.model import ArchSpec, build_gpt, unwrap
 from agentrl.learners.megatron.parallel import init_parallel, sum_over_dp
+from agentrl.learners.teacher import teacher_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -61,9 +62,9 @@ class MegatronLearner(Learner):
         check(self.algo, has_reference=lc.reference_model)
         if temperature <= 0:
             raise LearnerError(f"temperature must be > 0, got {temperature}")
-        if self.algo.advantage == "ppo":
+        if self.algo.needs().value_head:
             raise LearnerError(
-                "algorithm.advantage = 'ppo' needs a value head; the Megatron learner has none"
+                f"algorithm.advantage = '{self.algo.advantage}' needs a value head; the Megatron learner has none"
             )
         self.cuda = lc.device.startswith("cuda")
         self._check_device()
@@ -93,6 +94,7 @@ class MegatronLearner(Learner):
         self.ref_model = None
         if lc.reference_model:
             self.ref_model = self.model if self.lora else self._load_model().eval().requires_grad_(False)
+        self.teacher_model = self._load_teacher() if self.algo.needs().teacher else None
         self.reduce_host_overhead = reduce_host_overhead  # False: megatron-core as is (the bench's baseline)
         self.optimizer = self._make_optimizer()
         self.optimizer_steps = 0
@@ -113,16 +115,26 @@ class MegatronLearner(Learner):
         if not self.cuda and (lc.tensor_parallel > 1 or lc.pipeline_parallel > 1):
             raise LearnerError("learner.tensor_parallel/pipeline_parallel > 1 need learner.device = 'cuda'")
 
-    def _load_model(self) -> torch.nn.Module:
+    def _load_model(self, path: str | None = None, arch: ArchSpec | None = None) -> torch.nn.Module:
+        """A GPTModel with the HF weights of `path` (default: the student's), sharded for this rank."""
+        path, arch = path or self.model_path, arch or self.arch
         model = build_gpt(
-            self.arch, dtype=self.dtype, device=str(self.device), attention=self.attention, fused=self.fused,
+            arch, dtype=self.dtype, device=str(self.device), attention=self.attention, fused=self.fused,
             calculate_per_token_loss=True, use_te=False if self.lora is not None else None,
             **self._pipeline_config(),
         )  # fmt: skip
-        convert.check_hf_names(self.arch, checkpoint.weight_map(self.model_path))
-        with checkpoint.hf_reader(self.model_path) as get_hf:
-            convert.load_hf(model, self.arch, lambda n: get_hf(n).to(self.dtype), self.tp_rank, self.tp_size)
+        convert.check_hf_names(arch, checkpoint.weight_map(path))
+        with checkpoint.hf_reader(path) as get_hf:
+            convert.load_hf(model, arch, lambda n: get_hf(n).to(self.dtype), self.tp_rank, self.tp_size)
         return model
+
+    def _load_teacher(self) -> torch.nn.Module:
+        """The distillation teacher, frozen: its own architecture, the student's parallel layout."""
+        from transformers import AutoConfig
+
+        path = str(teacher_path(self.algo.teacher, self.model_path))
+        arch = ArchSpec.from_hf(AutoConfig.from_pretrained(path))
+        return self._load_model(path, arch).eval().requires_grad_(False)
 
     def _pipeline_config(self) -> dict:
         """Micro-batches differ in rows and width: pipeline stages exchange shapes before activations."""
@@ -201,7 +213,7 @@ class MegatronLearner(Learner):
                 logp, _ = self._forward(model, mb)
                 out[mb.extra["rows"], : logp.shape[1]] = logp
         else:
-            for rows, logp in pipeline.run(self, mbs, self._logprob_payload, forward_only=True):
+            for rows, logp in pipeline.run(self, mbs, self._logprob_payload, forward_only=True, model=model):
                 out[rows, : logp.shape[1]] = logp
             pipeline.broadcast_from_last(out)
         model.train()
@@ -221,6 +233,11 @@ class MegatronLearner(Learner):
         if self.ref_model is None:
             raise LearnerError("no reference model (learner.reference_model = false)")
         return self._whole_batch(self.ref_model, batch)
+
+    def compute_teacher_logprobs(self, batch: Batch) -> torch.Tensor:
+        if self.teacher_model is None:
+            raise LearnerError("no teacher model (algorithm.teacher is empty)")
+        return self._whole_batch(self.teacher_model, batch)
 
     # -- training ----------------------------------------------------------------------------------------
 

@@ -19,9 +19,14 @@ from agentrl.learners.batch import Batch
 
 
 def run(
-    learner, mbs: list[Batch], loss_fn: Callable[[Batch, torch.Tensor], tuple], forward_only: bool
+    learner,
+    mbs: list[Batch],
+    loss_fn: Callable[[Batch, torch.Tensor], tuple],
+    forward_only: bool,
+    model: torch.nn.Module | None = None,
 ) -> list:
-    """Run the schedule over `mbs`; returns the payloads of `loss_fn` (last stage) or [] (other stages)."""
+    """Run the schedule over `mbs` through `model` (default the learner's policy; the reference and the teacher
+    pass their own); returns the payloads of `loss_fn` (last stage) or [] (other stages)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not mbs:
@@ -34,7 +39,7 @@ def run(
     return get_forward_backward_func()(
         forward_step_func=step_func,
         data_iterator=iter(mbs),
-        model=[learner.model],
+        model=[learner.model if model is None else model],
         num_microbatches=len(mbs),
         seq_length=max(mb.input_ids.shape[1] for mb in mbs),
         micro_batch_size=max(mb.input_ids.shape[0] for mb in mbs),
