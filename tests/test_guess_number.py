@@ -2,6 +2,7 @@
 still in, `turn_cost` sets how much each extra turn costs a win; both reach the demonstration too, and bad
 values are refused naming the key."""
 
+import itertools
 import random
 from collections import Counter
 from pathlib import Path
@@ -65,7 +66,7 @@ async def test_range_demonstration_replays_to_the_top_reward(kwargs):
         ({"feedback": "interval"}, "env.kwargs.feedback"),
         ({"turn_cost": 0.25}, "env.kwargs.turn_cost"),  # a win on turn 5 would score 0, like a loss
         ({"turn_cost": -0.1}, "env.kwargs.turn_cost"),
-        ({"demo": "optimal"}, "env.kwargs.demo"),
+        ({"demo_bisect": 1.5}, "env.kwargs.demo_bisect"),
     ],
 )
 def test_bad_options_named(kwargs, key):
@@ -113,9 +114,9 @@ async def test_hint_feedback_names_the_binary_search_guess():
 
 
 async def test_blind_demonstration_guesses_at_random_and_replays():
-    """`demo = "blind"`: the warm-up sees the reply format with guesses that ignore the feedback, varied per
+    """`demo_bisect = 0`: the warm-up sees the reply format with guesses that ignore the feedback, varied per
     task, and each demonstration is a conversation the env itself produces (a miss on the last guess ends it)."""
-    kwargs = {"feedback": "hint", "turn_cost": 0.1, "demo": "blind"}
+    kwargs = {"feedback": "hint", "turn_cost": 0.1, "demo_bisect": 0.0}
     env = make_env("guess_number", kwargs)
     tasks = env.sample_tasks(7, 200)
     # the secrets are those of the same seed without demonstration seeds (earlier runs' tasks are unchanged)
@@ -138,6 +139,21 @@ async def test_blind_demonstration_guesses_at_random_and_replays():
 
 
 def test_blind_demonstrations_differ_between_tasks_with_one_secret():
-    env = make_env("guess_number", {"demo": "blind"})
+    env = make_env("guess_number", {"demo_bisect": 0.0})
     tasks = [t for t in env.sample_tasks(3, 300) if t["secret"] == 5][:5]
     assert len({tuple(m.content for m in env.demonstration(t)) for t in tasks}) > 1
+
+
+async def test_demo_bisect_mixes_hint_following_into_the_demonstrations():
+    """0 < demo_bisect < 1: about that share of the demonstration guesses is the binary search's (the hint), the
+    rest blind; the warm-up thus seeds the habit RL is to strengthen."""
+    env = make_env("guess_number", {"feedback": "hint", "demo_bisect": 0.3})
+    followed = total = 0
+    for task in env.sample_tasks(11, 400):
+        demo = env.demonstration(task)
+        for before, reply in itertools.pairwise(demo):
+            if reply.role == "assistant":
+                total += 1
+                followed += before.content.endswith(f"Try {reply.content}.")
+    # blind guesses equal the hint 1 time in 16 on the first turn and more often as the range shrinks
+    assert 0.3 < followed / total < 0.45, followed / total

@@ -10,10 +10,11 @@ midpoint (docs/benchmarks/run.md: what the tiny model learns with each). A reply
 "Reply with a number from {low} to {high}." (plus the hint under "hint").
 Found on turn t (1-based) of `max_guesses`: reward 1 - turn_cost * (t-1), with turn_cost = 1/max_guesses
 unless set; not found: 0. The reward arrives on the last turn only.
-The demonstration (supervised warm-up data) is, with `demo = "bisect"` (the default), a binary search, which
-finds any secret within ceil(log2(high-low+2)) guesses; with `demo = "blind"`, guesses drawn uniformly from
-[low, high] whatever the feedback says (seeded by the task's `demo_seed`), so a warm-up teaches the reply
-format but no strategy, and RL has the whole gap from blind guessing to binary search to climb.
+The demonstration (supervised warm-up data) is a binary search, which finds any secret within
+ceil(log2(high-low+2)) guesses, when `demo_bisect = 1` (the default); below 1, each of its guesses is the
+binary search's with probability `demo_bisect` and otherwise drawn uniformly from [low, high] whatever the
+feedback says (seeded by the task's `demo_seed`): a warm-up on those teaches the reply format and only a
+weak habit of following the feedback, and RL has the gap from there to binary search to climb.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from agentrl.types import Message
 
 _INT = re.compile(r"-?\d+")
 FEEDBACK = ("direction", "range", "hint")
-DEMOS = ("bisect", "blind")
 
 
 def first_int(text: str) -> int | None:
@@ -41,7 +41,9 @@ def first_int(text: str) -> int | None:
 @register_env
 class GuessNumberEnv(AgentEnv):
     name = "guess_number"
-    description = "multi-turn: guess a secret number with higher/lower feedback (reward 1 - turn_cost * extra turns)"
+    description = (
+        "multi-turn: guess a secret number with higher/lower feedback (reward 1 - turn_cost * extra turns)"
+    )
     max_turns = 5
 
     def __init__(
@@ -51,19 +53,20 @@ class GuessNumberEnv(AgentEnv):
         max_guesses: int = 5,
         feedback: str = "direction",
         turn_cost: float | None = None,
-        demo: str = "bisect",
+        demo_bisect: float = 1.0,
     ):
         super().__init__(
-            low=low, high=high, max_guesses=max_guesses, feedback=feedback, turn_cost=turn_cost, demo=demo
-        )
+            low=low, high=high, max_guesses=max_guesses, feedback=feedback, turn_cost=turn_cost,
+            demo_bisect=demo_bisect,
+        )  # fmt: skip
         if low >= high or max_guesses < 1:
             raise EnvError(
                 f"env.kwargs: need low < high and max_guesses >= 1 (got {low}, {high}, {max_guesses})"
             )
         if feedback not in FEEDBACK:
             raise EnvError(f"env.kwargs.feedback: expected one of {', '.join(FEEDBACK)} (got {feedback!r})")
-        if demo not in DEMOS:
-            raise EnvError(f"env.kwargs.demo: expected one of {', '.join(DEMOS)} (got {demo!r})")
+        if not 0.0 <= demo_bisect <= 1.0:
+            raise EnvError(f"env.kwargs.demo_bisect: expected a probability in [0, 1] (got {demo_bisect!r})")
         cost = 1.0 / max_guesses if turn_cost is None else float(turn_cost)
         # A win on the last turn must still score above a loss (0), or the reward stops ranking a win highest.
         if not (math.isfinite(cost) and cost >= 0.0) or 1.0 - cost * (max_guesses - 1) <= 0.0:
@@ -72,7 +75,7 @@ class GuessNumberEnv(AgentEnv):
                 f"scores above 0 (got {turn_cost} with max_guesses {max_guesses})"
             )
         self.low, self.high, self.max_guesses = low, high, max_guesses
-        self.feedback, self.turn_cost, self.demo = feedback, cost, demo
+        self.feedback, self.turn_cost, self.demo_bisect = feedback, cost, float(demo_bisect)
         self.max_turns = max_guesses
         self.secret, self.turn = 0, 0
         self.range = (low, high)
@@ -106,13 +109,16 @@ class GuessNumberEnv(AgentEnv):
         rng = random.Random(task.get("demo_seed", secret))
         messages = [Message("user", self.opening())]
         for _ in range(self.max_guesses):
-            guess = (lo + hi) // 2 if self.demo == "bisect" else rng.randint(self.low, self.high)
+            blind = rng.randint(
+                self.low, self.high
+            )  # drawn every turn: the stream does not depend on demo_bisect
+            guess = (lo + hi) // 2 if rng.random() < self.demo_bisect else blind
             messages.append(Message("assistant", str(guess)))
             if guess == secret:
                 return messages
             text, lo, hi = self.reply(secret, guess, lo, hi)
             messages.append(Message("user", text))
-        if self.demo == "blind":
+        if self.demo_bisect < 1.0:
             return messages[:-1]  # the last guess missed: the episode ends there, with no feedback
         raise EnvError(
             f"max_guesses={self.max_guesses} is too small for a binary search over [{self.low}, {self.high}]"
