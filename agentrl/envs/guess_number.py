@@ -13,8 +13,9 @@ unless set; not found: 0. The reward arrives on the last turn only.
 The demonstration (supervised warm-up data) is a binary search, which finds any secret within
 ceil(log2(high-low+2)) guesses, when `demo_bisect = 1` (the default); below 1, each of its guesses is the
 binary search's with probability `demo_bisect` and otherwise drawn uniformly from [low, high] whatever the
-feedback says (seeded by the task's `demo_seed`): a warm-up on those teaches the reply format and only a
-weak habit of following the feedback, and RL has the gap from there to binary search to climb.
+feedback says (seeded by the task's `demo_seed`), so a warm-up teaches the reply format and at most a weak
+habit of following the feedback (docs/benchmarks/run.md: from such a warm-up, demo_bisect 0 or 0.3, RL did not
+learn to follow the hint; the example warms up on binary searches and stops early instead).
 """
 
 from __future__ import annotations
@@ -109,9 +110,8 @@ class GuessNumberEnv(AgentEnv):
         rng = random.Random(task.get("demo_seed", secret))
         messages = [Message("user", self.opening())]
         for _ in range(self.max_guesses):
-            blind = rng.randint(
-                self.low, self.high
-            )  # drawn every turn: the stream does not depend on demo_bisect
+            # drawn every turn, so which guesses are blind does not shift the stream of the others
+            blind = rng.randint(self.low, self.high)
             guess = (lo + hi) // 2 if rng.random() < self.demo_bisect else blind
             messages.append(Message("assistant", str(guess)))
             if guess == secret:
