@@ -3,11 +3,12 @@
     python bench/guess_number_curve.py --baselines [--env-kwargs "{'turn_cost': 0.1}"]
     python bench/guess_number_curve.py runs/gn/seed*/metrics.jsonl
 
-`--baselines` plays 20,000 episodes with three scripted policies through the env (blind: uniform over the whole
-range; in-range: uniform over the range the feedback so far allows; bisect: binary search, the best policy) and
-prints each one's mean reward. Given metrics files (from `agentrl run examples/guess_number.toml --run.seed S`),
+`--baselines` plays 20,000 episodes with scripted policies through the env (blind: uniform over the whole range;
+in-range: uniform over the range the feedback so far allows; bisect: binary search, the best policy; followP: the
+binary-search guess with probability P, else blind) and prints each one's mean reward. Given metrics files (from `agentrl run examples/guess_number.toml --run.seed S`),
 it prints per run the train reward around steps 0, 50, 100, 150, 200 (mean of the 10 steps ending there; step 0 =
-steps 1-10) and the greedy eval at each evaluation.
+steps 1-10), the change (last 10 steps' mean minus the first 10 steps'), and the greedy eval at each evaluation;
+then the median change over the runs and its range.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ import ast
 import asyncio
 import json
 import random
+import statistics
 from pathlib import Path
+
+
+def follow(p: float):
+    """The binary-search guess (the hint under feedback = "hint") with probability p, else a blind one."""
+    return lambda rng, env: sum(env.range) // 2 if rng.random() < p else rng.randint(env.low, env.high)
 
 
 def policies():
@@ -25,6 +32,7 @@ def policies():
         "blind": lambda rng, env: rng.randint(env.low, env.high),
         "in_range": lambda rng, env: rng.randint(*env.range),
         "bisect": lambda rng, env: sum(env.range) // 2,
+        **{f"follow{p:.2f}": follow(p) for p in (0.25, 0.5, 0.75)},
     }
 
 
@@ -47,6 +55,9 @@ def curve(path: Path) -> dict:
     for at in range(0, out["steps"] + 1, 50):
         window = [rewards[s] for s in range(max(1, at - 9), max(10, at) + 1) if s in rewards]
         out[f"reward@{at}"] = round(sum(window) / len(window), 3) if window else None
+    ordered = [rewards[s] for s in sorted(rewards)]
+    if len(ordered) >= 20:
+        out["change"] = round(sum(ordered[-10:]) / 10 - sum(ordered[:10]) / 10, 3)
     out["eval"] = {r.get("step", 0): round(r["eval_reward_mean"], 3) for r in rows if "eval_reward_mean" in r}
     return out
 
@@ -61,8 +72,14 @@ def main() -> None:
         kwargs = ast.literal_eval(args.env_kwargs)
         for name, policy in policies().items():
             print(f"{name:9s} {asyncio.run(baseline(kwargs, policy)):.3f}")
+    changes = []
     for path in args.metrics:
-        print(json.dumps(curve(path)))
+        row = curve(path)
+        changes += [row["change"]] if "change" in row else []
+        print(json.dumps(row))
+    if changes:
+        summary = {"runs": len(changes), "median_change": statistics.median(changes)}
+        print(json.dumps({**summary, "min_change": min(changes), "max_change": max(changes)}))
 
 
 if __name__ == "__main__":

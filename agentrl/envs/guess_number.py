@@ -3,11 +3,19 @@
 The secret lies in [low, high]; each turn the model replies with a number and gets feedback: with
 `feedback = "direction"` (the default) "Higher." or "Lower." (the secret is higher/lower than the guess); with
 `feedback = "range"` also the range the secret is still in, e.g. "Higher: 9 to 16.", so the next guess
-depends on the last message alone rather than on every earlier turn (docs/benchmarks/run.md: what the tiny
-model learns with each). A reply with no number in range gets "Reply with a number from {low} to {high}.".
+depends on the last message alone rather than on every earlier turn; with `feedback = "hint"` also the
+midpoint of that range, the binary-search guess ("Higher: 9 to 16. Try 12."; the opening names the first one),
+so the best policy is one skill a tiny model can hold (copy the hint) instead of a map from every range to its
+midpoint (docs/benchmarks/run.md: what the tiny model learns with each). A reply with no number in range gets
+"Reply with a number from {low} to {high}." (plus the hint under "hint").
 Found on turn t (1-based) of `max_guesses`: reward 1 - turn_cost * (t-1), with turn_cost = 1/max_guesses
-unless set; not found: 0. The reward arrives on the last turn only. The demonstration is a binary search,
-which finds any secret within ceil(log2(high-low+2)) guesses.
+unless set; not found: 0. The reward arrives on the last turn only.
+The demonstration (supervised warm-up data) is a binary search, which finds any secret within
+ceil(log2(high-low+2)) guesses, when `demo_bisect = 1` (the default); below 1, each of its guesses is the
+binary search's with probability `demo_bisect` and otherwise drawn uniformly from [low, high] whatever the
+feedback says (seeded by the task's `demo_seed`), so a warm-up teaches the reply format and at most a weak
+habit of following the feedback (docs/benchmarks/run.md: from such a warm-up, demo_bisect 0 or 0.3, RL did not
+learn to follow the hint; the example warms up on binary searches and stops early instead).
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from agentrl.errors import EnvError
 from agentrl.types import Message
 
 _INT = re.compile(r"-?\d+")
-FEEDBACK = ("direction", "range")
+FEEDBACK = ("direction", "range", "hint")
 
 
 def first_int(text: str) -> int | None:
@@ -34,7 +42,9 @@ def first_int(text: str) -> int | None:
 @register_env
 class GuessNumberEnv(AgentEnv):
     name = "guess_number"
-    description = "multi-turn: guess a secret number with higher/lower feedback (reward 1 - turns used / max)"
+    description = (
+        "multi-turn: guess a secret number with higher/lower feedback (reward 1 - turn_cost * extra turns)"
+    )
     max_turns = 5
 
     def __init__(
@@ -44,14 +54,20 @@ class GuessNumberEnv(AgentEnv):
         max_guesses: int = 5,
         feedback: str = "direction",
         turn_cost: float | None = None,
+        demo_bisect: float = 1.0,
     ):
-        super().__init__(low=low, high=high, max_guesses=max_guesses, feedback=feedback, turn_cost=turn_cost)
+        super().__init__(
+            low=low, high=high, max_guesses=max_guesses, feedback=feedback, turn_cost=turn_cost,
+            demo_bisect=demo_bisect,
+        )  # fmt: skip
         if low >= high or max_guesses < 1:
             raise EnvError(
                 f"env.kwargs: need low < high and max_guesses >= 1 (got {low}, {high}, {max_guesses})"
             )
         if feedback not in FEEDBACK:
             raise EnvError(f"env.kwargs.feedback: expected one of {', '.join(FEEDBACK)} (got {feedback!r})")
+        if not 0.0 <= demo_bisect <= 1.0:
+            raise EnvError(f"env.kwargs.demo_bisect: expected a probability in [0, 1] (got {demo_bisect!r})")
         cost = 1.0 / max_guesses if turn_cost is None else float(turn_cost)
         # A win on the last turn must still score above a loss (0), or the reward stops ranking a win highest.
         if not (math.isfinite(cost) and cost >= 0.0) or 1.0 - cost * (max_guesses - 1) <= 0.0:
@@ -60,36 +76,50 @@ class GuessNumberEnv(AgentEnv):
                 f"scores above 0 (got {turn_cost} with max_guesses {max_guesses})"
             )
         self.low, self.high, self.max_guesses = low, high, max_guesses
-        self.feedback, self.turn_cost = feedback, cost
+        self.feedback, self.turn_cost, self.demo_bisect = feedback, cost, float(demo_bisect)
         self.max_turns = max_guesses
         self.secret, self.turn = 0, 0
         self.range = (low, high)
 
     def sample_tasks(self, seed: int, n: int) -> list[dict[str, Any]]:
-        rng = random.Random(seed)
-        return [{"secret": rng.randint(self.low, self.high)} for _ in range(n)]
+        # the demonstration seeds come from a stream of their own, so the secrets are those of earlier versions
+        rng, demo_rng = random.Random(seed), random.Random(f"guess_number demo {seed}")
+        return [
+            {"secret": rng.randint(self.low, self.high), "demo_seed": demo_rng.getrandbits(32)}
+            for _ in range(n)
+        ]
+
+    def hint(self, lo: int, hi: int) -> str:
+        return f" Try {(lo + hi) // 2}." if self.feedback == "hint" else ""
 
     def opening(self) -> str:
-        return f"Guess my number from {self.low} to {self.high}."
+        return f"Guess my number from {self.low} to {self.high}.{self.hint(self.low, self.high)}"
 
     def reply(self, secret: int, guess: int | None, lo: int, hi: int) -> tuple[str, int, int]:
         """Feedback on a wrong guess, and the range [lo, hi] the secret is known to be in afterwards."""
         if guess is None or not self.low <= guess <= self.high:
-            return f"Reply with a number from {self.low} to {self.high}.", lo, hi
+            return f"Reply with a number from {self.low} to {self.high}.{self.hint(lo, hi)}", lo, hi
         lo, hi = (max(lo, guess + 1), hi) if secret > guess else (lo, min(hi, guess - 1))
         word = "Higher" if secret > guess else "Lower"
-        return (f"{word}: {lo} to {hi}." if self.feedback == "range" else f"{word}."), lo, hi
+        if self.feedback == "direction":
+            return f"{word}.", lo, hi
+        return f"{word}: {lo} to {hi}.{self.hint(lo, hi)}", lo, hi
 
     def demonstration(self, task: dict[str, Any]) -> list[Message]:
         lo, hi, secret = self.low, self.high, task["secret"]
+        rng = random.Random(task.get("demo_seed", secret))
         messages = [Message("user", self.opening())]
         for _ in range(self.max_guesses):
-            guess = (lo + hi) // 2
+            # drawn every turn, so which guesses are blind does not shift the stream of the others
+            blind = rng.randint(self.low, self.high)
+            guess = (lo + hi) // 2 if rng.random() < self.demo_bisect else blind
             messages.append(Message("assistant", str(guess)))
             if guess == secret:
                 return messages
             text, lo, hi = self.reply(secret, guess, lo, hi)
             messages.append(Message("user", text))
+        if self.demo_bisect < 1.0:
+            return messages[:-1]  # the last guess missed: the episode ends there, with no feedback
         raise EnvError(
             f"max_guesses={self.max_guesses} is too small for a binary search over [{self.low}, {self.high}]"
         )
