@@ -345,6 +345,12 @@ class CausalLM:
         if not enable:
             self._layer_in, self._layer_out, self.compiled = layer_in, layer_out, False
             return
+        # Dynamo's "FX tracing" flag is process-global: while another thread compiles (a colocated learner:
+        # megatron-core's fused functions are torch.compile'd on first call), a decode step that sees it raised
+        # "using FX to symbolically trace a dynamo-optimized function" (Megatron + embedded engine colocated,
+        # async, on an H200: 32 failed rollouts in 55 steps). With this off, such a step runs the same layer
+        # code eagerly instead: slower for that step, the same numbers.
+        torch._dynamo.config.error_on_nested_fx_trace = False
         self._layer_in = torch.compile(layer_in, options=dict(COMPILE_OPTIONS))
         self._layer_out = torch.compile(layer_out, options=dict(COMPILE_OPTIONS))
         self.compiled = True
