@@ -68,7 +68,13 @@ class RunSection(_Section):
     time_limit_s: Annotated[float, doc("stop after this many seconds; 0 = no limit", ge=0)] = 0.0
     eval_every: Annotated[int, doc("evaluate every this many steps; 0 = never", ge=0)] = 0
     eval_prompts: Annotated[int, doc("prompts per evaluation", ge=1)] = 32
-    checkpoint_every: Annotated[int, doc("checkpoint every this many steps; 0 = never", ge=0)] = 5
+    checkpoint_every: Annotated[
+        int,
+        doc(
+            "checkpoint every this many steps; 0 = only at the end (a step's ledger commit waits for its checkpoint)",
+            ge=0,
+        ),
+    ] = 5
     ray_address: Annotated[str, doc("Ray cluster to join; empty = start a local Ray")] = ""
     ray_num_cpus: Annotated[int, doc("CPUs of a local Ray; 0 = this machine's count", ge=0)] = 0
     nodes: Annotated[

@@ -96,10 +96,12 @@ def test_sync_run_with_plugin_env(ray_session, tmp_path, model_dir):
     from agentrl.runner.loop import run
 
     cfg = load_config(tiny_config(tmp_path, model_dir, env={"name": "parrot"}, rollout={"max_turns": 1}),
-                      ["--run.mode", "sync"])  # fmt: skip
+                      ["--run.mode", "sync", "--run.checkpoint-every", "0"])  # fmt: skip
     summary = run(cfg)
     assert summary["ok"] and summary["steps"] == 3
     metrics, ledger = check_run_dir(tmp_path / "t", 3)
+    # checkpoint_every = 0: the warm-up's (step_0) and the last step's only (it made one every step)
+    assert sorted(p.name for p in (tmp_path / "t" / "checkpoints").glob("step_*")) == ["step_0", "step_3"]
     assert all(m["staleness_max"] == 0 for m in metrics)  # sync: every token from the learner's version
     assert [m["policy_version"] for m in metrics] == [1, 2, 3]
     assert all(len(row["ids"]) == 8 for row in ledger)

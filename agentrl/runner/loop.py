@@ -387,7 +387,8 @@ class Runner:
                 self.progress.update(metrics)
                 history.append(metrics)
                 # after the step's metrics line: a kill right after the checkpoint's commit keeps the line
-                if self.step % max(1, self.cfg.run.checkpoint_every) == 0 or self.step >= self.cfg.run.steps:
+                every = self.cfg.run.checkpoint_every  # 0: only the last step (max(1, 0) made it every step)
+                if (every and self.step % every == 0) or self.step >= self.cfg.run.steps:
                     await self._checkpoint()
             if self.pending:
                 await self._checkpoint()
