@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 from gen_support import scripted_replies
@@ -45,7 +46,9 @@ async def _session_of_demo(tiny, tok, demo_form: str):
         CalculatorEnv.step = step
         # an agent that lets the model choose (`auto`) meets the plain tool-call demonstrations
         calculator_tools.FIRST_CHOICE = first_choice if demo_form == "named_tool_call" else "auto"
-        reward = await calculator_tools.agent(f"{url}/v1/sessions/e1", task, CalculatorEnv(demo_form=demo_form))
+        reward = await calculator_tools.agent(
+            f"{url}/v1/sessions/e1", task, CalculatorEnv(demo_form=demo_form)
+        )
         [traj] = await proxy.close_session("e1", reward)
     finally:
         CalculatorEnv.step, calculator_tools.FIRST_CHOICE = real_step, first_choice
@@ -104,3 +107,23 @@ def test_tool_call_demonstrations_render_the_tool_and_are_checked():
     assert CalculatorEnv(demo_form="named_tool_call").tools == env.tools
     with pytest.raises(EnvError, match="demo_form"):
         CalculatorEnv(demo_form="xml")
+
+
+async def test_a_malformed_call_is_counted_in_the_learner_metric(tiny, tok):
+    from agentrl.actors.learner import tool_call_metrics
+
+    env = CalculatorEnv(demo_form="named_tool_call")
+    task = env.sample_tasks(3, 1)[0]
+    # the warmed-up model's old failure: one closing brace too many (the schema in the prompt ends in `}}}`)
+    engine = scripted_replies(tiny, tok, '{"expression": "44"}}}\n</tool_call>')
+    proxy = OpenAIProxy([engine], tok, sampling=SamplingParams(max_new_tokens=80), max_seq_len=1024)
+    url = await proxy.start()
+    try:
+        reward = await calculator_tools.agent(f"{url}/v1/sessions/e1", task, env)
+        [bad] = await proxy.close_session("e1", reward)
+    finally:
+        await proxy.stop()
+    assert reward == 0.0 and bad.metadata["tool_call_errors"] == 1  # returned as text: the agent's answer
+    _, _, good, _, _ = await _session_of_demo(tiny, tok, "named_tool_call")
+    assert tool_call_metrics([bad, good]) == {"tool_call_error_rate": 0.5}
+    assert tool_call_metrics([msgspec.structs.replace(good, metadata={})]) == {}

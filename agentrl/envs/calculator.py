@@ -121,7 +121,8 @@ class CalculatorEnv(AgentEnv):
                 f"env.kwargs.demo_form must be one of {['calc_tag', *TOOL_CALL_FORMS]}, got {demo_form!r}"
             )
         self.demo_form = demo_form
-        self.tools = [CALCULATE_TOOL] if demo_form in TOOL_CALL_FORMS else None  # rendered into warm-up prompts
+        # the tool schemas rendered into warm-up prompts
+        self.tools = [CALCULATE_TOOL] if demo_form in TOOL_CALL_FORMS else None
         self.task: dict[str, Any] = {}
         self.turn, self.tool_rewarded = 0, False
 
