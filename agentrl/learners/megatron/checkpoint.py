@@ -89,7 +89,7 @@ def save(learner: MegatronLearner, path: Path) -> None:
     if has_state:
         saved = [
             {"params": [p.detach().cpu() for p in _params(o)], "state": o.state_dict()}
-            for o in torch_optimizers(learner)
+            for o in _torch_optimizers(learner)
         ]
         torch.save(saved, path / f"optim_rank{rank}.pt")
     if rank == 0:
@@ -148,13 +148,13 @@ def load(learner: MegatronLearner, path: Path) -> None:
             f"{path}: optimizer saved by {meta.get('world_size')} ranks, this run has {dist.get_world_size()}"
         )
     saved = torch.load(path / f"optim_rank{dist.get_rank()}.pt", map_location="cpu", weights_only=False)
-    for opt, entry in zip(torch_optimizers(learner), saved, strict=True):
+    for opt, entry in zip(_torch_optimizers(learner), saved, strict=True):
         for param, value in zip(_params(opt), entry["params"], strict=True):
             param.copy_(value)
         opt.load_state_dict(entry["state"])
 
 
-def torch_optimizers(learner: MegatronLearner) -> list[torch.optim.Optimizer]:
+def _torch_optimizers(learner: MegatronLearner) -> list[torch.optim.Optimizer]:
     """The torch optimizers that hold Adam state: the learner's own (CPU) or those inside Megatron's (GPU)."""
     opt = learner.optimizer
     if isinstance(opt, torch.optim.Optimizer):

@@ -247,7 +247,7 @@ class MegatronLearner(Learner):
     def reset_optimizer(self) -> None:
         """Forget the Adam moments (see TorchLearner.reset_optimizer); the checkpoint then has no optimizer
         state to save until the next step, as before the first."""
-        for opt in checkpoint.torch_optimizers(self):
+        for opt in checkpoint._torch_optimizers(self):
             opt.state.clear()
         self.optimizer_steps = 0
 
