@@ -193,8 +193,9 @@ def conversation_tokens(
     """(prompt_ids, response_ids, loss_mask) of a whole conversation, exactly as a multi-turn rollout (or a
     proxy session) that produced it would hold it: the opening messages are the prompt; each assistant
     message is its content's tokens plus the end-of-turn token (mask 1); the messages after it are the
-    template delta (mask 0); `tools` are rendered as the proxy renders a request's. Raises InvalidTrajectory naming `messages...` when the conversation cannot be
-    tokenized so."""
+    template delta (mask 0); `tools` are rendered as the proxy renders a request's; an assistant message's
+    `prefill` (the opening the proxy gave, see `_assistant_ids`) is mask 0. Raises InvalidTrajectory naming
+    `messages...` when the conversation cannot be tokenized so."""
     turns = _as_dicts(messages)
     first = next((i for i, m in enumerate(turns) if m["role"] == "assistant"), None)
     if first is None:
@@ -212,10 +213,10 @@ def conversation_tokens(
     mask: list[int] = []
     i = first
     while i < len(turns):
-        reply = chat.encode(turns[i]["content"])
+        given, reply = _assistant_ids(chat, turns[i], i)
         reply += chat.closing_ids(reply)
-        response += reply
-        mask += [1] * len(reply)
+        response += given + reply
+        mask += [0] * len(given) + [1] * len(reply)
         j = i + 1
         while j < len(turns) and turns[j]["role"] != "assistant":
             j += 1
@@ -228,6 +229,16 @@ def conversation_tokens(
             mask += [0] * len(delta)
         i = j
     return prompt, response, mask
+
+
+def _assistant_ids(chat: ChatTokens, message: dict[str, Any], index: int) -> tuple[list[int], list[int]]:
+    """(given, generated) ids of an assistant message. A `prefill` key names the opening of its content that
+    the proxy put after the generation prompt (a tool call's opening for a named `tool_choice`): encoded on
+    its own and not the model's (mask 0), as the proxy records it; the rest is the model's reply."""
+    content, prefill = message["content"], message.get("prefill") or ""
+    if not content.startswith(prefill):
+        raise InvalidTrajectory(f"messages[{index}].prefill", "must be the start of the message's content")
+    return chat.encode(prefill) if prefill else [], chat.encode(content[len(prefill) :])
 
 
 def demonstration_tokens(

@@ -155,6 +155,9 @@ def test_sft_step_and_entropy_op(models):
     want = -(hf_logprobs(path, batch) * batch.loss_mask).sum() / batch.total_loss_tokens
     assert abs(first - float(want)) <= 1e-4
     assert learner.sft_step(batch)["loss"] < first and learner.policy_version == 2
+    learner.reset_optimizer()  # after a warm-up: no Adam moments carried into RL
+    assert learner.optimizer_steps == 0 and not learner.optimizer.state
+    assert learner.sft_step(batch)["loss"] < first and learner.optimizer_steps == 1
     logits = torch.randn(2, 5, 300)
     logp = torch.log_softmax(logits[:, :-1], -1)
     want_ent = torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))

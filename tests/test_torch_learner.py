@@ -2,6 +2,7 @@
 
 import math
 
+import msgspec
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -261,3 +262,30 @@ def test_cuda_reference_kl_and_checkpointing(model_dir):
     for _ in range(2):
         m = gpu.train_step(build_batch(make_trajs(), gpu.pad_id))
         assert math.isfinite(m["loss"]) and m["kl"] >= 0.0 and math.isfinite(m["entropy"])
+
+
+def _snapshot(learner):
+    return {name: t.detach().clone() for name, t in learner.model.named_parameters()}
+
+
+def _moved(learner, before):
+    return any(not torch.equal(t, before[name]) for name, t in learner.model.named_parameters())
+
+
+def test_the_warmup_leaves_no_momentum_for_rl_steps_without_gradient(model_dir, tmp_path):
+    from agentrl.actors.warmup import run_warmup
+    from agentrl.config import load_config
+    from agentrl.tokenizer import load_tokenizer
+
+    cfg = load_config(None, {"env": {"name": "calculator"}, "warmup": {"steps": 3, "batch_size": 4}})
+    learner = TorchLearner(model_dir, LearnerSection(lr=1e-3))
+    run_warmup(cfg, learner, load_tokenizer(model_dir), learner.pad_id)
+    zero = build_batch([msgspec.structs.replace(t, reward=0.0) for t in make_trajs()], learner.pad_id)
+    before = _snapshot(learner)
+    assert learner.train_step(zero)["grad_norm"] == 0.0  # all advantages zero: no gradient
+    assert not _moved(learner, before)
+    for _ in range(2):  # without the reset, Adam coasts on the SFT momentum (what the warm-up used to leave)
+        learner.sft_step(sft_batch([([1, 2, 3], [40, 41, 42, 43])], learner.pad_id))
+    before = _snapshot(learner)
+    learner.train_step(zero)
+    assert _moved(learner, before)

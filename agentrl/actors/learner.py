@@ -42,6 +42,13 @@ def make_learner(cfg: Config, model_path: str):
     return TorchLearner(model_path, cfg.learner, cfg.algorithm, **common)
 
 
+def tool_call_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """`tool_call_error_rate`: the share of trajectories holding a malformed tool call (the OpenAI proxy counts
+    them in `metadata.tool_call_errors`); nothing when no trajectory comes from a proxy session."""
+    counts = [t.metadata["tool_call_errors"] for t in trajectories if "tool_call_errors" in t.metadata]
+    return {"tool_call_error_rate": sum(c > 0 for c in counts) / len(counts)} if counts else {}
+
+
 class LearnerWorker:
     def __init__(self, cfg: Config, model_path: str):
         set_threads(cfg)
@@ -101,6 +108,7 @@ class LearnerWorker:
             "response_len_mean": n_tokens / max(1, len(trajectories)),
             "train_s": dt,
             "logprob_sample": self.learner.logprob_sample,  # the driver writes it to learner_logprobs.jsonl
+            **tool_call_metrics(trajectories),
         }
 
     def warmup(self) -> dict[str, Any]:

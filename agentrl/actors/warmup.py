@@ -3,7 +3,10 @@
 Demonstrations are tokenized exactly as a multi-turn rollout of the same conversation would be
 (agentrl.chat.demonstration_tokens): loss on assistant tokens and their end-of-turn, none on env/tool
 tokens. Tasks come from `warmup.seed` (agentrl.data.warmup_source): env tasks from a seed range apart from
-training and evaluation, or, with `data.path`, the dataset's rows in a `warmup.seed` order. Runs inside the
+training and evaluation, or, with `data.path`, the dataset's rows in a `warmup.seed` order. The optimizer's
+moments are reset afterwards (`reset_optimizer`): RL is a new objective at its own lr, and Adam would otherwise
+coast on the SFT momentum through every RL step whose advantages are all zero (measured: a warmed-up
+calculator_tools model went from 34% to 100% malformed tool calls in 8 such steps). Runs inside the
 learner's process (LearnerWorker.warmup); the policy version is left unchanged (v0 is the warmed-up model).
 """
 
@@ -63,6 +66,8 @@ def run_warmup(cfg: Config, learner: Any, tokenizer: Any, pad_id: int) -> dict[s
         stats = learner.sft_step(batch, lr=w.lr)
         losses.append(float(stats.get("loss", stats.get("sft_loss", float("nan")))))
     learner.policy_version = version
+    if losses:  # RL starts with fresh moments (see the module docstring)
+        learner.reset_optimizer()
     return {
         "warmup_steps": len(losses),
         "warmup_loss_first": losses[0] if losses else float("nan"),

@@ -13,6 +13,10 @@ the final answer. Expressions are evaluated by a small arithmetic parser (no eva
 the tool as a function (examples/agents/calculator_tools.py): the prompt renders `env.tools` (the `calculate`
 schema), the model writes a Hermes `<tool_call>` block, and the tool's answer (the env's `<result>` feedback
 to the equivalent `<calc>` step) comes back as a `tool` message; the env's rewards are unchanged.
+`demo_form = "named_tool_call"` is the same for an agent whose first request names `calculate` in
+`tool_choice`: the proxy writes the call's opening (`<tool_call>\n{"name": "calculate", "arguments": `) after
+the generation prompt, so the demonstration marks it as given (`prefill`, loss-masked) and the model learns
+only the arguments and the answer.
 """
 
 from __future__ import annotations
@@ -47,6 +51,11 @@ CALCULATE_TOOL = {
         },
     },
 }
+
+TOOL_CALL_FORMS = ("tool_call", "named_tool_call")
+# What the proxy puts after the generation prompt when `tool_choice` names `calculate` (Hermes parser's
+# `prefill`; tests/test_calculator_tools.py keeps the two equal).
+NAMED_CALL_OPENING = '<tool_call>\n{"name": "calculate", "arguments": '
 
 
 def calculate(expr: str) -> str:
@@ -107,10 +116,13 @@ class CalculatorEnv(AgentEnv):
         self.low, self.high, self.ops = low, high, check_ops(ops)
         self.tool_bonus, self.max_turns = tool_bonus, max_turns
         self.tool_role, self.system_prompt = tool_role, system_prompt
-        if demo_form not in ("calc_tag", "tool_call"):
-            raise EnvError(f"env.kwargs.demo_form must be 'calc_tag' or 'tool_call', got {demo_form!r}")
+        if demo_form not in ("calc_tag", *TOOL_CALL_FORMS):
+            raise EnvError(
+                f"env.kwargs.demo_form must be one of {['calc_tag', *TOOL_CALL_FORMS]}, got {demo_form!r}"
+            )
         self.demo_form = demo_form
-        self.tools = [CALCULATE_TOOL] if demo_form == "tool_call" else None  # rendered into warm-up prompts
+        # the tool schemas rendered into warm-up prompts
+        self.tools = [CALCULATE_TOOL] if demo_form in TOOL_CALL_FORMS else None
         self.task: dict[str, Any] = {}
         self.turn, self.tool_rewarded = 0, False
 
@@ -124,11 +136,14 @@ class CalculatorEnv(AgentEnv):
 
     def demonstration(self, task: dict[str, Any]) -> list[Message] | list[dict[str, Any]]:
         expr = f"{task['a']}{task['op']}{task['b']}"
-        if self.demo_form == "tool_call":  # the exact text a Hermes-format model writes for the call
+        if self.demo_form in TOOL_CALL_FORMS:  # the exact text a Hermes-format model writes for the call
             call = json.dumps({"name": "calculate", "arguments": {"expression": expr}})
+            reply = {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"}
+            if self.demo_form == "named_tool_call":  # the proxy writes the opening (Hermes `prefill`)
+                reply["prefill"] = NAMED_CALL_OPENING
             return [
                 *({"role": m.role, "content": m.content} for m in self.opening(task)),
-                {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+                reply,
                 {"role": "tool", "tool_call_id": "call_0", "content": f"<result>{calculate(expr)}</result>"},
                 {"role": "assistant", "content": str(task["answer"])},
             ]

@@ -260,6 +260,11 @@ class TorchLearner(Learner):
         metrics.update(self._counters(batch, start, parts))
         return metrics
 
+    def reset_optimizer(self) -> None:
+        """Forget the optimizer's moments (Adam re-creates them at the next step): after the warm-up, whose
+        SFT momentum would otherwise keep moving the weights through RL steps that carry no gradient."""
+        self.optimizer.state.clear()
+
     def _optimizer_step(self, lr: float | None = None, *, loss: float) -> dict[str, float]:
         """Clip and step; `loss` (merged over ranks) and the global grad norm feed the non-finite guard."""
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")

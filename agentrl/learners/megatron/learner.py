@@ -274,6 +274,13 @@ class MegatronLearner(Learner):
         loss = sft_loss(logp, mb.loss_mask, total_loss_tokens)
         return loss, pipeline.one(self.device), float(loss.detach())
 
+    def reset_optimizer(self) -> None:
+        """Forget the Adam moments (see TorchLearner.reset_optimizer); the checkpoint then has no optimizer
+        state to save until the next step, as before the first."""
+        for opt in checkpoint._torch_optimizers(self):
+            opt.state.clear()
+        self.optimizer_steps = 0
+
     def sft_step(self, batch: Batch, lr: float | None = None) -> dict[str, float]:
         """Supervised cross-entropy on the batch's loss tokens (one optimizer step); `lr` overrides for this step."""
         start = time.perf_counter()
