@@ -79,10 +79,11 @@ def init_ray(cfg: Config) -> bool:
     if ray.is_initialized():
         return False
     address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS", "")  # `ray job submit` sets RAY_ADDRESS
-    if address:
+    if address and address != "local":
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
-    else:
+    else:  # a cluster of its own, even where `ray start` left one on this machine (join that: --run.ray-address auto)
         ray.init(
+            address="local",
             num_cpus=cfg.run.ray_num_cpus or os.cpu_count() or 2,
             include_dashboard=False,
             logging_level=logging.WARNING,
