@@ -20,7 +20,11 @@ COMMANDS = [
     ("serve-queue", "agentrl.queue.cli", "serve the replay queue over HTTP for external agents"),
     ("serve-engine", "agentrl.engines.cli", "serve the embedded engine with SGLang's HTTP routes"),
     # a plugin module (agentrl never imports `generators` statically): imported by name, like the others
-    ("serve-proxy", "generators.proxy_cli", "serve the OpenAI-compatible proxy in front of engine URLs"),
+    (
+        "serve-proxy",
+        "agentrl.generators.proxy_cli",
+        "serve the OpenAI-compatible proxy in front of engine URLs",
+    ),
     (
         "make-tiny-model",
         "agentrl.engines.tiny_cli",

@@ -268,7 +268,10 @@ class RolloutSection(_Section):
         float, doc("with dynamic_sampling: request at most this many times the prompts needed", ge=1)
     ] = 4.0
     agent: Annotated[
-        str, doc("openai_proxy generator: 'module:function' agent (default generators.proxy_agent:env_agent)")
+        str,
+        doc(
+            "openai_proxy generator: 'module:function' agent (default agentrl.generators.proxy_agent:env_agent)"
+        ),
     ] = ""
     proxy_sampling: Annotated[
         Literal["refuse", "record"],

@@ -2,8 +2,8 @@
 
 A generator is an async function `generate(ctx: RolloutContext, task: dict, trajectory_id: str,
 group_id: str) -> Trajectory`, named in the config as `rollout.generator` ("multi_turn" means
-`generators.multi_turn:generate`; anything with a colon is `module:function`). agentrl never imports
-`generators` statically; it resolves the name at run time. The rollout worker runs n generators per task
+`agentrl.generators.multi_turn:generate`; anything with a colon is `module:function`). Nothing below the
+actors imports `agentrl.generators` (import-linter's layers); the name is resolved at run time. The rollout worker runs n generators per task
 with one `group_id`. For a multi-agent env (`env.policy_seats() > 1`, e.g. `self_play`) it returns a list,
 one trajectory per seat, seat i's id `<trajectory_id>.p<i>` in group `<group_id>.p<i>`.
 """
@@ -33,13 +33,13 @@ class RolloutContext:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-# modules of the `generators` package
+# modules of the `agentrl.generators` package
 BUILTIN_GENERATORS = ("multi_turn", "single_turn", "openai_proxy", "external", "self_play")
 GeneratorFn = Callable[[RolloutContext, dict[str, Any], str, str], Awaitable[Trajectory | list[Trajectory]]]
 
 
 def resolve_generator(name: str) -> GeneratorFn:
-    """'multi_turn' -> generators.multi_turn:generate; 'pkg.mod:fn' -> that function (agentrl.plugins)."""
+    """'multi_turn' -> agentrl.generators.multi_turn:generate; 'pkg.mod:fn' -> that function (agentrl.plugins)."""
     if ":" in name:
         return load_object(name, "rollout.generator")
     if name not in BUILTIN_GENERATORS:
@@ -47,4 +47,4 @@ def resolve_generator(name: str) -> GeneratorFn:
             f"rollout.generator = '{name}': not a built-in generator ({', '.join(BUILTIN_GENERATORS)}); "
             "for your own, use 'module:function'"
         )
-    return load_object(f"generators.{name}:generate", "rollout.generator")
+    return load_object(f"agentrl.generators.{name}:generate", "rollout.generator")

@@ -17,6 +17,7 @@ import importlib
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,10 @@ def load_object(spec: str, key: str) -> Any:
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
         raise ConfigError(f"{key} = '{spec}': want 'module:function'")
+    if module.split(".")[0] == "generators":  # the built-in generators were a top-level package before 0.2
+        warnings.warn(f"{key} = '{spec}': the built-in generators moved to 'agentrl.{module}'", FutureWarning,
+                      stacklevel=2)  # fmt: skip
+        module = f"agentrl.{module}"
     obj: Any = import_module(module, f"{key} = '{spec}'")
     for part in attr.split("."):
         try:

@@ -7,7 +7,7 @@ sync/async of the training loops and both final rewards as one JSON object.
     python bench/async_vs_sync.py                 # defaults below; --steps N, --latency-s, --tail-p, ...
 
 The latency wrapper is a generator (`async_vs_sync:generate`, importable by the Ray workers through
-PYTHONPATH) around `generators.multi_turn`, so env code is untouched.
+PYTHONPATH) around `agentrl.generators.multi_turn`, so env code is untouched.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ async def generate(ctx: Any, task: dict[str, Any], trajectory_id: str, group_id:
     """`rollout.generator = "async_vs_sync:generate"`: multi_turn against a SlowEnv."""
     import dataclasses
 
-    from generators.multi_turn import generate as multi_turn
+    from agentrl.generators.multi_turn import generate as multi_turn
 
     make = ctx.make_env
     ctx = dataclasses.replace(ctx, make_env=lambda: SlowEnv(make(), trajectory_id))

@@ -53,7 +53,7 @@ async def crashing_generate(ctx, task, trajectory_id, group_id):
     a rollout-worker crash with groups in flight (the marker file makes it happen once per test)."""
     import os
 
-    from generators.multi_turn import generate
+    from agentrl.generators.multi_turn import generate
 
     marker = Path(os.environ["AGENTRL_TEST_CRASH_DIR"]) / "crashed"
     if trajectory_id == "t3-s0" and not marker.exists():
@@ -69,7 +69,7 @@ async def engine_killing_generate(ctx, task, trajectory_id, group_id):
 
     import ray
 
-    from generators.multi_turn import generate
+    from agentrl.generators.multi_turn import generate
 
     marker = Path(os.environ["AGENTRL_TEST_CRASH_DIR"]) / "engine_killed"
     if trajectory_id == "t3-s0" and not marker.exists():

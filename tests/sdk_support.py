@@ -6,9 +6,9 @@ import aiohttp
 import openai
 
 from agentrl.engines.base import SamplingParams
+from agentrl.generators.chat import chat_tokens
+from agentrl.generators.openai_proxy import OpenAIProxy
 from agentrl.types import mask, tokens
-from generators.chat import chat_tokens
-from generators.openai_proxy import OpenAIProxy
 
 Q = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "What is 2+3?"}]
 TOOLS = [

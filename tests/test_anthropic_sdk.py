@@ -14,8 +14,8 @@ import anthropic
 from gen_support import scripted_replies as scripted
 from sdk_support import CALL, TOOLS, Live, Q, assert_recorded
 
+from agentrl.generators.chat import chat_tokens
 from agentrl.types import mask, tokens
-from generators.chat import chat_tokens
 
 SYSTEM, USER = Q[0]["content"], Q[1]["content"]
 A_TOOLS = [

@@ -17,9 +17,9 @@ from agentrl.chat import demonstration_tokens
 from agentrl.engines.base import SamplingParams
 from agentrl.envs.calculator import CalculatorEnv
 from agentrl.errors import EnvError
+from agentrl.generators.openai_proxy import OpenAIProxy
+from agentrl.generators.tool_parsers import HermesParser
 from agentrl.types import mask, tokens
-from generators.openai_proxy import OpenAIProxy
-from generators.tool_parsers import HermesParser
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "agents"))
 import calculator_tools

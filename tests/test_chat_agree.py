@@ -13,12 +13,12 @@ from agentrl.config import QueueSection
 from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory, make_env
 from agentrl.generator import RolloutContext, resolve_generator
+from agentrl.generators.chat import chat_tokens
+from agentrl.generators.openai_proxy import OpenAIProxy
 from agentrl.queue import ReplayQueue
 from agentrl.queue.server import BackgroundServer
 from agentrl.tokenizer import load_tokenizer
 from agentrl.types import Trajectory, mask, tokens
-from generators.chat import chat_tokens
-from generators.openai_proxy import OpenAIProxy
 
 TASK = {"a": 23, "b": 45, "op": "+", "answer": 68}
 CHAT = [

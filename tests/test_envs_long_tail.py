@@ -37,7 +37,7 @@ def test_counts_follow_the_clipped_lognormal(kwargs):
 
 def test_longest_replies_pass_2048_tokens():
     from agentrl.engines.tiny import train_tokenizer
-    from generators.chat import demonstration_tokens
+    from agentrl.generators.chat import demonstration_tokens
 
     tok = train_tokenizer()
     env = make_env("long_tail")
@@ -77,7 +77,7 @@ async def test_reward_is_the_fraction_right():
 
 async def test_demonstration_tokens_decode_to_right_replies():
     from agentrl.engines.tiny import train_tokenizer
-    from generators.chat import demonstration_tokens
+    from agentrl.generators.chat import demonstration_tokens
 
     tok = train_tokenizer()
     env = make_env("long_tail")
@@ -131,7 +131,7 @@ def test_example_config_fits_the_longest_episode():
 
     from agentrl.config import load_config
     from agentrl.engines.tiny import train_tokenizer
-    from generators.chat import demonstration_tokens
+    from agentrl.generators.chat import demonstration_tokens
 
     cfg = load_config(Path(__file__).parents[1] / "examples" / "long_tail.toml")
     env = make_env(cfg.env.name, cfg.env.kwargs)

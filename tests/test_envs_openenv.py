@@ -16,8 +16,8 @@ from agentrl.envs import env_factory, make_env, openenv_env
 from agentrl.envs.openenv_env import _servers, stop_servers
 from agentrl.errors import EnvError
 from agentrl.generator import RolloutContext
+from agentrl.generators.multi_turn import generate
 from agentrl.types import mask, tokens
-from generators.multi_turn import generate
 
 WORD_GAME = """
 import time

@@ -14,8 +14,8 @@ from run_support import Handle
 from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory, make_env
 from agentrl.generator import RolloutContext, resolve_generator
+from agentrl.generators.chat import chat_tokens
 from agentrl.types import floats, mask, n_response, tokens
-from generators.chat import chat_tokens
 
 pytest.importorskip("textarena")
 

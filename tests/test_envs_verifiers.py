@@ -20,10 +20,10 @@ from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory, make_env
 from agentrl.errors import EnvError
 from agentrl.generator import RolloutContext
+from agentrl.generators.chat import chat_tokens
+from agentrl.generators.openai_proxy import stop_proxies
+from agentrl.generators.verifiers_env import play, stop_envs
 from agentrl.types import mask, tokens
-from generators.chat import chat_tokens
-from generators.openai_proxy import stop_proxies
-from generators.verifiers_env import play, stop_envs
 
 SINGLE = """
 import verifiers.v1 as vf

@@ -8,7 +8,7 @@ import asyncio
 import aiohttp
 
 from agentrl.envs.calculator import CalculatorEnv
-from generators.external import Episode, TaskBoard
+from agentrl.generators.external import Episode, TaskBoard
 
 
 async def parked(board: TaskBoard, tid: str) -> Episode:

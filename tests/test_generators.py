@@ -22,9 +22,9 @@ from safetensors.torch import load_file
 from agentrl.engines.base import SamplingParams, TensorSource
 from agentrl.envs import env_factory, make_env
 from agentrl.generator import RolloutContext, resolve_generator
+from agentrl.generators.chat import chat_tokens, demonstration_tokens
 from agentrl.tokenizer import load_tokenizer
 from agentrl.types import Message, expand_versions, floats, mask, n_response, normalize, tokens
-from generators.chat import chat_tokens, demonstration_tokens
 
 TASK = {"a": 23, "b": 45, "op": "+", "answer": 68}
 
@@ -283,13 +283,13 @@ def always_07(response, task):
 
 
 def test_generator_names_resolve():
-    import generators.multi_turn
-    import generators.openai_proxy
-    import generators.single_turn
+    import agentrl.generators.multi_turn
+    import agentrl.generators.openai_proxy
+    import agentrl.generators.single_turn
 
-    assert resolve_generator("single_turn") is generators.single_turn.generate
-    assert resolve_generator("multi_turn") is generators.multi_turn.generate
-    assert resolve_generator("openai_proxy") is generators.openai_proxy.generate
+    assert resolve_generator("single_turn") is agentrl.generators.single_turn.generate
+    assert resolve_generator("multi_turn") is agentrl.generators.multi_turn.generate
+    assert resolve_generator("openai_proxy") is agentrl.generators.openai_proxy.generate
     assert resolve_generator("test_generators:always_07") is always_07
 
 

@@ -28,17 +28,16 @@ def test_the_import_contracts_hold():
 def test_an_upward_import_breaks_the_layers(tmp_path):
     """The contracts guard for real: the queue reaching up into the engines, agentrl importing a generator,
     an actor taking the tiny-model kit, each fail the check, named by module and line."""
-    for name in ("agentrl", "generators"):
-        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "agentrl", tmp_path / "agentrl", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     with (tmp_path / "agentrl" / "queue" / "metrics.py").open("a") as f:
         f.write("\nfrom agentrl.engines import base as _upward  # noqa: E402\n")
     with (tmp_path / "agentrl" / "actors" / "common.py").open("a") as f:
         f.write("\nfrom agentrl.engines.tiny import make_tiny_model as _kit  # noqa: E402\n")
     with (tmp_path / "agentrl" / "data.py").open("a") as f:
-        f.write("\n\ndef _plugin():\n    import generators.chat  # noqa: F401\n")
+        f.write("\n\ndef _plugin():\n    import agentrl.generators.chat  # noqa: F401\n")
     out = lint_imports(tmp_path)
     assert out.returncode != 0, out.stdout
     assert "agentrl.queue.metrics -> agentrl.engines.base" in out.stdout, out.stdout
-    assert "agentrl.data -> generators.chat" in out.stdout, out.stdout
+    assert "agentrl.data -> agentrl.generators.chat" in out.stdout, out.stdout
     assert "agentrl.actors.common -> agentrl.engines.tiny" in out.stdout, out.stdout

@@ -15,9 +15,9 @@ from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory, make_env
 from agentrl.errors import EngineError, QueueFull
 from agentrl.generator import RolloutContext, resolve_generator
+from agentrl.generators.chat import chat_tokens, demonstration_tokens
+from agentrl.generators.openai_proxy import OpenAIProxy
 from agentrl.types import floats, mask, n_response, tokens
-from generators.chat import chat_tokens, demonstration_tokens
-from generators.openai_proxy import OpenAIProxy
 
 TASK = {"a": 23, "b": 45, "op": "+", "answer": 68}
 Q = [{"role": "user", "content": "What is 23+45?"}]
@@ -263,7 +263,7 @@ async def test_openai_proxy_generator_matches_multi_turn(tiny, tok):
     )
     assert all(n_response(t) > 0 and t.env == "guess_number" for t in trajs)
     await engine.close()
-    from generators.openai_proxy import _proxies, stop_proxies
+    from agentrl.generators.openai_proxy import _proxies, stop_proxies
 
     assert len(_proxies) == 2  # one per engine that served the generator
     await stop_proxies()

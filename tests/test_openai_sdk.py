@@ -16,9 +16,9 @@ from sdk_support import CALL, Live, Q, assert_recorded, sent
 from sdk_support import STRICT_TOOLS as TOOLS
 
 from agentrl.engines.base import SamplingParams
+from agentrl.generators.chat import chat_tokens
+from agentrl.generators.openai_proxy import OpenAIProxy
 from agentrl.types import mask, tokens
-from generators.chat import chat_tokens
-from generators.openai_proxy import OpenAIProxy
 
 
 async def test_plain_chat_with_the_sdk(tiny, tok):

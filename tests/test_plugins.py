@@ -99,3 +99,11 @@ def test_load_object_and_search_path(tmp_path):
         str(cfg_dir / "lib"), str(tmp_path), str(cfg_dir), str(Path.cwd())
     ]  # fmt: skip
     assert search_path(search_path(["lib"])) == search_path(["lib"])  # idempotent (driver, then prepare)
+
+
+def test_a_generator_named_by_its_old_top_level_module_still_loads_with_a_warning():
+    from agentrl.generators.multi_turn import generate
+    from agentrl.plugins import load_object
+
+    with pytest.warns(FutureWarning, match="moved to 'agentrl.generators.multi_turn'"):
+        assert load_object("generators.multi_turn:generate", "rollout.generator") is generate

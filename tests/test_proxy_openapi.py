@@ -15,7 +15,7 @@ import pytest
 from gen_support import embedded_engine
 
 from agentrl.engines.base import SamplingParams
-from generators.openai_proxy import OpenAIProxy
+from agentrl.generators.openai_proxy import OpenAIProxy
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 

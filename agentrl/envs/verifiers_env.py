@@ -2,7 +2,7 @@
 
 This module is the env half: it loads the environment (`vf.load_environment`, by taskset id), serves its tasks
 (`sample_tasks`) and rebuilds a verifiers `Task` from one (`task`). verifiers drives its own rollouts, so the
-episodes are run by the generator `generators.verifiers_env:generate` (docs/envs.md, "verifiers
+episodes are run by the generator `agentrl.generators.verifiers_env:generate` (docs/envs.md, "verifiers
 environments"); `reset`/`step` say so.
 
 Every seat without a pinned harness gets `agentrl_chat`: verifiers' own `null` chat/tool loop, run by this
@@ -26,7 +26,7 @@ from agentrl.errors import EnvError
 from agentrl.types import Message
 
 HARNESS_ID = "agentrl_chat"
-GENERATOR = "generators.verifiers_env:generate"
+GENERATOR = "agentrl.generators.verifiers_env:generate"
 
 
 def vf_module() -> Any:
@@ -97,7 +97,7 @@ def _register_harness(vf: Any) -> None:
 
 @register_env(name="verifiers")
 class VerifiersEnv(AgentEnv):
-    """A verifiers environment, run by its own rollout through the `generators.verifiers_env` generator."""
+    """A verifiers environment, run by its own rollout through the `agentrl.generators.verifiers_env` generator."""
 
     description = "a verifiers environment (taskset package), run by verifiers through the OpenAI proxy"
 

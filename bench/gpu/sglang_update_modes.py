@@ -6,7 +6,7 @@ Qwen3-0.6B arch (random weights), `--n` requests of 64 prompt tokens and `--new-
 ignored) through agentrl's `SGLangEngine`; `--publish-after-s` into the run, the same weights are published as
 version 1 by `update_weights_from_tensor` (CUDA IPC, learner copy on the same GPU) through
 `agentrl.actors.broadcast.load_into_engines` with the mode under test. Cut requests (abort) are continued from
-their partial output, as generators/multi_turn.py does. Per mode: publish latency (call to return), wall time
+their partial output, as agentrl/generators/multi_turn.py does. Per mode: publish latency (call to return), wall time
 until every request has all its tokens, continuations, and the versions the tokens were stamped with.
 """
 

@@ -15,8 +15,8 @@ async def main(model_dir: str, token: str, read_timeout_s: float) -> None:
 
     from agentrl.engines.base import SamplingParams
     from agentrl.engines.embedded import EmbeddedEngine
+    from agentrl.generators.openai_proxy import OpenAIProxy
     from agentrl.tokenizer import load_tokenizer
-    from generators.openai_proxy import OpenAIProxy
 
     torch.set_num_threads(1)
     engine = EmbeddedEngine(model_dir, max_batch_size=8, max_seq_len=256)

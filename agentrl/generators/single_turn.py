@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from agentrl.generator import RolloutContext
+from agentrl.generators.multi_turn import run_episode
 from agentrl.types import Trajectory
-from generators.multi_turn import run_episode
 
 
 async def generate(

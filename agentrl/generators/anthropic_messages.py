@@ -9,11 +9,11 @@ Routes, added to `OpenAIProxy.app()` by `add_routes`:
 With a proxy token, the SDK authenticates with `auth_token=` (`Authorization: Bearer`), as the proxy's guard
 reads it.
 
-A request is translated into the proxy's one chat request (generators/anthropic_schema.py) and run by the
-shared sessions (`ProxySessions.complete`, generators/proxy_session.py): one recording, one segment rule, one
+A request is translated into the proxy's one chat request (agentrl/generators/anthropic_schema.py) and run by the
+shared sessions (`ProxySessions.complete`, agentrl/generators/proxy_session.py): one recording, one segment rule, one
 sampling check (temperature / top_p / max_tokens / stop are judged there, as for the OpenAI face), one
 tokenization (agentrl/chat.py). A session may even mix both faces. The reply is shaped by
-generators/anthropic_response.py; errors are Anthropic's
+agentrl/generators/anthropic_response.py; errors are Anthropic's
 `{"type": "error", "error": {"type": "invalid_request_error", "message": "<param>: ..."}}`.
 """
 
@@ -25,20 +25,20 @@ import msgspec
 from aiohttp import web
 
 from agentrl.errors import EnvError
-from agentrl.types import validation_field
-from generators.anthropic_response import events, message
-from generators.anthropic_schema import (
+from agentrl.generators.anthropic_response import events, message
+from agentrl.generators.anthropic_schema import (
     CountRequest,
     chat_request,
     count_decoder,
     error_body,
     messages_decoder,
 )
-from generators.openai_schema import template_message
-from generators.proxy_session import RequestError
+from agentrl.generators.openai_schema import template_message
+from agentrl.generators.proxy_session import RequestError
+from agentrl.types import validation_field
 
 if TYPE_CHECKING:
-    from generators.openai_proxy import OpenAIProxy
+    from agentrl.generators.openai_proxy import OpenAIProxy
 
 encoder = msgspec.json.Encoder()
 

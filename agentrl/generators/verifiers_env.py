@@ -1,8 +1,8 @@
-"""`generators.verifiers_env:generate`: the rollouts of a verifiers environment (`env.name = "verifiers"`,
+"""`agentrl.generators.verifiers_env:generate`: the rollouts of a verifiers environment (`env.name = "verifiers"`,
 agentrl/envs/verifiers_env.py), run by verifiers itself against agentrl's OpenAI proxy.
 
 - Model calls: every agent of an episode reaches the model through the worker's proxy
-  (`generators.openai_proxy.proxy_for`), whose session is the verifiers trace id (the `X-Session-ID` header
+  (`agentrl.generators.openai_proxy.proxy_for`), whose session is the verifiers trace id (the `X-Session-ID` header
   verifiers sends on every turn): each agent run is recorded token-exactly as its own session.
 - Reward: the trace's rubric total (`trace.reward`, each reward times its weight); each function's score and
   weight, the metrics and the trace id go to `metadata["verifiers"]`. A failed episode (an error in the env,
@@ -22,8 +22,8 @@ import msgspec
 from agentrl.envs.verifiers_env import GENERATOR, VerifiersEnv, vf_module
 from agentrl.errors import ConfigError
 from agentrl.generator import RolloutContext
+from agentrl.generators.openai_proxy import proxy_for
 from agentrl.types import Trajectory
-from generators.openai_proxy import proxy_for
 
 API_KEY_VAR = "AGENTRL_PROXY_TOKEN"  # unset: verifiers sends "EMPTY", which a proxy without a token accepts
 

@@ -1,7 +1,7 @@
-"""OpenAPI 3.1 description of the OpenAI proxy (generators/openai_proxy.py), served at `/openapi.json`.
+"""OpenAPI 3.1 description of the OpenAI proxy (agentrl/generators/openai_proxy.py), served at `/openapi.json`.
 
-Request bodies are generated from the request Structs (generators/openai_schema.py) and completed with the
-value rules of generators/openai_params.py (read from it, not restated) and the serving proxy's state: the
+Request bodies are generated from the request Structs (agentrl/generators/openai_schema.py) and completed with the
+value rules of agentrl/generators/openai_params.py (read from it, not restated) and the serving proxy's state: the
 run's temperature / top_p when per-request sampling is refused, `max_seq_len`. Rules that depend on the
 tokenizer (a stop string must be one token, the prompt must fit in `max_seq_len` tokens) or cross fields
 beyond JSON Schema (a named tool_choice among the tools) are stated in descriptions; the server answers
@@ -15,9 +15,9 @@ from typing import Any
 import msgspec
 
 from agentrl import __version__
+from agentrl.generators.openai_params import MAX_N, MAX_TOP_LOGPROBS, RESPONSE_FORMATS
+from agentrl.generators.openai_schema import ChatRequest, RewardRequest
 from agentrl.types import ROLES
-from generators.openai_params import MAX_N, MAX_TOP_LOGPROBS, RESPONSE_FORMATS
-from generators.openai_schema import ChatRequest, RewardRequest
 
 OPEN_PATHS = frozenset({"/health", "/openapi.json"})
 

@@ -7,7 +7,7 @@ Invariants:
   as template-delta tokens (loss-masked) after the exact reply tokens, never re-tokenizing earlier ones.
   Messages are compared by `openai_schema.turn_key` (role, text, tool calls by name + arguments), and the
   segment's `tools` must be the same: tools are rendered into the prompt by the chat template.
-- Tool calls: the reply text is parsed by the session's tool parser (generators/tool_parsers.py) into
+- Tool calls: the reply text is parsed by the session's tool parser (agentrl/generators/tool_parsers.py) into
   `tool_calls` (finish_reason `tool_calls`); a malformed call is returned as text and counted
   (`metrics["tool_call_parse_errors"]`, trajectory metadata `tool_call_errors`). `tool_choice` `none` skips
   parsing; `required` / a named function put the parser's call opening after the generation prompt as
@@ -40,12 +40,11 @@ import msgspec
 from agentrl.engines.base import Engine, GenerateOutput, SamplingParams
 from agentrl.errors import AgentRLError
 from agentrl.generator import RolloutContext
-from agentrl.types import Trajectory
-from generators.chat import chat_tokens
-from generators.multi_turn import TokenLog, generate_turn
-from generators.openai_params import SAMPLING_POLICIES, RequestError, turn_sampling
-from generators.openai_response import Choice
-from generators.openai_schema import (
+from agentrl.generators.chat import chat_tokens
+from agentrl.generators.multi_turn import TokenLog, generate_turn
+from agentrl.generators.openai_params import SAMPLING_POLICIES, RequestError, turn_sampling
+from agentrl.generators.openai_response import Choice
+from agentrl.generators.openai_schema import (
     ChatMessage,
     ChatRequest,
     FunctionCall,
@@ -54,7 +53,8 @@ from generators.openai_schema import (
     tool_dicts,
     turn_key,
 )
-from generators.tool_parsers import ToolParser, parser_for
+from agentrl.generators.tool_parsers import ToolParser, parser_for
+from agentrl.types import Trajectory
 
 
 @dataclass

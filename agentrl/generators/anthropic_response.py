@@ -1,6 +1,6 @@
 """Anthropic-shaped replies of the proxy: a `message` object, or the server-sent events of a streamed one.
 
-Built from the shared sessions' `Choice` (generators/openai_response.py), the same turn the OpenAI face would
+Built from the shared sessions' `Choice` (agentrl/generators/openai_response.py), the same turn the OpenAI face would
 return: content blocks (the text before any call as one `text` block, then one `tool_use` block per call,
 its `input` the parsed arguments), `stop_reason` (`tool_use`; `max_tokens`; `stop_sequence` with the
 matched `stop_sequence`, which the text omits and the recorded tokens keep; else `end_turn`) and `usage`
@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from generators.openai_response import Choice, _text_pieces
+from agentrl.generators.openai_response import Choice, _text_pieces
 
 
 def stop_reason(tokenizer: Any, choice: Choice) -> tuple[str, str | None]:

@@ -5,19 +5,19 @@ Routes (aiohttp):
 - `POST /v1/sessions/{sid}/chat/completions`: the primary form, so an SDK client needs only
   `base_url="http://host:port/v1/sessions/{sid}"`. Also `POST /v1/chat/completions` with the session in the
   `X-Session-Id` header, or else in the `user` field. Every parameter is honoured or refused with a 400
-  naming it (generators/openai_params.py owns the rule; docs/agents.md has the table): n (choice i > 0
+  naming it (agentrl/generators/openai_params.py owns the rule; docs/agents.md has the table): n (choice i > 0
   continues in session `{sid}.n{i}`, named in the choice's `session_id`), tools / tool_choice, stream +
   stream_options, logprobs + top_logprobs, stop (one-token strings), seed, max_(completion_)tokens;
   temperature / top_p other than the run's are refused or recorded (`sampling_policy`).
-  Reply shaped like OpenAI's (generators/openai_response.py): choices[i].message.content / tool_calls,
+  Reply shaped like OpenAI's (agentrl/generators/openai_response.py): choices[i].message.content / tool_calls,
   finish_reason (`stop`, `length`, `tool_calls`), usage, optional logprobs; or SSE chunks ending `[DONE]`.
 - `POST /v1/sessions/{sid}/reward` `{reward, group_id?, turn_rewards?, metadata?}` closes the session into
   trajectories handed to the sink (the runner passes the queue's put); `DELETE /v1/sessions/{sid}` drops it.
 - `GET /v1/models` and `/v1/models/{model}` (also under `/v1/sessions/{sid}`), `GET /health` (with the
-  proxy's counters, e.g. `tool_call_parse_errors`), `GET /openapi.json` (generators/proxy_openapi.py: every
+  proxy's counters, e.g. `tool_call_parse_errors`), `GET /openapi.json` (agentrl/generators/proxy_openapi.py: every
   route, body and answer). A known path with a wrong method is a 405 with `Allow`.
 
-Sessions, segments and token-in/token-out are kept by `ProxySessions` (generators/proxy_session.py, whose
+Sessions, segments and token-in/token-out are kept by `ProxySessions` (agentrl/generators/proxy_session.py, whose
 docstring states their invariants); this module is its HTTP front and the `openai_proxy` generator.
 Bad input gets a 4xx whose `param` names the field.
 Hardening: with a `token` every route but /health and /openapi.json needs `Authorization: Bearer <token>` (401; never logged)
@@ -40,17 +40,17 @@ from agentrl.engines.base import Engine, SamplingParams
 from agentrl.engines.wire import integral_floats
 from agentrl.errors import ConfigError, QueueClosed, QueueFull
 from agentrl.generator import RolloutContext
+from agentrl.generators.anthropic_messages import add_routes as add_anthropic_routes
+from agentrl.generators.endpoints import record_endpoint
+from agentrl.generators.openai_response import chunks, completion
+from agentrl.generators.openai_schema import ChatRequest, chat_decoder, encoder, error_body, reward_decoder
+from agentrl.generators.proxy_openapi import OPEN_PATHS, openapi_spec
+
+# Segment, Session and RequestError stay importable from here
+from agentrl.generators.proxy_session import ProxySessions, RequestError, Segment, Session  # noqa: F401
 from agentrl.net import bearer_ok, is_loopback
 from agentrl.plugins import load_object
 from agentrl.types import ROLES, Trajectory, validation_field
-from generators.anthropic_messages import add_routes as add_anthropic_routes
-from generators.endpoints import record_endpoint
-from generators.openai_response import chunks, completion
-from generators.openai_schema import ChatRequest, chat_decoder, encoder, error_body, reward_decoder
-from generators.proxy_openapi import OPEN_PATHS, openapi_spec
-
-# Segment, Session and RequestError stay importable from here
-from generators.proxy_session import ProxySessions, RequestError, Segment, Session  # noqa: F401
 
 Sink = Callable[[list[Trajectory]], Any]
 
@@ -100,7 +100,7 @@ class OpenAIProxy(ProxySessions):
             app.router.add_get(f"{prefix}/models/{{model}}", self._model)
         app.router.add_get("/health", self._health)
         app.router.add_get("/openapi.json", self._openapi)
-        add_anthropic_routes(app, self)  # POST /v1/messages (generators/anthropic_messages.py)
+        add_anthropic_routes(app, self)  # POST /v1/messages (agentrl/generators/anthropic_messages.py)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -291,7 +291,7 @@ async def proxy_for(ctx: RolloutContext) -> OpenAIProxy:
                                 sampling_policy=ctx.extra.get("proxy_sampling", "refuse"),
                                 token=ctx.extra.get("proxy_token", ""))  # fmt: skip
             await proxy.start(ctx.extra.get("proxy_host", "127.0.0.1"))
-            # hook (serve-proxy / external agents, generators/endpoints.py): the URL goes to runs/NAME/proxy.json
+            # hook (serve-proxy / external agents, agentrl/generators/endpoints.py): the URL goes to runs/NAME/proxy.json
             name = f"w{ctx.extra.get('worker_id', 0)}.{len(_proxies) - 1}"
             record_endpoint(
                 ctx.extra, "proxies", name, proxy.base_url, f"OpenAI proxy at {proxy.base_url}/v1"
@@ -318,12 +318,12 @@ def load_agent(name: str) -> Callable[..., Any]:
 async def generate(
     ctx: RolloutContext, task: dict[str, Any], trajectory_id: str, group_id: str
 ) -> Trajectory:
-    """Run an agent (`ctx.extra["agent"]` = 'module:function', default `generators.proxy_agent:env_agent`)
+    """Run an agent (`ctx.extra["agent"]` = 'module:function', default `agentrl.generators.proxy_agent:env_agent`)
     against this worker's proxy: `await agent(base_url, task, env) -> reward`, where `base_url` is the
     session's OpenAI base URL. The session's last segment is returned (id `trajectory_id`); earlier segments
     (history rewritten) go to `ctx.extra["sink"]` when given, else they are dropped and counted in metadata."""
     proxy = await proxy_for(ctx)
-    agent = load_agent(ctx.extra.get("agent") or "generators.proxy_agent:env_agent")
+    agent = load_agent(ctx.extra.get("agent") or "agentrl.generators.proxy_agent:env_agent")
     env = ctx.make_env()
     sid = trajectory_id
     try:
@@ -346,7 +346,7 @@ async def session_trajectory(
     status: str = "",
     metadata: dict[str, Any] | None = None,
 ) -> Trajectory:
-    """Close session `sid` into the episode's trajectory (hook shared with generators/external.py): its last
+    """Close session `sid` into the episode's trajectory (hook shared with agentrl/generators/external.py): its last
     segment, id `trajectory_id`; earlier segments go to `ctx.extra["sink"]` or are dropped and counted.
     `status` overrides the trajectory's (e.g. "aborted" for an episode its agent abandoned)."""
     if sid not in proxy.sessions:

@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from generators.openai_schema import (
+from agentrl.generators.openai_schema import (
     ChatMessage,
     ChatRequest,
     ContentPart,
@@ -36,7 +36,7 @@ from generators.openai_schema import (
     Tool,
     ToolCall,
 )
-from generators.proxy_session import RequestError
+from agentrl.generators.proxy_session import RequestError
 
 BLOCK_TYPES = ("text", "tool_use", "tool_result")
 # the OpenAI face's parameter names -> the Anthropic request's, for errors raised by the shared sessions

@@ -1,7 +1,7 @@
 """Which chat-completion parameters the proxy honours and how: the one owner of that rule (docs/agents.md
 has the table). A request's parameters become the engine's `SamplingParams` for its turn, or a
 `RequestError(400)` naming the parameter; nothing a client sends is silently ignored (unknown top-level
-fields are refused by the request type, generators/openai_schema.py).
+fields are refused by the request type, agentrl/generators/openai_schema.py).
 
 Per-request `temperature` / `top_p`: the engine reports logprobs under the sampling it used, and the learner
 recomputes them under the run's sampling, so a request that differs from the run's sampling would make the

@@ -3,7 +3,7 @@
 Every request field is type-checked and a wrong one is reported as a 400 naming it (`param`), the way OpenAI
 reports invalid requests. Unknown fields are refused (at the top level and inside messages, tools and
 options): a field the proxy would not act on must not be silently ignored. Which values of the known fields
-are honoured is generators/openai_params.py's rule.
+are honoured is agentrl/generators/openai_params.py's rule.
 """
 
 from __future__ import annotations

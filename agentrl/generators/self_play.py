@@ -5,7 +5,7 @@ An env with `policy_seats() > 1` offers the multi-seat interface of
 policy seat (a fixed opponent, or any single-agent env) the game is an ordinary episode and this is
 `multi_turn`'s `run_episode`, returned as a list of one.
 
-Per seat the trajectory follows the token-in/token-out rules of `generators.multi_turn` exactly: its prompt is
+Per seat the trajectory follows the token-in/token-out rules of `agentrl.generators.multi_turn` exactly: its prompt is
 the chat-templated opening that seat was shown, its response holds each of its replies as generated (loss
 mask 1, the engine's logprobs and versions) and, between them, the template delta of what it was shown since
 (the other seat's move, the board, notices; loss mask 0). A seat's turns never see the other seat's tokens
@@ -26,9 +26,9 @@ import time
 from typing import Any
 
 from agentrl.generator import RolloutContext
+from agentrl.generators.chat import chat_tokens
+from agentrl.generators.multi_turn import TokenLog, _plain, generate_turn, run_episode, turn_sampling
 from agentrl.types import Status, Trajectory
-from generators.chat import chat_tokens
-from generators.multi_turn import TokenLog, _plain, generate_turn, run_episode, turn_sampling
 
 
 async def generate(

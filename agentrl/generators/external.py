@@ -14,7 +14,7 @@ An agent's loop (examples/agents/external_http_agent.py; URLs in runs/NAME/proxy
    - `POST /v1/tasks/<id>/reward {"reward": x, "metadata": {...}?}`: the agent scores the episode itself;
    - `POST /v1/tasks/<id>/step {"action": text}`: the env scores it: the reply text is the env's action and
      the answer is `{messages, reward, done, info}`; the episode ends when the env says done (or after
-     `rollout.max_turns` steps) with the env's episode reward (generators.proxy_agent.episode_reward).
+     `rollout.max_turns` steps) with the env's episode reward (agentrl.generators.proxy_agent.episode_reward).
 A claimed task with no request from its agent (task server or its proxy session) for
 `rollout.external_timeout_s` ends as an `aborted` trajectory: what the session recorded, reward 0,
 `metadata.abandoned` (with nothing recorded the worker drops it, as any empty trajectory).
@@ -40,12 +40,12 @@ from aiohttp import web
 from agentrl.envs.base import AgentEnv
 from agentrl.errors import ConfigError
 from agentrl.generator import RolloutContext
+from agentrl.generators.endpoints import record_endpoint
+from agentrl.generators.openai_proxy import proxy_for, session_trajectory
+from agentrl.generators.openai_schema import error_body
+from agentrl.generators.proxy_agent import episode_reward
 from agentrl.net import bearer_ok, is_loopback
 from agentrl.types import Trajectory, validation_field
-from generators.endpoints import record_endpoint
-from generators.openai_proxy import proxy_for, session_trajectory
-from generators.openai_schema import error_body
-from generators.proxy_agent import episode_reward
 
 MAX_WAIT_S = 60.0
 
