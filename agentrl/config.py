@@ -373,6 +373,7 @@ class Config(_Section):
                 self.effective_update_mode,
                 "'auto': abort for sglang without LoRA, else keep",
             ),
+            "algorithm.loss_agg": (self.algorithm.effective_loss_agg, "'auto': by algorithm.loss"),
             "learner ranks": (self.learner.ranks, "megatron: TP x PP x DP; torch: data_parallel"),
         }
 

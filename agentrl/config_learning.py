@@ -256,7 +256,7 @@ class AlgorithmSection(_Section):
         Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum"],
         doc(
             "auto: seq_mean_token_mean for loss = gspo (the paper's sequence-level objective: every sequence "
-            "weighs the same), token_mean otherwise; resolved when the section is built"
+            "weighs the same), token_mean otherwise (AlgorithmSection.effective_loss_agg)"
         ),
     ] = "auto"
     off_policy: Annotated[
@@ -295,8 +295,6 @@ class AlgorithmSection(_Section):
         super().__post_init__()
         if self.advantage in DEPRECATED_ADVANTAGES:
             self._migrate_advantage()
-        if self.loss_agg == "auto":
-            self.loss_agg = LOSSES[self.loss].default_agg
 
     def _migrate_advantage(self) -> None:
         """Rewrite an old combined value (`advantage = "gspo"`) as estimator + loss, so the run's config shows
@@ -314,6 +312,11 @@ class AlgorithmSection(_Section):
             stacklevel=3,
         )
         self.advantage, self.loss = advantage, loss  # type: ignore[assignment]
+
+    @property
+    def effective_loss_agg(self) -> str:
+        """`loss_agg` with "auto" resolved by the policy loss (computed, never written over the setting)."""
+        return LOSSES[self.loss].default_agg if self.loss_agg == "auto" else self.loss_agg
 
     @property
     def estimator(self) -> Estimator:

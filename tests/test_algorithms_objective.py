@@ -174,9 +174,9 @@ def test_gspo_default_is_the_papers_sequence_objective():
     """GSPO (Zheng et al. 2025): J = 1/N sum_i min(s_i A_i, clip(s_i) A_i), s_i = exp(mean_t log(pi/pi_old))
     over the loss tokens of sequence i; the default aggregation gives its value and gradient exactly."""
     cfg = AlgorithmSection(loss="gspo", off_policy="none", clip_low=0.01, clip_high=0.012)
-    assert cfg.loss_agg == "seq_mean_token_mean"
-    assert AlgorithmSection(loss="gspo", loss_agg="token_mean").loss_agg == "token_mean"
-    assert AlgorithmSection(advantage="grpo").loss_agg == "token_mean"
+    assert cfg.effective_loss_agg == "seq_mean_token_mean"
+    assert AlgorithmSection(loss="gspo", loss_agg="token_mean").effective_loss_agg == "token_mean"
+    assert AlgorithmSection(advantage="grpo").effective_loss_agg == "token_mean"
     lengths = [1, 3, 6, 2]  # unequal lengths: a length-weighted mean would differ
     trajs = [traj(i, "g", [1, 2], list(range(3, 3 + n)), float(i % 2)) for i, n in enumerate(lengths)]
     noise = 0.05 * torch.randn(

@@ -162,7 +162,8 @@ def test_old_combined_advantage_values_load_as_estimator_plus_loss(tmp_path):
         )  # the run dir shows the new keys
     with pytest.warns(FutureWarning):
         assert (
-            load_config(path, ["--algorithm.advantage", "gspo"]).algorithm.loss_agg == "seq_mean_token_mean"
+            load_config(path, ["--algorithm.advantage", "gspo"]).algorithm.effective_loss_agg
+            == "seq_mean_token_mean"
         )
     with pytest.raises(
         ConfigError, match=r"algorithm\.advantage = 'gspo' .* conflicts with algorithm\.loss = 'cispo'"

@@ -175,7 +175,7 @@ def compute_loss(
     """Loss of one micro-batch (a `Batch.select` of a prepared batch) scaled by full-batch normalisers."""
     mask, seq = batch.loss_mask, batch.seq_index
     logprobs = logprobs.float()
-    weights = agg_weights(cfg.loss_agg, mask, seq, batch.total_loss_tokens, batch.n_seqs)
+    weights = agg_weights(cfg.effective_loss_agg, mask, seq, batch.total_loss_tokens, batch.n_seqs)
     old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
     advantages = batch.advantages if batch.advantages is not None else torch.zeros_like(logprobs)
     has_rollout = batch.has_rollout_logprobs[seq.clamp(min=0)] & (seq >= 0)
