@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from agentrl import types
-from agentrl.algorithms import check, compute_loss, merge_metrics, merge_updates, prepare_batch
+from agentrl.algorithms import check, compute_loss, merge_metrics, merge_updates, metric_floats, prepare_batch
 from agentrl.config import AlgorithmSection
 from agentrl.errors import ConfigError
 from agentrl.learners.batch import build_batch
@@ -109,3 +109,28 @@ def test_bad_bounds_name_the_field():
     ):
         with pytest.raises(ConfigError, match=field):
             check(AlgorithmSection(**kw), has_reference=False)
+
+
+def test_metrics_read_later_equal_metrics_read_at_once():
+    """`compute_loss(..., as_tensors=True)` + `metric_floats` (the Megatron learner's one host read per update)
+    gives the floats `compute_loss` gives, per micro-batch, with the absent keys left out the same way: a row
+    without rollout log-probs has no mismatch metrics, a row without loss tokens reports its losses only."""
+    cfg = AlgorithmSection(off_policy="none", mismatch_mask="token", mismatch_low=0.5, mismatch_high=3.0)
+    batch = mismatch_batch()
+    batch.has_rollout_logprobs[1] = False  # b: sampled without log-probs
+    prepare_batch(cfg, batch, 0)
+    logp = batch.old_logprobs.clone()
+    rows = [batch.select([r]) for r in range(batch.n_rows)]
+    empty = batch.select([0])
+    empty.loss_mask = torch.zeros_like(empty.loss_mask)
+    for mb in [batch, *rows, empty]:
+        lp = logp[mb.extra["rows"], : mb.input_ids.shape[1]] if "rows" in mb.extra else logp
+        _, now = compute_loss(cfg, mb, lp)
+        _, later = compute_loss(cfg, mb, lp, as_tensors=True)
+        assert all(isinstance(v, torch.Tensor) for v in later.values())
+        ((read, weight),) = metric_floats([(later, mb.loss_mask.sum())])
+        assert read == pytest.approx(now, rel=1e-6) and weight == float(mb.loss_mask.sum())
+    _, m = compute_loss(cfg, rows[1], logp[1:2, : rows[1].input_ids.shape[1]])
+    assert "loss" in m and not any(k.startswith(("mismatch_", "turn", "ratio_turn")) for k in m)
+    _, m = compute_loss(cfg, empty, logp[0:1, : empty.input_ids.shape[1]])
+    assert set(m) == {k for k in m if k.startswith("loss")} and "loss" in m

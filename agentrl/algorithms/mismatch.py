@@ -47,27 +47,38 @@ def keep_mask(
     return (keep | ~use).float()
 
 
+PRESENT = "_any_mismatch_tokens"  # 0-d flag next to the metrics: 0 = no `use` token, the metrics are absent
+
+
+def is_metric(key: str) -> bool:
+    """Whether `key` is one of `metrics`' keys (dropped with them when the micro-batch has no `use` token)."""
+    return key.startswith(("mismatch_", "turn", "ratio_turn"))
+
+
 def metrics(
     log_w: torch.Tensor, use: torch.Tensor, dropped: torch.Tensor, turn_index: torch.Tensor | None
 ) -> dict[str, torch.Tensor]:
-    """Step metrics and per-turn sums (detached scalars) over the `use` tokens; empty without any."""
-    if not use.any():
-        return {}
-    w = log_w[use]
+    """Step metrics and per-turn sums (detached 0-d tensors) over the `use` tokens, and the `PRESENT` flag; no
+    host sync (masked sums, not boolean indexing), so the caller reads them all at once."""
+    n = use.sum().clamp(min=1)
+    w = torch.where(use, log_w, torch.zeros_like(log_w))
+    drop = torch.where(use, dropped.float(), torch.zeros_like(w))
     out = {
-        "mismatch_k3": (torch.expm1(-w) + w).mean(),
-        "mismatch_ratio_max": w.max().exp(),
-        "mismatch_ratio_min": w.min().exp(),
-        "mismatch_masked_frac": dropped[use].float().mean(),
+        PRESENT: use.any(),
+        "mismatch_k3": (torch.expm1(-w) + w).sum() / n,  # 0 off `use` (w = 0 there)
+        "mismatch_ratio_max": torch.where(use, log_w, torch.full_like(w, -torch.inf)).max().exp(),
+        "mismatch_ratio_min": torch.where(use, log_w, torch.full_like(w, torch.inf)).min().exp(),
+        "mismatch_masked_frac": drop.sum() / n,
     }
     if turn_index is None:
         return out
-    turn = turn_index[use].clamp(min=0, max=MAX_TURNS - 1)
+    turn = turn_index.clamp(min=0, max=MAX_TURNS - 1).reshape(-1)
     zeros = torch.zeros(MAX_TURNS, device=w.device)
-    tokens = zeros.index_add(0, turn, torch.ones_like(w))
-    gap = zeros.index_add(0, turn, w.abs())
-    masked = zeros.index_add(0, turn, dropped[use].float())
-    ratio_max = zeros.scatter_reduce(0, turn, w.exp(), "amax", include_self=False)
+    tokens = zeros.index_add(0, turn, use.float().reshape(-1))
+    gap = zeros.index_add(0, turn, w.abs().reshape(-1))
+    masked = zeros.index_add(0, turn, drop.reshape(-1))
+    ratio = torch.where(use, log_w.exp(), torch.zeros_like(w))  # > 0 on `use` tokens: 0 elsewhere never wins
+    ratio_max = zeros.scatter_reduce(0, turn, ratio.reshape(-1), "amax", include_self=False)
     for k in range(MAX_TURNS):
         out[f"turn{k}_tokens_sum"] = tokens[k]
         out[f"turn{k}_mismatch_sum"] = gap[k]

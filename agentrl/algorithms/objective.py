@@ -171,8 +171,11 @@ def compute_loss(
     *,
     entropy: torch.Tensor | None = None,
     values: torch.Tensor | None = None,
+    as_tensors: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss of one micro-batch (a `Batch.select` of a prepared batch) scaled by full-batch normalisers."""
+    """Loss of one micro-batch (a `Batch.select` of a prepared batch) scaled by full-batch normalisers, and its
+    metrics: floats, or with `as_tensors` 0-d device tensors (no host sync: read them later with
+    `metric_floats`, so the backward is queued right behind the forward)."""
     mask, seq = batch.loss_mask, batch.seq_index
     logprobs = logprobs.float()
     weights = agg_weights(cfg.effective_loss_agg, mask, seq, batch.total_loss_tokens, batch.n_seqs)
@@ -187,41 +190,10 @@ def compute_loss(
     mismatch_keep = mismatch.keep_mask(cfg, log_w, use, seq)
     is_weight = is_weight * mismatch_keep
 
-    if cfg.loss == "gspo":
-        per_token, ratio, clipped = gspo(logprobs, old, advantages, mask, seq, cfg.clip_low, cfg.clip_high)
-    elif cfg.loss == "cispo":
-        per_token, ratio, clipped = cispo(logprobs, old, advantages, cfg.clip_low, cfg.clip_high, mask)
-    else:
-        per_token, ratio, clipped = ppo_clip(
-            logprobs, old, advantages, cfg.clip_low, cfg.clip_high, cfg.dual_clip, mask
-        )
+    per_token, ratio, clipped = _policy_loss(cfg, logprobs, old, advantages, mask, seq)
     loss_policy = _masked_sum(per_token * is_weight, weights, mask)
-    loss = loss_policy
     stats: dict[str, torch.Tensor] = {"loss_policy": loss_policy.detach()}
-
-    if entropy is not None:
-        loss_entropy = -cfg.entropy_coef * _masked_sum(entropy, weights, mask)
-        loss = loss + loss_entropy
-        stats["loss_entropy"] = loss_entropy.detach()
-        stats["entropy"] = _masked_stats(entropy.detach(), mask)[0]
-    if cfg.kl_coef > 0 and cfg.kl_mode == "loss":
-        if batch.ref_logprobs is None:
-            raise LearnerError("algorithm.kl_coef > 0 with kl_mode = 'loss' needs batch.ref_logprobs")
-        kl = kl_estimate(logprobs, batch.ref_logprobs, cfg.kl_estimator, mask)
-        loss_kl = cfg.kl_coef * _masked_sum(kl, weights, mask)
-        loss = loss + loss_kl
-        stats["loss_kl"] = loss_kl.detach()
-        stats["kl"] = _masked_stats(kl.detach(), mask)[0]
-    if cfg.needs().value_head:
-        if values is None or batch.old_values is None or batch.returns is None:
-            raise LearnerError(
-                f"algorithm.advantage = '{cfg.advantage}' needs values, batch.old_values and batch.returns"
-            )
-        v_loss, v_clipped = value_loss(values.float(), batch.old_values, batch.returns, cfg.value_clip)
-        loss_value = cfg.vf_coef * _masked_sum(v_loss, weights, mask)
-        loss = loss + loss_value
-        stats["loss_value"] = loss_value.detach()
-        stats["value_clip_frac"] = _masked_stats(v_clipped, mask)[0]
+    loss = _add_terms(cfg, batch, logprobs, weights, stats, loss_policy, entropy=entropy, values=values)
     stats["loss"] = loss.detach()
 
     r = ratio.detach()
@@ -232,8 +204,83 @@ def compute_loss(
     stats["is_weight_mean"] = _masked_stats(is_weight, mask)[0]
     stats["is_dropped_frac"] = 1.0 - _masked_stats(keep, mask)[0]
     stats.update(mismatch.metrics(log_w, use, 1.0 - mismatch_keep, batch.turn_index))
-    if not mask.any():
-        stats = {k: v for k, v in stats.items() if k.startswith("loss")}
-    keys = list(stats)
-    values_list = torch.stack([stats[k].float().reshape(()) for k in keys]).tolist()
-    return loss, dict(zip(keys, values_list, strict=True))
+    stats[_ANY_TOKENS] = mask.any()
+    if as_tensors:
+        return loss, stats
+    return loss, metric_floats([(stats, 1.0)])[0][0]
+
+
+# Presence flags among a micro-batch's metrics (read with them): flag -> the keys that are absent when it reads 0.
+# A micro-batch without loss tokens reports its losses only; one without rollout log-probs no mismatch metrics.
+_ANY_TOKENS = "_any_loss_tokens"
+_PRESENCE = {_ANY_TOKENS: lambda key: not key.startswith("loss"), mismatch.PRESENT: mismatch.is_metric}
+
+
+def metric_floats(
+    parts: list[tuple[dict[str, torch.Tensor], torch.Tensor | float]],
+) -> list[tuple[dict[str, float], float]]:
+    """Micro-batch metrics kept on the device (`compute_loss(..., as_tensors=True)`) and their weights, read back
+    in one device-to-host copy, in the form `merge_metrics` takes."""
+    flat = [v for m, w in parts for v in (*m.values(), w)]
+    if not flat:
+        return []
+    device = next((v.device for v in flat if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    values = torch.stack([torch.as_tensor(v, device=device).float().reshape(()) for v in flat]).tolist()
+    out, at = [], 0
+    for m, _ in parts:
+        floats = dict(zip(m, values[at : at + len(m)], strict=True))
+        for flag, governs in _PRESENCE.items():
+            if not floats.pop(flag, 1.0):
+                floats = {k: v for k, v in floats.items() if not governs(k)}
+        out.append((floats, values[at + len(m)]))
+        at += len(m) + 1
+    return out
+
+
+def _policy_loss(cfg: AlgorithmSection, logprobs, old, advantages, mask, seq):
+    """(per-token loss, ratio, clipped indicator) of the configured policy loss."""
+    if cfg.loss == "gspo":
+        return gspo(logprobs, old, advantages, mask, seq, cfg.clip_low, cfg.clip_high)
+    if cfg.loss == "cispo":
+        return cispo(logprobs, old, advantages, cfg.clip_low, cfg.clip_high, mask)
+    return ppo_clip(logprobs, old, advantages, cfg.clip_low, cfg.clip_high, cfg.dual_clip, mask)
+
+
+def _add_terms(
+    cfg: AlgorithmSection,
+    batch: Batch,
+    logprobs: torch.Tensor,
+    weights: torch.Tensor,
+    stats: dict[str, torch.Tensor],
+    total: torch.Tensor,
+    *,
+    entropy: torch.Tensor | None,
+    values: torch.Tensor | None,
+) -> torch.Tensor:
+    """`total` plus the entropy bonus, KL-in-loss and value terms (each only when configured); their metrics go
+    into `stats`."""
+    mask = batch.loss_mask
+    if entropy is not None:
+        loss_entropy = -cfg.entropy_coef * _masked_sum(entropy, weights, mask)
+        total = total + loss_entropy
+        stats["loss_entropy"] = loss_entropy.detach()
+        stats["entropy"] = _masked_stats(entropy.detach(), mask)[0]
+    if cfg.kl_coef > 0 and cfg.kl_mode == "loss":
+        if batch.ref_logprobs is None:
+            raise LearnerError("algorithm.kl_coef > 0 with kl_mode = 'loss' needs batch.ref_logprobs")
+        kl = kl_estimate(logprobs, batch.ref_logprobs, cfg.kl_estimator, mask)
+        loss_kl = cfg.kl_coef * _masked_sum(kl, weights, mask)
+        total = total + loss_kl
+        stats["loss_kl"] = loss_kl.detach()
+        stats["kl"] = _masked_stats(kl.detach(), mask)[0]
+    if cfg.needs().value_head:
+        if values is None or batch.old_values is None or batch.returns is None:
+            raise LearnerError(
+                f"algorithm.advantage = '{cfg.advantage}' needs values, batch.old_values and batch.returns"
+            )
+        v_loss, v_clipped = value_loss(values.float(), batch.old_values, batch.returns, cfg.value_clip)
+        loss_value = cfg.vf_coef * _masked_sum(v_loss, weights, mask)
+        total = total + loss_value
+        stats["loss_value"] = loss_value.detach()
+        stats["value_clip_frac"] = _masked_stats(v_clipped, mask)[0]
+    return total

@@ -304,4 +304,7 @@ def micro_batches(batch: Batch, micro_batch_tokens: int) -> list[Batch]:
         width = max(width, n)
     if current:
         groups.append(current)
+    if len(groups) == 1 and width == batch.input_ids.shape[1]:  # select() would copy every tensor unchanged
+        rows = torch.arange(len(order), device=batch.input_ids.device)
+        return [dataclasses.replace(batch, extra={**batch.extra, "rows": rows})]
     return [batch.select(sorted(g)) for g in groups]

@@ -17,20 +17,20 @@ full weights; checkpoints hold the PEFT adapter directory and the adapter's opti
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from agentrl.algorithms import check, compute_loss, merge_metrics, sft_loss
+from agentrl.algorithms import check, compute_loss, merge_metrics, metric_floats, sft_loss
 from agentrl.config import AlgorithmSection, LearnerSection
 from agentrl.errors import LearnerError
 from agentrl.learners import fused_logprob
 from agentrl.learners.base import Learner
 from agentrl.learners.batch import Batch, micro_batches
-from agentrl.learners.megatron import checkpoint, convert, host_overhead, lora, ops, pipeline
+from agentrl.learners.megatron import checkpoint, convert, host_overhead, lora, ops, pipeline, update
 from agentrl.learners.megatron.model import ArchSpec, build_gpt, unwrap
 from agentrl.learners.megatron.parallel import init_parallel, sum_over_dp
 from agentrl.learners.teacher import teacher_path
@@ -254,14 +254,17 @@ class MegatronLearner(Learner):
             parts = []
             for mb in self._my_micro_batches(batch):
                 logp, ent = self._forward(self.model, mb, entropy=True)
-                loss, m = compute_loss(self.algo, mb, logp, entropy=ent)
-                loss.backward()
-                parts.append((m, float(mb.n_loss_tokens)))
+                loss, m = compute_loss(self.algo, mb, logp, entropy=ent, as_tensors=True)
+                loss.backward()  # no host read before it: the metrics stay on the device until the norm's read
+                parts.append((m, mb.loss_mask.sum()))
+            norm = update.grad_norm(self)
+            parts = metric_floats(parts)
         else:
             parts = pipeline.run(self, self._my_micro_batches(batch), self._loss_payload, forward_only=False)
             parts = pipeline.broadcast_from_last(parts)
+            norm = update.grad_norm(self)
         metrics = self._sum_over_dp(merge_metrics(parts))
-        metrics.update(self._optimizer_step(loss=metrics.get("loss", 0.0)))
+        metrics.update(self._apply_update(norm, loss=metrics.get("loss", 0.0)))
         return metrics, len(parts)
 
     def _loss_payload(self, mb: Batch, logits: torch.Tensor) -> tuple:
@@ -292,14 +295,17 @@ class MegatronLearner(Learner):
         if self.pp_size == 1:
             losses = []
             for mb in mbs:
-                loss, _, value = payload(mb, self._logits(self.model, mb))
+                loss = sft_loss(self._forward(self.model, mb)[0], mb.loss_mask, batch.total_loss_tokens)
                 loss.backward()
-                losses.append(value)
+                losses.append(loss.detach())
+            norm = update.grad_norm(self)
+            total = float(torch.stack(losses).sum())
         else:
             losses = pipeline.broadcast_from_last(pipeline.run(self, mbs, payload, forward_only=False))
-        total, parts = sum(losses), len(mbs)
+            norm, total = update.grad_norm(self), sum(losses)
+        parts = len(mbs)
         metrics = self._sum_over_dp({"loss": total})
-        metrics.update(self._optimizer_step(lr, loss=metrics["loss"]))
+        metrics.update(self._apply_update(norm, lr, loss=metrics["loss"]))
         self.policy_version += 1
         metrics.update(self._counters(batch, start, parts))
         return metrics
@@ -311,63 +317,31 @@ class MegatronLearner(Learner):
         else:
             self.optimizer.zero_grad(set_to_none=True)
 
-    def _optimizer_step(self, lr: float | None = None, *, loss: float) -> dict[str, float]:
-        """Reduce gradients, then clip and step unless `_skip_update` refuses (`loss` is summed over DP ranks,
-        the gradient check is agreed by every rank)."""
+    def _apply_update(self, norm: float, lr: float | None = None, *, loss: float) -> dict[str, float]:
+        """Clip and step with the gradient norm `update.grad_norm` read, unless `_skip_update` refuses (`loss`
+        is summed over DP ranks; the norm is the same on every rank, so all skip together)."""
         groups = self.optimizer.param_groups
         saved = [g["lr"] for g in groups]
         if lr is not None:
             for g in groups:
                 g["lr"] = lr
-        params = self._trainable()
-        if self.cuda:
-            from megatron.core.distributed import finalize_model_grads
-
-            finalize_model_grads([self.model])
-        elif self.dp_size > 1:  # CPU data parallel: sum gradients over DP ranks (no Megatron DDP on CPU)
-            from megatron.core import parallel_state as ps
-
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
         # Megatron's own inf check runs only with a loss scaler (fp16): bf16/fp32 would step on NaN gradients.
-        skip = self._skip_update(loss, self._grads_finite(params))
-        grad_norm = float("nan")
-        if not skip and self.cuda:
-            _, norm, _ = self.optimizer.step()
-            grad_norm = float("nan") if norm is None else float(norm)
-        elif not skip:
-            clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
-            self.optimizer.step()
+        skip = self._skip_update(loss, math.isfinite(norm))
+        if not skip:
+            update.apply(self, norm)
         for g, old in zip(groups, saved, strict=True):
             g["lr"] = old
         self.optimizer_steps += int(not skip)
         lr_used = float(lr if lr is not None else saved[0])
-        return {"grad_norm": grad_norm, "lr": lr_used, "updates_skipped": float(skip)}
+        return {
+            "grad_norm": norm if not skip else float("nan"),
+            "lr": lr_used,
+            "updates_skipped": float(skip),
+        }
 
     def _trainable(self) -> list[torch.nn.Parameter]:
         """Every parameter, or the adapter's alone under LoRA (the base is frozen)."""
         return [p for p in self.model.parameters() if p.requires_grad]
-
-    def _grad_buffers(self) -> list:
-        """Megatron DDP's contiguous gradient buffers (GPU path); none on the CPU path."""
-        if not self.cuda:
-            return []
-        return [*getattr(self.model, "buffers", []), *getattr(self.model, "expert_parallel_buffers", [])]
-
-    def _grads_finite(self, params: list[torch.nn.Parameter]) -> bool:
-        """Whether every gradient of every learner rank is finite (an all-reduce: all ranks agree to skip)."""
-        bad = torch.zeros((), dtype=torch.float32, device=self.device)
-        # Megatron DDP keeps every gradient in a few contiguous buffers: one check each instead of one per
-        # parameter (~300 tiny kernels); the CPU path has plain per-parameter .grad.
-        grads = [b.grad_data for b in self._grad_buffers()] or [p.grad for p in params if p.grad is not None]
-        for grad in grads:
-            bad = torch.maximum(bad, (~torch.isfinite(grad)).any().float())
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        return not bool(bad.item())
 
     def _sum_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
         return metrics if self.dp_size == 1 else sum_over_dp(metrics, self.device)
