@@ -106,3 +106,20 @@ def test_run_summary_spreads_and_async_sync_ratio(tmp_path):
     odd = subprocess.run([sys.executable, "bench/gpu/run_summary.py", str(tmp_path / "a"), "--compare"], cwd=ROOT,
                          capture_output=True, text=True)  # fmt: skip
     assert odd.returncode == 2 and "pairs" in odd.stderr
+
+
+def test_run_summary_loop_time_of_a_resumed_run(tmp_path):
+    """A run continued with --resume (its time limit stopped it at step 4; step 4 redone after the restart): the
+    loop time is the steps' own times, the restart's 150 s of start-up and the first attempt at step 4 left out."""
+    run = tmp_path / "r"
+    _metrics(run, [1.0] * 4, start_s=60.0)
+    rows = [json.dumps({"step": k, "step_s": 2.0, "wall_s": 64.0 + 150.0 + 2.0 * (k - 3), "n_trajectories": 64})
+            for k in (4, 5, 6)]  # fmt: skip
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write("\n".join(rows) + "\n")
+    out = tmp_path / "sum.json"
+    proc = subprocess.run([sys.executable, "bench/gpu/run_summary.py", str(run), "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    (r,) = json.loads(out.read_text())
+    assert r["steps"] == 6 and r["loop_s"] == 3.0 + 3 * 2.0 and r["trajectories"] == 6 * 64

@@ -8,6 +8,8 @@
 #                                         -> $OUT/NAME.json; ENGINE_BENCH_TIMEOUT_S bounds one run (default 420)
 #   agentrl_run CONFIG NAME TIMEOUT_S [agentrl run overrides]   `agentrl run CONFIG`, log, metrics.jsonl and
 #                                         SGLang logs -> $OUT; the run's own limit is TIMEOUT_S - 40
+#   agentrl_resume NAME TIMEOUT_S [overrides]   `agentrl run --resume runs/NAME` for TIMEOUT_S more (a run
+#                                         its time limit stopped: the limit moves on by TIMEOUT_S - 40)
 #   quickstart_run NAME TIMEOUT_S [overrides]   agentrl_run on examples/quickstart.toml
 #   run_summary NAME RUN_DIR...           steps, throughput, staleness, publish times -> $OUT/NAME.json
 # and the flag sets MEGATRON_GPU (bf16 Megatron learner) and SGLANG_GPU (real SGLang with the flags of
@@ -75,6 +77,19 @@ agentrl_run() {
   grep -iE "error|traceback" "$out/$name.log" | grep -v "^\[agentrl\]" | tail -8
   cp "runs/$name/metrics.jsonl" "$out/$name.metrics.jsonl" 2>/dev/null
   cp runs/"$name"/sglang-*.log "$out/" 2>/dev/null
+  return 0
+}
+
+agentrl_resume() {  # NAME TIMEOUT_S [overrides]: continue runs/NAME (stopped by its time limit) for TIMEOUT_S more
+  local name=$1 limit=$2 wall; shift 2
+  wall=$(python3 -c "import json; print(int(json.load(open('runs/$name/summary.json')).get('wall_s', 0)))") ||
+    { echo "runs/$name: no summary.json (nothing stopped to continue)" >&2; return 1; }
+  cp "$out/$name.log" "$out/$name.part1.log" 2>/dev/null
+  timeout "$limit" python3 -c "import sys; from agentrl.cli import main; sys.exit(main(sys.argv[1:]))" \
+    run --resume "runs/$name" --run.time-limit-s $((wall + limit - 40)) "$@" > "$out/$name.log" 2>&1
+  echo "$name (resumed at wall ${wall} s) rc=$?"; grep "^\[agentrl\]" "$out/$name.log" | tail -3
+  grep -iE "error|traceback" "$out/$name.log" | grep -v "^\[agentrl\]" | tail -8
+  cp "runs/$name/metrics.jsonl" "$out/$name.metrics.jsonl" 2>/dev/null
   return 0
 }
 

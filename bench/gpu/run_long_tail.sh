@@ -9,6 +9,8 @@
 #   STEPS=40 RUN_TIMEOUT=270 bash bench/gpu/run_long_tail.sh async sync   # call 2, carry .sgl .gpu: SGLang's
 #                                  # pair (its start-up is 2-3 min a run); 100 steps need one mode per call:
 #   STEPS=100 bash bench/gpu/run_long_tail.sh async   then, next call,   STEPS=100 bash ... sync
+# A sync run of 100 steps outlasts one 10-minute call: `more-sync` (`more-async`) continues the run of that mode
+# that its time limit stopped (`agentrl run --resume`, RUN_TIMEOUT more seconds) in the next call of the hold.
 # A run stops at RUN_TIMEOUT - 40 s of wall time (start-up included) if STEPS are not done by then; the
 # comparison then covers the steps both runs made.
 #   DEVICE=cpu STEPS=3 bash bench/gpu/run_long_tail.sh warm async sync   # CPU smoke (tiny model, law shrunk)
@@ -31,8 +33,9 @@ modes=(); overrides=()
 while [ $# -gt 0 ]; do
   case $1 in
     --) shift; overrides=("$@"); break ;;
-    install | warm | async | sync) modes+=("$1"); shift ;;
-    *) echo "unknown mode '$1' (install | warm | async | sync, then -- overrides)" >&2; exit 2 ;;
+    install | warm | async | sync | more-async | more-sync) modes+=("$1"); shift ;;
+    *) echo "unknown mode '$1' (install | warm | async | sync | more-async | more-sync, then -- overrides)" >&2
+      exit 2 ;;
   esac
 done
 [ ${#modes[@]} -gt 0 ] || { echo "give modes: install | warm | async | sync" >&2; exit 2; }
@@ -73,11 +76,14 @@ for mode in "${modes[@]}"; do
       timeout "${WARM_TIMEOUT:-400}" python3 bench/long_tail.py warm --out "$warm_dir" --model "$model" \
         --steps "${WARM_STEPS:-1000}" --time-limit-s "${WARM_S:-120}" "${warm_args[@]}" > "$out/warm.log" 2>&1
       echo "warm rc=$?"; tail -1 "$out/warm.log"; cp "$warm_dir/warm.json" "$out/" 2>/dev/null ;;
-    async | sync)
+    async | sync | more-async | more-sync)
       if [ "$device" != cpu ]; then
         if [ "$stack" = megatron-sglang ]; then gpu_setup megatron sglang; else gpu_setup megatron; fi
       fi
-      long_tail_run "$mode" ;;
+      case $mode in
+        more-*) agentrl_resume "$prefix${mode#more-}" "${RUN_TIMEOUT:-560}" --run.steps "$steps" ;;
+        *) long_tail_run "$mode" ;;
+      esac ;;
   esac
 done
 # every run of this stack and TAG on disk (an earlier call of the hold may have made the other mode)

@@ -4,8 +4,9 @@ async/sync wall-time ratio of the training loops over the same trained samples.
 
 python3 bench/gpu/run_summary.py runs/NAME... [--compare] [--out FILE]
 
-The loop's wall time to step k is `wall_s[k] - (wall_s[1] - step_s[1])`: from the moment the loop started
-waiting for its first batch (start-up, warm-up and the first publish excluded) to the end of step k.
+The loop's wall time to step k is the sum of `step_s` over steps 1..k: each step's time from the end of the one
+before (from the moment the loop started waiting for its first batch, start-up, warm-up and the first publish
+excluded); a run continued with `--resume` leaves its second start-up out the same way.
 `--compare` takes the runs in pairs (async dir, sync dir): over the first k = min(steps) steps of both (the
 same number of trained trajectories, checked), ratio = sync loop time / async loop time; `ratio_from_step2`
 leaves out step 1 (the engine's first batch: CUDA graph capture, compilation) from both.
@@ -25,7 +26,10 @@ KEYS = ("step_s", "publish_s", "train_s", "sample_wait_s", "staleness_mean", "st
 
 def load_rows(run_dir: Path) -> list[dict[str, Any]]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r for r in rows if "step" in r and "step_s" in r]
+    by_step = {
+        r["step"]: r for r in rows if "step" in r and "step_s" in r
+    }  # a resumed run's redone step: the last
+    return [by_step[k] for k in sorted(by_step)]
 
 
 def spread(vals: list[float]) -> dict[str, float]:
@@ -43,9 +47,9 @@ def spread(vals: list[float]) -> dict[str, float]:
 
 
 def loop_s(rows: list[dict[str, Any]], k: int, first: int = 1) -> float:
-    """Wall seconds of the loop from the start of step `first` to the end of step `k` (1-based)."""
-    start = float(rows[first - 1]["wall_s"]) - float(rows[first - 1]["step_s"])
-    return float(rows[k - 1]["wall_s"]) - start
+    """Seconds of the loop from the start of step `first` to the end of step `k` (1-based): the sum of their
+    step times (a resumed run's restart is no step's time)."""
+    return sum(float(r["step_s"]) for r in rows[first - 1 : k])
 
 
 def summarise(run_dir: Path) -> dict[str, Any]:
