@@ -66,6 +66,7 @@ SGLANG_FLAGS = {"attention_backend": "triton", "sampling_backend": "pytorch", "g
                 "dtype": "bfloat16"}  # fmt: skip
 # sglang_lora_check.py's B: |B·A·x| comparable to the base's outputs, a clearly different policy
 LORA_B_STD = 0.05
+STARTED = time.monotonic()
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -189,6 +190,13 @@ async def train_phase(args, learner, handoff, meter, trajs, step: int) -> tuple[
     }, mem
 
 
+def out_of_time(args, last_step_s: float) -> bool:
+    """Would one more step (the last one's time, +30%) end past --time-limit-s (counted from the start)?"""
+    if not args.time_limit_s:
+        return False
+    return time.monotonic() - STARTED + 1.3 * last_step_s > args.time_limit_s
+
+
 async def steps(args, learner, engine, result: dict, progress: dict) -> None:
     meter = PeakMeter()
     handoff = HandOff(learner, [engine], meter) if args.offload else None
@@ -203,6 +211,9 @@ async def steps(args, learner, engine, result: dict, progress: dict) -> None:
         progress["phase"] = "first publish"
         await publish()
         for step in range(args.steps):
+            if result["steps"] and out_of_time(args, result["steps"][-1]["step_s"]):
+                result["steps_cut_at"] = step  # the summary still gets written inside the case's timeout
+                break
             t0 = time.perf_counter()
             progress["phase"] = "rollout"
             trajs = await rollout(engine, learner.model.config.vocab_size, version, step, args)
@@ -307,6 +318,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--mem-fraction", type=float, default=0.35, help="SGLang --mem-fraction-static")
     ap.add_argument("--micro-batch-tokens", type=int, default=4096)
+    ap.add_argument("--time-limit-s", type=float, default=0.0,
+                    help="start no step that would end past this many seconds from the start (0: no limit)")  # fmt: skip
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/colocated_offload"))
     ap.add_argument("--workdir", default="/tmp/agentrl_colocated_offload")
     args = ap.parse_args(argv)
