@@ -33,6 +33,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import time
@@ -254,6 +255,8 @@ async def run(args) -> dict:
         learner.offload()
     server = make_server(args, path, learner)
     engine, progress = None, {"phase": "engine start"}
+    # `timeout` ending the case cancels this task: SGLang (its own process group) is stopped, the summary written
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     try:
         if server is not None:
             await asyncio.to_thread(server.start)
@@ -264,6 +267,8 @@ async def run(args) -> dict:
                                     max_seq_len=args.prompt_len + args.new_tokens)  # fmt: skip
         await steps(args, learner, engine, result, progress)
         result["ok"] = True
+    except asyncio.CancelledError:
+        result.update(timed_out=True, failed_in=progress["phase"])
     except Exception as exc:  # the no-offload case of a model that does not fit is expected to end here
         result.update(
             oom=is_oom(exc), failed_in=progress["phase"], error=f"{type(exc).__name__}: {str(exc)[-400:]}"
