@@ -19,11 +19,13 @@ for case in "${cases[@]}"; do
   # SGLang 0.5.12 sizes its static memory as --mem-fraction-static x the memory FREE when it starts: next to the
   # 8B learner (~31 GiB on the GPU) 0.35 of the rest does not hold the bf16 weights; 0.5 holds them and a KV
   # cache 2x the rollout's, leaving ~20 GiB for training
-  [ "$case" = 8b-lora-no-offload ] && args+=(--mem-fraction 0.5)
+  [ "$case" = 8b-lora-no-offload ] && args+=(--mem-fraction "${MEM_FRACTION:-0.5}")
   limit=${CASE_TIMEOUT_S:-$limit}  # steps that would end within 45 s of it are not started: the summary is written
   timeout "$limit" python3 bench/gpu/colocated_offload.py "${args[@]}" "--$rest" --out "$out" \
     --steps "${STEPS:-4}" --time-limit-s $((limit - 45)) > "$out/colocated_$case.log" 2>&1
-  echo "$case rc=$?"; grep '^{' "$out/colocated_$case.log" | tail -1 | cut -c1-900
+  echo "$case rc=$?"; grep '^{' "$out/colocated_$case.log" | tail -1 | cut -c1-1200
   grep -iE 'Traceback|Error' "$out/colocated_$case.log" | tail -4
+  sglang_log=$(ls -t "$out"/sglang_*.log 2>/dev/null | head -1)  # this case's server: its KV size or refusal
+  [ -n "$sglang_log" ] && grep -hE 'KV Cache is allocated|Not enough memory' "$sglang_log" | tail -1
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
 done
