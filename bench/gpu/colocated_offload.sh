@@ -16,9 +16,10 @@ cases=("$@"); [ ${#cases[@]} -gt 0 ] || cases=(4b-offload 4b-no-offload 1.7b-off
 for case in "${cases[@]}"; do
   rest=${case#*-}; args=(--arch "qwen3-${case%%-*}"); limit=300
   if [[ $rest == lora-* ]]; then rest=${rest#lora-}; args+=(--lora); limit=540; fi
-  # SGLang 0.5.12 sizes its static memory as --mem-fraction-static x the memory FREE when it starts: next to the
-  # 8B learner (~31 GiB on the GPU) 0.35 of the rest does not hold the bf16 weights; 0.5 holds them and a KV
-  # cache 2x the rollout's, leaving ~20 GiB for training
+  # SGLang 0.5.12 sizes its static memory (weights + LoRA buffers + KV cache) as --mem-fraction-static x the memory
+  # FREE when it starts (model_runner_kv_cache_mixin._profile_available_bytes): next to the 8B learner (~31 GiB)
+  # that is ~47 GiB, 0.35 of it (16.5) barely holds the 15.3 GiB of bf16 weights; 0.5 (23.5) adds a ~7.5 GiB KV
+  # cache (2x the rollout's 64 x 384 tokens) and leaves ~20 GiB for training (MEM_FRACTION=... to change it)
   [ "$case" = 8b-lora-no-offload ] && args+=(--mem-fraction "${MEM_FRACTION:-0.5}")
   limit=${CASE_TIMEOUT_S:-$limit}  # steps that would end within 45 s of it are not started: the summary is written
   timeout "$limit" python3 bench/gpu/colocated_offload.py "${args[@]}" "--$rest" --out "$out" \
