@@ -86,7 +86,7 @@ agentrl_resume() {  # NAME TIMEOUT_S [overrides]: continue runs/NAME (stopped by
     { echo "runs/$name: no summary.json (nothing stopped to continue)" >&2; return 1; }
   cp "$out/$name.log" "$out/$name.part1.log" 2>/dev/null
   timeout "$limit" python3 -c "import sys; from agentrl.cli import main; sys.exit(main(sys.argv[1:]))" \
-    run --resume "runs/$name" --run.time-limit-s $((wall + limit - 40)) "$@" > "$out/$name.log" 2>&1
+    run --resume "runs/$name" --run.overwrite false --run.time-limit-s $((wall + limit - 40)) "$@" > "$out/$name.log" 2>&1
   echo "$name (resumed at wall ${wall} s) rc=$?"; grep "^\[agentrl\]" "$out/$name.log" | tail -3
   grep -iE "error|traceback" "$out/$name.log" | grep -v "^\[agentrl\]" | tail -8
   cp "runs/$name/metrics.jsonl" "$out/$name.metrics.jsonl" 2>/dev/null
