@@ -42,7 +42,7 @@ def trained(tmp_path: Path, steps: int = 2, finished: bool = False) -> Path:
 
 
 def test_a_directory_holding_an_unfinished_run_is_refused_with_what_to_do(tmp_path):
-    from agentrl.runner.rundir import RunExists
+    from agentrl.runner.claim import RunExists
 
     path = trained(tmp_path)
     with pytest.raises(RunExists) as info:
@@ -56,7 +56,7 @@ def test_a_directory_holding_an_unfinished_run_is_refused_with_what_to_do(tmp_pa
 
 
 def test_a_finished_run_is_refused_as_finished_with_its_summary(tmp_path):
-    from agentrl.runner.rundir import RunExists
+    from agentrl.runner.claim import RunExists
 
     trained(tmp_path, steps=3, finished=True)
     with pytest.raises(RunExists) as info:
@@ -137,7 +137,7 @@ def test_tensorboard_is_installed_by_default_or_its_absence_is_said(tmp_path, mo
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert any(d.split(">")[0].split("=")[0].strip() == "tensorboard" for d in deps)  # run.tensorboard = true
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as after `pip install --no-deps`
-    with caplog.at_level(logging.WARNING, logger="agentrl.runner.rundir"):
+    with caplog.at_level(logging.WARNING, logger="agentrl.runner.loggers"):
         RunDir(config(tmp_path, "--run.tensorboard", "true")).close()
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "pip install tensorboard" in warnings[0]

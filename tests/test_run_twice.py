@@ -131,7 +131,7 @@ def test_the_same_command_twice_a_second_owner_and_a_user_env_module(tmp_path, r
 
 
 def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_tmp_step(tmp_path, run_model):
-    from agentrl.runner.rundir import existing_run
+    from agentrl.runner.claim import existing_run
 
     (tmp_path / "disk_full.py").write_text(DISK_FULL)
     cfg = tiny_config(tmp_path, run_model, warmup={"steps": 0}, run={"eval_every": 0})

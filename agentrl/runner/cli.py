@@ -6,7 +6,7 @@ wrong key fails in milliseconds; so do the names it refers to (env, reward, gene
 Several CONFIG files compose (prime-rl's layering): `agentrl run base.toml @ big-model.toml` merges them in
 order, a later file's keys winning, then the `--section.key` flags on top.
 `--resume runs/NAME` reloads `runs/NAME/config.toml` (CONFIG is optional then); overrides still apply on
-top. A run directory that already holds a run is refused before anything starts (agentrl.runner.rundir);
+top. A run directory that already holds a run is refused before anything starts (agentrl.runner.claim);
 when that run is finished, its summary is printed and the exit status is 0.
 """
 
@@ -140,9 +140,9 @@ def main(args: argparse.Namespace) -> int:
         return 0
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from agentrl.errors import AgentRLError
+    from agentrl.runner.claim import RunExists
     from agentrl.runner.loop import run
     from agentrl.runner.progress import format_summary
-    from agentrl.runner.rundir import RunExists
 
     try:
         summary = run(cfg, resume=bool(args.resume))

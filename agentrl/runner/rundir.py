@@ -12,19 +12,15 @@ one fails at once naming the holder's pid); a checkpoint directory is complete b
 (written to a temporary name, then renamed; a failed write removes the temporary); on resume, metrics lines
 past the checkpoint's step are dropped, so every step appears once.
 
-Which directories hold a run is decided here (`existing_run`): one whose latest checkpoint is past step 0
-(an RL step was trained) or that has a summary. Without `--resume` such a directory is refused
-(`RunExists`) unless `run.overwrite`; a directory with only the leftovers of a start that failed earlier
-(no checkpoint past step 0) is cleared and reused, so retrying a failed start just works.
+Which directories hold a run, and the refusal of one, are decided in agentrl.runner.claim; the loggers
+(TensorBoard, W&B) live in agentrl.runner.loggers.
 """
 
 from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
-import secrets
 import shutil
 import time
 from pathlib import Path
@@ -34,38 +30,20 @@ import msgspec
 
 from agentrl.config import Config
 from agentrl.config_text import dump_toml
-from agentrl.dashboard.runfiles import DASHBOARD_URL_NAME, LOGPROBS_NAME, read_metrics
+from agentrl.dashboard.runfiles import LOGPROBS_NAME, read_metrics
 from agentrl.errors import ConfigError, StorageError
-from agentrl.queue.walformat import LEDGER_NAME, WAL_NAME
+from agentrl.queue.walformat import LEDGER_NAME
 from agentrl.runlock import RUN_LOCK, DirLock
+from agentrl.runner.claim import SUMMARY_FILE, claim
+from agentrl.runner.loggers import open_loggers, scalars
 
-log = logging.getLogger(__name__)
-WANDB_ID = "wandb_id"
 LOGPROBS_MAX_BYTES = 64 << 20
 
-# Every file or directory agentrl writes into a run directory (what `run.overwrite` and the clean-up of a
-# failed start delete); lock files stay, they are how the next owner is kept out.
-RUN_FILES = (
-    "config.toml", "metrics.jsonl", "metrics.tmp", LEDGER_NAME, WAL_NAME, f"{WAL_NAME}.tmp", "queue_url",
-    "summary.json", "events", "checkpoints", "published", "wandb", WANDB_ID, LOGPROBS_NAME, DASHBOARD_URL_NAME,
-    "proxy.json",
-)  # fmt: skip
-SUMMARY_FILE = "summary.json"
 STOPPED = {
     "steps": "run.steps reached",
     "time_limit": "run.time_limit_s reached",
     "data": "the data ran out (data.epochs)",
 }
-
-
-class RunExists(ConfigError):
-    """The run directory already holds a run and neither --resume nor run.overwrite was given. `finished`:
-    that run completed (its `summary` is the content of summary.json)."""
-
-    def __init__(self, message: str, finished: bool, summary: dict[str, Any]):
-        super().__init__(message)
-        self.finished = finished
-        self.summary = summary
 
 
 def redact(cfg: Config) -> Config:
@@ -100,46 +78,6 @@ def storage_error(exc: OSError, what: str, run_dir: Path, path: Path) -> Storage
     )
 
 
-def existing_run(path: Path) -> dict[str, Any] | None:
-    """What a directory holds: None when no run (absent, empty, or leftovers of a start that trained no RL
-    step), else {"finished": bool, "step": last checkpointed step, "summary": summary.json or {}}."""
-    summary_path = path / SUMMARY_FILE
-    try:
-        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    except (OSError, ValueError):
-        summary = {"stopped": f"unreadable {SUMMARY_FILE}"}
-    step = _latest_step(path / "checkpoints")
-    if not summary and step < 1:
-        return None
-    return {"finished": bool(summary), "step": max(step, int(summary.get("steps", 0))), "summary": summary}
-
-
-def _latest_step(ckpt_root: Path) -> int:
-    try:
-        name = (ckpt_root / "latest").read_text().strip()
-        return int(json.loads((ckpt_root / name / "state.json").read_text())["step"])
-    except (OSError, ValueError, KeyError):
-        return -1
-
-
-def _refusal(path: Path, held: dict[str, Any]) -> RunExists:
-    name = shown(path)
-    fresh = "start afresh: add --run.overwrite true (deletes it) or use another --run.name"
-    if held["finished"]:
-        s = held["summary"]
-        longer = "--run.time-limit-s SECONDS" if s.get("stopped_by") == "time_limit" else "--run.steps N"
-        message = (
-            f"{name} holds a finished run ({s.get('steps', held['step'])} steps, {s.get('stopped', 'done')}). "
-            f"Train it further: agentrl run --resume {name} {longer}; {fresh}"
-        )
-    else:
-        message = (
-            f"{name} holds an unfinished run (last checkpoint: step {held['step']}). Continue it: "
-            f"agentrl run --resume {name}; {fresh}"
-        )
-    return RunExists(message, held["finished"], held["summary"])
-
-
 class RunDir:
     def __init__(self, cfg: Config, resume: bool = False):
         self.path = Path(cfg.run.root) / cfg.run.name
@@ -152,7 +90,7 @@ class RunDir:
         self._lock = DirLock(self.path / RUN_LOCK, f"run directory {self.path}").acquire()
         self._loggers: list[Any] = []
         try:
-            self._claim(resume)
+            claim(self.path, shown(self.path), resume, cfg.run.overwrite)
             self.ckpt_root.mkdir(exist_ok=True)
             (self.path / "config.toml").write_text(dump_toml(redact(cfg)))
         except OSError as exc:
@@ -162,25 +100,10 @@ class RunDir:
             self._lock.release()
             raise
         try:
-            self._loggers = open_loggers(cfg, self.path, resume)
+            self._loggers = open_loggers(redact(cfg), self.path, resume)
         except BaseException:
             self._lock.release()
             raise
-
-    def _claim(self, resume: bool) -> None:
-        """Refuse a directory that holds a run (unless resumed or overwritten); clear leftovers otherwise."""
-        if resume:
-            (self.path / SUMMARY_FILE).unlink(missing_ok=True)  # the run goes on: it is not finished any more
-            return
-        held = existing_run(self.path)
-        if held is not None and not self.cfg.run.overwrite:
-            raise _refusal(self.path, held)
-        for name in RUN_FILES:
-            target = self.path / name
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            elif target.exists() or target.is_symlink():
-                target.unlink()
 
     @property
     def ledger_path(self) -> Path:
@@ -341,89 +264,3 @@ class RunDir:
 
 def _finite(value: Any) -> bool:
     return isinstance(value, int | float) and value == value and abs(value) != float("inf")
-
-
-def scalars(metrics: dict[str, Any]) -> dict[str, float]:
-    """The numbers of a metrics line every logger records (not the step, no flags, no nested values)."""
-    return {
-        k: float(v)
-        for k, v in metrics.items()
-        if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)
-    }
-
-
-class _TensorBoard:
-    def __init__(self, writer: Any):
-        self.writer = writer
-
-    def log(self, values: dict[str, float], step: int) -> None:
-        for key, value in values.items():
-            self.writer.add_scalar(key, value, step)
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-class _Wandb:
-    """Weights & Biases (run.wandb_*): one W&B run per run directory, its id kept in `wandb_id` so --resume
-    continues it; files under runs/NAME/wandb (offline mode: `wandb sync runs/NAME/wandb/offline-run-*`)."""
-
-    def __init__(self, cfg: Config, path: Path, resume: bool):
-        try:
-            import wandb
-        except ImportError:
-            raise ConfigError(
-                "run.wandb_project is set but wandb is not installed: pip install wandb (or 'agentrl[wandb]'), "
-                "or leave run.wandb_project empty"
-            ) from None
-        r = cfg.run
-        id_file = path / WANDB_ID
-        run_id = id_file.read_text().strip() if resume and id_file.is_file() else secrets.token_hex(4)
-        id_file.write_text(run_id + "\n")
-        (path / "wandb").mkdir(exist_ok=True)
-        self.run = wandb.init(
-            project=r.wandb_project, entity=r.wandb_entity or None, name=r.wandb_name or r.name,
-            group=r.wandb_group or None, tags=list(r.wandb_tags) or None, mode=r.wandb_mode, dir=str(path),
-            id=run_id, resume="allow", config=msgspec.to_builtins(redact(cfg)),
-            settings=wandb.Settings(console="off", silent=True),
-        )  # fmt: skip
-
-    def log(self, values: dict[str, float], step: int) -> None:
-        self.run.log(values, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
-
-
-def open_loggers(cfg: Config, path: Path, resume: bool) -> list[Any]:
-    """The loggers `RunDir.log` fans each metrics line out to (metrics.jsonl itself is not one of them)."""
-    loggers: list[Any] = []
-    if cfg.run.tensorboard:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:  # installed with --no-deps: say so once (metrics.jsonl still has it all)
-            log.warning(
-                "run.tensorboard: no TensorBoard events are written (%s); `pip install tensorboard`, or set "
-                "run.tensorboard = false to silence this",
-                exc,
-            )
-        else:
-            loggers.append(_TensorBoard(SummaryWriter(str(path / "events"))))
-    if cfg.run.wandb_project:
-        loggers.append(_Wandb(cfg, path, resume))
-    return loggers
-
-
-def read_ledger(path: str | Path) -> list[dict[str, Any]]:
-    """The ledger's lines (one per committed learner step); a torn last line (crash mid-write) is skipped."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows

@@ -1,0 +1,123 @@
+"""The rollout side of the driver: keeps rollout groups in flight while the learner trains.
+
+Each task becomes one group (`Coordinator.run_group`: admission in the queue's staleness window, then
+`n_samples_per_prompt` episodes on a rollout worker, put into the queue as a whole). Sync runs keep
+`prompts_per_step` groups in flight (the staleness-0 window holds them back until the next version is
+published); async runs enough to keep every worker's `concurrency` busy. The task cursor and the tasks in
+flight are part of each checkpoint, so a resumed run re-issues exactly the tasks that were not trained on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from typing import Any
+
+from agentrl.config import Config
+
+log = logging.getLogger(__name__)
+
+
+class Dispatcher:
+    def __init__(self, cfg: Config, tasks: Any):
+        self.cfg = cfg
+        self.tasks = tasks  # agentrl.data's task source: next_batch(n), state_dict(), load_state_dict()
+        self.task_index = 0
+        self.inflight: dict[int, dict[str, Any]] = {}
+        self.reissue: list[tuple[int, dict[str, Any]]] = []  # from a checkpoint: in flight when it was taken
+        self.rewards: list[float] = []  # of the groups finished since the last `take_rewards`
+        self.groups_done = 0
+        self.failure: Exception | None = None
+        self.coord: Any = None
+        self.task: asyncio.Task | None = None
+
+    def start(self, coord: Any) -> None:
+        self.coord = coord
+        self.task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
+    def raise_failure(self) -> None:
+        """Raise what made a rollout group fail (after the supervisor's restart budget ran out)."""
+        if self.failure is not None:
+            raise self.failure
+
+    def finished(self) -> bool:
+        """Whether every task has been dispatched and run (the data ran out); raises a rollout failure."""
+        if self.failure is not None:
+            raise self.failure from None
+        if self.task is not None and self.task.done():
+            if self.task.exception() is not None:
+                raise self.task.exception() from None
+            return True
+        return False
+
+    def take_rewards(self) -> list[float]:
+        rewards, self.rewards = self.rewards, []
+        return rewards
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "task_index": self.task_index,
+            "data_cursor": self.tasks.state_dict(),
+            "inflight": sorted(self.inflight.items()) + list(self.reissue),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.task_index = int(state["task_index"])
+        self.tasks.load_state_dict(state["data_cursor"])
+        self.reissue = [(int(i), t) for i, t in state["inflight"]]
+
+    def _limit(self) -> int:
+        """Groups in flight at most."""
+        r = self.cfg.rollout
+        if self.cfg.run.mode != "async":
+            return r.prompts_per_step
+        return max(r.prompts_per_step, math.ceil(r.concurrency * r.num_workers / r.n_samples_per_prompt))
+
+    def _next_task(self) -> tuple[int, dict[str, Any]] | None:
+        if self.reissue:
+            return self.reissue.pop(0)
+        batch = self.tasks.next_batch(1)
+        if not batch:
+            return None
+        index, self.task_index = self.task_index, self.task_index + 1
+        return index, batch[0]
+
+    async def _run(self) -> None:
+        slots = asyncio.Semaphore(self._limit())
+        running: set[asyncio.Task] = set()
+        try:
+            while True:
+                await slots.acquire()
+                nxt = self._next_task()
+                if nxt is None:
+                    slots.release()
+                    break
+                index, task = nxt
+                self.inflight[index] = task
+                job = asyncio.create_task(self._group(index, task, slots))
+                running.add(job)
+                job.add_done_callback(running.discard)
+            await asyncio.gather(*running)
+        finally:
+            for job in running:
+                job.cancel()
+
+    async def _group(self, index: int, task: dict[str, Any], slots: asyncio.Semaphore) -> None:
+        try:
+            summary = await self.coord.run_group(index, task)
+            self.rewards.extend(summary["rewards"])
+            self.groups_done += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # surfaced by the supervisor's restart budget
+            log.error("rollout group %d failed: %r", index, exc)
+            self.failure = exc
+        finally:
+            self.inflight.pop(index, None)
+            slots.release()

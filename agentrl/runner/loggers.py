@@ -1,0 +1,91 @@
+"""The loggers each metrics line is handed to after metrics.jsonl (the source of truth): TensorBoard
+(`runs/NAME/events`) and Weights & Biases (`run.wandb_*`). They are given the config with its secrets
+removed (agentrl.runner.rundir.redact)."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from agentrl.config import Config
+from agentrl.errors import ConfigError
+
+log = logging.getLogger(__name__)
+WANDB_ID = "wandb_id"
+
+
+def scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a metrics line every logger records (not the step, no flags, no nested values)."""
+    return {
+        k: float(v)
+        for k, v in metrics.items()
+        if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)
+    }
+
+
+class _TensorBoard:
+    def __init__(self, writer: Any):
+        self.writer = writer
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _Wandb:
+    """Weights & Biases (run.wandb_*): one W&B run per run directory, its id kept in `wandb_id` so --resume
+    continues it; files under runs/NAME/wandb (offline mode: `wandb sync runs/NAME/wandb/offline-run-*`)."""
+
+    def __init__(self, cfg: Config, path: Path, resume: bool):
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError(
+                "run.wandb_project is set but wandb is not installed: pip install wandb (or 'agentrl[wandb]'), "
+                "or leave run.wandb_project empty"
+            ) from None
+        r = cfg.run
+        id_file = path / WANDB_ID
+        run_id = id_file.read_text().strip() if resume and id_file.is_file() else secrets.token_hex(4)
+        id_file.write_text(run_id + "\n")
+        (path / "wandb").mkdir(exist_ok=True)
+        self.run = wandb.init(
+            project=r.wandb_project, entity=r.wandb_entity or None, name=r.wandb_name or r.name,
+            group=r.wandb_group or None, tags=list(r.wandb_tags) or None, mode=r.wandb_mode, dir=str(path),
+            id=run_id, resume="allow", config=msgspec.to_builtins(cfg),
+            settings=wandb.Settings(console="off", silent=True),
+        )  # fmt: skip
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def open_loggers(cfg: Config, path: Path, resume: bool) -> list[Any]:
+    """The loggers `RunDir.log` fans each metrics line out to (metrics.jsonl itself is not one of them);
+    `cfg` without secrets (W&B records it)."""
+    loggers: list[Any] = []
+    if cfg.run.tensorboard:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:  # installed with --no-deps: say so once (metrics.jsonl still has it all)
+            log.warning(
+                "run.tensorboard: no TensorBoard events are written (%s); `pip install tensorboard`, or set "
+                "run.tensorboard = false to silence this",
+                exc,
+            )
+        else:
+            loggers.append(_TensorBoard(SummaryWriter(str(path / "events"))))
+    if cfg.run.wandb_project:
+        loggers.append(_Wandb(cfg, path, resume))
+    return loggers

@@ -1,0 +1,96 @@
+"""The driver's run state and its checkpoints: what `--resume` needs to continue a run exactly.
+
+A checkpoint is written every `run.checkpoint_every` steps *before* its steps are committed to the ledger,
+and `state.json` records the (step, ids) it covers that are not committed yet (`pending_commits`). On resume
+the newest complete checkpoint is loaded and its commits are rolled forward (a repeated step is a no-op in
+the queue, and ids that came back from the WAL leave the ready set); every trajectory sampled after it comes
+back from the WAL. So nothing is lost or trained twice, whatever `checkpoint_every` and wherever the process
+is killed. The ids the learner holds (`held_ids`) are what a restarted queue actor must not hand out again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentrl.dashboard.runfiles import ledger_steps
+from agentrl.runner.rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunState:
+    """The learner side of the run: its step and version, and the steps trained but not yet committed."""
+
+    step: int = 0
+    policy_version: int = 0
+    pending: list[tuple[int, list[str]]] = field(default_factory=list)  # (step, ids): trained, not committed
+    training_ids: list[str] = field(default_factory=list)  # the batch being trained (not in `pending` yet)
+    wall_offset_s: float = 0.0  # wall time of the run before this process (resumed runs)
+    started_at: float = field(default_factory=time.perf_counter)
+
+    def held_ids(self) -> list[str]:
+        """Ids the learner holds and the queue has not committed (a restarted queue must not sample them)."""
+        return [tid for _, ids in self.pending for tid in ids] + self.training_ids
+
+    def wall_s(self) -> float:
+        return self.wall_offset_s + time.perf_counter() - self.started_at
+
+    def trained(self, policy_version: int, ids: list[str]) -> None:
+        """The learner finished a step on `ids` and is now at `policy_version`: the ids wait for a checkpoint."""
+        self.policy_version = policy_version
+        self.step += 1
+        self.pending.append((self.step, ids))
+        self.training_ids = []
+
+    def to_json(self, rollouts: dict[str, Any]) -> dict[str, Any]:
+        """state.json of a checkpoint (`rollouts`: the dispatcher's task cursor and in-flight tasks)."""
+        return {
+            "policy_version": self.policy_version,
+            **rollouts,
+            "pending_commits": self.pending,
+            "wall_s": self.wall_s(),
+        }
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Step, version and wall time of a checkpoint's state.json (its pending commits are rolled forward
+        by the caller, in the queue)."""
+        self.step, self.policy_version = int(saved["step"]), int(saved["policy_version"])
+        self.wall_offset_s = float(saved.get("wall_s", 0.0))
+
+
+def pick_checkpoint(rundir: RunDir) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint on disk with its state.json (the ledger may not have reached it yet: its
+    pending commits say which steps to roll forward)."""
+    candidates = []
+    for path in rundir.ckpt_root.glob("step_*"):
+        state_file = path / "state.json"
+        if state_file.exists():
+            state = json.loads(state_file.read_text())
+            candidates.append((int(state["step"]), path, state))
+    if not candidates:
+        return None
+    step, path, state = max(candidates, key=lambda c: c[0])
+    committed_after = sorted(s for s in ledger_steps(rundir.path) if s > step)
+    if committed_after:
+        log.warning("ledger has steps past checkpoint %d: %s", step, committed_after)
+    return path, state
+
+
+async def write_checkpoint(rundir: RunDir, cluster: Any, step: int, state: dict[str, Any]) -> None:
+    """checkpoints/step_N: the learner's files (written by the learner actor) and state.json, published
+    only once complete; a failed write leaves no temporary behind and raises one line naming the path."""
+    tmp = rundir.begin_checkpoint(step)
+    try:
+        await cluster.save_learner(str(tmp / "learner"))
+    except BaseException as exc:  # disk full in the learner: one line naming the path, no .tmp_step_N
+        error = rundir.abort_checkpoint(tmp, exc)
+        if error is exc:
+            raise
+        raise error from None
+    rundir.finish_checkpoint(step, tmp, state)

@@ -1,0 +1,204 @@
+"""The learner loop of `agentrl run`, on the driver: sample -> train -> publish -> checkpoint -> commit.
+
+While the `Dispatcher` (runner/dispatch.py) keeps rollout groups in flight, each learner step samples a
+batch of `prompts_per_step * n_samples_per_prompt` trajectories from the queue, trains on it (version
+v -> v+1), publishes v+1 to every engine (then the queue learns v+1, which moves the staleness window) and
+logs the step's metrics line. Every `run.checkpoint_every` steps (and at the end) a checkpoint is written,
+and only then are the steps it holds committed to the ledger (runner/state.py: why that makes `--resume`
+exact). Sync and async are this same loop: sync runs with a staleness window of one batch, so generation
+of batch v+1 starts only once v+1 is published.
+
+The queue actor alone dying is recovered in-run (agentrl.actors.queue_handle, through the coordinator): the
+WAL is replayed, with the ids the learner holds (`RunState.held_ids`) reclaimed rather than committed early.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from agentrl.config import Config
+from agentrl.runner.dispatch import Dispatcher
+from agentrl.runner.evaluation import Evaluation
+from agentrl.runner.live_dashboard import start_dashboard
+from agentrl.runner.metrics import StepTimes, step_metrics
+from agentrl.runner.progress import Progress
+from agentrl.runner.rundir import RunDir
+from agentrl.runner.state import RunState, pick_checkpoint, write_checkpoint
+
+SAMPLE_SLICE_S = 5.0  # a sample waits this long at a time, then checks the rollouts for a failure or the end
+
+
+class Trainer:
+    def __init__(self, cfg: Config, rundir: RunDir, model_path: str, resume: bool):
+        from agentrl.data import task_source
+        from agentrl.envs.registry import make_env
+
+        self.cfg, self.rundir, self.model_path, self.resume = cfg, rundir, model_path, resume
+        env = make_env(cfg.env.name, cfg.env.kwargs)
+        self.state = RunState()
+        self.rollouts = Dispatcher(cfg, task_source(env, cfg.data, seed=cfg.run.seed))
+        self.evaluation = Evaluation(cfg, env)
+        self.progress = Progress(
+            cfg.run.steps, cfg.run.progress, title=cfg.run.name, time_limit_s=cfg.run.time_limit_s
+        )
+        self.coord: Any = None
+        self.dashboard: Any = None
+        self.last_end = 0.0  # when the previous step's metrics were taken (its step_s ends there)
+
+    async def main(self) -> dict[str, Any]:
+        """The run to `run.steps` (or the time limit, or the end of the data); returns its summary."""
+        self.state.started_at = time.perf_counter()
+        try:
+            await self._start()
+            history, stopped = await self._train()
+            if self.state.pending:
+                await self._checkpoint()
+                await self._commit()
+            summary = self.rundir.summary(stopped)
+            self.rundir.finish(summary)
+            return {**summary, "ok": True, "steps": self.state.step,
+                    "policy_version": self.state.policy_version, "history": history}  # fmt: skip
+        finally:
+            await self._stop()
+
+    async def _train(self) -> tuple[list[dict[str, Any]], str]:
+        """Learner steps until one of STOPPED (agentrl.runner.rundir) holds: (each step's metrics, its key)."""
+        history: list[dict[str, Any]] = []
+        self.last_end = time.perf_counter()
+        while self.state.step < self.cfg.run.steps:
+            if self.cfg.run.time_limit_s and self.state.wall_s() > self.cfg.run.time_limit_s:
+                return history, "time_limit"
+            self.rollouts.raise_failure()
+            metrics = await self._step()
+            if metrics is None:
+                return history, "data"
+            history.append(metrics)
+            # after the step's metrics line: a kill right after the checkpoint's commit keeps the line
+            every = self.cfg.run.checkpoint_every  # 0: only the last step
+            if (every and self.state.step % every == 0) or self.state.step >= self.cfg.run.steps:
+                await self._checkpoint()
+                await self._commit()
+        return history, "steps"
+
+    async def _step(self) -> dict[str, Any] | None:
+        """One learner step: sample, train, publish, then its metrics line; None when the data ran out."""
+        t0 = time.perf_counter()
+        sampled = await self._sample()
+        if sampled is None:
+            return None
+        wait_s = time.perf_counter() - t0
+        self.state.training_ids = sampled.ids
+        metrics = await self.coord.train(sampled.trajectories)
+        version = int(metrics["policy_version"])
+        publish_s = await self.coord.publish(version)
+        self.state.trained(version, sampled.ids)
+        self.rundir.log_logprobs(self.state.step, metrics.pop("logprob_sample", []))
+        metrics = await self._metrics(metrics, wait_s, publish_s)
+        if self.evaluation.due(self.state.step):
+            metrics.update(await self.evaluation.run(self.coord))
+        self.rundir.log(metrics)
+        self.progress.update(metrics)
+        return metrics
+
+    async def _sample(self) -> Any:
+        """The next batch; waits in slices so a rollout failure or a finished dispatcher is noticed."""
+        while True:
+            try:
+                return await self.coord.queue_call(
+                    "sample_batch", self.cfg.batch_trajectories, self.state.policy_version, SAMPLE_SLICE_S
+                )
+            except TimeoutError:
+                if self.rollouts.finished():
+                    return None  # the data ran out (data.epochs) and less than a batch is left
+
+    async def _metrics(self, train: dict[str, Any], wait_s: float, publish_s: float) -> dict[str, Any]:
+        now = time.perf_counter()
+        status = await self.coord.queue_call("status")
+        times = StepTimes(wait_s, publish_s, step_s=now - self.last_end, wall_s=self.state.wall_s())
+        counts = {
+            "groups_done": self.rollouts.groups_done,
+            "restarts": self.coord.restarts,
+            "reissued": self.coord.reissued,
+        }
+        metrics = step_metrics(train, self.state.step, times, status, self.rollouts.take_rewards(), counts)
+        self.last_end = time.perf_counter()
+        return metrics
+
+    async def _checkpoint(self) -> None:
+        state = self.state.to_json(self.rollouts.state_dict())
+        await write_checkpoint(self.rundir, self.coord.cluster, self.state.step, state)
+
+    async def _commit(self) -> None:
+        """Commit the checkpointed steps to the ledger (their trajectories leave the WAL for good)."""
+        for step, ids in self.state.pending:
+            await self.coord.queue_call("commit", step, ids)
+        self.state.pending = []
+
+    # -- start and stop ----------------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        """Dashboard, actors, the checkpoint resumed from (or the warm-up), v0 published, the first eval, and
+        the rollouts started."""
+        if self.cfg.dashboard.enabled:
+            self.dashboard = await start_dashboard(self.cfg, self.rundir, self.progress)
+        ckpt = pick_checkpoint(self.rundir) if self.resume else None
+        if ckpt is not None:
+            self.state.restore(ckpt[1])
+        await self._start_actors()
+        if ckpt is not None:
+            await self._resume(*ckpt)
+        elif self.cfg.warmup.steps > 0:
+            await self._warmup()
+        await self.coord.publish(self.state.policy_version)
+        if ckpt is None:
+            await self._checkpoint()
+        if self.state.step == 0 and self.evaluation.due(0):
+            await self._eval_before_rl()
+        self.rollouts.start(self.coord)
+
+    async def _start_actors(self) -> None:
+        from agentrl.actors.coordinator import Coordinator
+
+        self.coord = Coordinator(
+            self.cfg, str(self.rundir.path), self.model_path, self.state.policy_version,
+            held_ids=self.state.held_ids,
+        )  # fmt: skip
+        self.progress.note(f"starting actors ({self.cfg.run.placement})")
+        await self.coord.start()
+        if self.coord.queue_url:  # (the coordinator writes runs/NAME/queue_url, again after a queue restart)
+            self.progress.note(f"external agents: POST {self.coord.queue_url}/v1/trajectories", keep=True)
+
+    async def _resume(self, path: Path, saved: dict[str, Any]) -> None:
+        """Load the learner of checkpoint `path`, roll its pending commits forward, restore the rollouts."""
+        await self.coord.cluster.load_learner(str(path / "learner"))
+        for step, ids in saved.get("pending_commits", []):  # roll forward what the checkpoint trained on
+            await self.coord.queue_call("commit", int(step), list(ids))
+        self.rollouts.load_state_dict(saved)
+        self.rundir.truncate_metrics(self.state.step)
+        self.progress.note(f"resumed at step {self.state.step} (policy_version {self.state.policy_version})")
+
+    async def _warmup(self) -> None:
+        self.progress.note(
+            f"warm-up: {self.cfg.warmup.steps} SFT steps on {self.cfg.env.name} demonstrations"
+        )
+        stats = await self.coord.learner.warmup.remote()
+        self.progress.note(
+            f"warm-up done in {stats['warmup_s']:.0f}s, "
+            f"loss {stats['warmup_loss_first']:.2f} -> {stats['warmup_loss_last']:.2f}"
+        )
+        self.rundir.log({"step": 0, "phase": "warmup", **stats})
+
+    async def _eval_before_rl(self) -> None:
+        first = await self.evaluation.run(self.coord)
+        self.rundir.log({"step": 0, "phase": "eval", "policy_version": self.state.policy_version, **first})
+        self.progress.note(f"eval before RL: reward {first.get('eval_reward_mean', 0):.3f}", keep=True)
+
+    async def _stop(self) -> None:
+        await self.rollouts.stop()
+        self.progress.close()
+        if self.dashboard is not None:
+            await self.dashboard.close()
+        if self.coord is not None:
+            await self.coord.shutdown()
