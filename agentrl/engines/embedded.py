@@ -54,17 +54,16 @@ class EmbeddedEngine(BatchingEngine):
         if decode_steps is not None and decode_steps < 0:
             raise EngineError(f"engine decode_steps must be >= 1 (0: automatic), got {decode_steps}")
         self.model_path = str(model_path)
-        self.runner = ModelRunner(
+        runner = ModelRunner(
             self.model_path, device, dtype, max_batch_size, max_seq_len, seed, cuda_graphs, attention, compile,
             sampler,
         )  # fmt: skip
-        self.spec, self.device, self.dtype_name = self.runner.spec, self.runner.device, dtype
+        self.spec, self.device, self.dtype_name = runner.spec, runner.device, dtype
         super().__init__(
-            self.runner, max_batch_size=max_batch_size, max_prefill_tokens=max_prefill_tokens,
-            decode_steps=decode_steps or (8 if self.device.type == "cuda" else 1),
-            policy_version=policy_version,
+            runner, max_batch_size=max_batch_size, max_prefill_tokens=max_prefill_tokens,
+            decode_steps=decode_steps or (8 if self.device.type == "cuda" else 1), policy_version=policy_version,
         )  # fmt: skip
-        self._adapter = AdapterMerger(self.runner.model.params)
+        self._adapter = AdapterMerger(runner.model.params)
 
     @classmethod
     def from_config(cls, cfg: Any, model_path: str, seed: int = 0, policy_version: int = 0) -> EmbeddedEngine:

@@ -13,9 +13,9 @@ parameters and AdamW state (bf16 compute on CUDA through FSDP's mixed precision,
 share of the micro-batches and of every log-prob pass, gradients are summed over ranks, metrics are merged over all
 ranks, so a step equals the single-process step. `weights()`, `save` and `load` are collectives that every rank
 must call; `weights()` yields full tensors on every rank (publish from rank 0), `save` writes from rank 0, and the
-checkpoint (name-keyed optimizer state) loads into FSDP learners of any world size and into a plain learner. The
-reference model and the distillation teacher (algorithm.teacher) stay replicated frozen copies; a value head
-(advantage = "gae") is not supported with FSDP.
+checkpoint (name-keyed optimizer state; agentrl.learners.torch_checkpoint) loads into FSDP learners of any world
+size and into a plain learner. The reference model and the distillation teacher (algorithm.teacher) stay
+replicated frozen copies; a value head (advantage = "gae") is not supported with FSDP.
 `learner.lora.rank > 0` (agentrl.learners.lora): the base is frozen and only the adapter is in the optimizer;
 the reference model is the base with the adapter disabled; `published_weights()` is the adapter alone,
 `weights()` the merged full weights; checkpoints hold the PEFT adapter and its optimizer state, plus the path
