@@ -9,7 +9,9 @@ import json
 import torch
 import torch.fx._symbolic_trace as symbolic_trace
 
-from agentrl.engines.model import CausalLM, ModelSpec, layer_out
+from agentrl.engines.layers import layer_out
+from agentrl.engines.model import CausalLM
+from agentrl.engines.model_spec import ModelSpec
 
 
 def test_compiled_decode_half_runs_while_the_fx_tracing_flag_is_set(tiny, monkeypatch):

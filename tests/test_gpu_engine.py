@@ -191,7 +191,8 @@ def test_varlen_prefill_attention_matches_per_prompt_sdpa(kv_heads):
 
 def test_prefill_logprobs_same_with_varlen_and_loop(tmp_path, monkeypatch):
     from agentrl.engines import prefill_attention as pa
-    from agentrl.engines.model import CausalLM, KVCache, ModelSpec
+    from agentrl.engines.model import CausalLM
+    from agentrl.engines.model_spec import KVCache, ModelSpec
     from agentrl.engines.tiny import make_tiny_model
 
     path = make_tiny_model(tmp_path / "m", arch="qwen3", hidden=256, layers=4, heads=8, kv_heads=2, seed=0,

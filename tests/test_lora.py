@@ -13,7 +13,8 @@ from agentrl.engines.tiny import make_tiny_model
 from agentrl.errors import ConfigError, LearnerError, WeightSyncError
 from agentrl.learners.batch import build_batch
 from agentrl.learners.checkpoint import read_metadata
-from agentrl.learners.torch_learner import STATE_FILE, TorchLearner
+from agentrl.learners.torch_checkpoint import STATE_FILE
+from agentrl.learners.torch_learner import TorchLearner
 
 torch.set_num_threads(2)
 PROMPT = [3, 4, 5, 6]

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from agentrl.engines.model import CausalLM, KVCache
+from agentrl.engines.model import CausalLM
+from agentrl.engines.model_spec import KVCache
 
 
 def batch_buckets(max_batch: int) -> list[int]:

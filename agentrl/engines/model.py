@@ -3,168 +3,27 @@
 Weights live in fused buffers (`qkv`, `gate_up`) and `params` maps every Hugging Face name to a view of them,
 so a learner's `(hf_name, tensor)` stream, or a safetensors file, loads by `params[name].copy_(tensor)` in
 place: no reallocation, so the KV cache, views and (later) captured graphs stay valid across weight updates.
-The KV cache is preallocated as `[slots, kv_heads, max_seq_len, head_dim]` per layer (head-major, so a slot
-range is directly an SDPA operand); the engine keeps running requests in slots `0..B-1`.
+The model's shape and its KV cache are agentrl.engines.model_spec's; the layer math is agentrl.engines.layers'.
 Numerics follow transformers: RMSNorm in fp32, RoPE tables in fp32 cast to the model dtype, SDPA attention.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from agentrl.engines.layers import layer_in, layer_out, rms_norm
+from agentrl.engines.model_spec import KVCache, ModelSpec
 from agentrl.engines.prefill_attention import Packed, packed_causal_attention
-from agentrl.errors import EngineError, WeightSyncError
-
-
-@dataclass
-class ModelSpec:
-    arch: str
-    vocab_size: int
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    rms_eps: float
-    rope_theta: float
-    tie_embeddings: bool
-    attn_bias: bool
-    qk_norm: bool
-    mlp_bias: bool
-    eos_token_ids: list[int]
-    max_position: int
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelSpec:
-        model_type = cfg.get("model_type", "")
-        if model_type not in ("qwen2", "qwen3", "llama"):
-            raise EngineError(
-                f"config.json: model_type {model_type!r} is not supported (qwen2, qwen3, llama)"
-            )
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise EngineError(f"config.json: rope type {rope_type!r} is not supported (only 'default')")
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        heads = cfg["num_attention_heads"]
-        eos: list[int] = []
-        for src in (cfg, generation or {}):
-            val = src.get("eos_token_id")
-            for tok in val if isinstance(val, list) else [val]:
-                if tok is not None and tok not in eos:
-                    eos.append(int(tok))
-        return cls(
-            arch=model_type,
-            vocab_size=cfg["vocab_size"],
-            hidden=cfg["hidden_size"],
-            layers=cfg["num_hidden_layers"],
-            heads=heads,
-            kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate=cfg["intermediate_size"],
-            rms_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attn_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            eos_token_ids=eos,
-            max_position=cfg.get("max_position_embeddings", 4096),
-        )
-
-    @classmethod
-    def from_dir(cls, path: str | Path) -> ModelSpec:
-        path = Path(path)
-        try:
-            cfg = json.loads((path / "config.json").read_text())
-        except FileNotFoundError:
-            raise EngineError(
-                f"model path {path}: no config.json (not a Hugging Face model directory)"
-            ) from None
-        gen_path = path / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
-        return cls.from_hf_config(cfg, gen)
-
-
-class KVCache:
-    """Preallocated keys/values: per layer `[slots, kv_heads, max_seq_len, head_dim]`."""
-
-    def __init__(
-        self, spec: ModelSpec, slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype
-    ):
-        shape = (slots, spec.kv_heads, max_seq_len, spec.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.layers)]
-        self.slots, self.max_seq_len = slots, max_seq_len
-
-    def move(self, src: int, dst: int, length: int) -> None:
-        for buf in (*self.k, *self.v):
-            buf[dst, :, :length] = buf[src, :, :length]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
-
-    def release(self) -> None:
-        """Free the buffers' memory, keeping the tensors (a colocated run's training phase needs the GPU)."""
-        for buf in (*self.k, *self.v):
-            buf.untyped_storage().resize_(0)
-
-    def restore(self) -> None:
-        """Allocate the buffers again (zeros; at new addresses: captured CUDA graphs must be captured again)."""
-        for buf in (*self.k, *self.v):
-            buf.untyped_storage().resize_(buf.numel() * buf.element_size())
-            buf.zero_()
-
+from agentrl.errors import WeightSyncError
 
 # Inductor options of the compiled layer halves (bench/engine_bench.py's `_fp32_casts` variants clear them).
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def layer_in(x, ln1, qkv_w, qkv_b, q_norm, k_norm, cos, sin, heads: int, kv_heads: int, head_dim: int,
-             eps: float):  # fmt: skip
-    """Pre-attention half of a layer: x [..., hidden] -> q [..., heads, D], k/v [..., kv_heads, D], RoPE'd."""
-    h = _rms_norm(x, ln1, eps)
-    q, k, v = F.linear(h, qkv_w, qkv_b).split(
-        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1
-    )
-    lead = x.shape[:-1]
-    q, k, v = (
-        q.view(*lead, heads, head_dim),
-        k.view(*lead, kv_heads, head_dim),
-        v.view(*lead, kv_heads, head_dim),
-    )
-    if q_norm is not None:
-        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin), v
-
-
-def layer_out(x, attn, o_w, ln2, gate_up_w, gate_up_b, down_w, down_b, eps: float) -> torch.Tensor:
-    """Post-attention half: output projection + residual, then the SwiGLU MLP + residual."""
-    x = x + F.linear(attn, o_w)
-    gate, up = F.linear(_rms_norm(x, ln2, eps), gate_up_w, gate_up_b).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, down_w, down_b)
 
 
 def _prefill_backends(device: torch.device):
@@ -194,40 +53,7 @@ class CausalLM:
         self.params: dict[str, torch.Tensor] = {"model.embed_tokens.weight": empty(s.vocab_size, s.hidden)}
         self.layers: list[dict[str, torch.Tensor]] = []
         for i in range(s.layers):
-            p = f"model.layers.{i}."
-            layer = {
-                "ln1": empty(s.hidden),
-                "ln2": empty(s.hidden),
-                "qkv": empty(q_dim + 2 * kv_dim, s.hidden),
-                "o": empty(s.hidden, q_dim),
-                "gate_up": empty(2 * s.intermediate, s.hidden),
-                "down": empty(s.hidden, s.intermediate),
-            }
-            names = {
-                p + "input_layernorm.weight": layer["ln1"],
-                p + "post_attention_layernorm.weight": layer["ln2"],
-                p + "self_attn.q_proj.weight": layer["qkv"][:q_dim],
-                p + "self_attn.k_proj.weight": layer["qkv"][q_dim : q_dim + kv_dim],
-                p + "self_attn.v_proj.weight": layer["qkv"][q_dim + kv_dim :],
-                p + "self_attn.o_proj.weight": layer["o"],
-                p + "mlp.gate_proj.weight": layer["gate_up"][: s.intermediate],
-                p + "mlp.up_proj.weight": layer["gate_up"][s.intermediate :],
-                p + "mlp.down_proj.weight": layer["down"],
-            }
-            if s.attn_bias:
-                layer["qkv_b"] = empty(q_dim + 2 * kv_dim)
-                names[p + "self_attn.q_proj.bias"] = layer["qkv_b"][:q_dim]
-                names[p + "self_attn.k_proj.bias"] = layer["qkv_b"][q_dim : q_dim + kv_dim]
-                names[p + "self_attn.v_proj.bias"] = layer["qkv_b"][q_dim + kv_dim :]
-            if s.qk_norm:
-                layer["q_norm"], layer["k_norm"] = empty(s.head_dim), empty(s.head_dim)
-                names[p + "self_attn.q_norm.weight"] = layer["q_norm"]
-                names[p + "self_attn.k_norm.weight"] = layer["k_norm"]
-            if s.mlp_bias:
-                layer["gate_up_b"], layer["down_b"] = empty(2 * s.intermediate), empty(s.hidden)
-                names[p + "mlp.gate_proj.bias"] = layer["gate_up_b"][: s.intermediate]
-                names[p + "mlp.up_proj.bias"] = layer["gate_up_b"][s.intermediate :]
-                names[p + "mlp.down_proj.bias"] = layer["down_b"]
+            layer, names = _fused_layer(s, f"model.layers.{i}.", empty)
             self.layers.append(layer)
             self.params.update(names)
         self.params["model.norm.weight"] = empty(s.hidden)
@@ -358,7 +184,7 @@ class CausalLM:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model dtype, as transformers computes them; samplers read them as fp32 (an fp32 copy
         here would cost a write and a read of [B, vocab] fp32 per step)."""
-        return F.linear(_rms_norm(hidden, self.norm, self.spec.rms_eps), self.lm_head)
+        return F.linear(rms_norm(hidden, self.norm, self.spec.rms_eps), self.lm_head)
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor,
@@ -428,3 +254,44 @@ class CausalLM:
                 )
             x = self._out(layer, x, attn.reshape(b, self.q_dim), fused=True)
         return self.logits(x)
+
+
+def _fused_layer(
+    s: ModelSpec, p: str, empty: Callable[..., torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One layer's fused buffers (`qkv`, `gate_up`, ...) and the HF name of every view into them (prefix `p`)."""
+    q_dim, kv_dim = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    layer = {
+        "ln1": empty(s.hidden),
+        "ln2": empty(s.hidden),
+        "qkv": empty(q_dim + 2 * kv_dim, s.hidden),
+        "o": empty(s.hidden, q_dim),
+        "gate_up": empty(2 * s.intermediate, s.hidden),
+        "down": empty(s.hidden, s.intermediate),
+    }
+    names = {
+        p + "input_layernorm.weight": layer["ln1"],
+        p + "post_attention_layernorm.weight": layer["ln2"],
+        p + "self_attn.q_proj.weight": layer["qkv"][:q_dim],
+        p + "self_attn.k_proj.weight": layer["qkv"][q_dim : q_dim + kv_dim],
+        p + "self_attn.v_proj.weight": layer["qkv"][q_dim + kv_dim :],
+        p + "self_attn.o_proj.weight": layer["o"],
+        p + "mlp.gate_proj.weight": layer["gate_up"][: s.intermediate],
+        p + "mlp.up_proj.weight": layer["gate_up"][s.intermediate :],
+        p + "mlp.down_proj.weight": layer["down"],
+    }
+    if s.attn_bias:
+        layer["qkv_b"] = empty(q_dim + 2 * kv_dim)
+        names[p + "self_attn.q_proj.bias"] = layer["qkv_b"][:q_dim]
+        names[p + "self_attn.k_proj.bias"] = layer["qkv_b"][q_dim : q_dim + kv_dim]
+        names[p + "self_attn.v_proj.bias"] = layer["qkv_b"][q_dim + kv_dim :]
+    if s.qk_norm:
+        layer["q_norm"], layer["k_norm"] = empty(s.head_dim), empty(s.head_dim)
+        names[p + "self_attn.q_norm.weight"] = layer["q_norm"]
+        names[p + "self_attn.k_norm.weight"] = layer["k_norm"]
+    if s.mlp_bias:
+        layer["gate_up_b"], layer["down_b"] = empty(2 * s.intermediate), empty(s.hidden)
+        names[p + "mlp.gate_proj.bias"] = layer["gate_up_b"][: s.intermediate]
+        names[p + "mlp.up_proj.bias"] = layer["gate_up_b"][s.intermediate :]
+        names[p + "mlp.down_proj.bias"] = layer["down_b"]
+    return layer, names

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from agentrl.engines.base import DiskSource, DistributedSource, SamplingParams, TensorSource, WeightSource
-from agentrl.engines.model import CausalLM, KVCache, ModelSpec
+from agentrl.engines.model import CausalLM
+from agentrl.engines.model_spec import KVCache, ModelSpec
 from agentrl.engines.sampling import BatchSampling, sample, top_logprobs
 from agentrl.errors import EngineError, WeightSyncError
 

@@ -22,12 +22,14 @@ import logging
 import math
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from agentrl.algorithms import merge_updates, prepare_batch
+from agentrl.algorithms import check, merge_updates, prepare_batch
 from agentrl.config import AlgorithmSection, LearnerSection
+from agentrl.errors import LearnerError
 from agentrl.learners.batch import Batch, mini_batches
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,34 @@ class Learner(abc.ABC):
     teacher_model: Any = None  # frozen, loaded from algorithm.teacher when `algo.needs().teacher`
     logprob_samples: int = 0  # k of dashboard.logprob_samples (set by the learner actor)
     logprob_sample: list[dict[str, Any]] = []  # the last train_step's sample (see `_sample_logprobs`)
+
+    kind: str = "torch"  # learner.kind of the section a learner built without one gets
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        learner: LearnerSection | None = None,
+        algorithm: AlgorithmSection | None = None,
+        *,
+        temperature: float = 1.0,
+        seed: int = 0,
+        **options: Any,
+    ):
+        """The constructor of every learner: its sections (`learner` defaults to a section of this learner's
+        `kind`), the algorithm checked against them and the rollout temperature (log-probs are of
+        `logits / temperature`); then `_build` loads the model from `model_path`, seeded by `seed`, with the
+        learner's own keyword `options` (a learner that takes none rejects any)."""
+        self.cfg = learner or LearnerSection(kind=self.kind)
+        self.algo = algorithm or AlgorithmSection()
+        check(self.algo, has_reference=self.cfg.reference_model)
+        if temperature <= 0:
+            raise LearnerError(f"temperature must be > 0, got {temperature}")
+        self.temperature = temperature
+        self._build(model_path, seed, **options)
+
+    @abc.abstractmethod
+    def _build(self, model_path: str | Path, seed: int, **options: Any) -> None:
+        """The learner's own construction (model, reference and teacher, optimizer), after `__init__`'s checks."""
 
     @abc.abstractmethod
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:

@@ -164,81 +164,30 @@ def build_batch(
     """Batch of normalized trajectories; `pack_tokens > 0` packs sequences into rows of at most that many tokens."""
     if not trajectories:
         raise LearnerError("build_batch: no trajectories")
-    prompts, responses, masks, logprobs, versions = [], [], [], [], []
-    has_lp = np.zeros(len(trajectories), dtype=bool)
-    for i, traj in enumerate(trajectories):
-        p, r = types.tokens(traj.prompt_ids), types.tokens(traj.response_ids)
-        prompts.append(p)
-        responses.append(r)
-        masks.append(types.mask(traj))
-        if traj.logprobs is not None:
-            logprobs.append(types.floats(traj.logprobs))
-            has_lp[i] = True
-        else:
-            logprobs.append(np.zeros(len(r), dtype=np.float32))
-        versions.append(types.expand_versions(traj.versions, len(r), default=traj.policy_version or 0))
-        if len(masks[-1]) != len(r) or len(logprobs[-1]) != len(r) or len(versions[-1]) != len(r):
-            raise LearnerError(
-                f"build_batch: trajectory {traj.id!r} is not normalized (per-token arrays differ)"
-            )
-
+    arrays, has_lp = _per_trajectory(trajectories)
     n = len(trajectories)
-    p_len = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=n)
-    r_len = np.fromiter((len(r) for r in responses), dtype=np.int64, count=n)
-    s_len = p_len + r_len
+    s_len = np.fromiter((len(p) + len(r) for p, r, *_ in arrays), dtype=np.int64, count=n)
     if pack_tokens > 0:
         row_of, col0, n_rows = _pack_rows(s_len, pack_tokens)
     else:
         row_of, col0, n_rows = np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64), n
-
-    # Flat token stream: sequence i occupies [starts[i], starts[i] + s_len[i]).
-    starts = np.concatenate(([0], np.cumsum(s_len)[:-1]))
-    total = int(s_len.sum())
-    flat_tokens = np.concatenate([a for pair in zip(prompts, responses, strict=True) for a in pair])
-    pos_in_seq = np.arange(total, dtype=np.int64) - np.repeat(starts, s_len)
-    seq_of = np.repeat(np.arange(n, dtype=np.int64), s_len)
-    rows = np.repeat(row_of, s_len)
-    cols = np.repeat(col0, s_len) + pos_in_seq
-
-    r_starts = np.concatenate(([0], np.cumsum(r_len)[:-1]))
-    resp_pos = np.repeat(starts + p_len, r_len) + np.arange(int(r_len.sum())) - np.repeat(r_starts, r_len)
-    flat_mask = np.zeros(total, dtype=np.float32)
-    flat_mask[resp_pos] = np.concatenate(masks)
-    flat_mask[pos_in_seq == 0] = 0.0  # the first token of a sequence has no predicting logit
-    flat_lp = np.zeros(total, dtype=np.float32)
-    flat_lp[resp_pos] = np.concatenate(logprobs)
-    flat_ver = np.full(total, -1, dtype=np.int64)
-    flat_ver[resp_pos] = np.concatenate(versions)
-    flat_turn = _turns(flat_mask, pos_in_seq, starts, s_len)
-
-    width = int((col0 + s_len).max())
-    used = np.zeros(n_rows, dtype=np.int64)
-    np.maximum.at(used, row_of, col0 + s_len)
-
-    flat_index = rows * width + cols
-
-    def grid(fill, dtype, values) -> np.ndarray:
-        out = np.full(n_rows * width, fill, dtype=dtype)
-        out[flat_index] = values
-        return out.reshape(n_rows, width)
-
-    position_ids = np.maximum(np.arange(width, dtype=np.int64)[None, :] - used[:, None], 0)
-    position_ids.reshape(-1)[flat_index] = pos_in_seq
+    flat = _Flat.of(arrays, s_len)
+    grid = _Grid(flat, row_of, col0, s_len, n_rows)
     group_index, n_groups = _group_indices([t.group_id or t.id for t in trajectories])
 
     def t(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(device)
 
-    loss_mask = grid(0.0, np.float32, flat_mask)
+    loss_mask = grid(0.0, np.float32, flat.mask)
     return Batch(
-        input_ids=t(grid(pad_id, np.int64, flat_tokens)),
+        input_ids=t(grid(pad_id, np.int64, flat.tokens)),
         attention_mask=t(grid(0, np.int64, 1)),
-        position_ids=t(position_ids),
+        position_ids=t(grid.position_ids(flat.pos_in_seq)),
         loss_mask=t(loss_mask),
-        rollout_logprobs=t(grid(0.0, np.float32, flat_lp)),
-        token_versions=t(grid(-1, np.int64, flat_ver)),
-        seq_index=t(grid(-1, np.int64, seq_of)),
-        turn_index=t(grid(-1, np.int64, flat_turn)),
+        rollout_logprobs=t(grid(0.0, np.float32, flat.logprobs)),
+        token_versions=t(grid(-1, np.int64, flat.versions)),
+        seq_index=t(grid(-1, np.int64, flat.seq_of)),
+        turn_index=t(grid(-1, np.int64, flat.turns)),
         rewards=t(np.array([tr.reward for tr in trajectories], dtype=np.float32)),
         group_index=t(group_index),
         has_rollout_logprobs=t(has_lp),
@@ -247,8 +196,92 @@ def build_batch(
         total_loss_tokens=float(loss_mask.sum()),
         n_seqs=n,
         packed=pack_tokens > 0,
-        advantages=t(np.zeros((n_rows, width), dtype=np.float32)),
+        advantages=t(np.zeros((n_rows, grid.width), dtype=np.float32)),
     )
+
+
+def _per_trajectory(
+    trajectories: Sequence[types.Trajectory],
+) -> tuple[list[tuple[np.ndarray, ...]], np.ndarray]:
+    """(prompt, response, loss mask, rollout log-probs, versions) arrays of each trajectory (the only loop over
+    trajectories), and whether each had rollout log-probs (zeros stand in where not)."""
+    arrays = []
+    has_lp = np.zeros(len(trajectories), dtype=bool)
+    for i, traj in enumerate(trajectories):
+        p, r = types.tokens(traj.prompt_ids), types.tokens(traj.response_ids)
+        mask = types.mask(traj)
+        if traj.logprobs is not None:
+            lp = types.floats(traj.logprobs)
+            has_lp[i] = True
+        else:
+            lp = np.zeros(len(r), dtype=np.float32)
+        versions = types.expand_versions(traj.versions, len(r), default=traj.policy_version or 0)
+        if len(mask) != len(r) or len(lp) != len(r) or len(versions) != len(r):
+            raise LearnerError(
+                f"build_batch: trajectory {traj.id!r} is not normalized (per-token arrays differ)"
+            )
+        arrays.append((p, r, mask, lp, versions))
+    return arrays, has_lp
+
+
+@dataclass
+class _Flat:
+    """The token stream of all sequences back to back: sequence i occupies [starts[i], starts[i] + s_len[i])."""
+
+    tokens: np.ndarray
+    pos_in_seq: np.ndarray  # position of each token within its sequence
+    seq_of: np.ndarray  # sequence of each token
+    mask: np.ndarray  # loss mask (response tokens, never a sequence's first token)
+    logprobs: np.ndarray  # rollout log-probs on response tokens, 0 elsewhere
+    versions: np.ndarray  # sampling policy version on response tokens, -1 elsewhere
+    turns: np.ndarray  # assistant turn of each loss token, -1 elsewhere
+
+    @classmethod
+    def of(cls, arrays: list[tuple[np.ndarray, ...]], s_len: np.ndarray) -> _Flat:
+        prompts, responses, masks, logprobs, versions = zip(*arrays, strict=True)
+        n = len(arrays)
+        p_len = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=n)
+        r_len = s_len - p_len
+        starts = np.concatenate(([0], np.cumsum(s_len)[:-1]))
+        total = int(s_len.sum())
+        tokens = np.concatenate([a for pair in zip(prompts, responses, strict=True) for a in pair])
+        pos_in_seq = np.arange(total, dtype=np.int64) - np.repeat(starts, s_len)
+        seq_of = np.repeat(np.arange(n, dtype=np.int64), s_len)
+        r_starts = np.concatenate(([0], np.cumsum(r_len)[:-1]))
+        resp_pos = np.repeat(starts + p_len, r_len) + np.arange(int(r_len.sum())) - np.repeat(r_starts, r_len)
+        mask = np.zeros(total, dtype=np.float32)
+        mask[resp_pos] = np.concatenate(masks)
+        mask[pos_in_seq == 0] = 0.0  # the first token of a sequence has no predicting logit
+        lp = np.zeros(total, dtype=np.float32)
+        lp[resp_pos] = np.concatenate(logprobs)
+        ver = np.full(total, -1, dtype=np.int64)
+        ver[resp_pos] = np.concatenate(versions)
+        turns = _turns(mask, pos_in_seq, starts, s_len)
+        return cls(tokens, pos_in_seq, seq_of, mask, lp, ver, turns)
+
+
+class _Grid:
+    """Scatters flat per-token values into the [rows, width] layout (sequence i at row `row_of[i]`, from
+    column `col0[i]`)."""
+
+    def __init__(self, flat: _Flat, row_of: np.ndarray, col0: np.ndarray, s_len: np.ndarray, n_rows: int):
+        self.n_rows = n_rows
+        self.width = int((col0 + s_len).max())
+        self.used = np.zeros(n_rows, dtype=np.int64)
+        np.maximum.at(self.used, row_of, col0 + s_len)
+        cols = np.repeat(col0, s_len) + flat.pos_in_seq
+        self.flat_index = np.repeat(row_of, s_len) * self.width + cols
+
+    def __call__(self, fill, dtype, values) -> np.ndarray:
+        out = np.full(self.n_rows * self.width, fill, dtype=dtype)
+        out[self.flat_index] = values
+        return out.reshape(self.n_rows, self.width)
+
+    def position_ids(self, pos_in_seq: np.ndarray) -> np.ndarray:
+        """Each token's position in its sequence; the padding after a row's last sequence counts from 0 again."""
+        position_ids = np.maximum(np.arange(self.width, dtype=np.int64)[None, :] - self.used[:, None], 0)
+        position_ids.reshape(-1)[self.flat_index] = pos_in_seq
+        return position_ids
 
 
 def sft_batch(

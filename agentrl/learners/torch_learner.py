@@ -13,9 +13,9 @@ parameters and AdamW state (bf16 compute on CUDA through FSDP's mixed precision,
 share of the micro-batches and of every log-prob pass, gradients are summed over ranks, metrics are merged over all
 ranks, so a step equals the single-process step. `weights()`, `save` and `load` are collectives that every rank
 must call; `weights()` yields full tensors on every rank (publish from rank 0), `save` writes from rank 0, and the
-checkpoint (name-keyed optimizer state) loads into FSDP learners of any world size and into a plain learner. The
-reference model and the distillation teacher (algorithm.teacher) stay replicated frozen copies; a value head
-(advantage = "gae") is not supported with FSDP.
+checkpoint (name-keyed optimizer state; agentrl.learners.torch_checkpoint) loads into FSDP learners of any world
+size and into a plain learner. The reference model and the distillation teacher (algorithm.teacher) stay
+replicated frozen copies; a value head (advantage = "gae") is not supported with FSDP.
 `learner.lora.rank > 0` (agentrl.learners.lora): the base is frozen and only the adapter is in the optimizer;
 the reference model is the base with the adapter disabled; `published_weights()` is the adapter alone,
 `weights()` the merged full weights; checkpoints hold the PEFT adapter and its optimizer state, plus the path
@@ -33,35 +33,21 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from agentrl.algorithms import check, compute_loss, merge_metrics, sft_loss
-from agentrl.config import AlgorithmSection, LearnerSection
+from agentrl.algorithms import compute_loss, merge_metrics, sft_loss
 from agentrl.errors import LearnerError
-from agentrl.learners import checkpoint, fsdp, hf_io, lora, offload
+from agentrl.learners import checkpoint, fsdp, hf_io, lora, offload, torch_checkpoint
 from agentrl.learners.base import Learner
 from agentrl.learners.batch import Batch, micro_batches
 from agentrl.learners.teacher import teacher_path
 from agentrl.learners.token_ops import token_entropy, token_logprobs
 
-STATE_FILE = "trainer_state.pt"
-
 
 class TorchLearner(Learner):
-    def __init__(
-        self,
-        model_path: str | Path,
-        learner: LearnerSection | None = None,
-        algorithm: AlgorithmSection | None = None,
-        *,
-        temperature: float = 1.0,
-        seed: int = 0,
-    ):
-        from transformers import AutoModelForCausalLM
+    """See the module docstring; built by `Learner.__init__` (model_path, sections, temperature, seed)."""
 
-        self.cfg = learner or LearnerSection()
-        self.algo = algorithm or AlgorithmSection()
-        check(self.algo, has_reference=self.cfg.reference_model)
-        if temperature <= 0:
-            raise LearnerError(f"temperature must be > 0, got {temperature}")
+    kind = "torch"
+
+    def _build(self, model_path: str | Path, seed: int) -> None:
         self.model_path = Path(model_path)
         if (
             self.cfg.lora.enabled
@@ -69,7 +55,6 @@ class TorchLearner(Learner):
             self.cfg.validate()
         self.lora = self.cfg.lora if self.cfg.lora.enabled else None
         self.base_path = self._base_path()
-        self.temperature = temperature
         self.world = fsdp.World(self.cfg.device) if self.cfg.fsdp else None
         if self.world is not None and self.algo.needs().value_head:
             raise LearnerError(
@@ -77,26 +62,8 @@ class TorchLearner(Learner):
             )
         self.device = self.world.device if self.world is not None else torch.device(self.cfg.device)
         torch.manual_seed(seed)
-
-        def load(dtype: torch.dtype, device: torch.device | None = self.device, path: Path = self.base_path):
-            m = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-            m.config.use_cache = False
-            return m.to(device) if device is not None else m
-
-        self.model = load(torch.float32, None if self.world is not None else self.device)
-        self.model.train()
-        if self.cfg.gradient_checkpointing:
-            if hasattr(self.model, "activation_checkpointing_enable"):  # the newer transformers 5 name
-                self.model.activation_checkpointing_enable({"use_reentrant": False})
-            else:
-                self.model.gradient_checkpointing_enable(
-                    gradient_checkpointing_kwargs={"use_reentrant": False}
-                )
-        if self.world is not None:  # shards move to the device; the full model never lands there
-            self.world.shard(self.model, self._autocast_dtype() is not None)
-        if self.lora is not None:
-            self.model = lora.wrap(self.model, self.lora)
-        self.ref_model, self.teacher_model = self._frozen_models(load)
+        self.model = self._policy_model()
+        self.ref_model, self.teacher_model = self._frozen_models()
         self.value_head = None
         if self.algo.needs().value_head:
             self.value_head = torch.nn.Linear(self.model.config.hidden_size, 1).to(self.device)
@@ -113,20 +80,44 @@ class TorchLearner(Learner):
             fused=self.device.type == "cuda" and self.world is None,
         )
         meta = self.model_path / checkpoint.METADATA_FILE
-        if meta.is_file() and (self.model_path / STATE_FILE).is_file():
+        if meta.is_file() and (self.model_path / torch_checkpoint.STATE_FILE).is_file():
             self.load(str(self.model_path))
 
-    def _frozen_models(self, load) -> tuple:
+    def _load_hf(self, dtype: torch.dtype, *, on_device: bool = True, path: Path | None = None):
+        """A Hugging Face causal LM from `path` (default: the base weights) without a KV cache, moved to this
+        learner's device unless `on_device` is False."""
+        from transformers import AutoModelForCausalLM
+
+        m = AutoModelForCausalLM.from_pretrained(str(path or self.base_path), dtype=dtype)
+        m.config.use_cache = False
+        return m.to(self.device) if on_device else m
+
+    def _policy_model(self):
+        """The trained model: fp32, in train mode, checkpointed and FSDP-sharded or LoRA-wrapped as configured."""
+        model = self._load_hf(torch.float32, on_device=self.world is None)
+        model.train()
+        if self.cfg.gradient_checkpointing:
+            if hasattr(model, "activation_checkpointing_enable"):  # the newer transformers 5 name
+                model.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.world is not None:  # shards move to the device; the full model never lands there
+            self.world.shard(model, self._autocast_dtype() is not None)
+        if self.lora is not None:
+            model = lora.wrap(model, self.lora)
+        return model
+
+    def _frozen_models(self) -> tuple:
         """(reference, teacher), each None unless configured: frozen, in bf16 where the forward runs in bf16
         anyway, replicated under FSDP. Under LoRA the reference is the model itself with the adapter disabled."""
         dtype = torch.bfloat16 if self._autocast_dtype() is not None else torch.float32
         ref = None
         if self.cfg.reference_model:
-            ref = self.model if self.lora is not None else load(dtype).eval().requires_grad_(False)
+            ref = self.model if self.lora is not None else self._load_hf(dtype).eval().requires_grad_(False)
         teacher = None
         if self.algo.needs().teacher:
             path = teacher_path(self.algo.teacher, self.base_path)
-            teacher = load(dtype, path=path).eval().requires_grad_(False)
+            teacher = self._load_hf(dtype, path=path).eval().requires_grad_(False)
         return ref, teacher
 
     def _base_path(self) -> Path:
@@ -320,84 +311,11 @@ class TorchLearner(Learner):
             lora.save_adapter(self.model, tmp, str(self.base_path.resolve()))
 
     def save(self, path: str) -> None:
-        """Under FSDP a collective: every rank calls it, rank 0 writes (on a file system all ranks can read)."""
-        if self.world is not None and self.world.rank != 0:
-            for _ in self.weights():
-                pass
-            fsdp.optimizer_state(self.model, self.optimizer)
-            torch.distributed.barrier()
-            return
-        with hf_io.atomic_dir(path) as tmp:
-            hf_io.copy_hf_files(self._config_dir(), tmp)
-            extra = {"temperature": self.temperature}
-            if self.lora is not None:  # the adapter only; the base stays where it is
-                lora.save_adapter(self.model, tmp, str(self.base_path.resolve()))
-                extra["lora_base"] = str(self.base_path.resolve())
-            else:
-                hf_io.write_weights(tmp / hf_io.WEIGHTS_FILE, self.weights(), self.tied)
-            state = {"step": self.step, "policy_version": self.policy_version}
-            if self.world is not None:  # name-keyed: loads at any world size and into a plain learner
-                state["optimizer"] = fsdp.optimizer_state(self.model, self.optimizer)
-                state["optimizer_format"] = "names"
-            else:
-                state["optimizer"] = self.optimizer.state_dict()
-            if self.value_head is not None:
-                state["value_head"] = self.value_head.state_dict()
-            torch.save(state, tmp / STATE_FILE)
-            checkpoint.write_metadata(tmp, "torch", self.step, self.policy_version, ".", **extra)
-        if self.world is not None:
-            torch.distributed.barrier()
-
-    def _config_dir(self) -> Path:
-        meta = self.model_path / checkpoint.METADATA_FILE
-        if meta.is_file():
-            return checkpoint.hf_config_dir(self.model_path, checkpoint.read_metadata(self.model_path))
-        return self.model_path
+        """Under FSDP a collective: every rank calls it, rank 0 writes (agentrl.learners.torch_checkpoint)."""
+        torch_checkpoint.save(self, path)
 
     def load(self, path: str) -> None:
-        meta = checkpoint.read_metadata(path)
-        if meta["kind"] != "torch":
-            raise LearnerError(f"{path}: a {meta['kind']!r} checkpoint cannot be loaded by the torch learner")
-        if (self.lora is not None) != ("lora_base" in meta):
-            raise LearnerError(
-                f"{path}: a {'LoRA' if 'lora_base' in meta else 'full-weight'} checkpoint cannot be loaded with "
-                f"learner.lora.rank = {self.cfg.lora.rank}"
-            )
-        if self.lora is not None:
-            lora.load_adapter(self.model, path)
-            self._load_state(path)
-            return
-        weights = hf_io.load_weights(Path(path) / hf_io.WEIGHTS_FILE)
-        if self.world is not None:
-            names = set(self.model.state_dict())
-            missing, unexpected = sorted(names - set(weights)), sorted(set(weights) - names)
-            fsdp.load_weights(self.model, weights)
-        else:
-            missing, unexpected = self.model.load_state_dict(weights, strict=False)
-        missing = [k for k in missing if not (self.tied and k == "lm_head.weight")]
-        if missing or unexpected:
-            raise LearnerError(
-                f"{path}: weights do not match the model (missing {missing}, unexpected {unexpected})"
-            )
-        self._load_state(path)
-
-    def _load_state(self, path: str) -> None:
-        """Optimizer, value head, step and version from a checkpoint's trainer state."""
-        location = "cpu" if self.world is not None else self.device
-        state = torch.load(Path(path) / STATE_FILE, map_location=location, weights_only=True)
-        if self.value_head is not None and "value_head" in state:
-            self.value_head.load_state_dict(state["value_head"])
-        named = state.get("optimizer_format") == "names"
-        if self.world is None and not named:
-            self.optimizer.load_state_dict(state["optimizer"])
-        elif self.value_head is not None:
-            raise LearnerError(f"{path}: an FSDP checkpoint has no value-head optimizer state (PPO)")
-        else:
-            optim = (
-                state["optimizer"] if named else fsdp.named_optimizer_state(self.model, state["optimizer"])
-            )
-            fsdp.load_optimizer_state(self.model, self.optimizer, optim)
-        self.step, self.policy_version = int(state["step"]), int(state["policy_version"])
+        torch_checkpoint.load(self, path)
 
 
 @contextlib.contextmanager

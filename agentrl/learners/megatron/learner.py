@@ -24,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-from agentrl.algorithms import check, compute_loss, merge_metrics, metric_floats, sft_loss
-from agentrl.config import AlgorithmSection, LearnerSection
+from agentrl.algorithms import compute_loss, merge_metrics, metric_floats, sft_loss
 from agentrl.errors import LearnerError
 from agentrl.learners import fused_logprob
 from agentrl.learners.base import Learner
@@ -39,49 +38,35 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class MegatronLearner(Learner):
-    def __init__(
+    """See the module docstring; built by `Learner.__init__`, with this learner's options (`_build`)."""
+
+    kind = "megatron"
+
+    def _build(
         self,
         model_path: str | Path,
-        learner: LearnerSection | None = None,
-        algorithm: AlgorithmSection | None = None,
+        seed: int,
         *,
-        temperature: float = 1.0,
-        seed: int = 0,
         attention: str = "sdpa",
         fused: bool | None = None,
         entropy_metric: bool = True,
         compile: bool | str = False,
         reduce_host_overhead: bool = True,
-    ):
-        from megatron.core import parallel_state as ps
+    ) -> None:
         from transformers import AutoConfig
 
-        self.cfg = learner or LearnerSection(kind="megatron")
-        self.algo = algorithm or AlgorithmSection()
         lc = self.cfg
-        check(self.algo, has_reference=lc.reference_model)
-        if temperature <= 0:
-            raise LearnerError(f"temperature must be > 0, got {temperature}")
         if self.algo.needs().value_head:
             raise LearnerError(
                 f"algorithm.advantage = '{self.algo.advantage}' needs a value head; the Megatron learner has none"
             )
         self.cuda = lc.device.startswith("cuda")
         self._check_device()
-        init_parallel(lc.tensor_parallel, lc.pipeline_parallel, lc.device, seed)
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device(lc.device)
-        )
-        self.model_path, self.temperature, self.attention = str(model_path), temperature, attention
+        self._init_parallel(seed)
+        self.model_path, self.attention = str(model_path), attention
         self.dtype = DTYPES[lc.dtype]
         self.fused = (self.cuda and not compile) if fused is None else fused
         self.entropy_metric = entropy_metric
-        self.tp_rank, self.tp_size = (
-            ps.get_tensor_model_parallel_rank(),
-            ps.get_tensor_model_parallel_world_size(),
-        )
-        self.pp_size = ps.get_pipeline_model_parallel_world_size()
-        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         hf_config = AutoConfig.from_pretrained(self.model_path)
         self.arch = ArchSpec.from_hf(hf_config)
         pad = hf_config.pad_token_id
@@ -114,6 +99,22 @@ class MegatronLearner(Learner):
             raise LearnerError("learner.device = 'cuda' but torch sees no GPU")
         if not self.cuda and (lc.tensor_parallel > 1 or lc.pipeline_parallel > 1):
             raise LearnerError("learner.tensor_parallel/pipeline_parallel > 1 need learner.device = 'cuda'")
+
+    def _init_parallel(self, seed: int) -> None:
+        """megatron-core's process groups (TP x PP x DP), this rank's place in them and its device."""
+        from megatron.core import parallel_state as ps
+
+        lc = self.cfg
+        init_parallel(lc.tensor_parallel, lc.pipeline_parallel, lc.device, seed)
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device(lc.device)
+        )
+        self.tp_rank, self.tp_size = (
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_world_size(),
+        )
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
     def _load_model(self, path: str | None = None, arch: ArchSpec | None = None) -> torch.nn.Module:
         """A GPTModel with the HF weights of `path` (default: the student's), sharded for this rank."""

@@ -1,0 +1,118 @@
+"""What the embedded engine's model is: a Hugging Face `config.json` read into a `ModelSpec`, and the KV cache
+sized from it.
+
+The KV cache is preallocated as `[slots, kv_heads, max_seq_len, head_dim]` per layer (head-major, so a slot
+range is directly an SDPA operand); the engine keeps running requests in slots `0..B-1`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentrl.errors import EngineError
+
+
+@dataclass
+class ModelSpec:
+    arch: str
+    vocab_size: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    rms_eps: float
+    rope_theta: float
+    tie_embeddings: bool
+    attn_bias: bool
+    qk_norm: bool
+    mlp_bias: bool
+    eos_token_ids: list[int]
+    max_position: int
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelSpec:
+        model_type = cfg.get("model_type", "")
+        if model_type not in ("qwen2", "qwen3", "llama"):
+            raise EngineError(
+                f"config.json: model_type {model_type!r} is not supported (qwen2, qwen3, llama)"
+            )
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise EngineError(f"config.json: rope type {rope_type!r} is not supported (only 'default')")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        heads = cfg["num_attention_heads"]
+        eos: list[int] = []
+        for src in (cfg, generation or {}):
+            val = src.get("eos_token_id")
+            for tok in val if isinstance(val, list) else [val]:
+                if tok is not None and tok not in eos:
+                    eos.append(int(tok))
+        return cls(
+            arch=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden=cfg["hidden_size"],
+            layers=cfg["num_hidden_layers"],
+            heads=heads,
+            kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate=cfg["intermediate_size"],
+            rms_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attn_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            eos_token_ids=eos,
+            max_position=cfg.get("max_position_embeddings", 4096),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelSpec:
+        path = Path(path)
+        try:
+            cfg = json.loads((path / "config.json").read_text())
+        except FileNotFoundError:
+            raise EngineError(
+                f"model path {path}: no config.json (not a Hugging Face model directory)"
+            ) from None
+        gen_path = path / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
+        return cls.from_hf_config(cfg, gen)
+
+
+class KVCache:
+    """Preallocated keys/values: per layer `[slots, kv_heads, max_seq_len, head_dim]`."""
+
+    def __init__(
+        self, spec: ModelSpec, slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype
+    ):
+        shape = (slots, spec.kv_heads, max_seq_len, spec.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.layers)]
+        self.slots, self.max_seq_len = slots, max_seq_len
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        for buf in (*self.k, *self.v):
+            buf[dst, :, :length] = buf[src, :, :length]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+    def release(self) -> None:
+        """Free the buffers' memory, keeping the tensors (a colocated run's training phase needs the GPU)."""
+        for buf in (*self.k, *self.v):
+            buf.untyped_storage().resize_(0)
+
+    def restore(self) -> None:
+        """Allocate the buffers again (zeros; at new addresses: captured CUDA graphs must be captured again)."""
+        for buf in (*self.k, *self.v):
+            buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+            buf.zero_()

@@ -1,0 +1,107 @@
+"""The torch learner's checkpoints: a Hugging Face directory (config, tokenizer, weights) plus trainer state.
+
+Layout (learner.json follows agentrl.learners.checkpoint):
+  learner.json          {"kind": "torch", step, policy_version, "hf_config_dir": ".", temperature[, lora_base]}
+  config.json, ...      the model's config and tokenizer files
+  model.safetensors     the full weights (tied `lm_head.weight` omitted), or with LoRA the PEFT adapter instead
+  trainer_state.pt      step, policy_version, optimizer state (name-keyed under FSDP) and the value head's
+Under FSDP `save` is a collective: every rank calls it, rank 0 writes; an FSDP checkpoint loads at any world
+size and into a plain learner.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from agentrl.errors import LearnerError
+from agentrl.learners import checkpoint, fsdp, hf_io, lora
+
+if TYPE_CHECKING:
+    from agentrl.learners.torch_learner import TorchLearner
+
+STATE_FILE = "trainer_state.pt"
+
+
+def save(learner: TorchLearner, path: str) -> None:
+    """Under FSDP a collective: every rank calls it, rank 0 writes (on a file system all ranks can read)."""
+    if learner.world is not None and learner.world.rank != 0:
+        for _ in learner.weights():
+            pass
+        fsdp.optimizer_state(learner.model, learner.optimizer)
+        torch.distributed.barrier()
+        return
+    with hf_io.atomic_dir(path) as tmp:
+        hf_io.copy_hf_files(_config_dir(learner), tmp)
+        extra = {"temperature": learner.temperature}
+        if learner.lora is not None:  # the adapter only; the base stays where it is
+            lora.save_adapter(learner.model, tmp, str(learner.base_path.resolve()))
+            extra["lora_base"] = str(learner.base_path.resolve())
+        else:
+            hf_io.write_weights(tmp / hf_io.WEIGHTS_FILE, learner.weights(), learner.tied)
+        state = {"step": learner.step, "policy_version": learner.policy_version}
+        if learner.world is not None:  # name-keyed: loads at any world size and into a plain learner
+            state["optimizer"] = fsdp.optimizer_state(learner.model, learner.optimizer)
+            state["optimizer_format"] = "names"
+        else:
+            state["optimizer"] = learner.optimizer.state_dict()
+        if learner.value_head is not None:
+            state["value_head"] = learner.value_head.state_dict()
+        torch.save(state, tmp / STATE_FILE)
+        checkpoint.write_metadata(tmp, "torch", learner.step, learner.policy_version, ".", **extra)
+    if learner.world is not None:
+        torch.distributed.barrier()
+
+
+def _config_dir(learner: TorchLearner) -> Path:
+    meta = learner.model_path / checkpoint.METADATA_FILE
+    if meta.is_file():
+        return checkpoint.hf_config_dir(learner.model_path, checkpoint.read_metadata(learner.model_path))
+    return learner.model_path
+
+
+def load(learner: TorchLearner, path: str) -> None:
+    meta = checkpoint.read_metadata(path)
+    if meta["kind"] != "torch":
+        raise LearnerError(f"{path}: a {meta['kind']!r} checkpoint cannot be loaded by the torch learner")
+    if (learner.lora is not None) != ("lora_base" in meta):
+        raise LearnerError(
+            f"{path}: a {'LoRA' if 'lora_base' in meta else 'full-weight'} checkpoint cannot be loaded with "
+            f"learner.lora.rank = {learner.cfg.lora.rank}"
+        )
+    if learner.lora is not None:
+        lora.load_adapter(learner.model, path)
+        _load_state(learner, path)
+        return
+    weights = hf_io.load_weights(Path(path) / hf_io.WEIGHTS_FILE)
+    if learner.world is not None:
+        names = set(learner.model.state_dict())
+        missing, unexpected = sorted(names - set(weights)), sorted(set(weights) - names)
+        fsdp.load_weights(learner.model, weights)
+    else:
+        missing, unexpected = learner.model.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if not (learner.tied and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise LearnerError(
+            f"{path}: weights do not match the model (missing {missing}, unexpected {unexpected})"
+        )
+    _load_state(learner, path)
+
+
+def _load_state(learner: TorchLearner, path: str) -> None:
+    """Optimizer, value head, step and version from a checkpoint's trainer state."""
+    location = "cpu" if learner.world is not None else learner.device
+    state = torch.load(Path(path) / STATE_FILE, map_location=location, weights_only=True)
+    if learner.value_head is not None and "value_head" in state:
+        learner.value_head.load_state_dict(state["value_head"])
+    named = state.get("optimizer_format") == "names"
+    if learner.world is None and not named:
+        learner.optimizer.load_state_dict(state["optimizer"])
+    elif learner.value_head is not None:
+        raise LearnerError(f"{path}: an FSDP checkpoint has no value-head optimizer state (PPO)")
+    else:
+        optim = state["optimizer"] if named else fsdp.named_optimizer_state(learner.model, state["optimizer"])
+        fsdp.load_optimizer_state(learner.model, learner.optimizer, optim)
+    learner.step, learner.policy_version = int(state["step"]), int(state["policy_version"])
