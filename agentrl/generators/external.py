@@ -285,6 +285,7 @@ async def generate(
         opening = [msgspec.to_builtins(m) for m in await env.reset(task)]
         episode = Episode(sid, group_id, task, env, opening, f"{proxy.base_url}/v1/sessions/{quote(sid, safe='')}",
                           max(1, ctx.max_turns))  # fmt: skip
+        proxy.open_session(sid, ctx.sampling)  # the episode's sampling: greedy in evaluation
         await board.park(episode)
         try:
             outcome = await _outcome(episode, ctx.extra.get("external_timeout_s", 300.0),

@@ -36,7 +36,7 @@ from urllib.parse import quote
 import msgspec
 from aiohttp import web
 
-from agentrl.engines.base import Engine, SamplingParams
+from agentrl.engines.base import Engine
 from agentrl.engines.wire import integral_floats
 from agentrl.errors import ConfigError, QueueClosed, QueueFull
 from agentrl.generator import RolloutContext
@@ -63,22 +63,14 @@ class OpenAIProxy(ProxySessions):
         engines: list[Engine],
         tokenizer: Any,
         sink: Sink | None = None,
-        sampling: SamplingParams | None = None,
-        max_seq_len: int = 1024,
-        model_name: str = "agentrl",
-        env_name: str = "openai_proxy",
-        session_timeout_s: float = 3600.0,
         *,
         token: str = "",
         max_body_bytes: int = 16 << 20,
         read_timeout_s: float = 30.0,
-        tool_parser: str = "",
-        sampling_policy: str = "refuse",
+        **sessions: Any,
     ):
-        super().__init__(
-            engines, tokenizer, sampling, max_seq_len, model_name, env_name, session_timeout_s, tool_parser,
-            sampling_policy,
-        )  # fmt: skip
+        """`sessions`: the keywords of `ProxySessions` (sampling, max_seq_len, model_name, ...)."""
+        super().__init__(engines, tokenizer, **sessions)
         self.sink = sink
         self.token, self.max_body_bytes, self.read_timeout_s = token, max_body_bytes, read_timeout_s
         self.runner: web.AppRunner | None = None
@@ -226,9 +218,8 @@ class OpenAIProxy(ProxySessions):
                 ) from None
             session = self._existing(sid)
             async with session.lock:
-                trajs = self.trajectories(
-                    session, req.reward, req.group_id, "", req.turn_rewards, req.metadata
-                )
+                trajs = self.trajectories(session, req.reward, group_id=req.group_id,
+                                          turn_rewards=req.turn_rewards, metadata=req.metadata)  # fmt: skip
                 try:
                     result = self.sink(trajs) if self.sink is not None else None
                     if inspect.isawaitable(result):
@@ -315,19 +306,39 @@ def load_agent(name: str) -> Callable[..., Any]:
     return load_object(name, "rollout.agent")  # the one 'module:function' loader (agentrl.plugins)
 
 
+def agent_keywords(agent: Callable[..., Any], name: str, token: str) -> dict[str, str]:
+    """What the agent is called with besides (base_url, task, env): `api_key`, the proxy's bearer token, when
+    the proxy has one (`rollout.proxy_token`). An agent that takes no `api_key` could only get 401s."""
+    if not token:
+        return {}
+    params = inspect.signature(agent).parameters.values()
+    if any(p.name == "api_key" or p.kind is p.VAR_KEYWORD for p in params):
+        return {"api_key": token}
+    raise ConfigError(
+        f"rollout.proxy_token is set but rollout.agent = {name!r} takes no `api_key` argument, so its requests "
+        "cannot carry the token: add `api_key` to its parameters and send it (openai.AsyncOpenAI(api_key=...) "
+        "or the header `Authorization: Bearer <api_key>`)"
+    )
+
+
 async def generate(
     ctx: RolloutContext, task: dict[str, Any], trajectory_id: str, group_id: str
 ) -> Trajectory:
     """Run an agent (`ctx.extra["agent"]` = 'module:function', default `agentrl.generators.proxy_agent:env_agent`)
     against this worker's proxy: `await agent(base_url, task, env) -> reward`, where `base_url` is the
-    session's OpenAI base URL. The session's last segment is returned (id `trajectory_id`); earlier segments
-    (history rewritten) go to `ctx.extra["sink"]` when given, else they are dropped and counted in metadata."""
+    session's OpenAI base URL (with `rollout.proxy_token`, also `api_key=` the token). The session samples
+    with `ctx.sampling` (greedy in evaluation). The session's last segment is returned (id `trajectory_id`);
+    earlier segments (history rewritten) go to `ctx.extra["sink"]` when given, else they are dropped and
+    counted in metadata."""
     proxy = await proxy_for(ctx)
-    agent = load_agent(ctx.extra.get("agent") or "agentrl.generators.proxy_agent:env_agent")
+    name = ctx.extra.get("agent") or "agentrl.generators.proxy_agent:env_agent"
+    agent = load_agent(name)
+    keywords = agent_keywords(agent, name, ctx.extra.get("proxy_token", ""))
     env = ctx.make_env()
     sid = trajectory_id
+    proxy.open_session(sid, ctx.sampling)
     try:
-        reward = await agent(f"{proxy.base_url}/v1/sessions/{quote(sid, safe='')}", task, env)
+        reward = await agent(f"{proxy.base_url}/v1/sessions/{quote(sid, safe='')}", task, env, **keywords)
     except BaseException:
         proxy.sessions.pop(sid, None)
         raise
@@ -349,9 +360,11 @@ async def session_trajectory(
     """Close session `sid` into the episode's trajectory (hook shared with agentrl/generators/external.py): its last
     segment, id `trajectory_id`; earlier segments go to `ctx.extra["sink"]` or are dropped and counted.
     `status` overrides the trajectory's (e.g. "aborted" for an episode its agent abandoned)."""
-    if sid not in proxy.sessions:
+    session = proxy.sessions.get(sid)
+    if session is None or not any(seg.log.response_ids for seg in session.segments):
+        proxy.sessions.pop(sid, None)  # opened for the episode, or its every turn failed: nothing recorded
         return Trajectory(id=trajectory_id, group_id=group_id, env=ctx.env_name, status=status or "failed",
-                          metadata={"error": "the agent made no chat completion request",
+                          metadata={"error": "the agent made no chat completion request that succeeded",
                                     **(metadata or {})})  # fmt: skip
     trajs = await proxy.close_session(
         sid, reward, group_id=group_id, trajectory_id=trajectory_id, metadata=metadata
