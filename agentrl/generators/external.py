@@ -38,13 +38,12 @@ import msgspec
 from aiohttp import web
 
 from agentrl.envs.base import AgentEnv
-from agentrl.errors import ConfigError
 from agentrl.generator import RolloutContext
 from agentrl.generators.endpoints import record_endpoint
 from agentrl.generators.openai_proxy import proxy_for, session_trajectory
 from agentrl.generators.openai_schema import error_body
 from agentrl.generators.proxy_agent import episode_reward
-from agentrl.net import bearer_ok, is_loopback
+from agentrl.net import lacks_token, serve
 from agentrl.types import Trajectory, validation_field
 
 MAX_WAIT_S = 60.0
@@ -131,15 +130,10 @@ class TaskBoard:
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        if not self.token and not is_loopback(host):
-            raise ConfigError(
-                f"rollout.proxy_host = {host!r} is not loopback: set rollout.proxy_token for the task server"
-            )
-        self.runner = web.AppRunner(self.app(), access_log=None, keepalive_timeout=self.read_timeout_s)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port)
-        await site.start()
-        self.base_url = f"http://{host}:{site._server.sockets[0].getsockname()[1]}"
+        self.runner, port = await serve(self.app(), host, port, token=self.token, what="the external task server",
+                                        how="set rollout.proxy_token or make rollout.proxy_host 127.0.0.1",
+                                        read_timeout_s=self.read_timeout_s)  # fmt: skip
+        self.base_url = f"http://{host}:{port}"
         return self.base_url
 
     async def stop(self) -> None:
@@ -149,11 +143,7 @@ class TaskBoard:
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if (
-            self.token
-            and request.path != "/health"
-            and not bearer_ok(request.headers.get("Authorization", ""), self.token)
-        ):
+        if lacks_token(request, self.token, ("/health",)):
             resp = _error(TaskError(401, "missing or wrong bearer token", "Authorization"))
             resp.headers["WWW-Authenticate"] = "Bearer"
             return resp

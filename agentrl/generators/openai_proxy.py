@@ -48,7 +48,7 @@ from agentrl.generators.proxy_openapi import OPEN_PATHS, openapi_spec
 
 # Segment, Session and RequestError stay importable from here
 from agentrl.generators.proxy_session import ProxySessions, RequestError, Segment, Session  # noqa: F401
-from agentrl.net import bearer_ok, is_loopback
+from agentrl.net import lacks_token, serve
 from agentrl.plugins import load_object
 from agentrl.types import ROLES, Trajectory, validation_field
 
@@ -96,16 +96,9 @@ class OpenAIProxy(ProxySessions):
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        if not self.token and not is_loopback(host):
-            raise ConfigError(
-                f"refusing to serve the OpenAI proxy on non-loopback address {host!r} without a token"
-            )
-        # keepalive_timeout also bounds a connection that never completes its headers (slowloris)
-        self.runner = web.AppRunner(self.app(), access_log=None, keepalive_timeout=self.read_timeout_s)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # the bound port when 0 was asked for
+        self.runner, port = await serve(self.app(), host, port, token=self.token, what="the OpenAI proxy",
+                                        how="set its token (rollout.proxy_token, or --token) or bind 127.0.0.1",
+                                        read_timeout_s=self.read_timeout_s)  # fmt: skip
         self.base_url = f"http://{host}:{port}"
         return self.base_url
 
@@ -128,11 +121,7 @@ class OpenAIProxy(ProxySessions):
     @web.middleware
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """Bearer token (all routes but /health); HTTP errors of aiohttp as OpenAI-shaped JSON."""
-        if (
-            self.token
-            and request.path not in OPEN_PATHS
-            and not bearer_ok(request.headers.get("Authorization", ""), self.token)
-        ):
+        if lacks_token(request, self.token, OPEN_PATHS):
             resp = self._error(RequestError(401, "missing or wrong bearer token", "Authorization"))
             resp.headers["WWW-Authenticate"] = "Bearer"
             return resp
