@@ -66,6 +66,32 @@ async def serve(app: web.Application, host: str, port: int, *, token: str, what:
     return runner, runner.addresses[0][1]
 
 
+class FrontDoor:
+    """The life of one HTTP server object: `start` serves its `app()` (through `serve`), `stop` ends it.
+    Subclasses set `what` / `how` (for the refusal off loopback), `token` and `read_timeout_s`."""
+
+    what = "this server"
+    how = "give it a token or bind 127.0.0.1"
+    token = ""
+    read_timeout_s: float | None = 30.0
+    runner: web.AppRunner | None = None
+    base_url = ""
+
+    def app(self) -> web.Application:
+        raise NotImplementedError
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        self.runner, port = await serve(self.app(), host, port, token=self.token, what=self.what, how=self.how,
+                                        read_timeout_s=self.read_timeout_s)  # fmt: skip
+        self.base_url = f"http://{host}:{port}"
+        return self.base_url
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+
 def check_token(token: str) -> None:
     """Refuse a token no client can send: blank, or with surrounding whitespace (HTTP strips it)."""
     if token and token != token.strip():

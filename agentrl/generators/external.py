@@ -43,7 +43,7 @@ from agentrl.generators.endpoints import record_endpoint
 from agentrl.generators.openai_proxy import proxy_for, session_trajectory
 from agentrl.generators.openai_schema import error_body
 from agentrl.generators.proxy_agent import episode_reward
-from agentrl.net import lacks_token, serve
+from agentrl.net import FrontDoor, lacks_token
 from agentrl.types import Trajectory, validation_field
 
 MAX_WAIT_S = 60.0
@@ -85,16 +85,16 @@ class Episode:
                 "messages": self.messages, "base_url": self.base_url, "max_turns": self.max_turns}  # fmt: skip
 
 
-class TaskBoard:
+class TaskBoard(FrontDoor):
     """The parked and claimed episodes of one rollout worker, served over HTTP (routes in the docstring)."""
+
+    what, how = "the external task server", "set rollout.proxy_token or make rollout.proxy_host 127.0.0.1"
 
     def __init__(self, token: str = "", read_timeout_s: float = 30.0):
         self.token, self.read_timeout_s = token, read_timeout_s
         self.parked: dict[str, Episode] = {}  # insertion order: oldest first
         self.claimed: dict[str, Episode] = {}
         self.arrived = asyncio.Condition()
-        self.runner: web.AppRunner | None = None
-        self.base_url = ""
 
     async def park(self, episode: Episode) -> None:
         async with self.arrived:
@@ -128,18 +128,6 @@ class TaskBoard:
         app.router.add_post("/v1/tasks/{tid}/reward", self._reward)
         app.router.add_get("/health", self._health)
         return app
-
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        self.runner, port = await serve(self.app(), host, port, token=self.token, what="the external task server",
-                                        how="set rollout.proxy_token or make rollout.proxy_host 127.0.0.1",
-                                        read_timeout_s=self.read_timeout_s)  # fmt: skip
-        self.base_url = f"http://{host}:{port}"
-        return self.base_url
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
-            self.runner = None
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:

@@ -48,15 +48,17 @@ from agentrl.generators.proxy_openapi import OPEN_PATHS, openapi_spec
 
 # Segment, Session and RequestError stay importable from here
 from agentrl.generators.proxy_session import ProxySessions, RequestError, Segment, Session  # noqa: F401
-from agentrl.net import lacks_token, serve
+from agentrl.net import FrontDoor, lacks_token
 from agentrl.plugins import load_object
 from agentrl.types import ROLES, Trajectory, validation_field
 
 Sink = Callable[[list[Trajectory]], Any]
 
 
-class OpenAIProxy(ProxySessions):
+class OpenAIProxy(ProxySessions, FrontDoor):
     """`ProxySessions` served over HTTP (routes in the module docstring)."""
+
+    what, how = "the OpenAI proxy", "set its token (rollout.proxy_token, or --token) or bind 127.0.0.1"
 
     def __init__(
         self,
@@ -73,8 +75,6 @@ class OpenAIProxy(ProxySessions):
         super().__init__(engines, tokenizer, **sessions)
         self.sink = sink
         self.token, self.max_body_bytes, self.read_timeout_s = token, max_body_bytes, read_timeout_s
-        self.runner: web.AppRunner | None = None
-        self.base_url = ""
 
     # -- HTTP ------------------------------------------------------------------------------------------
 
@@ -94,18 +94,6 @@ class OpenAIProxy(ProxySessions):
         app.router.add_get("/openapi.json", self._openapi)
         add_anthropic_routes(app, self)  # POST /v1/messages (agentrl/generators/anthropic_messages.py)
         return app
-
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        self.runner, port = await serve(self.app(), host, port, token=self.token, what="the OpenAI proxy",
-                                        how="set its token (rollout.proxy_token, or --token) or bind 127.0.0.1",
-                                        read_timeout_s=self.read_timeout_s)  # fmt: skip
-        self.base_url = f"http://{host}:{port}"
-        return self.base_url
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
-            self.runner = None
 
     @staticmethod
     def _json(obj: Any, status: int = 200) -> web.Response:
@@ -359,13 +347,17 @@ async def session_trajectory(
         sid, reward, group_id=group_id, trajectory_id=trajectory_id, metadata=metadata
     )
     earlier = [msgspec.structs.replace(t, id=f"{trajectory_id}.seg{k}") for k, t in enumerate(trajs[:-1])]
+    last = await sink_the_rest(ctx, trajs[-1], earlier)
+    return msgspec.structs.replace(last, id=trajectory_id, **({"status": status} if status else {}))
+
+
+async def sink_the_rest(ctx: RolloutContext, main: Trajectory, rest: list[Trajectory]) -> Trajectory:
+    """An episode gives the worker one trajectory (`main`); its others (earlier segments, other agents) go to
+    `ctx.extra["sink"]` when given, else they are dropped and counted in `main`'s `metadata.dropped_segments`."""
     sink = ctx.extra.get("sink")
-    if earlier and sink is not None:
-        result = sink(earlier)
+    if rest and sink is not None:
+        result = sink(rest)
         if inspect.isawaitable(result):
             await result
-    last = trajs[-1]
-    meta = {**last.metadata, "dropped_segments": 0 if sink is not None else len(earlier)}
-    return msgspec.structs.replace(
-        last, id=trajectory_id, metadata=meta, **({"status": status} if status else {})
-    )
+    meta = {**main.metadata, "dropped_segments": 0 if sink is not None else len(rest)}
+    return msgspec.structs.replace(main, metadata=meta)

@@ -50,10 +50,10 @@ from agentrl.generators.openai_schema import (
     FunctionCall,
     ToolCall,
     template_message,
-    tool_dicts,
     turn_key,
 )
-from agentrl.generators.tool_parsers import ToolParser, parser_for
+from agentrl.generators.proxy_tools import ToolPlan, tool_plan
+from agentrl.generators.tool_parsers import parser_for
 from agentrl.types import Trajectory
 
 
@@ -66,14 +66,6 @@ class Segment:
     finish_reasons: list[str] = field(default_factory=list)
     tool_call_errors: int = 0
     turn_sampling: list[dict[str, float]] = field(default_factory=list)  # per turn ("record" policy)
-
-
-@dataclass
-class ToolPlan:
-    tools: list[dict[str, Any]] | None = None
-    key: str = ""
-    parser: ToolParser | None = None  # None: the reply is text
-    prefill: str = ""  # opens a call after the generation prompt (tool_choice required / named)
 
 
 @dataclass
@@ -131,36 +123,9 @@ class ProxySessions:
         session.last_used = time.monotonic()
         return session
 
-    def _tool_plan(self, req: ChatRequest) -> ToolPlan:
-        tools = tool_dicts(req.tools)
-        choice = req.tool_choice
-        if tools is None:
-            if choice is not None and choice != "none":
-                raise RequestError(400, "tool_choice needs tools", "tool_choice")
-            return ToolPlan()
-        if not self.chat.renders_tools(tools):
-            raise RequestError(400, "the model's chat template does not render tools", "tools")
-        names = [t["function"]["name"] for t in tools]
-        if len(set(names)) < len(names):
-            raise RequestError(400, "tool function names must be unique", "tools")
-        plan = ToolPlan(tools, msgspec.json.encode(tools).decode(), self.parser)
-        if choice is None or choice == "auto":
-            return plan
-        if choice == "none":
-            plan.parser = None
-        elif choice == "required":
-            plan.prefill = self.parser.prefill(None)
-        elif isinstance(choice, str):
-            raise RequestError(
-                400, "tool_choice must be 'auto', 'none', 'required' or a function", "tool_choice"
-            )
-        elif choice.function.name not in names:
-            raise RequestError(
-                400, f"tool_choice names {choice.function.name!r}, not one of the tools", "tool_choice"
-            )
-        else:
-            plan.prefill = self.parser.prefill(choice.function.name)
-        return plan
+    def tool_plan(self, req: ChatRequest) -> ToolPlan:
+        """The request's tools, parser and prefill (agentrl/generators/proxy_tools.py)."""
+        return tool_plan(req, self.chat, self.parser)
 
     def _segment_for(
         self, session: Session, keys: list[tuple], turns: list[dict[str, Any]], plan: ToolPlan
@@ -205,7 +170,7 @@ class ProxySessions:
         known = self.sessions.get(sid)
         base = known.sampling if known is not None and known.sampling is not None else self.sampling
         sampling = turn_sampling(req, base, self.chat, self.max_seq_len, self.sampling_policy)
-        plan = self._tool_plan(req)
+        plan = self.tool_plan(req)
         keys = [turn_key(m) for m in req.messages]
         turns = [template_message(m) for m in req.messages]
         session = self._session(sid)
