@@ -1,7 +1,8 @@
-"""Network helpers shared by every HTTP front door (queue, engine server, OpenAI proxy) and by launchers.
+"""Network helpers shared by every HTTP front door (queue, engine server, OpenAI proxy, external task server,
+dashboard) and by launchers.
 
 A neutral home, below the packages that serve HTTP, so none of them imports another for a loopback check, the
-bearer-token comparison or a free port (docs/architecture.md, "Layers").
+bearer-token comparison, starting a server or a free port (docs/architecture.md, "Layers").
 """
 
 from __future__ import annotations
@@ -10,8 +11,13 @@ import hmac
 import ipaddress
 import random
 import socket
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
 
 from agentrl.errors import ConfigError, EngineError
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 
 def is_loopback(host: str) -> bool:
@@ -27,6 +33,63 @@ def bearer_ok(authorization: str, token: str) -> bool:
     """Whether an `Authorization` header value carries `Bearer <token>` (constant-time compare)."""
     scheme, _, given = authorization.partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def lacks_token(request: web.Request, token: str, open_paths: Collection[str]) -> bool:
+    """Whether a server with `token` must answer `request` with 401: the path needs the token and the request
+    does not carry it as `Authorization: Bearer <token>`."""
+    return (
+        bool(token)
+        and request.path not in open_paths
+        and not bearer_ok(request.headers.get("Authorization", ""), token)
+    )
+
+
+async def serve(app: web.Application, host: str, port: int, *, token: str, what: str, how: str,
+                read_timeout_s: float | None = None, **site: Any) -> tuple[web.AppRunner, int]:  # fmt: skip
+    """Serve `app` on host:port (0: any free port); returns the runner (`cleanup()` stops it) and the bound port.
+    Off loopback a server without a token is refused (`what` names it, `how` says how to give it one).
+    `read_timeout_s` also bounds a connection that never completes its headers (slowloris); `site`: keywords
+    of aiohttp's TCPSite (e.g. backlog)."""
+    from aiohttp import web
+
+    if not token and not is_loopback(host):
+        raise ConfigError(f"refusing to serve {what} on non-loopback address {host!r} without a token: {how}")
+    timeout = {} if read_timeout_s is None else {"keepalive_timeout": read_timeout_s}
+    runner = web.AppRunner(app, access_log=None, **timeout)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port, **site).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, runner.addresses[0][1]
+
+
+class FrontDoor:
+    """The life of one HTTP server object: `start` serves its `app()` (through `serve`), `stop` ends it.
+    Subclasses set `what` / `how` (for the refusal off loopback), `token` and `read_timeout_s`."""
+
+    what = "this server"
+    how = "give it a token or bind 127.0.0.1"
+    token = ""
+    read_timeout_s: float | None = 30.0
+    runner: web.AppRunner | None = None
+    base_url = ""
+
+    def app(self) -> web.Application:
+        raise NotImplementedError
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        self.runner, port = await serve(self.app(), host, port, token=self.token, what=self.what, how=self.how,
+                                        read_timeout_s=self.read_timeout_s)  # fmt: skip
+        self.base_url = f"http://{host}:{port}"
+        return self.base_url
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
 
 
 def check_token(token: str) -> None:

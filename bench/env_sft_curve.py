@@ -32,17 +32,19 @@ def batch(env, tok, seed: int, size: int):
     return ids, keep
 
 
-async def evaluate(model_dir: Path, env_name: str, tok, n: int) -> tuple[float, float]:
+async def evaluate(model_dir: Path, env_name: str, env_kwargs: dict, tok, n: int) -> tuple[float, float]:
+    """Mean reward of `n` held-out tasks of the env made with `env_kwargs` (as in training): greedy, then t=1."""
     from agentrl.engines.base import SamplingParams
     from agentrl.engines.embedded import EmbeddedEngine
-    from agentrl.envs import env_factory, make_env
+    from agentrl.envs import env_factory
     from agentrl.generator import RolloutContext, resolve_generator
 
     engine = EmbeddedEngine(str(model_dir), max_seq_len=256, max_batch_size=n)
-    tasks = make_env(env_name).sample_tasks(10**9, n)
+    make = env_factory(env_name, env_kwargs)
+    tasks = make().sample_tasks(10**9, n)
     out = []
     for temperature in (0.0, 1.0):
-        ctx = RolloutContext(engine=engine, tokenizer=tok, make_env=env_factory(env_name), env_name=env_name,
+        ctx = RolloutContext(engine=engine, tokenizer=tok, make_env=make, env_name=env_name,
                              sampling=SamplingParams(temperature=temperature, max_new_tokens=16), max_turns=6)  # fmt: skip
         gen = resolve_generator("multi_turn")
         trajs = await asyncio.gather(*[gen(ctx, t, f"e{i}", "g") for i, t in enumerate(tasks)])
@@ -64,7 +66,8 @@ def main(args: argparse.Namespace) -> None:
     make_tiny_model(root / "init", seed=args.seed)
     tok = load_tokenizer(root / "init")
     model = AutoModelForCausalLM.from_pretrained(str(root / "init"), dtype=torch.float32)
-    env = make_env(args.env, ast.literal_eval(args.env_kwargs) if args.env_kwargs else {})
+    env_kwargs = ast.literal_eval(args.env_kwargs) if args.env_kwargs else {}
+    env = make_env(args.env, env_kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     t0, loss = time.perf_counter(), float("nan")
     for step in range(args.steps + 1):
@@ -72,7 +75,7 @@ def main(args: argparse.Namespace) -> None:
             model.save_pretrained(root / "eval")
             tok.save_pretrained(root / "eval")
             elapsed = time.perf_counter() - t0
-            greedy, sampled = asyncio.run(evaluate(root / "eval", args.env, tok, args.eval_tasks))
+            greedy, sampled = asyncio.run(evaluate(root / "eval", args.env, env_kwargs, tok, args.eval_tasks))
             print(
                 f"step {step:4d}  train_s {elapsed:6.1f}  loss {loss:.4f}  reward greedy {greedy:.3f}  t=1 {sampled:.3f}",
                 flush=True,

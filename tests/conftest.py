@@ -1,5 +1,5 @@
-"""Fixtures shared across test modules: the two tiny local models (each made once per session), the tokenizer, and
-a local Ray session that restores the environment it changes.
+"""Fixtures shared across test modules: the two tiny local models (each made once per session), the tokenizer, the
+Megatron tests' models and CPU parallel state, and a local Ray session that restores the environment it changes.
 
 The models are read-only to the tests: a test that writes into a model directory makes its own."""
 
@@ -29,6 +29,40 @@ def tok(tiny):  # per module: a tokenizer object is mutable
 def run_model(tmp_path_factory) -> str:
     """The model of the `agentrl run` tests (qwen2, hidden 64, one layer; run_support.make_model)."""
     return make_model(tmp_path_factory.mktemp("run-model"))
+
+
+@pytest.fixture(scope="session")
+def megatron_model(tmp_path_factory):
+    """`megatron_model(arch, seed=1, tied=True)`: the directory of a tiny HF model of the Megatron tests' size
+    (hidden 64, 2 layers, 4 heads / 2 KV heads, vocab 300, init std 0.2: large enough logits that a wrong
+    conversion shows), made once per session for each (arch, seed, tied)."""
+    made: dict[tuple[str, int, bool], Path] = {}
+
+    def make(arch: str, seed: int = 1, tied: bool = True) -> Path:
+        key = (arch, seed, tied)
+        if key not in made:
+            from agentrl.engines.tiny import make_tiny_model
+
+            path = tmp_path_factory.mktemp(f"megatron-{arch}-s{seed}-{'tied' if tied else 'untied'}")
+            made[key] = make_tiny_model(path, arch, seed=seed, tie_embeddings=tied, hidden=64, layers=2, heads=4,
+                                        kv_heads=2, vocab_size=300, init_std=0.2)  # fmt: skip
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def megatron_cpu():
+    """Megatron's parallel state for one CPU rank (TP = PP = 1), torch on 2 threads (restored afterwards)."""
+    import torch
+
+    from agentrl.learners.megatron.parallel import init_parallel
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    init_parallel(1, 1, "cpu")
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

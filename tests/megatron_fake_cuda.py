@@ -41,16 +41,10 @@ def fake_cuda() -> None:
     CudaOnCpu().__enter__()
 
 
-def gpu_path_learner(model_dir, tp: int = 1, pp: int = 1, gpu_path: bool = True, **learner_kw):
-    """A MegatronLearner built as on a GPU (Megatron DDP + distributed optimizer), on CPU tensors."""
-    from agentrl.config import AlgorithmSection, LearnerSection
+def gpu_path_class():
+    """MegatronLearner as built on a GPU (Megatron DDP + distributed optimizer), on CPU tensors (import after
+    `fake_cuda()`)."""
     from agentrl.learners.megatron.learner import MegatronLearner
-
-    lc = LearnerSection(
-        kind="megatron", tensor_parallel=tp, pipeline_parallel=pp, **{**SETTINGS, **learner_kw}
-    )
-    if not gpu_path:  # the CPU learner itself (torch AdamW)
-        return MegatronLearner(model_dir, lc, AlgorithmSection(entropy_coef=0.01))
 
     class GpuPathLearner(MegatronLearner):
         def _check_device(self):  # CPU tensors, GPU code path
@@ -60,7 +54,19 @@ def gpu_path_learner(model_dir, tp: int = 1, pp: int = 1, gpu_path: bool = True,
             self.cuda = True
             return super()._make_optimizer()
 
-    return GpuPathLearner(model_dir, lc, AlgorithmSection(entropy_coef=0.01))
+    return GpuPathLearner
+
+
+def gpu_path_learner(model_dir, tp: int = 1, pp: int = 1, gpu_path: bool = True, **learner_kw):
+    """A MegatronLearner built as on a GPU (`gpu_path_class`), or the CPU learner itself (torch AdamW)."""
+    from agentrl.config import AlgorithmSection, LearnerSection
+    from agentrl.learners.megatron.learner import MegatronLearner
+
+    lc = LearnerSection(
+        kind="megatron", tensor_parallel=tp, pipeline_parallel=pp, **{**SETTINGS, **learner_kw}
+    )
+    cls = gpu_path_class() if gpu_path else MegatronLearner
+    return cls(model_dir, lc, AlgorithmSection(entropy_coef=0.01))
 
 
 def compare_with_torch_learner(learner, model_dir, steps: int = 2, **learner_kw) -> dict:

@@ -14,28 +14,20 @@ SUBSET = ("q_proj", "v_proj", "up_proj", "down_proj")
 def worker(rank: int, world: int, model_dir: str, out_dir: str, port: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from megatron_fake_cuda import fake_cuda
+    from megatron_fake_cuda import fake_cuda, gpu_path_class
 
     fake_cuda()
     from megatron_lora_helpers import ALGO, SETTINGS, compare, lora_section, torch_learner
 
     from agentrl.config import AlgorithmSection, LearnerSection
-    from agentrl.learners.megatron.learner import MegatronLearner
 
-    class GpuPathLearner(MegatronLearner):
-        def _check_device(self):  # CPU tensors, GPU code path
-            pass
-
-        def _make_optimizer(self):
-            self.cuda = True
-            return super()._make_optimizer()
-
+    learner_class = gpu_path_class()
     results = {}
     for name, tp, pp, targets in (("tp2", 2, 1, ("all-linear",)), ("tp2-subset", 2, 1, SUBSET),
                                   ("pp2", 1, 2, ("all-linear",))):  # fmt: skip
         lc = LearnerSection(kind="megatron", tensor_parallel=tp, pipeline_parallel=pp, lora=lora_section(targets),
                             **SETTINGS)  # fmt: skip
-        mega = GpuPathLearner(model_dir, lc, AlgorithmSection(**ALGO))
+        mega = learner_class(model_dir, lc, AlgorithmSection(**ALGO))
         results[name] = compare(mega, torch_learner(model_dir, targets), 300)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)

@@ -20,18 +20,22 @@ if not torch.cuda.is_available():
 from megatron_helpers import hf_logprobs, make_batch  # noqa: E402
 
 from agentrl.config import AlgorithmSection, LearnerSection  # noqa: E402
-from agentrl.engines.tiny import make_tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _exact_matmuls():
+    """fp32 matmuls without TF32, so the learners agree to 1e-4; the settings are restored afterwards."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    root = tmp_path_factory.mktemp("megatron-gpu")
-    return make_tiny_model(root / "qwen3", "qwen3", seed=1, hidden=64, layers=2, heads=4, kv_heads=2,
-                           vocab_size=300, init_std=0.2)  # fmt: skip
+def model_dir(megatron_model):
+    return megatron_model("qwen3", seed=1)
 
 
 def test_ddp_distributed_optimizer_matches_torch_learner(model_dir, tmp_path):

@@ -12,14 +12,12 @@ from megatron_helpers import hf_logprobs, hf_state, make_batch
 
 from agentrl import types
 from agentrl.config import AlgorithmSection, LearnerSection
-from agentrl.engines.tiny import make_tiny_model
 from agentrl.errors import ConfigError, LearnerError
 from agentrl.learners import checkpoint as learner_checkpoint
 from agentrl.learners.batch import build_batch
 from agentrl.learners.megatron import convert, cpu_compat, ops
 from agentrl.learners.megatron.learner import MegatronLearner
 from agentrl.learners.megatron.model import ArchSpec, build_gpt
-from agentrl.learners.megatron.parallel import init_parallel
 
 ARCHS = [
     ("qwen2", False),
@@ -29,23 +27,12 @@ ARCHS = [
     ("llama", False),
     ("llama", True),
 ]
-SIZES = dict(hidden=64, layers=2, heads=4, kv_heads=2, vocab_size=300)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    torch.set_num_threads(2)
-    init_parallel(1, 1, "cpu")
+pytestmark = pytest.mark.usefixtures("megatron_cpu")
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("megatron-models")
-    out = {}
-    for arch, tied in ARCHS:
-        out[(arch, tied)] = make_tiny_model(root / f"{arch}-{tied}", arch, seed=1, tie_embeddings=tied,
-                                            init_std=0.2, **SIZES)  # fmt: skip
-    return out
+def models(megatron_model):
+    return {(arch, tied): megatron_model(arch, tied=tied) for arch, tied in ARCHS}
 
 
 @pytest.mark.parametrize(("arch", "tied"), ARCHS)

@@ -20,30 +20,23 @@ from megatron_lora_helpers import ALGO, SETTINGS, compare, lora_section, torch_l
 from agentrl import types
 from agentrl.cli import main as cli_main
 from agentrl.config import AlgorithmSection, LearnerSection, load_config
-from agentrl.engines.tiny import make_tiny_model
 from agentrl.errors import LearnerError
 from agentrl.learners.batch import build_batch
 from agentrl.learners.checkpoint import read_metadata
 from agentrl.learners.megatron.learner import MegatronLearner
-from agentrl.learners.megatron.parallel import init_parallel
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, vocab_size=300, init_std=0.2)
 SUBSET = ("q_proj", "v_proj", "up_proj", "down_proj")  # k and gate untouched inside the fused linears
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    torch.set_num_threads(2)
-    init_parallel(1, 1, "cpu")
+pytestmark = pytest.mark.usefixtures("megatron_cpu")
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mlora")
+def models(megatron_model):
     return {
-        "qwen3": make_tiny_model(root / "qwen3", "qwen3", seed=1, tie_embeddings=True, **TINY),
-        "qwen2": make_tiny_model(root / "qwen2", "qwen2", seed=2, tie_embeddings=False, **TINY),
+        "qwen3": megatron_model("qwen3", seed=1, tied=True),
+        "qwen2": megatron_model("qwen2", seed=2, tied=False),
     }
 
 
@@ -148,11 +141,11 @@ def test_config_takes_megatron_lora_and_names_unknown_targets(models):
 
 
 @pytest.mark.slow
-def test_tensor_and_pipeline_parallel_2_equal_torch_peft(tmp_path):
+def test_tensor_and_pipeline_parallel_2_equal_torch_peft(megatron_model, tmp_path):
     """TP = 2 on the GPU code path (Megatron DDP + distributed optimizer, fake CUDA over gloo): each rank holds
     half of the query groups' q/k/v rows of B, half of gate/up, and half of A's columns for o_proj/down_proj;
     PP = 2: each stage holds its layers' adapters, gathered into one adapter for publish and checks."""
-    model = make_tiny_model(tmp_path / "qwen2", "qwen2", seed=3, tie_embeddings=False, **TINY)
+    model = megatron_model("qwen2", seed=3, tied=False)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),

@@ -18,15 +18,13 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from agentrl.engines.tiny import make_tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("mlora-gpu") / "qwen2", "qwen2", seed=3, hidden=64, layers=2,
-                           heads=4, kv_heads=2, vocab_size=300, init_std=0.2, tie_embeddings=False)  # fmt: skip
+def model_dir(megatron_model):
+    return megatron_model("qwen2", seed=3, tied=False)
 
 
 def run(cmd: list[str]) -> dict:

@@ -31,7 +31,7 @@ from agentrl.dashboard import runfiles
 from agentrl.dashboard.curves import CURVES
 from agentrl.dashboard.viewer import Query, Viewer
 from agentrl.errors import ConfigError
-from agentrl.net import bearer_ok, is_loopback
+from agentrl.net import is_loopback, lacks_token, serve
 from agentrl.runlock import RUN_LOCK, holder_pid, pid_alive
 
 log = logging.getLogger(__name__)
@@ -80,12 +80,9 @@ class Dashboard:
     async def _auth(self, request: web.Request, handler):
         # the page's code is public (it ships with agentrl); every run's data is behind the token
         if (
-            self.token
-            and not request.path.startswith("/static/")
-            and not (
-                bearer_ok(request.headers.get("Authorization", ""), self.token)
-                or secrets.compare_digest(request.query.get("token", "").encode(), self.token.encode())
-            )
+            not request.path.startswith("/static/")
+            and lacks_token(request, self.token, ())
+            and not secrets.compare_digest(request.query.get("token", "").encode(), self.token.encode())
         ):
             raise web.HTTPUnauthorized(text="dashboard: send Authorization: Bearer TOKEN or ?token=TOKEN")
         return await handler(request)
@@ -133,16 +130,12 @@ class Dashboard:
         required: one is generated when none was given."""
         if not is_loopback(host) and not self.token:
             self.token = secrets.token_urlsafe(16)
-        self._runner = web.AppRunner(self.app(), access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
         try:
-            await site.start()
+            self._runner, bound = await serve(self.app(), host, port, token=self.token, what="the dashboard",
+                                              how="give it a token")  # fmt: skip
         except OSError as exc:
-            await self._runner.cleanup()
             raise ConfigError(f"dashboard: cannot listen on {host}:{port} ({exc.strerror or exc}); set "
                               "dashboard.port (or --port) to a free port") from None  # fmt: skip
-        bound = self._runner.addresses[0][1]
         shown = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
         shown = f"[{shown}]" if ":" in shown else shown
         self.url = f"http://{shown}:{bound}/" + (f"?token={self.token}" if self.token else "")

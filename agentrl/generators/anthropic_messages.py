@@ -94,7 +94,7 @@ class MessagesFace:
         try:
             req: CountRequest = _decode(count_decoder, await self.proxy._body(request))
             chat = chat_request(req)
-            plan = self.proxy._tool_plan(chat)  # validates tools / tool_choice as a real request would
+            plan = self.proxy.tool_plan(chat)  # validates tools / tool_choice as a real request would
             turns = [template_message(m) for m in chat.messages]
             try:
                 prompt = self.proxy.chat.prompt_ids(turns, tools=plan.tools)

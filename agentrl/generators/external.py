@@ -38,13 +38,12 @@ import msgspec
 from aiohttp import web
 
 from agentrl.envs.base import AgentEnv
-from agentrl.errors import ConfigError
 from agentrl.generator import RolloutContext
 from agentrl.generators.endpoints import record_endpoint
 from agentrl.generators.openai_proxy import proxy_for, session_trajectory
 from agentrl.generators.openai_schema import error_body
 from agentrl.generators.proxy_agent import episode_reward
-from agentrl.net import bearer_ok, is_loopback
+from agentrl.net import FrontDoor, lacks_token
 from agentrl.types import Trajectory, validation_field
 
 MAX_WAIT_S = 60.0
@@ -86,16 +85,16 @@ class Episode:
                 "messages": self.messages, "base_url": self.base_url, "max_turns": self.max_turns}  # fmt: skip
 
 
-class TaskBoard:
+class TaskBoard(FrontDoor):
     """The parked and claimed episodes of one rollout worker, served over HTTP (routes in the docstring)."""
+
+    what, how = "the external task server", "set rollout.proxy_token or make rollout.proxy_host 127.0.0.1"
 
     def __init__(self, token: str = "", read_timeout_s: float = 30.0):
         self.token, self.read_timeout_s = token, read_timeout_s
         self.parked: dict[str, Episode] = {}  # insertion order: oldest first
         self.claimed: dict[str, Episode] = {}
         self.arrived = asyncio.Condition()
-        self.runner: web.AppRunner | None = None
-        self.base_url = ""
 
     async def park(self, episode: Episode) -> None:
         async with self.arrived:
@@ -130,30 +129,9 @@ class TaskBoard:
         app.router.add_get("/health", self._health)
         return app
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        if not self.token and not is_loopback(host):
-            raise ConfigError(
-                f"rollout.proxy_host = {host!r} is not loopback: set rollout.proxy_token for the task server"
-            )
-        self.runner = web.AppRunner(self.app(), access_log=None, keepalive_timeout=self.read_timeout_s)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port)
-        await site.start()
-        self.base_url = f"http://{host}:{site._server.sockets[0].getsockname()[1]}"
-        return self.base_url
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
-            self.runner = None
-
     @web.middleware
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if (
-            self.token
-            and request.path != "/health"
-            and not bearer_ok(request.headers.get("Authorization", ""), self.token)
-        ):
+        if lacks_token(request, self.token, ("/health",)):
             resp = _error(TaskError(401, "missing or wrong bearer token", "Authorization"))
             resp.headers["WWW-Authenticate"] = "Bearer"
             return resp
@@ -285,6 +263,7 @@ async def generate(
         opening = [msgspec.to_builtins(m) for m in await env.reset(task)]
         episode = Episode(sid, group_id, task, env, opening, f"{proxy.base_url}/v1/sessions/{quote(sid, safe='')}",
                           max(1, ctx.max_turns))  # fmt: skip
+        proxy.open_session(sid, ctx.sampling)  # the episode's sampling: greedy in evaluation
         await board.park(episode)
         try:
             outcome = await _outcome(episode, ctx.extra.get("external_timeout_s", 300.0),

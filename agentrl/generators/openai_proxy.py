@@ -36,7 +36,7 @@ from urllib.parse import quote
 import msgspec
 from aiohttp import web
 
-from agentrl.engines.base import Engine, SamplingParams
+from agentrl.engines.base import Engine
 from agentrl.engines.wire import integral_floats
 from agentrl.errors import ConfigError, QueueClosed, QueueFull
 from agentrl.generator import RolloutContext
@@ -48,41 +48,33 @@ from agentrl.generators.proxy_openapi import OPEN_PATHS, openapi_spec
 
 # Segment, Session and RequestError stay importable from here
 from agentrl.generators.proxy_session import ProxySessions, RequestError, Segment, Session  # noqa: F401
-from agentrl.net import bearer_ok, is_loopback
+from agentrl.net import FrontDoor, lacks_token
 from agentrl.plugins import load_object
 from agentrl.types import ROLES, Trajectory, validation_field
 
 Sink = Callable[[list[Trajectory]], Any]
 
 
-class OpenAIProxy(ProxySessions):
+class OpenAIProxy(ProxySessions, FrontDoor):
     """`ProxySessions` served over HTTP (routes in the module docstring)."""
+
+    what, how = "the OpenAI proxy", "set its token (rollout.proxy_token, or --token) or bind 127.0.0.1"
 
     def __init__(
         self,
         engines: list[Engine],
         tokenizer: Any,
         sink: Sink | None = None,
-        sampling: SamplingParams | None = None,
-        max_seq_len: int = 1024,
-        model_name: str = "agentrl",
-        env_name: str = "openai_proxy",
-        session_timeout_s: float = 3600.0,
         *,
         token: str = "",
         max_body_bytes: int = 16 << 20,
         read_timeout_s: float = 30.0,
-        tool_parser: str = "",
-        sampling_policy: str = "refuse",
+        **sessions: Any,
     ):
-        super().__init__(
-            engines, tokenizer, sampling, max_seq_len, model_name, env_name, session_timeout_s, tool_parser,
-            sampling_policy,
-        )  # fmt: skip
+        """`sessions`: the keywords of `ProxySessions` (sampling, max_seq_len, model_name, ...)."""
+        super().__init__(engines, tokenizer, **sessions)
         self.sink = sink
         self.token, self.max_body_bytes, self.read_timeout_s = token, max_body_bytes, read_timeout_s
-        self.runner: web.AppRunner | None = None
-        self.base_url = ""
 
     # -- HTTP ------------------------------------------------------------------------------------------
 
@@ -103,25 +95,6 @@ class OpenAIProxy(ProxySessions):
         add_anthropic_routes(app, self)  # POST /v1/messages (agentrl/generators/anthropic_messages.py)
         return app
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        if not self.token and not is_loopback(host):
-            raise ConfigError(
-                f"refusing to serve the OpenAI proxy on non-loopback address {host!r} without a token"
-            )
-        # keepalive_timeout also bounds a connection that never completes its headers (slowloris)
-        self.runner = web.AppRunner(self.app(), access_log=None, keepalive_timeout=self.read_timeout_s)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # the bound port when 0 was asked for
-        self.base_url = f"http://{host}:{port}"
-        return self.base_url
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
-            self.runner = None
-
     @staticmethod
     def _json(obj: Any, status: int = 200) -> web.Response:
         return web.Response(body=encoder.encode(obj), status=status, content_type="application/json")
@@ -136,11 +109,7 @@ class OpenAIProxy(ProxySessions):
     @web.middleware
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """Bearer token (all routes but /health); HTTP errors of aiohttp as OpenAI-shaped JSON."""
-        if (
-            self.token
-            and request.path not in OPEN_PATHS
-            and not bearer_ok(request.headers.get("Authorization", ""), self.token)
-        ):
+        if lacks_token(request, self.token, OPEN_PATHS):
             resp = self._error(RequestError(401, "missing or wrong bearer token", "Authorization"))
             resp.headers["WWW-Authenticate"] = "Bearer"
             return resp
@@ -226,9 +195,8 @@ class OpenAIProxy(ProxySessions):
                 ) from None
             session = self._existing(sid)
             async with session.lock:
-                trajs = self.trajectories(
-                    session, req.reward, req.group_id, "", req.turn_rewards, req.metadata
-                )
+                trajs = self.trajectories(session, req.reward, group_id=req.group_id,
+                                          turn_rewards=req.turn_rewards, metadata=req.metadata)  # fmt: skip
                 try:
                     result = self.sink(trajs) if self.sink is not None else None
                     if inspect.isawaitable(result):
@@ -315,19 +283,39 @@ def load_agent(name: str) -> Callable[..., Any]:
     return load_object(name, "rollout.agent")  # the one 'module:function' loader (agentrl.plugins)
 
 
+def agent_keywords(agent: Callable[..., Any], name: str, token: str) -> dict[str, str]:
+    """What the agent is called with besides (base_url, task, env): `api_key`, the proxy's bearer token, when
+    the proxy has one (`rollout.proxy_token`). An agent that takes no `api_key` could only get 401s."""
+    if not token:
+        return {}
+    params = inspect.signature(agent).parameters.values()
+    if any(p.name == "api_key" or p.kind is p.VAR_KEYWORD for p in params):
+        return {"api_key": token}
+    raise ConfigError(
+        f"rollout.proxy_token is set but rollout.agent = {name!r} takes no `api_key` argument, so its requests "
+        "cannot carry the token: add `api_key` to its parameters and send it (openai.AsyncOpenAI(api_key=...) "
+        "or the header `Authorization: Bearer <api_key>`)"
+    )
+
+
 async def generate(
     ctx: RolloutContext, task: dict[str, Any], trajectory_id: str, group_id: str
 ) -> Trajectory:
     """Run an agent (`ctx.extra["agent"]` = 'module:function', default `agentrl.generators.proxy_agent:env_agent`)
     against this worker's proxy: `await agent(base_url, task, env) -> reward`, where `base_url` is the
-    session's OpenAI base URL. The session's last segment is returned (id `trajectory_id`); earlier segments
-    (history rewritten) go to `ctx.extra["sink"]` when given, else they are dropped and counted in metadata."""
+    session's OpenAI base URL (with `rollout.proxy_token`, also `api_key=` the token). The session samples
+    with `ctx.sampling` (greedy in evaluation). The session's last segment is returned (id `trajectory_id`);
+    earlier segments (history rewritten) go to `ctx.extra["sink"]` when given, else they are dropped and
+    counted in metadata."""
     proxy = await proxy_for(ctx)
-    agent = load_agent(ctx.extra.get("agent") or "agentrl.generators.proxy_agent:env_agent")
+    name = ctx.extra.get("agent") or "agentrl.generators.proxy_agent:env_agent"
+    agent = load_agent(name)
+    keywords = agent_keywords(agent, name, ctx.extra.get("proxy_token", ""))
     env = ctx.make_env()
     sid = trajectory_id
+    proxy.open_session(sid, ctx.sampling)
     try:
-        reward = await agent(f"{proxy.base_url}/v1/sessions/{quote(sid, safe='')}", task, env)
+        reward = await agent(f"{proxy.base_url}/v1/sessions/{quote(sid, safe='')}", task, env, **keywords)
     except BaseException:
         proxy.sessions.pop(sid, None)
         raise
@@ -349,21 +337,27 @@ async def session_trajectory(
     """Close session `sid` into the episode's trajectory (hook shared with agentrl/generators/external.py): its last
     segment, id `trajectory_id`; earlier segments go to `ctx.extra["sink"]` or are dropped and counted.
     `status` overrides the trajectory's (e.g. "aborted" for an episode its agent abandoned)."""
-    if sid not in proxy.sessions:
+    session = proxy.sessions.get(sid)
+    if session is None or not any(seg.log.response_ids for seg in session.segments):
+        proxy.sessions.pop(sid, None)  # opened for the episode, or its every turn failed: nothing recorded
         return Trajectory(id=trajectory_id, group_id=group_id, env=ctx.env_name, status=status or "failed",
-                          metadata={"error": "the agent made no chat completion request",
+                          metadata={"error": "the agent made no chat completion request that succeeded",
                                     **(metadata or {})})  # fmt: skip
     trajs = await proxy.close_session(
         sid, reward, group_id=group_id, trajectory_id=trajectory_id, metadata=metadata
     )
     earlier = [msgspec.structs.replace(t, id=f"{trajectory_id}.seg{k}") for k, t in enumerate(trajs[:-1])]
+    last = await sink_the_rest(ctx, trajs[-1], earlier)
+    return msgspec.structs.replace(last, id=trajectory_id, **({"status": status} if status else {}))
+
+
+async def sink_the_rest(ctx: RolloutContext, main: Trajectory, rest: list[Trajectory]) -> Trajectory:
+    """An episode gives the worker one trajectory (`main`); its others (earlier segments, other agents) go to
+    `ctx.extra["sink"]` when given, else they are dropped and counted in `main`'s `metadata.dropped_segments`."""
     sink = ctx.extra.get("sink")
-    if earlier and sink is not None:
-        result = sink(earlier)
+    if rest and sink is not None:
+        result = sink(rest)
         if inspect.isawaitable(result):
             await result
-    last = trajs[-1]
-    meta = {**last.metadata, "dropped_segments": 0 if sink is not None else len(earlier)}
-    return msgspec.structs.replace(
-        last, id=trajectory_id, metadata=meta, **({"status": status} if status else {})
-    )
+    meta = {**main.metadata, "dropped_segments": 0 if sink is not None else len(rest)}
+    return msgspec.structs.replace(main, metadata=meta)

@@ -1,6 +1,7 @@
 """The default agent of the `openai_proxy` generator: it plays an agentrl env through the proxy's
 OpenAI-compatible HTTP API (plain aiohttp, as any external agent would), so every env also runs through the
-proxy path. An agent is `async (base_url, task, env) -> reward`.
+proxy path. An agent is `async (base_url, task, env) -> reward`; one that takes `api_key` is given the proxy's
+bearer token when `rollout.proxy_token` is set (agentrl.generators.openai_proxy.agent_keywords).
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from agentrl.envs.base import AgentEnv
 from agentrl.errors import AgentRLError
 
 
-async def env_agent(base_url: str, task: dict[str, Any], env: AgentEnv) -> float:
+async def env_agent(base_url: str, task: dict[str, Any], env: AgentEnv, api_key: str = "") -> float:
     messages = [{"role": m.role, "content": m.content} for m in await env.reset(task)]
     total, info = 0.0, {}
-    async with aiohttp.ClientSession() as http:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with aiohttp.ClientSession(headers=headers) as http:
         for _ in range(max(1, env.max_turns)):
             async with http.post(f"{base_url}/chat/completions", json={"messages": messages}) as resp:
                 body = await resp.json()

@@ -175,8 +175,9 @@ async def _serve(args: argparse.Namespace) -> None:
     stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                               max_new_tokens=args.max_new_tokens, stop_token_ids=stop)  # fmt: skip
-    proxy = OpenAIProxy(engines, tokenizer, sink, sampling, args.max_seq_len, args.model_name, args.env_name,
-                        args.session_timeout_s, token=args.token, tool_parser=args.tool_parser)  # fmt: skip
+    proxy = OpenAIProxy(engines, tokenizer, sink, sampling=sampling, max_seq_len=args.max_seq_len,
+                        model_name=args.model_name, env_name=args.env_name, session_timeout_s=args.session_timeout_s,
+                        token=args.token, tool_parser=args.tool_parser)  # fmt: skip
     url = await proxy.start(args.host, args.port)
     print(f"agentrl serve-proxy: serving {url}", flush=True)
     try:

@@ -58,7 +58,8 @@ def _chat_request(props: dict[str, Any], sampling: Any, policy: str, max_seq_len
     props["tool_choice"]["description"] = "needs tools (unless 'none'); a named function must be one of them"
 
 
-def openapi_spec(*, sampling: Any, policy: str, max_seq_len: int) -> dict[str, Any]:
+def _components(sampling: Any, policy: str, max_seq_len: int) -> dict[str, Any]:
+    """The request Structs' schemas, completed with the value rules (module docstring), and the error body."""
     _, components = msgspec.json.schema_components(
         [ChatRequest, RewardRequest], ref_template="#/components/schemas/{name}"
     )
@@ -79,32 +80,36 @@ def openapi_spec(*, sampling: Any, policy: str, max_seq_len: int) -> dict[str, A
             "message": {"type": "string"}, "type": {"type": "string"},
             "param": {"type": ["string", "null"]}, "code": {"type": "null"}}}},
     }  # fmt: skip
+    return components
+
+
+def _errors(*codes: str) -> dict[str, Any]:
+    text = {"400": "invalid request; `param` names the field", "401": "missing or wrong bearer token",
+            "404": "unknown session or model", "409": "an n > 1 turn would reopen a session still open", "408": "body not received within read_timeout_s",
+            "413": "body over max_body_bytes", "429": "queue full: retry after Retry-After",
+            "502": "the engine failed", "503": "the engine aborted the request or the queue closed: retry"}  # fmt: skip
+    out = {c: {"description": text[c], "content": _json(_ref("Error"))} for c in codes}
+    if "401" in out:
+        out["401"]["headers"] = {"WWW-Authenticate": {"required": True, "schema": {"type": "string"}}}
+    return out
+
+
+def _paths() -> dict[str, Any]:
     obj = {"type": "object"}
-
-    def errors(*codes: str) -> dict[str, Any]:
-        text = {"400": "invalid request; `param` names the field", "401": "missing or wrong bearer token",
-                "404": "unknown session or model", "409": "an n > 1 turn would reopen a session still open", "408": "body not received within read_timeout_s",
-                "413": "body over max_body_bytes", "429": "queue full: retry after Retry-After",
-                "502": "the engine failed", "503": "the engine aborted the request or the queue closed: retry"}  # fmt: skip
-        out = {c: {"description": text[c], "content": _json(_ref("Error"))} for c in codes}
-        if "401" in out:
-            out["401"]["headers"] = {"WWW-Authenticate": {"required": True, "schema": {"type": "string"}}}
-        return out
-
     sid = [{"name": "sid", "in": "path", "required": True, "schema": {"type": "string"}}]
     model = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
     completion = {
         "200": {"description": "a chat.completion, or chat.completion.chunk events when stream",
                 "content": {**_json(obj), "text/event-stream": {"schema": {"anyOf": [obj, {"const": "[DONE]"}]}}}},
-        **errors("400", "401", "408", "409", "413", "502", "503"),
+        **_errors("400", "401", "408", "409", "413", "502", "503"),
     }  # fmt: skip
     chat_op = {
         "requestBody": {"required": True, "content": _json(_ref("ChatRequest"))},
         "responses": completion,
     }
-    models = {"200": {"description": "the served model", "content": _json(obj)}, **errors("401")}
-    model_ok = {**models, **errors("404")}
-    paths = {
+    models = {"200": {"description": "the served model", "content": _json(obj)}, **_errors("401")}
+    model_ok = {**models, **_errors("404")}
+    return {
         "/v1/sessions/{sid}/chat/completions": {"parameters": sid, "post": {"summary": "One chat turn", **chat_op}},
         "/v1/chat/completions": {"post": {"summary": "One chat turn; the session is X-Session-Id or `user`",
             "parameters": [{"name": "X-Session-Id", "in": "header", "required": False, "schema": {"type": "string"}}],
@@ -113,10 +118,10 @@ def openapi_spec(*, sampling: Any, policy: str, max_seq_len: int) -> dict[str, A
             "summary": "Close the session into trajectories for the sink",
             "requestBody": {"required": True, "content": _json(_ref("RewardRequest"))},
             "responses": {"200": {"description": "closed", "content": _json(obj)},
-                          **errors("400", "401", "404", "408", "413", "503"),
-                          "429": {**errors("429")["429"], "headers": {"Retry-After": {"required": True, "schema": {"type": "string"}}}}}}},
+                          **_errors("400", "401", "404", "408", "413", "503"),
+                          "429": {**_errors("429")["429"], "headers": {"Retry-After": {"required": True, "schema": {"type": "string"}}}}}}},
         "/v1/sessions/{sid}": {"parameters": sid, "delete": {"summary": "Drop the session",
-            "responses": {"200": {"description": "dropped", "content": _json(obj)}, **errors("401", "404")}}},
+            "responses": {"200": {"description": "dropped", "content": _json(obj)}, **_errors("401", "404")}}},
         "/v1/models": {"get": {"summary": "models.list()", "responses": models}},
         "/v1/models/{model}": {"parameters": model, "get": {"summary": "models.retrieve()", "responses": model_ok}},
         "/v1/sessions/{sid}/models": {"parameters": sid, "get": {"summary": "models.list()", "responses": models}},
@@ -127,13 +132,16 @@ def openapi_spec(*, sampling: Any, policy: str, max_seq_len: int) -> dict[str, A
         "/openapi.json": {"get": {"summary": "This document (no token needed)", "security": [],
                                   "responses": {"200": {"description": "OpenAPI 3.1", "content": _json(obj)}}}},
     }  # fmt: skip
+
+
+def openapi_spec(*, sampling: Any, policy: str, max_seq_len: int) -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {"title": "agentrl OpenAI proxy", "version": __version__},
         "components": {
-            "schemas": components,
+            "schemas": _components(sampling, policy, max_seq_len),
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
         "security": [{"bearer": []}],
-        "paths": paths,
+        "paths": _paths(),
     }

@@ -50,10 +50,10 @@ from agentrl.generators.openai_schema import (
     FunctionCall,
     ToolCall,
     template_message,
-    tool_dicts,
     turn_key,
 )
-from agentrl.generators.tool_parsers import ToolParser, parser_for
+from agentrl.generators.proxy_tools import ToolPlan, tool_plan
+from agentrl.generators.tool_parsers import parser_for
 from agentrl.types import Trajectory
 
 
@@ -69,14 +69,6 @@ class Segment:
 
 
 @dataclass
-class ToolPlan:
-    tools: list[dict[str, Any]] | None = None
-    key: str = ""
-    parser: ToolParser | None = None  # None: the reply is text
-    prefill: str = ""  # opens a call after the generation prompt (tool_choice required / named)
-
-
-@dataclass
 class Session:
     id: str
     engine_index: int
@@ -85,6 +77,7 @@ class Session:
     created_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     group_id: str = ""  # n > 1: the session the choices were forked from
+    sampling: SamplingParams | None = None  # the episode's (greedy in evaluation); None: the proxy's
 
 
 class ProxySessions:
@@ -130,36 +123,9 @@ class ProxySessions:
         session.last_used = time.monotonic()
         return session
 
-    def _tool_plan(self, req: ChatRequest) -> ToolPlan:
-        tools = tool_dicts(req.tools)
-        choice = req.tool_choice
-        if tools is None:
-            if choice is not None and choice != "none":
-                raise RequestError(400, "tool_choice needs tools", "tool_choice")
-            return ToolPlan()
-        if not self.chat.renders_tools(tools):
-            raise RequestError(400, "the model's chat template does not render tools", "tools")
-        names = [t["function"]["name"] for t in tools]
-        if len(set(names)) < len(names):
-            raise RequestError(400, "tool function names must be unique", "tools")
-        plan = ToolPlan(tools, msgspec.json.encode(tools).decode(), self.parser)
-        if choice is None or choice == "auto":
-            return plan
-        if choice == "none":
-            plan.parser = None
-        elif choice == "required":
-            plan.prefill = self.parser.prefill(None)
-        elif isinstance(choice, str):
-            raise RequestError(
-                400, "tool_choice must be 'auto', 'none', 'required' or a function", "tool_choice"
-            )
-        elif choice.function.name not in names:
-            raise RequestError(
-                400, f"tool_choice names {choice.function.name!r}, not one of the tools", "tool_choice"
-            )
-        else:
-            plan.prefill = self.parser.prefill(choice.function.name)
-        return plan
+    def tool_plan(self, req: ChatRequest) -> ToolPlan:
+        """The request's tools, parser and prefill (agentrl/generators/proxy_tools.py)."""
+        return tool_plan(req, self.chat, self.parser)
 
     def _segment_for(
         self, session: Session, keys: list[tuple], turns: list[dict[str, Any]], plan: ToolPlan
@@ -190,43 +156,55 @@ class ProxySessions:
         session.segments.append(seg)
         return seg, None
 
+    def open_session(self, sid: str, sampling: SamplingParams) -> Session:
+        """Open session `sid` with its own sampling: an in-process generator's episode (evaluation samples
+        greedily, training with the run's sampling), whichever the proxy was made with."""
+        session = self._session(sid)
+        session.sampling = sampling
+        return session
+
     async def complete(self, sid: str, req: ChatRequest) -> list[Choice]:
         """Run one chat turn (n choices) of session `sid`; raises RequestError on bad input or failure."""
         if not req.messages:
             raise RequestError(400, "messages must not be empty", "messages")
-        sampling = turn_sampling(req, self.sampling, self.chat, self.max_seq_len, self.sampling_policy)
-        plan = self._tool_plan(req)
+        known = self.sessions.get(sid)
+        base = known.sampling if known is not None and known.sampling is not None else self.sampling
+        sampling = turn_sampling(req, base, self.chat, self.max_seq_len, self.sampling_policy)
+        plan = self.tool_plan(req)
         keys = [turn_key(m) for m in req.messages]
         turns = [template_message(m) for m in req.messages]
         session = self._session(sid)
         async with session.lock:
             if req.n == 1:
                 return [await self._turn(session, keys, turns, plan, sampling, 0)]
-            forks = [self._fork(session, sid if i == 0 else f"{sid}.n{i}") for i in range(req.n)]
-            taken = [f.id for f in forks[1:] if f.id in self.sessions]
-            if taken:
-                raise RequestError(409, f"session {taken[0]!r} of an earlier n > 1 turn is still open", "n")
-            seeded = [
-                sampling
-                if sampling.seed is None
-                else msgspec.structs.replace(sampling, seed=sampling.seed + i)
-                for i in range(req.n)
-            ]  # one seed for all would give n equal samples
-            results = await asyncio.gather(
-                *[self._turn(f, keys, turns, plan, seeded[i], i) for i, f in enumerate(forks)],
-                return_exceptions=True,
-            )
-            failed = next((r for r in results if isinstance(r, BaseException)), None)
-            if failed is not None:  # all or nothing: the session and no fork changed
-                raise failed
-            session.segments = forks[0].segments
-            for fork in forks[1:]:
-                self.sessions[fork.id] = fork
-            return list(results)  # type: ignore[arg-type]
+            return await self._turn_n(session, keys, turns, plan, sampling, req.n)
+
+    async def _turn_n(self, session: Session, keys: list[tuple], turns: list[dict[str, Any]], plan: ToolPlan,
+                      sampling: SamplingParams, n: int) -> list[Choice]:  # fmt: skip
+        """n choices on forks of `session` (module docstring, `n > 1`); all or nothing."""
+        forks = [self._fork(session, session.id if i == 0 else f"{session.id}.n{i}") for i in range(n)]
+        taken = [f.id for f in forks[1:] if f.id in self.sessions]
+        if taken:
+            raise RequestError(409, f"session {taken[0]!r} of an earlier n > 1 turn is still open", "n")
+        seeded = [
+            sampling if sampling.seed is None else msgspec.structs.replace(sampling, seed=sampling.seed + i)
+            for i in range(n)
+        ]  # one seed for all would give n equal samples
+        results = await asyncio.gather(
+            *[self._turn(f, keys, turns, plan, seeded[i], i) for i, f in enumerate(forks)],
+            return_exceptions=True,
+        )
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:  # all or nothing: the session and no fork changed
+            raise failed
+        session.segments = forks[0].segments
+        for fork in forks[1:]:
+            self.sessions[fork.id] = fork
+        return list(results)  # type: ignore[arg-type]
 
     def _fork(self, session: Session, fork_id: str) -> Session:
-        return Session(fork_id, session.engine_index, copy.deepcopy(session.segments),
-                       created_at=session.created_at, group_id=session.group_id or session.id)  # fmt: skip
+        return Session(fork_id, session.engine_index, copy.deepcopy(session.segments), created_at=session.created_at,
+                       group_id=session.group_id or session.id, sampling=session.sampling)  # fmt: skip
 
     async def _turn(
         self,
@@ -240,23 +218,9 @@ class ProxySessions:
         seg, mark = self._segment_for(session, keys, turns, plan)
         engine = self.engines[session.engine_index]
         recorder = _TopRecorder(engine)
-        ctx = RolloutContext(engine=recorder, tokenizer=self.tokenizer, make_env=_no_env, env_name=self.env_name,
-                             sampling=sampling, max_seq_len=self.max_seq_len)  # fmt: skip
         self.in_flight[session.engine_index] += 1
         try:
-            if plan.prefill:  # the call's opening is given, not generated: loss-masked like a delta
-                seg.log.add_env(self.chat.encode(plan.prefill), engine.policy_version)
-                if len(seg.log) >= self.max_seq_len:
-                    raise RequestError(
-                        400, f"conversation exceeds max_seq_len = {self.max_seq_len} tokens", "messages"
-                    )
-            start = len(seg.log.response_ids)
-            # a fresh id per attempt: an engine may still hold the id of an attempt it aborted (SGLang keeps
-            # the id of a request aborted while queued and refuses it again)
-            rid = f"{session.id}.{len(seg.finish_reasons)}.{uuid.uuid4().hex[:8]}"
-            out, reply = await generate_turn(ctx, seg.log, sampling, rid)
-            if out.finish_reason == "abort":
-                raise RequestError(503, "the engine aborted the request (weight update); retry")
+            out, reply, start = await self._generate(session, seg, plan, sampling, recorder)
         except Exception as exc:  # undo this turn so the session stays consistent for a retry
             if mark is None:
                 session.segments.pop()
@@ -269,16 +233,7 @@ class ProxySessions:
             self.in_flight[session.engine_index] -= 1
         user_stop = out.finish_reason == "stop" and reply and reply[-1] not in self.chat.stop_ids
         text_ids = reply[:-1] if user_stop else reply  # OpenAI omits the stop sequence
-        text = plan.prefill + self.chat.decode(text_ids)
-        content: str | None = text
-        calls: list[dict[str, Any]] = []
-        if plan.parser is not None:
-            parsed = plan.parser.parse(text, plan.tools)
-            if parsed.error:
-                self.metrics["tool_call_parse_errors"] += 1
-                seg.tool_call_errors += 1
-            else:
-                content, calls = parsed.content, parsed.tool_calls
+        content, calls = self._parse_reply(seg, plan, plan.prefill + self.chat.decode(text_ids))
         finish = "tool_calls" if calls else "length" if out.finish_reason == "length" else "stop"
         sent = ChatMessage(
             "assistant", content, [ToolCall(FunctionCall(**c["function"])) for c in calls] or None
@@ -294,25 +249,53 @@ class ProxySessions:
                       top_logprobs=recorder.top[-len(reply):] if sampling.top_logprobs and reply else [],
                       policy_version=seg.log.versions[-1] if seg.log.versions else engine.policy_version)  # fmt: skip
 
+    async def _generate(self, session: Session, seg: Segment, plan: ToolPlan, sampling: SamplingParams,
+                        recorder: _TopRecorder) -> tuple[GenerateOutput, list[int], int]:  # fmt: skip
+        """The engine's reply to the segment (after the plan's prefill): output, reply tokens, and where the
+        reply starts in the segment's response."""
+        engine = recorder.engine
+        if plan.prefill:  # the call's opening is given, not generated: loss-masked like a delta
+            seg.log.add_env(self.chat.encode(plan.prefill), engine.policy_version)
+            if len(seg.log) >= self.max_seq_len:
+                raise RequestError(
+                    400, f"conversation exceeds max_seq_len = {self.max_seq_len} tokens", "messages"
+                )
+        start = len(seg.log.response_ids)
+        ctx = RolloutContext(engine=recorder, tokenizer=self.tokenizer, make_env=_no_env, env_name=self.env_name,
+                             sampling=sampling, max_seq_len=self.max_seq_len)  # fmt: skip
+        # a fresh id per attempt: an engine may still hold the id of an attempt it aborted (SGLang keeps
+        # the id of a request aborted while queued and refuses it again)
+        rid = f"{session.id}.{len(seg.finish_reasons)}.{uuid.uuid4().hex[:8]}"
+        out, reply = await generate_turn(ctx, seg.log, sampling, rid)
+        if out.finish_reason == "abort":
+            raise RequestError(503, "the engine aborted the request (weight update); retry")
+        return out, reply, start
+
+    def _parse_reply(
+        self, seg: Segment, plan: ToolPlan, text: str
+    ) -> tuple[str | None, list[dict[str, Any]]]:
+        """The reply's content and tool calls; a malformed call stays text and is counted."""
+        if plan.parser is None:
+            return text, []
+        parsed = plan.parser.parse(text, plan.tools)
+        if parsed.error:
+            self.metrics["tool_call_parse_errors"] += 1
+            seg.tool_call_errors += 1
+            return text, []
+        return parsed.content, parsed.tool_calls
+
     def _existing(self, sid: str) -> Session:
         session = self.sessions.get(sid)
         if session is None:
             raise RequestError(404, f"unknown session '{sid}' (closed, expired or never used)", "session_id")
         return session
 
-    async def close_session(
-        self,
-        sid: str,
-        reward: float,
-        group_id: str = "",
-        trajectory_id: str = "",
-        turn_rewards: list[float] | None = None,
-        metadata: dict[str, Any] | None = None,
-    ) -> list[Trajectory]:
-        """End session `sid` and return its trajectories (the in-process path; no sink involved)."""
+    async def close_session(self, sid: str, reward: float, **ending: Any) -> list[Trajectory]:
+        """End session `sid` and return its trajectories (`ending`: the keywords of `trajectories`); the
+        in-process path, no sink involved."""
         session = self._existing(sid)
         async with session.lock:
-            trajs = self.trajectories(session, reward, group_id, trajectory_id, turn_rewards, metadata)
+            trajs = self.trajectories(session, reward, **ending)
             self.sessions.pop(sid, None)
         return trajs
 
@@ -320,6 +303,7 @@ class ProxySessions:
         self,
         session: Session,
         reward: float,
+        *,
         group_id: str = "",
         trajectory_id: str = "",
         turn_rewards: list[float] | None = None,

@@ -39,41 +39,10 @@ async def generate(
     if seats == 1:
         await env.close()
         return [await run_episode(ctx, task, trajectory_id, group_id, max_turns=ctx.max_turns)]
-    chat = chat_tokens(ctx.tokenizer)
-    sampling = turn_sampling(ctx)
-    prefix = ctx.extra.get("request_prefix") or trajectory_id
     created_at = time.time()
-    logs: dict[int, TokenLog] = {}
-    replies: dict[int, list[int]] = {}
-    finish: dict[int, list[str]] = {seat: [] for seat in range(seats)}
-    status: Status = "truncated"
     try:
         await env.begin(task)
-        while True:
-            seat, messages = env.next_turn()
-            log = logs.get(seat)
-            if len(finish[seat]) >= ctx.max_turns:
-                break
-            if log is None:
-                log = logs[seat] = TokenLog(chat.prompt_ids(messages))
-            else:
-                delta = chat.delta_ids(messages, replies[seat])
-                if len(log) + len(delta) >= ctx.max_seq_len:
-                    break
-                log.add_env(delta, ctx.engine.policy_version)
-            if len(log) >= ctx.max_seq_len:
-                break
-            out, reply = await generate_turn(ctx, log, sampling, f"{prefix}.p{seat}.t{len(finish[seat])}")
-            if out.finish_reason == "abort":
-                status = "aborted"
-                if reply:
-                    finish[seat].append("abort")
-                break
-            finish[seat].append(out.finish_reason)
-            replies[seat] = reply
-            if await env.act(chat.decode(reply)):
-                status = "completed"
-                break
+        logs, finish, status = await _play(ctx, env, seats, ctx.extra.get("request_prefix") or trajectory_id)
         rewards = env.seat_rewards() if status == "completed" else dict.fromkeys(range(seats), 0.0)
         info = _plain(env.game_info())
     finally:
@@ -98,3 +67,38 @@ async def generate(
         )
         for seat in range(seats)
     ]
+
+
+async def _play(
+    ctx: RolloutContext, env: Any, seats: int, prefix: str
+) -> tuple[dict[int, TokenLog], dict[int, list[str]], Status]:
+    """Play the begun game to its end (or a limit): each seat's token log, its turns' finish reasons, and the
+    game's status (module docstring)."""
+    chat = chat_tokens(ctx.tokenizer)
+    sampling = turn_sampling(ctx)
+    logs: dict[int, TokenLog] = {}
+    replies: dict[int, list[int]] = {}
+    finish: dict[int, list[str]] = {seat: [] for seat in range(seats)}
+    while True:
+        seat, messages = env.next_turn()
+        log = logs.get(seat)
+        if len(finish[seat]) >= ctx.max_turns:
+            return logs, finish, "truncated"
+        if log is None:
+            log = logs[seat] = TokenLog(chat.prompt_ids(messages))
+        else:
+            delta = chat.delta_ids(messages, replies[seat])
+            if len(log) + len(delta) >= ctx.max_seq_len:
+                return logs, finish, "truncated"
+            log.add_env(delta, ctx.engine.policy_version)
+        if len(log) >= ctx.max_seq_len:
+            return logs, finish, "truncated"
+        out, reply = await generate_turn(ctx, log, sampling, f"{prefix}.p{seat}.t{len(finish[seat])}")
+        if out.finish_reason == "abort":
+            if reply:
+                finish[seat].append("abort")
+            return logs, finish, "aborted"
+        finish[seat].append(out.finish_reason)
+        replies[seat] = reply
+        if await env.act(chat.decode(reply)):
+            return logs, finish, "completed"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 from typing import Any
 
 import msgspec
@@ -22,7 +21,7 @@ import msgspec
 from agentrl.envs.verifiers_env import GENERATOR, VerifiersEnv, vf_module
 from agentrl.errors import ConfigError
 from agentrl.generator import RolloutContext
-from agentrl.generators.openai_proxy import proxy_for
+from agentrl.generators.openai_proxy import proxy_for, sink_the_rest
 from agentrl.types import Trajectory
 
 API_KEY_VAR = "AGENTRL_PROXY_TOKEN"  # unset: verifiers sends "EMPTY", which a proxy without a token accepts
@@ -138,11 +137,5 @@ async def play(
             id=trajectory_id, group_id=group_id, env=ctx.env_name, status="failed", metadata=meta
         )
         return failed, episode
-    rest = [t for t in produced if t is not main]
-    sink = ctx.extra.get("sink")
-    if rest and sink is not None:
-        result = sink(rest)
-        if inspect.isawaitable(result):
-            await result
-    meta = {**main.metadata, "dropped_segments": 0 if sink is not None else len(rest)}
-    return msgspec.structs.replace(main, env=ctx.env_name, metadata=meta), episode
+    main = await sink_the_rest(ctx, main, [t for t in produced if t is not main])
+    return msgspec.structs.replace(main, env=ctx.env_name), episode

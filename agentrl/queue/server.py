@@ -21,7 +21,7 @@ from aiohttp import web
 
 from agentrl.config import QueueSection
 from agentrl.errors import ConfigError, InvalidTrajectory, QueueClosed, QueueFull, StorageError
-from agentrl.net import bearer_ok, check_token, is_loopback
+from agentrl.net import check_token, lacks_token, serve
 from agentrl.queue.chat import NO_TOKENIZER, ChatTokenizer
 from agentrl.queue.core import ReplayQueue
 from agentrl.queue.metrics import prometheus_text
@@ -96,18 +96,11 @@ class QueueServer:
     async def start(self, host: str | None = None, port: int | None = None) -> int:
         """Bind and serve; returns the bound port (port 0 picks a free one)."""
         self.host = self.cfg.host if host is None else host
-        if not self.token and not is_loopback(self.host):
-            raise ConfigError(
-                f"refusing to serve the queue on non-loopback address {self.host!r} without a token: "
-                "pass --token (or queue.token) or bind 127.0.0.1"
-            )
-        # keepalive_timeout also bounds a connection that never completes its headers (slowloris)
-        self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False,
-                                     keepalive_timeout=self.cfg.read_timeout_s)  # fmt: skip
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.cfg.port if port is None else port, backlog=1024)
-        await site.start()
-        self.port = self._runner.addresses[0][1]
+        self._runner, self.port = await serve(
+            self.make_app(), self.host, self.cfg.port if port is None else port, token=self.token,
+            what="the queue", how="pass --token (or queue.token) or bind 127.0.0.1",
+            read_timeout_s=self.cfg.read_timeout_s, backlog=1024,
+        )  # fmt: skip
         return self.port
 
     @property
@@ -129,8 +122,9 @@ class QueueServer:
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
         try:
-            if request.path not in OPEN_PATHS and self.token:
-                self._check_token(request)
+            if lacks_token(request, self.token, OPEN_PATHS):
+                raise HTTPError(401, "missing or wrong bearer token (header 'Authorization: Bearer <token>')",
+                                "Authorization", {"WWW-Authenticate": "Bearer"})  # fmt: skip
             return await handler(request)
         except HTTPError as exc:
             return error_response(exc.status, exc.message, exc.field, exc.headers)
@@ -146,11 +140,6 @@ class QueueServer:
         except Exception:  # a bug, never a client's fault: log it, answer JSON
             log.exception("queue server: %s %s failed", request.method, request.path)
             return error_response(500, "internal error (see the server log)")
-
-    def _check_token(self, request: web.Request) -> None:
-        if not bearer_ok(request.headers.get("Authorization", ""), self.token):
-            raise HTTPError(401, "missing or wrong bearer token (header 'Authorization: Bearer <token>')",
-                            "Authorization", {"WWW-Authenticate": "Bearer"})  # fmt: skip
 
     async def _read_body(self, request: web.Request) -> tuple[memoryview | bytes, bytearray | None]:
         """The body, at most max_body_bytes (checked against Content-Length first, then while reading), and the

@@ -27,9 +27,10 @@ MAX_TOKENS = 64  # a `calculate` call in Hermes form is about 55 tokens of the t
 FIRST_CHOICE = {"type": "function", "function": {"name": "calculate"}}
 
 
-async def agent(base_url: str, task: dict[str, Any], env: Any) -> float:
-    # one timeout for connecting too: on a busy 2-core machine the SDK's 5 s connect timeout is too short
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600.0)
+async def agent(base_url: str, task: dict[str, Any], env: Any, api_key: str = "unused") -> float:
+    # api_key: the proxy's token when rollout.proxy_token is set (any string the proxy accepts otherwise).
+    # One timeout for connecting too: on a busy 2-core machine the SDK's 5 s connect timeout is too short
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600.0)
     messages: list[dict[str, Any]] = [{"role": m.role, "content": m.content} for m in await env.reset(task)]
     total = 0.0
     try:

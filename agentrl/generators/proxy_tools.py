@@ -1,0 +1,54 @@
+"""What a chat request's `tools` / `tool_choice` ask of the proxy's turn: the tools rendered into the prompt,
+the parser of the reply (none for `tool_choice: "none"`) and the call opening written after the generation
+prompt for `required` or a named function (docs/agents.md, "Tool calling"). Bad combinations raise
+`RequestError(400)` naming the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from agentrl.generators.openai_params import RequestError
+from agentrl.generators.openai_schema import ChatRequest, tool_dicts
+from agentrl.generators.tool_parsers import ToolParser
+
+
+@dataclass
+class ToolPlan:
+    tools: list[dict[str, Any]] | None = None
+    key: str = ""
+    parser: ToolParser | None = None  # None: the reply is text
+    prefill: str = ""  # opens a call after the generation prompt (tool_choice required / named)
+
+
+def tool_plan(req: ChatRequest, chat: Any, parser: ToolParser) -> ToolPlan:
+    """The plan of `req` for a proxy whose chat tokens are `chat` and whose tool parser is `parser`."""
+    tools = tool_dicts(req.tools)
+    choice = req.tool_choice
+    if tools is None:
+        if choice is not None and choice != "none":
+            raise RequestError(400, "tool_choice needs tools", "tool_choice")
+        return ToolPlan()
+    if not chat.renders_tools(tools):
+        raise RequestError(400, "the model's chat template does not render tools", "tools")
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) < len(names):
+        raise RequestError(400, "tool function names must be unique", "tools")
+    plan = ToolPlan(tools, msgspec.json.encode(tools).decode(), parser)
+    if choice is None or choice == "auto":
+        return plan
+    if choice == "none":
+        plan.parser = None
+    elif choice == "required":
+        plan.prefill = parser.prefill(None)
+    elif isinstance(choice, str):
+        raise RequestError(400, "tool_choice must be 'auto', 'none', 'required' or a function", "tool_choice")
+    elif choice.function.name not in names:
+        raise RequestError(
+            400, f"tool_choice names {choice.function.name!r}, not one of the tools", "tool_choice"
+        )
+    else:
+        plan.prefill = parser.prefill(choice.function.name)
+    return plan
