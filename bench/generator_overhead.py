@@ -18,14 +18,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from gen_support import Recording, embedded_engine, sft_on_demonstrations, tiny_model_dir
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: the tests package
 
 from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory, make_env
 from agentrl.generator import RolloutContext, resolve_generator
 from agentrl.tokenizer import load_tokenizer
+from tests.gen_support import Recording, embedded_engine, sft_on_demonstrations, tiny_model_dir
 
 
 async def main(args: argparse.Namespace) -> None:

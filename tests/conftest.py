@@ -8,10 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from gen_support import tiny_model_dir
-from run_support import make_model
 
 from agentrl.tokenizer import load_tokenizer
+from tests.gen_support import tiny_model_dir
+from tests.run_support import make_model
 
 
 @pytest.fixture(scope="session")

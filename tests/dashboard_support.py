@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from run_support import make_model, tiny_config
+from tests.run_support import make_model, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

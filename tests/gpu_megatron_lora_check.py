@@ -16,9 +16,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: agentrl and the tests package
 
-import torch  # noqa: E402
+import torch
 
 
 def ok(out: dict) -> bool:
@@ -37,10 +37,10 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     import torch.distributed as dist
-    from megatron_lora_helpers import ALGO, SETTINGS, compare, lora_section, torch_learner
 
     from agentrl.config import AlgorithmSection, LearnerSection
     from agentrl.learners.megatron.learner import MegatronLearner
+    from tests.megatron_lora_helpers import ALGO, SETTINGS, compare, lora_section, torch_learner
 
     results = {}
     for targets in (("all-linear",), ("q_proj", "v_proj", "up_proj", "down_proj")):

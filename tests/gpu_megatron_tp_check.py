@@ -16,9 +16,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: agentrl and the tests package
 
-import torch  # noqa: E402
+import torch
 
 
 def main() -> int:
@@ -31,12 +31,12 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     import torch.distributed as dist
-    from megatron_helpers import hf_logprobs, make_batch
     from transformers import AutoModelForCausalLM
 
     from agentrl.config import AlgorithmSection, LearnerSection
     from agentrl.learners.megatron.checkpoint import hf_reader
     from agentrl.learners.megatron.learner import MegatronLearner
+    from tests.megatron_helpers import hf_logprobs, make_batch
 
     lc = LearnerSection(
         kind="megatron", device="cuda", tensor_parallel=args.tp, micro_batch_tokens=64, lr=1e-3

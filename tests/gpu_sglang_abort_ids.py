@@ -2,7 +2,7 @@
 docs/engines.md "Request ids"), and the abort path of issue 16 end to end (SGLangEngine + multi_turn + weight
 publishes in `abort` mode while requests run and wait queued). Prints one JSON summary; exit 1 if a check
 fails.
-    python3 tests/gpu_sglang_abort_ids.py OUT_DIR   # after `gpu_install sglang` (bench/gpu/common.sh); pytest: tests/test_gpu_sglang.py
+    python3 -m tests.gpu_sglang_abort_ids OUT_DIR   # after `gpu_install sglang` (bench/gpu/common.sh); pytest: tests/test_gpu_sglang.py
 The server runs at most 2 requests at a time (`--max-running-requests 2`), so the others wait queued.
 """
 
@@ -16,7 +16,6 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
-from gen_support import calculator_context
 
 from agentrl.actors.broadcast import load_into_engines
 from agentrl.config import SGLangSection
@@ -26,6 +25,7 @@ from agentrl.engines.sglang_launcher import SGLangServer
 from agentrl.engines.tiny import make_tiny_model
 from agentrl.generator import resolve_generator
 from agentrl.types import expand_versions, floats, n_response
+from tests.gen_support import calculator_context
 
 FLAGS = {
     "dtype": "bfloat16", "attention_backend": "triton", "sampling_backend": "pytorch",

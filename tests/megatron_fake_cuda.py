@@ -71,10 +71,9 @@ def gpu_path_learner(model_dir, tp: int = 1, pp: int = 1, gpu_path: bool = True,
 
 def compare_with_torch_learner(learner, model_dir, steps: int = 2, **learner_kw) -> dict:
     """Train `learner` and a TorchLearner (same `learner_kw`) on the same batches; the numbers a test compares."""
-    from megatron_helpers import make_batch
-
     from agentrl.config import AlgorithmSection, LearnerSection
     from agentrl.learners.torch_learner import TorchLearner
+    from tests.megatron_helpers import make_batch
 
     ref = TorchLearner(
         model_dir, LearnerSection(**{**SETTINGS, **learner_kw}), AlgorithmSection(entropy_coef=0.01)
@@ -98,7 +97,7 @@ def compare_with_torch_learner(learner, model_dir, steps: int = 2, **learner_kw)
 
 def single_process(model_dir: str) -> dict:
     """DP = 1 on the GPU path, plus a save/load resume."""
-    from megatron_helpers import make_batch
+    from tests.megatron_helpers import make_batch
 
     learner = gpu_path_learner(model_dir)
     out = {"model": type(learner.model).__name__, "optimizer": type(learner.optimizer).__name__}
@@ -121,7 +120,7 @@ def single_process(model_dir: str) -> dict:
 
 def non_finite_guard(learner) -> dict:
     """A NaN reward in the first mini-batch: that update is skipped, the weights stay finite."""
-    from megatron_helpers import make_batch
+    from tests.megatron_helpers import make_batch
 
     before = {n: t.clone() for n, t in learner.weights()}
     batch = make_batch(300, seed=2)

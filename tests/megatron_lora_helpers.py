@@ -1,12 +1,12 @@
 """Megatron LoRA vs torch + peft LoRA on the same start (shared by test_megatron_lora.py and its TP = 2 worker)."""
 
 import torch
-from megatron_helpers import make_batch
 
 from agentrl.config import AlgorithmSection, LearnerSection, LoraSection
 from agentrl.learners.megatron import lora as mlora
 from agentrl.learners.megatron.model import unwrap
 from agentrl.learners.torch_learner import TorchLearner
+from tests.megatron_helpers import make_batch
 
 SETTINGS = dict(micro_batch_tokens=40, lr=1e-2, grad_clip=0.5, reference_model=True)
 ALGO = dict(advantage="grpo", entropy_coef=0.01, kl_coef=0.1)

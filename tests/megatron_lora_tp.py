@@ -1,7 +1,7 @@
 """Two gloo ranks, TP = 2 and PP = 2, the Megatron learner's GPU code path on CPU (megatron_fake_cuda): LoRA vs
 torch + peft.
 
-Usage: python tests/megatron_lora_tp.py MODEL_DIR OUT_DIR  -> OUT_DIR/rank{0,1}.json (test_megatron_lora.py).
+Usage (from the repo root): python -m tests.megatron_lora_tp MODEL_DIR OUT_DIR  -> OUT_DIR/rank{0,1}.json (test_megatron_lora.py).
 """
 
 import json
@@ -14,12 +14,11 @@ SUBSET = ("q_proj", "v_proj", "up_proj", "down_proj")
 def worker(rank: int, world: int, model_dir: str, out_dir: str, port: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from megatron_fake_cuda import fake_cuda, gpu_path_class
+    from tests.megatron_fake_cuda import fake_cuda, gpu_path_class
 
     fake_cuda()
-    from megatron_lora_helpers import ALGO, SETTINGS, compare, lora_section, torch_learner
-
     from agentrl.config import AlgorithmSection, LearnerSection
+    from tests.megatron_lora_helpers import ALGO, SETTINGS, compare, lora_section, torch_learner
 
     learner_class = gpu_path_class()
     results = {}

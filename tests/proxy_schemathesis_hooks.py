@@ -1,4 +1,4 @@
-"""Schemathesis hooks (SCHEMATHESIS_HOOKS=proxy_schemathesis_hooks) for tests/test_proxy_openapi.py.
+"""Schemathesis hooks (SCHEMATHESIS_HOOKS=tests.proxy_schemathesis_hooks) for tests/test_proxy_openapi.py.
 
 Some of the proxy's rules are beyond JSON Schema, and /openapi.json states them in descriptions: the session
 of `POST /v1/chat/completions` comes from the `X-Session-Id` header or the `user` field; a stop string must be

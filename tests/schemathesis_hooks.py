@@ -1,4 +1,4 @@
-"""Schemathesis hooks (SCHEMATHESIS_HOOKS=schemathesis_hooks) for tests/test_queue_openapi.py.
+"""Schemathesis hooks (SCHEMATHESIS_HOOKS=tests.schemathesis_hooks) for tests/test_queue_openapi.py.
 
 Two rules of /openapi.json cross fields, which JSON Schema has no keyword for; the document states them as
 `x-same-length-as` (loss_mask, logprobs: one value per response token) and `x-counts-sum-to-length-of`

@@ -7,7 +7,6 @@ from collections import Counter
 
 import pytest
 import torch
-from gen_support import Recording, calculator_context
 
 from agentrl.actors.broadcast import load_into_engines
 from agentrl.engines.base import DiskSource
@@ -17,6 +16,7 @@ from agentrl.engines.sglang import SGLangEngine
 from agentrl.engines.tiny import make_tiny_model
 from agentrl.generator import resolve_generator
 from agentrl.types import expand_versions, floats, n_response
+from tests.gen_support import Recording, calculator_context
 
 torch.set_num_threads(1)
 TASK = {"a": 23, "b": 45, "op": "+", "answer": 68}

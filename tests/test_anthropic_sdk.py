@@ -11,11 +11,11 @@ import pytest
 pytest.importorskip("anthropic")
 
 import anthropic
-from gen_support import scripted_replies as scripted
-from sdk_support import CALL, TOOLS, Live, Q, assert_recorded
 
 from agentrl.generators.chat import chat_tokens
 from agentrl.types import mask, tokens
+from tests.gen_support import scripted_replies as scripted
+from tests.sdk_support import CALL, TOOLS, Live, Q, assert_recorded
 
 SYSTEM, USER = Q[0]["content"], Q[1]["content"]
 A_TOOLS = [

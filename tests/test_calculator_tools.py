@@ -11,7 +11,6 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
-from gen_support import scripted_replies
 
 from agentrl.chat import demonstration_tokens
 from agentrl.engines.base import SamplingParams
@@ -20,6 +19,7 @@ from agentrl.errors import EnvError
 from agentrl.generators.openai_proxy import OpenAIProxy
 from agentrl.generators.tool_parsers import HermesParser
 from agentrl.types import mask, tokens
+from tests.gen_support import scripted_replies
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "agents"))
 import calculator_tools

@@ -7,7 +7,6 @@ end-of-turn token are trained, the template glue after it (`\\n`) is not."""
 from __future__ import annotations
 
 import aiohttp
-from gen_support import HFEngine
 
 from agentrl.config import QueueSection
 from agentrl.engines.base import SamplingParams
@@ -19,6 +18,7 @@ from agentrl.queue import ReplayQueue
 from agentrl.queue.server import BackgroundServer
 from agentrl.tokenizer import load_tokenizer
 from agentrl.types import Trajectory, mask, tokens
+from tests.gen_support import HFEngine
 
 TASK = {"a": 23, "b": 45, "op": "+", "answer": 68}
 CHAT = [
@@ -72,7 +72,7 @@ async def via_proxy(tiny, tok, conversation: list[dict]) -> Trajectory:
 
 
 def via_queue(tiny, tmp_path, conversation: list[dict]) -> Trajectory:
-    from test_queue_http import post_json
+    from tests.test_queue_http import post_json
 
     cfg = QueueSection()
     server = BackgroundServer(lambda: ReplayQueue(cfg, tmp_path), cfg, tokenizer_path=str(tiny))

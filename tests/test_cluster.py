@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from run_support import Handle, make_model
 
 from agentrl.actors import placement
 from agentrl.actors.cluster import Cluster
@@ -15,6 +14,7 @@ from agentrl.actors.coordinator import Coordinator
 from agentrl.actors.learner import LearnerWorker
 from agentrl.config import load_config
 from agentrl.errors import ConfigError
+from tests.run_support import Handle, make_model
 
 DRIVER = {"node_id": "head", "ip": "10.0.0.1"}
 OTHER = {"node_id": "gpu-1", "ip": "10.0.0.2"}

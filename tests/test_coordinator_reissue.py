@@ -11,7 +11,6 @@ import re
 import aiohttp
 import pytest
 import torch
-from run_support import Handle
 
 from agentrl.actors.coordinator import Coordinator, Slot
 from agentrl.actors.queue import QueueActor
@@ -22,6 +21,7 @@ from agentrl.engines.server import EngineServer
 from agentrl.engines.sglang import SGLangEngine
 from agentrl.errors import AgentRLError
 from agentrl.net import free_port
+from tests.run_support import Handle
 
 torch.set_num_threads(1)
 TASK = {"a": 2, "b": 3, "op": "+", "answer": 5}

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from dashboard_support import short_run
 
 from agentrl.config import load_config
 from agentrl.dashboard.server import Dashboard
 from agentrl.errors import ConfigError
 from agentrl.runlock import RUN_LOCK, DirLock
+from tests.dashboard_support import short_run
 
 pytestmark = pytest.mark.slow  # one short real `agentrl run` per session (tests/dashboard_support.py)
 

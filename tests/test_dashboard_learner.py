@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_torch_learner import make_trajs, manual_logprobs
 from transformers import AutoModelForCausalLM
 
 from agentrl import types
@@ -14,6 +13,7 @@ from agentrl.config import AlgorithmSection, LearnerSection
 from agentrl.engines.tiny import make_tiny_model
 from agentrl.learners.batch import build_batch
 from agentrl.learners.torch_learner import TorchLearner
+from tests.test_torch_learner import make_trajs, manual_logprobs
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from dashboard_support import short_run
 
 from agentrl.dashboard.server import Dashboard
 from agentrl.net import free_port
 from agentrl.runlock import RUN_LOCK, DirLock
+from tests.dashboard_support import short_run
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 WAIT_S = 60.0  # an upper bound for a slow shared box, not a speed check

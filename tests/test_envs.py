@@ -173,7 +173,7 @@ async def test_reward_override_from_config():
     env = make_env("arithmetic", reward="exact_match")
     await env.reset({"a": 1, "b": 2, "op": "+", "answer": 3})
     assert (await env.step("3")).info["episode_reward"] == 1.0
-    env = make_env("arithmetic", reward="test_envs:half_reward")
+    env = make_env("arithmetic", reward="tests.test_envs:half_reward")
     await env.reset({"a": 1, "b": 2, "op": "+", "answer": 3})
     assert (await env.step("anything")).info["episode_reward"] == 0.5
     with pytest.raises(ConfigError, match=r"env\.reward"):

@@ -107,10 +107,9 @@ def test_bad_kwargs_named():
 
 @pytest.mark.slow
 def test_short_run_end_to_end(ray_session, tmp_path):
-    from run_support import make_model, read_jsonl, tiny_config
-
     from agentrl.config import load_config
     from agentrl.runner.loop import run
+    from tests.run_support import make_model, read_jsonl, tiny_config
 
     model = make_model(tmp_path)
     law = ["--env.kwargs.median_n", "4.0", "--env.kwargs.sigma", "1.0", "--env.kwargs.min_n", "1",

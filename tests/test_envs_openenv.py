@@ -9,7 +9,6 @@ import sys
 import textwrap
 
 import pytest
-from gen_support import scripted_replies
 
 from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory, make_env, openenv_env
@@ -18,6 +17,7 @@ from agentrl.errors import EnvError
 from agentrl.generator import RolloutContext
 from agentrl.generators.multi_turn import generate
 from agentrl.types import mask, tokens
+from tests.gen_support import scripted_replies
 
 WORD_GAME = """
 import time

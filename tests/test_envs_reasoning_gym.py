@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from run_support import read_jsonl
+
+from tests.run_support import read_jsonl
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
 

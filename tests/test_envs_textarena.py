@@ -8,14 +8,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from gen_support import HFEngine, real_model_logprob
-from run_support import Handle
 
 from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory, make_env
 from agentrl.generator import RolloutContext, resolve_generator
 from agentrl.generators.chat import chat_tokens
 from agentrl.types import floats, mask, n_response, tokens
+from tests.gen_support import HFEngine, real_model_logprob
+from tests.run_support import Handle
 
 pytest.importorskip("textarena")
 
@@ -278,11 +278,10 @@ async def test_a_seat_that_never_moved_leaves_its_group_out(tmp_path, tiny, tok)
 def test_a_self_play_run_trains_every_queued_trajectory_once_in_complete_groups(
     tmp_path, monkeypatch, run_model
 ):
-    from run_support import read_jsonl, tiny_config
-
     from agentrl.config import load_config
     from agentrl.queue.wal import WriteAheadLog
     from agentrl.runner.loop import run
+    from tests.run_support import read_jsonl, tiny_config
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     rollout = {"generator": "self_play", "n_samples_per_prompt": 2, "prompts_per_step": 2, "max_new_tokens": 4,

@@ -13,7 +13,6 @@ import pytest
 
 pytest.importorskip("verifiers")
 
-from gen_support import scripted_replies
 from verifiers.v1.dialects.chat import message_to_wire
 
 from agentrl.engines.base import SamplingParams
@@ -24,6 +23,7 @@ from agentrl.generators.chat import chat_tokens
 from agentrl.generators.openai_proxy import stop_proxies
 from agentrl.generators.verifiers_env import play, stop_envs
 from agentrl.types import mask, tokens
+from tests.gen_support import scripted_replies
 
 SINGLE = """
 import verifiers.v1 as vf

@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from run_support import read_jsonl, tiny_config
 
 from agentrl.queue import recovery
 from agentrl.queue.walformat import LEDGER_NAME, WAL_NAME, PutRecord
+from tests.run_support import read_jsonl, tiny_config
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

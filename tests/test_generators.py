@@ -10,13 +10,6 @@ import asyncio
 import msgspec
 import numpy as np
 import pytest
-from gen_support import (
-    HFEngine,
-    Recording,
-    embedded_engine,
-    real_model_logprob,
-    sft_on_demonstrations,
-)
 from safetensors.torch import load_file
 
 from agentrl.engines.base import SamplingParams, TensorSource
@@ -25,6 +18,13 @@ from agentrl.generator import RolloutContext, resolve_generator
 from agentrl.generators.chat import chat_tokens, demonstration_tokens
 from agentrl.tokenizer import load_tokenizer
 from agentrl.types import Message, expand_versions, floats, mask, n_response, normalize, tokens
+from tests.gen_support import (
+    HFEngine,
+    Recording,
+    embedded_engine,
+    real_model_logprob,
+    sft_on_demonstrations,
+)
 
 TASK = {"a": 23, "b": 45, "op": "+", "answer": 68}
 
@@ -271,7 +271,7 @@ async def test_episode_reward_override_and_raw_prompts(tiny, tok):
     chat = chat_tokens(tok)
     engine = HFEngine(tiny, script=lambda _i: [*ids(tok, "\\boxed{3}"), chat.eot_id])
     ctx = context(engine, tok, env="math")
-    ctx.make_env = env_factory("math", reward="test_generators:always_07")
+    ctx.make_env = env_factory("math", reward="tests.test_generators:always_07")
     task = {"prompt": "1+2=", "answer": "3", "apply_chat_template": False}
     traj = await resolve_generator("single_turn")(ctx, task, "t", "g")
     assert tokens(traj.prompt_ids).tolist() == tok.encode("1+2=", add_special_tokens=True)
@@ -290,7 +290,7 @@ def test_generator_names_resolve():
     assert resolve_generator("single_turn") is agentrl.generators.single_turn.generate
     assert resolve_generator("multi_turn") is agentrl.generators.multi_turn.generate
     assert resolve_generator("openai_proxy") is agentrl.generators.openai_proxy.generate
-    assert resolve_generator("test_generators:always_07") is always_07
+    assert resolve_generator("tests.test_generators:always_07") is always_07
 
 
 LLAMA3_TEMPLATE = (

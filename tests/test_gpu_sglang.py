@@ -55,7 +55,6 @@ def test_hot_reload_over_nccl_to_a_second_gpu(tmp_path):
 
 def test_request_ids_and_abort_path(tmp_path):
     pytest.importorskip("sglang")
-    sys.path.insert(0, str(ROOT / "tests"))
-    from gpu_sglang_abort_ids import main
+    from tests.gpu_sglang_abort_ids import main
 
     assert asyncio.run(main(tmp_path)) == 0, (tmp_path / "summary.json").read_text()

@@ -6,8 +6,6 @@ it cannot do, and a colocated sync run trains with it (real Ray, tiny model)."""
 import pytest
 import torch
 from aiohttp import web
-from run_support import make_model, read_jsonl, tiny_config
-from test_lora import PROMPT, batch
 
 from agentrl.actors.handoff import GIB, HandOff, PeakMeter, wait_until_free
 from agentrl.config import AlgorithmSection, LearnerSection, load_config
@@ -17,6 +15,8 @@ from agentrl.engines.sglang import SGLangEngine
 from agentrl.engines.tiny import make_tiny_model
 from agentrl.errors import ConfigError
 from agentrl.learners.torch_learner import TorchLearner
+from tests.run_support import make_model, read_jsonl, tiny_config
+from tests.test_lora import PROMPT, batch
 
 torch.set_num_threads(2)
 

@@ -4,7 +4,8 @@ version still advances once per batch and the staleness bound of an async run ho
 from __future__ import annotations
 
 import pytest
-from run_support import read_jsonl, tiny_config
+
+from tests.run_support import read_jsonl, tiny_config
 
 pytestmark = pytest.mark.slow
 

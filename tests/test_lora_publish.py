@@ -6,7 +6,6 @@ import logging
 import threading
 
 import torch
-from test_lora import PROMPT, batch, seq_logprobs
 
 from agentrl.actors.broadcast import load_into_engines
 from agentrl.actors.learner import LearnerWorker
@@ -15,6 +14,7 @@ from agentrl.engines.base import SamplingParams
 from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.tiny import make_tiny_model
 from agentrl.net import free_port
+from tests.test_lora import PROMPT, batch, seq_logprobs
 
 torch.set_num_threads(2)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from run_support import read_jsonl, tiny_config
 
 from agentrl.cli import main as cli_main
+from tests.run_support import read_jsonl, tiny_config
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,6 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_helpers import hf_logprobs, write_model
 from safetensors.torch import load_file, save_file
 
 from agentrl import types
@@ -24,6 +23,7 @@ from agentrl.learners.batch import build_batch
 from agentrl.learners.megatron import arch as arch_lib
 from agentrl.learners.megatron.learner import MegatronLearner
 from agentrl.learners.megatron.parallel import init_parallel
+from tests.megatron_helpers import hf_logprobs, write_model
 
 VOCAB = 300
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

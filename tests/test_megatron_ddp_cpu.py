@@ -34,7 +34,7 @@ def test_ddp_distributed_optimizer_and_resume():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/megatron_fake_cuda.py")], env=env, cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "tests.megatron_fake_cuda"], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -53,7 +53,8 @@ def test_tensor_pipeline_data_parallel_2_ranks(tmp_path):
     """Two gloo ranks run TP = 2 (qwen2, untied), PP = 2 (qwen3, tied: embedding grads cross stages), DP = 2,
     and DP = 2 of the CPU learner (torch AdamW, gradients all-reduced)."""
     import torch.multiprocessing as mp
-    from megatron_fake_cuda import parallel_worker
+
+    from tests.megatron_fake_cuda import parallel_worker
 
     qwen2 = make_tiny_model(tmp_path / "qwen2", "qwen2", seed=3, tie_embeddings=False, **TINY)
     qwen3 = make_tiny_model(tmp_path / "qwen3", "qwen3", seed=4, tie_embeddings=True, **TINY)

@@ -8,8 +8,6 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_helpers import hf_logprobs, hf_state, make_batch
-
 from agentrl import types
 from agentrl.config import AlgorithmSection, LearnerSection
 from agentrl.errors import ConfigError, LearnerError
@@ -18,6 +16,7 @@ from agentrl.learners.batch import build_batch
 from agentrl.learners.megatron import convert, cpu_compat, ops
 from agentrl.learners.megatron.learner import MegatronLearner
 from agentrl.learners.megatron.model import ArchSpec, build_gpt
+from tests.megatron_helpers import hf_logprobs, hf_state, make_batch
 
 ARCHS = [
     ("qwen2", False),

@@ -14,9 +14,6 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("peft")
 
-from megatron_helpers import hf_logprobs, make_batch
-from megatron_lora_helpers import ALGO, SETTINGS, compare, lora_section, torch_learner
-
 from agentrl import types
 from agentrl.cli import main as cli_main
 from agentrl.config import AlgorithmSection, LearnerSection, load_config
@@ -24,6 +21,8 @@ from agentrl.errors import LearnerError
 from agentrl.learners.batch import build_batch
 from agentrl.learners.checkpoint import read_metadata
 from agentrl.learners.megatron.learner import MegatronLearner
+from tests.megatron_helpers import hf_logprobs, make_batch
+from tests.megatron_lora_helpers import ALGO, SETTINGS, compare, lora_section, torch_learner
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBSET = ("q_proj", "v_proj", "up_proj", "down_proj")  # k and gate untouched inside the fused linears
@@ -148,11 +147,11 @@ def test_tensor_and_pipeline_parallel_2_equal_torch_peft(megatron_model, tmp_pat
     model = megatron_model("qwen2", seed=3, tied=False)
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/megatron_lora_tp.py"), str(model), str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "tests.megatron_lora_tp", str(model), str(tmp_path)],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in range(2):
@@ -164,9 +163,8 @@ def test_tensor_and_pipeline_parallel_2_equal_torch_peft(megatron_model, tmp_pat
 
 @pytest.mark.slow
 def test_agentrl_run_with_megatron_lora_checkpoints_and_resumes(ray_session, tmp_path):
-    from run_support import make_model, read_jsonl, tiny_config
-
     from agentrl.runner.loop import run
+    from tests.run_support import make_model, read_jsonl, tiny_config
 
     path = tiny_config(tmp_path, make_model(tmp_path), run={"steps": 2, "eval_every": 0},
                        learner={"lr": 1e-2, "kind": "megatron"})  # fmt: skip

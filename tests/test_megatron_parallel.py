@@ -13,10 +13,9 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_helpers import write_model
-
 from agentrl.engines.tiny import make_tiny_model
 from agentrl.net import free_port
+from tests.megatron_helpers import write_model
 
 
 def _worker(rank: int, world: int, runs: list[tuple[int, int, str]], port: int, out_dir: str) -> None:

@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 import pytest
-from run_support import make_model, read_jsonl, tiny_config
 
 from agentrl.net import free_port
+from tests.run_support import make_model, read_jsonl, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,8 @@ def ray_cluster(monkeypatch):
     # other process would find it and join: keep it in a directory of this test's own.
     monkeypatch.setenv("RAY_TMPDIR", tempfile.mkdtemp(prefix="agentrl-mn-"))
     monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+        "PYTHONPATH",
+        os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
     )
     # a killed node is declared dead within ~2 s (the default waits ~30 s)
     system = {
@@ -94,7 +95,7 @@ def test_a_run_over_three_nodes_survives_losing_the_rollout_node(ray_cluster, tm
     cfg = tiny_config(
         tmp_path, model, run={"steps": STEPS, "eval_every": 0, "placement": "disaggregated", "nodes": 3,
                               "mode": "async", "max_restarts": 4},
-        env={"name": "calculator", "reward": "run_support:letters_reward"}, rollout={"max_turns": 1},
+        env={"name": "calculator", "reward": "tests.run_support:letters_reward"}, rollout={"max_turns": 1},
         warmup={"steps": 0}, dashboard={"enabled": False},
     )  # fmt: skip
     run = tmp_path / "t"

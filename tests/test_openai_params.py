@@ -9,15 +9,15 @@ import asyncio
 import aiohttp
 import openai
 import pytest
-from gen_support import embedded_engine
-from gen_support import scripted_replies as scripted
-from test_openai_sdk import TOOLS, Live
 
 from agentrl.engines.base import SamplingParams
 from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.server import EngineServer
 from agentrl.engines.sglang import SGLangEngine
 from agentrl.types import floats, n_response
+from tests.gen_support import embedded_engine
+from tests.gen_support import scripted_replies as scripted
+from tests.test_openai_sdk import TOOLS, Live
 
 Q = [{"role": "user", "content": "What is 2+3?"}]
 IMAGE = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]

@@ -8,8 +8,6 @@ import urllib.request
 
 import aiohttp
 import pytest
-from gen_support import embedded_engine
-from gen_support import scripted_replies as scripted
 
 from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory, make_env
@@ -18,6 +16,8 @@ from agentrl.generator import RolloutContext, resolve_generator
 from agentrl.generators.chat import chat_tokens, demonstration_tokens
 from agentrl.generators.openai_proxy import OpenAIProxy
 from agentrl.types import floats, mask, n_response, tokens
+from tests.gen_support import embedded_engine
+from tests.gen_support import scripted_replies as scripted
 
 TASK = {"a": 23, "b": 45, "op": "+", "answer": 68}
 Q = [{"role": "user", "content": "What is 23+45?"}]

@@ -10,15 +10,15 @@ import json
 
 import openai
 import pytest
-from gen_support import HFEngine
-from gen_support import scripted_replies as scripted
-from sdk_support import CALL, Live, Q, assert_recorded, sent
-from sdk_support import STRICT_TOOLS as TOOLS
 
 from agentrl.engines.base import SamplingParams
 from agentrl.generators.chat import chat_tokens
 from agentrl.generators.openai_proxy import OpenAIProxy
 from agentrl.types import mask, tokens
+from tests.gen_support import HFEngine
+from tests.gen_support import scripted_replies as scripted
+from tests.sdk_support import CALL, Live, Q, assert_recorded, sent
+from tests.sdk_support import STRICT_TOOLS as TOOLS
 
 
 async def test_plain_chat_with_the_sdk(tiny, tok):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from dashboard_support import short_run
 
 from agentrl.cli import main
 from agentrl.dashboard.curves import CURVES
+from tests.dashboard_support import short_run
 
 pytestmark = pytest.mark.slow  # one short real `agentrl run` per session (tests/dashboard_support.py)
 

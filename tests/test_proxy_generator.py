@@ -10,7 +10,6 @@ import types
 import aiohttp
 import msgspec
 import pytest
-from gen_support import HFEngine
 
 from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory
@@ -18,6 +17,7 @@ from agentrl.errors import ConfigError
 from agentrl.generator import RolloutContext, resolve_generator
 from agentrl.generators.openai_proxy import _proxies, proxy_for, stop_proxies
 from agentrl.types import n_response
+from tests.gen_support import HFEngine
 
 TRAIN = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=4)
 EVAL = msgspec.structs.replace(TRAIN, temperature=0.0, top_p=1.0, top_k=-1)  # as the rollout worker's greedy

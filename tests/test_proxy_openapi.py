@@ -12,12 +12,13 @@ import sys
 
 import aiohttp
 import pytest
-from gen_support import embedded_engine
 
 from agentrl.engines.base import SamplingParams
 from agentrl.generators.openai_proxy import OpenAIProxy
+from tests.gen_support import embedded_engine
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+# the repo root, on the schemathesis process's PYTHONPATH: its hooks are tests.proxy_schemathesis_hooks
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytest.importorskip("schemathesis")
 
@@ -56,8 +57,8 @@ async def test_schemathesis_finds_no_failure(tiny, tok, tmp_path):
         cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{url}/openapi.json", "--checks", "all",
                "--header", f"Authorization: Bearer {TOKEN}",
                "--max-examples", str(EXAMPLES_PER_OPERATION), "--seed", "1", "--workers", "1"]  # fmt: skip
-        env = {**os.environ, "SCHEMATHESIS_HOOKS": "proxy_schemathesis_hooks",
-               "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+        env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.proxy_schemathesis_hooks",
+               "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}  # fmt: skip
         proc = await asyncio.create_subprocess_exec(
             *cmd, cwd=tmp_path, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
         )

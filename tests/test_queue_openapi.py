@@ -12,11 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_queue_http import TOKEN, http, serve_queue_cmd
+
+from tests.test_queue_http import TOKEN, http, serve_queue_cmd
 
 pytest.importorskip("schemathesis")
 
-TESTS = Path(__file__).parent
+ROOT = (
+    Path(__file__).resolve().parents[1]
+)  # on schemathesis's PYTHONPATH: its hooks are tests.schemathesis_hooks
 EXAMPLES_PER_OPERATION = 40
 
 
@@ -77,8 +80,8 @@ def test_openapi_states_the_enforced_rules(serve, tokenizer_dir):
 @pytest.mark.parametrize("with_tokenizer", [False, True], ids=["token-form", "chat-form"])
 def test_schemathesis_finds_no_failure(serve, tokenizer_dir, tmp_path, with_tokenizer):
     url = serve(*(["--model", tokenizer_dir, "--policy-version", "2"] if with_tokenizer else []))
-    env = {**os.environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks",
-           "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.schemathesis_hooks",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{url}/openapi.json", "--checks", "all",
            "--header", f"Authorization: Bearer {TOKEN}", "--max-examples", str(EXAMPLES_PER_OPERATION),
            "--seed", "1", "--workers", "1"]  # fmt: skip

@@ -10,13 +10,13 @@ import subprocess
 
 import numpy as np
 import pytest
-from test_queue_http import TOKEN, http, one, post_json, post_msgpack, serve_queue_cmd
 
 from agentrl.config import QueueSection
 from agentrl.errors import ConfigError
 from agentrl.queue import ReplayQueue
 from agentrl.queue.server import BackgroundServer, QueueServer
 from agentrl.types import Trajectory, floats, tokens
+from tests.test_queue_http import TOKEN, http, one, post_json, post_msgpack, serve_queue_cmd
 
 
 @pytest.fixture

@@ -107,8 +107,9 @@ def test_integer_forms_agree(n):
 def test_load_reward():
     assert load_reward("exact_match")("3", {"answer": 3}) == 1.0
     assert load_reward("math")("\\boxed{3}", {"answer": "3"}) == 1.0
-    assert load_reward("test_rewards:length_reward")("abc", {}) == 3.0
-    for bad in ("", "exact", "test_rewards:", "test_rewards:missing", "test_rewards:NOT_CALLABLE"):
+    assert load_reward("tests.test_rewards:length_reward")("abc", {}) == 3.0
+    spec = "tests.test_rewards"
+    for bad in ("", "exact", f"{spec}:", f"{spec}:missing", f"{spec}:NOT_CALLABLE"):
         with pytest.raises(ConfigError, match=r"env\.reward"):
             load_reward(bad)
 

@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 
 import pytest
-from run_support import read_jsonl, tiny_config
+
+from tests.run_support import read_jsonl, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -58,10 +59,10 @@ def plugin_path(tmp_path_factory) -> Path:
 def ray_session(plugin_path):
     """A local Ray as conftest's, with the plugin and run_support (test generators) importable in the driver and
     the Ray workers; every variable and sys.path entry set here is restored afterwards."""
-    here = str(Path(__file__).parent)
+    root = str(Path(__file__).resolve().parents[1])  # the tests package
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_AUTH_MODE", "disabled")
-        mp.setenv("PYTHONPATH", os.pathsep.join([str(plugin_path), here, os.environ.get("PYTHONPATH", "")]))
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(plugin_path), root, os.environ.get("PYTHONPATH", "")]))
         mp.setenv("AGENTRL_TEST_CRASH_DIR", str(plugin_path))
         mp.syspath_prepend(str(plugin_path))
         import ray
@@ -159,7 +160,7 @@ def test_dead_actor_is_replaced_and_its_groups_reissued(
 
     cfg = load_config(
         tiny_config(tmp_path, model_dir, run={"steps": 5, "eval_every": 0, "placement": placement},
-                    rollout={"generator": f"run_support:{generator}"}),
+                    rollout={"generator": f"tests.run_support:{generator}"}),
         ["--run.mode", "async"],
     )  # fmt: skip
     summary = run(cfg)
@@ -181,7 +182,7 @@ def test_a_broken_generator_stops_the_run_with_its_error(ray_session, tmp_path, 
 
     cfg = load_config(
         tiny_config(tmp_path, model_dir, run={"steps": 3, "eval_every": 0}, warmup={"steps": 0},
-                    rollout={"generator": "run_support:broken_generate"}),
+                    rollout={"generator": "tests.run_support:broken_generate"}),
         ["--run.mode", "sync"],
     )  # fmt: skip
     with pytest.raises(AgentRLError, match=r"every episode of task .* failed.*env bug in t"):

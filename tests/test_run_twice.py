@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from run_support import read_jsonl, tiny_config
+
+from tests.run_support import read_jsonl, tiny_config
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,6 @@ import asyncio
 import pytest
 import torch
 from aiohttp import web
-from sglang_lora_fake import FakeSGLangLora
-from test_lora import PROMPT, batch, make_learner, seq_logprobs
 
 from agentrl.actors.broadcast import choose_path
 from agentrl.config import LoraSection, load_config
@@ -18,6 +16,8 @@ from agentrl.engines.sglang import SGLangEngine
 from agentrl.engines.sglang_launcher import lora_server_args, sglang_argv
 from agentrl.engines.tiny import make_tiny_model
 from agentrl.errors import ConfigError, WeightSyncError
+from tests.sglang_lora_fake import FakeSGLangLora
+from tests.test_lora import PROMPT, batch, make_learner, seq_logprobs
 
 pytest.importorskip("peft")
 torch.set_num_threads(2)

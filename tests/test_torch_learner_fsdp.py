@@ -5,7 +5,6 @@ import os
 
 import pytest
 import torch
-from test_torch_learner import make_trajs
 
 from agentrl.config import AlgorithmSection, ConfigError, LearnerSection, learner_ranks, load_config
 from agentrl.engines.tiny import make_tiny_model
@@ -13,6 +12,7 @@ from agentrl.errors import LearnerError
 from agentrl.learners.batch import build_batch
 from agentrl.learners.torch_learner import TorchLearner
 from agentrl.net import free_port
+from tests.test_torch_learner import make_trajs
 
 torch.set_num_threads(1)
 ALGO = AlgorithmSection(advantage="grpo", entropy_coef=0.01, kl_coef=0.05)  # kl: the replicated reference

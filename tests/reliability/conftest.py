@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from reliability.support import Served, serve_queue_cmd
+from tests.reliability.support import Served, serve_queue_cmd
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import time
 import urllib.parse
 from pathlib import Path
 
-from run_support import read_jsonl  # the suite's tests import it from here too
+from tests.run_support import read_jsonl  # the suite's tests import it from here too
 
 HERE = Path(__file__).parent
 TESTS = HERE.parent
@@ -36,7 +36,7 @@ def load_bench():
 
 
 def env(**extra: str) -> dict[str, str]:
-    paths = [str(TESTS), str(HERE), os.environ.get("PYTHONPATH", "")]
+    paths = [str(TESTS.parent), os.environ.get("PYTHONPATH", "")]
     return {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join(p for p in paths if p), **extra}  # fmt: skip
 

@@ -11,9 +11,9 @@ import sys
 
 import msgspec
 import pytest
-from run_support import tiny_config
 
-from reliability.support import HERE, Raw, Served, env, error_message, figure, serve_queue_cmd
+from tests.reliability.support import HERE, Raw, Served, env, error_message, figure, serve_queue_cmd
+from tests.run_support import tiny_config
 
 pytestmark = pytest.mark.slow
 

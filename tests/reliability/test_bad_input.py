@@ -16,8 +16,8 @@ import time
 import msgspec
 import pytest
 
-from reliability.malformed import JS, MP, engine_bodies, proxy_bodies, queue_bodies
-from reliability.support import HERE, Raw, Served, error_message, figure, rss_mib
+from tests.reliability.malformed import JS, MP, engine_bodies, proxy_bodies, queue_bodies
+from tests.reliability.support import HERE, Raw, Served, error_message, figure, rss_mib
 
 pytestmark = pytest.mark.slow
 

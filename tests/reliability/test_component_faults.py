@@ -18,7 +18,7 @@ import time
 import pytest
 
 from agentrl.queue.client import QueueClient
-from reliability.support import (
+from tests.reliability.support import (
     TESTS,
     RunProcess,
     actor_pids,

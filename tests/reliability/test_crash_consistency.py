@@ -10,9 +10,9 @@ import random
 import time
 
 import pytest
-from run_support import tiny_config
 
-from reliability.support import RunProcess, check_exactly_once, figure, trained_steps, wait_for
+from tests.reliability.support import RunProcess, check_exactly_once, figure, trained_steps, wait_for
+from tests.run_support import tiny_config
 
 pytestmark = pytest.mark.slow
 

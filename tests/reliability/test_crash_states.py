@@ -21,7 +21,7 @@ from agentrl.config import QueueSection
 from agentrl.queue import wal as wal_mod
 from agentrl.queue.core import ReplayQueue
 from agentrl.queue.server import QueueServer
-from reliability.support import figure, load_bench
+from tests.reliability.support import figure, load_bench
 
 pytestmark = pytest.mark.slow
 

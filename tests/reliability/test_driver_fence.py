@@ -12,11 +12,11 @@ import time
 
 import msgspec
 import pytest
-from run_support import tiny_config
 
 from agentrl.errors import LockHeld
 from agentrl.runlock import DirLock
-from reliability.support import Raw, RunProcess, figure, trained_steps, wait_for
+from tests.reliability.support import Raw, RunProcess, figure, trained_steps, wait_for
+from tests.run_support import tiny_config
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from reliability.support import LOAD_BENCH as BENCH
-from reliability.support import Served, figure, load_bench
+from tests.reliability.support import LOAD_BENCH as BENCH
+from tests.reliability.support import Served, figure, load_bench
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from reliability.support import Raw, env, error_message, figure, serve_queue_cmd
+from tests.reliability.support import Raw, env, error_message, figure, serve_queue_cmd
 
 pytestmark = pytest.mark.slow
 

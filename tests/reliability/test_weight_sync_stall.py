@@ -14,9 +14,16 @@ import sys
 import time
 
 import pytest
-from run_support import tiny_config
 
-from reliability.support import RunProcess, Served, StallingProxy, check_exactly_once, figure, read_jsonl
+from tests.reliability.support import (
+    RunProcess,
+    Served,
+    StallingProxy,
+    check_exactly_once,
+    figure,
+    read_jsonl,
+)
+from tests.run_support import tiny_config
 
 pytestmark = pytest.mark.slow
 
