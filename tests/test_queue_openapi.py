@@ -17,9 +17,8 @@ from tests.test_queue_http import TOKEN, http, serve_queue_cmd
 
 pytest.importorskip("schemathesis")
 
-ROOT = (
-    Path(__file__).resolve().parents[1]
-)  # on schemathesis's PYTHONPATH: its hooks are tests.schemathesis_hooks
+# the repo root, on the schemathesis process's PYTHONPATH: its hooks are tests.schemathesis_hooks
+ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES_PER_OPERATION = 40
 
 
