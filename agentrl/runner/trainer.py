@@ -183,7 +183,7 @@ class Trainer:
         self.progress.note(
             f"warm-up: {self.cfg.warmup.steps} SFT steps on {self.cfg.env.name} demonstrations"
         )
-        stats = await self.coord.learner.warmup.remote()
+        stats = await self.coord.warmup()
         self.progress.note(
             f"warm-up done in {stats['warmup_s']:.0f}s, "
             f"loss {stats['warmup_loss_first']:.2f} -> {stats['warmup_loss_last']:.2f}"
