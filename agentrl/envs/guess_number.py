@@ -8,8 +8,9 @@ midpoint of that range, the binary-search guess ("Higher: 9 to 16. Try 12."; the
 so the best policy is one skill a tiny model can hold (copy the hint) instead of a map from every range to its
 midpoint (docs/benchmarks/run.md: what the tiny model learns with each); with `feedback = "try"` the verdict and
 the hint alone ("Higher. Try 12."), so each feedback holds one number, the one to copy, and the conversation
-holds no range bounds to copy by mistake. A reply with no number in range gets
-"Reply with a number from {low} to {high}." (plus the hint under "hint").
+holds no range bounds to copy by mistake (the tiny model did not learn faster with it: the earlier hints and its
+own earlier guesses stay in the conversation). A reply with no number in range gets
+"Reply with a number from {low} to {high}." (plus the hint under "hint" and "try").
 Found on turn t (1-based) of `max_guesses`: reward 1 - turn_cost * (t-1), with turn_cost = 1/max_guesses
 unless set; not found: 0. The reward arrives on the last turn only.
 The demonstration (supervised warm-up data) is a binary search, which finds any secret within
