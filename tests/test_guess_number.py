@@ -1,9 +1,10 @@
 """guess_number's options for learnability (issue 15 item 4): `feedback = "range"` states the range the secret is
-still in, `turn_cost` sets how much each extra turn costs a win; both reach the demonstration too, and bad
-values are refused naming the key."""
+still in (`"hint"` adds its midpoint, `"try"` gives the verdict and that midpoint alone), `turn_cost` sets how
+much each extra turn costs a win; both reach the demonstration too, and bad values are refused naming the key."""
 
 import itertools
 import random
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -111,6 +112,30 @@ async def test_hint_feedback_names_the_binary_search_guess():
                 break
             hint = result.messages[0].content.split("Try ")[1].rstrip(".")
         assert result.done and result.reward > 0, secret
+
+
+async def test_try_feedback_holds_only_the_number_to_copy():
+    """`feedback = "try"`: the verdict and the hint alone, so the only number in each feedback is the next
+    binary-search guess (no range bounds to copy on a later turn); the demonstration is that conversation."""
+    env = make_env("guess_number", {"feedback": "try", "max_guesses": 6})
+    opening = await env.reset({"secret": 11})
+    assert opening[0].content == "Guess my number from 1 to 16. Try 8."
+    results = await play(env, 11, ["8", "12", "banana", "3", "10"])
+    assert [r.messages[0].content for r in results] == [
+        "Higher. Try 12.",
+        "Lower. Try 10.",  # the range is now 9 to 11, but only its midpoint is said
+        "Reply with a number from 1 to 16. Try 10.",
+        "Higher. Try 10.",  # a guess below the known range tells nothing new
+        "Higher. Try 11.",
+    ]
+    for secret in range(1, 17):
+        demo = env.demonstration({"secret": secret})
+        feedback = [m.content for m in demo[1:] if m.role == "user"]
+        assert all(len(re.findall(r"\d+", text)) == 1 for text in feedback), feedback
+        replies = [m.content for m in demo if m.role == "assistant"]
+        replayed = await play(make_env("guess_number", {"feedback": "try"}), secret, replies)
+        assert [r.messages[0].content for r in replayed[:-1]] == feedback
+        assert replayed[-1].done and replayed[-1].reward > 0
 
 
 async def test_blind_demonstration_guesses_at_random_and_replays():

@@ -28,12 +28,12 @@ class ColocatedHost(RolloutWorker):
         super().__init__(cfg, model_path, queue, None, worker_id)
         self.handoff = HandOff(self.learner.learner, self.engines) if cfg.run.offload else None
 
-    async def train(self, trajectories: list[Trajectory]) -> dict[str, Any]:
+    async def train(self, trajectories: list[Trajectory]) -> tuple[int, dict[str, Any]]:
         if self.handoff is None:
             return await asyncio.to_thread(self.learner.train, trajectories)
         await self.handoff.to_training()
-        metrics = await asyncio.to_thread(self.learner.train, trajectories)
-        return {**metrics, **self.handoff.train_metrics()}
+        version, metrics = await asyncio.to_thread(self.learner.train, trajectories)
+        return version, {**metrics, **self.handoff.train_metrics()}
 
     async def warmup(self) -> dict[str, Any]:
         if self.handoff is not None:

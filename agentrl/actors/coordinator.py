@@ -214,7 +214,12 @@ class Coordinator:
 
     # -- learner -----------------------------------------------------------------------------------------
 
-    async def train(self, trajectories: list[Any]) -> dict[str, Any]:
+    async def warmup(self) -> dict[str, Any]:
+        """The learner's supervised warm-up (`warmup.steps`); its stats (loss first/last, seconds)."""
+        return await self.learner.warmup.remote()
+
+    async def train(self, trajectories: list[Any]) -> tuple[int, dict[str, Any]]:
+        """(the policy_version the learner produced, its metrics); the caller publishes that version."""
         return await self.learner.train.remote(trajectories)
 
     async def publish(self, version: int) -> float:

@@ -84,7 +84,9 @@ class LearnerWorker:
 
     # -- training ----------------------------------------------------------------------------------------
 
-    def train(self, trajectories: list[Trajectory]) -> dict[str, Any]:
+    def train(self, trajectories: list[Trajectory]) -> tuple[int, dict[str, Any]]:
+        """One rollout batch: (the policy_version it produced, the step's metrics). The version travels on its
+        own, not inside the metrics: the driver's RunState takes it from here and is its only other holder."""
         from agentrl.learners.batch import build_batch
 
         t0 = time.perf_counter()
@@ -95,9 +97,8 @@ class LearnerWorker:
         stats = self.learner.train_step(batch)
         dt = time.perf_counter() - t0
         n_tokens = sum(n_response(t) for t in trajectories)
-        return {
+        return self.policy_version(), {
             **{f"train/{k}": float(v) for k, v in stats.items()},
-            "policy_version": self.policy_version(),
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
             "success_rate": float((rewards >= 0.999).mean()),

@@ -57,7 +57,6 @@ def run_warmup(cfg: Config, learner: Any, tokenizer: Any, pad_id: int) -> dict[s
     tasks = warmup_source(env, cfg.data, w.seed)
     t0 = time.perf_counter()
     losses: list[float] = []
-    version = learner.policy_version
     for step in range(w.steps):
         if w.time_limit_s and time.perf_counter() - t0 > w.time_limit_s:
             break
@@ -65,7 +64,6 @@ def run_warmup(cfg: Config, learner: Any, tokenizer: Any, pad_id: int) -> dict[s
         batch = build_batch(demos, pad_id, cfg.learner.device)
         stats = learner.sft_step(batch, lr=w.lr)
         losses.append(float(stats.get("loss", stats.get("sft_loss", float("nan")))))
-    learner.policy_version = version
     if losses:  # RL starts with fresh moments (see the module docstring)
         learner.reset_optimizer()
     return {

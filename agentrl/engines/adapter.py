@@ -18,10 +18,8 @@ from typing import Any
 
 import torch
 
-from agentrl.engines.base import AdapterSource, DistributedSource, TensorSource, WeightSource
+from agentrl.engines.base import LORA_A, LORA_B, AdapterSource, DistributedSource, TensorSource, WeightSource
 from agentrl.errors import WeightSyncError
-
-LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 
 
 def is_adapter_name(name: str) -> bool:

@@ -25,6 +25,10 @@ FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "wait", "keep"]
 
 
+# peft's names of a LoRA pair's tensors (an adapter publish holds only such names)
+LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, kw_only=True):
     temperature: float = 1.0
     top_p: float = 1.0

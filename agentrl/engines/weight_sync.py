@@ -23,8 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agentrl.engines.adapter import LORA_A, LORA_B
-from agentrl.engines.base import DistributedSource
+from agentrl.engines.base import LORA_A, LORA_B, DistributedSource
 from agentrl.errors import WeightSyncError
 
 

@@ -6,8 +6,11 @@ The secret lies in [low, high]; each turn the model replies with a number and ge
 depends on the last message alone rather than on every earlier turn; with `feedback = "hint"` also the
 midpoint of that range, the binary-search guess ("Higher: 9 to 16. Try 12."; the opening names the first one),
 so the best policy is one skill a tiny model can hold (copy the hint) instead of a map from every range to its
-midpoint (docs/benchmarks/run.md: what the tiny model learns with each). A reply with no number in range gets
-"Reply with a number from {low} to {high}." (plus the hint under "hint").
+midpoint (docs/benchmarks/run.md: what the tiny model learns with each); with `feedback = "try"` the verdict and
+the hint alone ("Higher. Try 12."), so each feedback holds one number, the one to copy, and the conversation
+holds no range bounds to copy by mistake (the tiny model did not learn faster with it: the earlier hints and its
+own earlier guesses stay in the conversation). A reply with no number in range gets
+"Reply with a number from {low} to {high}." (plus the hint under "hint" and "try").
 Found on turn t (1-based) of `max_guesses`: reward 1 - turn_cost * (t-1), with turn_cost = 1/max_guesses
 unless set; not found: 0. The reward arrives on the last turn only.
 The demonstration (supervised warm-up data) is a binary search, which finds any secret within
@@ -31,7 +34,7 @@ from agentrl.errors import EnvError
 from agentrl.types import Message
 
 _INT = re.compile(r"-?\d+")
-FEEDBACK = ("direction", "range", "hint")
+FEEDBACK = ("direction", "range", "hint", "try")
 
 
 def first_int(text: str) -> int | None:
@@ -90,7 +93,7 @@ class GuessNumberEnv(AgentEnv):
         ]
 
     def hint(self, lo: int, hi: int) -> str:
-        return f" Try {(lo + hi) // 2}." if self.feedback == "hint" else ""
+        return f" Try {(lo + hi) // 2}." if self.feedback in ("hint", "try") else ""
 
     def opening(self) -> str:
         return f"Guess my number from {self.low} to {self.high}.{self.hint(self.low, self.high)}"
@@ -101,8 +104,8 @@ class GuessNumberEnv(AgentEnv):
             return f"Reply with a number from {self.low} to {self.high}.{self.hint(lo, hi)}", lo, hi
         lo, hi = (max(lo, guess + 1), hi) if secret > guess else (lo, min(hi, guess - 1))
         word = "Higher" if secret > guess else "Lower"
-        if self.feedback == "direction":
-            return f"{word}.", lo, hi
+        if self.feedback in ("direction", "try"):
+            return f"{word}.{self.hint(lo, hi)}", lo, hi
         return f"{word}: {lo} to {hi}.{self.hint(lo, hi)}", lo, hi
 
     def demonstration(self, task: dict[str, Any]) -> list[Message]:

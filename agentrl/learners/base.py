@@ -191,7 +191,6 @@ class Learner(abc.ABC):
             "loss_tokens": float(batch.total_loss_tokens),
             "micro_batches": float(n_micro),
             "time_s": time.perf_counter() - start,
-            "policy_version": float(self.policy_version),
         }
 
     def info(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.errors import ConfigError, LearnerError
+from agentrl.learners.peft_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from agentrl.plugins import load_object
 
 METADATA_FILE = "learner.json"
@@ -61,7 +62,6 @@ def hf_config_dir(directory: str | Path, meta: dict[str, Any]) -> Path:
     return (Path(directory) / meta["hf_config_dir"]).resolve()
 
 
-ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # peft's names
 ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, "README.md")
 
 

@@ -4,7 +4,8 @@ Invariants: log-probs are `log_softmax(logits / temperature)` of the target toke
 definition (pass the rollout temperature); one `train_step` = learner.minibatches x learner.epochs optimizer
 updates (the loop is agentrl.learners.base's), each over all micro-batches of its mini-batch (micro-batches by
 token budget, each loss already scaled by the mini-batch's normalisers, so accumulation equals one big batch);
-`policy_version` increases by one per `train_step` and per `sft_step`; parameters stay fp32, with bf16
+`policy_version` increases by one per `train_step` (an `sft_step`, the warm-up's, leaves it: the warmed-up
+weights are the version the run starts from); parameters stay fp32, with bf16
 autocast on CUDA when `learner.dtype = "bfloat16"`; `weights()` streams HF names and omits `lm_head.weight` when
 the embeddings are tied; `learner.gradient_checkpointing` recomputes activations in the backward. GAE (advantage = "gae") uses a
 value head on the policy's last hidden state (shared trunk), saved with the optimizer state, never published.
@@ -247,7 +248,6 @@ class TorchLearner(Learner):
             parts = int(self.world.sum_(torch.tensor(parts, device=self.device)))
         metrics = {"loss": float(total)}
         metrics.update(self._optimizer_step(lr, loss=float(total)))
-        self.policy_version += 1
         metrics.update(self._counters(batch, start, parts))
         return metrics
 

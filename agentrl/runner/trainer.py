@@ -90,10 +90,10 @@ class Trainer:
             return None
         wait_s = time.perf_counter() - t0
         self.state.training_ids = sampled.ids
-        metrics = await self.coord.train(sampled.trajectories)
-        version = int(metrics["policy_version"])
+        version, metrics = await self.coord.train(sampled.trajectories)
         publish_s = await self.coord.publish(version)
         self.state.trained(version, sampled.ids)
+        metrics["policy_version"] = self.state.policy_version
         self.rundir.log_logprobs(self.state.step, metrics.pop("logprob_sample", []))
         metrics = await self._metrics(metrics, wait_s, publish_s)
         if self.evaluation.due(self.state.step):
@@ -183,7 +183,7 @@ class Trainer:
         self.progress.note(
             f"warm-up: {self.cfg.warmup.steps} SFT steps on {self.cfg.env.name} demonstrations"
         )
-        stats = await self.coord.learner.warmup.remote()
+        stats = await self.coord.warmup()
         self.progress.note(
             f"warm-up done in {stats['warmup_s']:.0f}s, "
             f"loss {stats['warmup_loss_first']:.2f} -> {stats['warmup_loss_last']:.2f}"

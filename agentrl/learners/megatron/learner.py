@@ -307,7 +307,6 @@ class MegatronLearner(Learner):
         parts = len(mbs)
         metrics = self._sum_over_dp({"loss": total})
         metrics.update(self._apply_update(norm, lr, loss=metrics["loss"]))
-        self.policy_version += 1
         metrics.update(self._counters(batch, start, parts))
         return metrics
 
