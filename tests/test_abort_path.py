@@ -51,9 +51,7 @@ async def test_publish_in_abort_mode_continues_queued_and_running_episodes(model
     generate = resolve_generator("multi_turn")
     try:
         episodes = [asyncio.create_task(generate(ctx, TASK, f"t0-s{k}", "t0")) for k in range(EPISODES)]
-        while not (
-            len(engine._waiting) == EPISODES - 2 and min(len(r.output_ids) for r in engine._running) >= 2
-        ):
+        while not (engine.n_waiting() == EPISODES - 2 and min(engine.running_tokens()) >= 2):
             await asyncio.sleep(0.002)
         await load_into_engines([client], 1, DiskSource(str(models[1])), "abort")
         trajs = await asyncio.gather(*episodes)

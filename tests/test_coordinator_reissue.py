@@ -84,7 +84,7 @@ async def test_the_reissue_outlives_an_id_the_engine_still_holds(tmp_path, model
             {"input_ids": [1], "rid": rid, "sampling_params": long} for rid in ("blocker", "t5-s0.t0.0")
         ]
         sent = [asyncio.create_task(session.post(url + "/generate", json=body)) for body in bodies]
-        while len(engine._waiting) < 1:
+        while engine.n_waiting() < 1:
             await asyncio.sleep(0.002)
         await session.post(url + "/abort_request", json={"abort_all": True})
         for resp in await asyncio.gather(*sent):

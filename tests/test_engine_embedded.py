@@ -208,7 +208,7 @@ async def test_invalid_requests_name_the_field(dirs):
 
 
 async def wait_tokens(eng, rid, n):
-    while rid not in eng._by_rid or len(eng._by_rid[rid].output_ids) < n:
+    while eng.in_flight().get(rid, -1) < n:
         await asyncio.sleep(0.001)
 
 
@@ -265,7 +265,7 @@ async def test_pause_wait_finishes_in_flight_first(dirs):
     task = asyncio.create_task(eng.generate([1, 2], sp, request_id="w"))
     await wait_tokens(eng, "w", 2)
     await eng.pause("wait")
-    assert eng._by_rid == {} and (await eng.health())["running"] == 0  # finished before pause() returned
+    assert eng.in_flight() == {} and (await eng.health())["running"] == 0  # finished before pause() returned
     out = await asyncio.wait_for(task, 1)
     assert out.finish_reason == "length" and len(out.output_ids) == 30
     late = asyncio.create_task(eng.generate([5], GREEDY))
@@ -282,10 +282,10 @@ async def test_pause_keep_freezes_and_resumes_with_same_output(dirs):
     task = asyncio.create_task(eng.generate([4, 5, 6], LONG, request_id="k"))
     await wait_tokens(eng, "k", 5)
     await eng.pause("keep")
-    frozen = len(eng._by_rid["k"].output_ids)
+    frozen = eng.in_flight()["k"]
     steps = eng.steps
     await asyncio.sleep(0.1)
-    assert eng.steps == steps and len(eng._by_rid["k"].output_ids) == frozen and not task.done()
+    assert eng.steps == steps and eng.in_flight()["k"] == frozen and not task.done()
     await eng.resume()
     out = await asyncio.wait_for(task, 30)
     assert out.output_ids == reference.output_ids and out.finish_reason == "length"
@@ -301,7 +301,7 @@ async def test_keep_mode_update_switches_versions_at_the_right_token(dirs):
     )
     await wait_tokens(eng, "u", 4)
     await eng.pause("keep")
-    n_old = len(eng._by_rid["u"].output_ids)
+    n_old = eng.in_flight()["u"]
     await eng.update_weights(7, TensorSource(dict(ref_b.named_parameters())))
     assert eng.policy_version == 7
     await eng.resume()

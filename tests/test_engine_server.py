@@ -156,7 +156,7 @@ async def test_pause_abort_over_http_returns_partial(served):
         "rid": "x",
     }
     task = asyncio.create_task(post(session, url + "/generate", body))
-    while "x" not in engine._by_rid or len(engine._by_rid["x"].output_ids) < 2:
+    while engine.in_flight().get("x", -1) < 2:
         await asyncio.sleep(0.002)
     status, _ = await post(session, url + "/pause_generation", {"mode": "abort"})
     assert status == 200
@@ -188,7 +188,7 @@ async def until(check):
 async def test_a_running_id_is_refused_as_sglang_does_and_the_first_request_is_kept(small):
     url, session, engine, _ = small
     first = asyncio.create_task(post(session, url + "/generate", long_request("dup", n=40)))
-    await until(lambda: "dup" in engine._by_rid)
+    await until(lambda: "dup" in engine.in_flight())
     status, out = await post(session, url + "/generate", long_request("dup"))
     assert status == 400 and out["error"]["field"] == "rid"
     assert out["error"]["message"] == "Duplicate request ID detected: dup"
@@ -204,12 +204,12 @@ async def test_a_request_arriving_in_a_pause_is_registered_before_it_waits(small
     url, session, engine, server = small
     assert (await post(session, url + "/pause_generation", {"mode": "abort"}))[0] == 200
     parked = asyncio.create_task(post(session, url + "/generate", long_request("p", n=20)))
-    await until(lambda: "p" in getattr(server, "_rids", ()) or "p" in engine._by_rid)
+    await until(lambda: "p" in getattr(server, "_rids", ()) or "p" in engine.in_flight())
     status, out = await post(session, url + "/generate", long_request("p"))
     assert status == 400 and out["error"]["message"] == "Duplicate request ID detected: p"
     for body in ({"abort_all": True}, {"rid": "p"}):
         assert (await post(session, url + "/abort_request", body))[0] == 200
-    assert "p" not in engine._by_rid and not parked.done()
+    assert "p" not in engine.in_flight() and not parked.done()
     await post(session, url + "/continue_generation", {})
     status, out = await parked
     assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "length"
@@ -222,8 +222,8 @@ async def test_an_id_aborted_while_queued_stays_registered_as_in_sglang_0_5_12(s
     url, session, engine, _ = small
     tasks = {rid: asyncio.create_task(post(session, url + "/generate", long_request(rid, (1, i + 2))))
              for i, rid in enumerate(["r0", "r1", "q"])}  # fmt: skip
-    await until(lambda: len(engine._running) == 2 and len(engine._waiting) == 1)
-    await until(lambda: min(len(r.output_ids) for r in engine._running) >= 2)
+    await until(lambda: len(engine.running_tokens()) == 2 and engine.n_waiting() == 1)
+    await until(lambda: min(engine.running_tokens()) >= 2)
     assert (await post(session, url + "/abort_request", {"abort_all": True}))[0] == 200
     outs = {rid: await task for rid, task in tasks.items()}
     assert {out["meta_info"]["finish_reason"]["type"] for _, out in outs.values()} == {"abort"}

@@ -169,7 +169,7 @@ async def test_retry_after_an_abort_gets_a_fresh_engine_request_id(tiny, tok):
             first = asyncio.ensure_future(sdk.chat.completions.create(model="m", messages=Q, max_tokens=4))
             async with aiohttp.ClientSession() as http:
                 while not first.done():  # the proxy continues an aborted reply a few times, then answers 503
-                    if server.engine._waiting:
+                    if server.engine.n_waiting():
                         await http.post(url + "/abort_request", json={"abort_all": True})
                     await asyncio.sleep(0.01)
             with pytest.raises(openai.InternalServerError) as err:  # 503: aborted, retry

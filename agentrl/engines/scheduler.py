@@ -103,6 +103,18 @@ class BatchingEngine(Engine):
     def paused(self) -> PauseMode | None:
         return self._pause_mode
 
+    def in_flight(self) -> dict[str, int]:
+        """Request id -> tokens generated so far, for every request waiting or running (a snapshot; an id stays
+        here until its abort has completed, as in SGLang)."""
+        return {rid: len(req.output_ids) for rid, req in self._by_rid.items()}
+
+    def running_tokens(self) -> list[int]:
+        """Tokens generated so far by each running request (a snapshot), in batch order."""
+        return [len(req.output_ids) for req in self._running]
+
+    def n_waiting(self) -> int:
+        return len(self._waiting)
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
