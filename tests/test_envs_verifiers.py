@@ -21,7 +21,7 @@ from agentrl.errors import EnvError
 from agentrl.generator import RolloutContext
 from agentrl.generators.chat import chat_tokens
 from agentrl.generators.openai_proxy import stop_proxies
-from agentrl.generators.verifiers_env import play, stop_envs
+from agentrl.generators.verifiers_env import API_KEY_VAR, play, stop_envs
 from agentrl.types import mask, tokens
 from tests.gen_support import scripted_replies
 
@@ -249,6 +249,17 @@ async def test_single_turn_taskset_reward_is_the_rubric(packages, tiny, tok):
     rewards = traj.metadata["verifiers"]["rewards"]
     assert rewards == {"exact": {"score": exact, "weight": 1.0}, "short": {"score": 1.0, "weight": 0.5}}
     assert traj.reward == exact + 0.5 == trace.reward
+
+
+async def test_a_proxy_with_a_token_gets_it_from_verifiers(packages, tiny, tok, monkeypatch):
+    """With rollout.proxy_token the proxy answers 401 without it; verifiers' client is given the token (its
+    api_key_var), so the episode runs and is recorded (before: every request 401, a failed trajectory)."""
+    monkeypatch.setenv(API_KEY_VAR, "stale")  # restored after the test; the generator must overwrite it
+    ctx = context(scripted_replies(tiny, tok, "2"), tok, "r2vf_single")
+    ctx.extra["proxy_token"] = "s3cret"
+    task, traj, episode = await run(ctx, "r2vf_single", seed=3)
+    assert traj.status == "completed", traj.metadata
+    assert [m.content for m in episode.traces[0].messages] == [task["prompt"], "2"]
 
 
 async def test_multi_turn_env_feedback_is_one_token_exact_trajectory(packages, tiny, tok):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from typing import Any
 
 import msgspec
@@ -24,7 +25,9 @@ from agentrl.generator import RolloutContext
 from agentrl.generators.openai_proxy import proxy_for, sink_the_rest
 from agentrl.types import Trajectory
 
-API_KEY_VAR = "AGENTRL_PROXY_TOKEN"  # unset: verifiers sends "EMPTY", which a proxy without a token accepts
+API_KEY_VAR = (
+    "AGENTRL_PROXY_TOKEN"  # set to rollout.proxy_token when the proxy has one; else verifiers sends "EMPTY"
+)
 
 _serving: dict[tuple[int, str], asyncio.Future] = {}
 _stacks: dict[tuple[int, str], contextlib.AsyncExitStack] = {}
@@ -102,6 +105,8 @@ async def play(
     vf = vf_module()
     vf_env = await _served(env)
     proxy = await proxy_for(ctx)
+    if proxy.token:  # verifiers' client reads its key from the variable `api_key_var` names, in this process
+        os.environ[API_KEY_VAR] = proxy.token
     model = vf.ModelContext(
         model=proxy.model_name,
         client=vf.EvalClientConfig(base_url=f"{proxy.base_url}/v1", api_key_var=API_KEY_VAR),
