@@ -35,8 +35,8 @@ from agentrl.engines import wire
 from agentrl.engines.base import DiskSource, DistributedSource, InvalidRequest, TensorSource
 from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.openapi import OPEN_PATHS, openapi_spec
-from agentrl.errors import ConfigError, EngineError, WeightSyncError
-from agentrl.net import bearer_ok, is_loopback
+from agentrl.errors import EngineError, WeightSyncError
+from agentrl.net import lacks_token, serve
 
 _PAUSE_MODES = {"abort": "abort", "wait": "wait", "keep": "keep", "in_place": "keep", "retract": "keep"}
 _DECODERS: dict[type, msgspec.json.Decoder] = {}
@@ -163,17 +163,10 @@ class EngineServer:
         self.app.router.add_get("/openapi.json", self.openapi)
 
     async def start(self) -> str:
-        if not self.token and not is_loopback(self.host):
-            raise ConfigError(
-                f"refusing to serve the engine on non-loopback address {self.host!r} without a token: "
-                f"pass --api-key (or ${TOKEN_ENV}) or bind 127.0.0.1"
-            )
-        # keepalive_timeout also bounds a connection that never completes its headers (slowloris)
-        self._runner = web.AppRunner(self.app, access_log=None, keepalive_timeout=self.read_timeout_s)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self._runner, self.port = await serve(
+            self.app, self.host, self.port, token=self.token, what="the engine",
+            how=f"pass --api-key (or ${TOKEN_ENV}) or bind 127.0.0.1", read_timeout_s=self.read_timeout_s,
+        )  # fmt: skip
         self.url = f"http://{self.host}:{self.port}"
         return self.url
 
@@ -187,8 +180,7 @@ class EngineServer:
     @web.middleware
     async def _errors(self, request: web.Request, handler):
         try:
-            authorization = request.headers.get("Authorization", "")
-            if self.token and request.path not in OPEN_PATHS and not bearer_ok(authorization, self.token):
+            if lacks_token(request, self.token, OPEN_PATHS):
                 body = wire.error_body("missing or wrong bearer token", "Authorization", 401)
                 return web.json_response(body, status=401, headers={"WWW-Authenticate": "Bearer"})
             return await handler(request)
