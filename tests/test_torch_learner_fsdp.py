@@ -64,7 +64,7 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 def close_metrics(a: dict, b: dict, tol: float = 1e-5) -> None:
-    for key in ("loss", "grad_norm", "tokens", "micro_batches", "policy_version"):
+    for key in ("loss", "grad_norm", "tokens", "micro_batches"):
         assert abs(a[key] - b[key]) <= tol * max(1.0, abs(b[key])), (key, a[key], b[key])
     for key in a:
         if key.startswith("loss") or key.endswith(("_mean", "_frac", "_max", "_min")):
@@ -92,7 +92,7 @@ def test_fsdp_two_ranks_equals_single_process(tmp_path):
         assert "lm_head.weight" not in out["weights"]  # tied embeddings: omitted as in the plain learner
         assert abs(out["sft"]["loss"] - ref["sft"]["loss"]) <= 1e-5
         close_metrics(out["after_save"], after_save)
-        assert out["resumed_counters"] == (1, 2)
+        assert out["resumed_counters"] == (1, 1)  # one train_step; the sft_step leaves the version
         close_metrics(out["resumed"], out["after_save"], tol=1e-6)
         close_metrics(out["from_plain"], after_save)
     assert max_diff(ranks[0]["resumed_weights"], ranks[1]["resumed_weights"]) == 0.0
@@ -101,7 +101,7 @@ def test_fsdp_two_ranks_equals_single_process(tmp_path):
 
     plain = TorchLearner(model, learner_cfg(False), ALGO)  # an FSDP checkpoint loads into a plain learner
     plain.load(str(tmp_path / "ckpt"))
-    assert (plain.step, plain.policy_version) == (1, 2)
+    assert (plain.step, plain.policy_version) == (1, 1)
     close_metrics(plain.train_step(batches()[0]), after_save)
     assert max_diff(dict(plain.weights()), dict(single.weights())) <= 1e-5
 
