@@ -98,3 +98,5 @@ def test_summary_block_says_what_happened_and_what_to_do(tmp_path):
     assert "eval    0.250 before RL -> 0.750 at step 2 (best 0.750, step 2)" in text
     assert f"agentrl export {run} --out {run}/hf" in text and "checkpoints/step_3" in text
     assert f"agentrl run --resume {run} --run.steps 6" in text
+    resumed_short = {**rd.summary("steps"), "target_steps": 2}  # `--resume --run.steps 2` on a run at step 3
+    assert f"agentrl run --resume {run} --run.steps 6" in format_summary(resumed_short)

@@ -158,6 +158,9 @@ def format_summary(s: dict[str, Any]) -> str:
     if s.get("stopped_by") == "time_limit":
         more = f"--run.time-limit-s {2 * s.get('time_limit_s', 0):g}"
     else:
-        more = f"--run.steps {2 * int(s.get('target_steps', 0) or 1)}"
+        done = max(
+            int(s.get("target_steps", 0) or 0), int(s.get("steps", 0) or 0)
+        )  # resumed with fewer steps
+        more = f"--run.steps {2 * (done or 1)}"
     lines.append(f"  more    agentrl run --resume {run_dir} {more}")
     return "\n".join(lines)
