@@ -18,6 +18,7 @@ loss or gradient skips that update (weights and optimizer state untouched) with 
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import math
 import time
@@ -40,6 +41,7 @@ class Learner(abc.ABC):
     policy_version: int = 0
     cfg: LearnerSection
     algo: AlgorithmSection
+    optimizer: Any  # set by `_build` (torch AdamW, or megatron's optimizer)
     ref_model: Any = None
     teacher_model: Any = None  # frozen, loaded from algorithm.teacher when `algo.needs().teacher`
     logprob_samples: int = 0  # k of dashboard.logprob_samples (set by the learner actor)
@@ -157,6 +159,21 @@ class Learner(abc.ABC):
                 row["advantages"] = src.advantages[at].float().cpu().tolist()
             out.append(row)
         return out
+
+    @contextlib.contextmanager
+    def _step_lr(self, lr: float | None) -> Iterator[float]:
+        """The learning rate `lr` for one optimizer update (None: the optimizer's own), the groups' own after it;
+        yields the rate used (the `lr` metric)."""
+        groups = self.optimizer.param_groups
+        saved = [g["lr"] for g in groups]
+        if lr is not None:
+            for g in groups:
+                g["lr"] = lr
+        try:
+            yield float(lr if lr is not None else saved[0])
+        finally:
+            for g, old in zip(groups, saved, strict=True):
+                g["lr"] = old
 
     def _skip_update(self, loss: float, grads_finite: bool) -> bool:
         """The non-finite guard of every optimizer update (the learner passes values every rank agrees on)."""

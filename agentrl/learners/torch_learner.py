@@ -261,15 +261,9 @@ class TorchLearner(Learner):
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         grad_norm = float(fsdp.local(torch.nn.utils.clip_grad_norm_(self._params(), clip)))
         skip = self._skip_update(loss, math.isfinite(grad_norm))
-        saved = [g["lr"] for g in self.optimizer.param_groups]
-        if lr is not None:
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr
-        if not skip:
-            self.optimizer.step()
-        for g, old in zip(self.optimizer.param_groups, saved, strict=True):
-            g["lr"] = old
-        lr_used = float(lr if lr is not None else saved[0])
+        with self._step_lr(lr) as lr_used:
+            if not skip:
+                self.optimizer.step()
         return {"grad_norm": grad_norm, "lr": lr_used, "updates_skipped": float(skip)}
 
     def offload(self) -> None:

@@ -320,19 +320,12 @@ class MegatronLearner(Learner):
     def _apply_update(self, norm: float, lr: float | None = None, *, loss: float) -> dict[str, float]:
         """Clip and step with the gradient norm `update.grad_norm` read, unless `_skip_update` refuses (`loss`
         is summed over DP ranks; the norm is the same on every rank, so all skip together)."""
-        groups = self.optimizer.param_groups
-        saved = [g["lr"] for g in groups]
-        if lr is not None:
-            for g in groups:
-                g["lr"] = lr
         # Megatron's own inf check runs only with a loss scaler (fp16): bf16/fp32 would step on NaN gradients.
         skip = self._skip_update(loss, math.isfinite(norm))
-        if not skip:
-            update.apply(self, norm)
-        for g, old in zip(groups, saved, strict=True):
-            g["lr"] = old
+        with self._step_lr(lr) as lr_used:
+            if not skip:
+                update.apply(self, norm)
         self.optimizer_steps += int(not skip)
-        lr_used = float(lr if lr is not None else saved[0])
         return {
             "grad_norm": norm if not skip else float("nan"),
             "lr": lr_used,

@@ -22,7 +22,6 @@ import torch.distributed as dist
 def grad_norm(learner) -> float:
     """Reduce the gradients over data-parallel ranks and return their global L2 norm (inf when megatron's fp16
     loss scaler found a non-finite gradient); the one host sync of an update."""
-    params = learner._trainable()
     if learner.cuda:
         from megatron.core.distributed import finalize_model_grads
 
@@ -30,6 +29,7 @@ def grad_norm(learner) -> float:
         if learner.optimizer.prepare_grads():
             return math.inf
         return float(learner.optimizer.get_grad_norm())
+    params = learner._trainable()
     if learner.dp_size > 1:  # CPU data parallel: sum gradients over DP ranks (no Megatron DDP on CPU)
         from megatron.core import parallel_state as ps
 
@@ -42,7 +42,7 @@ def grad_norm(learner) -> float:
 
 
 def apply(learner, norm: float) -> None:
-    """Clip to `learner.grad_clip` with the norm already computed, then step (megatron: its main params, then
+    """Clip to learner.grad_clip with the norm already computed, then step (megatron: its main params, then
     the copy back into the model's)."""
     clip = learner.cfg.grad_clip
     if not learner.cuda:
