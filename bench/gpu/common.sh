@@ -68,16 +68,21 @@ engine_bench() {
   echo "$name rc=$?"; grep '^{' "/tmp/$name.log" | cut -c1-3000
 }
 
-agentrl_run() {
-  local config=$1 name=$2 limit=$3; shift 3
+_agentrl() {  # NAME TIMEOUT_S LABEL ARGS...: `agentrl ARGS` -> $out/NAME.log; rc, last lines and errors; files
+  local name=$1 limit=$2 label=$3; shift 3
   timeout "$limit" python3 -c "import sys; from agentrl.cli import main; sys.exit(main(sys.argv[1:]))" \
-    run "$config" --run.name "$name" --run.eval-every 0 --run.checkpoint-every 0 \
-    --run.time-limit-s $((limit - 40)) --rollout.num-workers 1 "$@" > "$out/$name.log" 2>&1
-  echo "$name rc=$?"; grep "^\[agentrl\]" "$out/$name.log" | tail -3
+    "$@" > "$out/$name.log" 2>&1
+  echo "$label rc=$?"; grep "^\[agentrl\]" "$out/$name.log" | tail -3
   grep -iE "error|traceback" "$out/$name.log" | grep -v "^\[agentrl\]" | tail -8
   cp "runs/$name/metrics.jsonl" "$out/$name.metrics.jsonl" 2>/dev/null
   cp runs/"$name"/sglang-*.log "$out/" 2>/dev/null
   return 0
+}
+
+agentrl_run() {
+  local config=$1 name=$2 limit=$3; shift 3
+  _agentrl "$name" "$limit" "$name" run "$config" --run.name "$name" --run.eval-every 0 \
+    --run.checkpoint-every 0 --run.time-limit-s $((limit - 40)) --rollout.num-workers 1 "$@"
 }
 
 agentrl_resume() {  # NAME TIMEOUT_S [overrides]: continue runs/NAME (stopped by its time limit) for TIMEOUT_S more
@@ -85,12 +90,8 @@ agentrl_resume() {  # NAME TIMEOUT_S [overrides]: continue runs/NAME (stopped by
   wall=$(python3 -c "import json; print(int(json.load(open('runs/$name/summary.json')).get('wall_s', 0)))") ||
     { echo "runs/$name: no summary.json (nothing stopped to continue)" >&2; return 1; }
   cp "$out/$name.log" "$out/$name.part1.log" 2>/dev/null
-  timeout "$limit" python3 -c "import sys; from agentrl.cli import main; sys.exit(main(sys.argv[1:]))" \
-    run --resume "runs/$name" --run.overwrite false --run.time-limit-s $((wall + limit - 40)) "$@" > "$out/$name.log" 2>&1
-  echo "$name (resumed at wall ${wall} s) rc=$?"; grep "^\[agentrl\]" "$out/$name.log" | tail -3
-  grep -iE "error|traceback" "$out/$name.log" | grep -v "^\[agentrl\]" | tail -8
-  cp "runs/$name/metrics.jsonl" "$out/$name.metrics.jsonl" 2>/dev/null
-  return 0
+  _agentrl "$name" "$limit" "$name (resumed at wall ${wall} s)" run --resume "runs/$name" --run.overwrite false \
+    --run.time-limit-s $((wall + limit - 40)) "$@"
 }
 
 quickstart_run() { agentrl_run examples/quickstart.toml "$@"; }
