@@ -115,7 +115,42 @@ def single_process(model_dir: str) -> dict:
     multi = dict(minibatches=2, epochs=2, lr=3e-3)  # 4 updates per batch: clipping acts
     out["multi"] = compare_with_torch_learner(gpu_path_learner(model_dir, **multi), model_dir, **multi)
     out["guard"] = non_finite_guard(gpu_path_learner(model_dir, minibatches=2))
+    out["shard_copies"] = shard_copies(gpu_path_learner(model_dir, dtype="bfloat16"))
     return out
+
+
+def shard_copies(learner) -> dict:
+    """The batched shard copies (host_overhead.batch_shard_copies, bf16 model, fp32 main shards) against
+    megatron's own per-parameter loops, after a real step and on perturbed main shards."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from tests.megatron_helpers import make_batch
+
+    learner.train_step(make_batch(300, seed=0))
+    opts = [o for o in learner.optimizer.chained_optimizers if isinstance(o, DistributedOptimizer)]
+    out = {"patched": sum("_copy_main_params_to_model_params" in vars(o) for o in opts), "params": 0}
+    params_equal = grads_equal = True
+    for opt in opts:
+        mains = [m for group in opt.shard_fp32_from_float16_groups + opt.shard_fp32_groups for m in group]
+        model = [p for group in opt.model_float16_groups + opt.model_fp32_groups for p in group]
+        for m in mains:
+            m.data.add_(torch.randn_like(m) * 1e-2)
+        opt._copy_main_params_to_model_params()  # batched
+        fast = [p.detach().clone() for p in model]
+        for group in opt.model_float16_groups:  # (the fp32 groups' main shards are views of the params)
+            for p in group:
+                p.data.zero_()
+        DistributedOptimizer._copy_main_params_to_model_params(opt)  # megatron's loop
+        params_equal &= all(torch.equal(a, p.detach()) for a, p in zip(fast, model, strict=True))
+        opt._copy_model_grads_to_main_grads()
+        fast_grads = [m.grad.clone() for m in mains]
+        for m in mains:
+            m.grad = None
+        DistributedOptimizer._copy_model_grads_to_main_grads(opt)
+        grads_equal &= all(torch.equal(a, m.grad) for a, m in zip(fast_grads, mains, strict=True))
+        out["params"] += len(model)
+        out["bf16"] = any(p.dtype == torch.bfloat16 for p in model)
+    return {**out, "params_equal": params_equal, "grads_equal": grads_equal}
 
 
 def non_finite_guard(learner) -> dict:

@@ -47,6 +47,10 @@ def test_ddp_distributed_optimizer_and_resume():
     assert all(s["updates"] == [4, 4] and s["clip_frac"][0] > 0 for s in out["multi"]["steps"])
     # Megatron's optimizer checks for inf/NaN only with a loss scaler: the learner's guard skips the update
     assert out["guard"] == {"updates_skipped": 1.0, "finite": True, "changed": True, "policy_version": 1}
+    # host_overhead.batch_shard_copies: one foreach copy for the main shards = megatron's per-parameter loops
+    copies = out["shard_copies"]
+    assert copies["patched"] >= 1 and copies["params"] > 10 and copies["bf16"]
+    assert copies["params_equal"] and copies["grads_equal"]
 
 
 def test_tensor_pipeline_data_parallel_2_ranks(tmp_path):

@@ -171,6 +171,7 @@ class MegatronLearner(Learner):
         host_overhead.install(self.reduce_host_overhead)
         if self.reduce_host_overhead:
             host_overhead.fuse_adam(optimizer)
+            host_overhead.batch_shard_copies(optimizer)
         return optimizer
 
     # -- forward -----------------------------------------------------------------------------------------
