@@ -97,3 +97,35 @@ def test_unknown_arch_is_a_config_error(tmp_path):
 
     with pytest.raises(ConfigError, match="arch"):
         make_tiny_model(tmp_path / "x", arch="gpt2")
+
+
+def test_a_writer_that_dies_leaves_no_config_json(tmp_path, monkeypatch):
+    """`agentrl run` takes a directory with config.json for a whole model: a writer stopped after the weights
+    (here: the tokenizer's save fails) must not leave one, so the next run writes the model again."""
+    from transformers import PreTrainedTokenizerFast
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", fail)
+    with pytest.raises(OSError, match="disk full"):
+        make_tiny_model(tmp_path / "m", arch="qwen2", seed=0)
+    assert not (tmp_path / "m" / "config.json").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name != "m"] == []  # no private directory left behind
+
+
+def test_writers_of_one_model_at_once_leave_a_whole_model(tmp_path):
+    """Two runs started together both write the default runs/tiny-model: each file arrives whole."""
+    import multiprocessing as mp
+
+    path = tmp_path / "m"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=make_tiny_model, args=(path,), kwargs={"seed": 0}) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    fresh = make_tiny_model(tmp_path / "fresh", seed=0)
+    for f in fresh.iterdir():
+        assert (path / f.name).read_bytes() == f.read_bytes(), f.name

@@ -14,7 +14,9 @@ the model's vocab_size equals `len(tokenizer)`.
 from __future__ import annotations
 
 import json
+import os
 import random
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -176,20 +178,32 @@ def make_tiny_model(
     max_position: int = 2048,
     head_dim: int | None = None,
 ) -> Path:
-    """Write tokenizer + random-init causal LM to `path` (created if missing) and return the path."""
+    """Write tokenizer + random-init causal LM to `path` (created if missing) and return the path.
+
+    The files are written to a private directory next to `path` and moved in one by one, `config.json` last:
+    a reader that finds `config.json` (as `agentrl run` checks) finds a whole model, even while other processes
+    write the same model (two runs started at once on the default `runs/tiny-model`) or after a writer died."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=path.parent) as tmp:
+        dims = dict(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
+                    max_position=max_position, tie_embeddings=tie_embeddings, init_std=init_std, head_dim=head_dim)  # fmt: skip
+        _write_tiny_model(Path(tmp), arch, seed, vocab_size, dims)
+        path.mkdir(exist_ok=True)
+        files = sorted(Path(tmp).iterdir(), key=lambda f: f.name == "config.json")
+        for f in files:
+            os.replace(f, path / f.name)
+    return path
+
+
+def _write_tiny_model(path: Path, arch: str, seed: int, vocab_size: int, dims: dict[str, Any]) -> None:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(vocab_size)  # one tokenizer for every seed: models of any seed share ids
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
-    config = model_config(
-        arch, len(tokenizer), hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
-        intermediate=intermediate, max_position=max_position, tie_embeddings=tie_embeddings,
-        init_std=init_std, eos_token_id=eos_id, pad_token_id=pad_id, head_dim=head_dim,
-    )  # fmt: skip
+    config = model_config(arch, len(tokenizer), eos_token_id=eos_id, pad_token_id=pad_id, **dims)
     saved_rng = torch.random.get_rng_state()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -199,4 +213,3 @@ def make_tiny_model(
     tokenizer.save_pretrained(path)
     meta = {"arch": arch, "seed": seed, "params": sum(p.numel() for p in model.parameters())}
     (path / "agentrl_tiny.json").write_text(json.dumps(meta) + "\n")
-    return path
