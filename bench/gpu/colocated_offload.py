@@ -226,6 +226,8 @@ async def steps(args, learner, engine, result: dict, progress: dict) -> None:
             version = learner.policy_version
             await publish()
             t3 = time.perf_counter()
+            if args.device == "cuda":  # the learner's own GPU memory after the publish (0 when all offloaded)
+                stats["learner_gib_after_publish"] = round(torch.cuda.memory_allocated() / 2**30, 2)
             row = {"step": step, "rollout_s": round(t1 - t0, 2), "train_s": round(t2 - t1, 2),
                    "publish_s": round(t3 - t2, 2), "step_s": round(t3 - t0, 2), **stats, **publisher.last,
                    **{k: round(v, 2) for k, v in mem.items() if v is not None}}  # fmt: skip
