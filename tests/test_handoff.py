@@ -60,6 +60,31 @@ def test_offload_and_onload_round_trip_the_learner_exactly(base):
         assert torch.equal(p, q), name  # the Adam moments survived the trip: the next step is the same
 
 
+def test_publish_offload_in_two_parts_moves_each_part_once_and_round_trips(base):
+    """The hand-off's publish: gradients and optimizer state first (the weights stay for the update), then the
+    weights; each tensor moves once, and training continues exactly after onload."""
+    make = lambda: TorchLearner(base, LearnerSection(lr=1e-2), AlgorithmSection(advantage="rloo"))  # noqa: E731
+    moved, twin = make(), make()
+    for learner in (moved, twin):
+        learner.train_step(batch(learner, 0))
+    params, opt = state(moved)
+    ptrs = {n: (p.data_ptr(), p.grad.data_ptr()) for n, p in params.items()}
+    opt_ptrs = [t.data_ptr() for t in opt]
+    moved.offload(weights=False)
+    assert all(p.data_ptr() == ptrs[n][0] and p.grad.data_ptr() != ptrs[n][1] for n, p in params.items())
+    assert all(t.data_ptr() != ptr for t, ptr in zip(state(moved)[1], opt_ptrs, strict=True))
+    grads_off = {n: p.grad.data_ptr() for n, p in params.items()}
+    opt_off = [t.data_ptr() for t in state(moved)[1]]
+    moved.offload(training_state=False)
+    assert all(p.data_ptr() != ptrs[n][0] and p.grad.data_ptr() == grads_off[n] for n, p in params.items())
+    assert [t.data_ptr() for t in state(moved)[1]] == opt_off  # the state moved once, not again
+    moved.onload()
+    for learner in (moved, twin):
+        learner.train_step(batch(learner, 1))
+    for (name, p), q in zip(moved.model.named_parameters(), twin.model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
 async def test_embedded_engine_frees_and_restores_its_kv_cache(base):
     engine = EmbeddedEngine(str(base), max_batch_size=2, max_seq_len=32)
     sampling = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
@@ -83,8 +108,10 @@ class Recorder:
     def __init__(self, log, name):
         self.log, self.name = log, name
 
-    def offload(self):
-        self.log.append(("offload", self.name))
+    def offload(self, weights=True, training_state=True):
+        self.log.append(
+            ("offload", self.name, *(["weights"] * weights), *(["training_state"] * training_state))
+        )
 
     def onload(self):
         self.log.append(("onload", self.name))
@@ -112,8 +139,10 @@ async def test_handoff_order_and_phase_peaks():
     try:
         await handoff.publish(update)  # the first publish: the learner starts offloaded
         taking = [("release", "e0"), ("release", "e1"), ("wait_free",), ("onload", "learner")]
-        giving = [("resume", "e0", ("weights",)), ("resume", "e1", ("weights",)), ("update",),
-                  ("offload", "learner"), ("resume", "e0", ("kv_cache",)), ("resume", "e1", ("kv_cache",))]  # fmt: skip
+        # the publish reads only the learner's weights: its training state leaves before the engines' weights return
+        giving = [("offload", "learner", "training_state"), ("resume", "e0", ("weights",)),
+                  ("resume", "e1", ("weights",)), ("update",), ("offload", "learner", "weights"),
+                  ("resume", "e0", ("kv_cache",)), ("resume", "e1", ("kv_cache",))]  # fmt: skip
         assert log == taking + giving
         log.clear()
         used[0] = 30 * int(GIB)  # rollout: engines at full size

@@ -7,8 +7,9 @@ weight version; the first publish comes right after setup):
       /release_memory_occupation; the embedded engine: its KV cache), then the hand-off waits until the device's
       free memory has stopped rising (SGLang's release can return before the memory is free), then the learner's
       parameters, gradients and optimizer state come back from pinned CPU memory.
-  publish: engines resume their weights' memory, the new version is loaded (from the learner, still on the GPU),
-      the learner moves to pinned CPU memory, engines resume their KV cache (and CUDA graphs).
+  publish: the learner's gradients and optimizer state move to pinned CPU memory, engines resume their weights'
+      memory, the new version is loaded (from the learner's weights, still on the GPU), the learner's weights
+      follow to pinned CPU memory, engines resume their KV cache (and CUDA graphs).
 The learner starts offloaded (before the engines start, so SGLang sizes itself with the learner gone). Each
 phase's peak device memory (all processes: the engines run in their own) is sampled by `PeakMeter` and returned
 with the train metrics (`train_metrics`): `memory/rollout_peak_gib` (from the previous publish to this step's
@@ -110,9 +111,12 @@ class HandOff:
         await self.to_training()  # the first publish (and one after a resume) finds the learner offloaded
         t0 = time.perf_counter()
         self.meter.take()  # the training phase ended: its peak was reported with its metrics
+        # the update reads only the learner's weights: its gradients and optimizer state (for AdamW 3x the fp32
+        # weights) leave before the engines take their weights back, so this phase's peak is the two models' weights
+        await asyncio.to_thread(self.learner.offload, weights=False)
         await asyncio.gather(*(e.resume_memory(["weights"]) for e in self.engines))
         result = await update()
-        await asyncio.to_thread(self.learner.offload)
+        await asyncio.to_thread(self.learner.offload, training_state=False)
         await asyncio.gather(*(e.resume_memory(["kv_cache"]) for e in self.engines))
         self.phase = "rollout"
         self.last["memory/publish_peak_gib"] = self.meter.take()

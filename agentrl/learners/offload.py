@@ -23,22 +23,30 @@ def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 @torch.no_grad()
 def move_state(
-    modules: list[torch.nn.Module], optimizer: torch.optim.Optimizer, device: torch.device
+    modules: list[torch.nn.Module],
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    *,
+    weights: bool = True,
+    training_state: bool = True,
 ) -> None:
+    """Move the parameters and buffers (`weights`) and/or the gradients and optimizer state
+    (`training_state`) of `modules` to `device`."""
     seen: set[int] = set()
     for module in modules:
         for p in module.parameters():
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            p.data = _moved(p.data, device)
-            if p.grad is not None:
+            if weights:
+                p.data = _moved(p.data, device)
+            if training_state and p.grad is not None:
                 p.grad = _moved(p.grad, device)
         for b in module.buffers():
-            if id(b) not in seen:
+            if weights and id(b) not in seen:
                 seen.add(id(b))
                 b.data = _moved(b.data, device)
-    for state in optimizer.state.values():
+    for state in optimizer.state.values() if training_state else ():
         for key, value in state.items():
             if torch.is_tensor(value):
                 state[key] = _moved(value, device)

@@ -266,9 +266,14 @@ class TorchLearner(Learner):
                 self.optimizer.step()
         return {"grad_norm": grad_norm, "lr": lr_used, "updates_skipped": float(skip)}
 
-    def offload(self) -> None:
-        """Parameters, gradients and optimizer state to (pinned) CPU memory: the colocated rollout phase."""
-        offload.move_state(self._modules_on_device(), self.optimizer, torch.device("cpu"))
+    def offload(self, weights: bool = True, training_state: bool = True) -> None:
+        """Parameters and buffers (`weights`) and/or gradients and optimizer state (`training_state`) to
+        (pinned) CPU memory: the colocated rollout phase; the training state alone before a publish, which
+        reads only the weights."""
+        offload.move_state(
+            self._modules_on_device(), self.optimizer, torch.device("cpu"),
+            weights=weights, training_state=training_state,
+        )  # fmt: skip
 
     def onload(self) -> None:
         """Everything `offload` moved, back to the learner's device (exactly: training continues as before)."""
