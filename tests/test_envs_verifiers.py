@@ -20,7 +20,7 @@ from agentrl.envs import env_factory, make_env
 from agentrl.errors import EnvError
 from agentrl.generator import RolloutContext
 from agentrl.generators.chat import chat_tokens
-from agentrl.generators.openai_proxy import stop_proxies
+from agentrl.generators.openai_proxy import proxy_for, stop_proxies
 from agentrl.generators.verifiers_env import API_KEY_VAR, play, stop_envs
 from agentrl.types import mask, tokens
 from tests.gen_support import scripted_replies
@@ -339,3 +339,33 @@ def test_without_the_extra_one_line_names_the_install(monkeypatch):
     with pytest.raises(EnvError) as err:
         make_env("verifiers", {"env_id": "r2vf_not_installed"})
     assert "\n" not in str(err.value) and str(err.value).endswith("pip install 'agentrl[verifiers]'")
+
+
+async def test_evaluation_episodes_sample_greedily_on_a_proxy_made_for_training(packages, tiny, tok):
+    """The proxy is shared by the worker's episodes and made with the first one's sampling; verifiers names its
+    own sessions, so each episode's requests carry the episode header and its sessions take that episode's
+    sampling (before: an evaluation episode on a training worker's proxy sampled at the training temperature)."""
+    seen = []
+    engine = scripted_replies(tiny, tok, "2", "2")
+    inner = engine.generate
+
+    async def generate(input_ids, sampling, request_id=None):
+        seen.append(sampling.temperature)
+        return await inner(input_ids, sampling, request_id)
+
+    engine.generate = generate
+    train = context(engine, tok, "r2vf_single")
+    train.sampling = SamplingParams(max_new_tokens=80, temperature=1.0)
+    evaluation = context(engine, tok, "r2vf_single")
+    evaluation.sampling = SamplingParams(max_new_tokens=80, temperature=0.0)
+    (task,) = make_env("verifiers", {"env_id": "r2vf_single"}).sample_tasks(3, 1)
+    try:
+        first, _ = await play(train, task, "train-0", "g0")
+        second, _ = await play(evaluation, task, "eval-0", "g1")
+        assert first.status == second.status == "completed"
+        assert seen == [1.0, 0.0]
+        proxy = await proxy_for(evaluation)
+        assert proxy.episode_sampling == {}  # each episode's registration ends with it
+    finally:
+        await stop_envs()
+        await stop_proxies()

@@ -47,7 +47,13 @@ from agentrl.generators.openai_schema import ChatRequest, chat_decoder, encoder,
 from agentrl.generators.proxy_openapi import OPEN_PATHS, openapi_spec
 
 # Segment, Session and RequestError stay importable from here
-from agentrl.generators.proxy_session import ProxySessions, RequestError, Segment, Session  # noqa: F401
+from agentrl.generators.proxy_session import (  # noqa: F401
+    EPISODE_HEADER,
+    ProxySessions,
+    RequestError,
+    Segment,
+    Session,
+)
 from agentrl.net import FrontDoor, lacks_token
 from agentrl.plugins import load_object
 from agentrl.types import ROLES, Trajectory, validation_field
@@ -169,7 +175,7 @@ class OpenAIProxy(ProxySessions, FrontDoor):
                 raise RequestError(
                     400, "no session: use /v1/sessions/{id}/chat/completions, X-Session-Id or user", "user"
                 )
-            choices = await self.complete(sid, req)
+            choices = await self.complete(sid, req, request.headers.get(EPISODE_HEADER, ""))
         except RequestError as exc:
             return self._error(exc)
         model = req.model or self.model_name

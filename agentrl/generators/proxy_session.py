@@ -56,6 +56,8 @@ from agentrl.generators.proxy_tools import ToolPlan, tool_plan
 from agentrl.generators.tool_parsers import parser_for
 from agentrl.types import Trajectory
 
+EPISODE_HEADER = "X-AgentRL-Episode"  # names the episode a request's new session belongs to (`open_episode`)
+
 
 @dataclass
 class Segment:
@@ -108,6 +110,9 @@ class ProxySessions:
         self.max_seq_len, self.model_name, self.env_name = max_seq_len, model_name, env_name
         self.session_timeout_s = session_timeout_s
         self.sessions: dict[str, Session] = {}
+        # an episode whose agent names its own session ids (verifiers' trace ids): sessions that a request with
+        # the episode's EPISODE_HEADER opens sample with the episode's settings (greedy in evaluation)
+        self.episode_sampling: dict[str, SamplingParams] = {}
         self.in_flight = [0] * len(engines)
         self.parser = parser_for(tool_parser, getattr(tokenizer, "chat_template", None))
         self.metrics: dict[str, int] = {"tool_call_parse_errors": 0}
@@ -163,11 +168,22 @@ class ProxySessions:
         session.sampling = sampling
         return session
 
-    async def complete(self, sid: str, req: ChatRequest) -> list[Choice]:
-        """Run one chat turn (n choices) of session `sid`; raises RequestError on bad input or failure."""
+    def open_episode(self, episode: str, sampling: SamplingParams) -> None:
+        """Sessions opened by requests carrying `EPISODE_HEADER: episode` sample with `sampling` (see
+        `episode_sampling`), until `close_episode`."""
+        self.episode_sampling[episode] = sampling
+
+    def close_episode(self, episode: str) -> None:
+        self.episode_sampling.pop(episode, None)
+
+    async def complete(self, sid: str, req: ChatRequest, episode: str = "") -> list[Choice]:
+        """Run one chat turn (n choices) of session `sid` (opened for `episode`, when given and open: see
+        `open_episode`); raises RequestError on bad input or failure."""
         if not req.messages:
             raise RequestError(400, "messages must not be empty", "messages")
         known = self.sessions.get(sid)
+        if known is None and episode in self.episode_sampling:
+            known = self.open_session(sid, self.episode_sampling[episode])
         base = known.sampling if known is not None and known.sampling is not None else self.sampling
         sampling = turn_sampling(req, base, self.chat, self.max_seq_len, self.sampling_policy)
         plan = self.tool_plan(req)

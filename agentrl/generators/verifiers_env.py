@@ -23,6 +23,7 @@ from agentrl.envs.verifiers_env import GENERATOR, VerifiersEnv, vf_module
 from agentrl.errors import ConfigError
 from agentrl.generator import RolloutContext
 from agentrl.generators.openai_proxy import proxy_for, sink_the_rest
+from agentrl.generators.proxy_session import EPISODE_HEADER
 from agentrl.types import Trajectory
 
 API_KEY_VAR = (
@@ -107,11 +108,17 @@ async def play(
     proxy = await proxy_for(ctx)
     if proxy.token:  # verifiers' client reads its key from the variable `api_key_var` names, in this process
         os.environ[API_KEY_VAR] = proxy.token
-    model = vf.ModelContext(
-        model=proxy.model_name,
-        client=vf.EvalClientConfig(base_url=f"{proxy.base_url}/v1", api_key_var=API_KEY_VAR),
-    )
-    episode = await vf_env.run_episode(env.task(task), model)
+    # verifiers names each agent's session (its trace id): the episode header gives them this episode's
+    # sampling (greedy in evaluation), whatever the proxy was made with
+    client = vf.EvalClientConfig(base_url=f"{proxy.base_url}/v1", api_key_var=API_KEY_VAR,
+                                 headers={EPISODE_HEADER: trajectory_id})  # fmt: skip
+    proxy.open_episode(trajectory_id, ctx.sampling)
+    try:
+        episode = await vf_env.run_episode(
+            env.task(task), vf.ModelContext(model=proxy.model_name, client=client)
+        )
+    finally:
+        proxy.close_episode(trajectory_id)
     env_id = env.kwargs["env_id"]
     trainable = [t for t in episode.traces if t.agent.trainable and t.id in proxy.sessions]
     for trace in episode.traces:
