@@ -44,6 +44,7 @@ def test_offload_and_onload_round_trip_the_learner_exactly(base):
     opt_before = [(t.clone(), t.data_ptr()) for t in opt]
     moved.offload()
     params_off, opt_off = state(moved)
+    cpu_ptrs = {n: (p.data_ptr(), p.grad.data_ptr()) for n, p in params_off.items()}
     assert params_off.keys() == params.keys() and all(
         params_off[n] is params[n] for n in params
     )  # same objects
@@ -58,6 +59,20 @@ def test_offload_and_onload_round_trip_the_learner_exactly(base):
         learner.train_step(batch(learner, 1))
     for (name, p), q in zip(moved.model.named_parameters(), twin.model.parameters(), strict=True):
         assert torch.equal(p, q), name  # the Adam moments survived the trip: the next step is the same
+    # the next offload refills the CPU copies of the first (no new host allocation) with the new values
+    opt_cpu_ptrs = [t.data_ptr() for t in opt_off]
+    values = {n: (p.detach().clone(), p.grad.clone()) for n, p in moved.model.named_parameters()}
+    moved.offload()
+    params_again, opt_again = state(moved)
+    for name, p in params_again.items():
+        assert (p.data_ptr(), p.grad.data_ptr()) == cpu_ptrs[name], name
+        assert torch.equal(p, values[name][0]) and torch.equal(p.grad, values[name][1]), name
+    assert [t.data_ptr() for t in opt_again] == opt_cpu_ptrs
+    moved.onload()
+    for learner in (moved, twin):
+        learner.train_step(batch(learner, 2))
+    for (name, p), q in zip(moved.model.named_parameters(), twin.model.parameters(), strict=True):
+        assert torch.equal(p, q), name
 
 
 def test_publish_offload_in_two_parts_moves_each_part_once_and_round_trips(base):

@@ -5,6 +5,11 @@ of the optimizer's state, keeping each parameter object (the optimizer's state i
 continues exactly after a round trip. CPU copies are pinned when CUDA is there (fast, asynchronous copies back);
 the caching allocator's freed blocks (and those a CUDA IPC consumer has released) are returned to the driver, so
 another process (SGLang) can use them.
+
+With a `store` (a dict the learner keeps), each tensor's CPU copy is kept after it moves back and refilled at the
+next offload instead of allocated again: pinning host memory costs about as much as the copy (a 4B full
+fine-tune offloads 64 GB a step), so only the first offload pays it. The price: the host memory stays held
+through training too (it is needed again at every rollout anyway).
 """
 
 from __future__ import annotations
@@ -12,13 +17,20 @@ from __future__ import annotations
 import torch
 
 
-def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _moved(t: torch.Tensor, device: torch.device, store: dict | None = None, key: tuple = ()) -> torch.Tensor:
+    kept = store.get(key) if store is not None else None
+    if kept is not None and kept.shape == t.shape and kept.dtype == t.dtype and kept is not t:
+        return kept.copy_(t, non_blocking=True)  # the CPU copy of the last round trip, refilled
     if t.device == device:
-        return t.clone()  # same device (a CPU learner): a fresh copy, so a round trip is still a real move
-    if device.type == "cpu" and torch.cuda.is_available():
+        out = t.clone()  # same device (a CPU learner): a fresh copy, so a round trip is still a real move
+    elif device.type == "cpu" and torch.cuda.is_available():
         out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-        return out.copy_(t, non_blocking=True)
-    return t.to(device, non_blocking=True)
+        out.copy_(t, non_blocking=True)
+    else:
+        out = t.to(device, non_blocking=True)
+    if store is not None:
+        store[key] = out
+    return out
 
 
 @torch.no_grad()
@@ -29,9 +41,11 @@ def move_state(
     *,
     weights: bool = True,
     training_state: bool = True,
+    store: dict | None = None,
 ) -> None:
     """Move the parameters and buffers (`weights`) and/or the gradients and optimizer state
-    (`training_state`) of `modules` to `device`."""
+    (`training_state`) of `modules` to `device`; `store` (offloads only: the move to CPU) keeps the CPU copies
+    for the next offload."""
     seen: set[int] = set()
     for module in modules:
         for p in module.parameters():
@@ -39,17 +53,17 @@ def move_state(
                 continue
             seen.add(id(p))
             if weights:
-                p.data = _moved(p.data, device)
+                p.data = _moved(p.data, device, store, ("param", id(p)))
             if training_state and p.grad is not None:
-                p.grad = _moved(p.grad, device)
+                p.grad = _moved(p.grad, device, store, ("grad", id(p)))
         for b in module.buffers():
             if weights and id(b) not in seen:
                 seen.add(id(b))
-                b.data = _moved(b.data, device)
-    for state in optimizer.state.values() if training_state else ():
+                b.data = _moved(b.data, device, store, ("buffer", id(b)))
+    for param, state in optimizer.state.items() if training_state else ():
         for key, value in state.items():
             if torch.is_tensor(value):
-                state[key] = _moved(value, device)
+                state[key] = _moved(value, device, store, ("state", id(param), key))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         # A tensor published over CUDA IPC (SGLang's update from tensors) stays allocated here after the engine

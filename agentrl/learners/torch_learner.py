@@ -50,6 +50,7 @@ class TorchLearner(Learner):
 
     def _build(self, model_path: str | Path, seed: int) -> None:
         self.model_path = Path(model_path)
+        self._offload_store: dict = {}  # CPU copies kept between offloads (agentrl.learners.offload)
         if (
             self.cfg.lora.enabled
         ):  # the section's own checks (LoRA with FSDP, ...) for a learner built directly
@@ -272,7 +273,7 @@ class TorchLearner(Learner):
         reads only the weights."""
         offload.move_state(
             self._modules_on_device(), self.optimizer, torch.device("cpu"),
-            weights=weights, training_state=training_state,
+            weights=weights, training_state=training_state, store=self._offload_store,
         )  # fmt: skip
 
     def onload(self) -> None:
