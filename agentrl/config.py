@@ -146,7 +146,8 @@ class RunSection(_Section):
 
     @staticmethod
     def _check_offload(cfg: Config) -> None:
-        """run.offload hands one GPU between the phases of a sync colocated run of the torch learner."""
+        """run.offload hands one GPU between the phases of a sync colocated run (torch learner without FSDP, or
+        the Megatron learner: its one colocated rank)."""
         for ok, need in (
             (cfg.run.placement == "colocated", f"run.placement = 'colocated', got '{cfg.run.placement}'"),
             (
@@ -154,8 +155,8 @@ class RunSection(_Section):
                 f"run.mode = 'sync' (rollout and training take turns), got '{cfg.run.mode}'",
             ),
             (
-                cfg.learner.kind == "torch" and not cfg.learner.fsdp,
-                "learner.kind = 'torch' without learner.fsdp",
+                cfg.learner.kind == "megatron" or not cfg.learner.fsdp,
+                "learner.kind = 'megatron', or 'torch' without learner.fsdp",
             ),
         ):
             if not ok:

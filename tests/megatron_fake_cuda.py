@@ -116,6 +116,40 @@ def single_process(model_dir: str) -> dict:
     out["multi"] = compare_with_torch_learner(gpu_path_learner(model_dir, **multi), model_dir, **multi)
     out["guard"] = non_finite_guard(gpu_path_learner(model_dir, minibatches=2))
     out["shard_copies"] = shard_copies(gpu_path_learner(model_dir, dtype="bfloat16"))
+    out["offload"] = offload_round_trip(model_dir)
+    return out
+
+
+def offload_round_trip(model_dir) -> dict:
+    """The hand-off on the GPU path (bf16 model, fp32 main shards, DDP buffers): the publish's two-part offload
+    (training state, then weights) frees each storage once, onload restores it, and two offload/onload cycles
+    leave training exactly where a twin that never moved is."""
+    from agentrl.learners.megatron import handoff
+    from tests.megatron_helpers import make_batch
+
+    moved, twin = (gpu_path_learner(model_dir, dtype="bfloat16") for _ in range(2))
+    sizes = lambda ts: [t.untyped_storage().nbytes() for t in ts]  # noqa: E731
+    out = {"cycles": []}
+    for step in range(2):
+        for learner in (moved, twin):
+            learner.train_step(make_batch(300, seed=step))
+        weights, state = handoff.weight_tensors(moved), handoff.state_tensors(moved)
+        shared = {t.untyped_storage()._cdata for t in weights}  # fp32 main shards are views of the params
+        own = [t for t in state if t.untyped_storage()._cdata not in shared]
+        moved.offload(weights=False)
+        cycle = {"state_freed": bool(own) and all(n == 0 for n in sizes(own))}
+        cycle["weights_kept"] = all(n > 0 for n in sizes(weights))
+        moved.offload(training_state=False)
+        cycle["weights_freed"] = all(n == 0 for n in sizes(weights))
+        moved.onload()
+        cycle["restored"] = all(n > 0 for n in sizes(weights + state))
+        out["cycles"].append(cycle)
+    for learner in (moved, twin):
+        learner.train_step(make_batch(300, seed=7))
+    out["weight_diff"] = max(
+        (x - y).abs().max().item() for (_, x), (_, y) in zip(moved.weights(), twin.weights(), strict=True)
+    )
+    out["kept_copies"] = len(moved._offloader.kept)
     return out
 
 

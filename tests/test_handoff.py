@@ -225,7 +225,7 @@ async def test_sglang_memory_occupation_requests():
     [
         ([], "run.placement = 'colocated'"),
         (["--run.placement", "colocated", "--run.mode", "async"], "run.mode = 'sync'"),
-        (["--run.placement", "colocated", "--learner.kind", "megatron"], "learner.kind = 'torch'"),
+        (["--run.placement", "colocated", "--learner.fsdp", "true"], "'torch' without learner.fsdp"),
     ],
 )
 def test_config_refuses_what_the_hand_off_cannot_do(overrides, match):
@@ -255,11 +255,15 @@ def test_sglang_is_launched_with_the_memory_saver(monkeypatch):
 
 
 @pytest.mark.slow
-def test_colocated_sync_run_hands_the_device_over(ray_session, tmp_path):
+@pytest.mark.parametrize("learner", ["torch", "megatron"])
+def test_colocated_sync_run_hands_the_device_over(ray_session, tmp_path, learner):
     from agentrl.runner.loop import run
 
+    if learner == "megatron":
+        pytest.importorskip("megatron.core")
     path = tiny_config(tmp_path, make_model(tmp_path), run={"steps": 2, "eval_every": 0})
-    cfg = load_config(path, ["--run.placement", "colocated", "--run.mode", "sync", "--run.offload", "true"])
+    cfg = load_config(path, ["--run.placement", "colocated", "--run.mode", "sync", "--run.offload", "true",
+                             "--learner.kind", learner])  # fmt: skip
     assert run(cfg)["ok"]
     steps = [
         m for m in read_jsonl(tmp_path / "t" / "metrics.jsonl") if "policy_version" in m and "phase" not in m

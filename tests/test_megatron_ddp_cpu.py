@@ -51,6 +51,13 @@ def test_ddp_distributed_optimizer_and_resume():
     copies = out["shard_copies"]
     assert copies["patched"] >= 1 and copies["params"] > 10 and copies["bf16"]
     assert copies["params_equal"] and copies["grads_equal"]
+    # run.offload with the Megatron learner: storages leave and come back, training continues bit-exactly
+    off = out["offload"]
+    assert (
+        off["cycles"]
+        == [{"state_freed": True, "weights_kept": True, "weights_freed": True, "restored": True}] * 2
+    )
+    assert off["weight_diff"] == 0.0 and off["kept_copies"] > 2
 
 
 def test_tensor_pipeline_data_parallel_2_ranks(tmp_path):

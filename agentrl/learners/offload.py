@@ -72,3 +72,66 @@ def move_state(
         # in step 1, an extra ~15 GiB after step 0)
         torch.cuda.ipc_collect()
         torch.cuda.empty_cache()
+
+
+class StorageOffload:
+    """Offload by storage: each tensor's whole storage is copied to (pinned) CPU memory and resized to 0 bytes,
+    then resized back and refilled, so every tensor and view on it stays the same object with the same
+    offset. The Megatron learner needs this: its parameters and `main_grad`s are views into DDP's contiguous
+    buffers, which megatron, its optimizer and agentrl's shard copies hold references to; swapping `p.data`
+    (`move_state`) would cut them apart. The CPU copies are kept and refilled at the next offload (see the
+    module docstring). Storages shared by several tensors move once."""
+
+    def __init__(self) -> None:
+        self.kept: dict[int, torch.Tensor] = {}  # storage -> its CPU bytes
+        self.away: dict[int, tuple[torch.UntypedStorage, int]] = {}  # offloaded: storage, its size in bytes
+
+    @staticmethod
+    def storages(tensors) -> dict[int, torch.UntypedStorage]:
+        out = {}
+        for t in tensors:
+            storage = t.untyped_storage()
+            out.setdefault(storage._cdata, storage)
+        return out
+
+    @torch.no_grad()
+    def offload(self, tensors) -> int:
+        """Copy out and free every storage of `tensors` not already away; returns the bytes freed."""
+        freed = 0
+        for key, storage in self.storages(tensors).items():
+            if key in self.away or storage.nbytes() == 0:
+                continue
+            size = storage.nbytes()
+            data = _bytes(storage)
+            cpu = self.kept.get(key)
+            if cpu is None or cpu.numel() != size:
+                pin = torch.cuda.is_available() and data.device.type == "cuda"
+                cpu = self.kept[key] = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+            cpu.copy_(data, non_blocking=True)
+            self.away[key] = (storage, size)
+            freed += size
+        _settle()
+        for storage, _ in self.away.values():
+            storage.resize_(0)
+        _settle()
+        return freed
+
+    @torch.no_grad()
+    def onload(self) -> None:
+        """Every storage `offload` freed, back at its size with its bytes."""
+        for key, (storage, size) in self.away.items():
+            storage.resize_(size)
+            _bytes(storage).copy_(self.kept[key], non_blocking=True)
+        self.away.clear()
+        _settle()
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _settle() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()

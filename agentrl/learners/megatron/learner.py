@@ -26,10 +26,10 @@ import torch
 
 from agentrl.algorithms import compute_loss, merge_metrics, metric_floats, sft_loss
 from agentrl.errors import LearnerError
-from agentrl.learners import fused_logprob
+from agentrl.learners import fused_logprob, offload
 from agentrl.learners.base import Learner
 from agentrl.learners.batch import Batch, micro_batches
-from agentrl.learners.megatron import checkpoint, convert, host_overhead, lora, ops, pipeline, update
+from agentrl.learners.megatron import checkpoint, convert, handoff, host_overhead, lora, ops, pipeline, update
 from agentrl.learners.megatron.model import ArchSpec, build_gpt, unwrap
 from agentrl.learners.megatron.parallel import init_parallel, sum_over_dp
 from agentrl.learners.teacher import teacher_path
@@ -83,6 +83,7 @@ class MegatronLearner(Learner):
         self.reduce_host_overhead = reduce_host_overhead  # False: megatron-core as is (the bench's baseline)
         self.optimizer = self._make_optimizer()
         self.optimizer_steps = 0
+        self._offloader = offload.StorageOffload()
         self.compile_enabled = compile
         if compile:  # inductor fuses RoPE, norms, SwiGLU and residual adds (no Transformer Engine needed)
             host_overhead.default_tp_group_quietly(self.reduce_host_overhead)
@@ -332,6 +333,16 @@ class MegatronLearner(Learner):
             "lr": lr_used,
             "updates_skipped": float(skip),
         }
+
+    # -- colocated hand-off (run.offload) ---------------------------------------------------------------
+
+    def offload(self, weights: bool = True, training_state: bool = True) -> None:
+        """Weights and/or training state to CPU memory by storage (agentrl/learners/megatron/handoff.py)."""
+        self._offloader.offload(handoff.tensors(self, weights, training_state))
+
+    def onload(self) -> None:
+        """Everything `offload` moved, back on the device (the same tensors, the same values)."""
+        self._offloader.onload()
 
     def _trainable(self) -> list[torch.nn.Parameter]:
         """Every parameter, or the adapter's alone under LoRA (the base is frozen)."""
