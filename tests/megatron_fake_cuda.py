@@ -150,6 +150,11 @@ def offload_round_trip(model_dir) -> dict:
         (x - y).abs().max().item() for (_, x), (_, y) in zip(moved.weights(), twin.weights(), strict=True)
     )
     out["kept_copies"] = len(moved._offloader.kept)
+    moved.reset_optimizer()  # the moments' storages go; the next offload drops their CPU copies
+    moved.train_step(make_batch(300, seed=8))
+    moved.offload()
+    moved.onload()
+    out["kept_after_reset"] = len(moved._offloader.kept)
     return out
 
 

@@ -95,8 +95,13 @@ class StorageOffload:
         return out
 
     @torch.no_grad()
-    def offload(self, tensors) -> int:
-        """Copy out and free every storage of `tensors` not already away; returns the bytes freed."""
+    def offload(self, tensors, live=None) -> int:
+        """Copy out and free every storage of `tensors` not already away; returns the bytes freed. `live`: every
+        tensor the owner still holds; CPU copies of storages outside it are dropped (an optimizer reset
+        replaces the moments' storages: their old copies would otherwise stay pinned for good)."""
+        if live is not None:
+            keep = set(self.storages(live)) | set(self.away)
+            self.kept = {k: v for k, v in self.kept.items() if k in keep}
         freed = 0
         for key, storage in self.storages(tensors).items():
             if key in self.away or storage.nbytes() == 0:

@@ -338,7 +338,8 @@ class MegatronLearner(Learner):
 
     def offload(self, weights: bool = True, training_state: bool = True) -> None:
         """Weights and/or training state to CPU memory by storage (agentrl/learners/megatron/handoff.py)."""
-        self._offloader.offload(handoff.tensors(self, weights, training_state))
+        moved = handoff.tensors(self, weights, training_state)
+        self._offloader.offload(moved, live=handoff.tensors(self, True, True))
 
     def onload(self) -> None:
         """Everything `offload` moved, back on the device (the same tensors, the same values)."""
