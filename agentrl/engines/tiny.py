@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import os
 import random
-import tempfile
+import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -185,14 +186,17 @@ def make_tiny_model(
     write the same model (two runs started at once on the default `runs/tiny-model`) or after a writer died."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=path.parent) as tmp:
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
         dims = dict(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
                     max_position=max_position, tie_embeddings=tie_embeddings, init_std=init_std, head_dim=head_dim)  # fmt: skip
-        _write_tiny_model(Path(tmp), arch, seed, vocab_size, dims)
+        _write_tiny_model(tmp, arch, seed, vocab_size, dims)
         path.mkdir(exist_ok=True)
-        files = sorted(Path(tmp).iterdir(), key=lambda f: f.name == "config.json")
-        for f in files:
+        for f in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):
             os.replace(f, path / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
