@@ -67,9 +67,8 @@ def move_state(
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         # A tensor published over CUDA IPC (SGLang's update from tensors) stays allocated here after the engine
-        # has dropped it, until torch collects what consumers released: without this, the weights of the last
-        # publish stayed on the GPU through the next training phase (4B full fine-tune on 80 GB: out of memory
-        # in step 1, an extra ~15 GiB after step 0)
+        # has dropped it, until torch collects what consumers released: the suspected cause of a 4B full
+        # fine-tune on 80 GB running out of memory in step 1 (docs/benchmarks/gpu.md §6)
         torch.cuda.ipc_collect()
         torch.cuda.empty_cache()
 
