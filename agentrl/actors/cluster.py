@@ -224,12 +224,11 @@ class Cluster:
             slot.generation += 1
             self.restarts += 1
             log.warning("restarted %s actor %d (restart %d)", slot.kind, slot.index, self.restarts)
-            # recorded as soon as it runs: `on_replaced` (weights, re-issued work) can outlast the run
+            await on_replaced(slot, old)
             if self.nodes:
                 role = "engines" if slot.kind == "engine" else "workers"
                 self.nodes[role][slot.index] = await slot.handle.where.remote()
                 self._write_placement()
-            await on_replaced(slot, old)
 
     async def _respawn_queue(self, dead: Any) -> Any:
         """Recreate the dead queue actor on the same run dir for this run; see the module docstring."""
