@@ -64,13 +64,7 @@ def move_state(
         for key, value in state.items():
             if torch.is_tensor(value):
                 state[key] = _moved(value, device, store, ("state", id(param), key))
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        # A tensor published over CUDA IPC (SGLang's update from tensors) stays allocated here after the engine
-        # has dropped it, until torch collects what consumers released: the suspected cause of a 4B full
-        # fine-tune on 80 GB running out of memory in step 1 (docs/benchmarks/gpu.md §6)
-        torch.cuda.ipc_collect()
-        torch.cuda.empty_cache()
+    _settle()
 
 
 class StorageOffload:
@@ -114,7 +108,8 @@ class StorageOffload:
             cpu.copy_(data, non_blocking=True)
             self.away[key] = (storage, size)
             freed += size
-        _settle()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the copies out are done before the storages go
         for storage, _ in self.away.values():
             storage.resize_(0)
         _settle()
@@ -135,7 +130,11 @@ def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 def _settle() -> None:
+    """Wait for the copies, then hand the freed device memory back to the driver for the other process."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+        # A tensor published over CUDA IPC (SGLang's update from tensors) stays allocated here after the engine
+        # has dropped it, until torch collects what consumers released: the suspected cause of a 4B full
+        # fine-tune on 80 GB running out of memory in step 1 (docs/benchmarks/gpu.md §6)
         torch.cuda.ipc_collect()
         torch.cuda.empty_cache()

@@ -21,14 +21,12 @@ if TYPE_CHECKING:
     from agentrl.learners.megatron.learner import MegatronLearner
 
 
-def tensors(learner: MegatronLearner, weights: bool, training_state: bool) -> list[torch.Tensor]:
-    """The tensors whose storages `offload(weights, training_state)` moves."""
+def parts(learner: MegatronLearner) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(weights, training state): the tensors whose storages `offload(weights, training_state)` moves, the
+    training state less what shares a storage with the weights."""
     held = weight_tensors(learner)
-    out = list(held) if weights else []
-    if training_state:
-        shared = set(StorageOffload.storages(held))
-        out += [t for t in state_tensors(learner) if t.untyped_storage()._cdata not in shared]
-    return out
+    shared = set(StorageOffload.storages(held))
+    return held, [t for t in state_tensors(learner) if t.untyped_storage()._cdata not in shared]
 
 
 def weight_tensors(learner: MegatronLearner) -> list[torch.Tensor]:

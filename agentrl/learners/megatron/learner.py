@@ -338,8 +338,9 @@ class MegatronLearner(Learner):
 
     def offload(self, weights: bool = True, training_state: bool = True) -> None:
         """Weights and/or training state to CPU memory by storage (agentrl/learners/megatron/handoff.py)."""
-        moved = handoff.tensors(self, weights, training_state)
-        self._offloader.offload(moved, live=handoff.tensors(self, True, True))
+        held, state = handoff.parts(self)
+        moved = (held if weights else []) + (state if training_state else [])
+        self._offloader.offload(moved, live=held + state)
 
     def onload(self) -> None:
         """Everything `offload` moved, back on the device (the same tensors, the same values)."""
