@@ -115,9 +115,16 @@ class Publisher:
         self.last_payload: Any = None
         self.version = -1
         self.last_publish_s = 0.0
+        # A publish and a catch-up of a restarted host never interleave: a catch-up that started during a
+        # publish would otherwise be able to land after it and leave that host one version behind.
+        self._lock = asyncio.Lock()
 
     async def publish(self, version: int) -> float:
         """Publish `version` to every target; returns seconds taken. Raises WeightSyncError."""
+        async with self._lock:
+            return await self._publish(version)
+
+    async def _publish(self, version: int) -> float:
         t0 = time.perf_counter()
         payload = await self._payload(version)
         jobs = [
@@ -142,7 +149,11 @@ class Publisher:
         return self.last_publish_s
 
     async def catch_up(self, target: Any) -> None:
-        """Load the latest published version into a (re)started engine host."""
+        """Load the latest published version into a (re)started engine host (after a publish in progress)."""
+        async with self._lock:
+            await self._catch_up(target)
+
+    async def _catch_up(self, target: Any) -> None:
         if self.version < 0:
             return
         payload = self.last_payload

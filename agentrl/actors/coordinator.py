@@ -224,13 +224,17 @@ class Coordinator:
 
     async def publish(self, version: int) -> float:
         """Publish `version` to every engine host, then tell the queue. A host that died (its node lost, say)
-        fails the publish: it is replaced (loaded with the last version) and the publish retried once."""
+        fails the publish: it is replaced (loaded with the last version) and the publish retried once. The
+        replacement may already have happened while the publish ran (a group on the dead worker noticed
+        first), so a host whose generation moved counts as replaced even if it now answers."""
         assert self.publisher is not None
+        hosts = self.engines or [w for w in self.workers if w.kind == "rollout"]
+        generations = [slot.generation for slot in hosts]
         try:
             seconds = await self.publisher.publish(version)
         except WeightSyncError as exc:
-            hosts = self.engines or [w for w in self.workers if w.kind == "rollout"]
-            if not await self.check_engines(slots=hosts):
+            replaced = await self.check_engines(slots=hosts)
+            if not replaced and generations == [slot.generation for slot in hosts]:
                 raise
             log.warning(
                 "publish of policy_version %d failed (%s); retrying on the replaced hosts", version, exc

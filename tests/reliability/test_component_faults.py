@@ -6,8 +6,13 @@ itself (actors restarted, latest weights loaded, in-flight groups re-issued unde
 the same run dir (WAL replayed, the learner's uncommitted ids reclaimed) and serves HTTP on the same port,
 so an HTTP client that started a request right after the kill gets its answer (it retries connection
 errors), and the run finishes by itself. Checked: every step trained once, nothing lost or trained twice
-(ledger + WAL); the train reward still rises (mean of the last 8 steps above the first 8); the time from
-each kill to the next trained step is reported."""
+(ledger + WAL); every step's tokens were sampled by the weights they are labelled with (the learner's
+logprobs of them stay within MISMATCH_MAX_NATS of the engine's, across the restarts); the policy still earns
+reward at the end. The time from each kill to the next trained step is reported.
+
+Not checked: that the train reward rises within these 28 steps. Three runs here rose by only 0.03-0.07 (8-step
+means 0.18-0.20 -> 0.23-0.26) against step-to-step swings of 0.08-0.37, and one CI run fell (0.239 -> 0.103), so
+that assertion failed by chance; the quickstart's rise shows over its 200 steps (docs/benchmarks/run.md)."""
 
 from __future__ import annotations
 
@@ -32,6 +37,11 @@ from tests.reliability.support import (
 pytestmark = pytest.mark.slow
 
 STEPS = 28
+# Clean quickstart runs stay below 0.11 nats (mean |engine logprob - learner logprob| per step, with the learner
+# one version ahead under max_staleness = 1); an engine serving other weights than its label (a restarted engine
+# left on the untrained model, say) is off by nats.
+MISMATCH_MAX_NATS = 0.5
+REWARD_FLOOR = 0.05  # the warmed-up model starts at 0.18-0.27 (8-step means)
 FAULTS = [(8, "RolloutWorker"), (16, "EngineActor"), (21, "QueueActor")]
 
 
@@ -71,9 +81,11 @@ def test_worker_engine_and_queue_killed_mid_run_recover(tmp_path):
     metrics = [m for m in read_jsonl(run / "metrics.jsonl") if "phase" not in m]
     restarts = max(m["restarts"] for m in metrics)
     assert restarts >= 3 and max(m["reissued"] for m in metrics) >= 1, metrics[-1]
+    mismatch = {m["step"]: round(m["train/logprob_mismatch"], 3) for m in metrics}
+    assert max(mismatch.values()) < MISMATCH_MAX_NATS, mismatch
     first = sum(m["reward_mean"] for m in metrics[:8]) / 8
     last = sum(m["reward_mean"] for m in metrics[-8:]) / 8
-    assert last > first, f"reward did not rise: {first:.3f} -> {last:.3f}"
+    assert last > REWARD_FLOOR, f"the policy stopped earning reward: {first:.3f} -> {last:.3f}"
     figure("component_faults", killed=[a for _, a in FAULTS], recovery_to_next_step_s=recovery,
            restarts=restarts, reissued=max(m["reissued"] for m in metrics), reward_first8=round(first, 3),
-           reward_last8=round(last, 3), **counts)  # fmt: skip
+           reward_last8=round(last, 3), logprob_mismatch_max=max(mismatch.values()), **counts)  # fmt: skip
