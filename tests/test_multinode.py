@@ -127,7 +127,8 @@ def test_a_run_over_three_nodes_survives_losing_the_rollout_node(ray_cluster, tm
     assert where["learner"] == {ray_cluster.learner_node.node_id}
     assert where["engines"] == where["workers"] and len(where["workers"]) == 1
     after = json.loads((run / "placement.json").read_text())
-    assert {h["node_id"] for h in after["engines"] + after["workers"]} == {nodes["rollout"]}  # rescheduled
+    rescheduled = {h["node_id"] for h in after["engines"] + after["workers"]}
+    assert rescheduled == {nodes["rollout"]}, (nodes, before, after, output[-5000:])
     assert "restarted rollout actor 0" in output and "restarted engine actor 0" in output, output[-5000:]
 
     metrics = [m for m in read_jsonl(run / "metrics.jsonl") if "phase" not in m]
