@@ -102,13 +102,16 @@ class Batch:
                 setattr(self, f.name, value.to(device))
         return self
 
-    def select(self, rows: torch.Tensor | Sequence[int]) -> Batch:
-        """The given rows, trimmed to their longest used length; sequence-level fields and normalisers stay whole.
+    def select(self, rows: torch.Tensor | Sequence[int], width: int | None = None) -> Batch:
+        """The given rows, trimmed to their longest used length (`width` when the caller knows it: no read of
+        the device); sequence-level fields and normalisers stay whole.
 
         `extra["rows"]` records the selected row indices (to scatter per-row results back into the batch).
         """
         rows = torch.as_tensor(rows, dtype=torch.long, device=self.input_ids.device)
-        width = max(int(self.row_lengths()[rows].max()), 1) if rows.numel() else 1
+        if width is None:
+            width = int(self.row_lengths()[rows].max()) if rows.numel() else 1
+        width = max(width, 1)
         changes = {}
         for name in ROW_TENSORS:
             value = getattr(self, name)
@@ -323,21 +326,21 @@ def micro_batches(batch: Batch, micro_batch_tokens: int) -> list[Batch]:
 
     Rows are taken longest first, so similar lengths share a micro-batch; a row longer than the budget is alone.
     """
-    lengths = batch.row_lengths().cpu()
-    order = torch.argsort(-lengths, stable=True).tolist()
-    groups: list[list[int]] = []
+    lengths = batch.row_lengths().tolist()  # the one read of the device: the split is planned on the host
+    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])  # stable: equal lengths keep row order
+    groups: list[tuple[list[int], int]] = []
     current: list[int] = []
     width = 0
     for r in order:
-        n = int(lengths[r])
+        n = lengths[r]
         if current and (len(current) + 1) * max(width, n) > micro_batch_tokens:
-            groups.append(current)
+            groups.append((current, width))
             current, width = [], 0
         current.append(r)
         width = max(width, n)
     if current:
-        groups.append(current)
+        groups.append((current, width))
     if len(groups) == 1 and width == batch.input_ids.shape[1]:  # select() would copy every tensor unchanged
         rows = torch.arange(len(order), device=batch.input_ids.device)
         return [dataclasses.replace(batch, extra={**batch.extra, "rows": rows})]
-    return [batch.select(sorted(g)) for g in groups]
+    return [batch.select(sorted(g), width=w) for g, w in groups]

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from agentrl.algorithms import compute_loss, merge_metrics, sft_loss
+from agentrl.algorithms import compute_loss, merge_metrics, metric_floats, sft_loss
 from agentrl.errors import LearnerError
 from agentrl.learners import checkpoint, fsdp, hf_io, lora, offload, torch_checkpoint
 from agentrl.learners.base import Learner
@@ -221,10 +221,11 @@ class TorchLearner(Learner):
         parts = []
         for (_, mb), weight in self._share(self._split(batch)):
             logp, ent, vals = self._forward(self.model, mb, entropy=True, values=self.value_head is not None)
-            loss, m = compute_loss(self.algo, mb, logp, entropy=ent, values=vals)
-            (loss if weight else loss * 0.0).backward()
+            loss, m = compute_loss(self.algo, mb, logp, entropy=ent, values=vals, as_tensors=True)
+            (loss if weight else loss * 0.0).backward()  # no host read before it, nor between micro-batches
             if weight:
-                parts.append((m, float(mb.n_loss_tokens)))
+                parts.append((m, mb.loss_mask.sum()))
+        parts = metric_floats(parts)  # one device-to-host copy for every micro-batch's metrics
         if self.world is not None:
             parts = [p for rank_parts in self.world.gather(parts) for p in rank_parts]
         metrics = merge_metrics(parts)
