@@ -1,6 +1,8 @@
-"""Resume after SIGKILL: `agentrl run` (a real subprocess with its own Ray) is killed mid-run, then
-`agentrl run --resume` finishes it. Checked against the ledger and the queue's WAL: every step trained once,
-no trajectory id trained twice, none lost (each accepted id is in the ledger or still queued)."""
+"""Resume after SIGKILL or Ctrl-C: `agentrl run` (a real subprocess with its own Ray) is killed mid-run, or
+interrupted as a terminal's Ctrl-C does (SIGINT to its whole process group), then `agentrl run --resume`
+finishes it. Checked against the ledger and the queue's WAL: every step trained once, no trajectory id trained
+twice, none lost (each accepted id is in the ledger or still queued). After Ctrl-C the run also ends by itself
+(exit 130, "interrupted") and typing the command again is refused with the `--resume` line to use."""
 
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ def _trained_steps(run: Path) -> int:
     return max((r["step"] for r in rows if "phase" not in r), default=0)
 
 
-def test_resume_after_sigkill(tmp_path, run_model):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["sigkill", "ctrl-c"])
+def test_resume_after_sigkill_or_ctrl_c(tmp_path, run_model, sig):
     model_dir = run_model
     cfg = tiny_config(
         tmp_path,
@@ -56,11 +59,25 @@ def test_resume_after_sigkill(tmp_path, run_model):
             assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
             assert time.time() < deadline, "the first run made no progress"
             time.sleep(0.2)
+        os.killpg(proc.pid, sig)  # SIGKILL: the driver and everything it started (Ray included)
+        code = proc.wait(90)  # a hang guard, not a speed goal
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started (Ray included)
+        if proc.poll() is None or sig == signal.SIGINT:  # whatever is left of the group (none expected)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         proc.wait()
     killed_at = _trained_steps(run)
     assert killed_at < 40
+    if sig == signal.SIGINT:
+        first = (tmp_path / "first.log").read_text()
+        assert code == 130 and "agentrl run: interrupted" in first, first[-3000:]
+        again = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+        assert again.returncode == 2, again.stderr[-3000:]
+        assert "holds an unfinished run" in again.stderr and f"agentrl run --resume {run}" in again.stderr, (
+            again.stderr[-3000:]
+        )
 
     steps = killed_at + 3
     resume = [sys.executable, "-m", "agentrl.cli", "run", "--resume", str(run), "--run.steps", str(steps)]
