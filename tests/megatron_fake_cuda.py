@@ -117,6 +117,41 @@ def single_process(model_dir: str) -> dict:
     out["guard"] = non_finite_guard(gpu_path_learner(model_dir, minibatches=2))
     out["shard_copies"] = shard_copies(gpu_path_learner(model_dir, dtype="bfloat16"))
     out["offload"] = offload_round_trip(model_dir)
+    out["host_reads"] = host_reads(model_dir)
+    return out
+
+
+def host_reads(model_dir) -> dict:
+    """Calls that turn a tensor into a Python number or list (on a GPU: a host sync) during one train step, for
+    one micro-batch and for several: {micro-batches: reads}."""
+    from tests.megatron_helpers import make_batch
+
+    reads = {"n": 0}
+    originals = {
+        name: getattr(torch.Tensor, name) for name in ("__float__", "__int__", "__bool__", "item", "tolist")
+    }
+
+    def counting(original):
+        def counted(self, *args, **kwargs):
+            reads["n"] += 1
+            return original(self, *args, **kwargs)
+
+        return counted
+
+    out = {}
+    for budget in (100_000, 40):
+        learner = gpu_path_learner(model_dir, micro_batch_tokens=budget)
+        learner.train_step(make_batch(300, seed=1))  # the first step builds the optimizer state
+        batch = make_batch(300, seed=0)
+        reads["n"] = 0
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, counting(original))
+        try:
+            micro = learner.train_step(batch)["micro_batches"]
+        finally:
+            for name, original in originals.items():
+                setattr(torch.Tensor, name, original)
+        out[int(micro)] = reads["n"]
     return out
 
 

@@ -1,7 +1,8 @@
 """The GPU code path (Megatron DDP, distributed optimizer, finalize_model_grads, 1F1B pipeline schedule,
 checkpoint) run on CPU through tests/megatron_fake_cuda.py, in processes of its own (it patches torch.cuda
 process-wide): each configuration equals the torch learner (log-probs, loss, grad norm, weights after two Adam
-steps, SFT loss), and a save/load resume continues bit-exactly.
+steps, SFT loss), and a save/load resume continues bit-exactly; a step reads the device as often for three
+micro-batches as for one.
 """
 
 import json
@@ -59,6 +60,9 @@ def test_ddp_distributed_optimizer_and_resume():
     )
     assert off["weight_diff"] == 0.0 and off["kept_copies"] > 2
     assert off["kept_after_reset"] == off["kept_copies"]  # new moments, old copies dropped: no growth
+    # no host read per micro-batch: metrics are read once after the last backward, the split planned once
+    reads = out["host_reads"]
+    assert len(reads) == 2 and max(int(k) for k in reads) > 1 and len(set(reads.values())) == 1, reads
 
 
 def test_tensor_pipeline_data_parallel_2_ranks(tmp_path):
