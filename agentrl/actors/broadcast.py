@@ -122,45 +122,41 @@ class Publisher:
     async def publish(self, version: int) -> float:
         """Publish `version` to every target; returns seconds taken. Raises WeightSyncError."""
         async with self._lock:
-            return await self._publish(version)
-
-    async def _publish(self, version: int) -> float:
-        t0 = time.perf_counter()
-        payload = await self._payload(version)
-        jobs = [
-            _guard(
-                t.update_weights.remote(version, payload),
-                self.path,
-                f"engine host {i}",
-                version,
-                self.timeout_s,
-            )
-            for i, t in enumerate(self.targets)
-        ]
-        if self.path == "nccl":
-            jobs.append(
-                _guard(self.learner.broadcast_weights.remote(), self.path, "learner", version, self.timeout_s)
-            )
-        await asyncio.gather(*jobs)
-        self.last_payload, self.version = payload, version
-        if self.queue is not None:
-            await self.queue.set_policy_version.remote(version)
-        self.last_publish_s = time.perf_counter() - t0
-        return self.last_publish_s
+            t0 = time.perf_counter()
+            payload = await self._payload(version)
+            jobs = [
+                _guard(
+                    t.update_weights.remote(version, payload),
+                    self.path,
+                    f"engine host {i}",
+                    version,
+                    self.timeout_s,
+                )
+                for i, t in enumerate(self.targets)
+            ]
+            if self.path == "nccl":
+                jobs.append(
+                    _guard(
+                        self.learner.broadcast_weights.remote(), self.path, "learner", version, self.timeout_s
+                    )
+                )
+            await asyncio.gather(*jobs)
+            self.last_payload, self.version = payload, version
+            if self.queue is not None:
+                await self.queue.set_policy_version.remote(version)
+            self.last_publish_s = time.perf_counter() - t0
+            return self.last_publish_s
 
     async def catch_up(self, target: Any) -> None:
         """Load the latest published version into a (re)started engine host (after a publish in progress)."""
         async with self._lock:
-            await self._catch_up(target)
-
-    async def _catch_up(self, target: Any) -> None:
-        if self.version < 0:
-            return
-        payload = self.last_payload
-        if self.path == "nccl":  # a restarted engine left the group: fall back to a full copy
-            payload = await self.learner.weights_payload.remote()
-        await _guard(target.update_weights.remote(self.version, payload), self.path, "restarted host",
-                     self.version, self.timeout_s)  # fmt: skip
+            if self.version < 0:
+                return
+            payload = self.last_payload
+            if self.path == "nccl":  # a restarted engine left the group: fall back to a full copy
+                payload = await self.learner.weights_payload.remote()
+            await _guard(target.update_weights.remote(self.version, payload), self.path, "restarted host",
+                         self.version, self.timeout_s)  # fmt: skip
 
     async def _payload(self, version: int) -> Any:
         if self.path == "tensor":  # the target holds the learner: it copies in-process
