@@ -124,33 +124,16 @@ def single_process(model_dir: str) -> dict:
 def host_reads(model_dir) -> dict:
     """Calls that turn a tensor into a Python number or list (on a GPU: a host sync) during one train step, for
     one micro-batch and for several: {micro-batches: reads}."""
+    from tests.host_reads import counting_host_reads
     from tests.megatron_helpers import make_batch
-
-    reads = {"n": 0}
-    originals = {
-        name: getattr(torch.Tensor, name) for name in ("__float__", "__int__", "__bool__", "item", "tolist")
-    }
-
-    def counting(original):
-        def counted(self, *args, **kwargs):
-            reads["n"] += 1
-            return original(self, *args, **kwargs)
-
-        return counted
 
     out = {}
     for budget in (100_000, 40):
         learner = gpu_path_learner(model_dir, micro_batch_tokens=budget)
         learner.train_step(make_batch(300, seed=1))  # the first step builds the optimizer state
         batch = make_batch(300, seed=0)
-        reads["n"] = 0
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, counting(original))
-        try:
+        with counting_host_reads() as reads:
             micro = learner.train_step(batch)["micro_batches"]
-        finally:
-            for name, original in originals.items():
-                setattr(torch.Tensor, name, original)
         out[int(micro)] = reads["n"]
     return out
 
@@ -168,16 +151,14 @@ def offload_round_trip(model_dir) -> dict:
     for step in range(2):
         for learner in (moved, twin):
             learner.train_step(make_batch(300, seed=step))
-        weights, state = handoff.weight_tensors(moved), handoff.state_tensors(moved)
-        shared = {t.untyped_storage()._cdata for t in weights}  # fp32 main shards are views of the params
-        own = [t for t in state if t.untyped_storage()._cdata not in shared]
+        weights, own = handoff.parts(moved)  # own: the training state less the views of the params
         moved.offload(weights=False)
         cycle = {"state_freed": bool(own) and all(n == 0 for n in sizes(own))}
         cycle["weights_kept"] = all(n > 0 for n in sizes(weights))
         moved.offload(training_state=False)
         cycle["weights_freed"] = all(n == 0 for n in sizes(weights))
         moved.onload()
-        cycle["restored"] = all(n > 0 for n in sizes(weights + state))
+        cycle["restored"] = all(n > 0 for n in sizes(weights + handoff.state_tensors(moved)))
         out["cycles"].append(cycle)
     for learner in (moved, twin):
         learner.train_step(make_batch(300, seed=7))

@@ -292,7 +292,7 @@ def test_the_warmup_leaves_no_momentum_for_rl_steps_without_gradient(model_dir, 
     assert _moved(learner, before)
 
 
-def test_host_reads_per_update_do_not_grow_with_micro_batches(model_dir, monkeypatch):
+def test_host_reads_per_update_do_not_grow_with_micro_batches(model_dir):
     """agentrl reads nothing back from the device per micro-batch: the split is planned from one read of the row
     lengths, and the micro-batch metrics stay on the device until one read after the last backward (as in the
     Megatron learner). On a GPU such a read between forward and backward, or between micro-batches, leaves it
@@ -301,7 +301,7 @@ def test_host_reads_per_update_do_not_grow_with_micro_batches(model_dir, monkeyp
     import sys
     import traceback
 
-    reads = {"n": 0}
+    from tests.host_reads import counting_host_reads
 
     def made_by_agentrl() -> bool:
         for frame in reversed(traceback.extract_stack(sys._getframe(2))):
@@ -310,20 +310,12 @@ def test_host_reads_per_update_do_not_grow_with_micro_batches(model_dir, monkeyp
             return f"{os.sep}transformers{os.sep}" not in frame.filename
         return True
 
-    for name in ("__float__", "__int__", "__bool__", "item", "tolist"):
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, **kwargs):
-            reads["n"] += made_by_agentrl()
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
     counts = {}
     for budget in (10_000, 24):
         learner = TorchLearner(model_dir, LearnerSection(micro_batch_tokens=budget), AlgorithmSection())
         batch = build_batch(make_trajs(), learner.pad_id)
-        reads["n"] = 0
-        m = learner.train_step(batch)
+        with counting_host_reads(made_by_agentrl) as reads:
+            m = learner.train_step(batch)
         counts[m["micro_batches"]] = reads["n"]
     assert len(counts) == 2 and max(counts) > 1, counts
     assert len(set(counts.values())) == 1, counts  # micro-batches -> reads
