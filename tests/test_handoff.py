@@ -14,6 +14,7 @@ from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.sglang import SGLangEngine
 from agentrl.engines.tiny import make_tiny_model
 from agentrl.errors import ConfigError
+from agentrl.learners.offload import move_state
 from agentrl.learners.torch_learner import TorchLearner
 from tests.run_support import make_model, read_jsonl, tiny_config
 from tests.test_lora import PROMPT, batch
@@ -40,17 +41,18 @@ def test_offload_and_onload_round_trip_the_learner_exactly(base):
     for learner in (moved, twin):
         learner.train_step(batch(learner, 0))
     params, opt = state(moved)
-    before = {n: (p.detach().clone(), p.grad.clone(), p.data_ptr()) for n, p in params.items()}
+    before = {n: (p.detach().clone(), p.data_ptr()) for n, p in params.items()}
     opt_before = [(t.clone(), t.data_ptr()) for t in opt]
     moved.offload()
     params_off, opt_off = state(moved)
-    cpu_ptrs = {n: (p.data_ptr(), p.grad.data_ptr()) for n, p in params_off.items()}
+    cpu_ptrs = {n: p.data_ptr() for n, p in params_off.items()}
     assert params_off.keys() == params.keys() and all(
         params_off[n] is params[n] for n in params
     )  # same objects
     for name, p in params_off.items():
-        value, grad, ptr = before[name]
-        assert p.data_ptr() != ptr and torch.equal(p, value) and torch.equal(p.grad, grad), name
+        value, ptr = before[name]
+        # the step's gradients are dropped (never read again: each update starts with zero_grad(set_to_none))
+        assert p.data_ptr() != ptr and torch.equal(p, value) and p.grad is None, name
     assert all(
         t.data_ptr() != ptr and torch.equal(t, v) for t, (v, ptr) in zip(opt_off, opt_before, strict=True)
     )
@@ -61,12 +63,11 @@ def test_offload_and_onload_round_trip_the_learner_exactly(base):
         assert torch.equal(p, q), name  # the Adam moments survived the trip: the next step is the same
     # the next offload refills the CPU copies of the first (no new host allocation) with the new values
     opt_cpu_ptrs = [t.data_ptr() for t in opt_off]
-    values = {n: (p.detach().clone(), p.grad.clone()) for n, p in moved.model.named_parameters()}
+    values = {n: p.detach().clone() for n, p in moved.model.named_parameters()}
     moved.offload()
     params_again, opt_again = state(moved)
     for name, p in params_again.items():
-        assert (p.data_ptr(), p.grad.data_ptr()) == cpu_ptrs[name], name
-        assert torch.equal(p, values[name][0]) and torch.equal(p.grad, values[name][1]), name
+        assert p.data_ptr() == cpu_ptrs[name] and torch.equal(p, values[name]), name
     assert [t.data_ptr() for t in opt_again] == opt_cpu_ptrs
     moved.onload()
     for learner in (moved, twin):
@@ -83,21 +84,32 @@ def test_publish_offload_in_two_parts_moves_each_part_once_and_round_trips(base)
     for learner in (moved, twin):
         learner.train_step(batch(learner, 0))
     params, opt = state(moved)
-    ptrs = {n: (p.data_ptr(), p.grad.data_ptr()) for n, p in params.items()}
+    ptrs = {n: p.data_ptr() for n, p in params.items()}
     opt_ptrs = [t.data_ptr() for t in opt]
     moved.offload(weights=False)
-    assert all(p.data_ptr() == ptrs[n][0] and p.grad.data_ptr() != ptrs[n][1] for n, p in params.items())
+    assert all(p.data_ptr() == ptrs[n] and p.grad is None for n, p in params.items())
     assert all(t.data_ptr() != ptr for t, ptr in zip(state(moved)[1], opt_ptrs, strict=True))
-    grads_off = {n: p.grad.data_ptr() for n, p in params.items()}
     opt_off = [t.data_ptr() for t in state(moved)[1]]
     moved.offload(training_state=False)
-    assert all(p.data_ptr() != ptrs[n][0] and p.grad.data_ptr() == grads_off[n] for n, p in params.items())
+    assert all(p.data_ptr() != ptrs[n] for n, p in params.items())
     assert [t.data_ptr() for t in state(moved)[1]] == opt_off  # the state moved once, not again
     moved.onload()
     for learner in (moved, twin):
         learner.train_step(batch(learner, 1))
     for (name, p), q in zip(moved.model.named_parameters(), twin.model.parameters(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_training_state_leaves_while_the_weights_stay_on_another_device(base):
+    """The publish moves the optimizer state off the GPU while the weights stay for the update. torch refuses a
+    gradient on another device than its parameter (on the GPU: "attempting to assign a gradient with device type
+    'cpu' to a tensor with device type 'cuda'"); here 'meta' stands for the other device."""
+    learner = TorchLearner(base, LearnerSection(lr=1e-2), AlgorithmSection(advantage="rloo"))
+    learner.train_step(batch(learner, 0))
+    assert all(p.grad is not None for p in learner.model.parameters())
+    move_state([learner.model], learner.optimizer, torch.device("meta"), weights=False)
+    assert all(p.device.type == "cpu" and p.grad is None for p in learner.model.parameters())
+    assert all(v.device.type == "meta" for v in state(learner)[1])
 
 
 async def test_embedded_engine_frees_and_restores_its_kv_cache(base):
@@ -272,3 +284,12 @@ def test_colocated_sync_run_hands_the_device_over(ray_session, tmp_path, learner
     for m in steps:  # every step went through the hand-off and reports its phases (0 GiB: no GPU here)
         assert {"memory/rollout_peak_gib", "memory/train_peak_gib", "handoff/to_training_s"} <= set(m)
         assert "memory/publish_peak_gib" in m and "handoff/publish_s" in m
+    # the checkpoints were written between a publish and the next training, the learner offloaded: Megatron's
+    # storages were then empty and its checkpoint unloadable ("Trying to resize storage that is not resizable")
+    more = load_config(path, ["--run.placement", "colocated", "--run.mode", "sync", "--run.offload", "true",
+                              "--learner.kind", learner, "--run.steps", "3"])  # fmt: skip
+    assert run(more, resume=True)["ok"]
+    steps = [
+        m for m in read_jsonl(tmp_path / "t" / "metrics.jsonl") if "policy_version" in m and "phase" not in m
+    ]
+    assert [m["policy_version"] for m in steps] == [1, 2, 3]

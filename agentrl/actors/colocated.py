@@ -10,6 +10,7 @@ engines start, every train / warm-up first takes the GPU back, every publish giv
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from agentrl.actors.handoff import HandOff
@@ -55,16 +56,23 @@ class ColocatedHost(RolloutWorker):
         return await super().update_weights(version, source)
 
     async def save(self, path: str) -> None:
-        await asyncio.to_thread(self.learner.save, path)
+        await asyncio.to_thread(self.learner.save, path)  # offloaded: from its CPU copies (HandOff)
 
     async def load(self, path: str) -> int:
-        return await asyncio.to_thread(self.learner.load, path)
+        return await self._on_device(self.learner.load, path)
 
     async def save_archive(self) -> bytes:
         return await asyncio.to_thread(self.learner.save_archive)
 
     async def load_archive(self, data: bytes) -> int:
-        return await asyncio.to_thread(self.learner.load_archive, data)
+        return await self._on_device(self.learner.load_archive, data)
+
+    async def _on_device(self, call: Callable[..., Any], *args: Any) -> Any:
+        """A load writes into the learner's state: under the hand-off that state is on the device for it."""
+        if self.handoff is None:
+            return await asyncio.to_thread(call, *args)
+        async with self.handoff.learner_on_device():
+            return await asyncio.to_thread(call, *args)
 
     async def weights_payload(self) -> dict[str, Any]:
         return self.learner.weights_payload()

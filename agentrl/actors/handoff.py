@@ -7,9 +7,12 @@ weight version; the first publish comes right after setup):
       /release_memory_occupation; the embedded engine: its KV cache), then the hand-off waits until the device's
       free memory has stopped rising (SGLang's release can return before the memory is free), then the learner's
       parameters, gradients and optimizer state come back from pinned CPU memory.
-  publish: the learner's gradients and optimizer state move to pinned CPU memory, engines resume their weights'
-      memory, the new version is loaded (from the learner's weights, still on the GPU), the learner's weights
-      follow to pinned CPU memory, engines resume their KV cache (and CUDA graphs).
+  publish: the learner's optimizer state moves to pinned CPU memory (its gradients are dropped), engines resume
+      their weights' memory, the new version is loaded (from the learner's weights, still on the GPU), the
+      learner's weights follow to pinned CPU memory, engines resume their KV cache (and CUDA graphs).
+  learner_on_device: loading a checkpoint (a resume, before rollouts start) goes through training and back.
+Checkpoints are written during rollout (sync mode generates the next batch meanwhile) from the learner's CPU
+copies, without moving anything.
 The learner starts offloaded (before the engines start, so SGLang sizes itself with the learner gone). Each
 phase's peak device memory (all processes: the engines run in their own) is sampled by `PeakMeter` and returned
 with the train metrics (`train_metrics`): `memory/rollout_peak_gib` (from the previous publish to this step's
@@ -20,9 +23,10 @@ learner and engine weights are both on the GPU), with `handoff/to_training_s` an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 GIB = float(1 << 30)
@@ -111,17 +115,36 @@ class HandOff:
         await self.to_training()  # the first publish (and one after a resume) finds the learner offloaded
         t0 = time.perf_counter()
         self.meter.take()  # the training phase ended: its peak was reported with its metrics
-        # the update reads only the learner's weights: its gradients and optimizer state (for AdamW 3x the fp32
-        # weights) leave before the engines take their weights back, so this phase's peak is the two models' weights
-        await asyncio.to_thread(self.learner.offload, weights=False)
-        await asyncio.gather(*(e.resume_memory(["weights"]) for e in self.engines))
-        result = await update()
-        await asyncio.to_thread(self.learner.offload, training_state=False)
-        await asyncio.gather(*(e.resume_memory(["kv_cache"]) for e in self.engines))
-        self.phase = "rollout"
+        result = await self._to_rollout(update)
         self.last["memory/publish_peak_gib"] = self.meter.take()
         self.last["handoff/publish_s"] = time.perf_counter() - t0
         return result
+
+    async def _to_rollout(self, update: Callable[[], Awaitable[Any]] | None) -> Any:
+        # the update reads only the learner's weights: its optimizer state (for AdamW 2x the fp32 weights) leaves
+        # before the engines take their weights back, so this phase's peak is the two models' weights
+        await asyncio.to_thread(self.learner.offload, weights=False)
+        await asyncio.gather(*(e.resume_memory(["weights"]) for e in self.engines))
+        result = await update() if update is not None else None
+        await asyncio.to_thread(self.learner.offload, training_state=False)
+        await asyncio.gather(*(e.resume_memory(["kv_cache"]) for e in self.engines))
+        self.phase = "rollout"
+        return result
+
+    @contextlib.asynccontextmanager
+    async def learner_on_device(self) -> AsyncIterator[None]:
+        """The learner's whole state on the device while a checkpoint is loaded into it (at the start of a
+        resumed run, before the rollouts start: the engines must be idle to release their memory). From the
+        rollout phase this is a round trip through training; the engines get their weights back from their CPU
+        backup (SGLang's `enable_weights_cpu_backup`, which `run.offload` turns on; the embedded engine's never
+        leave). Saves need none of this: the learners read their offloaded state from its CPU copies."""
+        back = self.phase == "rollout"
+        await self.to_training()
+        try:
+            yield
+        finally:
+            if back:
+                await self._to_rollout(None)
 
     def train_metrics(self) -> dict[str, float]:
         """Called when training ends: this step's phases and the previous publish."""

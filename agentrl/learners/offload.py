@@ -1,8 +1,11 @@
 """Move a learner's training state between the GPU and (pinned) CPU memory, for the colocated hand-off.
 
-`move_state(modules, optimizer, device)` moves every parameter, gradient and buffer of `modules` and every tensor
-of the optimizer's state, keeping each parameter object (the optimizer's state is keyed by them), so training
-continues exactly after a round trip. CPU copies are pinned when CUDA is there (fast, asynchronous copies back);
+`move_state(modules, optimizer, device)` moves every parameter and buffer of `modules` and every tensor of the
+optimizer's state, keeping each parameter object (the optimizer's state is keyed by them), so training continues
+exactly after a round trip. Gradients are dropped, not moved: those a finished step leaves are never read again
+(every update starts with `zero_grad(set_to_none=True)`), moving them would copy a model's worth of bytes each
+way, and torch refuses a gradient on another device than its parameter (the publish moves the training state
+while the weights stay on the GPU). CPU copies are pinned when CUDA is there (fast, asynchronous copies back);
 the caching allocator's freed blocks (and those a CUDA IPC consumer has released) are returned to the driver, so
 another process (SGLang) can use them.
 
@@ -43,19 +46,18 @@ def move_state(
     training_state: bool = True,
     store: dict | None = None,
 ) -> None:
-    """Move the parameters and buffers (`weights`) and/or the gradients and optimizer state
-    (`training_state`) of `modules` to `device`; `store` (offloads only: the move to CPU) keeps the CPU copies
-    for the next offload."""
+    """Move the parameters and buffers (`weights`) and/or the optimizer state (`training_state`) of `modules` to
+    `device`, dropping their gradients; `store` (offloads only: the move to CPU) keeps the CPU copies for the
+    next offload."""
     seen: set[int] = set()
     for module in modules:
         for p in module.parameters():
             if id(p) in seen:
                 continue
             seen.add(id(p))
+            p.grad = None  # dropped by every move (module docstring)
             if weights:
                 p.data = _moved(p.data, device, store, ("param", id(p)))
-            if training_state and p.grad is not None:
-                p.grad = _moved(p.grad, device, store, ("grad", id(p)))
         for b in module.buffers():
             if weights and id(b) not in seen:
                 seen.add(id(b))
@@ -114,6 +116,16 @@ class StorageOffload:
             storage.resize_(0)
         _settle()
         return freed
+
+    @torch.no_grad()
+    def host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` on the CPU; while its storage is away, a compact copy read from that storage's CPU copy (a
+        checkpoint written during rollout reads host memory: no device memory taken, no engine interrupted)."""
+        key = t.untyped_storage()._cdata
+        if key not in self.away:
+            return t.detach().cpu()
+        host = self.kept[key].untyped_storage()
+        return torch.empty(0, dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride()).clone()
 
     @torch.no_grad()
     def onload(self) -> None:

@@ -269,9 +269,9 @@ class TorchLearner(Learner):
         return {"grad_norm": grad_norm, "lr": lr_used, "updates_skipped": float(skip)}
 
     def offload(self, weights: bool = True, training_state: bool = True) -> None:
-        """Parameters and buffers (`weights`) and/or gradients and optimizer state (`training_state`) to
+        """Parameters and buffers (`weights`) and/or optimizer state (`training_state`) to
         (pinned) CPU memory: the colocated rollout phase; the training state alone before a publish, which
-        reads only the weights."""
+        reads only the weights. The gradients the last step left are dropped (agentrl.learners.offload)."""
         offload.move_state(
             self._modules_on_device(), self.optimizer, torch.device("cpu"),
             weights=weights, training_state=training_state, store=self._offload_store,

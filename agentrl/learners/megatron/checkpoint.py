@@ -94,18 +94,21 @@ def save(learner: MegatronLearner, path: Path) -> None:
     rank = dist.get_rank()
     # Megatron's distributed optimizer cannot export state before its first step (no Adam state yet).
     has_state = learner.optimizer_steps > 0
+    # every tensor is read through `host`: offloaded by the colocated hand-off (run.offload), the device storages
+    # are empty and the values are in their CPU copies
+    host = learner._offloader.host_copy
     extra = {}
     if learner.lora is not None:  # collective over TP/PP; rank 0 writes it
         extra["lora_base"] = str(Path(learner.model_path).resolve())
-        adapter = lora.gather(unwrap(learner.model), scaled=False)
+        adapter = {k: host(v) for k, v in lora.gather(unwrap(learner.model), scaled=False).items()}
         if rank == 0:
             _write_adapter(path, adapter, learner.lora, extra["lora_base"])
     elif ps.get_data_parallel_rank() == 0:
         params = convert.global_params(unwrap(learner.model))
-        torch.save({k: v.detach().cpu() for k, v in params.items()}, path / f"model_{_rank_suffix()}.pt")
+        torch.save({k: host(v) for k, v in params.items()}, path / f"model_{_rank_suffix()}.pt")
     if has_state:
         saved = [
-            {"params": [p.detach().cpu() for p in _params(o)], "state": o.state_dict()}
+            {"params": [host(p) for p in _params(o)], "state": _map_tensors(o.state_dict(), host)}
             for o in _torch_optimizers(learner)
         ]
         torch.save(saved, path / f"optim_rank{rank}.pt")
@@ -120,6 +123,17 @@ def save(learner: MegatronLearner, path: Path) -> None:
         )  # fmt: skip
     if dist.get_world_size() > 1:
         dist.barrier()
+
+
+def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """An optimizer state_dict with `fn` applied to each tensor (the rest as it is)."""
+    if torch.is_tensor(tree):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: _map_tensors(v, fn) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_map_tensors(v, fn) for v in tree)
+    return tree
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
@@ -166,7 +180,9 @@ def load(learner: MegatronLearner, path: Path) -> None:
     for opt, entry in zip(_torch_optimizers(learner), saved, strict=True):
         for param, value in zip(_params(opt), entry["params"], strict=True):
             param.copy_(value)
-        opt.load_state_dict(entry["state"])
+        # on the CPU Adam keeps the loaded tensors themselves, whose storages (torch.load's) cannot be resized,
+        # and the colocated hand-off frees a storage by resizing it: the moments get storages of their own
+        opt.load_state_dict(entry["state"] if learner.cuda else _map_tensors(entry["state"], torch.clone))
 
 
 def _load_params(learner: MegatronLearner, path: Path) -> None:
