@@ -266,6 +266,26 @@ def test_sglang_is_launched_with_the_memory_saver(monkeypatch):
     assert launched["enable_lora"] is True
 
 
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["--engine.kind", "sglang", "--engine.device", "cuda", "--learner.device", "cuda"], True),
+        (["--engine.kind", "sglang", "--engine.device", "cuda", "--learner.device", "cuda:0"], True),
+        (
+            ["--engine.kind", "embedded", "--learner.device", "cuda"],
+            False,
+        ),  # its CUDA graphs share the process
+        (["--engine.kind", "sglang", "--engine.device", "cuda", "--learner.device", "cpu"], False),
+    ],
+)
+def test_expandable_segments_only_where_the_learner_allocates_alone(overrides, expected):
+    from agentrl.actors.colocated import expandable_segments
+
+    on = ["--run.offload", "true", "--run.placement", "colocated", "--run.mode", "sync", *overrides]
+    assert expandable_segments(load_config(None, on)) is expected
+    assert not expandable_segments(load_config(None, ["--run.placement", "colocated", *overrides]))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("learner", ["torch", "megatron"])
 def test_colocated_sync_run_hands_the_device_over(ray_session, tmp_path, learner):

@@ -21,8 +21,21 @@ from agentrl.engines.base import TensorSource
 from agentrl.types import Trajectory
 
 
+def expandable_segments(cfg: Config) -> bool:
+    """Whether this process's allocator maps its segments on demand: under the hand-off with SGLang (a process of
+    its own), so the learner, alone here, hands back whole segments and refills without fragments. A Qwen3-4B full
+    fine-tune beside SGLang on an 80 GB H100 ran out of memory in its second training step with 4 GiB cached but
+    unusable, and trained with them (docs/benchmarks/gpu.md §6). Not with the embedded engine in this process:
+    its CUDA graphs on expandable segments are unmeasured."""
+    return cfg.run.offload and cfg.engine.kind == "sglang" and cfg.learner.device.startswith("cuda")
+
+
 class ColocatedHost(RolloutWorker):
     def __init__(self, cfg: Config, model_path: str, queue: Any, worker_id: int = 0):
+        if expandable_segments(cfg):  # before the learner's first allocation
+            import torch
+
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
         self.learner = LearnerWorker(cfg, model_path)
         if cfg.run.offload:  # before the engines start: they size their memory with the learner gone
             self.learner.learner.offload()

@@ -22,7 +22,7 @@ for case in "${cases[@]}"; do
   # cache (2x the rollout's 64 x 384 tokens) and leaves ~20 GiB for training (MEM_FRACTION=... to change it)
   [ "$case" = 8b-lora-no-offload ] && args+=(--mem-fraction "${MEM_FRACTION:-0.5}")
   limit=${CASE_TIMEOUT_S:-$limit}  # steps that would end within 45 s of it are not started: the summary is written
-  timeout "$limit" python3 bench/gpu/colocated_offload.py "${args[@]}" "--$rest" --out "$out" \
+  timeout "$limit" python3 bench/gpu/colocated_offload.py "${args[@]}" "--$rest" --out "$out" ${EXTRA_ARGS:-} \
     --steps "${STEPS:-4}" --time-limit-s $((limit - 45)) > "$out/colocated_$case.log" 2>&1
   echo "$case rc=$?"; grep '^{' "$out/colocated_$case.log" | tail -1 | cut -c1-1200
   grep -iE 'Traceback|Error' "$out/colocated_$case.log" | tail -4
