@@ -132,10 +132,11 @@ async def test_embedded_engine_frees_and_restores_its_kv_cache(base):
 class Recorder:
     """Learner and engines that log their hand-off calls into one list."""
 
-    def __init__(self, log, name):
-        self.log, self.name = log, name
+    def __init__(self, log, name, on_offload=lambda: None):
+        self.log, self.name, self.on_offload = log, name, on_offload
 
     def offload(self, weights=True, training_state=True):
+        self.on_offload()
         self.log.append(
             ("offload", self.name, *(["weights"] * weights), *(["training_state"] * training_state))
         )
@@ -162,7 +163,7 @@ async def test_handoff_order_and_phase_peaks():
         log.append(("update",))
 
     engines = [Recorder(log, "e0"), Recorder(log, "e1")]
-    handoff = HandOff(Recorder(log, "learner"), engines, meter, wait_free)
+    handoff = HandOff(Recorder(log, "learner", meter.sample), engines, meter, wait_free)
     try:
         await handoff.publish(update)  # the first publish: the learner starts offloaded
         taking = [("release", "e0"), ("release", "e1"), ("wait_free",), ("onload", "learner")]
@@ -181,8 +182,19 @@ async def test_handoff_order_and_phase_peaks():
         meter.sample()
         metrics = handoff.train_metrics()
         assert metrics["memory/rollout_peak_gib"] == 30 and metrics["memory/train_peak_gib"] == 50
-        await handoff.publish(update)
-        assert log == taking + giving
+        used[0] = 48 * int(GIB)  # the training state is still on the device while the publish moves it out
+
+        async def loading():
+            used[0] = 20 * int(GIB)  # the two models' weights: what the publish phase itself holds
+            meter.sample()
+            await update()
+
+        log.clear()
+        await handoff.publish(loading)
+        assert log == giving
+        assert (
+            handoff.train_metrics()["memory/publish_peak_gib"] == 20
+        )  # from the training state's leaving on
     finally:
         handoff.close()
 

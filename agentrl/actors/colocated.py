@@ -35,7 +35,10 @@ class ColocatedHost(RolloutWorker):
         if expandable_segments(cfg):  # before the learner's first allocation
             import torch
 
-            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+            set_allocator = getattr(
+                torch._C, "_accelerator_setAllocatorSettings", None
+            )  # 2.11 deprecates the cuda one
+            (set_allocator or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
         self.learner = LearnerWorker(cfg, model_path)
         if cfg.run.offload:  # before the engines start: they size their memory with the learner gone
             self.learner.learner.offload()

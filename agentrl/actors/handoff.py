@@ -16,8 +16,8 @@ copies, without moving anything.
 The learner starts offloaded (before the engines start, so SGLang sizes itself with the learner gone). Each
 phase's peak device memory (all processes: the engines run in their own) is sampled by `PeakMeter` and returned
 with the train metrics (`train_metrics`): `memory/rollout_peak_gib` (from the previous publish to this step's
-hand-off), `memory/train_peak_gib` (this step's training), `memory/publish_peak_gib` (the previous publish, when
-learner and engine weights are both on the GPU), with `handoff/to_training_s` and `handoff/publish_s`.
+hand-off), `memory/train_peak_gib` (this step's training), `memory/publish_peak_gib` (the previous publish, from the
+training state's leaving: learner and engine weights both on the GPU), with `handoff/to_training_s` and `handoff/publish_s`.
 """
 
 from __future__ import annotations
@@ -114,7 +114,6 @@ class HandOff:
         """Load a new version into the engines (`update`) and give the GPU back to rollout."""
         await self.to_training()  # the first publish (and one after a resume) finds the learner offloaded
         t0 = time.perf_counter()
-        self.meter.take()  # the training phase ended: its peak was reported with its metrics
         result = await self._to_rollout(update)
         self.last["memory/publish_peak_gib"] = self.meter.take()
         self.last["handoff/publish_s"] = time.perf_counter() - t0
@@ -124,6 +123,9 @@ class HandOff:
         # the update reads only the learner's weights: its optimizer state (for AdamW 2x the fp32 weights) leaves
         # before the engines take their weights back, so this phase's peak is the two models' weights
         await asyncio.to_thread(self.learner.offload, weights=False)
+        # the publish phase's peak starts here: until now the training state was on the device (that was the
+        # training phase's peak, reported with its metrics)
+        self.meter.take()
         await asyncio.gather(*(e.resume_memory(["weights"]) for e in self.engines))
         result = await update() if update is not None else None
         await asyncio.to_thread(self.learner.offload, training_state=False)
