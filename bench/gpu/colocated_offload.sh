@@ -8,6 +8,8 @@
 # full-weight cases ~10 min together, each 8b-lora case ~6-9 min: give each its own call.
 #   bash bench/gpu/colocated_offload.sh [4b-offload] [4b-no-offload] [1.7b-offload] [1.7b-no-offload]
 #   bash bench/gpu/colocated_offload.sh 8b-lora-offload      # then, in the next call: 8b-lora-no-offload
+# STEPS (4), CASE_TIMEOUT_S (300; LoRA 540), EXTRA_ARGS (more colocated_offload.py flags, e.g. --expandable-segments:
+# the 4B full fine-tune's second step on 80 GB needs it, as `agentrl run --run.offload true` with SGLang sets it).
 # Results: $OUT/colocated_offload.jsonl (one line per case: ok, oom, step_s_median, per-phase peak GiB, publish MB
 # and seconds; LoRA: served_vs_learner / served_vs_base, SGLang served base + adapter after the memory release).
 source bench/gpu/common.sh
