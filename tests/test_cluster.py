@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from agentrl.actors import placement
-from agentrl.actors.cluster import Cluster
+from agentrl.actors.cluster import Cluster, Slot
 from agentrl.actors.coordinator import Coordinator
 from agentrl.actors.learner import LearnerWorker
 from agentrl.config import load_config
@@ -105,6 +105,7 @@ async def test_disk_publish_is_refused_when_engines_are_on_another_node(tmp_path
             "engines": [DRIVER, OTHER],
             "workers": [],
         }
+        coord.cluster.engines = [Slot("engine", i, None) for i in range(2)]  # weights go to engine actors
         return []
 
     coord.cluster.start = start

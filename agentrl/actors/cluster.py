@@ -117,7 +117,7 @@ class Cluster:
                 )
             host = self._slot("colocated", 0, layout.learner[0], cfg=c, model_path=path, queue=queue)
             self.learner, self.workers = host.handle, [host]
-            return [host.handle]
+            return [s.handle for s in self.engine_hosts()]
         self.learner = spawn_learner(c, path, lambda rank: layout.learner[rank])
         self.engines = [
             self._slot("engine", i, options, cfg=c, model_path=path, index=i)
@@ -130,7 +130,7 @@ class Cluster:
             )
             for i, options in enumerate(layout.workers)
         ]
-        return engines or [w.handle for w in self.workers]
+        return [s.handle for s in self.engine_hosts()]
 
     def _slot(self, kind: str, index: int, options: dict[str, Any], /, **kwargs: Any) -> Slot:
         from agentrl.actors.remote import spawn
@@ -138,6 +138,14 @@ class Cluster:
         return Slot(kind, index, spawn(actor_types()[kind], options=options, **kwargs), kwargs, options)
 
     # -- where actors run --------------------------------------------------------------------------------
+
+    def engine_host_role(self) -> str:
+        """Which actors weights are published to: the engine actors when there are any (disaggregated), else
+        the rollout workers, each holding its own engines (the colocated host is one). Decided here only."""
+        return "engines" if self.engines else "workers"
+
+    def engine_hosts(self) -> list[Slot]:
+        return self.engines if self.engine_host_role() == "engines" else self.workers
 
     def learner_handles(self) -> list[Any]:
         return self.learner.handles if isinstance(self.learner, LearnerGroup) else [self.learner]
@@ -169,7 +177,7 @@ class Cluster:
     def hosts_apart_from_learner(self) -> list[str]:
         """The engine hosts on a node other than the learner's rank 0 (as 'engine host i on IP')."""
         rank0 = self.nodes["learner"][0]["node_id"]
-        hosts = self.nodes["engines"] or self.nodes["workers"]
+        hosts = self.nodes[self.engine_host_role()]
         return [f"engine host {i} on {h['ip']}" for i, h in enumerate(hosts) if h["node_id"] != rank0]
 
     # -- checkpoints -------------------------------------------------------------------------------------

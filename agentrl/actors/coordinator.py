@@ -228,7 +228,8 @@ class Coordinator:
         replacement may already have happened while the publish ran (a group on the dead worker noticed
         first), so a host whose generation moved counts as replaced even if it now answers."""
         assert self.publisher is not None
-        hosts = self.engines or [w for w in self.workers if w.kind == "rollout"]
+        # a colocated host holds the learner too: it is not replaced, so its failure is not retried
+        hosts = [slot for slot in self.cluster.engine_hosts() if slot.kind != "colocated"]
         generations = [slot.generation for slot in hosts]
         try:
             seconds = await self.publisher.publish(version)
