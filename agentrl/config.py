@@ -115,9 +115,9 @@ class RunSection(_Section):
     offload: Annotated[
         bool,
         doc(
-            "colocated sync runs on one GPU: the learner's parameters, gradients and optimizer state wait in "
-            "pinned CPU memory during rollout, the engines release their weights and KV cache during training "
-            "(docs/architecture.md, colocated hand-off)"
+            "colocated sync runs on one GPU: the learner's parameters and optimizer state wait in pinned CPU "
+            "memory during rollout (its gradients are dropped), the engines release their weights and KV cache "
+            "during training (docs/architecture.md, colocated hand-off)"
         ),
     ] = False
     torch_threads: Annotated[int, doc("torch CPU threads per actor", ge=1)] = 1
