@@ -20,6 +20,10 @@ from tests.run_support import read_jsonl, tiny_config
 
 pytestmark = pytest.mark.slow
 
+# far more steps than the run lives: the tiny model trains ~20 steps a second, and a 40-step run once ended
+# before a loaded CI machine had delivered the signal that was to interrupt it
+STEPS = 2000
+
 
 def _env() -> dict[str, str]:
     return {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
@@ -44,7 +48,7 @@ def test_resume_after_sigkill_or_ctrl_c(tmp_path, run_model, sig):
     cfg = tiny_config(
         tmp_path,
         model_dir,
-        run={"steps": 40, "eval_every": 0, "checkpoint_every": 3},
+        run={"steps": STEPS, "eval_every": 0, "checkpoint_every": 3},
         queue={"stale_policy": "keep"},
     )
     run = tmp_path / "t"
@@ -69,7 +73,7 @@ def test_resume_after_sigkill_or_ctrl_c(tmp_path, run_model, sig):
                 pass
         proc.wait()
     killed_at = _trained_steps(run)
-    assert killed_at < 40
+    assert killed_at < STEPS
     if sig == signal.SIGINT:
         first = (tmp_path / "first.log").read_text()
         assert code == 130 and "agentrl run: interrupted" in first, first[-3000:]
