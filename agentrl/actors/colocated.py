@@ -30,15 +30,18 @@ def expandable_segments(cfg: Config) -> bool:
     return cfg.run.offload and cfg.engine.kind == "sglang" and cfg.learner.device.startswith("cuda")
 
 
+def _allocator_settings(settings: str) -> None:
+    import torch
+
+    # torch 2.11 deprecates the CUDA-only call for the accelerator-wide one
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    (setter or torch.cuda.memory._set_allocator_settings)(settings)
+
+
 class ColocatedHost(RolloutWorker):
     def __init__(self, cfg: Config, model_path: str, queue: Any, worker_id: int = 0):
         if expandable_segments(cfg):  # before the learner's first allocation
-            import torch
-
-            set_allocator = getattr(
-                torch._C, "_accelerator_setAllocatorSettings", None
-            )  # 2.11 deprecates the cuda one
-            (set_allocator or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
+            _allocator_settings("expandable_segments:True")
         self.learner = LearnerWorker(cfg, model_path)
         if cfg.run.offload:  # before the engines start: they size their memory with the learner gone
             self.learner.learner.offload()

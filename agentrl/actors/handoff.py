@@ -6,7 +6,7 @@ weight version; the first publish comes right after setup):
   to_training: every engine releases its memory (SGLang: weights, KV cache and CUDA graphs through
       /release_memory_occupation; the embedded engine: its KV cache), then the hand-off waits until the device's
       free memory has stopped rising (SGLang's release can return before the memory is free), then the learner's
-      parameters, gradients and optimizer state come back from pinned CPU memory.
+      parameters and optimizer state come back from pinned CPU memory.
   publish: the learner's optimizer state moves to pinned CPU memory (its gradients are dropped), engines resume
       their weights' memory, the new version is loaded (from the learner's weights, still on the GPU), the
       learner's weights follow to pinned CPU memory, engines resume their KV cache (and CUDA graphs).
@@ -16,8 +16,9 @@ copies, without moving anything.
 The learner starts offloaded (before the engines start, so SGLang sizes itself with the learner gone). Each
 phase's peak device memory (all processes: the engines run in their own) is sampled by `PeakMeter` and returned
 with the train metrics (`train_metrics`): `memory/rollout_peak_gib` (from the previous publish to this step's
-hand-off), `memory/train_peak_gib` (this step's training), `memory/publish_peak_gib` (the previous publish, from the
-training state's leaving: learner and engine weights both on the GPU), with `handoff/to_training_s` and `handoff/publish_s`.
+hand-off), `memory/train_peak_gib` (this step's training), `memory/publish_peak_gib` (the previous publish,
+from the training state's leaving: learner and engine weights both on the GPU), with `handoff/to_training_s` and
+`handoff/publish_s`.
 """
 
 from __future__ import annotations

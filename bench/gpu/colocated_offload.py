@@ -349,10 +349,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.expandable_segments and args.device == "cuda":
-        set_allocator = getattr(
-            torch._C, "_accelerator_setAllocatorSettings", None
-        )  # 2.11 deprecates the cuda one
-        (set_allocator or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
+        # (what agentrl.actors.colocated does for run.offload with SGLang; torch 2.11 deprecates the CUDA-only call)
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        (setter or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = asyncio.run(run(args))
     summary = {k: v for k, v in result.items() if k != "steps"}
