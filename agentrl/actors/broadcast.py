@@ -19,6 +19,7 @@ import asyncio
 import time
 from typing import Any
 
+from agentrl.actors.common import within
 from agentrl.config import Config
 from agentrl.engines.base import AdapterSource, DiskSource, DistributedSource, Engine, TensorSource
 from agentrl.errors import WeightSyncError
@@ -83,7 +84,7 @@ async def join_weight_group(engines: list[Engine], address: str, port: int, worl
 
 async def _guard(awaitable: Any, path: str, target: str, version: int, timeout_s: float) -> Any:
     try:
-        return await asyncio.wait_for(awaitable, timeout_s)
+        return await within(awaitable, timeout_s)
     except asyncio.TimeoutError:
         raise WeightSyncError(
             f"publishing policy_version {version} by '{path}' to {target} timed out after {timeout_s:.0f}s "

@@ -14,6 +14,7 @@ WAL is replayed, with the ids the learner holds (`RunState.held_ids`) reclaimed 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,16 @@ from agentrl.runner.rundir import RunDir
 from agentrl.runner.state import RunState, pick_checkpoint, write_checkpoint
 
 SAMPLE_SLICE_S = 5.0  # a sample waits this long at a time, then checks the rollouts for a failure or the end
+
+
+def _stop_if_cancelled() -> None:
+    """Ctrl-C cancels the main task once (asyncio.run). An await that finished at that moment can drop the
+    cancellation (asyncio.wait_for on Python 3.11, in a library too); the request stays counted on the task, so
+    the loop checks it before each step rather than train on until a second Ctrl-C."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+    if cancelling is not None and cancelling():
+        raise asyncio.CancelledError
 
 
 class Trainer:
@@ -68,6 +79,7 @@ class Trainer:
         history: list[dict[str, Any]] = []
         self.last_end = time.perf_counter()
         while self.state.step < self.cfg.run.steps:
+            _stop_if_cancelled()
             if self.cfg.run.time_limit_s and self.state.wall_s() > self.cfg.run.time_limit_s:
                 return history, "time_limit"
             self.rollouts.raise_failure()
