@@ -29,6 +29,21 @@ def _env() -> dict[str, str]:
     return {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
 
 
+def _terminal_signals() -> None:
+    """SIGINT as a terminal's foreground process has it: a job started in the background of a script (a CI
+    runner, say) ignores SIGINT and its children inherit that, so the Ctrl-C case would test nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _signal_masks(pid: int) -> str:
+    """The driver's ignored and caught signals (hex masks, bit n-1 = signal n), for a failure message."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return "signal masks unknown"
+    return ", ".join(line.replace("\t", " ") for line in lines if line.startswith(("SigIgn", "SigCgt")))
+
+
 def _trained_steps(run: Path) -> int:
     path = run / "metrics.jsonl"
     if not path.exists():
@@ -55,16 +70,21 @@ def test_resume_after_sigkill_or_ctrl_c(tmp_path, run_model, sig):
     cmd = [sys.executable, "-m", "agentrl.cli", "run", str(cfg), "--async"]
     with open(tmp_path / "first.log", "w") as log:
         proc = subprocess.Popen(
-            cmd, env=_env(), start_new_session=True, stdout=subprocess.DEVNULL, stderr=log
-        )
+            cmd, env=_env(), start_new_session=True, stdout=subprocess.DEVNULL, stderr=log,
+            preexec_fn=_terminal_signals,
+        )  # fmt: skip
     deadline = time.time() + 150
     try:
         while _trained_steps(run) < 4:
             assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
             assert time.time() < deadline, "the first run made no progress"
             time.sleep(0.2)
+        signals = _signal_masks(proc.pid)
         os.killpg(proc.pid, sig)  # SIGKILL: the driver and everything it started (Ray included)
-        code = proc.wait(90)  # a hang guard, not a speed goal
+        try:
+            code = proc.wait(90)  # a hang guard, not a speed goal
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the run did not stop on {sig.name}; the driver's {signals}") from None
     finally:
         if proc.poll() is None or sig == signal.SIGINT:  # whatever is left of the group (none expected)
             try:

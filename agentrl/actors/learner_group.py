@@ -60,17 +60,21 @@ async def _all(refs: list[Any]) -> list[Any]:
     return list(await asyncio.gather(*refs))
 
 
+# Below Linux's ephemeral range (32768-60999 by default): the port is free when probed but taken only seconds
+# later by rank 0's TCPStore, and in between the kernel hands ephemeral ports to every outgoing connection (Ray
+# opens many); one such port picked by bind(0) was in use by then (EADDRINUSE in a CI run)
+RENDEZVOUS_PORTS = (20000, 32767)
+
+
 def _rendezvous(options: dict[str, Any]) -> tuple[str, int]:
     """(ip, free port) on the node where rank 0 will run (a task with rank 0's scheduling options)."""
     import ray
 
     @ray.remote(num_cpus=0)
     def probe() -> tuple[str, int]:
-        import socket
+        from agentrl.net import free_port
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+        return ray.util.get_node_ip_address(), free_port("", RENDEZVOUS_PORTS)
 
     keep = {k: v for k, v in options.items() if k == "scheduling_strategy"}
     return ray.get(probe.options(**keep).remote())
