@@ -85,3 +85,22 @@ def test_a_time_limit_cuts_steps_but_keeps_the_summary(script, tmp_path):
     result = script.main([*SMOKE, "--steps", "50", "--time-limit-s", "1e-3", "--workdir", str(tmp_path),
                           "--out", str(tmp_path)])  # fmt: skip
     assert result["ok"] and result["steps_cut_at"] == 1 and "step_s_median" in result
+
+
+def test_expandable_segments_uses_the_colocated_hosts_allocator_call(script, monkeypatch, tmp_path):
+    """--expandable-segments sets the allocator through agentrl.actors.colocated.allocator_settings (one copy of
+    the torch-version fallback), only on CUDA; the run itself is stubbed out (no GPU here)."""
+    from agentrl.actors import colocated
+
+    assert script.allocator_settings is colocated.allocator_settings
+    calls = []
+    monkeypatch.setattr(script, "allocator_settings", calls.append)
+
+    async def run(args):
+        return {"ok": True}
+
+    monkeypatch.setattr(script, "run", run)
+    script.main(["--engine", "embedded", "--device", "cpu", "--expandable-segments", "--out", str(tmp_path)])
+    assert calls == []
+    script.main(["--engine", "embedded", "--device", "cuda", "--expandable-segments", "--out", str(tmp_path)])
+    assert calls == ["expandable_segments:True"]

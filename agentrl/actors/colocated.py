@@ -30,10 +30,13 @@ def expandable_segments(cfg: Config) -> bool:
     return cfg.run.offload and cfg.engine.kind == "sglang" and cfg.learner.device.startswith("cuda")
 
 
-def _allocator_settings(settings: str) -> None:
+def allocator_settings(settings: str) -> None:
+    """Set this process's caching-allocator options (e.g. "expandable_segments:True"), before its first CUDA
+    allocation. torch 2.11 deprecates the CUDA-only `torch.cuda.memory._set_allocator_settings` for the
+    accelerator-wide `torch._C._accelerator_setAllocatorSettings`: the latter where this torch has it. Also
+    called by bench/gpu/colocated_offload.py (--expandable-segments)."""
     import torch
 
-    # torch 2.11 deprecates the CUDA-only call for the accelerator-wide one
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     (setter or torch.cuda.memory._set_allocator_settings)(settings)
 
@@ -41,7 +44,7 @@ def _allocator_settings(settings: str) -> None:
 class ColocatedHost(RolloutWorker):
     def __init__(self, cfg: Config, model_path: str, queue: Any, worker_id: int = 0):
         if expandable_segments(cfg):  # before the learner's first allocation
-            _allocator_settings("expandable_segments:True")
+            allocator_settings("expandable_segments:True")
         self.learner = LearnerWorker(cfg, model_path)
         if cfg.run.offload:  # before the engines start: they size their memory with the learner gone
             self.learner.learner.offload()

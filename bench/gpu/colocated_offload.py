@@ -47,6 +47,7 @@ import engine_bench  # noqa: E402
 import torch  # noqa: E402
 
 from agentrl import types  # noqa: E402
+from agentrl.actors.colocated import allocator_settings  # noqa: E402
 from agentrl.actors.handoff import HandOff, PeakMeter  # noqa: E402
 from agentrl.config import AlgorithmSection, LearnerSection, LoraSection  # noqa: E402
 from agentrl.engines.base import AdapterSource, SamplingParams, TensorSource  # noqa: E402
@@ -349,9 +350,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.expandable_segments and args.device == "cuda":
-        # (what agentrl.actors.colocated does for run.offload with SGLang; torch 2.11 deprecates the CUDA-only call)
-        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-        (setter or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
+        # (what ColocatedHost does for run.offload with SGLang)
+        allocator_settings("expandable_segments:True")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = asyncio.run(run(args))
     summary = {k: v for k, v in result.items() if k != "steps"}
