@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentrl.actors.common import within
 from agentrl.actors.learner_group import LearnerGroup
 from agentrl.actors.placement import Placement
 from agentrl.actors.queue_handle import QueueHandle
@@ -246,7 +247,7 @@ class Cluster:
         url = await queue.start.remote(old_port)
         reclaimed = await queue.reclaim.remote(self._held_ids())
         in_flight = self._in_flight()
-        jobs = [asyncio.wait_for(queue.reserve.remote(n, key), 5.0) for key, n in in_flight]
+        jobs = [within(queue.reserve.remote(n, key), 5.0) for key, n in in_flight]
         failed = [r for r in await asyncio.gather(*jobs, return_exceptions=True) if isinstance(r, Exception)]
         if failed:  # their puts go unreserved (retried while the window is full)
             log.warning("queue restart: %d in-flight groups not re-reserved: %r", len(failed), failed[0])
@@ -272,12 +273,12 @@ class Cluster:
         queue = self.queue_handle.actor
         if queue is not None:
             try:
-                await asyncio.wait_for(queue.close.remote(), 10)
+                await within(queue.close.remote(), 10)
             except Exception as exc:  # every acknowledged put is in the WAL already: nothing to lose
                 log.warning("queue close: %r", exc)
         for slot in self.workers + self.engines:
             try:
-                await asyncio.wait_for(slot.handle.close.remote(), 10)
+                await within(slot.handle.close.remote(), 10)
             except Exception:
                 pass
         learners = self.learner_handles() if self.learner is not None else []

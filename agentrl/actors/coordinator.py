@@ -32,6 +32,7 @@ from typing import Any
 
 from agentrl.actors.broadcast import Publisher, choose_path
 from agentrl.actors.cluster import Cluster, Slot
+from agentrl.actors.common import within
 from agentrl.config import Config
 from agentrl.engines.base import describe_error
 from agentrl.envs.registry import env_factory
@@ -160,7 +161,7 @@ class Coordinator:
         for slot in self.engines if slots is None else slots:
             generation = slot.generation
             try:
-                await asyncio.wait_for(slot.handle.health.remote(), timeout_s)
+                await within(slot.handle.health.remote(), timeout_s)
             except Exception:
                 await self._replace(slot, generation)
                 replaced += 1

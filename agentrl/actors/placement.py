@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrl.actors.common import within
 from agentrl.config import Config, learner_ranks
 from agentrl.errors import ConfigError
 
@@ -168,7 +169,7 @@ async def _ready(pg: Any, bundles: list[dict[str, float]], cfg: Config, hint: st
     import ray
 
     try:
-        await asyncio.wait_for(pg.ready(), timeout=_timeout_s(cfg))
+        await within(pg.ready(), _timeout_s(cfg))
     except asyncio.TimeoutError:
         raise ConfigError(
             f"run.placement = 'disaggregated': the cluster cannot place bundles {bundles} "
