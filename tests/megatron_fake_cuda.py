@@ -123,18 +123,39 @@ def single_process(model_dir: str) -> dict:
 
 def host_reads(model_dir) -> dict:
     """Calls that turn a tensor into a Python number or list (on a GPU: a host sync) during one train step, for
-    one micro-batch and for several: {micro-batches: reads}."""
+    one micro-batch and for several ({micro-batches: reads}), and those made after the optimizer's step began
+    ("after_step": on a GPU they would leave it idle while the host prepares the next step)."""
     from tests.host_reads import counting_host_reads
     from tests.megatron_helpers import make_batch
 
-    out = {}
+    def not_the_fake_mode() -> bool:  # CudaOnCpu re-dispatches each read: count the caller's, not the echo
+        frame = sys._getframe(1)
+        while frame.f_code.co_name in ("counted", "after_step"):  # the counting's own frames
+            frame = frame.f_back
+        return frame.f_code.co_name != "__torch_function__"
+
+    out = {"reads": {}, "after_step": 0}
+    stepped = {"after": False}
+
+    def after_step() -> bool:
+        return stepped["after"] and not_the_fake_mode()
+
     for budget in (100_000, 40):
         learner = gpu_path_learner(model_dir, micro_batch_tokens=budget)
         learner.train_step(make_batch(300, seed=1))  # the first step builds the optimizer state
         batch = make_batch(300, seed=0)
-        with counting_host_reads() as reads:
+        stepped["after"] = False
+        step = learner.optimizer.step_with_ready_grads
+
+        def marked(*args, _step=step, **kwargs):
+            stepped["after"] = True
+            return _step(*args, **kwargs)
+
+        learner.optimizer.step_with_ready_grads = marked
+        with counting_host_reads(not_the_fake_mode) as reads, counting_host_reads(after_step) as after:
             micro = learner.train_step(batch)["micro_batches"]
-        out[int(micro)] = reads["n"]
+        out["reads"][int(micro)] = reads["n"]
+        out["after_step"] += after["n"]
     return out
 
 

@@ -292,23 +292,26 @@ def test_the_warmup_leaves_no_momentum_for_rl_steps_without_gradient(model_dir, 
     assert _moved(learner, before)
 
 
+def made_by_agentrl() -> bool:
+    """Whether the read being counted was made by agentrl's code, directly or through torch (not by
+    transformers' own checks, nor by a test's code)."""
+    import sys
+    import traceback
+
+    for frame in reversed(traceback.extract_stack(sys._getframe(1))):
+        if f"{os.sep}torch{os.sep}" in frame.filename or frame.name in ("counted", "<lambda>"):
+            continue  # torch's frames, and the counting's own
+        return f"{os.sep}agentrl{os.sep}" in frame.filename
+    return False
+
+
 def test_host_reads_per_update_do_not_grow_with_micro_batches(model_dir):
     """agentrl reads nothing back from the device per micro-batch: the split is planned from one read of the row
     lengths, and the micro-batch metrics stay on the device until one read after the last backward (as in the
     Megatron learner). On a GPU such a read between forward and backward, or between micro-batches, leaves it
     idle while the host catches up. Counted: calls that turn a tensor into a Python number or list, made by
     agentrl's code (transformers' own check of a padded attention mask is its business, not counted)."""
-    import sys
-    import traceback
-
     from tests.host_reads import counting_host_reads
-
-    def made_by_agentrl() -> bool:
-        for frame in reversed(traceback.extract_stack(sys._getframe(2))):
-            if f"{os.sep}torch{os.sep}" in frame.filename:
-                continue
-            return f"{os.sep}transformers{os.sep}" not in frame.filename
-        return True
 
     counts = {}
     for budget in (10_000, 24):
@@ -319,3 +322,30 @@ def test_host_reads_per_update_do_not_grow_with_micro_batches(model_dir):
         counts[m["micro_batches"]] = reads["n"]
     assert len(counts) == 2 and max(counts) > 1, counts
     assert len(set(counts.values())) == 1, counts  # micro-batches -> reads
+
+
+def test_a_step_reads_the_device_twice_and_nothing_after_its_optimizer_step(model_dir):
+    """One train step reads the device twice: the micro-batch metrics with the batch's own (advantages, reward;
+    `prepare_batch(..., as_tensors=True)`, read by the first update) and the gradient norm. Nothing is read
+    from the optimizer's step to the next step's forward (the token count and the micro-batch plan come from
+    the lengths the batch was built with), so on a GPU the host prepares the next step while the optimizer
+    runs. Fails with a read in `prepare_batch`, `micro_batches` or `n_tokens`."""
+    from tests.host_reads import counting_host_reads
+
+    learner = TorchLearner(model_dir, LearnerSection(micro_batch_tokens=24), AlgorithmSection())
+    stepped = {"after": False}
+    step = learner.optimizer.step
+
+    def marked_step(*args, **kwargs):
+        stepped["after"] = True
+        return step(*args, **kwargs)
+
+    learner.optimizer.step = marked_step
+    learner.train_step(build_batch(make_trajs(), learner.pad_id))  # the first step makes Adam's state
+    stepped["after"] = False
+    after_step = lambda: stepped["after"] and made_by_agentrl()  # noqa: E731
+    with counting_host_reads(made_by_agentrl) as total, counting_host_reads(after_step) as after:
+        m = learner.train_step(build_batch(make_trajs(), learner.pad_id))
+    assert m["micro_batches"] > 1 and {"advantage_mean", "reward_mean", "loss", "grad_norm"} <= set(m)
+    assert after["n"] == 0
+    assert total["n"] == 2

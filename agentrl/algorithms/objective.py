@@ -57,13 +57,21 @@ def check(cfg: AlgorithmSection, has_reference: bool) -> None:
         raise ConfigError(f"algorithm.mismatch_veto must be 0 (off) or > 1, got {cfg.mismatch_veto}")
 
 
-def prepare_batch(cfg: AlgorithmSection, batch: Batch, policy_version: int) -> dict[str, float]:
-    """Age masking, KL reward shaping and advantages over the whole batch (in place); returns metrics."""
+def prepare_batch(
+    cfg: AlgorithmSection, batch: Batch, policy_version: int, *, as_tensors: bool = False
+) -> dict[str, float]:
+    """Age masking, KL reward shaping and advantages over the whole batch (in place); returns metrics: floats,
+    or with `as_tensors` 0-d device tensors (no host read: a learner reads them with its first update's metrics,
+    so nothing waits for the device between one step's optimizer and the next step's forward)."""
     before = batch.total_loss_tokens
-    batch.loss_mask = batch.loss_mask * age_mask(batch.token_versions, policy_version, cfg.max_token_age)
-    batch.total_loss_tokens = float(batch.loss_mask.sum())
+    if (
+        cfg.max_token_age > 0
+    ):  # off, the mask is all ones: no multiply, and no read of the device for the count
+        batch.loss_mask = batch.loss_mask * age_mask(batch.token_versions, policy_version, cfg.max_token_age)
+        batch.total_loss_tokens = float(batch.loss_mask.sum())
     mask = batch.loss_mask
-    metrics = {"stale_frac": 1.0 - batch.total_loss_tokens / before if before else 0.0}
+    metrics: dict = {"stale_frac": 1.0 - batch.total_loss_tokens / before if before else 0.0}
+    n = max(batch.total_loss_tokens, 1.0)
 
     kl_tokens = None
     if cfg.kl_coef > 0 and cfg.kl_mode == "reward":
@@ -71,7 +79,7 @@ def prepare_batch(cfg: AlgorithmSection, batch: Batch, policy_version: int) -> d
             raise LearnerError("algorithm.kl_mode = 'reward' needs batch.ref_logprobs (a reference model)")
         base = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
         kl_tokens = kl_estimate(base, batch.ref_logprobs, cfg.kl_estimator, mask) * mask
-        metrics["kl_reward"] = float(kl_tokens.sum() / max(batch.total_loss_tokens, 1.0))
+        metrics["kl_reward"] = kl_tokens.sum() / n
 
     level = cfg.estimator.level
     if level == "sequence":
@@ -82,11 +90,12 @@ def prepare_batch(cfg: AlgorithmSection, batch: Batch, policy_version: int) -> d
         batch.advantages = torch.zeros_like(mask)
     if cfg.needs().teacher:
         batch.advantages = batch.advantages + _teacher_advantages(cfg, batch, metrics)
-    n = max(batch.total_loss_tokens, 1.0)
-    metrics["advantage_mean"] = float(batch.advantages.sum() / n)
-    metrics["advantage_abs_mean"] = float(batch.advantages.abs().sum() / n)
-    metrics["reward_mean"] = float(batch.rewards.float().mean())
-    return metrics
+    metrics["advantage_mean"] = batch.advantages.sum() / n
+    metrics["advantage_abs_mean"] = batch.advantages.abs().sum() / n
+    metrics["reward_mean"] = batch.rewards.float().mean()
+    if as_tensors:
+        return metrics
+    return metric_floats([(metrics, 1.0)])[0][0]
 
 
 def _sequence_advantages(cfg: AlgorithmSection, batch: Batch, kl_tokens: torch.Tensor | None) -> torch.Tensor:
@@ -124,7 +133,7 @@ def _token_advantages(cfg: AlgorithmSection, batch: Batch, kl_tokens: torch.Tens
     return adv_lib.whiten(raw, mask, cfg.norm_eps)
 
 
-def _teacher_advantages(cfg: AlgorithmSection, batch: Batch, metrics: dict[str, float]) -> torch.Tensor:
+def _teacher_advantages(cfg: AlgorithmSection, batch: Batch, metrics: dict) -> torch.Tensor:
     """On-policy distillation: teacher_coef * (log pi_teacher - log mu) on each loss token, the negative
     per-token reverse KL of the sampled token (Thinking Machines' OPD, slime's --opd-kl-coef), undiscounted and
     not whitened; clamped to +-20 nats like every log-ratio. mu = the sampler's log-probs; a sequence without
@@ -144,7 +153,7 @@ def _teacher_advantages(cfg: AlgorithmSection, batch: Batch, metrics: dict[str, 
         batch.teacher_logprobs - student, mask
     )  # a -inf log-prob gives 20 nats, not inf
     n = max(batch.total_loss_tokens, 1.0)
-    metrics["teacher_reverse_kl"] = float(-log_ratio.sum() / n)
+    metrics["teacher_reverse_kl"] = -log_ratio.sum() / n
     return cfg.teacher_coef * log_ratio
 
 

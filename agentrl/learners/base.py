@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from agentrl.algorithms import check, merge_updates, prepare_batch
+from agentrl.algorithms import check, merge_updates, metric_floats, prepare_batch
 from agentrl.config import AlgorithmSection, LearnerSection
 from agentrl.errors import LearnerError
 from agentrl.learners.batch import Batch, mini_batches
@@ -46,6 +46,7 @@ class Learner(abc.ABC):
     teacher_model: Any = None  # frozen, loaded from algorithm.teacher when `algo.needs().teacher`
     logprob_samples: int = 0  # k of dashboard.logprob_samples (set by the learner actor)
     logprob_sample: list[dict[str, Any]] = []  # the last train_step's sample (see `_sample_logprobs`)
+    _unread: dict[str, Any] = {}  # the step's batch metrics still on the device (see `_read_metrics`)
 
     kind: str = "torch"  # learner.kind of the section a learner built without one gets
 
@@ -114,7 +115,8 @@ class Learner(abc.ABC):
         start = time.perf_counter()
         batch = self._prepare(batch)
         self._before_updates(batch)
-        metrics = prepare_batch(self.algo, batch, self.policy_version)
+        self._unread = prepare_batch(self.algo, batch, self.policy_version, as_tensors=True)
+        self._batch_metrics: dict[str, float] = {}
         self.logprob_sample = self._sample_logprobs(batch) if self.logprob_samples else []
         parts = mini_batches(batch, self.cfg.minibatches)
         updates, n_micro = [], 0
@@ -123,11 +125,24 @@ class Learner(abc.ABC):
                 m, k = self._update(mb)
                 updates.append(m)
                 n_micro += k
-        metrics.update(merge_updates(updates))
+        self._read_metrics([])  # unless an update read them with its own
+        metrics = {**self._batch_metrics, **merge_updates(updates)}
         self.step += 1
         self.policy_version += 1
         metrics.update(self._counters(batch, start, n_micro))
         return metrics
+
+    def _read_metrics(self, parts: list[tuple[dict[str, Any], Any]]) -> list[tuple[dict[str, float], float]]:
+        """`metric_floats(parts)` (an update's micro-batch metrics and weights, on the device) and, if still
+        unread, the step's batch metrics (`prepare_batch`'s, into `_batch_metrics`) in the same device-to-host
+        copy: the first update reads both where it reads its own anyway, so a step reads nothing from its
+        optimizer's launch to the next step's forward and the host prepares that step while the GPU works."""
+        unread, self._unread = self._unread, {}
+        if not unread:
+            return metric_floats(parts)
+        floats = metric_floats([*parts, (unread, 1.0)])
+        self._batch_metrics = floats.pop()[0]
+        return floats
 
     @torch.no_grad()
     def _sample_logprobs(self, batch: Batch) -> list[dict[str, Any]]:

@@ -76,6 +76,9 @@ class Batch:
         None  # [R, T] int64: assistant turn (0..) of each loss token, -1 elsewhere
     )
     extra: dict = field(default_factory=dict)
+    # Used length of each row as known on the host when the batch was built (kept by `select` of listed rows);
+    # None: read from the device. Saves a device read per step: the micro-batch plan and the token count.
+    row_tokens: list[int] | None = None
 
     @property
     def n_rows(self) -> int:
@@ -84,7 +87,11 @@ class Batch:
     @property
     def n_tokens(self) -> int:
         """Real (non-padding) tokens in these rows."""
-        return int(self.attention_mask.sum())
+        return sum(self.row_lengths_list())
+
+    def row_lengths_list(self) -> list[int]:
+        """`row_lengths()` as host ints: `row_tokens` when known, else one read of the device."""
+        return list(self.row_tokens) if self.row_tokens is not None else self.row_lengths().tolist()
 
     @property
     def n_loss_tokens(self) -> int:
@@ -108,6 +115,11 @@ class Batch:
 
         `extra["rows"]` records the selected row indices (to scatter per-row results back into the batch).
         """
+        picked = None
+        if self.row_tokens is not None and not isinstance(rows, torch.Tensor):
+            picked = [self.row_tokens[int(r)] for r in rows]
+            if width is None:
+                width = max(picked, default=1)
         rows = torch.as_tensor(rows, dtype=torch.long, device=self.input_ids.device)
         if width is None:
             width = int(self.row_lengths()[rows].max()) if rows.numel() else 1
@@ -117,7 +129,7 @@ class Batch:
             value = getattr(self, name)
             if value is not None:
                 changes[name] = value[rows, :width]
-        return dataclasses.replace(self, **changes, extra={**self.extra, "rows": rows})
+        return dataclasses.replace(self, **changes, extra={**self.extra, "rows": rows}, row_tokens=picked)
 
 
 def _group_indices(group_ids: list[str]) -> tuple[np.ndarray, int]:
@@ -200,6 +212,7 @@ def build_batch(
         n_seqs=n,
         packed=pack_tokens > 0,
         advantages=t(np.zeros((n_rows, grid.width), dtype=np.float32)),
+        row_tokens=np.bincount(row_of, weights=s_len, minlength=n_rows).astype(np.int64).tolist(),
     )
 
 
@@ -312,8 +325,8 @@ def mini_batches(batch: Batch, n: int) -> list[Batch]:
     if n > batch.n_rows:
         raise LearnerError(f"learner.minibatches = {n} exceeds the {batch.n_rows} rows of this batch")
     out = []
-    for rows in torch.tensor_split(torch.arange(batch.n_rows, device=batch.input_ids.device), n):
-        mb = batch.select(rows)
+    for rows in np.array_split(np.arange(batch.n_rows), n):
+        mb = batch.select(rows.tolist())
         seqs = mb.seq_index[mb.seq_index >= 0].unique()
         out.append(
             dataclasses.replace(mb, total_loss_tokens=float(mb.loss_mask.sum()), n_seqs=int(seqs.numel()))
@@ -326,7 +339,7 @@ def micro_batches(batch: Batch, micro_batch_tokens: int) -> list[Batch]:
 
     Rows are taken longest first, so similar lengths share a micro-batch; a row longer than the budget is alone.
     """
-    lengths = batch.row_lengths().tolist()  # the one read of the device: the split is planned on the host
+    lengths = batch.row_lengths_list()  # known on the host, or one read of the device: planned on the host
     order = sorted(range(len(lengths)), key=lambda r: -lengths[r])  # stable: equal lengths keep row order
     groups: list[tuple[list[int], int]] = []
     current: list[int] = []

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from agentrl.algorithms import compute_loss, merge_metrics, metric_floats, sft_loss
+from agentrl.algorithms import compute_loss, merge_metrics, sft_loss
 from agentrl.errors import LearnerError
 from agentrl.learners import checkpoint, fsdp, hf_io, lora, offload, torch_checkpoint
 from agentrl.learners.base import Learner
@@ -225,7 +225,7 @@ class TorchLearner(Learner):
             (loss if weight else loss * 0.0).backward()  # no host read before it, nor between micro-batches
             if weight:
                 parts.append((m, mb.loss_mask.sum()))
-        parts = metric_floats(parts)  # one device-to-host copy for every micro-batch's metrics
+        parts = self._read_metrics(parts)  # one device-to-host copy: every micro-batch's metrics, the batch's
         if self.world is not None:
             parts = [p for rank_parts in self.world.gather(parts) for p in rank_parts]
         metrics = merge_metrics(parts)

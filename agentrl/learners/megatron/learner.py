@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from agentrl.algorithms import compute_loss, merge_metrics, metric_floats, sft_loss
+from agentrl.algorithms import compute_loss, merge_metrics, sft_loss
 from agentrl.errors import LearnerError
 from agentrl.learners import fused_logprob, offload
 from agentrl.learners.base import Learner
@@ -261,7 +261,7 @@ class MegatronLearner(Learner):
                 loss.backward()  # no host read before it: the metrics stay on the device until the norm's read
                 parts.append((m, mb.loss_mask.sum()))
             norm = update.grad_norm(self)
-            parts = metric_floats(parts)
+            parts = self._read_metrics(parts)  # with the step's batch metrics: one read
         else:
             parts = pipeline.run(self, self._my_micro_batches(batch), self._loss_payload, forward_only=False)
             parts = pipeline.broadcast_from_last(parts)
