@@ -105,6 +105,53 @@ def test_the_dispatcher_bounds_groups_in_flight_and_a_resume_reissues_them_first
     asyncio.run(scenario())
 
 
+class _Worker:
+    """A rollout worker as the dispatcher sees it: `run_group` runs each of a group's episodes under one
+    semaphore of `concurrency` slots (as RolloutWorker does); sample 0 of every group is the long tail (it
+    runs until `release`), the others end at once."""
+
+    def __init__(self, concurrency: int, n_samples: int):
+        self.slots = asyncio.Semaphore(concurrency)
+        self.n_samples = n_samples
+        self.release = asyncio.Event()
+        self.running = 0
+
+    async def _episode(self, long: bool) -> float:
+        async with self.slots:
+            self.running += 1
+            try:
+                await (self.release.wait() if long else asyncio.sleep(0))
+            finally:
+                self.running -= 1
+        return 1.0
+
+    async def run_group(self, index: int, task: dict) -> dict:
+        return {"rewards": await asyncio.gather(*(self._episode(i == 0) for i in range(self.n_samples)))}
+
+
+def test_async_keeps_every_episode_slot_busy_while_groups_wait_for_their_longest_sample():
+    """Async dispatches as many groups as the staleness window admits ((max_staleness + 1) * prompts_per_step),
+    so the episode slots a group's short samples free are taken by later groups' episodes. With only enough
+    groups to fill `concurrency` (2 here), every group held its slots until its longest sample ended and half of
+    the slots stayed empty."""
+    cfg = config("/nonexistent", "--run.mode", "async", "--rollout.concurrency", "4", "--rollout.n-samples-per-prompt",
+                 "2", "--rollout.prompts-per-step", "2", "--queue.max-staleness", "1", "--rollout.num-workers", "1")  # fmt: skip
+    env = make_env(cfg.env.name, cfg.env.kwargs)
+
+    async def scenario():
+        worker = _Worker(concurrency=4, n_samples=2)
+        dispatcher = Dispatcher(cfg, task_source(env, cfg.data, seed=0))
+        dispatcher.start(worker)
+        for _ in range(50):
+            await asyncio.sleep(0)
+        settled = worker.running  # the short samples have ended: what runs now are the groups' longest
+        worker.release.set()
+        await dispatcher.stop()
+        return settled
+
+    assert asyncio.run(scenario()) == 4
+
+
 def test_a_step_metrics_line_has_the_driver_timings_and_the_rollouts_since_the_last_step():
     train = {"policy_version": 3, "response_tokens": 100, "train/tokens": 50.0, "train_s": 0.5}
     status = {"depth": 7, "reserve_wait": {"mean_s": 0.25, "max_s": 1.0}, "staleness": {"0": 16}}

@@ -3,8 +3,13 @@
 Each task becomes one group (`Coordinator.run_group`: admission in the queue's staleness window, then
 `n_samples_per_prompt` episodes on a rollout worker, put into the queue as a whole). Sync runs keep
 `prompts_per_step` groups in flight (the staleness-0 window holds them back until the next version is
-published); async runs enough to keep every worker's `concurrency` busy. The task cursor and the tasks in
-flight are part of each checkpoint, so a resumed run re-issues exactly the tasks that were not trained on.
+published). Async runs keep as many as the staleness window admits, `(max_staleness + 1) * prompts_per_step`
+(and at least enough to fill every worker's `concurrency`): the workers' `concurrency` bounds the episodes that
+run at once, so a later group's episodes take the slots a group's short samples free while its longest sample
+still runs. With only enough groups to fill `concurrency`, each group held its slots until its longest sample
+ended, and on a long-tailed workload the engine decoded far fewer sequences than `concurrency`. The task
+cursor and the tasks in flight are part of each checkpoint, so a resumed run re-issues exactly the tasks that
+were not trained on.
 """
 
 from __future__ import annotations
@@ -77,7 +82,8 @@ class Dispatcher:
         r = self.cfg.rollout
         if self.cfg.run.mode != "async":
             return r.prompts_per_step
-        return max(r.prompts_per_step, math.ceil(r.concurrency * r.num_workers / r.n_samples_per_prompt))
+        window = (self.cfg.queue.max_staleness + 1) * r.prompts_per_step
+        return max(window, math.ceil(r.concurrency * r.num_workers / r.n_samples_per_prompt))
 
     def _next_task(self) -> tuple[int, dict[str, Any]] | None:
         if self.reissue:
