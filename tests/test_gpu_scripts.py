@@ -108,6 +108,24 @@ def test_run_summary_spreads_and_async_sync_ratio(tmp_path):
     assert odd.returncode == 2 and "pairs" in odd.stderr
 
 
+def test_run_summary_repeats_per_mode(tmp_path):
+    """Two runs per mode: loop times over the steps every run made (the shortest stopped at 6), per mode median
+    and spread, and the ratio of the medians with its extremes."""
+    for name, times in (("a1", [1.0] * 8), ("s1", [2.0] * 8), ("a2", [3.0] * 6), ("s2", [4.0] * 7)):
+        _metrics(tmp_path / name, times, start_s=10.0)
+    dirs = [str(tmp_path / n) for n in ("a1", "s1", "a2", "s2")]
+    proc = subprocess.run([sys.executable, "bench/gpu/run_summary.py", *dirs, "--compare"], cwd=ROOT,
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)["repeats"]
+    assert rep["steps"] == 6 and rep["runs_per_mode"] == {"async": 2, "sync": 2}
+    assert (
+        rep["async_loop_s"]["median"] == 12.0 and rep["sync_loop_s"]["median"] == 18.0
+    )  # (6+18)/2, (12+24)/2
+    assert rep["ratio"] == {"median": 1.5, "min": round(12 / 18, 3), "max": 4.0}
+    assert rep["ratio_from_step2"]["median"] == 1.5 and rep["sync_step_s"]["median"] == 3.0
+
+
 def test_run_summary_loop_time_of_a_resumed_run(tmp_path):
     """A run continued with --resume (its time limit stopped it at step 4; step 4 redone after the restart): the
     loop time is the steps' own times, the restart's 150 s of start-up and the first attempt at step 4 left out."""

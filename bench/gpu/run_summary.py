@@ -9,7 +9,10 @@ before (from the moment the loop started waiting for its first batch, start-up, 
 excluded); a run continued with `--resume` leaves its second start-up out the same way.
 `--compare` takes the runs in pairs (async dir, sync dir): over the first k = min(steps) steps of both (the
 same number of trained trajectories, checked), ratio = sync loop time / async loop time; `ratio_from_step2`
-leaves out step 1 (the engine's first batch: CUDA graph capture, compilation) from both.
+leaves out step 1 (the engine's first batch: CUDA graph capture, compilation) from both. With two pairs or
+more, `repeats` gives each mode's loop time over the first k steps that EVERY run made as median [min-max]
+over its runs, and ratio = median sync / median async (the spread: slowest sync / fastest async and the
+other way round), the same from step 2, and each mode's step, train and sample-wait times over all its steps.
 """
 
 from __future__ import annotations
@@ -90,6 +93,34 @@ def compare(async_dir: Path, sync_dir: Path) -> dict[str, Any]:
     return out
 
 
+def repeats(async_dirs: list[Path], sync_dirs: list[Path]) -> dict[str, Any]:
+    """Several runs per mode: loop times over the first k steps every run made, per mode median [min-max], and
+    the ratio of the medians with its extremes."""
+    rows = {"async": [load_rows(d) for d in async_dirs], "sync": [load_rows(d) for d in sync_dirs]}
+    k = min(len(r) for runs in rows.values() for r in runs)
+    out: dict[str, Any] = {"runs_per_mode": {m: len(r) for m, r in rows.items()}, "steps": k}
+    if k == 0:
+        return out
+    for first, suffix in ((1, ""), (2, "_from_step2")):
+        if k < first:
+            continue
+        loops = {m: [loop_s(r, k, first) for r in runs] for m, runs in rows.items()}
+        for m, vals in loops.items():
+            out[f"{m}_loop_s{suffix}"] = spread(vals)
+        a, s = loops["async"], loops["sync"]
+        out[f"ratio{suffix}"] = {
+            "median": round(statistics.median(s) / max(1e-9, statistics.median(a)), 3),
+            "min": round(min(s) / max(1e-9, max(a)), 3),
+            "max": round(max(s) / max(1e-9, min(a)), 3),
+        }
+    for m, runs in rows.items():
+        for key in ("step_s", "train_s", "sample_wait_s", "staleness_mean", "response_len_mean"):
+            out[f"{m}_{key}"] = spread(
+                [float(r[key]) for run in runs for r in run[:k] if r.get(key) is not None]
+            )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", nargs="+")
@@ -102,6 +133,8 @@ def main() -> None:
         if len(dirs) % 2:
             ap.error("--compare takes run directories in (async, sync) pairs")
         result = {"runs": result, "compare": [compare(dirs[i], dirs[i + 1]) for i in range(0, len(dirs), 2)]}
+        if len(dirs) >= 4:
+            result["repeats"] = repeats(dirs[0::2], dirs[1::2])
     line = json.dumps(result)
     print(line)
     if args.out:
