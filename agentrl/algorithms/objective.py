@@ -233,8 +233,9 @@ def metric_floats(
     flat = [v for m, w in parts for v in (*m.values(), w)]
     if not flat:
         return []
-    device = next((v.device for v in flat if isinstance(v, torch.Tensor)), torch.device("cpu"))
-    values = torch.stack([torch.as_tensor(v, device=device).float().reshape(()) for v in flat]).tolist()
+    tensors = [v.float().reshape(()) for v in flat if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack(tensors).tolist() if tensors else [])  # Python numbers stay on the host (no copy)
+    values = [next(read) if isinstance(v, torch.Tensor) else float(v) for v in flat]
     out, at = [], 0
     for m, _ in parts:
         floats = dict(zip(m, values[at : at + len(m)], strict=True))
