@@ -64,9 +64,8 @@ def prepare_batch(
     or with `as_tensors` 0-d device tensors (no host read: a learner reads them with its first update's metrics,
     so nothing waits for the device between one step's optimizer and the next step's forward)."""
     before = batch.total_loss_tokens
-    if (
-        cfg.max_token_age > 0
-    ):  # off, the mask is all ones: no multiply, and no read of the device for the count
+    # age masking off: the mask is all ones, so no multiply and no read of the device for the count
+    if cfg.max_token_age > 0:
         batch.loss_mask = batch.loss_mask * age_mask(batch.token_versions, policy_version, cfg.max_token_age)
         batch.total_loss_tokens = float(batch.loss_mask.sum())
     mask = batch.loss_mask

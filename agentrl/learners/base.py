@@ -47,6 +47,7 @@ class Learner(abc.ABC):
     logprob_samples: int = 0  # k of dashboard.logprob_samples (set by the learner actor)
     logprob_sample: list[dict[str, Any]] = []  # the last train_step's sample (see `_sample_logprobs`)
     _unread: dict[str, Any] = {}  # the step's batch metrics still on the device (see `_read_metrics`)
+    _batch_metrics: dict[str, float] = {}  # ... and once read
 
     kind: str = "torch"  # learner.kind of the section a learner built without one gets
 
@@ -116,7 +117,7 @@ class Learner(abc.ABC):
         batch = self._prepare(batch)
         self._before_updates(batch)
         self._unread = prepare_batch(self.algo, batch, self.policy_version, as_tensors=True)
-        self._batch_metrics: dict[str, float] = {}
+        self._batch_metrics = {}
         self.logprob_sample = self._sample_logprobs(batch) if self.logprob_samples else []
         parts = mini_batches(batch, self.cfg.minibatches)
         updates, n_micro = [], 0

@@ -82,7 +82,7 @@ class Dispatcher:
         r = self.cfg.rollout
         if self.cfg.run.mode != "async":
             return r.prompts_per_step
-        window = (self.cfg.queue.max_staleness + 1) * r.prompts_per_step
+        window = (self.cfg.effective_max_staleness + 1) * r.prompts_per_step  # the queue's window, in groups
         return max(window, math.ceil(r.concurrency * r.num_workers / r.n_samples_per_prompt))
 
     def _next_task(self) -> tuple[int, dict[str, Any]] | None:

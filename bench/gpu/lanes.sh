@@ -8,7 +8,8 @@ lane() {
   local gpu=$1 name=$2 gpus cores per first
   shift 2
   gpus=$(nvidia-smi -L | wc -l) cores=$(nproc)
-  per=$((cores / (gpus > 0 ? gpus : 1))) first=$((gpu * cores / (gpus > 0 ? gpus : 1)))
+  [ "$gpus" -gt 0 ] || gpus=1
+  per=$((cores / gpus)) first=$((gpu * cores / gpus))
   mkdir -p "$out/$name"
   (export CUDA_VISIBLE_DEVICES=$gpu OUT=$out/$name
     exec taskset -c "$first-$((first + per - 1))" "$@") > "$out/$name/lane.txt" 2>&1 &

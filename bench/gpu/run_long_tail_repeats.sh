@@ -8,8 +8,8 @@
 #   bash bench/gpu/run_long_tail_repeats.sh ray sync:r1@0 sync:r2@1 sync:r3@2 async:r1@3   # carry .whl (~10 min)
 #   bash bench/gpu/run_long_tail_repeats.sh async:r2@0 async:r3@1 summary                # no carry (~5 min)
 # MODE:TAG@GPU runs `TAG=TAG bash bench/gpu/run_long_tail.sh MODE` on that GPU (STEPS, default 60, and
-# RUN_TIMEOUT, default 560, as there; OVERRIDES: `agentrl run` flags for every run); the lanes of one call start 15 s apart (ports) and the call waits for
-# all. `summary`: run_summary.py --compare over every TAG with both modes, with `repeats` (each mode's loop time
+# RUN_TIMEOUT, default 560, as there; OVERRIDES: `agentrl run` flags for every run); the lanes of one call
+# start 15 s apart (ports) and the call waits for all. `summary`: run_summary.py --compare over every TAG with both modes, with `repeats` (each mode's loop time
 # over the steps every run made, median [min-max]; ratio = median sync / median async). Everything a call
 # writes under $OUT is packed into $OUT/long_tail_repeats_N.tgz.
 source bench/gpu/common.sh
