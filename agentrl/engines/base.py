@@ -20,6 +20,7 @@ from typing import Any, Literal
 import msgspec
 
 from agentrl.errors import AgentRLError, EngineError
+from agentrl.types.trajectory import RoutedExperts
 
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "wait", "keep"]
@@ -47,6 +48,9 @@ class GenerateOutput(msgspec.Struct, kw_only=True):
     versions: list[tuple[int, int]]
     prompt_tokens: int = 0
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per output token when asked (SamplingParams)
+    # MoE engines asked for them: the router's experts for every position the request ran a forward on
+    # (prompt and output, the last output token excluded); see agentrl.types.RoutedExperts
+    routed_experts: RoutedExperts | None = None
 
 
 class InvalidRequest(EngineError):
