@@ -119,6 +119,30 @@ class LearnerSection(_Section):
     lora: Annotated[LoraSection, doc("LoRA: train and publish a low-rank adapter (docs/lora.md)")] = (
         msgspec.field(default_factory=LoraSection)
     )
+    expert_parallel: Annotated[
+        int,
+        doc(
+            "megatron, MoE models: expert-parallel ranks (each holds num_experts / expert_parallel experts); "
+            "must divide data_parallel x tensor_parallel (docs/moe.md)",
+            ge=1,
+        ),
+    ] = 1
+    moe_aux_loss_coeff: Annotated[
+        float,
+        doc(
+            "MoE models: load-balancing auxiliary loss coefficient (0 = off; slime and verl default 0 for RL)",
+            ge=0,
+        ),
+    ] = 0.0
+    moe_z_loss_coeff: Annotated[float, doc("MoE models: router z-loss coefficient (0 = off)", ge=0)] = 0.0
+    routing_replay: Annotated[
+        Literal["off", "rollout"],
+        doc(
+            "MoE models: 'rollout' replays, for every token, the experts the engine's router chose when it "
+            "sampled (rollout routing replay: the engines return them, the learner forces them in every MoE "
+            "layer, router gradients flow through those experts' scores); 'off' lets the learner route"
+        ),
+    ] = "off"
 
     @property
     def ranks(self) -> int:

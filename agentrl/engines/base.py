@@ -39,6 +39,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     seed: int | None = None
     ignore_eos: bool = False
     top_logprobs: int = 0  # k most likely tokens reported per generated token (0: none)
+    return_routed_experts: bool = False  # MoE: report the router's experts per position (GenerateOutput)
 
 
 class GenerateOutput(msgspec.Struct, kw_only=True):
