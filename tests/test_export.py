@@ -80,3 +80,19 @@ def test_export_finds_the_checkpoint_in_a_run_directory(tmp_path):
     for source, out in ((run, tmp_path / "a"), (run / "checkpoints" / "step_4", tmp_path / "b")):
         assert cli_main(["export", str(source), "--out", str(out)]) == 0
         assert (out / "model.safetensors").is_file()
+
+
+def test_exported_config_says_the_stored_dtype(tmp_path):
+    """bf16 weights (the Megatron learner's export goes through save_hf_dir) beside a float32 base model:
+    config.json names bfloat16, what the file holds, so `from_pretrained` without a dtype loads them as stored."""
+    model_dir = make_tiny_model(tmp_path / "tiny", "qwen2", seed=3, hidden=64, vocab_size=512)
+    assert json.loads((model_dir / "config.json").read_text())["dtype"] == "float32"
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    out = save_hf_dir(tmp_path / "bf16", [(n, t.to(torch.bfloat16)) for n, t in model.state_dict().items()],
+                      model_dir)  # fmt: skip
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert AutoModelForCausalLM.from_pretrained(str(out)).dtype == torch.bfloat16
+    learner = TorchLearner(model_dir, LearnerSection(lr=1e-2), AlgorithmSection(advantage="rloo"))
+    learner.save(str(tmp_path / "ckpt"))  # the torch learner keeps float32 weights, and says so
+    assert cli_main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "float32"

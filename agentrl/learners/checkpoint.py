@@ -111,6 +111,7 @@ def torch_to_hf(path: str, out: str) -> None:
     with hf_io.atomic_dir(out) as tmp:
         hf_io.copy_hf_files(hf_config_dir(path, meta), tmp)
         shutil.copyfile(weights, tmp / hf_io.WEIGHTS_FILE)
+        hf_io.stamp_dtype(tmp)
 
 
 def _merge_lora(path: str, meta: dict[str, Any], out: str) -> None:

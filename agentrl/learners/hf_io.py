@@ -92,7 +92,43 @@ def write_weights(path: str | Path, named_tensors: Iterable[tuple[str, torch.Ten
             continue
         tensors[name] = tensor.detach().to("cpu").contiguous().clone()
     save_file(tensors, str(path), metadata={"format": "pt"})
+    if (Path(path).parent / "config.json").is_file():
+        stamp_dtype(Path(path).parent)
     return len(tensors)
+
+
+# safetensors' header names -> the names config.json uses (transformers' `dtype`, formerly `torch_dtype`)
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def stamp_dtype(model_dir: str | Path) -> str | None:
+    """Make config.json's `dtype` say what `model.safetensors` stores: the floating dtype holding most of its
+    values (a bf16 learner's weights exported beside the base model's `float32` would load upcast, doubling
+    memory, and mislead SGLang's `--dtype auto`). Returns that dtype (None when the file holds no floats)."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    counts: dict[str, int] = {}
+    with safe_open(str(model_dir / WEIGHTS_FILE), framework="pt") as f:
+        names = f.keys()  # safe_open is not iterable
+        for name in names:
+            view = f.get_slice(name)
+            dtype = _SAFETENSORS_DTYPES.get(view.get_dtype())
+            if dtype is not None:
+                numel = 1
+                for dim in view.get_shape():
+                    numel *= dim
+                counts[dtype] = counts.get(dtype, 0) + numel
+    if not counts:
+        return None
+    stored = max(counts, key=counts.__getitem__)
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    if config.get("dtype", config.get("torch_dtype")) != stored:
+        config["dtype"] = stored
+        config.pop("torch_dtype", None)
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return stored
 
 
 def save_hf_dir(
