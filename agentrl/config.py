@@ -175,7 +175,20 @@ class QueueSection(_Section):
     key = "queue"
     host: Annotated[str, doc("address the queue's HTTP front door listens on")] = "127.0.0.1"
     port: Annotated[int, doc("HTTP port; 0 = any free port", ge=0, le=65535)] = 0
-    token: Annotated[str, doc("bearer token HTTP clients must send; empty = none")] = ""
+    token: Annotated[
+        str,
+        doc(
+            "bearer token HTTP clients must send; empty = $AGENTRL_QUEUE_TOKEN, else queue.token_file, else none "
+            "(refused off loopback); never written to the run directory"
+        ),
+    ] = ""
+    token_file: Annotated[
+        str,
+        doc(
+            "file whose first line is the bearer token: its path is kept in the run's config, so `--resume` "
+            "reads the token again (the token itself never is)"
+        ),
+    ] = ""
     max_staleness: Annotated[
         int, doc("most versions a trajectory may lag the learner; run.mode = 'sync' runs with 0", ge=0)
     ] = 1

@@ -19,6 +19,8 @@ from agentrl.errors import ConfigError, EngineError
 if TYPE_CHECKING:
     from aiohttp import web
 
+    from agentrl.config import QueueSection
+
 
 def is_loopback(host: str) -> bool:
     if host == "localhost":
@@ -97,6 +99,37 @@ def check_token(token: str) -> None:
     if token and token != token.strip():
         raise ConfigError("the queue's bearer token (--token / queue.token / $AGENTRL_QUEUE_TOKEN) is blank or "
                           "starts or ends with whitespace: no client could send it; set a real token")  # fmt: skip
+
+
+TOKEN_ENV = "AGENTRL_QUEUE_TOKEN"
+
+
+def resolve_queue_token(queue: QueueSection) -> None:
+    """Fill `queue.token`, the one rule for where it comes from: the setting (a flag), else $AGENTRL_QUEUE_TOKEN,
+    else the first line of `queue.token_file`. Then refuse, before anything starts, a token no client can send
+    and a queue off loopback without one (a resume of such a run names the ways to give it back)."""
+    import os
+    from pathlib import Path
+
+    if not queue.token:
+        queue.token = os.environ.get(TOKEN_ENV, "")
+    if not queue.token and queue.token_file:
+        path = Path(queue.token_file).expanduser()
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as exc:
+            raise ConfigError(
+                f"queue.token_file = {queue.token_file!r}: cannot read it ({exc.strerror})"
+            ) from None
+        queue.token = lines[0] if lines else ""
+        if not queue.token.strip():
+            raise ConfigError(f"queue.token_file = {queue.token_file!r}: its first line is empty")
+    check_token(queue.token)
+    if not queue.token and not is_loopback(queue.host):
+        raise ConfigError(
+            f"refusing to serve the queue on non-loopback address {queue.host!r} (queue.host) without a token: "
+            f"set ${TOKEN_ENV}, --queue.token-file FILE (kept for --resume) or --queue.token, or bind 127.0.0.1"
+        )
 
 
 def free_port(host: str = "127.0.0.1", ports: tuple[int, int] | None = None) -> int:

@@ -100,3 +100,23 @@ def test_summary_block_says_what_happened_and_what_to_do(tmp_path):
     assert f"agentrl run --resume {run} --run.steps 6" in text
     resumed_short = {**rd.summary("steps"), "target_steps": 2}  # `--resume --run.steps 2` on a run at step 3
     assert f"agentrl run --resume {run} --run.steps 6" in format_summary(resumed_short)
+
+
+def test_the_resume_line_says_the_token_comes_back_when_the_run_dir_cannot_bring_it(tmp_path):
+    from agentrl.runner.progress import format_summary
+
+    def summary(*flags):
+        cfg = load_config(None, ["--run.root", str(tmp_path), "--run.name", "t", "--run.tensorboard", "false",
+                                 "--run.overwrite", "true", *flags])  # fmt: skip
+        rd = RunDir(cfg)
+        rd.log({"step": 1, "reward_mean": 0.5, "wall_s": 1.0, "policy_version": 1})
+        text = format_summary(rd.summary("steps"))
+        rd.close()
+        return text
+
+    run = tmp_path / "t"
+    needs = f"AGENTRL_QUEUE_TOKEN=<the run's queue token> agentrl run --resume {run}"
+    assert needs in summary("--queue.token", "s3cret")
+    assert "s3cret" not in summary("--queue.token", "s3cret")
+    assert needs not in summary("--queue.token", "s3cret", "--queue.token-file", "/tok")
+    assert needs not in summary()

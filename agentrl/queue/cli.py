@@ -1,16 +1,16 @@
 """`agentrl serve-queue`: serve a replay queue over HTTP for external agents (WAL in --run-dir).
 
-Light module: nothing heavy is imported until `main`. The token may come from --token or the
-AGENTRL_QUEUE_TOKEN environment variable (preferred: it does not show in `ps`); it is never printed.
+Light module: nothing heavy is imported until `main`. The token may come from --token, the
+AGENTRL_QUEUE_TOKEN environment variable (preferred: it does not show in `ps`) or queue.token_file
+(agentrl.net.resolve_queue_token); it is never printed.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-TOKEN_ENV = "AGENTRL_QUEUE_TOKEN"
+from agentrl.net import TOKEN_ENV
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,14 +51,13 @@ def resolve(args: argparse.Namespace):
         q.host = args.host
     if args.port is not None:
         q.port = args.port
-    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV, "")
-    if token:
-        q.token = token
+    if args.token is not None:
+        q.token = args.token
     if args.vocab_size is not None and args.vocab_size < 1:
         raise ConfigError(f"--vocab-size must be >= 1, got {args.vocab_size}")
-    from agentrl.net import check_token
+    from agentrl.net import resolve_queue_token
 
-    check_token(q.token)
+    resolve_queue_token(q)
     return cfg
 
 

@@ -130,11 +130,9 @@ def main(args: argparse.Namespace) -> int:
     from agentrl.runner.rundir import redact
 
     cfg = resolve(args)
-    if not cfg.queue.token:  # the queue's HTTP token, kept out of `ps` and of the run dir
-        cfg.queue.token = os.environ.get("AGENTRL_QUEUE_TOKEN", "")
-    from agentrl.net import check_token
+    from agentrl.net import resolve_queue_token
 
-    check_token(cfg.queue.token)  # before Ray: a blank token is one line here, a traceback from the actor
+    resolve_queue_token(cfg.queue)  # before Ray: a missing token is one line here, not a half-started run
     if args.dry_run:
         sys.stdout.write(dump_toml(redact(cfg)) + derived_text(cfg))
         return 0

@@ -162,5 +162,6 @@ def format_summary(s: dict[str, Any]) -> str:
             int(s.get("target_steps", 0) or 0), int(s.get("steps", 0) or 0)
         )  # resumed with fewer steps
         more = f"--run.steps {2 * (done or 1)}"
-    lines.append(f"  more    agentrl run --resume {run_dir} {more}")
+    token = "AGENTRL_QUEUE_TOKEN=<the run's queue token> " if s.get("resume_needs_token") else ""
+    lines.append(f"  more    {token}agentrl run --resume {run_dir} {more}")
     return "\n".join(lines)

@@ -229,6 +229,8 @@ class RunDir:
             "wall_s": steps[-1].get("wall_s", 0.0) if steps else 0.0,
             "policy_version": steps[-1].get("policy_version", 0) if steps else 0,
             "checkpoint": str(latest[0]) if latest else "",
+            # a resume must bring the queue's token back: say how when the run directory cannot
+            "resume_needs_token": bool(self.cfg.queue.token and not self.cfg.queue.token_file),
         }
         if rewards:
             best = max(rewards)
