@@ -30,7 +30,11 @@ def test_resume_off_loopback_without_a_token_is_refused_before_anything_starts(t
     before = _files(run)
     assert main(["run", "--resume", str(run)]) == 2
     err = capsys.readouterr().err
-    assert "non-loopback address '0.0.0.0' (queue.host)" in err and "$AGENTRL_QUEUE_TOKEN" in err and "--queue.token-file" in err
+    assert (
+        "non-loopback address '0.0.0.0' (queue.host)" in err
+        and "$AGENTRL_QUEUE_TOKEN" in err
+        and "--queue.token-file" in err
+    )
     assert _files(run) == before  # nothing written, nothing removed
 
 
@@ -41,7 +45,9 @@ def test_the_token_comes_back_from_the_environment_or_the_token_file(tmp_path, m
     run = _saved_run(tmp_path, "--queue.token-file", str(token_file))
     assert main(["run", "--resume", str(run), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert f'token_file = "{token_file}"' in out and "from-file" not in out  # the path is kept, never the token
+    assert (
+        f'token_file = "{token_file}"' in out and "from-file" not in out
+    )  # the path is kept, never the token
     monkeypatch.setenv("AGENTRL_QUEUE_TOKEN", "from-env")
     run2 = _saved_run(tmp_path / "b")
     assert main(["run", "--resume", str(run2), "--dry-run"]) == 0
