@@ -1,4 +1,4 @@
-"""Does on-policy distillation lift a fresh student toward its teacher faster than RL alone? (issue 15, item 5)
+"""Does on-policy distillation lift a fresh student toward its teacher faster than RL alone?
 
 The teacher is a Hugging Face directory (e.g. `agentrl export runs/quickstart --out runs/teacher-hf` after the
 quickstart). For each seed, one run after the other on this machine, `agentrl run examples/quickstart.toml`

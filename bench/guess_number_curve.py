@@ -1,4 +1,4 @@
-"""guess_number: what the reward can reach, and the curve of runs (issue 15, item 4).
+"""guess_number: what the reward can reach, and the curve of runs.
 
     python bench/guess_number_curve.py --baselines [--env-kwargs "{'turn_cost': 0.1}"]
     python bench/guess_number_curve.py runs/gn/seed*/metrics.jsonl

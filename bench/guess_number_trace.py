@@ -1,4 +1,4 @@
-"""guess_number: what the model says, turn by turn, in a run's trained trajectories (issue 15, item 4).
+"""guess_number: what the model says, turn by turn, in a run's trained trajectories.
 
     python bench/guess_number_trace.py RUN_DIR [--every 10] [--examples 3]
 

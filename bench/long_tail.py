@@ -1,4 +1,4 @@
-"""The shared warm-up of the long-tailed workload (issue 16 item 2), done once, and what the warmed model says.
+"""The shared warm-up of the long-tailed workload, done once, and what the warmed model says.
 
     python bench/long_tail.py warm --out DIR [--model tiny|small|qwen3-0.6b] [--device cuda] [--steps N]
         [--config examples/long_tail.toml] [--set warmup.lr=1e-3 ...]

@@ -1,4 +1,4 @@
-"""Does the quickstart learn on every seed, and does any run collapse? (issue 15, item 4)
+"""Does the quickstart learn on every seed, and does any run collapse?
 
 Runs `agentrl run examples/quickstart.toml` once per seed (`--run.seed S`, each in its own run directory, one
 after the other on this machine) with the config's own settings plus any overrides given after `--`, and prints

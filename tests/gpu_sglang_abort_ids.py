@@ -1,5 +1,5 @@
 """Real SGLang on one GPU: how it holds request ids across abort and pause (what `serve-engine` models, see
-docs/engines.md "Request ids"), and the abort path of issue 16 end to end (SGLangEngine + multi_turn + weight
+docs/engines.md "Request ids"), and the abort path end to end (SGLangEngine + multi_turn + weight
 publishes in `abort` mode while requests run and wait queued). Prints one JSON summary; exit 1 if a check
 fails.
     python3 -m tests.gpu_sglang_abort_ids OUT_DIR   # after `gpu_install sglang` (bench/gpu/common.sh); pytest: tests/test_gpu_sglang.py
@@ -150,7 +150,7 @@ async def main(out_dir: Path) -> int:
         and life["resend_running"] == 200,
         "parked in pause: registered, not aborted": life["duplicate_of_parked"][0] == 400
         and not life["parked_done_before_continue"] and life["parked_after_continue"][1] == 50,
-        "issue 16 path: no errors, no id twice, queued aborts seen": not path["errors"]
+        "abort path: no errors, no id twice, queued aborts seen": not path["errors"]
         and not path["duplicate_ids_sent"] and path["aborts_without_tokens"] > 0
         and path["arrays_consistent"],
     }  # fmt: skip

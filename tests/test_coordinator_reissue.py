@@ -1,7 +1,7 @@
 """The coordinator's re-issue of a failed rollout group, without Ray: real asyncio, a real rollout worker and
 queue in this process, engines over loopback HTTP; only Ray's actor handle (`handle.method.remote(...)`) is
 stood in for. A persistent engine error ends in one error line naming the engine, the request and the cause
-after backed-off re-issues; the failure of issue 16 (an id SGLang 0.5.12 still holds) is outlived by the
+after backed-off re-issues; the failure of a re-used request id (one SGLang 0.5.12 still holds) is outlived by the
 re-issue, whose request ids are new."""
 
 import asyncio

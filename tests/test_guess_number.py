@@ -1,4 +1,4 @@
-"""guess_number's options for learnability (issue 15 item 4): `feedback = "range"` states the range the secret is
+"""guess_number's options for learnability: `feedback = "range"` states the range the secret is
 still in (`"hint"` adds its midpoint, `"try"` gives the verdict and that midpoint alone), `turn_cost` sets how
 much each extra turn costs a win; both reach the demonstration too, and bad values are refused naming the key."""
 

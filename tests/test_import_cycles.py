@@ -1,4 +1,4 @@
-"""No two agentrl modules import each other (issue 18: imports run one way), lazy imports inside functions
+"""No two agentrl modules import each other (imports run one way), lazy imports inside functions
 included (a lazy import hides a cycle from import-linter's layers but is still one); `if TYPE_CHECKING:` imports
 do not count (they never run)."""
 

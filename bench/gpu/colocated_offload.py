@@ -1,4 +1,4 @@
-"""Colocated memory hand-off on one GPU (issue 19): the torch learner + real SGLang, with and without `run.offload`.
+"""Colocated memory hand-off on one GPU: the torch learner + real SGLang, with and without `run.offload`.
 
     python3 bench/gpu/colocated_offload.py --arch qwen3-4b --offload --out $OUT [--steps 4]
     python3 bench/gpu/colocated_offload.py --arch qwen3-4b --no-offload --out $OUT

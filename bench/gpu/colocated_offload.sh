@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Colocated memory hand-off (run.offload, issue 19) on ONE 80 GB GPU: the torch learner + real SGLang in turns.
+# Colocated memory hand-off (run.offload) on ONE 80 GB GPU: the torch learner + real SGLang in turns.
 # Full fine-tune (fp32 AdamW, 16 bytes a parameter): Qwen3-4B architecture does not fit without offload (out of
 # memory), with it it trains; Qwen3-1.7B fits both ways: step time with and without. LoRA (rank 16, all-linear,
 # the adapter alone published to SGLang by versioned name) on the Qwen3-8B architecture: the frozen base stays

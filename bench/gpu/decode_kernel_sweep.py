@@ -1,4 +1,4 @@
-"""Decode-attention kernel configs (BLOCK_N, num_warps, num_stages) timed at engine-bench shapes (issue 7 item 4).
+"""Decode-attention kernel configs (BLOCK_N, num_warps, num_stages) timed at engine-bench shapes.
 
     python3 bench/gpu/decode_kernel_sweep.py --out $OUT        # CUDA + triton
     TRITON_INTERPRET=1 python3 bench/gpu/decode_kernel_sweep.py --device cpu --quick   # CPU smoke (slow)

@@ -1,4 +1,4 @@
-"""Publish bandwidth: learner on GPU 0 broadcasts the model to an engine on GPU 1 (issue 7 item 3 / 4).
+"""Publish bandwidth: learner on GPU 0 broadcasts the model to an engine on GPU 1.
 
     python3 bench/gpu/nccl_publish_bench.py --server sglang --out $OUT            # 2 GPUs, real SGLang on GPU 1
     python3 bench/gpu/nccl_publish_bench.py --server embedded --out $OUT          # agentrl serve-engine on GPU 1

@@ -5,7 +5,7 @@
 #   STEPS=100 bash bench/gpu/run_colocated.sh async [sync]    # next call(s), carry .sgl .gpu
 # STACK=megatron-sglang (default): Megatron learner + real SGLang (publish update_weights_from_tensor over CUDA
 #   IPC), untrained model without warm-up so replies run to 512 tokens and publishes abort running requests
-#   (issue 16: it died at steps 6 and 9 on a duplicate request id before the abort-path fix).
+#   (it died at steps 6 and 9 on a duplicate request id before the abort-path fix).
 # STACK=torch-embedded: torch learner + embedded engine (CUDA graphs), no warm-up; needs only .whl.
 # Overrides after `--` go to `agentrl run` last, e.g. `-- --engine.update-mode keep` (TAG=keep names the runs),
 # `-- --warmup.steps 122 --rollout.max-new-tokens 16 --rollout.max-turns 3` (the quickstart's own warm-up).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Does async beat sync on a long-tailed multi-turn workload (issue 16 item 2)? `agentrl run --async` against
+# Does async beat sync on a long-tailed multi-turn workload? `agentrl run --async` against
 # `agentrl run` (sync), colocated on one GPU, on the long_tail env (examples/long_tail.toml: a two-turn countdown,
 # replies from a few tokens to 2,291), both runs starting from ONE shared warmed-up model and training STEPS
 # steps each (the same trained trajectories), the defaults otherwise. nvidia-h200 or H100; a hold's installs and

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Does async beat sync (goal >= 2x, same trained samples) on the long-tailed workload over >= 3 runs per mode
-# (issue 16 item 2)? run_long_tail.sh's runs (Megatron + SGLang colocated on one GPU, from one shared warm-up)
+# Does async beat sync (goal >= 2x, same trained samples) on the long-tailed workload over >= 3 runs per mode?
+# run_long_tail.sh's runs (Megatron + SGLang colocated on one GPU, from one shared warm-up)
 # side by side on a host of four GPUs, each run on its own GPU and a quarter of the host's CPU cores
 # (bench/gpu/lanes.sh), in one hold of nvidia-h200-x4 (or nvidia-h100-x4), three calls:
 #   bash bench/gpu/run_long_tail_repeats.sh prepare                    # carry .sgl .gpu: SGLang, megatron-core

@@ -1,4 +1,4 @@
-"""agentrl's SGLang adapter against a real SGLang server on the GPU machine (issue 7 item 1).
+"""agentrl's SGLang adapter against a real SGLang server on the GPU machine.
 
     python3 bench/gpu/sglang_check.py --out $OUT [--dist-backend gloo|nccl] [--sglang-<flag> VALUE ...]
 

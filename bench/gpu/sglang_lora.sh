@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# LoRA publish to a real SGLang server (issue 19): adapter versions hot-loaded by name (/load_lora_adapter), tokens
+# LoRA publish to a real SGLang server: adapter versions hot-loaded by name (/load_lora_adapter), tokens
 # stamped per version, SGLang's log-probs within 1e-2 (mean, bf16) of the torch+peft learner's. Carry .sgl (built
 # by `bash bench/gpu/wheels.sh sglang`: it holds peft and accelerate too); nvidia-h100-x1, ~4 min.
 #   bash bench/gpu/sglang_lora.sh [sglang_lora_check.py args, e.g. --sglang-disable-cuda-graph]

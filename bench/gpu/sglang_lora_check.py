@@ -1,4 +1,4 @@
-"""LoRA versions hot-loaded into a real SGLang server through agentrl's adapter (issue 19, GPU check).
+"""LoRA versions hot-loaded into a real SGLang server through agentrl's adapter (a GPU check).
 
     python3 bench/gpu/sglang_lora_check.py --out $OUT [--versions 3] [--rank 16] [--sglang-<flag> VALUE ...]
 
