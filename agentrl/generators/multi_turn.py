@@ -109,7 +109,9 @@ class TokenLog:
         """Forget every response token past the first `n_response` (a reply that was not delivered)."""
         for name in ("response_ids", "mask", "logprobs", "versions"):
             del getattr(self, name)[n_response:]
-        keep = len(self)
+        # what the kept requests computed: every position but the last kept token (the end of a reply, which no
+        # kept request fed back); the next request's prefill records it
+        keep = max(len(self) - 1, 0)
         if self.routed_lost_at is not None and self.routed_lost_at >= keep:
             self.routed_lost_at = None
         while self.routed_positions > keep:
