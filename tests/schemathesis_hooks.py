@@ -43,10 +43,11 @@ def fit(item: dict[str, Any]) -> None:
                 del item[name]
     for name, fields in ROWS.items():
         record = item.get(name)
-        if isinstance(record, dict) and all(isinstance(record.get(k), int) for k in ("layers", "topk")):
+        if isinstance(record, dict) and all(type(record.get(k)) in (int, float) for k in ("layers", "topk")):
             total = sum(len(item[f]) if isinstance(item.get(f), list) else 0 for f in fields)
-            # a few experts per row keeps the body under the server's max_body_bytes
-            record.update(layers=min(record["layers"], 4), topk=min(record["topk"], 4))
+            # a few experts per row keeps the body under the server's max_body_bytes (integral floats are
+            # integers: 94.0 is 94)
+            record.update(layers=min(int(record["layers"]), 4), topk=min(int(record["topk"]), 4))
             row = record["layers"] * record["topk"] * ITEMSIZE.get(record.get("dtype"), 1)
             record["data"] = base64.b64encode(bytes(max(total - 1, 0) * row)).decode()
 
