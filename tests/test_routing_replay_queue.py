@@ -218,3 +218,15 @@ async def test_records_survive_compaction_and_a_resumed_queue(tmp_path):
     got.update({tid: resumed._live[tid].routed_experts for tid in held.ids})
     assert got == {t.id: t.routed_experts for t in sent[2:]}
     resumed.close()
+
+
+def test_a_chat_form_trajectory_carries_no_record(tok):
+    """The client of the chat form never saw the tokens, so a record could not be aligned to them."""
+    from agentrl.queue.chat import ChatTokenizer
+    from agentrl.types import Message
+
+    chat = Trajectory(id="c", messages=[Message("user", "hi"), Message("assistant", "hello")],
+                      routed_experts=record(0, 8))  # fmt: skip
+    with pytest.raises(InvalidTrajectory, match="only with token ids") as err:
+        ChatTokenizer(tokenizer=tok).tokenize(chat)
+    assert err.value.field == "routed_experts"
