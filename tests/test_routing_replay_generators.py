@@ -138,13 +138,14 @@ def request(*messages: tuple[str, str]) -> ChatRequest:
     return msgspec.convert({"messages": [{"role": r, "content": c} for r, c in messages]}, ChatRequest)
 
 
-async def test_proxy_sessions_record_their_turns_and_roll_a_failed_one_back(tiny, tok):
-    engine = MoEEngine(scripted(tiny, tok, "hello", "<calc>23+45</calc>", "bye"))
+@pytest.mark.parametrize("silent", [(), (1,)], ids=["recorded", "without-record"])
+async def test_proxy_sessions_record_their_turns_and_roll_a_failed_one_back(tiny, tok, silent):
+    engine = MoEEngine(scripted(tiny, tok, "hello", "<calc>23+45</calc>", "bye"), silent=silent)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=32, return_routed_experts=True)
     proxy = ProxySessions([engine], tok, sampling=sampling, max_seq_len=256)
     first = (await proxy.complete("s", request(("user", "hi"))))[0]
-    # the next turn's first piece is aborted after 2 tokens (recorded), its continuation fails: the turn is
-    # rolled back, routing record included, and the retry gets "bye"
+    # the next turn's first piece is aborted after 2 tokens (with its rows, or without a record), its
+    # continuation fails: the turn is rolled back, its rows or missing record with it; the retry gets "bye"
     engine.inner.abort_after, engine.fail_after_abort = 2, True
     follow_up = request(("user", "hi"), ("assistant", first.content), ("user", "more"))
     with pytest.raises(RequestError) as err:

@@ -112,7 +112,7 @@ class TokenLog:
         # what the kept requests computed: every position but the last kept token (the end of a reply, which no
         # kept request fed back); the next request's prefill records it
         keep = max(len(self) - 1, 0)
-        if self.routed_lost_at is not None and self.routed_lost_at >= keep:
+        if self.routed_lost_at is not None and self.routed_lost_at >= len(self):  # its tokens are all gone
             self.routed_lost_at = None
         while self.routed_positions > keep:
             excess = self.routed_positions - keep
