@@ -1,13 +1,15 @@
 """Schemathesis hooks (SCHEMATHESIS_HOOKS=tests.schemathesis_hooks) for tests/test_queue_openapi.py.
 
-Two rules of /openapi.json cross fields, which JSON Schema has no keyword for; the document states them as
-`x-same-length-as` (loss_mask, logprobs: one value per response token) and `x-counts-sum-to-length-of`
-(versions). Generated *positive* bodies are made to honour them, read from the document itself, so
-"positive data accepted" checks everything else the schema says. Negative bodies are left alone.
+Three rules of /openapi.json cross fields, which JSON Schema has no keyword for; the document states them as
+`x-same-length-as` (loss_mask, logprobs: one value per response token), `x-counts-sum-to-length-of`
+(versions) and `x-rows-cover` (routed_experts: a row per position of prompt + response but the last).
+Generated *positive* bodies are made to honour them, read from the document itself, so "positive data
+accepted" checks everything else the schema says. Negative bodies are left alone.
 """
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import schemathesis
@@ -19,6 +21,8 @@ SAME_LENGTH = {name: p["x-same-length-as"] for name, p in _PROPS.items() if "x-s
 COUNTS = {
     name: p["x-counts-sum-to-length-of"] for name, p in _PROPS.items() if "x-counts-sum-to-length-of" in p
 }
+ROWS = {name: p["x-rows-cover"] for name, p in _PROPS.items() if "x-rows-cover" in p}
+ITEMSIZE = {"uint8": 1, "int16": 2}
 
 
 def fit(item: dict[str, Any]) -> None:
@@ -37,6 +41,15 @@ def fit(item: dict[str, Any]) -> None:
                 item[name] = [[v, 1] for v, _ in runs[:-1]] + [[runs[-1][0], len(ref) - len(runs) + 1]]
             else:
                 del item[name]
+    for name, fields in ROWS.items():
+        record = item.get(name)
+        if isinstance(record, dict) and all(type(record.get(k)) in (int, float) for k in ("layers", "topk")):
+            total = sum(len(item[f]) if isinstance(item.get(f), list) else 0 for f in fields)
+            # a few experts per row keeps the body under the server's max_body_bytes (integral floats are
+            # integers: 94.0 is 94)
+            record.update(layers=min(int(record["layers"]), 4), topk=min(int(record["topk"]), 4))
+            row = record["layers"] * record["topk"] * ITEMSIZE.get(record.get("dtype"), 1)
+            record["data"] = base64.b64encode(bytes(max(total - 1, 0) * row)).decode()
 
 
 @schemathesis.hook

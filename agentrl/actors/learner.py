@@ -49,6 +49,15 @@ def tool_call_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     return {"tool_call_error_rate": sum(c > 0 for c in counts) / len(counts)} if counts else {}
 
 
+def routing_replay_metrics(trajectories: list[Trajectory], routing_replay: str) -> dict[str, float]:
+    """`train/routing_replay_missing`: with `learner.routing_replay = "rollout"`, how many of the step's
+    trajectories carry no `routed_experts` record (a dense model or an engine that does not report them, an
+    external agent that sent none); the learner routes those itself. Nothing when replay is off."""
+    if routing_replay != "rollout":
+        return {}
+    return {"train/routing_replay_missing": float(sum(t.routed_experts is None for t in trajectories))}
+
+
 class LearnerWorker:
     def __init__(self, cfg: Config, model_path: str):
         set_threads(cfg)
@@ -110,6 +119,7 @@ class LearnerWorker:
             "train_s": dt,
             "logprob_sample": self.learner.logprob_sample,  # the driver writes it to learner_logprobs.jsonl
             **tool_call_metrics(trajectories),
+            **routing_replay_metrics(trajectories, self.cfg.learner.routing_replay),
         }
 
     def warmup(self) -> dict[str, Any]:

@@ -76,12 +76,11 @@ class RolloutWorker:
         self.generate_fn = resolve_generator(cfg.rollout.generator)
         self.sem = asyncio.Semaphore(max(1, cfg.rollout.concurrency))
         stop = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-        r = cfg.rollout
-        self.sampling = SamplingParams(
-            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-            stop_token_ids=stop,
-        )  # fmt: skip
-        self.greedy = msgspec.structs.replace(self.sampling, temperature=0.0, top_p=1.0, top_k=-1)
+        self.sampling = rollout_sampling(cfg, stop)
+        # evaluation is never trained on: no routing records to carry
+        self.greedy = msgspec.structs.replace(
+            self.sampling, temperature=0.0, top_p=1.0, top_k=-1, return_routed_experts=False
+        )
         self.policy_version = 0
         self.dropped_groups = 0
 
@@ -240,6 +239,17 @@ class RolloutWorker:
         if self.local_engines:
             for engine in self.engines:
                 await engine.close()
+
+
+def rollout_sampling(cfg: Config, stop_token_ids: list[int]) -> SamplingParams:
+    """The sampling every training episode's generator gets (`RolloutContext.sampling`): the rollout section's,
+    asking the engines for their routed experts when the learner replays them (`learner.routing_replay =
+    "rollout"`; the generators put them into the trajectory)."""
+    r = cfg.rollout
+    return SamplingParams(
+        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+        stop_token_ids=stop_token_ids, return_routed_experts=cfg.learner.routing_replay == "rollout",
+    )  # fmt: skip
 
 
 def _groups(episodes: list[list[Trajectory]]) -> tuple[list[list[Trajectory]], int]:

@@ -20,6 +20,10 @@ Invariants of the trajectory this returns:
   SGLang keeps the id of a request aborted while queued registered and refuses it again ("Duplicate request ID
   detected"). `prefix` is `ctx.extra["request_prefix"]` (the rollout worker makes it new for every attempt),
   else the trajectory id.
+- `routed_experts` (rollout routing replay, when `ctx.sampling.return_routed_experts` and the engine reports
+  them): each position's experts come from the first request that ran a forward on it, so a reply's own
+  positions keep the routing they were sampled with (docs/moe.md, "Routing replay data"). A reply that comes
+  back without a record leaves the trajectory without one (the learner routes it itself).
 """
 
 from __future__ import annotations
@@ -32,9 +36,19 @@ import msgspec
 import numpy as np
 
 from agentrl.engines.base import GenerateOutput, SamplingParams
+from agentrl.errors import AgentRLError
 from agentrl.generator import RolloutContext
 from agentrl.generators.chat import chat_tokens
-from agentrl.types import Status, Trajectory, pack_floats, pack_tokens, version_runs
+from agentrl.types import (
+    RoutedExperts,
+    Status,
+    Trajectory,
+    pack_floats,
+    pack_tokens,
+    routed_expert_ids,
+    version_runs,
+)
+from agentrl.types.trajectory import EXPERT_DTYPES
 
 
 class TokenLog:
@@ -47,6 +61,10 @@ class TokenLog:
         self.logprobs: list[float] = []
         self.versions: list[int] = []
         self.sent: Counter[str] = Counter()  # engine requests per request-id base; never rolled back
+        # routing replay: expert ids [positions, layers, topk] in position order, from 0 up to `routed_positions`
+        self.routed: list[np.ndarray] = []
+        self.routed_positions = 0
+        self.routed_lost_at: int | None = None  # where a reply without a record started (None: none did)
 
     @property
     def input_ids(self) -> list[int]:
@@ -56,11 +74,30 @@ class TokenLog:
         return len(self.prompt_ids) + len(self.response_ids)
 
     def add_model(self, out: GenerateOutput) -> None:
+        start = len(self)
         self.response_ids += out.output_ids
         self.mask += [1] * len(out.output_ids)
         self.logprobs += out.logprobs
         for version, count in out.versions:
             self.versions += [version] * count
+        self._add_routing(out, start)
+
+    def _add_routing(self, out: GenerateOutput, start: int) -> None:
+        """Keep the positions of `out`'s record that no earlier request covered: those this request computed
+        first (its prompt part is the earlier turns, already recorded when they were computed)."""
+        rec = out.routed_experts
+        if rec is None:
+            if out.output_ids and self.routed_lost_at is None:
+                self.routed_lost_at = start
+            return
+        rows = routed_expert_ids(rec)
+        if self.routed and rows.shape[1:] != self.routed[0].shape[1:]:
+            raise AgentRLError(f"the engine's routed_experts changed shape within one episode: [layers, topk] "
+                               f"{list(self.routed[0].shape[1:])}, then {list(rows.shape[1:])}")  # fmt: skip
+        end = min(len(rows), len(self))
+        if end > self.routed_positions:
+            self.routed.append(rows[self.routed_positions : end])
+            self.routed_positions = end
 
     def add_env(self, ids: list[int], version: int) -> None:
         self.response_ids += ids
@@ -72,15 +109,43 @@ class TokenLog:
         """Forget every response token past the first `n_response` (a reply that was not delivered)."""
         for name in ("response_ids", "mask", "logprobs", "versions"):
             del getattr(self, name)[n_response:]
+        # what the kept requests computed: every position but the last kept token (the end of a reply, which no
+        # kept request fed back); the next request's prefill records it
+        keep = max(len(self) - 1, 0)
+        if self.routed_lost_at is not None and self.routed_lost_at >= len(self):  # its tokens are all gone
+            self.routed_lost_at = None
+        while self.routed_positions > keep:
+            excess = self.routed_positions - keep
+            last = self.routed[-1]
+            if len(last) <= excess:
+                self.routed.pop()
+                self.routed_positions -= len(last)
+            else:
+                self.routed[-1] = last[: len(last) - excess]
+                self.routed_positions = keep
+
+    def routed_record(self, trained: np.ndarray) -> RoutedExperts | None:
+        """The episode's routing record, or None when a reply came without one or it misses a position whose
+        forward predicts a trained token (`trained`: the loss mask over the response)."""
+        if not self.routed or self.routed_lost_at is not None:
+            return None
+        last = np.flatnonzero(trained)
+        if self.routed_positions < (len(self.prompt_ids) + int(last[-1]) if last.size else 0):
+            return None
+        ids = np.concatenate(self.routed)  # uint8 stays uint8; with int16 pieces all widen to int16
+        dtype = "uint8" if ids.dtype == np.uint8 else "int16"
+        _, layers, topk = ids.shape
+        return RoutedExperts(layers, topk, dtype, ids.astype(EXPERT_DTYPES[dtype], copy=False).tobytes())
 
     def trajectory(self, **fields: Any) -> Trajectory:
-        all_ones = all(self.mask)
+        trained = np.asarray(self.mask, dtype=np.uint8)
         return Trajectory(
             prompt_ids=pack_tokens(self.prompt_ids),
             response_ids=pack_tokens(self.response_ids),
-            loss_mask=None if all_ones else np.asarray(self.mask, dtype=np.uint8).tobytes(),
+            loss_mask=None if trained.all() else trained.tobytes(),
             logprobs=pack_floats(self.logprobs),
             versions=version_runs(self.versions) if self.response_ids else None,
+            routed_experts=self.routed_record(trained),
             **fields,
         )
 

@@ -2,8 +2,8 @@
 
 Invariants: the tokens and loss mask are `agentrl.chat.conversation_tokens` of the messages, the same the
 multi-turn generator and the OpenAI proxy record for that conversation (assistant tokens and their
-end-of-turn token trained, nothing else). A chat-form trajectory carries no token arrays, loss_mask, logprobs
-or versions of its own (the client never saw the tokens). transformers is imported lazily, inside
+end-of-turn token trained, nothing else). A chat-form trajectory carries no token arrays, loss_mask, logprobs,
+versions or routed_experts of its own (the client never saw the tokens). transformers is imported lazily, inside
 `ChatTokenizer.__init__`, never at module import.
 """
 
@@ -23,7 +23,7 @@ NO_TOKENIZER = (
     "chat-form trajectories (messages) need the run's tokenizer: start `agentrl serve-queue` with --model DIR, "
     "or send prompt_ids/response_ids"
 )
-TOKEN_FIELDS = ("prompt_ids", "response_ids", "loss_mask", "logprobs", "versions")
+TOKEN_FIELDS = ("prompt_ids", "response_ids", "loss_mask", "logprobs", "versions", "routed_experts")
 
 
 class ChatTokenizer:

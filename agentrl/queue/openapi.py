@@ -3,8 +3,10 @@
 vocabulary, the current policy version, whether chat form is on) and the rules JSON Schema can state: the two
 forms, `policy_version` xor `versions`, one status code per answer the server gives.
 
-Two rules cross fields and have no JSON Schema keyword: `loss_mask` / `logprobs` hold one value per response
-token (`x-same-length-as`) and `versions` counts add up to the response length (`x-counts-sum-to-length-of`).
+Three rules cross fields and have no JSON Schema keyword: `loss_mask` / `logprobs` hold one value per response
+token (`x-same-length-as`), `versions` counts add up to the response length (`x-counts-sum-to-length-of`), and
+`routed_experts.data` holds whole `layers x topk` rows for the positions of prompt + response
+(`x-rows-cover`: total - 1 or total of them; agentrl.types.validate says exactly).
 """
 
 from __future__ import annotations
@@ -43,6 +45,15 @@ _SUBMIT_ERRORS = {
     "507": "the write-ahead log could not store the request; nothing was accepted",
 }
 _INT = {"type": "integer", "minimum": 0}
+# standard base64 with padding, as msgspec decodes it (JSON carries routed_experts.data so)
+_BASE64 = "^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+_ROUTED = (
+    "optional (rollout routing replay; left out, the learner routes this trajectory itself): the experts the "
+    "MoE engine's router chose for token positions 0..n-1 of prompt_ids + response_ids, `data` row-major "
+    "[n, layers, topk] (`layers`: the MoE layers, in model order), n = total tokens - 1 (every token but "
+    "the last sampled one) or total; it may stop earlier only where the tokens after it are all untrained "
+    "(loss_mask 0). int16 ids are >= 0."
+)
 _WAIT = {"type": "object", "properties": {k: {"type": "number", "minimum": 0} for k in ("count", "sum_s", "mean_s", "max_s")}}  # fmt: skip
 _STATUS = {
     "type": "object",
@@ -77,8 +88,9 @@ _DESCRIPTION = (
     "as the multi-turn generator would). JSON bodies send arrays as lists of numbers. msgpack bodies may also "
     'send an array as `{"dtype": ..., "data": <bin>}` (little-endian; int32/int64/uint8 for token ids and '
     "loss_mask, float32/float64 for logprobs); bare bytes are refused (their dtype would be a guess). "
-    "Integers written as integral floats (608.0) are integers. Every error is `{error, field}`, `field` "
-    "naming what was wrong; a request is all or nothing."
+    "`routed_experts` (MoE rollout routing replay, optional) is `{layers, topk, dtype, data}` with `data` "
+    "base64 in JSON and bin in msgpack. Integers written as integral floats (608.0) are integers. Every "
+    "error is `{error, field}`, `field` naming what was wrong; a request is all or nothing."
 )
 
 
@@ -115,6 +127,9 @@ def _trajectory(base: dict[str, Any], *, packed: bool, vocab_size: int | None, p
     props["versions"].update(description="runs [policy_version, n_tokens] covering every response token",
                              **{"x-counts-sum-to-length-of": "response_ids"})  # fmt: skip
     props["metadata"]["additionalProperties"] = _ref("JSONValue")
+    if packed:
+        props["routed_experts"]["anyOf"][0] = _ref("RoutedExpertsMsgpack")
+    props["routed_experts"].update(description=_ROUTED, **{"x-rows-cover": ["prompt_ids", "response_ids"]})
     props["policy_version"]["anyOf"][0]["maximum"] = policy_version
     props["policy_version"]["description"] = "at most the queue's current version; left out: stamped with it"
     for name in ("prompt_ids", "response_ids"):
@@ -135,7 +150,7 @@ def _trajectory(base: dict[str, Any], *, packed: bool, vocab_size: int | None, p
         "required": ["messages"],
         "properties": {
             "messages": {"type": "array", "minItems": 2, "prefixItems": [first], "contains": reply},
-            **{name: {"type": "null"} for name in ("loss_mask", "logprobs", "versions")},
+            **{name: {"type": "null"} for name in ("loss_mask", "logprobs", "versions", "routed_experts")},
         },
         "not": {"anyOf": [{"required": ["prompt_ids"]}, {"required": ["response_ids"]}]},
     }
@@ -168,6 +183,15 @@ def _components(*, policy_version: int, vocab_size: int | None, chat: bool) -> d
     components["Trajectory"] = _trajectory(base, packed=False, **state)
     components["TrajectoryMsgpack"] = _trajectory(base, packed=True, **state)
     components["Packed"]["properties"]["data"] = {"description": "msgpack bin: little-endian values of dtype"}
+    routed = components["RoutedExperts"]
+    routed["description"] = "expert ids of an MoE router, per position and MoE layer (see routed_experts)"
+    msgpack_routed = components["RoutedExpertsMsgpack"] = {
+        **copy.deepcopy(routed),
+        "title": "RoutedExpertsMsgpack",
+    }
+    routed["properties"]["data"] = {"type": "string", "contentEncoding": "base64", "pattern": _BASE64,
+                                    "description": "base64 of the little-endian dtype ids"}  # fmt: skip
+    msgpack_routed["properties"]["data"] = {"description": "msgpack bin: little-endian dtype ids"}
     components["Error"] = {
         "type": "object",
         "properties": {"error": {"type": "string"}, "field": {"type": ["string", "null"]}},

@@ -1,6 +1,13 @@
 """`normalize`: check a decoded (or in-process) trajectory field by field and return its normalized form
 (described in trajectory.py), or raise `InvalidTrajectory` naming the first offending field. Arrays come as
 lists, ndarrays, `Packed` or bare bytes and leave as little-endian bytes. No torch or ray.
+
+`routed_experts` (rollout routing replay) is optional: left out, the learner routes that trajectory itself. Its
+record holds whole `[layers, topk]` rows for positions 0..n-1 of prompt + response, where n is at most the
+trajectory's token count and at least the position that predicts its last trained token (loss_mask 1): the
+positions an engine ran a forward on are every token but the last sampled one (n = total - 1; an engine that
+also reports the last one gives n = total), and untrained tokens at the end (an env's feedback after which
+no reply came) may lack a record, since no trained token's forward depends on them.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import numpy as np
 from agentrl.errors import InvalidTrajectory
 from agentrl.types.trajectory import (
     BARE_DTYPES,
+    EXPERT_DTYPES,
     LOGPROB_DTYPE,
     LOGPROB_MAX,
     LOGPROB_MIN,
@@ -27,12 +35,16 @@ from agentrl.types.trajectory import (
     TOKEN_DTYPE,
     TOKEN_MAX,
     Packed,
+    RoutedExperts,
     Trajectory,
 )
 
 __all__ = ["normalize"]
 
 _MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # ndarray.min/max without the Python-level wrapper
+# the bounds RoutedExperts declares (msgspec.Meta), for records made in-process (decoding enforces them)
+_RECORD_BOUNDS = {f.name: (f.type.ge, f.type.le) for f in msgspec.inspect.type_info(RoutedExperts).fields
+                  if f.name in ("layers", "topk")}  # fmt: skip
 
 
 def _array(field: str, value: Any) -> np.ndarray:
@@ -121,6 +133,40 @@ def _mask_bytes(value: Any, n: int) -> bytes | None:
     return arr.astype(MASK_DTYPE).tobytes()
 
 
+def _routed_experts(rec: Any, n_prompt: int, n_response: int, loss_mask: bytes | None) -> RoutedExperts:
+    """The record, checked against the trajectory's tokens (module docstring); its bytes are kept as they are."""
+    if not isinstance(rec, RoutedExperts):
+        raise InvalidTrajectory("routed_experts", f"must be a RoutedExperts record, got {type(rec).__name__}")
+    if rec.dtype not in EXPERT_DTYPES:
+        raise InvalidTrajectory("routed_experts.dtype", f"must be uint8 or int16, got {rec.dtype!r}")
+    for name, (lo, hi) in _RECORD_BOUNDS.items():
+        value = getattr(rec, name)
+        if type(value) is not int or not lo <= value <= hi:
+            raise InvalidTrajectory(
+                f"routed_experts.{name}", f"must be an integer in [{lo}, {hi}], got {value!r}"
+            )
+    data = rec.data if type(rec.data) is bytes else bytes(rec.data)
+    row = rec.layers * rec.topk * EXPERT_DTYPES[rec.dtype].itemsize
+    if len(data) % row:
+        raise InvalidTrajectory("routed_experts.data", f"{len(data)} bytes are not whole rows of layers x topk = "
+                                f"{rec.layers} x {rec.topk} {rec.dtype} expert ids ({row} bytes a position)")  # fmt: skip
+    n, total = len(data) // row, n_prompt + n_response
+    if n > total:
+        raise InvalidTrajectory("routed_experts", f"covers {n} positions but the trajectory has {total} tokens "
+                                "(prompt_ids + response_ids)")  # fmt: skip
+    if loss_mask is None:
+        needed = total - 1
+    else:
+        trained = np.flatnonzero(np.frombuffer(loss_mask, MASK_DTYPE))
+        needed = n_prompt + int(trained[-1]) if trained.size else 0
+    if n < needed:  # the forward at position needed - 1 predicts the last trained token
+        raise InvalidTrajectory("routed_experts", f"covers {n} positions but the last trained token needs "
+                                f"{needed} of the {total} (every token but the last, as engines report them)")  # fmt: skip
+    if rec.dtype == "int16" and n and int(_MIN(np.frombuffer(data, EXPERT_DTYPES["int16"]))) < 0:
+        raise InvalidTrajectory("routed_experts.data", "int16 expert ids must be in [0, 2**15)")
+    return rec if data is rec.data else msgspec.structs.replace(rec, data=data)
+
+
 def _check_plain(path: str, value: Any) -> None:
     """Metadata is plain JSON data whose numbers lie in [METADATA_MIN, METADATA_MAX]: the log stores it as
     msgpack, which has no integers beyond 64 bits (and a float there is one written as such)."""
@@ -199,6 +245,9 @@ def normalize(
         raise InvalidTrajectory("turn_rewards", "must be finite numbers")
     if traj.metadata:
         _check_plain("metadata", traj.metadata)
+    routed = traj.routed_experts
+    if routed is not None:
+        routed = _routed_experts(routed, len(prompt) // TOKEN_DTYPE.itemsize, n, loss_mask)
     for name in ("created_at", "finished_at"):
         value = getattr(traj, name)
         if not math.isfinite(value) or value < 0:
@@ -210,6 +259,7 @@ def normalize(
         response_ids=response,
         loss_mask=loss_mask,
         logprobs=logprobs,
+        routed_experts=routed,
         versions=_versions(traj, n, default_version, max_version),
         policy_version=None,
         created_at=traj.created_at or time.time(),

@@ -3,8 +3,11 @@
 On the wire (`decode_trajectories(..., strict=True)`, the HTTP front door) arrays say what they hold: JSON
 sends lists; msgpack lists or `Packed` {"dtype", "data": bin}. Bare bytes (int64 `[8, 2]` read as int32 is
 `[8, 0, 2, 0]`) are refused there; they stay the in-process form (`pack_tokens`, `BARE_DTYPES`), also in
-bodies logged before this rule. An integral float (`608.0`) in an integer field is that integer. A decoded
-trajectory is not trusted yet: `normalize` (validate.py) makes it the normalized form. No torch or ray.
+bodies logged before this rule. `routed_experts` (optional: rollout routing replay) declares its dtype itself,
+`{"layers", "topk", "dtype", "data"}`: `data` is msgpack bin, or in JSON a base64 string (the record is
+positions x layers x topk ids: lists would make it ~10x larger). An integral float (`608.0`) in an integer
+field is that integer. A decoded trajectory is not trusted yet: `normalize` (validate.py) makes it the
+normalized form. No torch or ray.
 """
 
 from __future__ import annotations
@@ -95,5 +98,10 @@ def _integral(item: dict[str, Any]) -> None:
             item[name] = [num(x) for x in item[name]]
     if "policy_version" in item:
         item["policy_version"] = num(item["policy_version"])
+    routed = item.get("routed_experts")
+    if isinstance(routed, dict):
+        for name in ("layers", "topk"):
+            if name in routed:
+                routed[name] = num(routed[name])
     if isinstance(item.get("versions"), list):
         item["versions"] = [[num(x) for x in r] if isinstance(r, list) else r for r in item["versions"]]
