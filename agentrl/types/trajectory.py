@@ -22,6 +22,7 @@ from msgspec import Meta
 
 __all__ = [
     "BARE_DTYPES",
+    "EXPERT_DTYPES",
     "LOGPROB_DTYPE",
     "LOGPROB_MAX",
     "LOGPROB_MIN",
