@@ -130,13 +130,17 @@ class LearnerWorker:
         if self.rank != 0:
             self._drain()
             return {}
-        out = {
-            name: t.detach().to("cpu", copy=True).contiguous() for name, t in self.learner.published_weights()
-        }
+        out = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in self._published()}
         return self._logged(out)
 
+    def _published(self):
+        """What a publish sends, under the names engines load (agentrl.engines.weight_sync.per_expert_names)."""
+        from agentrl.engines.weight_sync import per_expert_names
+
+        return per_expert_names(self.learner.published_weights())
+
     def local_weights(self):
-        return self._logged(dict(self.learner.published_weights()))
+        return self._logged(dict(self._published()))
 
     def _logged(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """Log what one publish sends (the adapter alone is MBs where full weights are GBs)."""
@@ -154,7 +158,9 @@ class LearnerWorker:
         if self.rank != 0:
             self._drain()
             return path
-        save_hf_dir(path, self.learner.weights(), self.model_path)
+        from agentrl.engines.weight_sync import per_expert_names
+
+        save_hf_dir(path, per_expert_names(self.learner.weights()), self.model_path)
         return path
 
     def save_adapter(self, path: str) -> Any:
@@ -192,7 +198,7 @@ class LearnerWorker:
 
         if self.rank != 0:
             return self._drain()
-        items = list(self._logged(dict(self.learner.published_weights())).items())
+        items = list(self._logged(dict(self._published())).items())
         return describe_publish(self._group.name, items, self._bucket_bytes)
 
     def broadcast_weights(self) -> None:
@@ -207,7 +213,7 @@ class LearnerWorker:
             raise WeightSyncError(
                 "learner.publish = 'nccl': no weight-broadcast group (init_weight_group first)"
             )
-        send_publish(self._group, self.learner.published_weights(), self._bucket_bytes)
+        send_publish(self._group, self._published(), self._bucket_bytes)
 
     @property
     def _bucket_bytes(self) -> int:
