@@ -180,6 +180,20 @@ async def test_recorded_experts_are_transformers_router_choices(dirs, arch, deco
     await eng.close()
 
 
+async def test_glm_multi_token_prediction_layers_are_skipped_and_other_unknown_names_refused(dirs):
+    """GLM-4.5 checkpoints carry their MTP layer after the last decoder layer: loaded as nothing. The same name
+    for a Qwen3-MoE model (no MTP layers) is an unknown weight."""
+    from agentrl.errors import WeightSyncError
+
+    glm, qwen = engine(dirs["glm4_moe", 1]), engine(dirs["qwen3_moe", 1])
+    extra = {"model.layers.3.mlp.gate.weight": torch.zeros(8, 64)}
+    await glm.update_weights(1, TensorSource(extra))
+    with pytest.raises(WeightSyncError, match=r"model\.layers\.3\.mlp\.gate\.weight"):
+        await qwen.update_weights(1, TensorSource(extra))
+    await glm.close()
+    await qwen.close()
+
+
 async def test_a_dense_model_records_nothing(tmp_path):
     from agentrl.engines.tiny import make_tiny_model
 

@@ -146,6 +146,8 @@ class SGLangEngine(Engine):
         self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
     ) -> GenerateOutput:
         self._ensure()
+        # the model's MoE layout is read before sending, so a missing config fails before any generation
+        moe, num_layers = await self._moe_layout() if sampling.return_routed_experts else (None, 0)
         await self._gate.wait()
         body = wire.generate_body(input_ids, sampling, request_id)
         lora = self._lora.acquire()
@@ -161,7 +163,6 @@ class SGLangEngine(Engine):
                 self._drained.set()
             if lora is not None:
                 self._unload_later(self._lora.release(lora[0]))
-        moe, num_layers = await self._moe_layout() if sampling.return_routed_experts else (None, 0)
         try:
             out = wire.parse_generate_response(data, self._version, moe, num_layers)
         except (KeyError, TypeError, ValueError) as exc:
