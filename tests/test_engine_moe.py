@@ -427,3 +427,50 @@ async def test_cuda_bf16_graphs_logprobs_and_recorded_experts(dirs, arch):
         total += got.shape[0] * got.shape[1]
     assert agree >= 0.97 * total
     await eng.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+async def test_learner_publishes_reach_the_engine_under_checkpoint_names(dirs, arch, tmp_path):
+    """A torch learner holds transformers 5's fused expert tensors; its worker's object-store payload, HF
+    directory (the disk path), colocated hand-off and gloo broadcast all carry the checkpoint names, and each
+    brings the engine to the learner's log-probs."""
+    from agentrl.actors.learner import LearnerWorker
+    from agentrl.config import load_config
+
+    w = LearnerWorker(load_config(None, ["--learner.publish-bucket-mb", "0.05"]), str(dirs[arch, 1]))
+    with torch.no_grad():  # a learner that has moved away from the served weights
+        torch.manual_seed(7)
+        for p in w.learner.model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    w.learner.model.eval()
+    eng = engine(dirs[arch, 1])
+    assert await logprob_gap(eng, w.learner.model) > 1e-3
+    names = checkpoint_names(dirs[arch, 1])
+    payload = w.weights_payload()
+    assert set(payload) == names and set(w.local_weights()) == names
+    await eng.update_weights(1, TensorSource(payload))
+    assert await logprob_gap(eng, w.learner.model) <= 1e-5
+
+    await eng.update_weights(2, DiskSource(str(dirs[arch, 1])))
+    assert await logprob_gap(eng, w.learner.model) > 1e-3
+    saved = w.save_hf(str(tmp_path / "hf"))
+    assert checkpoint_names(tmp_path / "hf") == names
+    await eng.update_weights(3, DiskSource(saved))
+    assert await logprob_gap(eng, w.learner.model) <= 1e-5
+
+    await eng.update_weights(4, DiskSource(str(dirs[arch, 1])))
+    port = free_port()
+    host = threading.Thread(target=w.init_weight_group, args=("127.0.0.1", port, 2, "moe"))
+    host.start()
+    await asyncio.to_thread(eng.init_weights_update_group, "127.0.0.1", port, 1, 2, "moe", "gloo")
+    host.join(30)
+    sources = w.distributed_source()
+    assert len(sources) > 1 and {n for s in sources for n in s.names} == names
+
+    async def receive():
+        for source in sources:
+            await eng.update_weights(5, source)
+
+    await asyncio.gather(asyncio.to_thread(w.broadcast_weights), receive())
+    assert await logprob_gap(eng, w.learner.model) <= 1e-5
+    await eng.close()

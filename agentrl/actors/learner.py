@@ -5,7 +5,8 @@ learner's `policy_version` becomes v+1 once, after the last) and returns metrics
 version of each trajectory). `warmup()` runs the supervised phase on env demonstrations (loss on assistant
 tokens only, tokenized exactly as the multi-turn generator does). `weights_payload()` /`save_hf()` /
 `distributed_source()` feed agentrl.actors.broadcast; all but `save_hf()` (full weights) send the learner's
-`published_weights()` (the adapter alone under LoRA), logged with their size. `save_archive()` /
+`published_weights()` (the adapter alone under LoRA), logged with their size; every path, `save_hf()` too, names
+MoE experts per expert, as checkpoints and SGLang do (agentrl.engines.weight_sync.per_expert_names). `save_archive()` /
 `load_archive()` move checkpoints as bytes when the learner runs on another node than the run directory.
 Plain class: agentrl.actors.remote makes it a Ray actor.
 
