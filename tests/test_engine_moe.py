@@ -255,6 +255,7 @@ class CapturedSGLang:
     def __init__(self, table: np.ndarray, output_ids: list[int], dtype: str | None):
         self.table, self.output_ids, self.dtype = table, output_ids, dtype
         self.bodies: list[dict] = []
+        self.enabled = True  # launched with --enable-return-routed-experts
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -263,7 +264,7 @@ class CapturedSGLang:
                 "prompt_tokens": len(body["input_ids"]), "completion_tokens": len(self.output_ids),
                 "weight_version": "default",
                 "output_token_logprobs": [[-0.5, t, None] for t in self.output_ids]}  # fmt: skip
-        if body.get("return_routed_experts"):
+        if body.get("return_routed_experts") and self.enabled:
             wire = self.table.astype(self.dtype or "int32")
             meta["routed_experts"] = base64.b64encode(wire.tobytes()).decode()
             if self.dtype:
@@ -299,6 +300,10 @@ async def test_sglang_client_reads_sglang_routed_experts(dirs, dtype):
         await client.generate(prompt, SamplingParams(max_new_tokens=2))
         assert "return_routed_experts" not in fake.bodies[-1]
 
+        fake.enabled = False  # a server launched without the flag answers without them
+        with pytest.raises(EngineError, match="--enable-return-routed-experts"):
+            await client.generate(prompt, SamplingParams(max_new_tokens=2, return_routed_experts=True))
+        fake.enabled = True
         fake.table = table[:, :2]  # not whole positions of 3 layers x top-2
         with pytest.raises(EngineError, match="routed_experts"):
             await client.generate(prompt, SamplingParams(max_new_tokens=2, return_routed_experts=True))

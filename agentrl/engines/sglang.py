@@ -167,6 +167,11 @@ class SGLangEngine(Engine):
             out = wire.parse_generate_response(data, self._version, moe, num_layers)
         except (KeyError, TypeError, ValueError) as exc:
             raise EngineError(f"{self.url}/generate: malformed response ({exc!r})") from exc
+        if moe is not None and out.routed_experts is None and out.finish_reason != "abort":
+            raise EngineError(
+                f"{self.url}/generate: routed experts were asked for and none came back (start SGLang with "
+                "--enable-return-routed-experts)"
+            )
         if lora is not None:  # the whole request ran on the adapter it was sent with
             out.versions = [(lora[1], len(out.output_ids))] if out.output_ids else []
         return out
