@@ -25,16 +25,17 @@ def make_engine(cfg: Config, model_path: str, index: int = 0) -> Engine:
 
     timeouts = {"request_timeout_s": e.request_timeout_s, "update_timeout_s": e.update_timeout_s}
     if e.external_urls:
-        return SGLangEngine(e.external_urls[index % len(e.external_urls)], **timeouts)
-    from agentrl.engines.sglang_launcher import SGLangServer, lora_server_args
+        return SGLangEngine(e.external_urls[index % len(e.external_urls)], model_path=model_path, **timeouts)
+    from agentrl.engines.sglang_launcher import SGLangServer, lora_server_args, routing_replay_server_args
 
-    args = {**lora_server_args(cfg.learner.lora), **e.sglang.args}  # the user's own flags win
+    # the user's own flags win
+    args = {**lora_server_args(cfg.learner.lora), **routing_replay_server_args(cfg.learner), **e.sglang.args}
     if cfg.run.offload:  # /release_memory_occupation needs SGLang's torch_memory_saver; the CPU backup brings
         # back what a publish does not send (a LoRA run's base weights, buffers such as RoPE caches)
         args.setdefault("enable_memory_saver", True)
         args.setdefault("enable_weights_cpu_backup", True)
     server = SGLangServer(model_path, e.sglang, args=args)
-    engine = SGLangEngine(server.start(), **timeouts)
+    engine = SGLangEngine(server.start(), model_path=model_path, **timeouts)
     engine._server = server  # type: ignore[attr-defined]  # kept alive with the client, stopped on close
     return engine
 

@@ -9,6 +9,7 @@ step's shapes depend on `B` alone (each row reads its own length); with SDPA the
 bucketed (`length_bucket`), one graph per (B, length bucket). All graphs share one memory pool; they are
 replayed one at a time on the engine's worker thread, so their intermediate buffers may alias. Capture is
 thread-local, so a learner training in another thread of the same process (colocated) does not break it.
+An MoE model's graphs also output each MoE layer's expert ids (static buffers, read after each replay).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class DecodeGraphs:
         self.tokens = torch.zeros(self.buckets[-1], dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.buckets[-1], dtype=torch.int64, device=device)
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, list[torch.Tensor]]] = {}
 
     def _bucket(self, b: int) -> int:
         for size in self.buckets:
@@ -51,12 +52,12 @@ class DecodeGraphs:
         step = self.length_bucket
         return min(self.cache.max_seq_len, (max_len + step - 1) // step * step)
 
-    def _step(self, b: int, length: int) -> torch.Tensor:
+    def _step(self, b: int, length: int, record: list[torch.Tensor] | None = None) -> torch.Tensor:
         return self.model.decode(
-            self.tokens[:b], self.positions[:b], self.cache, length, attention=self.attention
+            self.tokens[:b], self.positions[:b], self.cache, length, attention=self.attention, record=record
         )
 
-    def _capture(self, b: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, b: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, list[torch.Tensor]]:
         stream = torch.cuda.Stream(device=self.model.device)
         stream.wait_stream(torch.cuda.current_stream(self.model.device))
         with torch.cuda.stream(stream):
@@ -66,12 +67,15 @@ class DecodeGraphs:
                 self._step(b, length)
         torch.cuda.current_stream(self.model.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        routes: list[torch.Tensor] = []
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = self._step(b, length)
-        self.graphs[(b, length)] = (graph, out)
-        return graph, out
+            out = self._step(b, length, routes)
+        self.graphs[(b, length)] = (graph, out, routes)
+        return graph, out, routes
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int,
+                 record: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+        """`record` (MoE) gets each MoE layer's expert ids [b, k], views valid until the next replay."""
         b = tokens.shape[0]
         size, length = self._bucket(b), self._length(max_len)
         self.tokens[:b].copy_(tokens, non_blocking=True)
@@ -79,6 +83,8 @@ class DecodeGraphs:
         if size > b:
             self.tokens[b:size].zero_()
             self.positions[b:size].zero_()
-        graph, out = self.graphs.get((size, length)) or self._capture(size, length)
+        graph, out, routes = self.graphs.get((size, length)) or self._capture(size, length)
         graph.replay()
+        if record is not None:
+            record.extend(r[:b] for r in routes)
         return out[:b]

@@ -1,8 +1,13 @@
-"""Decoder-only transformer forward for the embedded engine (Qwen2, Qwen3, Llama), written directly in torch.
+"""Decoder-only transformer forward for the embedded engine (Qwen2, Qwen3, Llama; Qwen3-MoE and GLM-4.5 MoE),
+written directly in torch.
 
-Weights live in fused buffers (`qkv`, `gate_up`) and `params` maps every Hugging Face name to a view of them,
+Weights live in fused buffers (`qkv`, `gate_up`; an MoE layer's `experts_gate_up` [E, 2I, H] and `experts_down`
+[E, H, I]) and `params` maps every Hugging Face name to a view of them,
 so a learner's `(hf_name, tensor)` stream, or a safetensors file, loads by `params[name].copy_(tensor)` in
 place: no reallocation, so the KV cache, views and (later) captured graphs stay valid across weight updates.
+Expert weights answer to the per-expert names a checkpoint (and SGLang's loader) uses,
+`mlp.experts.{e}.gate_proj.weight` / `up_proj` / `down_proj`, and to transformers 5's fused in-memory names
+`mlp.experts.gate_up_proj` / `mlp.experts.down_proj` (`aliases`), so either form loads.
 The model's shape and its KV cache are agentrl.engines.model_spec's; the layer math is agentrl.engines.layers'.
 Numerics follow transformers: RMSNorm in fp32, RoPE tables in fp32 cast to the model dtype, SDPA attention.
 """
@@ -17,7 +22,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from agentrl.engines.layers import layer_in, layer_out, rms_norm
+from agentrl.engines.layers import (
+    grouped_mm_works,
+    layer_in,
+    layer_out,
+    rms_norm,
+    route,
+    routed_experts,
+    swiglu,
+)
 from agentrl.engines.model_spec import KVCache, ModelSpec
 from agentrl.engines.prefill_attention import Packed, packed_causal_attention
 from agentrl.errors import WeightSyncError
@@ -51,11 +64,22 @@ class CausalLM:
             return torch.zeros(shape, device=self.device, dtype=dtype)
 
         self.params: dict[str, torch.Tensor] = {"model.embed_tokens.weight": empty(s.vocab_size, s.hidden)}
+        # name -> (tensor, the `params` names it covers): the fused expert names transformers 5 keeps in memory
+        self.aliases: dict[str, tuple[torch.Tensor, list[str]]] = {}
         self.layers: list[dict[str, torch.Tensor]] = []
+        moe_layers = set(s.moe.layers) if s.moe else set()
         for i in range(s.layers):
-            layer, names = _fused_layer(s, f"model.layers.{i}.", empty)
+            if i in moe_layers:
+                layer, names, aliases = _moe_layer(s, f"model.layers.{i}.", empty, self.device)
+                self.aliases.update(aliases)
+            else:
+                layer, names = _fused_layer(s, f"model.layers.{i}.", empty)
             self.layers.append(layer)
             self.params.update(names)
+        # one matmul per projection over every expert's slice where the kernel runs (no host sync), else a loop
+        self.grouped_experts = bool(s.moe) and grouped_mm_works(
+            self.device, dtype, s.hidden, s.moe.intermediate
+        )
         self.params["model.norm.weight"] = empty(s.hidden)
         if s.tie_embeddings:
             self.lm_head = self.params["model.embed_tokens.weight"]
@@ -70,19 +94,38 @@ class CausalLM:
 
     # -- weights -------------------------------------------------------------------------------------------------
 
+    def _skipped(self, name: str) -> bool:
+        """Names that load into nothing: a tied lm_head, GLM-4.5's multi-token-prediction layers (numbered
+        after the last decoder layer; the engine does not run them)."""
+        if name == "lm_head.weight" and self.spec.tie_embeddings:
+            return True
+        if self.spec.arch == "glm4_moe" and name.startswith("model.layers."):
+            index = name.split(".", 3)[2]
+            return index.isdigit() and int(index) >= self.spec.layers
+        return False
+
+    def _target(self, name: str) -> torch.Tensor | None:
+        dst = self.params.get(name)
+        if dst is None and name in self.aliases:
+            dst = self.aliases[name][0]
+        return dst
+
     def check(self, shapes: dict[str, tuple[int, ...]], strict: bool = False) -> None:
         """Raise WeightSyncError naming the first unknown or mis-shaped tensor (before anything is copied)."""
+        covered = set(shapes)
         for name, shape in shapes.items():
-            if name == "lm_head.weight" and self.spec.tie_embeddings:
+            if self._skipped(name):
                 continue
-            dst = self.params.get(name)
+            dst = self._target(name)
             if dst is None:
                 raise WeightSyncError(f"weight '{name}' is not a parameter of this {self.spec.arch} model")
             if tuple(dst.shape) != tuple(shape):
                 raise WeightSyncError(
                     f"weight '{name}': shape {tuple(shape)} does not match {tuple(dst.shape)}"
                 )
-        if strict and (missing := sorted(set(self.params) - set(shapes))):
+            if name in self.aliases:
+                covered.update(self.aliases[name][1])
+        if strict and (missing := sorted(set(self.params) - covered)):
             raise WeightSyncError(
                 f"weights missing: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
             )
@@ -100,9 +143,9 @@ class CausalLM:
         n = 0
         with torch.no_grad():
             for name, tensor in items:
-                if name == "lm_head.weight" and self.spec.tie_embeddings:
+                if self._skipped(name):
                     continue
-                self.params[name].copy_(tensor)
+                self._target(name).copy_(tensor)
                 n += 1
         return n
 
@@ -138,7 +181,7 @@ class CausalLM:
         if max_len <= self._rope_len:
             return
         n = max(max_len, 2 * self._rope_len, 256)
-        dim = self.spec.head_dim
+        dim = self.spec.rotary_dim or self.spec.head_dim
         exponents = torch.arange(0, dim, 2, dtype=torch.int64).float().to(self.device) / dim
         inv_freq = 1.0 / (self.spec.rope_theta**exponents)
         freqs = torch.outer(torch.arange(n, device=self.device, dtype=torch.float32), inv_freq)
@@ -155,10 +198,29 @@ class CausalLM:
         return fn(x, layer["ln1"], layer["qkv"], layer.get("qkv_b"), layer.get("q_norm"), layer.get("k_norm"),
                   cos, sin, s.heads, s.kv_heads, s.head_dim, s.rms_eps)  # fmt: skip
 
-    def _out(self, layer: dict[str, torch.Tensor], x: torch.Tensor, attn: torch.Tensor, fused: bool = False):
+    def _out(self, layer: dict[str, torch.Tensor], x: torch.Tensor, attn: torch.Tensor, fused: bool = False,
+             record: list[torch.Tensor] | None = None):  # fmt: skip
+        if "experts_gate_up" in layer:
+            return self._moe_out(layer, x, attn, record)
         fn = self._layer_out if fused else layer_out
         return fn(x, attn, layer["o"], layer["ln2"], layer["gate_up"], layer.get("gate_up_b"), layer["down"],
                   layer.get("down_b"), self.spec.rms_eps)  # fmt: skip
+
+    def _moe_out(self, layer: dict[str, torch.Tensor], x: torch.Tensor, attn: torch.Tensor,
+                 record: list[torch.Tensor] | None) -> torch.Tensor:  # fmt: skip
+        """Post-attention half of an MoE layer; appends the layer's expert ids [T, k] to `record` when given."""
+        moe = self.spec.moe
+        x = x + F.linear(attn, layer["o"])
+        h = rms_norm(x, layer["ln2"], self.spec.rms_eps)
+        weights, ids = route(h, layer["router"], layer.get("e_bias"), moe)
+        y = routed_experts(
+            h, ids, weights, layer["experts_gate_up"], layer["experts_down"], self.grouped_experts
+        )
+        if "shared_gate_up" in layer:
+            y = y + swiglu(h, layer["shared_gate_up"], layer["shared_down"])
+        if record is not None:
+            record.append(ids)
+        return x + y
 
     def compile_decode(self, enable: bool = True) -> None:
         """Decode through torch.compile'd layer halves (CUDA): inductor fuses the norms, RoPE, SwiGLU and
@@ -188,22 +250,25 @@ class CausalLM:
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor,
-                lengths: list[int], cache: KVCache) -> torch.Tensor:  # fmt: skip
+                lengths: list[int], cache: KVCache, record: list[torch.Tensor] | None = None
+                ) -> torch.Tensor:  # fmt: skip
         """Packed prompts: `tokens`, `positions`, `token_slots` [S] are the prompts' tokens back to back (prompt
         j has `lengths[j]` tokens at positions 0..len-1 of its cache slot). Writes their K/V into the cache and
         returns logits [N, vocab] (model dtype) at each prompt's last token. The projections and MLP run on the
         S real tokens (no padding); attention is causal within each prompt: one varlen flash kernel per layer on CUDA
-        (bf16/fp16), per-prompt SDPA otherwise (engines/prefill_attention.py)."""
+        (bf16/fp16), per-prompt SDPA otherwise (engines/prefill_attention.py). `record`: a list that gets each
+        MoE layer's expert ids [S, k], in layer order."""
         self.ensure_rope(max(lengths))
         cos, sin = self._rope(positions)
         packed = Packed.from_lengths(lengths, self.device)
         x = F.embedding(tokens, self.embed)  # [S, hidden]
         with _prefill_backends(self.device):
-            x = self._prefill_layers(x, cos, sin, positions, token_slots, packed, cache)
+            x = self._prefill_layers(x, cos, sin, positions, token_slots, packed, cache, record)
         last = torch.tensor([b - 1 for _, b in packed.spans], device=self.device)
         return self.logits(x[last])
 
-    def _prefill_layers(self, x, cos, sin, positions, token_slots, packed: Packed, cache) -> torch.Tensor:
+    def _prefill_layers(self, x, cos, sin, positions, token_slots, packed: Packed, cache, record=None
+                        ) -> torch.Tensor:  # fmt: skip
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(
                 layer, x, cos, sin, fused=self.compiled_prefill
@@ -211,7 +276,7 @@ class CausalLM:
             cache.k[i][token_slots, :, positions] = k
             cache.v[i][token_slots, :, positions] = v
             attn = packed_causal_attention(q, k, v, packed)
-            x = self._out(layer, x, attn.reshape(-1, self.q_dim), fused=self.compiled_prefill)
+            x = self._out(layer, x, attn.reshape(-1, self.q_dim), fused=self.compiled_prefill, record=record)
         return x
 
     @torch.inference_mode()
@@ -222,11 +287,13 @@ class CausalLM:
         cache: KVCache,
         max_len: int,
         attention: str = "sdpa",
+        record: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One step for slots `0..B-1`: `tokens` [B] at `positions` [B]; attends over cache positions
         `<= position` of each slot. `attention="sdpa"` reads positions `< max_len` of every slot (masked);
         `"triton"` (CUDA) reads each slot's own length (engines/triton_attention.py; `max_len` unused).
-        No host synchronisation, fixed shapes for a given (B, max_len): CUDA-graph capturable.
+        No host synchronisation (MoE: with `grouped_experts`), fixed shapes for a given (B, max_len): CUDA-graph
+        capturable. `record` gets each MoE layer's expert ids [B, k], as in `prefill`.
         Returns logits [B, vocab] in the model dtype."""
         s = self.spec
         b = tokens.shape[0]
@@ -252,22 +319,20 @@ class CausalLM:
                 attn = F.scaled_dot_product_attention(
                     q, cache.k[i][:b, :, :max_len], cache.v[i][:b, :, :max_len], attn_mask=mask
                 )
-            x = self._out(layer, x, attn.reshape(b, self.q_dim), fused=True)
+            x = self._out(layer, x, attn.reshape(b, self.q_dim), fused=True, record=record)
         return self.logits(x)
 
 
-def _fused_layer(
+def _attention(
     s: ModelSpec, p: str, empty: Callable[..., torch.Tensor]
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """One layer's fused buffers (`qkv`, `gate_up`, ...) and the HF name of every view into them (prefix `p`)."""
+    """A layer's norms and attention buffers (`qkv` fused) and the HF name of every view into them."""
     q_dim, kv_dim = s.heads * s.head_dim, s.kv_heads * s.head_dim
     layer = {
         "ln1": empty(s.hidden),
         "ln2": empty(s.hidden),
         "qkv": empty(q_dim + 2 * kv_dim, s.hidden),
         "o": empty(s.hidden, q_dim),
-        "gate_up": empty(2 * s.intermediate, s.hidden),
-        "down": empty(s.hidden, s.intermediate),
     }
     names = {
         p + "input_layernorm.weight": layer["ln1"],
@@ -276,9 +341,6 @@ def _fused_layer(
         p + "self_attn.k_proj.weight": layer["qkv"][q_dim : q_dim + kv_dim],
         p + "self_attn.v_proj.weight": layer["qkv"][q_dim + kv_dim :],
         p + "self_attn.o_proj.weight": layer["o"],
-        p + "mlp.gate_proj.weight": layer["gate_up"][: s.intermediate],
-        p + "mlp.up_proj.weight": layer["gate_up"][s.intermediate :],
-        p + "mlp.down_proj.weight": layer["down"],
     }
     if s.attn_bias:
         layer["qkv_b"] = empty(q_dim + 2 * kv_dim)
@@ -289,9 +351,59 @@ def _fused_layer(
         layer["q_norm"], layer["k_norm"] = empty(s.head_dim), empty(s.head_dim)
         names[p + "self_attn.q_norm.weight"] = layer["q_norm"]
         names[p + "self_attn.k_norm.weight"] = layer["k_norm"]
+    return layer, names
+
+
+def _fused_layer(
+    s: ModelSpec, p: str, empty: Callable[..., torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One dense layer's fused buffers (`qkv`, `gate_up`, ...) and the HF name of every view into them."""
+    layer, names = _attention(s, p, empty)
+    layer["gate_up"], layer["down"] = empty(2 * s.intermediate, s.hidden), empty(s.hidden, s.intermediate)
+    names[p + "mlp.gate_proj.weight"] = layer["gate_up"][: s.intermediate]
+    names[p + "mlp.up_proj.weight"] = layer["gate_up"][s.intermediate :]
+    names[p + "mlp.down_proj.weight"] = layer["down"]
     if s.mlp_bias:
         layer["gate_up_b"], layer["down_b"] = empty(2 * s.intermediate), empty(s.hidden)
         names[p + "mlp.gate_proj.bias"] = layer["gate_up_b"][: s.intermediate]
         names[p + "mlp.up_proj.bias"] = layer["gate_up_b"][s.intermediate :]
         names[p + "mlp.down_proj.bias"] = layer["down_b"]
     return layer, names
+
+
+def _moe_layer(
+    s: ModelSpec, p: str, empty: Callable[..., torch.Tensor], device: torch.device
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, list[str]]]]:
+    """An MoE layer's buffers, the HF name of every view into them (per expert, as checkpoints and SGLang name
+    them) and the fused names transformers 5 uses in memory (each covering its per-expert names)."""
+    moe = s.moe
+    layer, names = _attention(s, p, empty)
+    e, inter = moe.experts, moe.intermediate
+    layer["experts_gate_up"] = empty(e, 2 * inter, s.hidden)
+    layer["experts_down"] = empty(e, s.hidden, inter)
+    if moe.router == "sigmoid":  # transformers keeps GLM-4.5's router and its bias in fp32
+        layer["router"] = torch.zeros(e, s.hidden, device=device, dtype=torch.float32)
+        layer["e_bias"] = torch.zeros(e, device=device, dtype=torch.float32)
+        names[p + "mlp.gate.e_score_correction_bias"] = layer["e_bias"]
+    else:
+        layer["router"] = empty(e, s.hidden)
+    names[p + "mlp.gate.weight"] = layer["router"]
+    covered: dict[str, list[str]] = {"gate_up_proj": [], "down_proj": []}
+    for i in range(e):
+        q = f"{p}mlp.experts.{i}."
+        names[q + "gate_proj.weight"] = layer["experts_gate_up"][i, :inter]
+        names[q + "up_proj.weight"] = layer["experts_gate_up"][i, inter:]
+        names[q + "down_proj.weight"] = layer["experts_down"][i]
+        covered["gate_up_proj"] += [q + "gate_proj.weight", q + "up_proj.weight"]
+        covered["down_proj"].append(q + "down_proj.weight")
+    aliases = {
+        p + "mlp.experts.gate_up_proj": (layer["experts_gate_up"], covered["gate_up_proj"]),
+        p + "mlp.experts.down_proj": (layer["experts_down"], covered["down_proj"]),
+    }
+    if moe.shared_intermediate:
+        si = moe.shared_intermediate
+        layer["shared_gate_up"], layer["shared_down"] = empty(2 * si, s.hidden), empty(s.hidden, si)
+        names[p + "mlp.shared_experts.gate_proj.weight"] = layer["shared_gate_up"][:si]
+        names[p + "mlp.shared_experts.up_proj.weight"] = layer["shared_gate_up"][si:]
+        names[p + "mlp.shared_experts.down_proj.weight"] = layer["shared_down"]
+    return layer, names, aliases

@@ -1,6 +1,9 @@
 """What the embedded engine's model is: a Hugging Face `config.json` read into a `ModelSpec`, and the KV cache
 sized from it.
 
+Dense families: qwen2, qwen3, llama; mixture-of-experts families: qwen3_moe and glm4_moe (their sparse layers
+are `ModelSpec.moe`, agentrl.engines.moe_spec; GLM-4.5 also has partial rotary, q/k norm and attention bias).
+
 The KV cache is preallocated as `[slots, kv_heads, max_seq_len, head_dim]` per layer (head-major, so a slot
 range is directly an SDPA operand); the engine keeps running requests in slots `0..B-1`.
 """
@@ -14,7 +17,10 @@ from typing import Any
 
 import torch
 
+from agentrl.engines.moe_spec import MOE_ARCHS, MoeSpec, moe_from_hf_config
 from agentrl.errors import EngineError
+
+ARCHS = ("qwen2", "qwen3", "llama", *MOE_ARCHS)
 
 
 @dataclass
@@ -35,20 +41,22 @@ class ModelSpec:
     mlp_bias: bool
     eos_token_ids: list[int]
     max_position: int
+    rotary_dim: int = 0  # RoPE on the first rotary_dim of each head (GLM-4.5: half); 0: all of head_dim
+    moe: MoeSpec | None = None
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelSpec:
         model_type = cfg.get("model_type", "")
-        if model_type not in ("qwen2", "qwen3", "llama"):
-            raise EngineError(
-                f"config.json: model_type {model_type!r} is not supported (qwen2, qwen3, llama)"
-            )
+        if model_type not in ARCHS:
+            raise EngineError(f"config.json: model_type {model_type!r} is not supported ({', '.join(ARCHS)})")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise EngineError(f"config.json: rope type {rope_type!r} is not supported (only 'default')")
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
         eos: list[int] = []
         for src in (cfg, generation or {}):
             val = src.get("eos_token_id")
@@ -62,16 +70,18 @@ class ModelSpec:
             layers=cfg["num_hidden_layers"],
             heads=heads,
             kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             intermediate=cfg["intermediate_size"],
             rms_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attn_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe") or bool(cfg.get("use_qk_norm", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             eos_token_ids=eos,
             max_position=cfg.get("max_position_embeddings", 4096),
+            rotary_dim=int(head_dim * partial),
+            moe=moe_from_hf_config(cfg),
         )
 
     @classmethod

@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from agentrl.engines.base import DiskSource, DistributedSource, SamplingParams, TensorSource, WeightSource
@@ -25,6 +26,9 @@ log = logging.getLogger(__name__)
 _SERIALS = itertools.count()
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Tops = list[list[list[tuple[int, float]]]] | None  # [steps][row] -> (token id, logprob), when any row asks
+# [steps][row] -> the expert ids [positions, moe_layers, topk] of the positions that step ran, when any row asks
+Routes = list[list[np.ndarray]] | None
+StepOut = tuple[list[list[int]], list[list[float]], Tops, Routes]
 
 
 @dataclass(eq=False)
@@ -40,6 +44,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # when sampling asks
+    routes: list[np.ndarray] = field(default_factory=list)  # expert ids per forward, when sampling asks
     abort_requested: bool = False
     serial: int = field(default_factory=lambda: next(_SERIALS))
 
@@ -87,8 +92,15 @@ class ModelRunner:
         self.attention = "triton" if _use_triton("attention", attention, "sdpa", self.device) else "sdpa"
         self.graphs = None
         self.max_batch_size, self._recapture = max_batch_size, False
+        # an MoE model without the grouped kernel reads its expert counts on the host: no graph can hold that
+        graphable = self.spec.moe is None or self.model.grouped_experts
         if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda"
+            cuda_graphs = self.device.type == "cuda" and graphable
+        if cuda_graphs and not graphable:
+            raise EngineError(
+                "engine cuda_graphs=True: this MoE model's experts need torch.nn.functional.grouped_mm, which "
+                f"does not run on {self.device} in {dtype}"
+            )
         if cuda_graphs:
             if self.device.type != "cuda":
                 raise EngineError("engine cuda_graphs=True needs a CUDA device")
@@ -217,9 +229,18 @@ class ModelRunner:
             ]
         return [[int(t) for t in row] for row in host[0]], host[1], out_tops
 
-    def prefill(
-        self, batch: list[Request], slot0: int, moves: list
-    ) -> tuple[list[list[int]], list[list[float]], Tops]:
+    def _recording(self, batch: list[Request]) -> list[torch.Tensor] | None:
+        """A list for the MoE layers' expert ids when a row of `batch` asks for them (None: nothing recorded)."""
+        if self.spec.moe is None or not any(r.sampling.return_routed_experts for r in batch):
+            return None
+        return []
+
+    def _routes(self, record: list[torch.Tensor]) -> np.ndarray:
+        """Tensors [T, ...] stacked on dim 1 -> host, in the record dtype (one copy to the host)."""
+        dtype = torch.uint8 if self.spec.moe.expert_dtype == "uint8" else torch.int16
+        return torch.stack(record, dim=1).to(dtype).cpu().numpy()
+
+    def prefill(self, batch: list[Request], slot0: int, moves: list) -> StepOut:
         """Prompts into the cache and each row's first token: the same [steps][row] shape as `decode` (1 step)."""
         self._apply_moves(moves)
         lengths = [len(r.prompt) for r in batch]
@@ -229,16 +250,21 @@ class ModelRunner:
         packed = torch.tensor([tokens, positions, slots], dtype=torch.int64).to(
             self.device, non_blocking=True
         )
-        logits = self.model.prefill(packed[0], packed[1], packed[2], lengths, self.cache)
+        record = self._recording(batch)
+        logits = self.model.prefill(packed[0], packed[1], packed[2], lengths, self.cache, record)
         params, gens = self._batch_sampling(batch)
         at = torch.tensor([n - 1 for n in lengths], device=self.device)  # each prompt's last position
         sampled, logps = sample(logits, params, gens, self.generator, at)
         k = self._top_k(batch)
-        return self._to_host([sampled], [logps], batch, [top_logprobs(logits, params, k)] if k else [])
+        out = self._to_host([sampled], [logps], batch, [top_logprobs(logits, params, k)] if k else [])
+        routes = None
+        if record is not None:
+            ids = self._routes(record)
+            starts = np.cumsum([0, *lengths])
+            routes = [[ids[a:b] for a, b in itertools.pairwise(starts)]]
+        return (*out, routes)
 
-    def decode(
-        self, batch: list[Request], moves: list, steps: int = 1
-    ) -> tuple[list[list[int]], list[list[float]], Tops]:
+    def decode(self, batch: list[Request], moves: list, steps: int = 1) -> StepOut:
         """`steps` decode steps for `batch` with one host synchronisation: each step's sampled tokens feed the
         next on the device. Returns tokens and logprobs per step ([steps][row]); the caller drops what a row
         produced after it finished (its extra K/V stay inside its own slot, below max_seq_len)."""
@@ -248,20 +274,29 @@ class ModelRunner:
         tokens = torch.tensor([r.output_ids[-1] for r in batch], dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         top, k = max(positions), self._top_k(batch)
-        out_tokens, out_logps, out_tops = [], [], []
+        recording = self._recording(batch) is not None
+        out_tokens, out_logps, out_tops, out_routes = [], [], [], []
         for step in range(steps):
             max_len = min(self.max_seq_len, (top + step + 1 + 31) // 32 * 32)
+            record: list[torch.Tensor] | None = [] if recording else None
             if self.graphs is not None:
-                logits = self.graphs(tokens, pos, max_len)
+                logits = self.graphs(tokens, pos, max_len, record)
             else:
-                logits = self.model.decode(tokens, pos, self.cache, max_len, attention=self.attention)
+                logits = self.model.decode(tokens, pos, self.cache, max_len, self.attention, record)
+            if record is not None:  # stacked now: a graph's outputs are only valid until the next replay
+                out_routes.append(torch.stack(record, dim=1))
             if k:  # before sampling: a graph's logits buffer is only valid until the next replay
                 out_tops.append(top_logprobs(logits, params, k))
             tokens, logps = sample(logits, params, gens, self.generator, pos)
             out_tokens.append(tokens)
             out_logps.append(logps)
             pos = pos + 1
-        return self._to_host(out_tokens, out_logps, batch, out_tops)
+        out = self._to_host(out_tokens, out_logps, batch, out_tops)
+        routes = None
+        if recording:
+            ids = self._routes(out_routes)  # [B, steps, layers, k]: one position per row and step
+            routes = [[ids[i, s : s + 1] for i in range(len(batch))] for s in range(steps)]
+        return (*out, routes)
 
 
 def _use_triton(option: str, value: str, other: str, device: torch.device) -> bool:

@@ -23,6 +23,7 @@ from typing import Any
 from agentrl.engines.base import Engine, GenerateOutput, InvalidRequest, PauseMode
 from agentrl.engines.runner import ModelRunner, Request
 from agentrl.errors import EngineError
+from agentrl.types.trajectory import EXPERT_DTYPES, RoutedExperts
 
 
 class BatchingEngine(Engine):
@@ -154,8 +155,18 @@ class BatchingEngine(Engine):
                     versions=versions,
                     prompt_tokens=len(req.prompt),
                     top_logprobs=req.top_logprobs if req.sampling.top_logprobs else None,
+                    routed_experts=self._routed_experts(req),
                 )
             )
+
+    def _routed_experts(self, req: Request) -> RoutedExperts | None:
+        """The request's expert ids as a RoutedExperts record (MoE engine and the request asked), else None."""
+        moe = self.runner.spec.moe
+        if moe is None or not req.sampling.return_routed_experts:
+            return None
+        dtype = EXPERT_DTYPES[moe.expert_dtype]
+        data = b"".join(r.astype(dtype, copy=False).tobytes() for r in req.routes)
+        return RoutedExperts(layers=len(moe.layers), topk=moe.topk, dtype=moe.expert_dtype, data=data)
 
     def _release(self, index: int) -> None:
         """Remove running request `index`; the last running request moves into its slot."""
@@ -214,13 +225,13 @@ class BatchingEngine(Engine):
                     step = loop.run_in_executor(self._executor, self.runner.decode, batch, moves, n)
                 started = time.perf_counter()
                 try:
-                    tokens, logps, tops = await step
+                    tokens, logps, tops, routes = await step
                 except Exception as exc:  # a failed step fails its requests, not the engine
                     self._fail_running(EngineError(f"engine step failed: {exc!r}"))
                     continue
             self._count(can_admit, batch, len(tokens), time.perf_counter() - started)
             self.steps += len(tokens)
-            self._record(batch, tokens, logps, version, tops)
+            self._record(batch, tokens, logps, version, tops, routes)
 
     def _steps_for(self, batch: list[Request]) -> int:
         """Decode steps this iteration: `decode_steps`, no more than the longest remaining request needs,
@@ -248,14 +259,17 @@ class BatchingEngine(Engine):
         self._idle.set()
 
     def _record(self, batch: list[Request], tokens: list[list[int]], logps: list[list[float]], version: int,
-                tops: Any = None) -> None:  # fmt: skip
-        """Append each step's token to each row until the row finishes (later steps of that row are dropped)."""
+                tops: Any = None, routes: Any = None) -> None:  # fmt: skip
+        """Append each step's token to each row until the row finishes (later steps of that row are dropped),
+        and the experts of the positions that step ran (its input) when the row asked for them."""
         done: list[tuple[Request, str]] = []
         finished: set[int] = set()
         for s, (step_tokens, step_logps) in enumerate(zip(tokens, logps, strict=True)):
             for i, (req, tok, lp) in enumerate(zip(batch, step_tokens, step_logps, strict=True)):
                 if i in finished:
                     continue
+                if routes is not None and req.sampling.return_routed_experts:
+                    req.routes.append(routes[s][i])
                 req.add(tok, lp, version, tops[s][i] if tops else None)
                 if tok in req.stop_ids:
                     done.append((req, "stop"))

@@ -229,7 +229,10 @@ class EngineServer:
         if out.finish_reason == "abort" and not out.output_ids:
             self._hold(rid)
         text = self._tokenizer.decode(out.output_ids, skip_special_tokens=False) if self._tokenizer else None
-        return web.json_response(wire.generate_response(out, rid, req.return_logprob, sampling, text))
+        body = wire.generate_response(
+            out, rid, req.return_logprob, sampling, text, self.engine.spec.moe, self.engine.spec.layers
+        )
+        return web.json_response(body)
 
     def _hold(self, rid: str) -> None:
         self._held[rid] = None

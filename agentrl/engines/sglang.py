@@ -10,6 +10,9 @@ Hot reload: /update_weights_from_disk, /update_weights_from_tensor (SGLang's pic
 real SGLang on the same GPU; safetensors bytes for serve-engine), /init_weights_update_group +
 /update_weights_from_distributed (NCCL broadcast from the trainer, rank 0). LoRA versions (an `AdapterSource`)
 load by name through SGLang's LoRA serving API, each request routed to the current one (sglang_lora.py).
+MoE routing replay: a request with `return_routed_experts` asks the server for its router's choices (SGLang must
+run with --enable-return-routed-experts); SGLang answers every layer, so the client reads the model's
+config.json (`model_path`, else the path /get_model_info names) to keep the MoE layers' rows.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from agentrl.engines.base import (
     TensorSource,
     WeightSource,
 )
+from agentrl.engines.moe_spec import MoeSpec, moe_from_hf_config
 from agentrl.engines.sglang_launcher import SGLangServer
 from agentrl.engines.sglang_lora import LoraVersions, adapter_name
 from agentrl.errors import EngineError, WeightSyncError
@@ -54,11 +58,13 @@ def _parse_body(text: str) -> Any:
 
 
 class SGLangEngine(Engine):
-    """Client of one server at `url`. `tensor_format`: "auto" (asks /get_model_info), "sglang" or "agentrl"."""
+    """Client of one server at `url`. `tensor_format`: "auto" (asks /get_model_info), "sglang" or "agentrl".
+    `model_path`: the served model's directory, read for its MoE layers when routed experts are asked for."""
 
     def __init__(self, url: str, request_timeout_s: float = 300.0, update_timeout_s: float = 120.0,
                  policy_version: int = 0, tensor_format: str = "auto", tp_size: int = 1,
-                 retries: int = 3, timeout_s: float | None = None, api_key: str | None = None) -> None:  # fmt: skip
+                 retries: int = 3, timeout_s: float | None = None, api_key: str | None = None,
+                 model_path: str | None = None) -> None:  # fmt: skip
         import os
 
         self.api_key = os.environ.get("AGENTRL_ENGINE_TOKEN", "") if api_key is None else api_key
@@ -76,6 +82,8 @@ class SGLangEngine(Engine):
         self._lora = LoraVersions()
         self._kv_released = False  # between release_memory and resume_memory(["kv_cache"])
         self._unloads: set[asyncio.Task] = set()
+        self.model_path = model_path
+        self._moe: tuple[MoeSpec | None, int] | None = None  # the served model's MoE layers, once read
 
     @property
     def policy_version(self) -> int:
@@ -138,6 +146,8 @@ class SGLangEngine(Engine):
         self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
     ) -> GenerateOutput:
         self._ensure()
+        # the model's MoE layout is read before sending, so a missing config fails before any generation
+        moe, num_layers = await self._moe_layout() if sampling.return_routed_experts else (None, 0)
         await self._gate.wait()
         body = wire.generate_body(input_ids, sampling, request_id)
         lora = self._lora.acquire()
@@ -154,12 +164,34 @@ class SGLangEngine(Engine):
             if lora is not None:
                 self._unload_later(self._lora.release(lora[0]))
         try:
-            out = wire.parse_generate_response(data, self._version)
+            out = wire.parse_generate_response(data, self._version, moe, num_layers)
         except (KeyError, TypeError, ValueError) as exc:
             raise EngineError(f"{self.url}/generate: malformed response ({exc!r})") from exc
+        if moe is not None and out.routed_experts is None and out.finish_reason != "abort":
+            raise EngineError(
+                f"{self.url}/generate: routed experts were asked for and none came back (start SGLang with "
+                "--enable-return-routed-experts)"
+            )
         if lora is not None:  # the whole request ran on the adapter it was sent with
             out.versions = [(lora[1], len(out.output_ids))] if out.output_ids else []
         return out
+
+    async def _moe_layout(self) -> tuple[MoeSpec | None, int]:
+        """The served model's MoE layers and its layer count, from its config.json (read once)."""
+        if self._moe is None:
+            from pathlib import Path
+
+            path = self.model_path or (await self._call("GET", "/get_model_info")).get("model_path")
+            config = Path(str(path)) / "config.json"
+            try:
+                cfg = json.loads(config.read_text())
+            except (OSError, ValueError) as exc:
+                raise EngineError(
+                    f"{self.url}: routed experts: cannot read the model's config.json at {config} ({exc}); give "
+                    "the client the model directory (SGLangEngine model_path)"
+                ) from None
+            self._moe = (moe_from_hf_config(cfg), int(cfg["num_hidden_layers"]))
+        return self._moe
 
     async def abort(self, request_id: str) -> None:
         await self._call("POST", "/abort_request", {"rid": request_id})

@@ -106,6 +106,12 @@ def lora_server_args(lora: LoraSection) -> dict[str, Any]:
     return {"enable_lora": True, "max_lora_rank": lora.rank, "lora_target_modules": targets}
 
 
+def routing_replay_server_args(learner: Any) -> dict[str, Any]:
+    """The SGLang flag that makes a server return each request's routed experts, when `learner.routing_replay`
+    is "rollout" (the learner replays the rollout's routing)."""
+    return {"enable_return_routed_experts": True} if learner.routing_replay == "rollout" else {}
+
+
 SERVER_PORTS = (20_000, 55_000)  # SGLang also binds port + 10_000 (its gRPC port), which must stay <= 65_535
 
 

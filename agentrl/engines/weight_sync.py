@@ -11,10 +11,13 @@ Wire compatibility with SGLang: its side is `init_custom_process_group` (rendezv
 `PrefixStore(group_name)`, then torch's `_new_process_group_helper`, which adds `"{group_name}/"` and
 `"{device}/"` prefixes and sets gloo's sequence number through the store); `_backend_store` rebuilds the
 same key layout from public classes.
+Names: every publish carries checkpoint (and SGLang) names; `per_expert_names` splits transformers 5's fused
+in-memory MoE expert tensors into the per-expert names SGLang's MoE loaders map.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,6 +28,29 @@ import torch.distributed as dist
 
 from agentrl.engines.base import LORA_A, LORA_B, DistributedSource
 from agentrl.errors import WeightSyncError
+
+_FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def per_expert_names(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(name, tensor)` pairs with transformers 5's fused expert tensors (`mlp.experts.gate_up_proj` [E, 2I, H],
+    `mlp.experts.down_proj` [E, H, I]) split into views under the checkpoint names `mlp.experts.{e}.gate_proj
+    .weight`, `.up_proj.weight`, `.down_proj.weight`: what SGLang's Qwen3-MoE / GLM-4.5 loaders map (a fused
+    name matches none of their parameters and would be dropped unnoticed). Other pairs pass through."""
+    for name, tensor in items:
+        match = _FUSED_EXPERTS.match(name)
+        if match is None:
+            yield name, tensor
+            continue
+        prefix, kind = match.groups()
+        if kind == "gate_up_proj":
+            inter = tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}.{e}.gate_proj.weight", tensor[e, :inter]
+                yield f"{prefix}.{e}.up_proj.weight", tensor[e, inter:]
+        else:
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}.{e}.down_proj.weight", tensor[e]
 
 
 @dataclass

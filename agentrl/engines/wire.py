@@ -8,6 +8,11 @@ Structs with `forbid_unknown_fields`, so a misspelt key is a 400 that names it. 
 weight_version as a string, flush_cache, abort_all_requests). agentrl's additions: `meta_info.agentrl_versions`
 (per-token version runs) and `load_format = "agentrl_safetensors"` for `/update_weights_from_tensor` (base64
 or raw-msgpack safetensors bytes, works on CPU; SGLang's own format is a pickled CUDA-IPC payload).
+MoE routing (SGLang's `--enable-return-routed-experts`): the request field `return_routed_experts` asks for the
+router's choices, answered in `meta_info.routed_experts` as SGLang does: base64 of row-major
+`[prompt + output tokens - 1, num_hidden_layers, num_experts_per_tok]` expert ids in
+`meta_info.routed_experts_dtype` (int32 when absent; dense layers' rows are 0). The client keeps the MoE layers'
+rows (`decode_routed_experts`), the `RoutedExperts` record agentrl stores.
 Imports no torch at module level.
 """
 
@@ -17,11 +22,19 @@ import base64
 from typing import Annotated, Any, Literal
 
 import msgspec
+import numpy as np
 
 from agentrl.engines.base import GenerateOutput, SamplingParams
+from agentrl.engines.moe_spec import MoeSpec
+from agentrl.types.trajectory import EXPERT_DTYPES, RoutedExperts, routed_expert_ids
 
 AGENTRL_TENSOR_FORMAT = "agentrl_safetensors"
 VERSIONS_KEY = "agentrl_versions"
+ROUTED_WIRE_DTYPES = {
+    "int32": np.dtype("<i4"),
+    "uint16": np.dtype("<u2"),
+    "uint8": np.dtype("u1"),
+}  # SGLang's
 # bounds decoding enforces (and /openapi.json states, engines/openapi.py); the engine checks the rest
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
@@ -62,6 +75,8 @@ def generate_body(input_ids: list[int], sp: SamplingParams, rid: str | None = No
                             "return_logprob": True}  # fmt: skip
     if sp.top_logprobs:
         body["top_logprobs_num"] = sp.top_logprobs
+    if sp.return_routed_experts:
+        body["return_routed_experts"] = True
     if rid is not None:
         body["rid"] = rid
     return body
@@ -91,9 +106,14 @@ class GenerateRequest(_Body):
     rid: str | None = None
     stream: bool = False
     logprob_start_len: int = -1
+    return_routed_experts: bool = False
 
     def to_sampling(self) -> SamplingParams:
-        return msgspec.structs.replace(self.sampling_params.to_sampling(), top_logprobs=self.top_logprobs_num)
+        return msgspec.structs.replace(
+            self.sampling_params.to_sampling(),
+            top_logprobs=self.top_logprobs_num,
+            return_routed_experts=self.return_routed_experts,
+        )
 
 
 class DiskUpdateRequest(_Body):
@@ -150,9 +170,44 @@ def finish_reason_dict(out: GenerateOutput, sampling: SamplingParams) -> dict[st
     return {"type": "abort", "message": "request aborted"}
 
 
+def encode_routed_experts(rec: RoutedExperts, moe: MoeSpec, num_layers: int) -> dict[str, str]:
+    """A RoutedExperts record (MoE layers only) -> SGLang's `meta_info` fields: all `num_layers` layers (dense
+    layers' rows 0, as SGLang leaves them), int32, base64."""
+    ids = routed_expert_ids(rec)
+    full = np.zeros((ids.shape[0], num_layers, rec.topk), dtype=ROUTED_WIRE_DTYPES["int32"])
+    full[:, moe.layers] = ids
+    return {
+        "routed_experts": base64.b64encode(full.tobytes()).decode("ascii"),
+        "routed_experts_dtype": "int32",
+    }
+
+
+def decode_routed_experts(meta: dict[str, Any], moe: MoeSpec, num_layers: int) -> RoutedExperts:
+    """SGLang's `meta_info.routed_experts` (base64, `routed_experts_dtype` or int32) -> the MoE layers' record.
+    Raises ValueError when the payload does not fit `[positions, num_layers, topk]` or names no expert."""
+    name = meta.get("routed_experts_dtype") or "int32"
+    if name not in ROUTED_WIRE_DTYPES:
+        raise ValueError(f"routed_experts_dtype {name!r} is not one of {', '.join(ROUTED_WIRE_DTYPES)}")
+    flat = np.frombuffer(
+        base64.b64decode(meta["routed_experts"], validate=True), dtype=ROUTED_WIRE_DTYPES[name]
+    )
+    row = num_layers * moe.topk
+    if flat.size % row:
+        raise ValueError(
+            f"routed_experts: {flat.size} ids are not whole positions of {num_layers} x {moe.topk}"
+        )
+    ids = flat.reshape(-1, num_layers, moe.topk)[:, moe.layers]
+    if ids.size and (ids.min() < 0 or ids.max() >= moe.experts):
+        raise ValueError(f"routed_experts: expert ids outside [0, {moe.experts})")
+    data = np.ascontiguousarray(ids, dtype=EXPERT_DTYPES[moe.expert_dtype]).tobytes()
+    return RoutedExperts(layers=len(moe.layers), topk=moe.topk, dtype=moe.expert_dtype, data=data)
+
+
 def generate_response(out: GenerateOutput, rid: str, return_logprob: bool, sampling: SamplingParams,
-                      text: str | None = None) -> dict[str, Any]:  # fmt: skip
-    """The `/generate` response body for one finished request."""
+                      text: str | None = None, moe: MoeSpec | None = None, num_layers: int = 0
+                      ) -> dict[str, Any]:  # fmt: skip
+    """The `/generate` response body for one finished request (`moe`, `num_layers`: the served model's, for
+    its routed experts)."""
     last_version = out.versions[-1][0] if out.versions else None
     meta: dict[str, Any] = {
         "id": rid,
@@ -169,6 +224,8 @@ def generate_response(out: GenerateOutput, rid: str, return_logprob: bool, sampl
         ]
         if out.top_logprobs is not None:
             meta["output_top_logprobs"] = [[[lp, tok, None] for tok, lp in top] for top in out.top_logprobs]
+    if out.routed_experts is not None and moe is not None:
+        meta.update(encode_routed_experts(out.routed_experts, moe, num_layers))
     body: dict[str, Any] = {"output_ids": out.output_ids, "meta_info": meta}
     if text is not None:
         body["text"] = text
@@ -195,8 +252,10 @@ def parse_version(text: Any, default: int) -> int:
         return default
 
 
-def parse_generate_response(body: dict[str, Any], default_version: int) -> GenerateOutput:
-    """SGLang (or serve-engine) `/generate` response -> GenerateOutput; raises KeyError/TypeError if malformed."""
+def parse_generate_response(body: dict[str, Any], default_version: int, moe: MoeSpec | None = None,
+                            num_layers: int = 0) -> GenerateOutput:  # fmt: skip
+    """SGLang (or serve-engine) `/generate` response -> GenerateOutput; raises KeyError/TypeError/ValueError if
+    malformed. `moe`, `num_layers`: the served model's, to read `meta_info.routed_experts` (when present)."""
     meta = body["meta_info"]
     output_ids = list(body["output_ids"])
     logprobs = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
@@ -216,6 +275,9 @@ def parse_generate_response(body: dict[str, Any], default_version: int) -> Gener
         tops = [[(int(t[1]), float(t[0])) for t in top or []] for top in tops]
         if len(tops) != len(output_ids):
             raise ValueError(f"{len(tops)} top-logprob lists for {len(output_ids)} output ids")
+    routed = None
+    if moe is not None and meta.get("routed_experts") is not None:
+        routed = decode_routed_experts(meta, moe, num_layers)
     return GenerateOutput(
         output_ids=output_ids,
         logprobs=logprobs,
@@ -223,6 +285,7 @@ def parse_generate_response(body: dict[str, Any], default_version: int) -> Gener
         versions=versions,
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         top_logprobs=tops,
+        routed_experts=routed,
     )
 
 
