@@ -209,12 +209,17 @@ def test_a_replay_step_reads_the_device_twice(pair):
     _, _, path, trajs, _ = pair
     cfg = LearnerSection(routing_replay="rollout", micro_batch_tokens=30, moe_aux_loss_coeff=0.01)
     learner = TorchLearner(path, cfg)
-    batch = build_batch(trajs, learner.pad_id, routed_experts=True).to("cpu")
+    step = learner.optimizer.step
+
+    def optimizer_step(*args, **kwargs):  # CPU AdamW reads its step counters: a frame outside agentrl
+        return step(*args, **kwargs)
+
+    learner.optimizer.step = optimizer_step
     learner.train_step(build_batch(trajs, learner.pad_id, routed_experts=True))
     with counting_host_reads(made_by_agentrl) as reads:
-        m = learner.train_step(batch)
+        m = learner.train_step(build_batch(trajs, learner.pad_id, routed_experts=True))
     assert m["micro_batches"] > 1 and "router_agreement" in m
-    # + one read of the records' largest expert id, on the host (a CPU batch: no device involved)
+    # + the check of the records' largest expert id, made on the host while the batch is still there
     assert reads["n"] == 3
 
 
@@ -328,3 +333,48 @@ def test_lora_on_an_moe_model(pair):
     assert "router_agreement" in m and m["logprob_mismatch"] < 1e-4
     published = dict(learner.published_weights())
     assert published and all(".lora_" in n for n in published)
+
+
+def fsdp_worker(rank: int, port: int, path: str, trajs: list, tmp: str) -> None:
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(1)
+    learner = TorchLearner(path, fsdp_cfg(True), AlgorithmSection(advantage="grpo"))
+    out = {"logprobs": learner.compute_logprobs(build_batch(trajs, 0, routed_experts=True))}
+    out["metrics"] = learner.train_step(build_batch(trajs, 0, routed_experts=True))
+    out["weights"] = dict(learner.weights())
+    torch.save(out, f"{tmp}/rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def fsdp_cfg(fsdp: bool) -> LearnerSection:
+    # 20 tokens a micro-batch: an odd count of micro-batches (3), so one rank runs a weight-0 filler
+    return LearnerSection(fsdp=fsdp, routing_replay="rollout", micro_batch_tokens=20, moe_aux_loss_coeff=0.01,
+                          lr=1e-3, device="cpu")  # fmt: skip
+
+
+def test_fsdp_two_ranks_with_replay_equals_single_process(pair, tmp_path):
+    """FSDP2 shards the MoE decoder layers (experts, routers and all); two gloo ranks with routing replay and the
+    load-balancing loss give the single process's log-probs, metrics (router metrics included) and weights."""
+    import torch.multiprocessing as mp
+
+    from agentrl.net import free_port
+
+    _, _, path, trajs, _ = pair
+    single = TorchLearner(path, fsdp_cfg(False), AlgorithmSection(advantage="grpo"))
+    logprobs = single.compute_logprobs(build_batch(trajs, 0, routed_experts=True))
+    metrics = single.train_step(build_batch(trajs, 0, routed_experts=True))
+    weights = dict(single.weights())
+    assert metrics["micro_batches"] % 2 == 1
+    mp.spawn(fsdp_worker, args=(free_port(), str(path), trajs, str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        out = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        torch.testing.assert_close(out["logprobs"], logprobs, atol=1e-5, rtol=0)
+        for key in ("loss", "loss_moe_aux", "grad_norm", "router_agreement", "expert_load_max_over_mean",
+                    "logprob_mismatch", "logprob_mismatch_no_replay", "micro_batches"):  # fmt: skip
+            assert out["metrics"][key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
+        assert out["weights"].keys() == weights.keys()
+        for name, w in weights.items():
+            torch.testing.assert_close(out["weights"][name], w, atol=1e-5, rtol=0)
