@@ -378,3 +378,24 @@ def test_fsdp_two_ranks_with_replay_equals_single_process(pair, tmp_path):
         assert out["weights"].keys() == weights.keys()
         for name, w in weights.items():
             torch.testing.assert_close(out["weights"][name], w, atol=1e-5, rtol=0)
+
+
+def test_replay_with_gradient_checkpointing_and_a_reference_model(pair):
+    """Gradient checkpointing routes again in the backward, inside the same replay: the step equals the step
+    without it. The reference model replays the record too: before any update it gives the policy's log-probs."""
+    _, _, path, trajs, _ = pair
+    trajs = trajs[:-1]
+    out = []
+    for checkpointing in (False, True):
+        cfg = LearnerSection(routing_replay="rollout", micro_batch_tokens=30, gradient_checkpointing=checkpointing,
+                             reference_model=True, lr=1e-3)  # fmt: skip
+        learner = TorchLearner(path, cfg, AlgorithmSection(advantage="grpo"))
+        batch = build_batch(trajs, learner.pad_id, routed_experts=True)
+        torch.testing.assert_close(learner.compute_ref_logprobs(batch), learner.compute_logprobs(batch))
+        m = learner.train_step(batch)
+        out.append((m, [r.weight.grad.clone() for r in routers(learner.model)]))
+    (plain, plain_grads), (checkpointed, checkpointed_grads) = out
+    for key in ("loss", "grad_norm", "router_agreement", "expert_load_max_over_mean"):
+        assert checkpointed[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), key
+    for a, b in zip(checkpointed_grads, plain_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

@@ -337,9 +337,8 @@ class TorchLearner(Learner):
                 loss, m = compute_loss(self.algo, mb, logp, entropy=ent, values=vals, as_tensors=True)
                 if routing is not None:
                     loss = loss + self._moe_losses(routing, m, mb, batch)
-                (
-                    loss if weight else loss * 0.0
-                ).backward()  # no host read before it, nor between micro-batches
+                # no host read before the backward, nor between micro-batches
+                (loss if weight else loss * 0.0).backward()
             if weight:
                 parts.append((m, mb.loss_mask.sum()))
                 if routing is not None:
