@@ -87,7 +87,6 @@ class Routers:
                 f"routed_experts: the batch records {tuple(records.shape[2:])} (MoE layers, top-k), the model "
                 f"has {self.layers} MoE layers with top-{self.topk} (a record of another model?)"
             )
-        flat = lambda x: None if x is None else x.reshape(-1, *x.shape[2:])  # noqa: E731
         state = Routing(
             records=flat(records),
             tokens=None if tokens is None else flat(tokens).float(),
@@ -101,6 +100,8 @@ class Routers:
             self._active = None
 
     def _hook(self, layer: int):
+        """The forward hook of MoE layer `layer`'s router: its output with the replayed experts and weights."""
+
         def hook(router, args, output):
             state = self._active
             if state is None:
@@ -163,6 +164,11 @@ class Routers:
             for i in range(self.layers)
         )
         return total / (tokens.sum().clamp(min=1) * self.layers)
+
+
+def flat(x: torch.Tensor | None) -> torch.Tensor | None:
+    """[R, T, ...] -> [R * T, ...]: the token order of the hidden states a router sees."""
+    return None if x is None else x.reshape(-1, *x.shape[2:])
 
 
 def _weights(router, kind: str, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

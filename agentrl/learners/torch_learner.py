@@ -21,6 +21,11 @@ replicated frozen copies; a value head (advantage = "gae") is not supported with
 the reference model is the base with the adapter disabled; `published_weights()` is the adapter alone,
 `weights()` the merged full weights; checkpoints hold the PEFT adapter and its optimizer state, plus the path
 of the base model (`lora_base` in learner.json). Not combined with FSDP.
+MoE models (Qwen3-MoE, GLM-4.5 MoE; agentrl.learners.routing_replay): with `learner.routing_replay = "rollout"`
+every forward of the policy and the reference routes the batch's recorded positions to the engine's experts (the
+training forward keeps the replay open over its backward, which gradient checkpointing routes again);
+`moe_aux_loss_coeff` / `moe_z_loss_coeff` add the load-balancing and z losses to every update's micro-batches
+(not to `sft_step`); every update reports the router metrics. `weights()` names experts one by one.
 """
 
 from __future__ import annotations
