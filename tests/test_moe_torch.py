@@ -399,3 +399,60 @@ def test_replay_with_gradient_checkpointing_and_a_reference_model(pair):
         assert checkpointed[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), key
     for a, b in zip(checkpointed_grads, plain_grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_an_engine_routing_as_the_learner_agrees_in_any_order(pair):
+    """Records from an engine with the learner's own weights and routing, listing each position's experts in
+    reverse order: the agreement is 1 (a set comparison), and replay changes no log-prob."""
+    arch, _, path, _, _ = pair
+    engine = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    trajs = engine_rollouts(engine, torch.arange(EXPERTS), seed=3)[:-1]
+    for t in trajs:
+        ids = types.routed_expert_ids(t.routed_experts)[..., ::-1]
+        t.routed_experts = types.RoutedExperts(layers=ids.shape[1], topk=TOPK, dtype="uint8",
+                                               data=np.ascontiguousarray(ids).tobytes())  # fmt: skip
+    learner = TorchLearner(path, LearnerSection(routing_replay="rollout", micro_batch_tokens=30))
+    batch = build_batch(trajs, learner.pad_id, routed_experts=True)
+    replayed = learner.compute_logprobs(batch)
+    own = TorchLearner(path, LearnerSection()).compute_logprobs(build_batch(trajs, learner.pad_id))
+    torch.testing.assert_close(replayed, own, atol=1e-5, rtol=0)
+    m = learner.train_step(batch)
+    assert m["router_agreement"] == 1.0, arch
+    assert m["logprob_mismatch_no_replay"] == pytest.approx(m["logprob_mismatch"], abs=1e-6)
+
+
+def test_router_statistics_of_one_forward(tokenizer):
+    """`Routers.routing` statistics: the load counts the experts used (the recorded ones where recorded, the
+    router's own elsewhere) over real tokens only; agreement counts the agree positions with a record."""
+    torch.manual_seed(2)
+    config = moe_config("qwen3_moe", len(tokenizer))
+    config.num_hidden_layers = 1  # one MoE layer: what it routes does not change what its router sees
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    hooked = Routers(model)
+    ids = torch.randint(5, 200, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0  # padding
+    own = []
+    handles = [
+        r.register_forward_hook(lambda m, a, out: own.append(out[2].view(2, 6, TOPK))) for r in routers(model)
+    ]
+    with torch.no_grad(), hooked.routing(None, tokens=mask) as state:
+        model(ids, attention_mask=mask)
+    for h in handles:
+        h.remove()
+    own = torch.stack(own, 2)  # [2, 6, layers, topk]: the router's own choice
+    records = torch.full_like(own, -1)
+    records[0, :3] = (own[0, :3] + 1) % EXPERTS  # recorded, all different from the router's own
+    records[1, :2] = own[1, :2]  # recorded, the router's own
+    agree = torch.zeros_like(ids, dtype=torch.bool)
+    agree[:, 1:5] = True
+    with torch.no_grad(), hooked.routing(records, tokens=mask, agree_positions=agree) as state:
+        model(ids, attention_mask=mask)
+    used = torch.where(records >= 0, records, own)
+    for layer in range(hooked.layers):
+        real = used[:, :, layer][mask.bool()]
+        torch.testing.assert_close(
+            state.load[layer], torch.bincount(real.reshape(-1), minlength=EXPERTS).float()
+        )
+        # agree positions with a record: row 0 at 1, 2 (different), row 1 at 1 (the same)
+        assert (int(state.matches[layer]), int(state.choices[layer])) == (1, 3)
