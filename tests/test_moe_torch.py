@@ -325,7 +325,8 @@ def test_weights_are_named_as_checkpoint_files_and_a_checkpoint_resumes(pair, tm
 
 
 def test_lora_on_an_moe_model(pair):
-    """LoRA (peft) on the attention of an MoE model trains with replay; the adapter is what is published."""
+    """LoRA (peft) on the attention of an MoE model trains with replay; the adapter is what is published.
+    Adapters on the experts or routers (peft's parameter adapters) are refused, naming the setting."""
     _, _, path, trajs, _ = pair
     cfg = LearnerSection(routing_replay="rollout", lr=1e-2, lora=LoraSection(rank=4, alpha=8))
     learner = TorchLearner(path, cfg)
@@ -333,6 +334,9 @@ def test_lora_on_an_moe_model(pair):
     assert "router_agreement" in m and m["logprob_mismatch"] < 1e-4
     published = dict(learner.published_weights())
     assert published and all(".lora_" in n for n in published)
+    for targets in (["all-linear"], ["gate"]):  # peft adapts the fused experts and the routers as parameters
+        with pytest.raises(LearnerError, match=r"MoE expert or router parameters .*mlp\.(experts|gate)"):
+            TorchLearner(path, LearnerSection(lora=LoraSection(rank=4, target_modules=targets)))
 
 
 def fsdp_worker(rank: int, port: int, path: str, trajs: list, tmp: str) -> None:
