@@ -103,7 +103,8 @@ class LearnerWorker:
         version = self.policy_version()
         staleness = np.array([version - min_version(t) for t in trajectories], dtype=np.float64)
         rewards = np.array([t.reward for t in trajectories], dtype=np.float64)
-        batch = build_batch(trajectories, self.pad_id, self.cfg.learner.device)
+        replay = self.cfg.learner.routing_replay == "rollout"
+        batch = build_batch(trajectories, self.pad_id, self.cfg.learner.device, routed_experts=replay)
         stats = self.learner.train_step(batch)
         dt = time.perf_counter() - t0
         n_tokens = sum(n_response(t) for t in trajectories)

@@ -221,6 +221,8 @@ def compute_loss(
 # Presence flags among a micro-batch's metrics (read with them): flag -> the keys that are absent when it reads 0.
 # A micro-batch without loss tokens reports its losses only; one without rollout log-probs no mismatch metrics.
 _ANY_TOKENS = "_any_loss_tokens"
+# A flag `HAS + key` (a 0-d tensor) next to a metric `key`: the metric is absent when the flag reads 0.
+HAS = "_has:"
 _PRESENCE = {_ANY_TOKENS: lambda key: not key.startswith("loss"), mismatch.PRESENT: mismatch.is_metric}
 
 
@@ -241,6 +243,9 @@ def metric_floats(
         for flag, governs in _PRESENCE.items():
             if not floats.pop(flag, 1.0):
                 floats = {k: v for k, v in floats.items() if not governs(k)}
+        for flag in [k for k in floats if k.startswith(HAS)]:
+            if not floats.pop(flag):
+                floats.pop(flag.removeprefix(HAS), None)
         out.append((floats, values[at + len(m)]))
         at += len(m) + 1
     return out

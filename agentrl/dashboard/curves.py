@@ -26,7 +26,15 @@ CURVES = (
     Curve("entropy", "entropy", ("train/entropy",)),
     Curve("staleness", "staleness (versions)", ("staleness_mean", "staleness_max")),
     Curve(
-        "mismatch", "rollout vs learner log-prob mismatch", ("train/logprob_mismatch", "train/mismatch_k3")
+        "mismatch",
+        "rollout vs learner log-prob mismatch",
+        ("train/logprob_mismatch", "train/mismatch_k3", "train/logprob_mismatch_no_replay"),
+    ),
+    Curve(
+        "routers",
+        "MoE routers: agreement with the engine, expert load max / mean",
+        ("train/router_agreement", "train/expert_load_max_over_mean"),
+        main=False,
     ),
     Curve("throughput", "tokens/s", ("tokens_per_s", "learner_tokens_per_s")),
     Curve("queue", "queue depth", ("queue_depth",), main=False),

@@ -111,12 +111,19 @@ class Learner(abc.ABC):
         if needs.teacher:
             batch.teacher_logprobs = self.compute_teacher_logprobs(batch)
 
+    def _step_metrics(self, batch: Batch) -> dict[str, Any]:
+        """The learner's own metrics of the prepared batch, 0-d device tensors read with `prepare_batch`'s."""
+        return {}
+
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One rollout batch: learner.epochs x learner.minibatches optimizer updates, then version v -> v+1."""
         start = time.perf_counter()
         batch = self._prepare(batch)
         self._before_updates(batch)
-        self._unread = prepare_batch(self.algo, batch, self.policy_version, as_tensors=True)
+        self._unread = {
+            **prepare_batch(self.algo, batch, self.policy_version, as_tensors=True),
+            **self._step_metrics(batch),
+        }
         self._batch_metrics = {}
         self.logprob_sample = self._sample_logprobs(batch) if self.logprob_samples else []
         parts = mini_batches(batch, self.cfg.minibatches)

@@ -46,6 +46,7 @@ ROW_TENSORS = (
     "old_values",
     "returns",
     "turn_index",
+    "routed_experts",
 )
 
 
@@ -75,6 +76,10 @@ class Batch:
     turn_index: torch.Tensor | None = (
         None  # [R, T] int64: assistant turn (0..) of each loss token, -1 elsewhere
     )
+    # [R, T, layers, topk] int64 (learner.routing_replay = "rollout"): the experts the engine's router chose at the
+    # forward position of token t (the position that reads `input_ids[:, t]`, in every MoE layer), -1 where there
+    # is no record (padding, trajectories without one, a sequence's last token); None when not replaying.
+    routed_experts: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)
     # Used length of each row as known on the host when the batch was built (kept by `select` of listed rows);
     # None: read from the device. Saves a device read per step: the micro-batch plan and the token count.
@@ -175,8 +180,10 @@ def build_batch(
     device: str | torch.device = "cpu",
     *,
     pack_tokens: int = 0,
+    routed_experts: bool = False,
 ) -> Batch:
-    """Batch of normalized trajectories; `pack_tokens > 0` packs sequences into rows of at most that many tokens."""
+    """Batch of normalized trajectories; `pack_tokens > 0` packs sequences into rows of at most that many tokens;
+    `routed_experts` (learner.routing_replay = "rollout") also lays out the trajectories' expert records."""
     if not trajectories:
         raise LearnerError("build_batch: no trajectories")
     arrays, has_lp = _per_trajectory(trajectories)
@@ -213,7 +220,36 @@ def build_batch(
         packed=pack_tokens > 0,
         advantages=t(np.zeros((n_rows, grid.width), dtype=np.float32)),
         row_tokens=np.bincount(row_of, weights=s_len, minlength=n_rows).astype(np.int64).tolist(),
+        routed_experts=_routed_experts(trajectories, s_len, grid, t) if routed_experts else None,
     )
+
+
+def _routed_experts(
+    trajectories: Sequence[types.Trajectory], s_len: np.ndarray, grid: _Grid, t
+) -> torch.Tensor | None:
+    """The trajectories' expert records in the batch layout ([R, T, layers, topk], -1 where none); None when no
+    trajectory has one (the learner then routes every token itself)."""
+    records = [(i, types.routed_expert_ids(tr.routed_experts)) for i, tr in enumerate(trajectories)
+               if tr.routed_experts is not None]  # fmt: skip
+    if not records:
+        return None
+    shape = records[0][1].shape[1:]
+    starts = np.concatenate(([0], np.cumsum(s_len)[:-1]))
+    flat = np.full((int(s_len.sum()), *shape), -1, dtype=np.int64)
+    for i, ids in records:
+        tr = trajectories[i]
+        if ids.shape[1:] != shape:
+            raise LearnerError(
+                f"build_batch: trajectory {tr.id!r}: routed_experts has {ids.shape[1]} layers x top-{ids.shape[2]}, "
+                f"trajectory {trajectories[records[0][0]].id!r} {shape[0]} x top-{shape[1]} (one model per batch)"
+            )
+        if len(ids) > s_len[i]:
+            raise LearnerError(
+                f"build_batch: trajectory {tr.id!r}: routed_experts covers {len(ids)} positions, "
+                f"more than its {int(s_len[i])} tokens"
+            )
+        flat[starts[i] : starts[i] + len(ids)] = ids
+    return t(grid(-1, np.int64, flat))
 
 
 def _per_trajectory(
@@ -289,9 +325,11 @@ class _Grid:
         self.flat_index = np.repeat(row_of, s_len) * self.width + cols
 
     def __call__(self, fill, dtype, values) -> np.ndarray:
-        out = np.full(self.n_rows * self.width, fill, dtype=dtype)
+        """[rows, width, *trailing] from per-token `values` ([tokens, *trailing], or a scalar)."""
+        trailing = np.shape(values)[1:]
+        out = np.full((self.n_rows * self.width, *trailing), fill, dtype=dtype)
         out[self.flat_index] = values
-        return out.reshape(self.n_rows, self.width)
+        return out.reshape(self.n_rows, self.width, *trailing)
 
     def position_ids(self, pos_in_seq: np.ndarray) -> np.ndarray:
         """Each token's position in its sequence; the padding after a row's last sequence counts from 0 again."""

@@ -142,6 +142,27 @@ def save_hf_dir(
     return out
 
 
+def file_names(
+    model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(name, tensor)` pairs of a model's `state_dict` in the names its checkpoint files use: transformers 5
+    fuses some weights in memory (an MoE layer's experts into 3-D tensors) and splits them back when it saves
+    (`revert_weight_conversion`, applied here one tensor at a time: the stream is never held whole)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    for name, tensor in pairs:
+        yield from revert_weight_conversion(model, {name: tensor}).items()
+
+
+def model_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The weights of the HF directory `path` in the names of the model's `state_dict` (what `file_names`
+    undoes), by loading it with transformers on the CPU (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return dict(model.state_dict())
+
+
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a safetensors file, or of every `*.safetensors` shard in a directory."""
     from safetensors.torch import load_file

@@ -46,9 +46,23 @@ def wrap(model: torch.nn.Module, lora: LoraSection) -> Any:
         task_type="CAUSAL_LM",
     )
     try:
-        return peft.get_peft_model(model, config)
+        wrapped = peft.get_peft_model(model, config)
     except ValueError as exc:  # peft names the targets it could not find
         raise LearnerError(f"learner.lora.target_modules = {targets}: {exc}") from None
+    from peft.tuners.lora import ParamWrapper
+
+    # peft adapts an MoE model's fused expert tensors and router weights as parameters (what 'all-linear' picks on
+    # transformers' MoE models): such adapters have no per-module A and B that engines apply or that merge here
+    on_params = [
+        name.removeprefix(_PREFIX) for name, m in wrapped.named_modules() if isinstance(m, ParamWrapper)
+    ]
+    if on_params:
+        raise LearnerError(
+            f"learner.lora.target_modules = {targets} puts adapters on MoE expert or router parameters "
+            f"({on_params[0]}, ...), which agentrl cannot publish or merge: name the attention and dense MLP "
+            f"modules instead (q_proj, k_proj, v_proj, o_proj; gate_proj, up_proj, down_proj)"
+        )
+    return wrapped
 
 
 def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:

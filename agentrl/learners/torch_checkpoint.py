@@ -75,7 +75,10 @@ def load(learner: TorchLearner, path: str) -> None:
         lora.load_adapter(learner.model, path)
         _load_state(learner, path)
         return
-    weights = hf_io.load_weights(Path(path) / hf_io.WEIGHTS_FILE)
+    if learner.routers is not None:  # MoE files name experts one by one: transformers fuses them on load
+        weights = hf_io.model_weights(path)
+    else:
+        weights = hf_io.load_weights(Path(path) / hf_io.WEIGHTS_FILE)
     if learner.world is not None:
         names = set(learner.model.state_dict())
         missing, unexpected = sorted(names - set(weights)), sorted(set(weights) - names)

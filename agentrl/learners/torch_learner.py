@@ -21,6 +21,11 @@ replicated frozen copies; a value head (advantage = "gae") is not supported with
 the reference model is the base with the adapter disabled; `published_weights()` is the adapter alone,
 `weights()` the merged full weights; checkpoints hold the PEFT adapter and its optimizer state, plus the path
 of the base model (`lora_base` in learner.json). Not combined with FSDP.
+MoE models (Qwen3-MoE, GLM-4.5 MoE; agentrl.learners.routing_replay): with `learner.routing_replay = "rollout"`
+every forward of the policy and the reference routes the batch's recorded positions to the engine's experts (the
+training forward keeps the replay open over its backward, which gradient checkpointing routes again);
+`moe_aux_loss_coeff` / `moe_z_loss_coeff` add the load-balancing and z losses to every update's micro-batches
+(not to `sft_step`); every update reports the router metrics. `weights()` names experts one by one.
 """
 
 from __future__ import annotations
@@ -35,8 +40,10 @@ import torch
 import torch.nn.functional as F
 
 from agentrl.algorithms import compute_loss, merge_metrics, sft_loss
+from agentrl.algorithms.objective import HAS
+from agentrl.algorithms.ratios import clamp_log_ratio
 from agentrl.errors import LearnerError
-from agentrl.learners import checkpoint, fsdp, hf_io, lora, offload, torch_checkpoint
+from agentrl.learners import checkpoint, fsdp, hf_io, lora, offload, routing_replay, torch_checkpoint
 from agentrl.learners.base import Learner
 from agentrl.learners.batch import Batch, micro_batches
 from agentrl.learners.teacher import teacher_path
@@ -66,6 +73,11 @@ class TorchLearner(Learner):
         torch.manual_seed(seed)
         self.model = self._policy_model()
         self.ref_model, self.teacher_model = self._frozen_models()
+        self.routers = routing_replay.hook(self.model, needed_by=self._moe_setting())
+        self.ref_routers = None
+        if self.routers is not None and self.ref_model not in (None, self.model):
+            self.ref_routers = routing_replay.hook(self.ref_model, needed_by=None)
+        self._no_replay_logprobs: torch.Tensor | None = None
         self.value_head = None
         if self.algo.needs().value_head:
             self.value_head = torch.nn.Linear(self.model.config.hidden_size, 1).to(self.device)
@@ -122,6 +134,54 @@ class TorchLearner(Learner):
             teacher = self._load_hf(dtype, path=path).eval().requires_grad_(False)
         return ref, teacher
 
+    def _moe_setting(self) -> str | None:
+        """The learner setting that needs an MoE model's routers, if any (for the error without one)."""
+        if self.cfg.routing_replay == "rollout":
+            return "learner.routing_replay = 'rollout'"
+        if self.cfg.moe_aux_loss_coeff > 0:
+            return "learner.moe_aux_loss_coeff > 0"
+        if self.cfg.moe_z_loss_coeff > 0:
+            return "learner.moe_z_loss_coeff > 0"
+        return None
+
+    def _routing(self, model, mb: Batch, *, replay: bool = True, stats: bool = False):
+        """The routing of one micro-batch's forward through `model` (and its backward: gradient checkpointing
+        routes again): the engine's recorded experts when replaying, the router statistics and the MoE losses'
+        inputs with `stats`; a no-op context (yielding None) for a dense model or the teacher."""
+        routers = (
+            self.routers if model is self.model else self.ref_routers if model is self.ref_model else None
+        )
+        if routers is None:
+            return contextlib.nullcontext()
+        records = mb.routed_experts if replay and self.cfg.routing_replay == "rollout" else None
+        if not stats:
+            return routers.routing(records)
+        # the positions whose logits give the loss tokens' log-probs (token t is predicted at position t - 1)
+        predicting = F.pad(mb.loss_mask[:, 1:] > 0, (0, 1))
+        keep_logits = self.cfg.moe_aux_loss_coeff > 0 or self.cfg.moe_z_loss_coeff > 0
+        return routers.routing(
+            records, tokens=mb.attention_mask, agree_positions=predicting, keep_logits=keep_logits
+        )
+
+    def _moe_losses(self, routing, metrics: dict, mb: Batch, batch: Batch) -> torch.Tensor | float:
+        """learner.moe_aux_loss_coeff x load-balancing loss + moe_z_loss_coeff x z-loss of one micro-batch, each
+        weighted by the micro-batch's share of the mini-batch's tokens (so micro-batches add up like the
+        objective); their contributions join the loss metrics."""
+        total: torch.Tensor | float = 0.0
+        share = mb.n_tokens / max(batch.n_tokens, 1)
+        terms = (
+            ("loss_moe_aux", self.cfg.moe_aux_loss_coeff, self.routers.load_balancing_loss),
+            ("loss_moe_z", self.cfg.moe_z_loss_coeff, self.routers.z_loss),
+        )
+        for name, coeff, fn in terms:
+            if coeff > 0:
+                term = coeff * share * fn(routing)
+                metrics[name] = term.detach()
+                total = total + term
+        if isinstance(total, torch.Tensor):
+            metrics["loss"] = metrics["loss"] + total.detach()
+        return total
+
     def _base_path(self) -> Path:
         """The HF directory the base weights load from: the model, or a LoRA checkpoint's base."""
         if (self.model_path / checkpoint.METADATA_FILE).is_file():
@@ -171,12 +231,13 @@ class TorchLearner(Learner):
             vals = F.pad(self.value_head(hidden[:, :-1]).squeeze(-1), (1, 0))
         return logp, ent, vals
 
-    def _whole_batch(self, model, batch: Batch, *, values: bool = False) -> torch.Tensor:
+    def _whole_batch(self, model, batch: Batch, *, values: bool = False, replay: bool = True) -> torch.Tensor:
         batch = batch.to(self.device)
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
         with torch.no_grad(), _eval(model):
             for (rows, mb), weight in self._share(self._split(batch)):
-                logp, _, vals = self._forward(model, mb, values=values)
+                with self._routing(model, mb, replay=replay):
+                    logp, _, vals = self._forward(model, mb, values=values)
                 if weight:
                     out[rows, : logp.shape[1]] = vals if values else logp
         if self.world is not None:  # micro-batches hold disjoint rows: the sum is the whole batch
@@ -209,26 +270,92 @@ class TorchLearner(Learner):
         return self._whole_batch(self.teacher_model, batch)
 
     def _prepare(self, batch: Batch) -> Batch:
+        records = batch.routed_experts
+        if (
+            records is not None
+            and self.routers is not None
+            and records.device.type == "cpu"
+            and records.numel()
+        ):
+            top = int(records.max())  # a host tensor: no read of the device
+            if top >= self.routers.num_experts:
+                raise LearnerError(
+                    f"routed_experts: expert id {top} recorded, the model has {self.routers.num_experts} experts"
+                )
         return batch.to(self.device)
 
     def _before_updates(self, batch: Batch) -> None:
         super()._before_updates(batch)
         if self.value_head is not None:  # the value clip's V_old: the critic before the first update
             batch.old_values = self.compute_values(batch)
+        self._no_replay_logprobs = None
+        if (
+            self.routers is not None
+            and batch.routed_experts is not None
+            and self.cfg.routing_replay == "rollout"
+        ):
+            # logprob_mismatch_no_replay: what the mismatch would be with the learner's own routing. Costs one
+            # more no-grad forward over the batch per step (about a third of the step's forward + backward).
+            self._no_replay_logprobs = self._whole_batch(self.model, batch, replay=False)
+
+    def _step_metrics(self, batch: Batch) -> dict:
+        """`logprob_mismatch_no_replay`: mean |log pi_prox - log mu| over the loss tokens with rollout log-probs,
+        pi_prox from the no-replay forward (the `logprob_mismatch` of the objective, without routing replay)."""
+        if self._no_replay_logprobs is None:
+            return {}
+        seq = batch.seq_index
+        use = batch.has_rollout_logprobs[seq.clamp(min=0)] & (seq >= 0) & (batch.loss_mask > 0)
+        gap = clamp_log_ratio(self._no_replay_logprobs - batch.rollout_logprobs, use).abs()
+        self._no_replay_logprobs = None
+        key = "logprob_mismatch_no_replay"
+        return {key: torch.where(use, gap, 0.0).sum() / use.sum().clamp(min=1), HAS + key: use.any()}
+
+    def _router_metrics(self, stats: list, batch: Batch) -> dict:
+        """One update's router metrics from its micro-batches' `Routing`s (summed over ranks under FSDP):
+        `router_agreement` (share of token x MoE-layer choices, at the positions predicting loss tokens with a
+        record, where the learner's own top-k set is the engine's) and `expert_load_max_over_mean` (over the
+        real tokens, the busiest expert's load over the mean load, in the least balanced MoE layer)."""
+        layers = range(self.routers.layers)
+        flat = torch.zeros(2 + self.routers.layers * self.routers.num_experts, device=self.device)
+        for s in stats:  # [agreed, counted, load of layer 0's experts, layer 1's, ...]
+            if s.matches:
+                flat[0] += torch.stack([s.matches[i] for i in layers]).sum()
+                flat[1] += torch.stack([s.choices[i] for i in layers]).sum()
+            flat[2:] += torch.cat([s.load[i] for i in layers])
+        if self.world is not None:  # one collective for all of them
+            self.world.sum_(flat)
+        load = flat[2:].view(self.routers.layers, -1)
+        out = {"expert_load_max_over_mean": (load.max(-1).values / load.mean(-1).clamp(min=1e-9)).max()}
+        if batch.routed_experts is not None and self.cfg.routing_replay == "rollout":
+            out["router_agreement"] = flat[0] / flat[1].clamp(min=1)
+            out[HAS + "router_agreement"] = flat[1] > 0
+        return out
 
     def _update(self, batch: Batch) -> tuple[dict[str, float], int]:
         self.optimizer.zero_grad(set_to_none=True)
-        parts = []
+        parts, routed = [], []
         for (_, mb), weight in self._share(self._split(batch)):
-            logp, ent, vals = self._forward(self.model, mb, entropy=True, values=self.value_head is not None)
-            loss, m = compute_loss(self.algo, mb, logp, entropy=ent, values=vals, as_tensors=True)
-            (loss if weight else loss * 0.0).backward()  # no host read before it, nor between micro-batches
+            with self._routing(self.model, mb, stats=True) as routing:  # open over the backward
+                logp, ent, vals = self._forward(
+                    self.model, mb, entropy=True, values=self.value_head is not None
+                )
+                loss, m = compute_loss(self.algo, mb, logp, entropy=ent, values=vals, as_tensors=True)
+                if routing is not None:
+                    loss = loss + self._moe_losses(routing, m, mb, batch)
+                # no host read before the backward, nor between micro-batches
+                (loss if weight else loss * 0.0).backward()
             if weight:
                 parts.append((m, mb.loss_mask.sum()))
-        parts = self._read_metrics(parts)  # one device-to-host copy: every micro-batch's metrics, the batch's
+                if routing is not None:
+                    routed.append(routing)
+        moe = self._router_metrics(routed, batch) if self.routers is not None else None
+        # one device-to-host copy: every micro-batch's metrics, the router metrics, the batch's
+        parts = self._read_metrics(parts if moe is None else [*parts, (moe, 1.0)])
+        moe_floats = parts.pop()[0] if moe is not None else {}  # the same on every rank (summed over ranks)
         if self.world is not None:
             parts = [p for rank_parts in self.world.gather(parts) for p in rank_parts]
         metrics = merge_metrics(parts)
+        metrics.update(moe_floats)
         metrics.update(self._optimizer_step(loss=metrics.get("loss", 0.0)))
         return metrics, len(parts)
 
@@ -288,14 +415,19 @@ class TorchLearner(Learner):
         return modules
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named weights; an MoE model's in the names of its checkpoint files (experts one by one, as engines
+        load them), not transformers' in-memory fused expert tensors (`hf_io.file_names`)."""
         if self.world is not None:
-            yield from fsdp.full_weights(self.model, {"lm_head.weight"} if self.tied else set())
-            return
-        pairs = lora.merged_weights(self.model) if self.lora is not None else self.model.state_dict().items()
-        for name, tensor in pairs:
-            if self.tied and name == "lm_head.weight":
-                continue
-            yield name, tensor.detach()
+            pairs = fsdp.full_weights(self.model, {"lm_head.weight"} if self.tied else set())
+        else:
+            pairs = (
+                lora.merged_weights(self.model) if self.lora is not None else self.model.state_dict().items()
+            )
+            pairs = ((n, t.detach()) for n, t in pairs if not (self.tied and n == "lm_head.weight"))
+        if self.routers is not None:
+            base = self.model.get_base_model() if self.lora is not None else self.model
+            pairs = hf_io.file_names(base, pairs)
+        yield from pairs
 
     def published_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """What a publish sends: the adapter alone under LoRA (agentrl.learners.lora), else `weights()`."""
