@@ -1,0 +1,189 @@
+"""The proxy's Responses face driven by the official `openai` SDK (`client.responses`) and by the OpenAI
+Agents SDK in its default (Responses) mode, over loopback on the tiny model. Replies that must be a given
+string (a tool call, a reasoning block) are forced token by token (`scripted`); each test checks that the
+recorded trajectory decodes to exactly the conversation the client sent and received, written by hand in the
+chat template's form, with the mask on the model's tokens only (`assert_recorded`)."""
+
+import json
+
+import openai
+import pytest
+
+from agentrl.generators.chat import chat_tokens
+from agentrl.generators.openai_responses import RESPONSES_FACE
+from agentrl.types import tokens
+from tests.gen_support import scripted_replies as scripted
+from tests.sdk_support import CALL, Live, Q, assert_recorded
+
+SYSTEM, USER = Q[0]["content"], Q[1]["content"]
+R_TOOLS = [
+    {"type": "function", "name": "add", "description": "Add two numbers", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}},
+    {"type": "function", "name": "mul", "parameters": {"type": "object", "properties": {}}},
+]  # fmt: skip
+# the same tools in the chat template's (OpenAI chat) form: what the recorded prompt renders
+C_TOOLS = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in R_TOOLS]
+CALLED = {"role": "assistant", "content": "", "tool_calls": [
+    {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}  # fmt: skip
+
+
+def dumped(items):
+    """Output items as a client appends them to its next input."""
+    return [item.model_dump(exclude_none=True) for item in items]
+
+
+async def test_plain_turns_with_previous_response_id(tiny, tok):
+    async with Live(scripted(tiny, tok, "5", "It is five."), tok) as live:
+        client = live.client("plain")
+        first = await client.responses.create(model="m", instructions=SYSTEM, input=USER, store=False,
+                                              prompt_cache_key="k", metadata={"run": "x"}, service_tier="auto",
+                                              reasoning={"effort": "low"}, truncation="disabled")  # fmt: skip
+        assert first.output_text == "5" and first.status == "completed" and first.metadata == {"run": "x"}
+        assert first.usage.output_tokens == 2 and first.usage.input_tokens == len(
+            chat_tokens(tok).prompt_ids(Q)
+        )
+        second = await client.responses.create(model="m", instructions=SYSTEM, input="In words?",
+                                               previous_response_id=first.id)  # fmt: skip
+        assert second.output_text == "It is five."
+        (traj,) = await live.close("plain")
+    assert traj.metadata["turns"] == 2
+    assert_recorded(tok, traj, [*Q, {"role": "assistant", "content": "5"}, {"role": "user", "content": "In words?"},
+                                {"role": "assistant", "content": "It is five."}])  # fmt: skip
+
+
+async def test_function_call_round_trip_is_one_token_exact_segment(tiny, tok):
+    async with Live(scripted(tiny, tok, CALL, "The sum is 5."), tok) as live:
+        client = live.client("tools")
+        history = [{"role": "developer", "content": SYSTEM},
+                   {"type": "message", "role": "user", "content": [{"type": "input_text", "text": USER}]}]  # fmt: skip
+        first = await client.responses.create(model="m", input=history, tools=R_TOOLS, tool_choice="auto",
+                                              parallel_tool_calls=True)  # fmt: skip
+        (call,) = first.output
+        assert call.type == "function_call" and call.name == "add" and first.output_text == ""
+        assert json.loads(call.arguments) == {"a": 2, "b": 3} and call.call_id.startswith("call_")
+        history += [
+            *dumped(first.output),
+            {"type": "function_call_output", "call_id": call.call_id, "output": "5"},
+        ]
+        second = await client.responses.create(model="m", input=history, tools=R_TOOLS)
+        assert second.output_text == "The sum is 5."
+        (traj,) = await live.close("tools")
+    assert traj.metadata["segments"] == 1
+    assert "<tools>" in tok.decode(tokens(traj.prompt_ids).tolist())  # the schemas reached the prompt
+    assert_recorded(tok, traj, [*Q, CALLED, {"role": "tool", "tool_call_id": call.call_id, "content": "5"},
+                                {"role": "assistant", "content": "The sum is 5."}], tools=C_TOOLS)  # fmt: skip
+
+
+async def test_streaming_text_and_function_call_events(tiny, tok):
+    async with Live(scripted(tiny, tok, "Adding 2 and 3 now.", CALL), tok) as live:
+        client = live.client("st")
+        stream = await client.responses.create(
+            model="m", instructions=SYSTEM, input=USER, tools=R_TOOLS, stream=True
+        )
+        events = [event async for event in stream]
+        kinds = [e.type for e in events]
+        assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+        assert kinds[-1] == "response.completed" and [e.sequence_number for e in events] == list(
+            range(len(events))
+        )
+        deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+        assert "".join(deltas) == "Adding 2 and 3 now." and len(deltas) > 3  # a delta per token
+        text = events[-1].response.output_text
+        history = [{"role": "user", "content": USER}, {"role": "assistant", "content": text},
+                   {"role": "user", "content": "Use the tool."}]  # fmt: skip
+        async with client.responses.stream(model="m", instructions=SYSTEM, input=history, tools=R_TOOLS) as s:
+            final = await s.get_final_response()  # the SDK's own accumulation of the events
+        (call,) = final.output
+        assert (call.name, json.loads(call.arguments)) == ("add", {"a": 2, "b": 3})
+        (traj,) = await live.close("st")
+    assert_recorded(tok, traj, [*Q, {"role": "assistant", "content": text},
+                                {"role": "user", "content": "Use the tool."}, CALLED], tools=C_TOOLS)  # fmt: skip
+
+
+@pytest.mark.parametrize("echo", ["by_id", "encrypted", "summary"])
+async def test_reasoning_item_round_trips_the_recorded_reply(tiny, tok, echo):
+    raw = "<think>\nAdd them.\n</think>\n\n"
+    async with Live(scripted(tiny, tok, raw + "5", "Done."), tok) as live:
+        client = live.client("think")
+        include = ["reasoning.encrypted_content"] if echo == "encrypted" else []
+        first = await client.responses.create(model="m", instructions=SYSTEM, input=USER, include=include,
+                                              reasoning={"effort": "high", "summary": "auto"})  # fmt: skip
+        reasoning, message = first.output
+        assert reasoning.type == "reasoning" and reasoning.summary[0].text == "Add them."
+        assert first.output_text == "5" and first.usage.output_tokens_details.reasoning_tokens > 0
+        assert (reasoning.encrypted_content == raw) == (echo == "encrypted")
+        item = reasoning.model_dump(exclude_none=True)
+        if echo == "summary":  # a client that kept only the summary: rebuilt in the template's form
+            item.pop("id")
+        history = [
+            {"role": "user", "content": USER},
+            item,
+            *dumped([message]),
+            {"role": "user", "content": "ok?"},
+        ]
+        second = await client.responses.create(model="m", instructions=SYSTEM, input=history)
+        assert second.output_text == "Done."
+        trajs = await live.close("think")
+    assert len(trajs) == 1  # the echoed items are the recorded reply: one segment
+    assert_recorded(tok, trajs[0], [*Q, {"role": "assistant", "content": raw + "5"}, {"role": "user", "content": "ok?"},
+                                    {"role": "assistant", "content": "Done."}])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"include": ["file_search_call.results"]}, "include[0]"),
+        ({"conversation": "conv_1"}, "conversation"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0].type",
+        ),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
+async def test_unsupported_fields_are_refused_by_name(tiny, tok, extra, param):
+    async with Live(scripted(tiny, tok, "x"), tok) as live:
+        client = live.client("err")
+        body = {"model": "m", "input": USER, **extra}
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.post("/responses", cast_to=object, body=body)
+        assert err.value.body["param"] == param
+        assert (
+            await client.responses.create(model="m", input=USER)
+        ).output_text == "x"  # nothing left behind
+        (traj,) = await live.close("err")
+    assert traj.metadata["turns"] == 1
+
+
+async def test_openai_agents_sdk_default_mode_runs_a_tool_loop(tiny, tok):
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)  # no trace upload: nothing leaves loopback
+    async with Live(scripted(tiny, tok, CALL, "The sum is 5."), tok) as live:
+        client = live.client("agent")
+        seen = []
+
+        @agents.function_tool
+        def add(a: int, b: int) -> int:
+            """Add two numbers."""
+            seen.append((a, b))
+            return a + b
+
+        # the default provider, given only the client: the Responses API unless told otherwise
+        run_config = agents.RunConfig(model_provider=agents.OpenAIProvider(openai_client=client))
+        agent = agents.Agent(name="calc", instructions=SYSTEM, tools=[add], model="agentrl")
+        result = await agents.Runner.run(agent, USER, run_config=run_config)
+        assert (
+            len(live.proxy.runner.app[RESPONSES_FACE].conversations) == 2
+        )  # both turns came through the Responses face
+        assert result.final_output == "The sum is 5." and seen == [(2, 3)]
+        (traj,) = await live.close("agent")
+    call_id = next(i.raw_item.call_id for i in result.new_items if i.type == "tool_call_item")
+    (schema,) = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                  "parameters": t.params_json_schema, "strict": True}} for t in [add]]  # fmt: skip
+    assert_recorded(tok, traj, [*Q, CALLED, {"role": "tool", "tool_call_id": call_id, "content": "5"},
+                                {"role": "assistant", "content": "The sum is 5."}], tools=[schema])  # fmt: skip
