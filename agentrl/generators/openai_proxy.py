@@ -268,7 +268,8 @@ async def proxy_for(ctx: RolloutContext) -> OpenAIProxy:
             proxy = OpenAIProxy([ctx.engine], ctx.tokenizer, sampling=ctx.sampling, max_seq_len=ctx.max_seq_len,
                                 env_name=ctx.env_name, tool_parser=ctx.extra.get("tool_parser", ""),
                                 sampling_policy=ctx.extra.get("proxy_sampling", "refuse"),
-                                token=ctx.extra.get("proxy_token", ""))  # fmt: skip
+                                token=ctx.extra.get("proxy_token", ""),
+                                keep_side_requests=ctx.extra.get("proxy_keep_side_requests", False))  # fmt: skip
             await proxy.start(ctx.extra.get("proxy_host", "127.0.0.1"))
             # hook (serve-proxy / external agents, agentrl/generators/endpoints.py): the URL goes to runs/NAME/proxy.json
             name = f"w{ctx.extra.get('worker_id', 0)}.{len(_proxies) - 1}"
