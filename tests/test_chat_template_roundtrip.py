@@ -20,30 +20,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentrl.engines.base import Engine, GenerateOutput, SamplingParams
-from agentrl.engines.tiny import CHAT_TEMPLATE
 from agentrl.generators.chat import chat_tokens
 from agentrl.generators.openai_proxy import OpenAIProxy
 from agentrl.generators.openai_schema import ChatRequest
 from agentrl.types import mask, tokens
+from tests.sdk_support import REASONING_TEMPLATE
 
 TOOLS = [
     {"type": "function", "function": {"name": name, "parameters": {
         "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
     for name in ("add", "mul")
 ]  # fmt: skip
-# Qwen3's treatment of reasoning, on the shipped template: an assistant turn before the last user message
-# is rendered without its `<think>...</think>` part
-REASONING_TEMPLATE = (
-    "{%- set ns = namespace(last_user=-1) %}"
-    "{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
-    "{%- endfor %}"
-) + CHAT_TEMPLATE.replace(
-    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}",
-    "{%- set content = message['content'] or '' %}"
-    "{%- if message['role'] == 'assistant' and '</think>' in content and loop.index0 < ns.last_user %}"
-    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + content }}",
-)
 
 
 class Forced(Engine):

@@ -4,6 +4,7 @@ string (a tool call, a reasoning block) are forced token by token (`scripted`); 
 recorded trajectory decodes to exactly the conversation the client sent and received, written by hand in the
 chat template's form, with the mask on the model's tokens only (`assert_recorded`)."""
 
+import copy
 import json
 
 import openai
@@ -11,9 +12,9 @@ import pytest
 
 from agentrl.generators.chat import chat_tokens
 from agentrl.generators.openai_responses import RESPONSES_FACE
-from agentrl.types import tokens
+from agentrl.types import mask, tokens
 from tests.gen_support import scripted_replies as scripted
-from tests.sdk_support import CALL, Live, Q, assert_recorded
+from tests.sdk_support import CALL, REASONING_TEMPLATE, Live, Q, assert_recorded
 
 SYSTEM, USER = Q[0]["content"], Q[1]["content"]
 R_TOOLS = [
@@ -100,9 +101,18 @@ async def test_streaming_text_and_function_call_events(tiny, tok):
                                 {"role": "user", "content": "Use the tool."}, CALLED], tools=C_TOOLS)  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def reasoning_tok(tok):
+    other = copy.deepcopy(tok)
+    other.chat_template = (
+        REASONING_TEMPLATE  # a reasoning channel, dropped from history as Qwen3's template does
+    )
+    return other
+
+
 @pytest.mark.parametrize("echo", ["by_id", "encrypted", "summary"])
-async def test_reasoning_item_round_trips_the_recorded_reply(tiny, tok, echo):
-    raw = "<think>\nAdd them.\n</think>\n\n"
+async def test_reasoning_item_round_trips_the_recorded_reply(tiny, reasoning_tok, echo):
+    tok, raw = reasoning_tok, "<think>\nAdd them.\n</think>\n\n"
     async with Live(scripted(tiny, tok, raw + "5", "Done."), tok) as live:
         client = live.client("think")
         include = ["reasoning.encrypted_content"] if echo == "encrypted" else []
@@ -123,10 +133,23 @@ async def test_reasoning_item_round_trips_the_recorded_reply(tiny, tok, echo):
         ]
         second = await client.responses.create(model="m", instructions=SYSTEM, input=history)
         assert second.output_text == "Done."
-        trajs = await live.close("think")
-    assert len(trajs) == 1  # the echoed items are the recorded reply: one segment
-    assert_recorded(tok, trajs[0], [*Q, {"role": "assistant", "content": raw + "5"}, {"role": "user", "content": "ok?"},
-                                    {"role": "assistant", "content": "Done."}])  # fmt: skip
+        (traj,) = await live.close("think")  # the echoed items are the recorded reply: one segment
+    eot = chat_tokens(tok).eot_id
+    trained = [t for t, m in zip(tokens(traj.response_ids).tolist(), mask(traj).tolist(), strict=True) if m]
+    assert trained == [*tok.encode(raw + "5", add_special_tokens=False), eot, *tok.encode("Done."), eot]
+    # the template drops the first reply's reasoning from history; the trajectory keeps it and says so
+    assert traj.metadata["turns"] == 2 and not traj.metadata["template_exact"]
+
+
+async def test_without_a_reasoning_channel_think_is_text_and_reasoning_items_are_refused(tiny, tok):
+    async with Live(scripted(tiny, tok, "<think>x</think>5"), tok) as live:
+        client = live.client("plain-think")
+        first = await client.responses.create(model="m", input=USER)
+        assert [i.type for i in first.output] == ["message"] and first.output_text == "<think>x</think>5"
+        item = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "x"}]}
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.responses.create(model="m", input=[item, {"role": "user", "content": "ok?"}])
+        assert err.value.body["param"] == "input[0].type"
 
 
 @pytest.mark.parametrize(

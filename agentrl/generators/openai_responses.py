@@ -9,8 +9,8 @@ Routes, added to `OpenAIProxy.app()` by `add_routes`:
 A request is translated into the proxy's one chat request (agentrl/generators/responses_schema.py, which
 states what each field does) and run by the shared sessions (`ProxySessions.complete`): one recording, one
 segment rule, one sampling check, one tokenization (agentrl/chat.py). The reply is a `response` object whose
-`output` holds, in order, a `reasoning` item (when the reply has a reasoning channel, `</think>`: its text as
-a summary part), a `message` item with one `output_text` part (when there is text) and one `function_call`
+`output` holds, in order, a `reasoning` item (when the chat template has a reasoning channel and the reply
+used it, `</think>`: its text as a summary part), a `message` item with one `output_text` part (when there is text) and one `function_call`
 item per tool call; `status` is `incomplete` (`incomplete_details.reason = "max_output_tokens"`) when the
 reply hit its token limit. `usage.output_tokens` counts the reply's tokens, `input_tokens` the context the
 engine saw. Each response's conversation (without its instructions) is kept, bounded to the last
@@ -45,6 +45,7 @@ from agentrl.generators.responses_schema import (
     PARAMS,
     ResponsesRequest,
     chat_request,
+    has_reasoning_channel,
     responses_decoder,
     split_reasoning,
 )
@@ -81,6 +82,7 @@ class ResponsesFace:
         self.proxy = proxy
         self.conversations: dict[str, tuple[str, list[ChatMessage]]] = {}  # response id -> (session, turns)
         self.heads: dict[str, str] = {}  # reasoning item id -> its raw text
+        self.reasoning_channel = has_reasoning_channel(getattr(proxy.tokenizer, "chat_template", None))
 
     async def create(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -97,7 +99,7 @@ class ResponsesFace:
                     400, "no session: use /v1/sessions/{id}/responses, X-Session-Id or user", "user"
                 )
             history = self._history(sid, req.previous_response_id)
-            chat, conversation = chat_request(req, history, self.heads)
+            chat, conversation = chat_request(req, history, self.heads, self.reasoning_channel)
             (choice,) = await self.proxy.complete(sid, chat, request.headers.get(EPISODE_HEADER, ""))
         except RequestError as exc:
             return _error(exc)
@@ -127,9 +129,12 @@ class ResponsesFace:
             )
         return kept[1]
 
+    def _split(self, choice: Choice) -> tuple[str, str, str]:
+        return split_reasoning(choice.content) if self.reasoning_channel else ("", "", choice.content or "")
+
     def _text_pieces(self, choice: Choice) -> list[str]:
         """The message text's stream deltas: the content's per-token pieces past the reasoning."""
-        head, _, _ = split_reasoning(choice.content)
+        head, _, _ = self._split(choice)
         pieces, skip = [], len(head)
         for piece in _text_pieces(
             lambda ids: self.proxy.tokenizer.decode(ids, skip_special_tokens=True), choice
@@ -142,7 +147,7 @@ class ResponsesFace:
         return pieces
 
     def _response(self, req: ResponsesRequest, model: str, choice: Choice) -> dict[str, Any]:
-        head, reasoning, text = split_reasoning(choice.content)
+        head, reasoning, text = self._split(choice)
         output: list[dict[str, Any]] = []
         if head:
             item_id = f"rs_{uuid.uuid4().hex[:24]}"

@@ -26,7 +26,8 @@ Input items, in order (an item's other keys than those read are refused by path,
   (images, files, audio and refusals are refused by path);
 - `function_call` (`call_id`, `name`, `arguments`): a tool call of the assistant turn it follows;
 - `function_call_output` (`call_id`, `output`: a string or text parts): a `tool` message;
-- `reasoning`: the reasoning that opens the next assistant turn; its raw text is taken from
+- `reasoning` (for a model whose chat template has a reasoning channel, `</think>`; refused otherwise): the
+  reasoning that opens the next assistant turn; its raw text is taken from
   `encrypted_content`, else from the proxy's memory of the reasoning item it sent (by `id`), else rebuilt
   as `<think>\\n{summary}\\n</think>\\n\\n` (what reasoning templates render).
 Consecutive assistant items (reasoning, message, function calls) form one assistant turn: its content is
@@ -103,6 +104,10 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
 
 responses_decoder = msgspec.json.Decoder(ResponsesRequest)
+
+
+def has_reasoning_channel(chat_template: str | None) -> bool:
+    return THINK_CLOSE in (chat_template or "")
 
 
 def split_reasoning(content: str | None) -> tuple[str, str, str]:
@@ -217,8 +222,8 @@ def _parts_text(content: Any, where: str, kinds: tuple[str, ...]) -> str:
 class _Turns:
     """Items -> chat messages, gathering consecutive assistant items into one assistant turn."""
 
-    def __init__(self, heads: dict[str, str]):
-        self.heads, self.out = heads, []
+    def __init__(self, heads: dict[str, str], reasoning_channel: bool):
+        self.heads, self.reasoning_channel, self.out = heads, reasoning_channel, []
         self.head: str | None = None  # the open assistant turn's reasoning
         self.text: str | None = None
         self.calls: list[ToolCall] | None = None
@@ -232,6 +237,9 @@ class _Turns:
 
     def reasoning(self, item: dict[str, Any], where: str) -> None:
         _check_keys(item, ("type", "summary", "content", "encrypted_content"), where)
+        if not self.reasoning_channel:
+            raise RequestError(400, "reasoning items need a model whose chat template has a reasoning channel "
+                               "(<think>...</think>)", f"{where}.type")  # fmt: skip
         self.flush()
         raw = item.get("encrypted_content")
         if raw is None:
@@ -275,11 +283,13 @@ class _Turns:
         self.out.append(ChatMessage("tool", output, tool_call_id=call_id))
 
 
-def input_messages(items: str | list[dict[str, Any]], heads: dict[str, str]) -> list[ChatMessage]:
+def input_messages(
+    items: str | list[dict[str, Any]], heads: dict[str, str], reasoning_channel: bool
+) -> list[ChatMessage]:
     """The request's `input` as chat messages (module docstring); RequestError names the item at fault."""
     if isinstance(items, str):
         return [ChatMessage("user", items)]
-    turns = _Turns(heads)
+    turns = _Turns(heads, reasoning_channel)
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message")
@@ -299,13 +309,13 @@ def input_messages(items: str | list[dict[str, Any]], heads: dict[str, str]) -> 
 
 
 def chat_request(
-    req: ResponsesRequest, history: list[ChatMessage], heads: dict[str, str]
+    req: ResponsesRequest, history: list[ChatMessage], heads: dict[str, str], reasoning_channel: bool
 ) -> tuple[ChatRequest, list[ChatMessage]]:
     """The proxy's chat request for a Responses one whose earlier conversation is `history` (that of
     `previous_response_id`, without its instructions; [] for none), and the conversation without the
     instructions (what a later `previous_response_id` continues)."""
     _refuse_unsupported(req)
-    conversation = [*history, *input_messages(req.input, heads)]
+    conversation = [*history, *input_messages(req.input, heads, reasoning_channel)]
     messages = [ChatMessage("system", req.instructions), *conversation] if req.instructions else conversation
     if not conversation:
         raise RequestError(400, "input must hold at least one item", "input")
