@@ -210,3 +210,14 @@ async def test_openai_agents_sdk_default_mode_runs_a_tool_loop(tiny, tok):
                   "parameters": t.params_json_schema, "strict": True}} for t in [add]]  # fmt: skip
     assert_recorded(tok, traj, [*Q, CALLED, {"role": "tool", "tool_call_id": call_id, "content": "5"},
                                 {"role": "assistant", "content": "The sum is 5."}], tools=[schema])  # fmt: skip
+
+
+async def test_v1_responses_takes_the_session_from_a_header_or_user(tiny, tok):
+    async with Live(scripted(tiny, tok, "a", "b"), tok) as live:
+        async with openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key="k", max_retries=0) as client:
+            await client.responses.create(model="m", input=USER, extra_headers={"X-Session-Id": "hdr"})
+            await client.responses.create(model="m", input=USER, user="by-user")
+            with pytest.raises(openai.BadRequestError) as err:
+                await client.responses.create(model="m", input=USER)
+            assert err.value.body["param"] == "user"
+        assert {len(await live.close(sid)) for sid in ("hdr", "by-user")} == {1}
