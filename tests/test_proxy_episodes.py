@@ -4,6 +4,17 @@ the main thread and drops them unless asked to keep them, and recognises a reply
 rendering. Driven with the official `openai` SDK over loopback on the tiny model with scripted replies;
 the main thread's trajectory must be exactly the conversation the agent held (`assert_recorded`)."""
 
+import sys
+import types
+
+import openai
+import pytest
+
+from agentrl.engines.base import SamplingParams
+from agentrl.envs import env_factory
+from agentrl.generator import RolloutContext, resolve_generator
+from agentrl.generators.openai_proxy import stop_proxies
+from tests.gen_support import HFEngine
 from tests.gen_support import scripted_replies as scripted
 from tests.sdk_support import CALL, TOOLS, Live, Q, assert_recorded, sent
 
@@ -34,7 +45,7 @@ async def test_a_title_call_between_turns_is_a_side_request_and_dropped(tiny, to
 async def test_kept_side_requests_are_their_own_flagged_trajectories(tiny, tok):
     async with Live(scripted(tiny, tok, "5", "Sum", "Yes, 5."), tok, keep_side_requests=True) as live:
         title, conversation = await _title_between_turns(live, "keep")
-        main, side = await live.close("keep")
+        side, main = await live.close("keep")  # the main thread's last segment last
     assert (main.id, side.id) == ("keep", "keep.side0") and main.group_id == side.group_id == "keep"
     assert not main.metadata["side_request"] and side.metadata["side_request"]
     assert_recorded(tok, main, conversation)
@@ -88,3 +99,32 @@ async def test_a_rewritten_history_with_the_main_prompt_stays_on_the_main_thread
     assert all(t.metadata["history_rewritten"] and not t.metadata["side_request"] for t in (before, after))
     assert_recorded(tok, before, [*Q, sent(first.choices[0].message)])
     assert_recorded(tok, after, [*compacted, sent(second.choices[0].message)])
+
+
+async def titled_agent(base_url, task, env):
+    """An agent whose harness names the conversation between its two turns."""
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+        first = await client.chat.completions.create(model="m", messages=Q, max_tokens=3)
+        await client.chat.completions.create(model="m", messages=TITLE, max_tokens=3)
+        history = [*Q, sent(first.choices[0].message), {"role": "user", "content": "Sure?"}]
+        await client.chat.completions.create(model="m", messages=history, max_tokens=3)
+    return 1.0
+
+
+@pytest.mark.parametrize("keep", [False, True])
+async def test_the_in_process_generator_returns_the_main_thread(tiny, tok, monkeypatch, keep):
+    module = types.ModuleType("titled_agent")
+    module.agent = titled_agent
+    monkeypatch.setitem(sys.modules, "titled_agent", module)
+    sunk = []
+    ctx = RolloutContext(engine=HFEngine(tiny), tokenizer=tok, make_env=env_factory("guess_number"),
+                         env_name="guess_number", sampling=SamplingParams(max_new_tokens=3), max_seq_len=256,
+                         extra={"agent": "titled_agent:agent", "proxy_keep_side_requests": keep,
+                                "sink": sunk.extend})  # fmt: skip
+    try:
+        traj = await resolve_generator("openai_proxy")(ctx, {"secret": 5}, "ep-0", "g")
+    finally:
+        await stop_proxies()
+    assert traj.id == "ep-0" and traj.metadata["turns"] == 2 and not traj.metadata["side_request"]
+    assert traj.metadata["side_requests"] == 1
+    assert [t.metadata["side_request"] for t in sunk] == ([True] if keep else [])

@@ -347,9 +347,9 @@ class ProxySessions:
         turn_rewards: list[float] | None = None,
         metadata: dict[str, Any] | None = None,
     ) -> list[Trajectory]:
-        """One trajectory per main-thread segment with at least one generated token, and one per side request
-        when `keep_side_requests` (agentrl/generators/proxy_segments.py says which are which); side requests
-        are otherwise dropped (counted in `metrics["side_requests_dropped"]`)."""
+        """One trajectory per main-thread segment with at least one generated token, in order, after one per
+        side request when `keep_side_requests` (agentrl/generators/proxy_segments.py says which are which);
+        side requests are otherwise dropped (counted in `metrics["side_requests_dropped"]`)."""
         base = trajectory_id or session.id
         group_id = group_id or session.group_id or session.id
         segments = [s for s in session.segments if s.log.response_ids]
@@ -359,7 +359,9 @@ class ProxySessions:
         if not self.keep_side_requests:
             self.metrics["side_requests_dropped"] += len(sides)
         out = []
-        for is_side, group in ((False, main), (True, sides if self.keep_side_requests else [])):
+        # side requests first: the main thread's last segment is the last trajectory (the episode's, for the
+        # in-process generator)
+        for is_side, group in ((True, sides if self.keep_side_requests else []), (False, main)):
             for k, seg in enumerate(group):
                 last = seg.finish_reasons[-1] if seg.finish_reasons else "stop"
                 tools = msgspec.json.decode(seg.tools) if seg.tools else None
