@@ -103,7 +103,7 @@ def fork(seg: Segment, k: int) -> Segment:
 
 def _system(seg: Segment) -> str:
     first = seg.turns[0] if seg.turns else {}
-    return first.get("content") or "" if first.get("role") == "system" else ""
+    return (first.get("content") or "") if first.get("role") == "system" else ""
 
 
 def side_requests(segments: list[Segment]) -> list[bool]:
