@@ -183,7 +183,8 @@ async def test_unsupported_fields_are_refused_by_name(tiny, tok, extra, param):
     assert traj.metadata["turns"] == 1
 
 
-async def test_openai_agents_sdk_default_mode_runs_a_tool_loop(tiny, tok):
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+async def test_openai_agents_sdk_default_mode_runs_a_tool_loop(tiny, tok, streamed):
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)  # no trace upload: nothing leaves loopback
     async with Live(scripted(tiny, tok, CALL, "The sum is 5."), tok) as live:
@@ -199,10 +200,14 @@ async def test_openai_agents_sdk_default_mode_runs_a_tool_loop(tiny, tok):
         # the default provider, given only the client: the Responses API unless told otherwise
         run_config = agents.RunConfig(model_provider=agents.OpenAIProvider(openai_client=client))
         agent = agents.Agent(name="calc", instructions=SYSTEM, tools=[add], model="agentrl")
-        result = await agents.Runner.run(agent, USER, run_config=run_config)
-        assert (
-            len(live.proxy.runner.app[RESPONSES_FACE].conversations) == 2
-        )  # both turns came through the Responses face
+        if streamed:
+            result = agents.Runner.run_streamed(agent, USER, run_config=run_config)
+            kinds = {event.type async for event in result.stream_events()}
+            assert "raw_response_event" in kinds  # the Responses events, as the SDK parsed them
+        else:
+            result = await agents.Runner.run(agent, USER, run_config=run_config)
+        face = live.proxy.runner.app[RESPONSES_FACE]
+        assert len(face.conversations) == 2  # both turns came through the Responses face
         assert result.final_output == "The sum is 5." and seen == [(2, 3)]
         (traj,) = await live.close("agent")
     call_id = next(i.raw_item.call_id for i in result.new_items if i.type == "tool_call_item")
