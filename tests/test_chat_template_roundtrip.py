@@ -4,15 +4,16 @@ recorded tokens are the engine's replies verbatim (mask 1 exactly on them) with 
 and they equal the chat template's own rendering of the final conversation unless the trajectory says they
 do not (`metadata.template_exact = false`: the tokens are the accumulated ones).
 
-Templates: the one agentrl ships (agentrl/engines/tiny.py, Qwen2.5's tool format) and a reasoning variant
-that, as Qwen3's does, drops the reasoning of assistant turns before the last user message. Qwen3's and GLM's
-own templates are not available offline (no installed package ships them), so they are not tested here.
+Templates: the one agentrl ships (agentrl/engines/tiny.py, Qwen2.5's tool format), a reasoning variant of it
+that, as Qwen3's does, drops the reasoning of assistant turns before the last user message, and Qwen3's and
+GLM-4.6's own templates (tests/templates/, on the tiny tokenizer: GLM's special tokens are plain text there).
 The engine replies with forced token ids (the canonical encoding of the generated reply text): what is
 tested is the proxy's recording, not sampling."""
 
 import asyncio
 import copy
 import json
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -114,6 +115,7 @@ async def drive(tok, spec):
 def template_form(message):
     """A message as the chat template takes it (arguments as objects, as the proxy gives them to it)."""
     out = copy.deepcopy(message)
+    out["content"] = out["content"] or ""  # a reply that is only calls has null content (OpenAI's form)
     for c in out.get("tool_calls") or []:
         c["function"]["arguments"] = json.loads(c["function"]["arguments"])
     return out
@@ -132,16 +134,24 @@ def check(tok, history, traj, replies):
     return same
 
 
-@pytest.fixture(scope="module")
-def reasoning_tok(tok):
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+def with_template(tok, template):
     other = copy.deepcopy(tok)
-    other.chat_template = REASONING_TEMPLATE
+    other.chat_template = template
     return other
 
 
-@pytest.mark.parametrize("template", ["shipped", "reasoning"])
+@pytest.fixture(scope="module")
+def reasoning_tok(tok):
+    return with_template(tok, REASONING_TEMPLATE)
+
+
+@pytest.mark.parametrize("template", ["shipped", "reasoning", "qwen3", "glm-4.6"])
 def test_recorded_tokens_are_the_template_rendering_or_say_not(tok, reasoning_tok, template):
-    tokenizer = tok if template == "shipped" else reasoning_tok
+    named = {"shipped": tok, "reasoning": reasoning_tok}
+    tokenizer = named.get(template) or with_template(tok, (TEMPLATES / f"{template}.jinja").read_text())
 
     @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(conversation)
@@ -160,3 +170,21 @@ def test_plain_tool_loops_are_exact_and_dropped_reasoning_is_flagged(tok, reason
     assert check(tok, *asyncio.run(drive(tok, spec)))  # the shipped template: exact
     # the reasoning template drops the second reply's reasoning once a user message follows it: not exact
     assert not check(reasoning_tok, *asyncio.run(drive(reasoning_tok, spec)))
+
+
+def test_qwen3_template_through_the_proxy(tok):
+    """Qwen3's own template renders the dummy turn the deltas are measured on differently once a message
+    follows it (an empty `<think>` block on the last turn only): sessions still continue token-in/token-out.
+    A tool loop whose reasoning is on the last turn is the template's rendering; reasoning on a turn before
+    the last user message is dropped by the template, and the trajectory says its tokens are not."""
+    qwen3 = with_template(tok, (TEMPLATES / "qwen3.jinja").read_text())
+    tool_loop = ("Use tools.", "What is 2+3?", [
+        (("calls", "", [("add", 2, 3)]), (False, False, "")),
+        (("text", "It is 5.", "2+3 is 5"), (False, False, "Thanks.")),
+    ])  # fmt: skip
+    assert check(qwen3, *asyncio.run(drive(qwen3, tool_loop)))
+    two_questions = ("Be brief.", "What is 2+3?", [
+        (("text", "5.", "2+3 is 5"), (False, False, "And 2*3?")),
+        (("text", "6.", None), (False, False, "")),
+    ])  # fmt: skip
+    assert not check(qwen3, *asyncio.run(drive(qwen3, two_questions)))
