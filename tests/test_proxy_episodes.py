@@ -4,6 +4,7 @@ the main thread and drops them unless asked to keep them, and recognises a reply
 rendering. Driven with the official `openai` SDK over loopback on the tiny model with scripted replies;
 the main thread's trajectory must be exactly the conversation the agent held (`assert_recorded`)."""
 
+import copy
 import sys
 import types
 
@@ -13,10 +14,12 @@ import pytest
 from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory
 from agentrl.generator import RolloutContext, resolve_generator
+from agentrl.generators.chat import chat_tokens
 from agentrl.generators.openai_proxy import stop_proxies
+from agentrl.types import mask, tokens
 from tests.gen_support import HFEngine
 from tests.gen_support import scripted_replies as scripted
-from tests.sdk_support import CALL, TOOLS, Live, Q, assert_recorded, sent
+from tests.sdk_support import CALL, REASONING_TEMPLATE, TOOLS, Live, Q, assert_recorded, sent
 
 TITLE = [{"role": "system", "content": "Write a title."}, {"role": "user", "content": "What is 2+3?"}]
 
@@ -87,6 +90,23 @@ async def test_a_tool_call_re_sent_as_text_continues_the_recorded_reply(tiny, to
         (traj,) = await live.close("text")
     assert traj.metadata["turns"] == 2 and traj.metadata["segments"] == 1
     assert_recorded(tok, traj, [*history, sent(second.choices[0].message)], tools=TOOLS)
+
+
+async def test_a_reply_re_sent_without_its_reasoning_continues_the_recorded_reply(tiny, tok):
+    qwen_like = copy.deepcopy(tok)
+    qwen_like.chat_template = REASONING_TEMPLATE  # drops reasoning from history, as Qwen3's does
+    raw = "<think>\nAdd.\n</think>\n\n5"
+    async with Live(scripted(tiny, qwen_like, raw, "Yes."), qwen_like) as live:
+        client = live.client("strip")
+        first = await client.chat.completions.create(model="m", messages=Q)
+        assert first.choices[0].message.content == raw
+        history = [*Q, {"role": "assistant", "content": "5"}, {"role": "user", "content": "Sure?"}]
+        await client.chat.completions.create(model="m", messages=history)
+        (traj,) = await live.close("strip")
+    assert traj.metadata["turns"] == 2 and traj.metadata["segments"] == 1
+    eot = chat_tokens(qwen_like).eot_id
+    trained = [t for t, m in zip(tokens(traj.response_ids).tolist(), mask(traj).tolist(), strict=True) if m]
+    assert trained == [*qwen_like.encode(raw), eot, *qwen_like.encode("Yes."), eot]  # the reasoning kept
 
 
 async def test_a_rewritten_history_with_the_main_prompt_stays_on_the_main_thread(tiny, tok):
