@@ -226,3 +226,38 @@ async def test_v1_responses_takes_the_session_from_a_header_or_user(tiny, tok):
                 await client.responses.create(model="m", input=USER)
             assert err.value.body["param"] == "user"
         assert {len(await live.close(sid)) for sid in ("hdr", "by-user")} == {1}
+
+
+async def test_a_codex_shaped_tool_loop_is_one_trajectory(tiny, tok):
+    """The request shape Codex CLI sends (its ResponsesApiRequest): instructions, a developer message, tools
+    with `strict: false`, `store: false`, `stream`, `include`, `prompt_cache_key`, `client_metadata`, a
+    null `reasoning`; the history sent back in full each turn."""
+    shell = {"type": "function", "name": "shell", "description": "Runs a shell command", "strict": False,
+             "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}}},
+                            "required": ["command"], "additionalProperties": False}}  # fmt: skip
+    call = '<tool_call>\n{"name": "shell", "arguments": {"command": ["echo", "hi"]}}\n</tool_call>'
+    async with Live(scripted(tiny, tok, call, "It printed hi."), tok) as live:
+        client = live.client("codex")
+        base = {"model": "agentrl", "instructions": SYSTEM, "tools": [shell], "tool_choice": "auto",
+                "parallel_tool_calls": True, "reasoning": None, "store": False, "stream": True, "include": [],
+                "prompt_cache_key": "thread-1", "extra_body": {"client_metadata": {"x": "y"}}}  # fmt: skip
+        history = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be safe."}]},
+                   {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Say hi."}]}]  # fmt: skip
+        events = [e async for e in await client.responses.create(input=history, **base)]
+        (item,) = events[-1].response.output
+        assert item.type == "function_call" and json.loads(item.arguments) == {"command": ["echo", "hi"]}
+        history += [item.model_dump(exclude_none=True),
+                    {"type": "function_call_output", "call_id": item.call_id, "output": "hi\n"}]  # fmt: skip
+        events = [e async for e in await client.responses.create(input=history, **base)]
+        assert events[-1].response.output_text == "It printed hi."
+        (traj,) = await live.close("codex")
+    # rendered as the proxy gives tools to the template: name, description, parameters, strict
+    function = {k: shell[k] for k in ("name", "description", "parameters", "strict")}
+    tools = [{"type": "function", "function": function}]
+    called = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "shell", "arguments": {"command": ["echo", "hi"]}}}]}  # fmt: skip
+    conversation = [{"role": "system", "content": SYSTEM}, {"role": "system", "content": "Be safe."},
+                    {"role": "user", "content": "Say hi."}, called,
+                    {"role": "tool", "tool_call_id": item.call_id, "content": "hi\n"},
+                    {"role": "assistant", "content": "It printed hi."}]  # fmt: skip
+    assert_recorded(tok, traj, conversation, tools=tools)
