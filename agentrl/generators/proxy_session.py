@@ -2,11 +2,13 @@
 into trajectories. No HTTP here: openai_proxy.py serves `ProxySessions` over aiohttp.
 
 Invariants:
-- Token-in/token-out: a session's turns form one segment as long as each request's messages extend the
-  previous request's messages plus the reply it got (compared as role + text): the new messages are appended
-  as template-delta tokens (loss-masked) after the exact reply tokens, never re-tokenizing earlier ones.
-  Messages are compared by `openai_schema.turn_key` (role, text, tool calls by name + arguments), and the
-  segment's `tools` must be the same: tools are rendered into the prompt by the chat template.
+- Token-in/token-out: a request continues the recorded segment (any of the session's) whose messages and
+  replies, up to one of its replies, the request's messages extend: the new messages are appended as
+  template-delta tokens (loss-masked) after the exact reply tokens, never re-tokenizing earlier ones
+  (continuing an earlier reply forks a copy; agentrl/generators/proxy_segments.py owns these rules).
+  Messages are compared by `openai_schema.turn_key` (role, text, tool calls by name + arguments), or for a
+  reply by the template's rendering, and the segment's `tools` must be the same: tools are rendered into the
+  prompt by the chat template.
 - Tool calls: the reply text is parsed by the session's tool parser (agentrl/generators/tool_parsers.py) into
   `tool_calls` (finish_reason `tool_calls`); a malformed call is returned as text and counted
   (`metrics["tool_call_parse_errors"]`, trajectory metadata `tool_call_errors`). `tool_choice` `none` skips
@@ -16,8 +18,10 @@ Invariants:
   choice i opens session `sid.n{i}` (its id is in the choice's `session_id`), all in group `sid`. Either all
   n succeed or the session is left as it was.
 - When an agent rewrites history (drops, edits or summarises turns), a new segment starts from a fresh
-  prompt; each segment with a generated token closes into its own trajectory (`id` = sid, then `sid.1`,
-  `sid.2`, ...; metadata `segment`, `segments`, `history_rewritten`).
+  prompt; each main-thread segment with a generated token closes into its own trajectory (`id` = sid, then
+  `sid.1`, `sid.2`, ...; metadata `segment`, `segments`, `history_rewritten`, `template_exact`). Side
+  requests (a title or summary call) are dropped, or with `keep_side_requests` closed into `sid.side0`, ...
+  (`metadata.side_request`).
 - Turns of one session are served one at a time (the session's lock), on the engine chosen when the session
   opened (the least loaded by turns in flight); sessions idle past `session_timeout_s` are dropped when a new
   one opens.
