@@ -12,13 +12,17 @@ the template glue after the end-of-turn token, ChatML's `\\n`) has loss_mask 0.
 
 How the delta is found without re-rendering the conversation: render a dummy conversation
 `[user, assistant=MARK]`, whose text ends with the template's end-of-turn suffix after MARK (ChatML:
-`<|im_end|>\\n`), and the same conversation followed by the new messages with the generation prompt. The new
-text past the dummy is what the template appends for the new messages. The model's reply normally ends with
-the end-of-turn token (the suffix's first token, a stop token); then only the rest of the suffix (`\\n`) is
-prepended to the delta. If the reply ended otherwise (e.g. on a different eos), the whole suffix is.
+`<|im_end|>\\n`), and the same conversation followed by the new messages with the generation prompt. The
+text past MARK and that suffix is what the template appends for the new messages. The text before MARK is
+not used: templates that render earlier turns differently once later ones follow (Qwen3 drops an earlier
+turn's reasoning) still give the delta, and the recorded tokens keep what the engine saw (the proxy says
+whether they equal the template's rendering of the whole conversation, `metadata.template_exact`). The
+model's reply normally ends with the end-of-turn token (the suffix's first token, a stop token); then only
+the rest of the suffix (`\\n`) is prepended to the delta. If the reply ended otherwise (e.g. on a different
+eos), the whole suffix is.
 Prompts and deltas are cached by their messages (a group's n samples share a prompt; env feedback repeats).
 Tools (OpenAI function schemas) are rendered by the template itself (`apply_chat_template(..., tools=...)`):
-`prompt_ids` and `delta_ids` take them, and a delta with tools is measured against the dummy rendered with the
+`prompt_ids` and `delta_ids` take them, and a delta with tools is measured on the dummy rendered with the
 same tools. Messages may carry `tool_calls` / `tool_call_id` (OpenAI form, arguments as objects), which the
 template renders; they are part of the cache key.
 Nothing here imports transformers, torch or ray: the tokenizer is passed in.
@@ -65,7 +69,6 @@ class ChatTokens:
         self._fast_encode = getattr(backend, "encode", None) if hasattr(backend, "encode_batch") else None
         self._prompts: dict[tuple, list[int]] = {}
         self._deltas: dict[tuple, list[int]] = {}
-        self._bases: dict[str, str] = {}  # the dummy conversation rendered with each tools list
         self._shows_tools: dict[tuple, bool] = {}
         if self.has_template:
             self._probe()
@@ -148,18 +151,18 @@ class ChatTokens:
         if not self.has_template:
             raise EnvError("multi-turn rollouts need a tokenizer with a chat template")
         closed = bool(reply_ids) and reply_ids[-1] == self.eot_id
-        tools_key = _tools_key(tools)
-        key = (_key(messages), closed, tools_key)
+        key = (_key(messages), closed, _tools_key(tools))
         hit = self._deltas.get(key)
         if hit is None:
             dummy = [{"role": "user", "content": "u"}, {"role": "assistant", "content": MARK}]
-            base = self._base if tools is None else self._bases.get(tools_key)
-            if base is None:
-                base = self._bases[tools_key] = self.render(dummy, tools=tools)
             full = self.render(dummy + _as_dicts(messages), add_generation_prompt=True, tools=tools)
-            if not full.startswith(base):
-                raise EnvError("the chat template renders earlier turns differently once new messages follow")
-            hit = self.encode((self.after_eot if closed else self.suffix) + full[len(base) :])
+            at = full.find(MARK)
+            after = full[at + len(MARK) :] if at >= 0 else ""
+            if not after.startswith(self.suffix):
+                raise EnvError(
+                    "the chat template closes an assistant turn differently once new messages follow"
+                )
+            hit = self.encode((self.after_eot if closed else self.suffix) + after[len(self.suffix) :])
             _remember(self._deltas, key, hit)
         return list(hit)
 

@@ -104,3 +104,8 @@ class RolloutSection(_Section):
             gt=0,
         ),
     ] = 300.0
+    proxy_keep_side_requests: Annotated[
+        bool,
+        doc("OpenAI proxy: keep a session's side requests (title / summary calls, abandoned branches) as their "
+            "own trajectories, flagged metadata.side_request, rather than drop them from training"),
+    ] = False  # fmt: skip

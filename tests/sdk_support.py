@@ -6,6 +6,7 @@ import aiohttp
 import openai
 
 from agentrl.engines.base import SamplingParams
+from agentrl.engines.tiny import CHAT_TEMPLATE
 from agentrl.generators.chat import chat_tokens
 from agentrl.generators.openai_proxy import OpenAIProxy
 from agentrl.types import mask, tokens
@@ -19,6 +20,19 @@ TOOLS = [
 # the openai SDK's chat.completions.stream parses the calls of strict tools only
 STRICT_TOOLS = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+# Qwen3's treatment of reasoning, on the shipped template: an assistant turn before the last user message
+# is rendered without its `<think>...</think>` part
+REASONING_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+) + CHAT_TEMPLATE.replace(
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}",
+    "{%- set content = message['content'] or '' %}"
+    "{%- if message['role'] == 'assistant' and '</think>' in content and loop.index0 < ns.last_user %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content }}",
+)
 
 
 class Live:

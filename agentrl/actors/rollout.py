@@ -96,6 +96,7 @@ class RolloutWorker:
             "proxy_host": r.proxy_host,
             "proxy_token": r.proxy_token,
             "external_timeout_s": r.external_timeout_s,
+            "proxy_keep_side_requests": r.proxy_keep_side_requests,
             "run_dir": str(Path(self.cfg.run.root) / self.cfg.run.name),
             "worker_id": self.worker_id,
         }

@@ -13,6 +13,9 @@ Routes (aiohttp):
   finish_reason (`stop`, `length`, `tool_calls`), usage, optional logprobs; or SSE chunks ending `[DONE]`.
 - `POST /v1/sessions/{sid}/reward` `{reward, group_id?, turn_rewards?, metadata?}` closes the session into
   trajectories handed to the sink (the runner passes the queue's put); `DELETE /v1/sessions/{sid}` drops it.
+- `POST /v1/sessions/{sid}/responses` (also `/v1/responses`): the Responses API face, on the same sessions
+  (agentrl/generators/openai_responses.py); `POST .../v1/messages`: the Anthropic face
+  (agentrl/generators/anthropic_messages.py).
 - `GET /v1/models` and `/v1/models/{model}` (also under `/v1/sessions/{sid}`), `GET /health` (with the
   proxy's counters, e.g. `tool_call_parse_errors`), `GET /openapi.json` (agentrl/generators/proxy_openapi.py: every
   route, body and answer). A known path with a wrong method is a 405 with `Allow`.
@@ -43,6 +46,7 @@ from agentrl.generator import RolloutContext
 from agentrl.generators.anthropic_messages import add_routes as add_anthropic_routes
 from agentrl.generators.endpoints import record_endpoint
 from agentrl.generators.openai_response import chunks, completion
+from agentrl.generators.openai_responses import add_routes as add_responses_routes
 from agentrl.generators.openai_schema import ChatRequest, chat_decoder, encoder, error_body, reward_decoder
 from agentrl.generators.proxy_openapi import OPEN_PATHS, openapi_spec
 
@@ -99,6 +103,7 @@ class OpenAIProxy(ProxySessions, FrontDoor):
         app.router.add_get("/health", self._health)
         app.router.add_get("/openapi.json", self._openapi)
         add_anthropic_routes(app, self)  # POST /v1/messages (agentrl/generators/anthropic_messages.py)
+        add_responses_routes(app, self)  # POST /v1/responses (agentrl/generators/openai_responses.py)
         return app
 
     @staticmethod
@@ -263,7 +268,8 @@ async def proxy_for(ctx: RolloutContext) -> OpenAIProxy:
             proxy = OpenAIProxy([ctx.engine], ctx.tokenizer, sampling=ctx.sampling, max_seq_len=ctx.max_seq_len,
                                 env_name=ctx.env_name, tool_parser=ctx.extra.get("tool_parser", ""),
                                 sampling_policy=ctx.extra.get("proxy_sampling", "refuse"),
-                                token=ctx.extra.get("proxy_token", ""))  # fmt: skip
+                                token=ctx.extra.get("proxy_token", ""),
+                                keep_side_requests=ctx.extra.get("proxy_keep_side_requests", False))  # fmt: skip
             await proxy.start(ctx.extra.get("proxy_host", "127.0.0.1"))
             # hook (serve-proxy / external agents, agentrl/generators/endpoints.py): the URL goes to runs/NAME/proxy.json
             name = f"w{ctx.extra.get('worker_id', 0)}.{len(_proxies) - 1}"

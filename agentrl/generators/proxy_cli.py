@@ -84,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="an idle session is dropped after this long")  # fmt: skip
     parser.add_argument("--request-timeout-s", type=_positive(float), default=300.0,
                         help="most seconds one engine request may take")  # fmt: skip
+    parser.add_argument("--keep-side-requests", action="store_true",
+                        help="send side requests (title / summary calls) to the sink as their own trajectories, "
+                        "flagged metadata.side_request, rather than drop them")  # fmt: skip
 
 
 def _jsonl_sink(path: Path) -> Any:
@@ -177,7 +180,8 @@ async def _serve(args: argparse.Namespace) -> None:
                               max_new_tokens=args.max_new_tokens, stop_token_ids=stop)  # fmt: skip
     proxy = OpenAIProxy(engines, tokenizer, sink, sampling=sampling, max_seq_len=args.max_seq_len,
                         model_name=args.model_name, env_name=args.env_name, session_timeout_s=args.session_timeout_s,
-                        token=args.token, tool_parser=args.tool_parser)  # fmt: skip
+                        token=args.token, tool_parser=args.tool_parser,
+                        keep_side_requests=args.keep_side_requests)  # fmt: skip
     url = await proxy.start(args.host, args.port)
     print(f"agentrl serve-proxy: serving {url}", flush=True)
     try:

@@ -2,11 +2,13 @@
 into trajectories. No HTTP here: openai_proxy.py serves `ProxySessions` over aiohttp.
 
 Invariants:
-- Token-in/token-out: a session's turns form one segment as long as each request's messages extend the
-  previous request's messages plus the reply it got (compared as role + text): the new messages are appended
-  as template-delta tokens (loss-masked) after the exact reply tokens, never re-tokenizing earlier ones.
-  Messages are compared by `openai_schema.turn_key` (role, text, tool calls by name + arguments), and the
-  segment's `tools` must be the same: tools are rendered into the prompt by the chat template.
+- Token-in/token-out: a request continues the recorded segment (any of the session's) whose messages and
+  replies, up to one of its replies, the request's messages extend: the new messages are appended as
+  template-delta tokens (loss-masked) after the exact reply tokens, never re-tokenizing earlier ones
+  (continuing an earlier reply forks a copy; agentrl/generators/proxy_segments.py owns these rules).
+  Messages are compared by `openai_schema.turn_key` (role, text, tool calls by name + arguments), or for a
+  reply by the template's rendering, and the segment's `tools` must be the same: tools are rendered into the
+  prompt by the chat template.
 - Tool calls: the reply text is parsed by the session's tool parser (agentrl/generators/tool_parsers.py) into
   `tool_calls` (finish_reason `tool_calls`); a malformed call is returned as text and counted
   (`metrics["tool_call_parse_errors"]`, trajectory metadata `tool_call_errors`). `tool_choice` `none` skips
@@ -16,8 +18,10 @@ Invariants:
   choice i opens session `sid.n{i}` (its id is in the choice's `session_id`), all in group `sid`. Either all
   n succeed or the session is left as it was.
 - When an agent rewrites history (drops, edits or summarises turns), a new segment starts from a fresh
-  prompt; each segment with a generated token closes into its own trajectory (`id` = sid, then `sid.1`,
-  `sid.2`, ...; metadata `segment`, `segments`, `history_rewritten`).
+  prompt; each main-thread segment with a generated token closes into its own trajectory (`id` = sid, then
+  `sid.1`, `sid.2`, ...; metadata `segment`, `segments`, `history_rewritten`, `template_exact`). Side
+  requests (a title or summary call) are dropped, or with `keep_side_requests` closed into `sid.side0`, ...
+  (`metadata.side_request`).
 - Turns of one session are served one at a time (the session's lock), on the engine chosen when the session
   opened (the least loaded by turns in flight); sessions idle past `session_timeout_s` are dropped when a new
   one opens.
@@ -52,6 +56,9 @@ from agentrl.generators.openai_schema import (
     template_message,
     turn_key,
 )
+from agentrl.generators.proxy_segments import Boundary, continuation, renders_same, side_requests
+from agentrl.generators.proxy_segments import fork as fork_segment
+from agentrl.generators.proxy_segments import template_exact as renders_exactly
 from agentrl.generators.proxy_tools import ToolPlan, tool_plan
 from agentrl.generators.tool_parsers import parser_for
 from agentrl.types import Trajectory
@@ -68,6 +75,11 @@ class Segment:
     finish_reasons: list[str] = field(default_factory=list)
     tool_call_errors: int = 0
     turn_sampling: list[dict[str, float]] = field(default_factory=list)  # per turn ("record" policy)
+    # continuation and side requests (agentrl/generators/proxy_segments.py): the conversation as the template
+    # takes it, the state after each reply, and the session's turn number of each reply
+    turns: list[dict[str, Any]] = field(default_factory=list)
+    boundaries: list[Boundary] = field(default_factory=list)
+    turn_order: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -78,6 +90,7 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     created_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
+    turns_run: int = 0  # turns served so far (numbers the segments' replies)
     group_id: str = ""  # n > 1: the session the choices were forked from
     sampling: SamplingParams | None = None  # the episode's (greedy in evaluation); None: the proxy's
 
@@ -96,6 +109,7 @@ class ProxySessions:
         session_timeout_s: float = 3600.0,
         tool_parser: str = "",
         sampling_policy: str = "refuse",
+        keep_side_requests: bool = False,
     ):
         if not engines:
             raise AgentRLError("OpenAIProxy needs at least one engine")
@@ -104,6 +118,7 @@ class ProxySessions:
                 f"rollout.proxy_sampling must be one of {list(SAMPLING_POLICIES)}, got {sampling_policy!r}"
             )
         self.sampling_policy = sampling_policy
+        self.keep_side_requests = keep_side_requests
         self.engines, self.tokenizer = engines, tokenizer
         self.chat = chat_tokens(tokenizer)
         self.sampling = sampling or SamplingParams()
@@ -115,7 +130,7 @@ class ProxySessions:
         self.episode_sampling: dict[str, SamplingParams] = {}
         self.in_flight = [0] * len(engines)
         self.parser = parser_for(tool_parser, getattr(tokenizer, "chat_template", None))
-        self.metrics: dict[str, int] = {"tool_call_parse_errors": 0}
+        self.metrics: dict[str, int] = {"tool_call_parse_errors": 0, "side_requests_dropped": 0}
 
     def _session(self, sid: str) -> Session:
         session = self.sessions.get(sid)
@@ -137,21 +152,23 @@ class ProxySessions:
     ) -> tuple[Segment, int | None]:
         """The segment this request continues (with its new delta tokens added) or a fresh one; returns it
         and the response length to roll back to if the turn fails (None: a fresh segment, to drop)."""
-        seg = session.segments[-1] if session.segments else None
-        if (
-            seg is not None
-            and seg.tools == plan.key
-            and len(keys) > len(seg.messages)
-            and keys[: len(seg.messages)] == seg.messages
-        ):
+        found = continuation(session.segments, keys, turns, plan.key, self._renders_same)
+        if found is not None:
+            seg, k = found
+            if k < len(seg.boundaries) - 1:  # continues an earlier reply: a fork (proxy_segments.py)
+                seg = fork_segment(seg, k)
+                session.segments.append(seg)
+            n = seg.boundaries[-1].n_messages
             mark = len(seg.log.response_ids)
-            delta = self.chat.delta_ids(turns[len(seg.messages) :], seg.last_reply, tools=plan.tools)
+            delta = self.chat.delta_ids(turns[n:], seg.last_reply, tools=plan.tools)
             if len(seg.log) + len(delta) >= self.max_seq_len:
+                if seg is not found[0]:
+                    session.segments.pop()
                 raise RequestError(
                     400, f"conversation exceeds max_seq_len = {self.max_seq_len} tokens", "messages"
                 )
             seg.log.add_env(delta, self.engines[session.engine_index].policy_version)
-            return seg, mark
+            return seg, (mark if seg is found[0] else None)
         prompt = self.chat.prompt_ids(turns, tools=plan.tools)
         if len(prompt) >= self.max_seq_len:
             raise RequestError(
@@ -160,6 +177,9 @@ class ProxySessions:
         seg = Segment(TokenLog(prompt), tools=plan.key)
         session.segments.append(seg)
         return seg, None
+
+    def _renders_same(self, sent: dict[str, Any], recorded: dict[str, Any]) -> bool:
+        return renders_same(self.chat, sent, recorded)
 
     def open_session(self, sid: str, sampling: SamplingParams) -> Session:
         """Open session `sid` with its own sampling: an in-process generator's episode (evaluation samples
@@ -255,8 +275,14 @@ class ProxySessions:
             "assistant", content, [ToolCall(FunctionCall(**c["function"])) for c in calls] or None
         )
         seg.messages = [*keys, turn_key(sent)]
+        seg.turns = [*turns, template_message(sent)]
         seg.last_reply = reply
         seg.finish_reasons.append(out.finish_reason)
+        session.turns_run += 1
+        seg.turn_order.append(session.turns_run)
+        seg.boundaries.append(
+            Boundary(len(seg.messages), len(seg.log.response_ids), seg.tool_call_errors, reply)
+        )
         if self.sampling_policy == "record":
             seg.turn_sampling.append({"temperature": sampling.temperature, "top_p": sampling.top_p})
         return Choice(index=index, session_id=session.id, content=content, tool_calls=calls,
@@ -325,38 +351,53 @@ class ProxySessions:
         turn_rewards: list[float] | None = None,
         metadata: dict[str, Any] | None = None,
     ) -> list[Trajectory]:
-        """One trajectory per segment with at least one generated token."""
+        """One trajectory per main-thread segment with at least one generated token, in order, after one per
+        side request when `keep_side_requests` (agentrl/generators/proxy_segments.py says which are which);
+        side requests are otherwise dropped (counted in `metrics["side_requests_dropped"]`)."""
         base = trajectory_id or session.id
         group_id = group_id or session.group_id or session.id
         segments = [s for s in session.segments if s.log.response_ids]
+        side = side_requests(segments)
+        main = [s for s, is_side in zip(segments, side, strict=True) if not is_side]
+        sides = [s for s, is_side in zip(segments, side, strict=True) if is_side]
+        if not self.keep_side_requests:
+            self.metrics["side_requests_dropped"] += len(sides)
         out = []
-        for k, seg in enumerate(segments):
-            last = seg.finish_reasons[-1] if seg.finish_reasons else "stop"
-            meta = {
-                **(metadata or {}),
-                "session_id": session.id,
-                "segment": k,
-                "segments": len(segments),
-                "history_rewritten": len(segments) > 1,
-                "turns": len(seg.finish_reasons),
-                "finish_reasons": seg.finish_reasons,
-                "tool_call_errors": seg.tool_call_errors,
-            }
-            if self.sampling_policy == "record":
-                meta["turn_sampling"] = seg.turn_sampling
-            out.append(
-                seg.log.trajectory(
-                    id=base if k == 0 else f"{base}.{k}",
-                    group_id=group_id,
-                    env=self.env_name,
-                    reward=float(reward),
-                    turn_rewards=turn_rewards,
-                    status="truncated" if last == "length" else "completed",
-                    metadata=meta,
-                    created_at=session.created_at,
-                    finished_at=time.time(),
+        # side requests first: the main thread's last segment is the last trajectory (the episode's, for the
+        # in-process generator)
+        for is_side, group in ((True, sides if self.keep_side_requests else []), (False, main)):
+            for k, seg in enumerate(group):
+                last = seg.finish_reasons[-1] if seg.finish_reasons else "stop"
+                tools = msgspec.json.decode(seg.tools) if seg.tools else None
+                meta = {
+                    **(metadata or {}),
+                    "session_id": session.id,
+                    "segment": k,
+                    "segments": len(main),
+                    "history_rewritten": len(main) > 1,
+                    "side_request": is_side,
+                    "side_requests": len(sides),
+                    "template_exact": renders_exactly(self.chat, seg, tools),
+                    "turns": len(seg.finish_reasons),
+                    "finish_reasons": seg.finish_reasons,
+                    "tool_call_errors": seg.tool_call_errors,
+                }
+                if self.sampling_policy == "record":
+                    meta["turn_sampling"] = seg.turn_sampling
+                name = f"{base}.side{k}" if is_side else base if k == 0 else f"{base}.{k}"
+                out.append(
+                    seg.log.trajectory(
+                        id=name,
+                        group_id=group_id,
+                        env=self.env_name,
+                        reward=float(reward),
+                        turn_rewards=turn_rewards,
+                        status="truncated" if last == "length" else "completed",
+                        metadata=meta,
+                        created_at=session.created_at,
+                        finished_at=time.time(),
+                    )
                 )
-            )
         return out
 
 
