@@ -37,6 +37,7 @@ from agentrl.config import Config
 from agentrl.engines.base import describe_error
 from agentrl.envs.registry import env_factory
 from agentrl.errors import AgentRLError, ConfigError, EngineError, WeightSyncError
+from agentrl.queue.admission import partial_reservation_slack
 
 log = logging.getLogger(__name__)
 REISSUE_BACKOFF_S = 1.0  # wait before the first re-issue of a failed group; doubles per re-issue
@@ -167,15 +168,22 @@ class Coordinator:
                 replaced += 1
         return replaced
 
+    async def admit(self, task_index: int) -> None:
+        """Wait until the queue's staleness window admits the task's trajectories and reserve them (the queue's
+        reservation is the only bound on rollouts in flight); a task admitted already is not reserved twice."""
+        key = f"t{task_index}"
+        if key not in self.reserved:
+            await self.queue_call("reserve", self.task_trajectories, key)
+            self.reserved.add(key)
+
     async def run_group(self, task_index: int, task: dict[str, Any]) -> dict[str, Any]:
-        """Reserve admission, run the group on the least-busy worker; on a worker/engine death, recover and
-        re-issue. Returns the worker's summary."""
+        """Admit (unless the dispatcher did), run the group on the least-busy worker; on a worker/engine death,
+        recover and re-issue. Returns the worker's summary."""
         from ray.exceptions import RayActorError
 
         key = f"t{task_index}"
-        await self.queue_call("reserve", self.task_trajectories, key)
-        self.reserved.add(key)
         queue_generation = self.queue_generation
+        await self.admit(task_index)
         attempts, last = self.cfg.run.max_restarts + 1, ""
         try:
             for attempt in range(attempts):
@@ -253,11 +261,9 @@ class Coordinator:
 
 
 def _check_window_slack(cfg: Config, task_trajectories: int) -> None:
-    """A multi-seat task may deliver fewer trajectories than it reserved (a seat's group is left out when the
-    seat never moved), so the batch being filled can stay short of a whole task. The next task must still fit
-    the staleness window beside it, or rollout and learner wait on each other forever: its reservation must
-    fit in the `max_staleness` batches of slack the window has past the batch in training (sync has none)."""
-    slack = cfg.effective_max_staleness * cfg.batch_trajectories
+    """A multi-seat task may deliver fewer trajectories than it reserved: refused at the start unless the queue's
+    window leaves room for it (agentrl.queue.admission owns that rule)."""
+    slack = partial_reservation_slack(cfg.run_queue())
     if task_trajectories > slack:
         raise ConfigError(
             f"env '{cfg.env.name}' with {task_trajectories // cfg.rollout.n_samples_per_prompt} policy seats: a "
