@@ -33,6 +33,8 @@ from typing import Any
 from agentrl.actors.broadcast import Publisher, choose_path
 from agentrl.actors.cluster import Cluster, Slot
 from agentrl.actors.common import within
+from agentrl.actors.learner_group import LearnerGroup
+from agentrl.actors.queue import Sampled
 from agentrl.config import Config
 from agentrl.engines.base import describe_error
 from agentrl.envs.registry import env_factory
@@ -227,9 +229,35 @@ class Coordinator:
         """The learner's supervised warm-up (`warmup.steps`); its stats (loss first/last, seconds)."""
         return await self.learner.warmup.remote()
 
-    async def train(self, trajectories: list[Any]) -> tuple[int, dict[str, Any]]:
-        """(the policy_version the learner produced, its metrics); the caller publishes that version."""
-        return await self.learner.train.remote(trajectories)
+    def data_slices(self) -> int:
+        """Slices each batch is cut into: one per learner data-parallel rank (a colocated host: one)."""
+        return 1 if self.cfg.run.placement == "colocated" else self.cfg.learner.data_parallel
+
+    async def train(self, sampled: Sampled) -> tuple[int, dict[str, Any]]:
+        """(the policy_version the learner produced, its metrics); the caller publishes that version. Only ids
+        pass through here: each learner rank pulls its own slice from the queue actor (`_fetch`), a colocated
+        host takes the trajectories it put from its own memory."""
+        if self.cfg.run.placement == "colocated":
+            return await self.learner.train.remote(sampled.ids)
+        await self._fetch(sampled.slice_ids)
+        return await self.learner.train.remote()
+
+    async def _fetch(self, slice_ids: list[list[str]]) -> None:
+        """Have each learner rank pull its slice; a queue actor that died meanwhile is restarted (by the
+        QueueHandle, reclaiming the ids the learner holds) and the pull retried on its successor. Nothing has
+        trained yet when a pull fails: the ranks enter the step's collectives only in `train()`."""
+        while True:
+            generation = self.queue_generation
+            try:
+                if isinstance(self.learner, LearnerGroup):
+                    await self.learner.fetch.remote(self.queue, slice_ids)
+                else:
+                    await self.learner.fetch.remote(self.queue, slice_ids[0])
+                return
+            except Exception:
+                await self.queue_call("status")  # recovers a dead queue actor (once per death)
+                if self.queue_generation == generation:
+                    raise
 
     async def publish(self, version: int) -> float:
         """Publish `version` to every engine host, then tell the queue. A host that died (its node lost, say)
