@@ -3,13 +3,19 @@ holds ids and metrics only, the learner pulls the trajectories from the queue ac
 between the sample and the training is restarted and the pull repeated on it (the batch comes back from its WAL,
 reclaimed for the learner, never sampled twice)."""
 
+from types import SimpleNamespace as types_ns
+
+import msgspec
 import numpy as np
 import pytest
 import ray
 
 from agentrl import types
+from agentrl.actors.colocated import ColocatedHost
 from agentrl.actors.coordinator import Coordinator
 from agentrl.actors.learner import LearnerWorker
+from agentrl.actors.queue import QueueActor
+from agentrl.actors.queue_handle import QueueHandle
 from agentrl.actors.remote import spawn
 from agentrl.config import load_config
 from agentrl.tokenizer import load_tokenizer
@@ -61,3 +67,35 @@ async def test_a_queue_killed_between_sample_and_training_is_restarted_and_the_l
         assert await coord.queue_call("pending_ids") == []
     finally:
         await coord.shutdown()
+
+
+async def test_a_colocated_host_trains_on_what_it_put_and_fetches_only_what_it_does_not_hold(tmp_path):
+    """The host (producer and learner in one process) keeps each group the queue accepted whole: the queue
+    serves only the trajectories it does not hold (here an external agent's), and what the queue would drop as
+    too stale is forgotten. The queue actor runs in-process here (no Ray): its methods are the same."""
+    cfg = load_config(overrides={"run": {"placement": "colocated", "mode": "async"}, "queue": {"max_staleness": 1},
+                                 "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 4}})  # fmt: skip
+    queue = QueueActor(cfg, str(tmp_path), serve_http=False)
+    served: list[list[str]] = []
+    serve = queue.sampled
+    queue.sampled = lambda ids: served.append(list(ids)) or serve(ids)
+    host = ColocatedHost.__new__(ColocatedHost)  # its data path alone: no learner or engines are built
+    host.cfg, host.held, host.queue = cfg, {}, QueueHandle(queue)
+    host.learner = types_ns(policy_version=lambda: 0)
+    own, external = batch(100, 8)[:4], batch(100, 8)[4:]
+    await host._put(own, "")
+    await queue.put([msgspec.structs.replace(t, id=f"x{t.id}") for t in external])
+    sampled = await queue.sample(8, 0, 5.0)
+    got = await host._take(sampled.ids)
+    assert [t.id for t in got] == sampled.ids
+    assert served == [[tid for tid in sampled.ids if tid.startswith("x")]]  # only the external agent's
+    mine = {t.id: t for t in own}
+    assert sum(t is mine.get(t.id) for t in got) == 4  # the host's own objects: no copy came back
+    assert host.held == {}
+    stale = [msgspec.structs.replace(t, id=f"s{t.id}", group_id="s") for t in own]
+    await host._put(stale, "")
+    assert len(host.held) == 4
+    host.learner = types_ns(policy_version=lambda: 2)  # two versions on: past the window of max_staleness 1
+    await host._take([])
+    assert host.held == {}
+    await queue.close()
