@@ -17,10 +17,11 @@ new). A task reserves admission for all its trajectories: n_samples_per_prompt p
 A group that fails (dead worker, or an engine error naming engine, request and cause) is re-issued after an
 exponential backoff (`REISSUE_BACKOFF_S` doubling up to `REISSUE_BACKOFF_MAX_S`; each re-issue is logged with
 the attempt count and the last error); after `run.max_restarts` re-issues the run ends with one error line
-naming the task, the attempts and the last error. Every queue call goes through the Cluster's `QueueHandle`
-(agentrl.actors.queue_handle), whose recovery of a dead queue actor the Cluster owns: it re-reserves the
-groups this coordinator has in flight (`reserved`). `shutdown()` closes the queue (WAL flushed) and kills
-every actor.
+naming the task, the attempts and the last error. Every queue call of the driver goes through the Cluster's
+`QueueHandle` (agentrl.actors.queue_handle), whose recovery of a dead queue actor the Cluster owns: it
+re-reserves the groups this coordinator has in flight (`reserved`); the learner ranks' pulls of their slices
+(`train`) go to the actor of the moment and are repeated on its successor. `shutdown()` closes the queue (WAL
+flushed) and kills every actor.
 """
 
 from __future__ import annotations
