@@ -146,6 +146,14 @@ class Learner(abc.ABC):
             )
             self._batch_metrics = {}
             self.logprob_sample = self._sample_logprobs(batch) if self.logprob_samples else []
+            if self._sliced and self.cfg.minibatches > 1:
+                # every rank must refuse together: one that raised alone would leave the others in a collective
+                short = self._dp_counts(float(batch.n_rows < self.cfg.minibatches))[0]
+                if short:
+                    raise LearnerError(
+                        f"learner.minibatches = {self.cfg.minibatches} exceeds the rows of {int(short)} "
+                        "data-parallel rank(s)' slice of this batch"
+                    )
             parts = mini_batches(batch, self.cfg.minibatches)
             if self._sliced and len(parts) > 1:  # a mini-batch is every rank's part k: its normalisers too
                 for mb in parts:
