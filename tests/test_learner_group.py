@@ -52,9 +52,9 @@ def within(awaitable, timeout_s: float = 120.0):
     return asyncio.wait_for(awaitable, timeout_s)
 
 
-def config(kind: str, ranks: int, model_dir: str, micro_batch_tokens: int = 40):
+def config(kind: str, ranks: int, model_dir: str, micro_batch_tokens: int = 40, minibatches: int = 1):
     learner = {"kind": kind, "data_parallel": ranks, "fsdp": kind == "torch" and ranks > 1,
-               "micro_batch_tokens": micro_batch_tokens, "lr": 1e-2}  # fmt: skip
+               "micro_batch_tokens": micro_batch_tokens, "lr": 1e-2, "minibatches": minibatches}  # fmt: skip
     rollout = {"prompts_per_step": 2, "n_samples_per_prompt": 4}  # the test's batch: two groups of four
     overrides = {
         "learner": learner,
@@ -74,12 +74,28 @@ async def sampled(queue, batch):
     return out
 
 
-# micro_batch_tokens 40: several micro-batches per rank; 4096: one micro-batch per rank.
-@pytest.mark.parametrize(("kind", "mbt"), [("megatron", 40), ("megatron", 4096), ("torch", 40)])
-async def test_two_ranks_equal_one_process(cluster, model_dir, tmp_path, kind, mbt):
+def interleaved(batch, slices):
+    """The one-process batch whose contiguous halves are the two-rank step's mini-batches: a rank's mini-batch k
+    is the k-th half of its slice, and the step's mini-batch k is every rank's k-th half."""
+    by_id = {t.id: t for t in batch}
+    parts = [[by_id[tid] for tid in ids] for ids in slices]
+    return [
+        t for k in range(2) for part in parts for t in part[k * len(part) // 2 : (k + 1) * len(part) // 2]
+    ]
+
+
+# micro_batch_tokens 40: several micro-batches per rank; 4096: one micro-batch per rank; minibatches 2: two
+# updates per step, each normalised over every rank's share of it.
+@pytest.mark.parametrize(
+    ("kind", "mbt", "minibatches"),
+    [("megatron", 40, 1), ("megatron", 4096, 1), ("torch", 40, 1), ("megatron", 40, 2)],
+)
+async def test_two_ranks_equal_one_process(cluster, model_dir, tmp_path, kind, mbt, minibatches):
     vocab = len(load_tokenizer(model_dir))
-    single = spawn(LearnerWorker, cfg=config(kind, 1, model_dir, mbt), model_path=model_dir)
-    group = spawn_learner(config(kind, 2, model_dir, mbt), model_dir, lambda rank: {"num_cpus": 0})
+    single = spawn(LearnerWorker, cfg=config(kind, 1, model_dir, mbt, minibatches), model_path=model_dir)
+    group = spawn_learner(
+        config(kind, 2, model_dir, mbt, minibatches), model_dir, lambda rank: {"num_cpus": 0}
+    )
     queue = spawn(
         QueueActor, cfg=config(kind, 2, model_dir, mbt), run_dir=str(tmp_path / "run"), serve_http=False
     )
@@ -93,11 +109,13 @@ async def test_two_ranks_equal_one_process(cluster, model_dir, tmp_path, kind, m
                 {"0", "1", "2", "3"}, {"4", "5", "6", "7"}
             ]  # fmt: skip
             assert await within(group.fetch.remote(queue, slices)) == 4  # rank 0's slice: four trajectories
+            reference = batch if minibatches == 1 else interleaved(batch, slices)
             (va, a), (vb, b) = (
                 await within(group.train.remote()),
-                await within(single.train.remote(batch)),
+                await within(single.train.remote(reference)),
             )
             assert va == vb == step + 1 and "policy_version" not in a
+            assert a["train/updates"] == b["train/updates"] == minibatches
             for key in ("train/loss", "train/grad_norm", "train/tokens"):
                 assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (key, a[key], b[key])
         got, want = (
