@@ -143,6 +143,11 @@ class RunSection(_Section):
                 f"run.placement = 'colocated' runs one learner process, but learner ranks = {cfg.learner.ranks} "
                 "(tensor_parallel x pipeline_parallel x data_parallel); use 'split' or 'disaggregated'"
             )
+        if cfg is not None and cfg.rollout.prompts_per_step < cfg.learner.data_parallel:
+            raise ConfigError(
+                f"rollout.prompts_per_step = {cfg.rollout.prompts_per_step} is less than learner.data_parallel = "
+                f"{cfg.learner.data_parallel}: each data-parallel rank trains on whole groups of its own"
+            )
 
     @staticmethod
     def _check_offload(cfg: Config) -> None:

@@ -1,6 +1,7 @@
 """compute_loss / prepare_batch end to end on real batches: hand-computed losses and the invariants."""
 
 import math
+import threading
 
 import msgspec
 import pytest
@@ -10,6 +11,7 @@ from agentrl import types
 from agentrl.algorithms import compute_loss, merge_metrics, prepare_batch
 from agentrl.config import AlgorithmSection
 from agentrl.learners.batch import build_batch, micro_batches
+from agentrl.queue.slices import split_groups
 
 # (advantage estimator, policy loss): every estimator with the default loss, every loss with grpo
 OBJECTIVES = [
@@ -229,3 +231,69 @@ def test_every_registered_estimator_and_loss_has_an_implementation():
         batch.old_logprobs = torch.full(batch.input_ids.shape, -1.0)
         outs[loss], _ = compute_loss(cfg, batch, torch.full(batch.input_ids.shape, -0.7))
     assert len({round(v.item(), 6) for v in outs.values()}) == len(LOSSES), outs
+
+
+class _RankSum:
+    """A sum over `n` threads, each a data-parallel rank, as `torch.distributed.all_reduce` sums over ranks: every
+    thread calls it the same number of times, in the same order."""
+
+    def __init__(self, n: int):
+        self.barrier = threading.Barrier(n)
+        self.lock = threading.Lock()
+        self.values: list[torch.Tensor] = []
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        with self.lock:
+            self.values.append(x.detach().double().clone())
+        self.barrier.wait()
+        total = torch.stack(self.values).sum(0)
+        if self.barrier.wait() == 0:
+            self.values.clear()
+        self.barrier.wait()
+        return total.to(x.dtype)
+
+
+def _on_slices(cfg, slices, policy_version):
+    """prepare_batch on each slice in its own thread (a rank each): (batches, metrics) in slice order."""
+    total = _RankSum(len(slices))
+    out: list = [None] * len(slices)
+
+    def rank(k):
+        batch = build_batch(slices[k], 0)
+        out[k] = (batch, prepare_batch(cfg, batch, policy_version, reduce=total))
+
+    threads = [threading.Thread(target=rank, args=(k,)) for k in range(len(slices))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
+@pytest.mark.parametrize("max_token_age", [0, 1])
+def test_prepare_batch_on_data_parallel_slices_equals_the_whole_batch(advantage, max_token_age):
+    """Each rank holds whole groups of its own (agentrl.queue.slices): its advantages, normalisers and the
+    batch metrics are the whole batch's, the token whitening's and the age mask's counts included."""
+    g = torch.Generator().manual_seed(1)
+    trajs = []
+    for i in range(12):
+        n = int(torch.randint(1, 7, (1,), generator=g))
+        reward = float(torch.rand((), generator=g))
+        trajs.append(
+            traj(i, f"g{i // 3}", [1, 2, 3][: 1 + i % 3], list(range(5, 5 + n)), reward, version=i % 3)
+        )
+    cfg = AlgorithmSection(advantage=advantage, max_token_age=max_token_age)
+    whole = build_batch(trajs, 0)
+    want = prepare_batch(cfg, whole, policy_version=2)
+    slices = split_groups(trajs, 3)
+    assert all(len(s) % 3 == 0 for s in slices)  # whole groups of three
+    got = _on_slices(cfg, slices, policy_version=2)
+    row = {t.id: i for i, t in enumerate(trajs)}
+    for part, (batch, metrics) in zip(slices, got, strict=True):
+        assert (batch.total_loss_tokens, batch.n_seqs) == (whole.total_loss_tokens, whole.n_seqs)
+        for i, t in enumerate(part):
+            width = batch.advantages.shape[1]
+            assert torch.allclose(batch.advantages[i], whole.advantages[row[t.id], :width], atol=1e-6)
+        for key, value in want.items():
+            assert metrics[key] == pytest.approx(value, abs=1e-6), key

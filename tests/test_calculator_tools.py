@@ -107,8 +107,8 @@ def test_tool_call_demonstrations_render_the_tool_and_are_checked():
         CalculatorEnv(demo_form="xml")
 
 
-async def test_a_malformed_call_is_counted_in_the_learner_metric(tiny, tok):
-    from agentrl.actors.learner import tool_call_metrics
+async def test_a_malformed_call_is_counted_in_the_step_metric(tiny, tok):
+    from agentrl.queue.slices import tool_call_metrics
 
     env = CalculatorEnv(demo_form="named_tool_call")
     task = env.sample_tasks(3, 1)[0]

@@ -10,7 +10,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from agentrl.actors.learner import routing_replay_metrics
+from agentrl.queue.slices import routing_replay_metrics
 from agentrl.actors.rollout import rollout_sampling
 from agentrl.config import Config, load_config
 from agentrl.engines.base import SamplingParams

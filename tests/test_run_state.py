@@ -1,5 +1,6 @@
 """The driver's parts without Ray: the run state a checkpoint records, the choice of checkpoint on resume, the
-dispatcher's in-flight bound and its re-issue after a resume, and a step's metrics line. (The whole loop with
+dispatcher's in-flight bound (the queue's reservation, a real ReplayQueue) and its re-issue after a resume, and
+a step's metrics line. (The whole loop with
 real actors: test_run_e2e.py, test_run_resume.py.)"""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 from agentrl.config import load_config
 from agentrl.data import task_source
 from agentrl.envs.registry import make_env
+from agentrl.queue import ReplayQueue
 from agentrl.runner.dispatch import Dispatcher
 from agentrl.runner.metrics import StepTimes, step_metrics
 from agentrl.runner.rundir import RunDir
@@ -57,10 +59,30 @@ def test_resume_picks_the_newest_checkpoint_and_warns_of_ledger_steps_past_it(tm
         rundir.close()
 
 
-class _Groups:
+class _Admitting:
+    """The coordinator's `admit` as the dispatcher sees it: a reservation of a group's trajectories in a real
+    ReplayQueue's staleness window. A group that ends returns its reservation unspent (nothing is put), so the
+    window stays at version 0 and bounds the groups in flight for the whole test."""
+
+    def __init__(self, cfg):
+        self.queue = ReplayQueue(cfg.run_queue())
+        self.n = cfg.rollout.n_samples_per_prompt
+        self.tickets: dict[int, object] = {}
+        self.most_reserved = 0
+
+    async def admit(self, index: int) -> None:
+        self.tickets[index] = await self.queue.reserve(self.n)
+        self.most_reserved = max(self.most_reserved, self.queue._admission.in_flight)
+
+    def done(self, index: int) -> None:
+        self.tickets.pop(index).release()
+
+
+class _Groups(_Admitting):
     """The coordinator's run_group, held open until released, to count the groups in flight."""
 
-    def __init__(self):
+    def __init__(self, cfg):
+        super().__init__(cfg)
         self.started: list[int] = []
         self.release = asyncio.Event()
         self.most_in_flight = self.in_flight = 0
@@ -72,6 +94,7 @@ class _Groups:
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         await self.release.wait()
         self.in_flight -= 1
+        self.done(index)
         return {"rewards": [1.0, 0.0]}
 
 
@@ -80,17 +103,18 @@ def test_the_dispatcher_bounds_groups_in_flight_and_a_resume_reissues_them_first
     env = make_env(cfg.env.name, cfg.env.kwargs)
 
     async def scenario():
-        groups = _Groups()
+        groups = _Groups(cfg)
         first = Dispatcher(cfg, task_source(env, cfg.data, seed=0))
         first.start(groups)
         for _ in range(20):
             await asyncio.sleep(0)
-        saved = json.loads(json.dumps(first.state_dict()))  # a checkpoint with three groups in flight
+        # a checkpoint with three groups in flight and the fourth waiting for room in the window
+        saved = json.loads(json.dumps(first.state_dict()))
         await first.stop()
         assert groups.most_in_flight == 3 and groups.started == [0, 1, 2]
-        assert [i for i, _ in saved["inflight"]] == [0, 1, 2] and saved["task_index"] == 3
+        assert [i for i, _ in saved["inflight"]] == [0, 1, 2, 3] and saved["task_index"] == 4
 
-        again = _Groups()
+        again = _Groups(cfg)
         again.release.set()
         resumed = Dispatcher(cfg, task_source(env, cfg.data, seed=0))
         resumed.load_state_dict(saved)
@@ -98,23 +122,24 @@ def test_the_dispatcher_bounds_groups_in_flight_and_a_resume_reissues_them_first
         for _ in range(50):
             await asyncio.sleep(0)
         await resumed.stop()
-        assert again.started[:4] == [0, 1, 2, 3]  # the three in flight again, then the next new task
-        assert resumed.groups_done >= 4 and resumed.take_rewards()[:2] == [1.0, 0.0]
+        # the four of the checkpoint again, then the next new task
+        assert again.started[:5] == [0, 1, 2, 3, 4]
+        assert resumed.groups_done >= 5 and resumed.take_rewards()[:2] == [1.0, 0.0]
         assert resumed.take_rewards() == []
 
     asyncio.run(scenario())
 
 
-class _Worker:
+class _Worker(_Admitting):
     """A rollout worker as the dispatcher sees it: `run_group` runs each of a group's episodes under one
     semaphore of `concurrency` slots (as RolloutWorker does); sample 0 of every group is the long tail (it
     runs until `release`), the others end at once."""
 
-    def __init__(self, concurrency: int, n_samples: int):
+    def __init__(self, cfg, concurrency: int):
+        super().__init__(cfg)
         self.slots = asyncio.Semaphore(concurrency)
-        self.n_samples = n_samples
         self.release = asyncio.Event()
-        self.running = 0
+        self.running = self.groups = self.most_groups = 0
 
     async def _episode(self, long: bool) -> float:
         async with self.slots:
@@ -126,7 +151,37 @@ class _Worker:
         return 1.0
 
     async def run_group(self, index: int, task: dict) -> dict:
-        return {"rewards": await asyncio.gather(*(self._episode(i == 0) for i in range(self.n_samples)))}
+        self.groups += 1
+        self.most_groups = max(self.most_groups, self.groups)
+        rewards = await asyncio.gather(*(self._episode(i == 0) for i in range(self.n)))
+        self.groups -= 1
+        self.done(index)
+        return {"rewards": rewards}
+
+
+def async_config(concurrency: int):
+    return config("/nonexistent", "--run.mode", "async", "--rollout.concurrency", str(concurrency),
+                  "--rollout.n-samples-per-prompt", "2", "--rollout.prompts-per-step", "2", "--queue.max-staleness",
+                  "1", "--rollout.num-workers", "1")  # fmt: skip
+
+
+def run_async(cfg, concurrency: int) -> _Worker:
+    env = make_env(cfg.env.name, cfg.env.kwargs)
+
+    async def scenario():
+        worker = _Worker(cfg, concurrency)
+        dispatcher = Dispatcher(cfg, task_source(env, cfg.data, seed=0))
+        dispatcher.start(worker)
+        for _ in range(50):
+            await asyncio.sleep(0)
+        worker.settled = worker.running  # the short samples have ended: what runs now are the groups' longest
+        worker.release.set()
+        for _ in range(50):
+            await asyncio.sleep(0)
+        await dispatcher.stop()
+        return worker
+
+    return asyncio.run(scenario())
 
 
 def test_async_keeps_every_episode_slot_busy_while_groups_wait_for_their_longest_sample():
@@ -134,22 +189,18 @@ def test_async_keeps_every_episode_slot_busy_while_groups_wait_for_their_longest
     so the episode slots a group's short samples free are taken by later groups' episodes. With only enough
     groups to fill `concurrency` (2 here), every group held its slots until its longest sample ended and half of
     the slots stayed empty."""
-    cfg = config("/nonexistent", "--run.mode", "async", "--rollout.concurrency", "4", "--rollout.n-samples-per-prompt",
-                 "2", "--rollout.prompts-per-step", "2", "--queue.max-staleness", "1", "--rollout.num-workers", "1")  # fmt: skip
-    env = make_env(cfg.env.name, cfg.env.kwargs)
+    assert run_async(async_config(4), concurrency=4).settled == 4
 
-    async def scenario():
-        worker = _Worker(concurrency=4, n_samples=2)
-        dispatcher = Dispatcher(cfg, task_source(env, cfg.data, seed=0))
-        dispatcher.start(worker)
-        for _ in range(50):
-            await asyncio.sleep(0)
-        settled = worker.running  # the short samples have ended: what runs now are the groups' longest
-        worker.release.set()
-        await dispatcher.stop()
-        return settled
 
-    assert asyncio.run(scenario()) == 4
+def test_the_async_bound_never_exceeds_the_staleness_window_however_many_episode_slots():
+    """More episode slots than the window holds groups: the window ((1 + 1) x 2 groups of 2 = 8 trajectories)
+    still bounds the groups in flight, and the slots beyond it stay empty."""
+    cfg = async_config(16)
+    worker = run_async(cfg, concurrency=16)
+    window = (cfg.effective_max_staleness + 1) * cfg.batch_trajectories
+    assert worker.most_reserved == window == 8
+    assert worker.most_groups == window // cfg.rollout.n_samples_per_prompt == 4
+    assert worker.settled == 4  # one long sample per admitted group, 12 of 16 slots empty
 
 
 def test_a_step_metrics_line_has_the_driver_timings_and_the_rollouts_since_the_last_step():

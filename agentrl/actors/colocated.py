@@ -5,6 +5,12 @@ Training runs in a worker thread (`asyncio.to_thread`), so the event loop keeps 
 learner steps; torch releases the GIL inside its kernels. With `run.offload` (sync mode) the GPU is handed
 back and forth between rollout and training (agentrl.actors.handoff): the learner is offloaded before the
 engines start, every train / warm-up first takes the GPU back, every publish gives it to rollout again.
+
+The trajectories the host produces train here without leaving and re-entering its process: the queue actor
+(its own process: it writes the WAL and serves HTTP) receives each group once, and the host keeps what the queue
+accepted whole (`held`), so a learner step is sampled by id alone (`train(ids)`) and only trajectories the host
+does not hold (an external agent's, or one whose put was partly a duplicate) are fetched from the queue. What
+the queue drops instead of sampling is forgotten once it is older than the staleness window.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from agentrl.actors.learner import LearnerWorker
 from agentrl.actors.rollout import RolloutWorker
 from agentrl.config import Config
 from agentrl.engines.base import TensorSource
-from agentrl.types import Trajectory
+from agentrl.types import Trajectory, min_version
 
 
 def expandable_segments(cfg: Config) -> bool:
@@ -50,8 +56,30 @@ class ColocatedHost(RolloutWorker):
             self.learner.learner.offload()
         super().__init__(cfg, model_path, queue, None, worker_id)
         self.handoff = HandOff(self.learner.learner, self.engines) if cfg.run.offload else None
+        self.held: dict[str, Trajectory] = {}  # put and accepted whole, not trained on yet
 
-    async def train(self, trajectories: list[Trajectory]) -> tuple[int, dict[str, Any]]:
+    async def _put(self, trajs: list[Trajectory], key: str) -> dict[str, int]:
+        result = await super()._put(trajs, key)
+        if result["accepted"] == len(trajs):  # the queue holds exactly these (a duplicate may differ)
+            self.held.update((t.id, t) for t in trajs)
+        return result
+
+    async def _take(self, ids: list[str]) -> list[Trajectory]:
+        """The trajectories of `ids`: held here, or fetched from the queue; the rest of `held` that the queue
+        has dropped as too stale is forgotten."""
+        missing = [tid for tid in ids if tid not in self.held]
+        fetched = (
+            dict(zip(missing, await self._queue_call("sampled", missing), strict=True)) if missing else {}
+        )
+        out = [self.held.pop(tid) if tid in self.held else fetched[tid] for tid in ids]
+        oldest = self.learner.policy_version() - self.cfg.effective_max_staleness
+        for tid in [tid for tid, t in self.held.items() if min_version(t) < oldest]:
+            del self.held[tid]
+        return out
+
+    async def train(self, ids: list[str]) -> tuple[int, dict[str, Any]]:
+        """One learner step on the sampled `ids` (see the module docstring)."""
+        trajectories = await self._take(ids)
         if self.handoff is None:
             return await asyncio.to_thread(self.learner.train, trajectories)
         await self.handoff.to_training()

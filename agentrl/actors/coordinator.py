@@ -17,10 +17,11 @@ new). A task reserves admission for all its trajectories: n_samples_per_prompt p
 A group that fails (dead worker, or an engine error naming engine, request and cause) is re-issued after an
 exponential backoff (`REISSUE_BACKOFF_S` doubling up to `REISSUE_BACKOFF_MAX_S`; each re-issue is logged with
 the attempt count and the last error); after `run.max_restarts` re-issues the run ends with one error line
-naming the task, the attempts and the last error. Every queue call goes through the Cluster's `QueueHandle`
-(agentrl.actors.queue_handle), whose recovery of a dead queue actor the Cluster owns: it re-reserves the
-groups this coordinator has in flight (`reserved`). `shutdown()` closes the queue (WAL flushed) and kills
-every actor.
+naming the task, the attempts and the last error. Every queue call of the driver goes through the Cluster's
+`QueueHandle` (agentrl.actors.queue_handle), whose recovery of a dead queue actor the Cluster owns: it
+re-reserves the groups this coordinator has in flight (`reserved`); the learner ranks' pulls of their slices
+(`train`) go to the actor of the moment and are repeated on its successor. `shutdown()` closes the queue (WAL
+flushed) and kills every actor.
 """
 
 from __future__ import annotations
@@ -33,10 +34,13 @@ from typing import Any
 from agentrl.actors.broadcast import Publisher, choose_path
 from agentrl.actors.cluster import Cluster, Slot
 from agentrl.actors.common import within
+from agentrl.actors.learner_group import LearnerGroup
+from agentrl.actors.queue import Sampled
 from agentrl.config import Config
 from agentrl.engines.base import describe_error
 from agentrl.envs.registry import env_factory
 from agentrl.errors import AgentRLError, ConfigError, EngineError, WeightSyncError
+from agentrl.queue.admission import partial_reservation_slack
 
 log = logging.getLogger(__name__)
 REISSUE_BACKOFF_S = 1.0  # wait before the first re-issue of a failed group; doubles per re-issue
@@ -167,15 +171,22 @@ class Coordinator:
                 replaced += 1
         return replaced
 
+    async def admit(self, task_index: int) -> None:
+        """Wait until the queue's staleness window admits the task's trajectories and reserve them (the queue's
+        reservation is the only bound on rollouts in flight); a task admitted already is not reserved twice."""
+        key = f"t{task_index}"
+        if key not in self.reserved:
+            await self.queue_call("reserve", self.task_trajectories, key)
+            self.reserved.add(key)
+
     async def run_group(self, task_index: int, task: dict[str, Any]) -> dict[str, Any]:
-        """Reserve admission, run the group on the least-busy worker; on a worker/engine death, recover and
-        re-issue. Returns the worker's summary."""
+        """Admit (unless the dispatcher did), run the group on the least-busy worker; on a worker/engine death,
+        recover and re-issue. Returns the worker's summary."""
         from ray.exceptions import RayActorError
 
         key = f"t{task_index}"
-        await self.queue_call("reserve", self.task_trajectories, key)
-        self.reserved.add(key)
         queue_generation = self.queue_generation
+        await self.admit(task_index)
         attempts, last = self.cfg.run.max_restarts + 1, ""
         try:
             for attempt in range(attempts):
@@ -219,9 +230,35 @@ class Coordinator:
         """The learner's supervised warm-up (`warmup.steps`); its stats (loss first/last, seconds)."""
         return await self.learner.warmup.remote()
 
-    async def train(self, trajectories: list[Any]) -> tuple[int, dict[str, Any]]:
-        """(the policy_version the learner produced, its metrics); the caller publishes that version."""
-        return await self.learner.train.remote(trajectories)
+    def data_slices(self) -> int:
+        """Slices each batch is cut into: one per learner data-parallel rank (a colocated host: one)."""
+        return 1 if self.cfg.run.placement == "colocated" else self.cfg.learner.data_parallel
+
+    async def train(self, sampled: Sampled) -> tuple[int, dict[str, Any]]:
+        """(the policy_version the learner produced, its metrics); the caller publishes that version. Only ids
+        pass through here: each learner rank pulls its own slice from the queue actor (`_fetch`), a colocated
+        host takes the trajectories it put from its own memory."""
+        if self.cfg.run.placement == "colocated":
+            return await self.learner.train.remote(sampled.ids)
+        await self._fetch(sampled.slice_ids)
+        return await self.learner.train.remote()
+
+    async def _fetch(self, slice_ids: list[list[str]]) -> None:
+        """Have each learner rank pull its slice; a queue actor that died meanwhile is restarted (by the
+        QueueHandle, reclaiming the ids the learner holds) and the pull retried on its successor. Nothing has
+        trained yet when a pull fails: the ranks enter the step's collectives only in `train()`."""
+        while True:
+            generation = self.queue_generation
+            try:
+                if isinstance(self.learner, LearnerGroup):
+                    await self.learner.fetch.remote(self.queue, slice_ids)
+                else:
+                    await self.learner.fetch.remote(self.queue, slice_ids[0])
+                return
+            except Exception:
+                await self.queue_call("status")  # recovers a dead queue actor (once per death)
+                if self.queue_generation == generation:
+                    raise
 
     async def publish(self, version: int) -> float:
         """Publish `version` to every engine host, then tell the queue. A host that died (its node lost, say)
@@ -253,11 +290,9 @@ class Coordinator:
 
 
 def _check_window_slack(cfg: Config, task_trajectories: int) -> None:
-    """A multi-seat task may deliver fewer trajectories than it reserved (a seat's group is left out when the
-    seat never moved), so the batch being filled can stay short of a whole task. The next task must still fit
-    the staleness window beside it, or rollout and learner wait on each other forever: its reservation must
-    fit in the `max_staleness` batches of slack the window has past the batch in training (sync has none)."""
-    slack = cfg.effective_max_staleness * cfg.batch_trajectories
+    """A multi-seat task may deliver fewer trajectories than it reserved: refused at the start unless the queue's
+    window leaves room for it (agentrl.queue.admission owns that rule)."""
+    slack = partial_reservation_slack(cfg.run_queue())
     if task_trajectories > slack:
         raise ConfigError(
             f"env '{cfg.env.name}' with {task_trajectories // cfg.rollout.n_samples_per_prompt} policy seats: a "

@@ -1,9 +1,10 @@
-"""LearnerWorker: the learner (torch or Megatron) behind one process, fed trajectories by the driver.
+"""LearnerWorker: the learner (torch or Megatron) behind one process, fed its data-parallel slice of each batch.
 
-`train(trajectories)` builds a `Batch`, takes learner.minibatches x learner.epochs optimizer updates (the
-learner's `policy_version` becomes v+1 once, after the last) and returns metrics, among them the staleness of the batch (learner version minus the oldest token
-version of each trajectory). `warmup()` runs the supervised phase on env demonstrations (loss on assistant
-tokens only, tokenized exactly as the multi-turn generator does). `weights_payload()` /`save_hf()` /
+`fetch(queue, ids)` pulls this rank's slice of the next batch from the queue actor (agentrl.actors.queue) and
+`train()` builds a `Batch` of it, takes learner.minibatches x learner.epochs optimizer updates (the learner's
+`policy_version` becomes v+1 once, after the last) and returns the learner's metrics. `warmup()` runs the
+supervised phase on env demonstrations (loss on assistant tokens only, tokenized exactly as the multi-turn
+generator does). `weights_payload()` /`save_hf()` /
 `distributed_source()` feed agentrl.actors.broadcast; all but `save_hf()` (full weights) send the learner's
 `published_weights()` (the adapter alone under LoRA), logged with their size; every path, `save_hf()` too, names
 MoE experts per expert, as checkpoints and SGLang do (agentrl.engines.weight_sync.per_expert_names). `save_archive()` /
@@ -23,11 +24,9 @@ import os
 import time
 from typing import Any
 
-import numpy as np
-
 from agentrl.actors.common import set_threads
 from agentrl.config import Config
-from agentrl.types import Trajectory, min_version, n_response
+from agentrl.types import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -41,22 +40,6 @@ def make_learner(cfg: Config, model_path: str):
     from agentrl.learners.torch_learner import TorchLearner
 
     return TorchLearner(model_path, cfg.learner, cfg.algorithm, **common)
-
-
-def tool_call_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
-    """`tool_call_error_rate`: the share of trajectories holding a malformed tool call (the OpenAI proxy counts
-    them in `metadata.tool_call_errors`); nothing when no trajectory comes from a proxy session."""
-    counts = [t.metadata["tool_call_errors"] for t in trajectories if "tool_call_errors" in t.metadata]
-    return {"tool_call_error_rate": sum(c > 0 for c in counts) / len(counts)} if counts else {}
-
-
-def routing_replay_metrics(trajectories: list[Trajectory], routing_replay: str) -> dict[str, float]:
-    """`train/routing_replay_missing`: with `learner.routing_replay = "rollout"`, how many of the step's
-    trajectories carry no `routed_experts` record (a dense model or an engine that does not report them, an
-    external agent that sent none); the learner routes those itself. Nothing when replay is off."""
-    if routing_replay != "rollout":
-        return {}
-    return {"train/routing_replay_missing": float(sum(t.routed_experts is None for t in trajectories))}
 
 
 class LearnerWorker:
@@ -77,6 +60,7 @@ class LearnerWorker:
         self.learner = make_learner(cfg, model_path)
         self.learner.logprob_samples = cfg.dashboard.logprob_samples
         self._group = None
+        self._slice: list[Trajectory] | None = None  # pulled by `fetch`, trained on by the next `train()`
 
     @property
     def pad_id(self) -> int:
@@ -94,35 +78,39 @@ class LearnerWorker:
 
     # -- training ----------------------------------------------------------------------------------------
 
-    def train(self, trajectories: list[Trajectory]) -> tuple[int, dict[str, Any]]:
-        """One rollout batch: (the policy_version it produced, the step's metrics). The version travels on its
-        own, not inside the metrics: the driver's RunState takes it from here and is its only other holder."""
+    def fetch(self, queue: Any, ids: list[str]) -> int:
+        """Pull this rank's data-parallel slice of the next batch (`ids`, whole groups) from the queue actor: the
+        trajectories reach this process alone, and the next `train()` trains on them. Returns how many."""
+        import ray
+
+        self._slice = ray.get(queue.sampled.remote(ids))
+        return len(self._slice)
+
+    def train(self, trajectories: list[Trajectory] | None = None) -> tuple[int, dict[str, Any]]:
+        """This rank's data-parallel slice of one rollout batch (the one `fetch` pulled, unless given; the whole
+        batch when the learner has one data-parallel rank): (the policy_version it produced, the step's learner
+        metrics). The version travels on its own, not inside the metrics: the driver's RunState takes it from
+        here and is its only other holder. The batch's rollout metrics (rewards, staleness, lengths) come from
+        the queue."""
         from agentrl.learners.batch import build_batch
 
+        if trajectories is None:
+            trajectories, self._slice = self._slice, None
+            if trajectories is None:
+                raise RuntimeError("LearnerWorker.train() without trajectories needs a fetch() first")
         t0 = time.perf_counter()
-        version = self.policy_version()
-        staleness = np.array([version - min_version(t) for t in trajectories], dtype=np.float64)
-        rewards = np.array([t.reward for t in trajectories], dtype=np.float64)
         replay = self.cfg.learner.routing_replay == "rollout"
         batch = build_batch(trajectories, self.pad_id, self.cfg.learner.device, routed_experts=replay)
-        stats = self.learner.train_step(batch)
-        dt = time.perf_counter() - t0
-        n_tokens = sum(n_response(t) for t in trajectories)
+        stats = self.learner.train_step(batch, sliced=True)
         return self.policy_version(), {
             **{f"train/{k}": float(v) for k, v in stats.items()},
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()),
-            "success_rate": float((rewards >= 0.999).mean()),
-            "staleness_mean": float(staleness.mean()),
-            "staleness_max": int(staleness.max()),
-            "n_trajectories": len(trajectories),
-            "response_tokens": n_tokens,
-            "response_len_mean": n_tokens / max(1, len(trajectories)),
-            "train_s": dt,
+            "train_s": time.perf_counter() - t0,
             "logprob_sample": self.learner.logprob_sample,  # the driver writes it to learner_logprobs.jsonl
-            **tool_call_metrics(trajectories),
-            **routing_replay_metrics(trajectories, self.cfg.learner.routing_replay),
         }
+
+    def data_rank(self) -> tuple[int, int]:
+        """(data-parallel rank, data-parallel size): which slice of each rollout batch this rank trains on."""
+        return self.learner.data_rank()
 
     def warmup(self) -> dict[str, Any]:
         """Supervised warm-up on env demonstrations for `warmup.steps` steps (or `warmup.time_limit_s`)."""

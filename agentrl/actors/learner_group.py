@@ -3,10 +3,14 @@
 `spawn_learner(cfg, model_path, options_for)` returns a single LearnerWorker actor when the learner has one rank,
 else a `LearnerGroup`: one LearnerWorker actor per rank, started with RANK / WORLD_SIZE / LOCAL_RANK /
 MASTER_ADDR / MASTER_PORT in its environment, so the learner's own `torch.distributed` initialisation (Megatron's
-parallel_state, FSDP2's mesh) forms the group. Callers keep writing `await learner.train.remote(trajectories)`:
+parallel_state, FSDP2's mesh) forms the group. Callers write `await learner.method.remote(...)` as for one actor:
 
 - every method runs on every rank (training, checkpoints and weight gathering are collectives) and the call
   returns rank 0's result once all ranks finished, so a failing rank fails the call;
+- `fetch(queue, slice_ids)` takes the ids of one slice per data-parallel rank (`slice_ids[k]`, as the queue
+  actor's `sample` cut them) and hands each rank its own DP rank's ids alone (tensor/pipeline parallel peers of
+  one DP rank get the same ones): each rank pulls its slice from the queue, so no rank receives another rank's
+  trajectories; `train()` then trains every rank on what it pulled;
 - `weights_payload` returns rank 0's ObjectRef without waiting (the object-store publish passes it by reference);
 - `init_weight_group` runs on rank 0 alone: only rank 0 joins the engines' broadcast group;
 - `save_archive` returns every rank's result (each rank's checkpoint files, streamed to the driver's node).
@@ -32,18 +36,36 @@ LEARNER_METHODS = methods(LearnerAPI) | {"where"}
 class LearnerGroup:
     def __init__(self, handles: list[Any]):
         self.handles = handles
+        self._data_ranks: list[int] | None = None  # each handle's data-parallel rank, asked once
 
     def __getattr__(self, method: str) -> _Call:
         if method not in LEARNER_METHODS:  # only the learner's declared remote API (agentrl.actors.api)
             raise AttributeError(f"LearnerGroup has no remote method {method!r}")
-        return _Call(self.handles, method)
+        return _Call(self, method)
+
+    async def data_ranks(self) -> list[int]:
+        """Each rank's data-parallel rank (Megatron orders TP, then DP, then PP: asked, not assumed)."""
+        if self._data_ranks is None:
+            ranks = await asyncio.gather(*(h.data_rank.remote() for h in self.handles))
+            self._data_ranks = [int(dp) for dp, _ in ranks]
+        return self._data_ranks
+
+    async def _fetch(self, queue: Any, slice_ids: list[list[str]]) -> int:
+        ranks = await self.data_ranks()
+        if len(slice_ids) != len(set(ranks)):
+            raise ValueError(f"fetch: {len(slice_ids)} slices for {len(set(ranks))} data-parallel ranks")
+        return await _first(
+            [h.fetch.remote(queue, slice_ids[dp]) for h, dp in zip(self.handles, ranks, strict=True)]
+        )
 
 
 class _Call:
-    def __init__(self, handles: list[Any], method: str):
-        self.handles, self.method = handles, method
+    def __init__(self, group: LearnerGroup, method: str):
+        self.group, self.handles, self.method = group, group.handles, method
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
+        if self.method == "fetch":
+            return self.group._fetch(*args, **kwargs)
         if self.method in RANK0_ONLY:
             return getattr(self.handles[0], self.method).remote(*args, **kwargs)
         refs = [getattr(h, self.method).remote(*args, **kwargs) for h in self.handles]

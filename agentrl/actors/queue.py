@@ -1,14 +1,11 @@
 """QueueActor: the run's ReplayQueue and its HTTP front door, in one process.
 
 Rollout workers put over Ray; external agents over HTTP (`POST /v1/trajectories`) at `url()`, during the
-run. Admission is reserved by the driver before it dispatches a group (`reserve(n, key)`), and the worker's
-`put(trajectories, key)` spends that reservation, so rollout never runs past the staleness window and a
-re-issued group (same key) reuses its reservation. Everything runs on the actor's event loop.
-
-The actor writes the run's WAL for the driver of `agentrl run`, which holds `run_dir/run.lock`: it is fenced
-by that driver's pid, so once the driver is gone (even SIGKILLed, while Ray still runs this actor) nothing
-more is appended and the log's lock is released for `--resume`. A restarted actor waits briefly for the log's
-lock while its predecessor's process exits.
+run. The learner loop's `sample(size, version, timeout_s, n_slices)` returns a `Sampled`: the batch's ids, cut
+into one slice of whole groups per learner data-parallel rank (agentrl.queue.slices), and its metrics; the
+trajectories stay here until each learner rank pulls its own slice with `sampled(ids)` (the rank then owns its
+copy), so the driver never holds them. A queue actor restarted meanwhile serves them as well: the ids the
+learner holds are reclaimed into its sampled set.
 Plain class: agentrl.actors.remote makes it a Ray actor.
 """
 
@@ -16,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +25,19 @@ log = logging.getLogger(__name__)
 
 LOCK_WAIT_S = 30.0  # for the log's lock, while a dead predecessor's process is still exiting
 FENCE_CHECK_S = 0.5  # how often an idle actor looks for its driver (a put checks on its own)
+
+
+@dataclass
+class Sampled:
+    """One learner step's batch as the driver holds it: `slice_ids[k]` are the trajectory ids of data-parallel
+    rank k's slice (whole groups), `metrics` the batch's rollout metrics (agentrl.queue.slices)."""
+
+    slice_ids: list[list[str]]
+    metrics: dict[str, Any]
+
+    @property
+    def ids(self) -> list[str]:
+        return [tid for part in self.slice_ids for tid in part]
 
 
 def driver_fence(run_dir: str) -> Fence | None:
@@ -104,6 +115,21 @@ class QueueActor:
 
     async def sample_batch(self, size: int, learner_version: int, timeout_s: float | None = None) -> Any:
         return await self.queue.sample_batch(size, learner_version, timeout_s)
+
+    async def sample(self, size: int, learner_version: int, timeout_s: float | None = None,
+                     n_slices: int = 1) -> Sampled:  # fmt: skip
+        """The next batch (see `sample_batch`) as ids in `n_slices` slices of whole groups, and its metrics."""
+        from agentrl.queue.slices import batch_metrics, split_groups
+
+        batch = await self.queue.sample_batch(size, learner_version, timeout_s)
+        parts = split_groups(batch.trajectories, n_slices)
+        return Sampled(
+            [[t.id for t in part] for part in parts],
+            batch_metrics(batch.trajectories, learner_version, self.cfg.learner.routing_replay),
+        )
+
+    def sampled(self, ids: list[str]) -> list[Trajectory]:
+        return self.queue.sampled(ids)
 
     async def commit(self, step: int, ids: list[str]) -> None:
         await self.queue.commit(step, ids)

@@ -8,6 +8,8 @@ loss mask get advantage 0 and are skipped by the scans (env/tool tokens do not b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -102,13 +104,27 @@ def gae(
     return adv, (adv + v) * loss_mask
 
 
-def whiten(values: torch.Tensor, loss_mask: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """(x - mean) / (std + eps) over the loss tokens of the whole batch (unbiased std); 0 off the mask."""
+def whiten(
+    values: torch.Tensor,
+    loss_mask: torch.Tensor,
+    eps: float = 1e-6,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the loss tokens of the whole batch (unbiased std); 0 off the mask.
+    `reduce` sums over the data-parallel ranks when `values` is one rank's slice of the batch: the moments
+    are then the whole batch's (count, sum, then the sum of squared deviations)."""
     m = loss_mask > 0
-    n = int(m.sum())
-    if n < 2:
-        return torch.zeros_like(values)
     x = values[m].double()
     out = torch.zeros_like(values)
-    out[m] = ((x - x.mean()) / (x.std() + eps)).to(values.dtype)
+    if reduce is None:
+        if x.numel() < 2:
+            return out
+        out[m] = ((x - x.mean()) / (x.std() + eps)).to(values.dtype)
+        return out
+    n = int(reduce(torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)))
+    if n < 2:
+        return out
+    mean = reduce(x.sum()) / n
+    std = (reduce((x - mean).square().sum()) / (n - 1)).sqrt()
+    out[m] = ((x - mean) / (std + eps)).to(values.dtype)
     return out

@@ -17,6 +17,7 @@ on a masked token cannot turn into inf * 0 = NaN; ratios come from agentrl.algor
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -57,17 +58,39 @@ def check(cfg: AlgorithmSection, has_reference: bool) -> None:
         raise ConfigError(f"algorithm.mismatch_veto must be 0 (off) or > 1, got {cfg.mismatch_veto}")
 
 
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def prepare_batch(
-    cfg: AlgorithmSection, batch: Batch, policy_version: int, *, as_tensors: bool = False
+    cfg: AlgorithmSection,
+    batch: Batch,
+    policy_version: int,
+    *,
+    as_tensors: bool = False,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Age masking, KL reward shaping and advantages over the whole batch (in place); returns metrics: floats,
     or with `as_tensors` 0-d device tensors (no host read: a learner reads them with its first update's metrics,
-    so nothing waits for the device between one step's optimizer and the next step's forward)."""
+    so nothing waits for the device between one step's optimizer and the next step's forward).
+
+    `reduce` (a sum over the learner's data-parallel ranks): `batch` is one rank's slice of whole groups. Its
+    normalisers (`total_loss_tokens`, `n_seqs`) become the whole batch's, and every batch-wide sum (the
+    age-masked token count, the whitening's moments, the metrics' numerators) is summed over the slices, so
+    each rank gets the values the whole batch gives. Per-group and per-sequence estimates need nothing more:
+    groups are whole."""
+    total = reduce or _local
+    if reduce is not None:
+        device = batch.loss_mask.device
+        counts = reduce(
+            torch.tensor([batch.total_loss_tokens, batch.n_seqs], dtype=torch.float64, device=device)
+        )
+        batch.total_loss_tokens, batch.n_seqs = float(counts[0]), int(counts[1])
     before = batch.total_loss_tokens
     # age masking off: the mask is all ones, so no multiply and no read of the device for the count
     if cfg.max_token_age > 0:
         batch.loss_mask = batch.loss_mask * age_mask(batch.token_versions, policy_version, cfg.max_token_age)
-        batch.total_loss_tokens = float(batch.loss_mask.sum())
+        batch.total_loss_tokens = float(total(batch.loss_mask.sum()))
     mask = batch.loss_mask
     metrics: dict = {"stale_frac": 1.0 - batch.total_loss_tokens / before if before else 0.0}
     n = max(batch.total_loss_tokens, 1.0)
@@ -78,20 +101,21 @@ def prepare_batch(
             raise LearnerError("algorithm.kl_mode = 'reward' needs batch.ref_logprobs (a reference model)")
         base = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
         kl_tokens = kl_estimate(base, batch.ref_logprobs, cfg.kl_estimator, mask) * mask
-        metrics["kl_reward"] = kl_tokens.sum() / n
+        metrics["kl_reward"] = total(kl_tokens.sum()) / n
 
     level = cfg.estimator.level
     if level == "sequence":
         batch.advantages = _sequence_advantages(cfg, batch, kl_tokens)
     elif level == "token":
-        batch.advantages = _token_advantages(cfg, batch, kl_tokens)
+        batch.advantages = _token_advantages(cfg, batch, kl_tokens, total)
     else:
         batch.advantages = torch.zeros_like(mask)
     if cfg.needs().teacher:
-        batch.advantages = batch.advantages + _teacher_advantages(cfg, batch, metrics)
-    metrics["advantage_mean"] = batch.advantages.sum() / n
-    metrics["advantage_abs_mean"] = batch.advantages.abs().sum() / n
-    metrics["reward_mean"] = batch.rewards.float().mean()
+        batch.advantages = batch.advantages + _teacher_advantages(cfg, batch, metrics, total)
+    metrics["advantage_mean"] = total(batch.advantages.sum()) / n
+    metrics["advantage_abs_mean"] = total(batch.advantages.abs().sum()) / n
+    rewards = batch.rewards.float()
+    metrics["reward_mean"] = rewards.mean() if reduce is None else total(rewards.sum()) / max(batch.n_seqs, 1)
     if as_tensors:
         return metrics
     return metric_floats([(metrics, 1.0)])[0][0]
@@ -111,14 +135,19 @@ def _sequence_advantages(cfg: AlgorithmSection, batch: Batch, kl_tokens: torch.T
     return adv_lib.to_tokens(seq_adv, seq, batch.loss_mask)
 
 
-def _token_advantages(cfg: AlgorithmSection, batch: Batch, kl_tokens: torch.Tensor | None) -> torch.Tensor:
+def _token_advantages(
+    cfg: AlgorithmSection,
+    batch: Batch,
+    kl_tokens: torch.Tensor | None,
+    total: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
     """Returns to go (reinforce_pp, reinforce_pp_baseline) or GAE with the critic (gae), whitened; gae also
     fills `batch.returns`."""
     rewards, mask, seq = batch.rewards.float(), batch.loss_mask, batch.seq_index
     if cfg.advantage == "reinforce_pp_baseline":
         _, _, mean, _ = adv_lib.group_stats(rewards, batch.group_index, batch.n_groups)
         rewards = (rewards.double() - mean).float()
-    token_rewards = adv_lib.terminal_rewards(rewards, mask, seq, batch.n_seqs)
+    token_rewards = adv_lib.terminal_rewards(rewards, mask, seq, rewards.numel())
     if kl_tokens is not None:
         token_rewards = token_rewards - cfg.kl_coef * kl_tokens
     if cfg.needs().value_head:
@@ -129,10 +158,12 @@ def _token_advantages(cfg: AlgorithmSection, batch: Batch, kl_tokens: torch.Tens
         raw, batch.returns = adv_lib.gae(token_rewards, batch.old_values, mask, seq, cfg.gamma, cfg.lam)
     else:
         raw, _ = adv_lib.gae(token_rewards, None, mask, seq, cfg.gamma, 1.0)
-    return adv_lib.whiten(raw, mask, cfg.norm_eps)
+    return adv_lib.whiten(raw, mask, cfg.norm_eps, total)
 
 
-def _teacher_advantages(cfg: AlgorithmSection, batch: Batch, metrics: dict) -> torch.Tensor:
+def _teacher_advantages(
+    cfg: AlgorithmSection, batch: Batch, metrics: dict, total: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
     """On-policy distillation: teacher_coef * (log pi_teacher - log mu) on each loss token, the negative
     per-token reverse KL of the sampled token (Thinking Machines' OPD, slime's --opd-kl-coef), undiscounted and
     not whitened; clamped to +-20 nats like every log-ratio. mu = the sampler's log-probs; a sequence without
@@ -152,7 +183,7 @@ def _teacher_advantages(cfg: AlgorithmSection, batch: Batch, metrics: dict) -> t
         batch.teacher_logprobs - student, mask
     )  # a -inf log-prob gives 20 nats, not inf
     n = max(batch.total_loss_tokens, 1.0)
-    metrics["teacher_reverse_kl"] = -log_ratio.sum() / n
+    metrics["teacher_reverse_kl"] = -total(log_ratio.sum()) / n
     return cfg.teacher_coef * log_ratio
 
 

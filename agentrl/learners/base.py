@@ -10,7 +10,13 @@ computed over the whole batch, then
 `prepare_batch` (advantages), then `learner.epochs` passes over the `learner.minibatches` mini-batches
 (`agentrl.learners.batch.mini_batches`), one optimizer update each (`_update`, learner-specific: micro-batches,
 data/tensor/pipeline parallelism). The policy version advances once, after the last update, so publishing and
-the staleness accounting see one version per rollout batch. Every update passes `_skip_update`: a non-finite
+the staleness accounting see one version per rollout batch. `train_step(batch, sliced=True)` takes this rank's
+data-parallel slice of the rollout batch (whole groups, as agentrl.queue.slices cuts it) rather than the whole
+batch: each rank then computes log-probs and runs micro-batches of its own rows only, and what the objective
+needs over the whole batch is summed over the data-parallel ranks (`_dp_sum`, passed to `prepare_batch`): the
+normalisers (`total_loss_tokens`, `n_seqs`, each mini-batch's), the token whitening and the batch metrics, so a step on
+slices equals the step on the whole batch (with `learner.minibatches` > 1 each mini-batch is a slice of every
+rank's rows rather than a contiguous block of the whole batch). Every update passes `_skip_update`: a non-finite
 loss or gradient skips that update (weights and optimizer state untouched) with a warning and the
 `updates_skipped` metric.
 """
@@ -50,6 +56,7 @@ class Learner(abc.ABC):
     _batch_metrics: dict[str, float] = {}  # ... and once read
 
     kind: str = "torch"  # learner.kind of the section a learner built without one gets
+    _sliced: bool = False  # during a train_step on this rank's data-parallel slice (see the module docstring)
 
     def __init__(
         self,
@@ -115,29 +122,62 @@ class Learner(abc.ABC):
         """The learner's own metrics of the prepared batch, 0-d device tensors read with `prepare_batch`'s."""
         return {}
 
-    def train_step(self, batch: Batch) -> dict[str, float]:
-        """One rollout batch: learner.epochs x learner.minibatches optimizer updates, then version v -> v+1."""
+    def data_rank(self) -> tuple[int, int]:
+        """(this rank's data-parallel rank, the data-parallel size): which slice of a rollout batch it trains on."""
+        return 0, 1
+
+    def _dp_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` summed over the data-parallel ranks (in place where the collective works in place)."""
+        return x
+
+    def _dp_counts(self, *counts: float) -> list[float]:
+        """`counts` summed over the data-parallel ranks (float64, in one collective)."""
+        device = getattr(self, "device", None)  # each learner's own (NCCL sums on the GPU)
+        return self._dp_sum(torch.tensor(counts, dtype=torch.float64, device=device)).tolist()
+
+    def train_step(self, batch: Batch, sliced: bool = False) -> dict[str, float]:
+        """One rollout batch (with `sliced`, this rank's data-parallel slice of it): learner.epochs x
+        learner.minibatches optimizer updates, then version v -> v+1."""
         start = time.perf_counter()
         batch = self._prepare(batch)
-        self._before_updates(batch)
-        self._unread = {
-            **prepare_batch(self.algo, batch, self.policy_version, as_tensors=True),
-            **self._step_metrics(batch),
-        }
-        self._batch_metrics = {}
-        self.logprob_sample = self._sample_logprobs(batch) if self.logprob_samples else []
-        parts = mini_batches(batch, self.cfg.minibatches)
-        updates, n_micro = [], 0
-        for _ in range(self.cfg.epochs):
-            for mb in parts:
-                m, k = self._update(mb)
-                updates.append(m)
-                n_micro += k
-        self._read_metrics([])  # unless an update read them with its own
+        self._sliced = sliced and self.data_rank()[1] > 1
+        try:
+            reduce = self._dp_sum if self._sliced else None
+            n_tokens = self._dp_counts(batch.n_tokens)[0] if self._sliced else float(batch.n_tokens)
+            self._before_updates(batch)
+            self._unread = {
+                **prepare_batch(self.algo, batch, self.policy_version, as_tensors=True, reduce=reduce),
+                **self._step_metrics(batch),
+            }
+            self._batch_metrics = {}
+            self.logprob_sample = self._sample_logprobs(batch) if self.logprob_samples else []
+            if self._sliced and self.cfg.minibatches > 1:
+                # every rank must refuse together: one that raised alone would leave the others in a collective
+                short = self._dp_counts(float(batch.n_rows < self.cfg.minibatches))[0]
+                if short:
+                    raise LearnerError(
+                        f"learner.minibatches = {self.cfg.minibatches} exceeds the rows of {int(short)} "
+                        "data-parallel rank(s)' slice of this batch"
+                    )
+            parts = mini_batches(batch, self.cfg.minibatches)
+            if self._sliced and len(parts) > 1:  # a mini-batch is every rank's part k: its normalisers too
+                for mb in parts:
+                    loss_tokens, n_seqs = self._dp_counts(mb.total_loss_tokens, mb.n_seqs)
+                    mb.total_loss_tokens, mb.n_seqs = loss_tokens, int(n_seqs)
+            updates, n_micro = [], 0
+            for _ in range(self.cfg.epochs):
+                for mb in parts:
+                    m, k = self._update(mb)
+                    updates.append(m)
+                    n_micro += k
+            self._read_metrics([])  # unless an update read them with its own
+        finally:
+            self._sliced = False
         metrics = {**self._batch_metrics, **merge_updates(updates)}
         self.step += 1
         self.policy_version += 1
         metrics.update(self._counters(batch, start, n_micro))
+        metrics["tokens"] = n_tokens
         return metrics
 
     def _read_metrics(self, parts: list[tuple[dict[str, Any], Any]]) -> list[tuple[dict[str, float], float]]:

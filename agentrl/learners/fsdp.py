@@ -1,8 +1,9 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`) for the torch learner: one process per device (agentrl run or torchrun).
 
 Invariants: every rank holds the same batch and runs `share(parts)` of its micro-batches (the Megatron learner's
-`parts[rank::world]` split), padded with zero-weight repeats so every rank runs the same number of forwards and
-backwards (FSDP all-gathers inside them); loss terms carry full-batch normalisers, so gradients are SUMMED over
+`parts[rank::world]` split), or holds its own data-parallel slice of the batch and runs all its parts (`pad`),
+padded with zero-weight repeats so every rank runs the same number of forwards and backwards (FSDP all-gathers
+inside them); loss terms carry full-batch normalisers, so gradients are SUMMED over
 ranks (divide factor 1, sum-only collectives: exact on NCCL and gloo) and equal one big batch. Each decoder layer
 and then the root are sharded on a 1-D mesh; parameters (and AdamW state) stay fp32 DTensor shards, with bf16
 compute and fp32 gradient reduction on CUDA (`MixedPrecisionPolicy`). Full tensors are gathered one parameter at
@@ -77,6 +78,13 @@ class World:
         mine = [(p, 1.0) for p in parts[self.rank :: self.size]]
         count = -(-len(parts) // self.size)
         return mine + [(parts[0], 0.0)] * (count - len(mine))
+
+    def pad(self, parts: Sequence[T]) -> list[tuple[T, float]]:
+        """All of this rank's parts (its own data-parallel slice) with weight 1, padded with weight-0 repeats to
+        the most parts any rank has, so every rank runs the same number of forwards and backwards."""
+        count = torch.tensor([len(parts)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return [(p, 1.0) for p in parts] + [(parts[0], 0.0)] * (int(count) - len(parts))
 
     def sum_(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x)

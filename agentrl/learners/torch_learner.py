@@ -206,8 +206,17 @@ class TorchLearner(Learner):
         return torch.autocast("cuda", dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
     def _share(self, parts: list) -> list[tuple]:
-        """(part, weight): all parts alone, this rank's share padded by weight-0 repeats under FSDP."""
-        return [(p, 1.0) for p in parts] if self.world is None else self.world.share(parts)
+        """(part, weight): all parts alone, this rank's share padded by weight-0 repeats under FSDP (all of its
+        parts when the batch is its own data-parallel slice)."""
+        if self.world is None:
+            return [(p, 1.0) for p in parts]
+        return self.world.pad(parts) if self._sliced else self.world.share(parts)
+
+    def data_rank(self) -> tuple[int, int]:
+        return (0, 1) if self.world is None else (self.world.rank, self.world.size)
+
+    def _dp_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.world is None else self.world.sum_(x.detach().clone())
 
     def _forward(self, model, mb: Batch, *, entropy: bool = False, values: bool = False):
         """(logprobs, entropy or None, values or None) of one micro-batch, all [R, T] float32."""
@@ -240,7 +249,7 @@ class TorchLearner(Learner):
                     logp, _, vals = self._forward(model, mb, values=values)
                 if weight:
                     out[rows, : logp.shape[1]] = vals if values else logp
-        if self.world is not None:  # micro-batches hold disjoint rows: the sum is the whole batch
+        if self.world is not None and not self._sliced:  # disjoint rows of one batch: the sum is all of it
             self.world.sum_(out)
         return out * batch.attention_mask
 

@@ -18,7 +18,10 @@ Invariants:
 - Reservations never take the last `external_room` = external_share * (max_staleness + 1) * batch_size slots
   of the window: those stay for unreserved (HTTP) puts. A reservation that could never fit is refused at once.
 - Refusals raise QueueFull(retry_after_s) and change nothing but the `rejected_full` counter.
-- `reserve` waits on the `space` signal (fired whenever the window may have room), never polling.
+- `reserve` waits on the `space` signal (fired whenever the window may have room), never polling. It is the only
+  bound on rollouts in flight: `agentrl run`'s dispatcher reserves each group here before it starts it, and keeps
+  no window arithmetic of its own (`partial_reservation_slack` is the window's one rule for tasks that may
+  deliver less than they reserved).
 `Admission` reads its queue's cfg, batch_size, policy_version, closed flag and metrics live. Pure asyncio; no
 torch or ray.
 """
@@ -36,7 +39,16 @@ from agentrl.queue.primitives import Hold, Ticket, _Group, _Signal
 from agentrl.types import Trajectory, normalize, where
 
 if TYPE_CHECKING:
+    from agentrl.config import QueueSection
     from agentrl.queue.core import ReplayQueue
+
+
+def partial_reservation_slack(cfg: QueueSection) -> int:
+    """The most trajectories one reservation may hold when its put may deliver fewer (a multi-seat task leaves
+    out a seat that never moved): the batch being filled can then stay short, and the next reservation must
+    still fit beside it in the `max_staleness` batches the window holds past the batch in training, or rollout
+    and learner wait on each other forever. 0 under sync (max_staleness 0)."""
+    return cfg.max_staleness * cfg.batch_size
 
 
 class Admission:

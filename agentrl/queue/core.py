@@ -261,6 +261,16 @@ class ReplayQueue(GroupedQueue, DurableQueue):
                 self._sampled[tid] = self._live[tid]
         return len(held)
 
+    def sampled(self, ids: Iterable[str]) -> list[Trajectory]:
+        """The trajectories of `ids` handed to the learner and not committed yet (after a restart: those the
+        learner's held ids reclaimed), in the order of `ids`; KeyError names the first one not among them."""
+        out = []
+        for tid in ids:
+            if tid not in self._sampled:
+                raise KeyError(f"trajectory {tid!r} is not sampled and uncommitted in this queue")
+            out.append(self._sampled[tid])
+        return out
+
     # ----------------------------------------------------------------- state
     def pending_ids(self) -> list[str]:
         """Uncommitted ids (queued, waiting for their group, or sampled), in acceptance order."""

@@ -1,22 +1,20 @@
 """The rollout side of the driver: keeps rollout groups in flight while the learner trains.
 
-Each task becomes one group (`Coordinator.run_group`: admission in the queue's staleness window, then
-`n_samples_per_prompt` episodes on a rollout worker, put into the queue as a whole). Sync runs keep
-`prompts_per_step` groups in flight (the staleness-0 window holds them back until the next version is
-published). Async runs keep as many as the staleness window admits, `(max_staleness + 1) * prompts_per_step`
-(and at least enough to fill every worker's `concurrency`): the workers' `concurrency` bounds the episodes that
-run at once, so a later group's episodes take the slots a group's short samples free while its longest sample
-still runs. With only enough groups to fill `concurrency`, each group held its slots until its longest sample
-ended, and on a long-tailed workload the engine decoded far fewer sequences than `concurrency`. The task
-cursor and the tasks in flight are part of each checkpoint, so a resumed run re-issues exactly the tasks that
-were not trained on.
+Each task becomes one group (`Coordinator.run_group`: `n_samples_per_prompt` episodes on a rollout worker, put
+into the queue as a whole). Before a group starts, the dispatcher has the coordinator reserve its trajectories
+in the queue's staleness window (`Coordinator.admit`, agentrl.queue.admission): that reservation is the only
+bound on groups in flight, so sync runs keep `prompts_per_step` groups in flight (the staleness-0 window holds
+the next ones back until the next version is published) and async runs as many as the window admits,
+`(max_staleness + 1) * prompts_per_step`. The workers' `concurrency` bounds the episodes that run at once, so a
+later group's episodes take the slots a group's short samples free while its longest sample still runs. The task
+cursor and the tasks in flight (admitted, or waiting for admission) are part of each checkpoint, so a resumed
+run re-issues exactly the tasks that were not trained on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from typing import Any
 
 from agentrl.config import Config
@@ -77,14 +75,6 @@ class Dispatcher:
         self.tasks.load_state_dict(state["data_cursor"])
         self.reissue = [(int(i), t) for i, t in state["inflight"]]
 
-    def _limit(self) -> int:
-        """Groups in flight at most."""
-        r = self.cfg.rollout
-        if self.cfg.run.mode != "async":
-            return r.prompts_per_step
-        window = (self.cfg.effective_max_staleness + 1) * r.prompts_per_step  # the queue's window, in groups
-        return max(window, math.ceil(r.concurrency * r.num_workers / r.n_samples_per_prompt))
-
     def _next_task(self) -> tuple[int, dict[str, Any]] | None:
         if self.reissue:
             return self.reissue.pop(0)
@@ -95,18 +85,13 @@ class Dispatcher:
         return index, batch[0]
 
     async def _run(self) -> None:
-        slots = asyncio.Semaphore(self._limit())
         running: set[asyncio.Task] = set()
         try:
-            while True:
-                await slots.acquire()
-                nxt = self._next_task()
-                if nxt is None:
-                    slots.release()
-                    break
+            while (nxt := self._next_task()) is not None:
                 index, task = nxt
-                self.inflight[index] = task
-                job = asyncio.create_task(self._group(index, task, slots))
+                self.inflight[index] = task  # checkpointed from here: its cursor has moved past it
+                await self.coord.admit(index)  # waits while the queue's staleness window is full
+                job = asyncio.create_task(self._group(index, task))
                 running.add(job)
                 job.add_done_callback(running.discard)
             await asyncio.gather(*running)
@@ -114,7 +99,7 @@ class Dispatcher:
             for job in running:
                 job.cancel()
 
-    async def _group(self, index: int, task: dict[str, Any], slots: asyncio.Semaphore) -> None:
+    async def _group(self, index: int, task: dict[str, Any]) -> None:
         try:
             summary = await self.coord.run_group(index, task)
             self.rewards.extend(summary["rewards"])
@@ -126,4 +111,3 @@ class Dispatcher:
             self.failure = exc
         finally:
             self.inflight.pop(index, None)
-            slots.release()

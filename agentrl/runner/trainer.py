@@ -1,7 +1,8 @@
 """The learner loop of `agentrl run`, on the driver: sample -> train -> publish -> checkpoint -> commit.
 
 While the `Dispatcher` (runner/dispatch.py) keeps rollout groups in flight, each learner step samples a
-batch of `prompts_per_step * n_samples_per_prompt` trajectories from the queue, trains on it (version
+batch of `prompts_per_step * n_samples_per_prompt` trajectories from the queue (the driver receives their ids
+and metrics; each learner rank pulls its own data-parallel slice from the queue actor), trains on it (version
 v -> v+1), publishes v+1 to every engine (then the queue learns v+1, which moves the staleness window) and
 logs the step's metrics line. Every `run.checkpoint_every` steps (and at the end) a checkpoint is written,
 and only then are the steps it holds committed to the ledger (runner/state.py: why that makes `--resume`
@@ -102,10 +103,10 @@ class Trainer:
             return None
         wait_s = time.perf_counter() - t0
         self.state.training_ids = sampled.ids
-        version, metrics = await self.coord.train(sampled.trajectories)
+        version, learned = await self.coord.train(sampled)
         publish_s = await self.coord.publish(version)
         self.state.trained(version, sampled.ids)
-        metrics["policy_version"] = self.state.policy_version
+        metrics = {**sampled.metrics, **learned, "policy_version": self.state.policy_version}
         self.rundir.log_logprobs(self.state.step, metrics.pop("logprob_sample", []))
         metrics = await self._metrics(metrics, wait_s, publish_s)
         if self.evaluation.due(self.state.step):
@@ -115,11 +116,14 @@ class Trainer:
         return metrics
 
     async def _sample(self) -> Any:
-        """The next batch; waits in slices so a rollout failure or a finished dispatcher is noticed."""
+        """The next batch as ids (one slice per learner data-parallel rank) and metrics: the trajectories go
+        from the queue actor to the learner ranks, never through here. Waits in slices so a rollout failure or a
+        finished dispatcher is noticed."""
+        slices = self.coord.data_slices()
         while True:
             try:
                 return await self.coord.queue_call(
-                    "sample_batch", self.cfg.batch_trajectories, self.state.policy_version, SAMPLE_SLICE_S
+                    "sample", self.cfg.batch_trajectories, self.state.policy_version, SAMPLE_SLICE_S, slices
                 )
             except TimeoutError:
                 if self.rollouts.finished():

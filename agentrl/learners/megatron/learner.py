@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from agentrl.algorithms import compute_loss, merge_metrics, sft_loss
 from agentrl.errors import LearnerError
@@ -245,7 +246,21 @@ class MegatronLearner(Learner):
     # -- training ----------------------------------------------------------------------------------------
 
     def _my_micro_batches(self, batch: Batch) -> list[Batch]:
-        return micro_batches(batch, self.cfg.micro_batch_tokens)[self.dp_rank :: self.dp_size]
+        """This DP rank's share of the batch's micro-batches; all of them when the batch is its own slice."""
+        mbs = micro_batches(batch, self.cfg.micro_batch_tokens)
+        return mbs if self._sliced else mbs[self.dp_rank :: self.dp_size]
+
+    def data_rank(self) -> tuple[int, int]:
+        return self.dp_rank, self.dp_size
+
+    def _dp_sum(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dp_size == 1:
+            return x
+        from megatron.core import parallel_state as ps
+
+        x = x.detach().clone()
+        dist.all_reduce(x, group=ps.get_data_parallel_group())
+        return x
 
     def _prepare(self, batch: Batch) -> Batch:
         _check_batch(batch)
