@@ -10,7 +10,6 @@ import msgspec
 import numpy as np
 import pytest
 
-from agentrl.queue.slices import routing_replay_metrics
 from agentrl.actors.rollout import rollout_sampling
 from agentrl.config import Config, load_config
 from agentrl.engines.base import SamplingParams
@@ -20,6 +19,7 @@ from agentrl.generators.chat import chat_tokens
 from agentrl.generators.openai_params import RequestError
 from agentrl.generators.openai_schema import ChatRequest
 from agentrl.generators.proxy_session import ProxySessions
+from agentrl.queue.slices import routing_replay_metrics
 from agentrl.types import RoutedExperts, Trajectory, mask, n_response, normalize, routed_expert_ids, tokens
 from tests.gen_support import HFEngine, Recording
 
