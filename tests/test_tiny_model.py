@@ -73,7 +73,8 @@ def test_moe_models_route_to_four_experts_top_2(model_dirs):
     from transformers import AutoModelForCausalLM
 
     qwen = AutoModelForCausalLM.from_pretrained(model_dirs["qwen3_moe"])
-    assert (qwen.config.num_experts, qwen.config.num_experts_per_tok, qwen.config.norm_topk_prob) == (4, 2, True)
+    cfg = qwen.config
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (4, 2, True)
     assert all(hasattr(layer.mlp, "gate") for layer in qwen.model.layers)
     glm = AutoModelForCausalLM.from_pretrained(model_dirs["glm4_moe"])
     cfg = glm.config
@@ -100,7 +101,9 @@ def test_same_seed_same_files_other_seed_differs(tmp_path):
     b = make_tiny_model(tmp_path / "b", arch="llama", seed=3)
     c = make_tiny_model(tmp_path / "c", arch="llama", seed=4)
     assert digest(a) == digest(b) != digest(c)
-    glm = [make_tiny_model(tmp_path / f"glm{seed}", arch="glm4_moe", seed=seed, hidden=32) for seed in (3, 3, 4)]
+    glm = [
+        make_tiny_model(tmp_path / f"glm{seed}", arch="glm4_moe", seed=seed, hidden=32) for seed in (3, 3, 4)
+    ]
     assert digest(glm[0]) == digest(glm[1]) != digest(glm[2])  # the correction bias too
     assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
     assert (a / "tokenizer.json").read_bytes() == (

@@ -170,7 +170,9 @@ def model_config(arch: str, vocab_size: int, hidden: int = 128, layers: int = 2,
     )
     moe = dict(num_experts_per_tok=experts_per_token, moe_intermediate_size=moe_intermediate or hidden)
     if arch == "qwen3_moe":
-        kwargs |= moe | dict(num_experts=experts, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        kwargs |= moe | dict(
+            num_experts=experts, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]
+        )
     elif arch == "glm4_moe":
         kwargs |= moe | dict(
             n_routed_experts=experts, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
