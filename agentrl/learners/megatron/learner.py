@@ -29,7 +29,17 @@ from agentrl.errors import LearnerError
 from agentrl.learners import fused_logprob, offload
 from agentrl.learners.base import Learner
 from agentrl.learners.batch import Batch, micro_batches
-from agentrl.learners.megatron import checkpoint, convert, handoff, host_overhead, lora, ops, pipeline, update
+from agentrl.learners.megatron import (
+    checkpoint,
+    convert,
+    expert_parallel,
+    handoff,
+    host_overhead,
+    lora,
+    ops,
+    pipeline,
+    update,
+)
 from agentrl.learners.megatron.model import ArchSpec, build_gpt, unwrap
 from agentrl.learners.megatron.parallel import init_parallel, sum_over_dp
 from agentrl.learners.teacher import teacher_path
@@ -69,6 +79,16 @@ class MegatronLearner(Learner):
         self.entropy_metric = entropy_metric
         hf_config = AutoConfig.from_pretrained(self.model_path)
         self.arch = ArchSpec.from_hf(hf_config)
+        if lc.lora.enabled and self.arch.num_experts:
+            raise LearnerError("learner.lora.rank > 0 with a mixture-of-experts model is not supported")
+        if lc.expert_parallel > 1 and lc.pipeline_parallel > 1:
+            raise LearnerError(
+                "learner.expert_parallel > 1 with learner.pipeline_parallel > 1 is not supported"
+            )
+        if lc.expert_parallel > 1 and not self.arch.num_experts:
+            raise LearnerError(
+                f"learner.expert_parallel = {lc.expert_parallel}: {self.model_path} is not a mixture of experts"
+            )
         pad = hf_config.pad_token_id
         self.pad_id = int(pad if pad is not None else (hf_config.eos_token_id or 0))
         torch.manual_seed(seed)
@@ -106,7 +126,7 @@ class MegatronLearner(Learner):
         from megatron.core import parallel_state as ps
 
         lc = self.cfg
-        init_parallel(lc.tensor_parallel, lc.pipeline_parallel, lc.device, seed)
+        init_parallel(lc.tensor_parallel, lc.pipeline_parallel, lc.device, seed, lc.expert_parallel)
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device(lc.device)
         )
@@ -116,6 +136,8 @@ class MegatronLearner(Learner):
         )
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.ep_rank = ps.get_expert_model_parallel_rank()
+        self.ep_size = ps.get_expert_model_parallel_world_size()
 
     def _load_model(self, path: str | None = None, arch: ArchSpec | None = None) -> torch.nn.Module:
         """A GPTModel with the HF weights of `path` (default: the student's), sharded for this rank."""
@@ -123,12 +145,36 @@ class MegatronLearner(Learner):
         model = build_gpt(
             arch, dtype=self.dtype, device=str(self.device), attention=self.attention, fused=self.fused,
             calculate_per_token_loss=True, use_te=False if self.lora is not None else None,
-            **self._pipeline_config(),
+            **self._pipeline_config(), **self._moe_loss_config(arch),
         )  # fmt: skip
         convert.check_hf_names(arch, checkpoint.weight_map(path))
         with checkpoint.hf_reader(path) as get_hf:
             convert.load_hf(model, arch, lambda n: get_hf(n).to(self.dtype), self.tp_rank, self.tp_size)
+        if self.ep_size > 1:
+            expert_parallel.pad_tokens(model)
         return model
+
+    def _moe_loss_config(self, arch: ArchSpec) -> dict:
+        """The router's load-balancing and z-loss coefficients (MoE models; 0 = off)."""
+        if not arch.num_experts:
+            return {}
+        return {
+            "moe_aux_loss_coeff": self.cfg.moe_aux_loss_coeff,
+            "moe_z_loss_coeff": self.cfg.moe_z_loss_coeff or None,  # None: megatron skips the term entirely
+        }
+
+    def _scale_moe_losses(self, batch: Batch) -> None:
+        """Megatron adds each router loss's gradient once per micro-batch, times that micro-batch's tokens
+        (its per-token-loss convention): scaled by 1 / the update's tokens (every DP rank's), the coefficients
+        weigh the token mean of the load-balancing and z losses over the mini-batch, as the policy loss's
+        normalisers do."""
+        lc = self.cfg
+        if not self.arch.num_experts or (lc.moe_aux_loss_coeff == 0 and lc.moe_z_loss_coeff == 0):
+            return
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        tokens = sum(mb.input_ids.numel() for mb in micro_batches(batch, lc.micro_batch_tokens))
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / max(tokens, 1), device=self.device))
 
     def _load_teacher(self) -> torch.nn.Module:
         """The distillation teacher, frozen: its own architecture, the student's parallel layout."""
@@ -142,10 +188,8 @@ class MegatronLearner(Learner):
         """Micro-batches differ in rows and width: pipeline stages exchange shapes before activations."""
         if self.cfg.pipeline_parallel == 1:
             return {}
-        return {
-            "variable_seq_lengths": True,
-            "moe_token_dispatcher_type": "alltoall",
-        }  # no MoE: only a validity check
+        # megatron's allgather token dispatcher (model.py) refuses variable lengths; dense models: a no-op
+        return {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
 
     def _make_optimizer(self):
         lc = self.cfg
@@ -253,6 +297,7 @@ class MegatronLearner(Learner):
 
     def _update(self, batch: Batch) -> tuple[dict[str, float], int]:
         self._zero_grad()
+        self._scale_moe_losses(batch)
         if self.pp_size == 1:
             parts = []
             for mb in self._my_micro_batches(batch):
@@ -260,6 +305,7 @@ class MegatronLearner(Learner):
                 loss, m = compute_loss(self.algo, mb, logp, entropy=ent, as_tensors=True)
                 loss.backward()  # no host read before it: the metrics stay on the device until the norm's read
                 parts.append((m, mb.loss_mask.sum()))
+            self._lockstep(batch, len(parts))
             norm = update.grad_norm(self)
             parts = self._read_metrics(parts)  # with the step's batch metrics: one read
         else:
@@ -269,6 +315,23 @@ class MegatronLearner(Learner):
         metrics = self._sum_over_dp(merge_metrics(parts))
         metrics.update(self._apply_update(norm, loss=metrics.get("loss", 0.0)))
         return metrics, len(parts)
+
+    def _lockstep(self, batch: Batch, mine: int) -> None:
+        """Under EP, the forward/backward passes of nothing this rank owes its EP group (expert_parallel.py):
+        a micro-batch of the batch, zero loss, zero router-loss scale, so every gradient stays as it is."""
+        if self.ep_size == 1:
+            return
+        mbs = micro_batches(batch, self.cfg.micro_batch_tokens)
+        owed = expert_parallel.lockstep_passes(len(mbs), mine, self.dp_size)
+        if not owed:
+            return
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        MoEAuxLossAutoScaler.set_loss_scale(torch.zeros((), device=self.device))
+        for _ in range(owed):
+            logp, _ = self._forward(self.model, mbs[-1])
+            (logp.sum() * 0.0).backward()
+        self._scale_moe_losses(batch)
 
     def _loss_payload(self, mb: Batch, logits: torch.Tensor) -> tuple:
         logp, ent = self._from_logits(logits, mb, entropy=True)
@@ -293,6 +356,7 @@ class MegatronLearner(Learner):
         _check_batch(batch)
         batch = batch.to(self.device)
         self._zero_grad()
+        self._scale_moe_losses(batch)
         mbs = self._my_micro_batches(batch)
         payload = functools.partial(self._sft_payload, total_loss_tokens=batch.total_loss_tokens)
         if self.pp_size == 1:
@@ -301,6 +365,7 @@ class MegatronLearner(Learner):
                 loss = sft_loss(self._forward(self.model, mb)[0], mb.loss_mask, batch.total_loss_tokens)
                 loss.backward()
                 losses.append(loss.detach())
+            self._lockstep(batch, len(mbs))
             norm = update.grad_norm(self)
             total = float(torch.stack(losses).sum())
         else:

@@ -11,7 +11,9 @@ alone is exact for every real token and RoPE positions are 0..T-1.
 Mixtures of experts (Qwen3-MoE, GLM-4.5-MoE): a per-layer block spec (dense layers where the HF model has
 them), Megatron's TopKRouter configured from the ArchSpec's router fields, SequentialMLP experts (one MLP per
 expert: no grouped GEMM, which needs Transformer Engine or the grouped_gemm package) and the "allgather" token
-dispatcher (plain collectives: it runs on CPU over gloo as on GPU over NCCL; "alltoall" opens CUDA streams).
+dispatcher (plain collectives: it runs on CPU over gloo as on GPU over NCCL; "alltoall" opens CUDA streams),
+except under pipeline parallelism, whose variable sequence lengths megatron's allgather dispatcher refuses:
+there the learner asks for "alltoall" (GPU only, as PP is).
 GLM's correction bias is the router's `expert_bias` buffer with an update rate of 0: it keeps the value the
 engines route with (Megatron would otherwise move it toward balanced loads after every step).
 """
@@ -71,8 +73,7 @@ def transformer_config(arch: ArchSpec, *, dtype: torch.dtype, device: str, fused
         apply_rope_fusion=False,
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
-        **moe_config(arch),
-        **extra,
+        **{**moe_config(arch), **extra},  # extra wins: the pipeline's alltoall dispatcher
     )
 
 
@@ -227,7 +228,22 @@ def build_gpt(arch: ArchSpec, *, dtype: torch.dtype = torch.float32, device: str
         )
     if not device.startswith("cuda"):
         cpu_compat.patch_model(model)
+    if arch.router_expert_bias:
+        _keep_expert_bias(model)
     return model.to(device)
+
+
+def _no_expert_load_count(routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
+    """The router's expert-load count, which feeds only the expert-bias update (rate 0 here): skipped (its
+    padding_mask broadcast fails on megatron-core 0.16, and the count is a host-free no-op for the forward)."""
+
+
+def _keep_expert_bias(model: torch.nn.Module) -> None:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            module._apply_expert_bias = _no_expert_load_count
 
 
 def _without_te_gemm() -> None:
