@@ -38,6 +38,7 @@ from agentrl.learners.megatron import (
     lora,
     ops,
     pipeline,
+    routing_replay,
     update,
 )
 from agentrl.learners.megatron.model import ArchSpec, build_gpt, unwrap
@@ -222,12 +223,18 @@ class MegatronLearner(Learner):
     # -- forward -----------------------------------------------------------------------------------------
 
     def _logits(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor:
-        """[R, T, V/tp] vocab-parallel logits (right-padded rows: the causal mask is exact for real tokens)."""
+        """[R, T, V/tp] vocab-parallel logits (right-padded rows: the causal mask is exact for real tokens);
+        with learner.routing_replay = 'rollout', the policy's (and reference's) MoE layers route as the batch's
+        `routed_experts` record (the rollout's choices; the teacher, another model, routes by itself)."""
         mask = None
         if self.attention == "local":
             width = mb.input_ids.shape[1]
             mask = torch.ones(width, width, dtype=torch.bool, device=self.device).triu(1)[None, None]
-        return model(mb.input_ids, mb.position_ids, mask)
+        experts = getattr(mb, "routed_experts", None) if self.cfg.routing_replay == "rollout" else None
+        if experts is None or not self.arch.num_experts or model is self.teacher_model:
+            return model(mb.input_ids, mb.position_ids, mask)
+        with routing_replay.replayed_routing(unwrap(model), self.arch, experts):
+            return model(mb.input_ids, mb.position_ids, mask)
 
     def _forward(self, model: torch.nn.Module, mb: Batch, *, entropy: bool = False):
         """(logprobs, entropy or None), both [R, T] float32; entropy carries a gradient only if its coef != 0."""
