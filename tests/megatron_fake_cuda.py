@@ -314,5 +314,12 @@ def expert_parallel_worker(rank: int, world: int, model_dir: str, port: int, out
         for a, b in zip(steps, dp_steps, strict=True)
     ]
     out["ep_vs_dp_weights"] = max_diff(published, dict(dp.weights()))
+    # the CPU learner (torch AdamW, gradients reduced by hand: experts over the expert-data-parallel group)
+    cpu = gpu_path_learner(model_dir, gpu_path=False, expert_parallel=2, **moe)
+    cpu_steps = [cpu.train_step(make_batch(300, seed=step)) for step in range(2)]
+    out["cpu_steps"] = [
+        {k: [a[k], b[k]] for k in ("loss", "grad_norm")} for a, b in zip(cpu_steps, dp_steps, strict=True)
+    ]
+    out["cpu_vs_dp_weights"] = max_diff(dict(cpu.weights()), dict(dp.weights()))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)

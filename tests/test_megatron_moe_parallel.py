@@ -1,12 +1,14 @@
 """Expert parallelism on the GPU code path, run on CPU (tests/megatron_fake_cuda.py): two gloo ranks each hold
 half the experts of the tiny GLM-4.5 MoE model (a dense layer, a shared expert, grouped routing with a
 correction bias); training equals data parallelism without EP, a checkpoint resumes bit-exactly, and the
-published weights are the HF model's (before training) and the checkpoint's HF conversion (after).
+published weights are the HF model's (before training) and the checkpoint's HF conversion (after); the CPU
+learner under EP = 2 trains as Megatron's optimizer does. The router-loss coefficients reach the routers.
 """
 
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("megatron.core")
 
@@ -33,3 +35,31 @@ def test_expert_parallel_2_trains_checkpoints_resumes_and_publishes(tmp_path):
             for key, (ep, dp) in step.items():
                 assert abs(ep - dp) <= 1e-5, (key, ep, dp)
         assert out["ep_vs_dp_weights"] <= 1e-4  # two Adam steps of lr 1e-3 move weights by up to 2e-3
+        for step in out[
+            "cpu_steps"
+        ]:  # the CPU learner under EP = 2 against Megatron's optimizer under DP = 2
+            for key, (cpu, dp) in step.items():
+                assert abs(cpu - dp) <= 1e-4, (key, cpu, dp)
+        assert out["cpu_vs_dp_weights"] <= 1e-4
+
+
+@pytest.mark.parametrize("coeff", ["moe_aux_loss_coeff", "moe_z_loss_coeff"])
+def test_router_loss_coefficients_reach_the_router(tmp_path, coeff):
+    """A router loss changes the routers' updates (and those of the weights below them, through their inputs),
+    not those of weights no router depends on (one CPU process, no clipping: the norm would couple them)."""
+    from agentrl.config import LearnerSection
+    from agentrl.learners.megatron.learner import MegatronLearner
+    from tests.megatron_helpers import make_batch
+
+    model = make_tiny_model(tmp_path / "q", "qwen3_moe", seed=2, hidden=64, vocab_size=300, init_std=0.2)
+    updated = []
+    for value in (0.0, 0.5):
+        section = LearnerSection(kind="megatron", lr=1e-2, grad_clip=0.0, **{coeff: value})
+        learner = MegatronLearner(model, section)
+        learner.sft_step(make_batch(300, seed=1))
+        updated.append(dict(learner.weights()))
+    off, on = updated
+    for name in ("model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"):
+        assert (off[name] - on[name]).abs().max() > 1e-4, name
+    for name in ("model.layers.1.mlp.experts.0.down_proj.weight", "model.norm.weight"):
+        assert torch.equal(off[name], on[name]), name
