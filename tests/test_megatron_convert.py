@@ -157,3 +157,16 @@ def test_tiny_moe_models_give_hf_logits_and_convert_back_exactly(tmp_path, arch)
         if arch == "glm4_moe":  # the correction bias changes which experts are chosen, so the logits
             routers[0].expert_bias.zero_()
             assert (model(ids, None, None) - want).abs().max().item() > 1e-3
+
+
+def test_glm_correction_bias_keeps_its_fp32_value_in_a_bf16_model(tmp_path):
+    """Megatron keeps the router's expert_bias in fp32: loaded without a bf16 round trip, published as stored."""
+    path = make_tiny_model(tmp_path / "glm", "glm4_moe", seed=1, hidden=64, vocab_size=VOCAB)
+    learner = MegatronLearner(path, LearnerSection(kind="megatron", dtype="bfloat16"))
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    with checkpoint.hf_reader(path) as get:
+        stored = get(name)
+    published = dict(learner.weights())
+    assert published[name].dtype == torch.float32 and torch.equal(published[name], stored)
+    assert published["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    assert not torch.equal(stored.to(torch.bfloat16).float(), stored)  # a bf16 round trip would change it

@@ -150,7 +150,8 @@ class MegatronLearner(Learner):
         )  # fmt: skip
         convert.check_hf_names(arch, checkpoint.weight_map(path))
         with checkpoint.hf_reader(path) as get_hf:
-            convert.load_hf(model, arch, lambda n: get_hf(n).to(self.dtype), self.tp_rank, self.tp_size)
+            convert.load_hf(model, arch, lambda n: _as_model_dtype(n, get_hf(n), self.dtype), self.tp_rank,
+                            self.tp_size)  # fmt: skip
         if self.ep_size > 1:
             expert_parallel.pad_tokens(model)
         return model
@@ -449,6 +450,12 @@ class MegatronLearner(Learner):
 
     def load(self, path: str) -> None:
         checkpoint.load(self, Path(path))
+
+
+def _as_model_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The HF tensor in the model's dtype, but GLM's correction bias as stored: Megatron keeps it in fp32 in any
+    model dtype, and the engines choose experts with the checkpoint's value."""
+    return tensor if name.endswith("e_score_correction_bias") else tensor.to(dtype)
 
 
 def _check_batch(batch: Batch) -> None:
