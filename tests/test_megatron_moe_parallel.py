@@ -63,3 +63,28 @@ def test_router_loss_coefficients_reach_the_router(tmp_path, coeff):
         assert (off[name] - on[name]).abs().max() > 1e-4, name
     for name in ("model.layers.1.mlp.experts.0.down_proj.weight", "model.norm.weight"):
         assert torch.equal(off[name], on[name]), name
+
+
+def test_moe_settings_the_learner_cannot_honour_are_refused_by_name(tmp_path):
+    from agentrl.config import LearnerSection, LoraSection
+    from agentrl.errors import LearnerError
+    from agentrl.learners.megatron.learner import MegatronLearner
+
+    dense = make_tiny_model(tmp_path / "dense", "qwen3", seed=0, hidden=32, vocab_size=300)
+    moe = make_tiny_model(tmp_path / "moe", "qwen3_moe", seed=0, hidden=32, vocab_size=300)
+    cases = [
+        (
+            dense,
+            dict(routing_replay="rollout"),
+            r"learner\.routing_replay = 'rollout': .* not a mixture of experts",
+        ),
+        (moe, dict(lora=LoraSection(rank=4)), r"learner\.lora\.rank > 0 with a mixture-of-experts model"),
+        (
+            moe,
+            dict(expert_parallel=2),
+            r"learner\.expert_parallel = 2 does not divide the 1 data-parallel ranks",
+        ),
+    ]
+    for model, settings, message in cases:
+        with pytest.raises(LearnerError, match=message):
+            MegatronLearner(model, LearnerSection(kind="megatron", **settings))

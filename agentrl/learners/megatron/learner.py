@@ -86,6 +86,10 @@ class MegatronLearner(Learner):
             raise LearnerError(
                 "learner.expert_parallel > 1 with learner.pipeline_parallel > 1 is not supported"
             )
+        if lc.routing_replay != "off" and not self.arch.num_experts:
+            raise LearnerError(
+                f"learner.routing_replay = '{lc.routing_replay}': {self.model_path} is not a mixture of experts"
+            )
         if lc.expert_parallel > 1 and not self.arch.num_experts:
             raise LearnerError(
                 f"learner.expert_parallel = {lc.expert_parallel}: {self.model_path} is not a mixture of experts"
