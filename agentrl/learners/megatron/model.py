@@ -255,8 +255,19 @@ def _without_te_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+MOE_MIN_MEGATRON = (0, 16)  # padding_mask in MoE layers, the router's replay hook, moe_router_dtype
+
+
 def _check_moe_layout(arch: ArchSpec, tp: int) -> None:
+    from megatron.core import package_info
     from megatron.core import parallel_state as ps
+
+    version = tuple(int(part) for part in package_info.__version__.split(".")[:2])
+    if version < MOE_MIN_MEGATRON:
+        raise LearnerError(
+            f"model_type {arch.model_type!r} (a mixture of experts) needs megatron-core >= "
+            f"{'.'.join(map(str, MOE_MIN_MEGATRON))}, found {package_info.__version__}"
+        )
 
     if tp > 1:  # Megatron's MoE layer needs sequence parallelism under TP, which the learner does not run
         raise LearnerError(
