@@ -174,13 +174,17 @@ class MegatronLearner(Learner):
         (its per-token-loss convention): scaled by 1 / the update's tokens (every DP rank's), the coefficients
         weigh the token mean of the load-balancing and z losses over the mini-batch, as the policy loss's
         normalisers do."""
-        lc = self.cfg
-        if not self.arch.num_experts or (lc.moe_aux_loss_coeff == 0 and lc.moe_z_loss_coeff == 0):
+        if not self._router_losses():
             return
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        tokens = sum(mb.input_ids.numel() for mb in micro_batches(batch, lc.micro_batch_tokens))
+        tokens = sum(mb.input_ids.numel() for mb in micro_batches(batch, self.cfg.micro_batch_tokens))
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / max(tokens, 1), device=self.device))
+
+    def _router_losses(self) -> bool:
+        """Whether the routers add a load-balancing or z loss (a MoE model with either coefficient > 0)."""
+        lc = self.cfg
+        return bool(self.arch.num_experts) and (lc.moe_aux_loss_coeff > 0 or lc.moe_z_loss_coeff > 0)
 
     def _load_teacher(self) -> torch.nn.Module:
         """The distillation teacher, frozen: its own architecture, the student's parallel layout."""
@@ -339,7 +343,8 @@ class MegatronLearner(Learner):
             return
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        MoEAuxLossAutoScaler.set_loss_scale(torch.zeros((), device=self.device))
+        if self._router_losses():
+            MoEAuxLossAutoScaler.set_loss_scale(torch.zeros((), device=self.device))
         for _ in range(owed):
             logp, _ = self._forward(self.model, mbs[-1])
             (logp.sum() * 0.0).backward()
