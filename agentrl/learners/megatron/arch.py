@@ -1,11 +1,12 @@
 """Hugging Face config -> `ArchSpec`: the only place that reads HF config fields for the Megatron learner.
 
 Every field the Llama / Qwen2 / Qwen3 / Qwen3-MoE / GLM-4.5-MoE forward reads (transformers'
-modeling_{llama,qwen2,qwen3,qwen3_moe,glm4_moe}.py, its RoPE utils and weight tying) is in exactly one table below: MAPPED (carried into the Megatron model), REQUIRED
-(supported at one value only; any other raises LearnerError naming the field), LAYER_TYPES / ROPE_KEYS
-(checked entry by entry) or NO_EFFECT (read, but without effect on the forward's values). A test parses those
-modeling files and fails when transformers starts reading a field this module does not classify, so nothing
-that changes the forward can be dropped silently (as `o_proj.bias` of `attention_bias = true` once was).
+modeling_{llama,qwen2,qwen3,qwen3_moe,glm4_moe}.py, its RoPE utils and weight tying) is in exactly one table
+below: MAPPED (carried into the Megatron model), REQUIRED (supported at one value only; any other raises
+LearnerError naming the field), LAYER_TYPES / ROPE_KEYS (checked entry by entry) or NO_EFFECT (read, but
+without effect on the forward's values). A test parses those modeling files and fails when transformers starts
+reading a field this module does not classify, so nothing that changes the forward can be dropped silently (as
+`o_proj.bias` of `attention_bias = true` once was).
 Fields the forward never reads cannot change it and are ignored.
 """
 
@@ -32,14 +33,15 @@ MAPPED = (
     "max_position_embeddings",
     "tie_word_embeddings",
     "rope_parameters",  # rope_theta and llama3 scaling; keys checked against ROPE_KEYS
-    "attention_bias",  # llama / qwen3(_moe): q, k, v AND o_proj biases (qwen2: q, k, v always; glm4_moe: q, k, v)
+    # llama / qwen3(_moe): q, k, v AND o_proj biases (qwen2: q, k, v always; glm4_moe: q, k, v only)
+    "attention_bias",
     "use_qk_norm",  # glm4_moe: q/k RMSNorm (qwen3 and qwen3_moe always have it)
     # mixtures of experts
     "num_experts",  # qwen3_moe's name of num_local_experts
     "num_local_experts",  # glm4_moe: its n_routed_experts
     "num_experts_per_tok",
     "moe_intermediate_size",
-    "norm_topk_prob",  # softmax: renormalise the top-k weights (else Megatron's pre-softmax); sigmoid: only True
+    "norm_topk_prob",  # softmax: renormalise the top-k (else Megatron's pre-softmax); sigmoid: only True
     "decoder_sparse_step",  # qwen3_moe: which layers are MoE (with mlp_only_layers) -> moe_layer_freq
     "mlp_only_layers",
     "first_k_dense_replace",  # glm4_moe: leading dense layers -> moe_layer_freq
@@ -90,8 +92,8 @@ class ArchSpec:
     # Mixture of experts (num_experts = 0: dense). Megatron's TopKRouter computes what the HF routers do:
     # softmax: top-k of the logits, softmax over those k (= HF's softmax, top-k, renormalise), or with
     # router_pre_softmax the softmax over all experts, top-k, not renormalised; sigmoid (GLM): choose by
-    # sigmoid + expert bias within the best router_group_topk of router_groups groups, weigh by the sigmoid alone,
-    # renormalised, times router_scaling.
+    # sigmoid + expert bias within the best router_group_topk of router_groups groups, weigh by the sigmoid
+    # alone, renormalised, times router_scaling.
     num_experts: int = 0
     moe_topk: int = 0
     moe_intermediate_size: int = 0

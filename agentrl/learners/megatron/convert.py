@@ -1,5 +1,5 @@
-"""Hugging Face <-> Megatron-core weight conversion (Qwen2, Qwen3, Llama, Qwen3-MoE, GLM-4.5-MoE), exact (views and
-concatenations only).
+"""Hugging Face <-> Megatron-core weight conversion (Qwen2, Qwen3, Llama, Qwen3-MoE, GLM-4.5-MoE), exact
+(views and concatenations only).
 
 Layout (per transformer layer, HF names under `model.layers.{i}.`):
   linear_qkv  = per query group g: [q rows of the group's heads (heads_per_group*head_dim); k rows (head_dim);

@@ -2,11 +2,11 @@
 
 The EP ranks of a group run every MoE layer together: the dispatcher all-gathers the tokens of all of them
 (`all_gather_into_tensor`, equal sizes only), each rank runs its own experts on the tokens routed to them and
-the outputs go back by reduce-scatter. The learner's data-parallel split gives ranks micro-batches of different
-sizes and, when the micro-batches do not divide evenly, different numbers of them. So:
+the outputs go back by reduce-scatter. The learner's data-parallel split gives ranks micro-batches of
+different sizes and, when the micro-batches do not divide evenly, different numbers of them. So:
 - `pad_tokens(model)`: every MoE layer first agrees on the group's largest token count (one all-reduce) and
-  pads its tokens with zeros to it; the padding is marked in megatron's `padding_mask` (kept out of the router's
-  load-balancing statistics and losses) and its outputs are dropped.
+  pads its tokens with zeros to it; the padding is marked in megatron's `padding_mask` (kept out of the
+  router's load-balancing statistics and losses) and its outputs are dropped.
 - `lockstep_passes(...)`: how many forward/backward passes a rank owes its group after its own micro-batches;
   the learner runs them on a micro-batch of the batch with zero loss (and zero router-loss scale), so they add
   nothing to any gradient.

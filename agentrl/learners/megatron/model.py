@@ -175,7 +175,7 @@ def layer_spec(arch: ArchSpec, attention: str = "sdpa", use_te: bool | None = No
 
 
 def block_spec(arch: ArchSpec, config, attention: str = "sdpa", use_te: bool | None = None):
-    """The layer spec (dense) or this pipeline stage's block spec (MoE: dense and MoE layers as the HF model)."""
+    """The layer spec (dense) or this pipeline stage's block spec (MoE: dense and MoE layers as in HF)."""
     if not arch.num_experts:
         return layer_spec(arch, attention, use_te)
     from megatron.core.transformer.transformer_block import (
@@ -234,8 +234,8 @@ def build_gpt(arch: ArchSpec, *, dtype: torch.dtype = torch.float32, device: str
 
 
 def _no_expert_load_count(routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
-    """The router's expert-load count, which feeds only the expert-bias update (rate 0 here): skipped (its
-    padding_mask broadcast fails on megatron-core 0.16, and the count is a host-free no-op for the forward)."""
+    """Stands in for the router's count of tokens per expert, which feeds only the expert-bias update (rate 0
+    here) and which megatron-core 0.16 cannot take with a padding_mask ([tokens] against [tokens, experts])."""
 
 
 def _keep_expert_bias(model: torch.nn.Module) -> None:
@@ -268,11 +268,10 @@ def _check_moe_layout(arch: ArchSpec, tp: int) -> None:
             f"model_type {arch.model_type!r} (a mixture of experts) needs megatron-core >= "
             f"{'.'.join(map(str, MOE_MIN_MEGATRON))}, found {package_info.__version__}"
         )
-
     if tp > 1:  # Megatron's MoE layer needs sequence parallelism under TP, which the learner does not run
         raise LearnerError(
-            f"learner.tensor_parallel = {tp} with a mixture-of-experts model: use learner.tensor_parallel = 1 "
-            "and spread the experts with learner.expert_parallel"
+            f"learner.tensor_parallel = {tp} with a mixture-of-experts model: use learner.tensor_parallel = "
+            "1 and spread the experts with learner.expert_parallel"
         )
     ep = ps.get_expert_model_parallel_world_size()
     if arch.num_experts % ep:

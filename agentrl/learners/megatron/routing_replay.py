@@ -2,14 +2,15 @@
 router chose for it when sampling, so the learner's forward runs the experts the rollout ran.
 
 `replayed_routing(model, arch, routed_experts)` is a context manager over one forward: `routed_experts` is
-int64 `[R, T, moe_layers, topk]` aligned with that forward's `input_ids` (the layer axis counts MoE layers only,
-in model order; -1 on a position = no record: the router chooses by itself there). It hangs an object with
-megatron-core's RouterReplay interface (`get_replay_topk`, called by `topk_routing_with_score_function`) on every
-TopKRouter: the router still computes its scores from its own logits (softmax over the chosen experts' logits,
-or the sigmoid of GLM's router, renormalised and scaled), and takes the weights of the replayed experts from
-them, so the router's gradient flows through the experts that ran; only the choice is replaced (GLM's
-correction bias and grouped top-k then play no part). megatron-core's own RouterReplay keeps one global list
-of instances for every model built with `moe_enable_routing_replay` and takes no "no record" marker, hence this.
+int64 `[R, T, moe_layers, topk]` aligned with that forward's `input_ids` (the layer axis counts MoE layers
+only, in model order; -1 on a position = no record: the router chooses by itself there). It hangs an object
+with megatron-core's RouterReplay interface (`get_replay_topk`, called by `topk_routing_with_score_function`)
+on every TopKRouter: the router still computes its scores from its own logits (softmax over the chosen
+experts' logits, or the sigmoid of GLM's router, renormalised and scaled), and takes the weights of the
+replayed experts from them, so the router's gradient flows through the experts that ran; only the choice is
+replaced (GLM's correction bias and grouped top-k then play no part). megatron-core's own RouterReplay keeps
+one global list of instances for every model built with `moe_enable_routing_replay` and takes no "no record"
+marker, hence this.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def replayed_routing(
             f"layers, top-{topk}]"
         )
     routers = moe_routers(model, arch)
-    # megatron's MoE layers see tokens as [sequence, batch]: the record of row r, position t is token t * R + r
+    # megatron's MoE layers see tokens as [sequence, batch]: row r's position t is token t * R + r
     by_token = routed_experts.transpose(0, 1).reshape(-1, n_moe, topk).long()
     for router, layer in routers:
         router.router_replay = _Replay(by_token[:, layer])
