@@ -5,8 +5,9 @@ autograd). Expert parallelism on the GPU code path, run on CPU (tests/megatron_f
 each hold half the experts of the tiny GLM-4.5 MoE model (a dense layer, a shared expert, grouped routing with
 a correction bias); training equals data parallelism without EP, a checkpoint resumes bit-exactly, and the
 published weights are the HF model's (before training) and the checkpoint's HF conversion (after); the CPU
-learner under EP = 2 trains as Megatron's optimizer does. The router-loss coefficients reach the routers, and
-settings the learner cannot honour are refused by name.
+learner under EP = 2 trains as Megatron's optimizer does; PP = 2 (the alltoall dispatcher) trains as the torch
+learner. The router-loss coefficients reach the routers, and settings the learner cannot honour are refused by
+name.
 """
 
 import json
@@ -45,6 +46,26 @@ def test_expert_parallel_2_trains_checkpoints_resumes_and_publishes(tmp_path):
             for key, (cpu, dp) in step.items():
                 assert abs(cpu - dp) <= 1e-4, (key, cpu, dp)
         assert out["cpu_vs_dp_weights"] <= 1e-4
+
+
+def test_pipeline_parallel_2_of_a_moe_model_trains_as_the_torch_learner(tmp_path):
+    """PP = 2 of the tiny GLM-4.5 MoE model (layer 0 dense on the first stage, the MoE layer on the second;
+    megatron's alltoall token dispatcher) on the GPU code path, run on CPU."""
+    import torch.multiprocessing as mp
+
+    from tests.megatron_fake_cuda import moe_pipeline_worker
+
+    model = make_tiny_model(tmp_path / "glm", "glm4_moe", seed=3, hidden=64, vocab_size=300, init_std=0.2,
+                            tie_embeddings=False)  # fmt: skip
+    mp.spawn(moe_pipeline_worker, args=(2, str(model), free_port(), str(tmp_path)), nprocs=2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["dispatchers"] for r in ranks] == [[], ["MoEAlltoAllTokenDispatcher"]]
+    for out in ranks:
+        assert out["logprob_diff"] <= 1e-5
+        for step in out["steps"]:
+            for key, (mega, ref) in step.items():
+                assert abs(mega - ref) <= 1e-4, (key, mega, ref)
+        assert out["names"] == out["hf_names"]
 
 
 @pytest.mark.parametrize("coeff", ["moe_aux_loss_coeff", "moe_z_loss_coeff"])
