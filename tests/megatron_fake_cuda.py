@@ -328,6 +328,9 @@ def expert_parallel_worker(rank: int, world: int, model_dir: str, port: int, out
     published = {n: t.clone() for n, t in ep.weights()}
     out["published_vs_checkpoint_hf"] = max_diff(published, dict(checkpoint.iter_checkpoint_hf(ckpt)))
     out["published_changed"] = max_diff(published, hf) > 0
+    out["trained_logprobs"] = ep.compute_logprobs(make_batch(300, seed=11)).tolist()
+    if rank == 0:  # `agentrl export`: an HF directory from the rank files alone
+        checkpoint.to_hf(ckpt, os.path.join(out_dir, "export"))
     batch = make_batch(300, seed=9)
     resumed = gpu_path_learner(model_dir, expert_parallel=2, **moe)
     resumed.load(ckpt)

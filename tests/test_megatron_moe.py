@@ -19,6 +19,7 @@ pytest.importorskip("megatron.core")
 
 from agentrl.engines.tiny import make_tiny_model
 from agentrl.net import free_port
+from tests.megatron_helpers import hf_logprobs, make_batch
 
 
 def test_expert_parallel_2_trains_checkpoints_resumes_and_publishes(tmp_path):
@@ -32,6 +33,10 @@ def test_expert_parallel_2_trains_checkpoints_resumes_and_publishes(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["local_experts"] for r in ranks] == [["0", "0", "1", "1"], ["0", "0", "1", "1"]]
     assert (tmp_path / "ckpt" / "model_tp0_pp0_ep1.pt").exists()
+    # the export of the EP checkpoint loads in transformers and computes what the trained learner did
+    probe = make_batch(300, seed=11)
+    exported = hf_logprobs(tmp_path / "export", probe)
+    assert (torch.tensor(ranks[0]["trained_logprobs"]) - exported).abs().max().item() <= 1e-5
     for out in ranks:
         assert out["published_vs_hf"] == 0.0  # every expert gathered from its EP rank, under its HF name
         assert out["published_vs_checkpoint_hf"] == 0.0 and out["published_changed"]
@@ -74,7 +79,6 @@ def test_router_loss_coefficients_reach_the_router(tmp_path, coeff):
     not those of weights no router depends on (one CPU process, no clipping: the norm would couple them)."""
     from agentrl.config import LearnerSection
     from agentrl.learners.megatron.learner import MegatronLearner
-    from tests.megatron_helpers import make_batch
 
     model = make_tiny_model(tmp_path / "q", "qwen3_moe", seed=2, hidden=64, vocab_size=300, init_std=0.2)
     updated = []
@@ -124,7 +128,6 @@ def test_moe_training_equals_the_torch_learner(tmp_path, arch):
     from agentrl.config import AlgorithmSection, LearnerSection
     from agentrl.learners.megatron.learner import MegatronLearner
     from agentrl.learners.torch_learner import TorchLearner
-    from tests.megatron_helpers import make_batch
 
     path = make_tiny_model(tmp_path / arch, arch, seed=4, hidden=64, vocab_size=300, init_std=0.2)
     settings = dict(micro_batch_tokens=40, lr=1e-3, grad_clip=0.5)
