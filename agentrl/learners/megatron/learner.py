@@ -141,7 +141,6 @@ class MegatronLearner(Learner):
         )
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.ep_rank = ps.get_expert_model_parallel_rank()
         self.ep_size = ps.get_expert_model_parallel_world_size()
 
     def _load_model(self, path: str | None = None, arch: ArchSpec | None = None) -> torch.nn.Module:
@@ -333,8 +332,8 @@ class MegatronLearner(Learner):
         return metrics, len(parts)
 
     def _lockstep(self, batch: Batch, mine: int) -> None:
-        """Under EP, the forward/backward passes of nothing this rank owes its EP group (expert_parallel.py):
-        a micro-batch of the batch, zero loss, zero router-loss scale, so every gradient stays as it is."""
+        """Under EP, the forward/backward passes this rank still owes its EP group (expert_parallel.py), on a
+        micro-batch of the batch with zero loss and zero router-loss scale: no gradient changes."""
         if self.ep_size == 1:
             return
         mbs = micro_batches(batch, self.cfg.micro_batch_tokens)

@@ -5,8 +5,8 @@ CPU); a plain process starts a private world of size 1 through a FileStore in a 
 learners (or test modules) in one process reuse one group instead of colliding on a port. Model-parallel groups
 are rebuilt only when the requested TP/PP/EP sizes change. Expert parallelism (EP) splits the data-parallel
 ranks: each group of EP consecutive DP ranks shares out the experts (megatron-core's expert-model-parallel
-group), the non-expert weights stay replicated over all DP ranks. CUDA RNG seeding on GPU, CPU substitutes otherwise
-(gloo groups carry TP/PP on CPU too; the learner itself limits CPU runs to TP = PP = 1).
+group), the non-expert weights stay replicated over all DP ranks. CUDA RNG seeding on GPU, CPU substitutes
+otherwise (gloo groups carry TP/PP on CPU too; the learner itself limits CPU runs to TP = PP = 1).
 """
 
 from __future__ import annotations
