@@ -5,7 +5,7 @@ Layout of a checkpoint directory (learner.json follows agentrl.learners.checkpoi
                                  pipeline_parallel, expert_parallel, dtype, model_path}
   hf/                           the source model's config + tokenizer files (no weights)
   model_tp{t}_pp{p}.pt          {global Megatron name: tensor} for TP rank t / PP rank p (written by DP rank 0)
-  model_tp{t}_pp{p}_ep{e}.pt    with learner.expert_parallel > 1: the same for EP rank e, whose experts it holds
+  model_tp{t}_pp{p}_ep{e}.pt    with learner.expert_parallel > 1: the same for EP rank e (with its experts)
                                 (written by the first DP rank of each EP rank; the other weights in every one)
   optim_rank{r}.pt              optimizer of global rank r: its torch optimizer's state_dict and the (fp32 main)
                                 parameters it steps (GPU: the distributed optimizer's shard), once it has stepped
@@ -168,8 +168,8 @@ def load(learner: MegatronLearner, path: Path) -> None:
     if saved != (learner.tp_size, pp, learner.ep_size):
         raise LearnerError(
             f"{path}: saved with tensor_parallel={saved[0]} pipeline_parallel={saved[1]} expert_parallel="
-            f"{saved[2]}, learner runs {learner.tp_size}/{pp}/{learner.ep_size}; export it with `agentrl export` "
-            "and start from the HF directory instead"
+            f"{saved[2]}, learner runs {learner.tp_size}/{pp}/{learner.ep_size}; export it with "
+            "`agentrl export` and start from the HF directory instead"
         )
     if (learner.lora is not None) != ("lora_base" in meta):
         raise LearnerError(
