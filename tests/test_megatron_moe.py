@@ -76,22 +76,45 @@ def test_pipeline_parallel_2_of_a_moe_model_trains_as_the_torch_learner(tmp_path
 @pytest.mark.parametrize("coeff", ["moe_aux_loss_coeff", "moe_z_loss_coeff"])
 def test_router_loss_coefficients_reach_the_router(tmp_path, coeff):
     """A router loss changes the routers' updates (and those of the weights below them, through their inputs),
-    not those of weights no router depends on (one CPU process, no clipping: the norm would couple them)."""
+    not those of weights no router depends on (one CPU process, no clipping: the norm would couple them); the
+    SFT step has none (as the torch learner's)."""
     from agentrl.config import LearnerSection
     from agentrl.learners.megatron.learner import MegatronLearner
 
     model = make_tiny_model(tmp_path / "q", "qwen3_moe", seed=2, hidden=64, vocab_size=300, init_std=0.2)
-    updated = []
+    updated, sft = [], []
     for value in (0.0, 0.5):
         section = LearnerSection(kind="megatron", lr=1e-2, grad_clip=0.0, **{coeff: value})
         learner = MegatronLearner(model, section)
-        learner.sft_step(make_batch(300, seed=1))
+        learner.train_step(make_batch(300, seed=1))
         updated.append(dict(learner.weights()))
+        learner = MegatronLearner(model, section)
+        learner.sft_step(make_batch(300, seed=1))
+        sft.append(dict(learner.weights()))
     off, on = updated
     for name in ("model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"):
         assert (off[name] - on[name]).abs().max() > 1e-4, name
     for name in ("model.layers.1.mlp.experts.0.down_proj.weight", "model.norm.weight"):
         assert torch.equal(off[name], on[name]), name
+    assert all(torch.equal(sft[0][n], sft[1][n]) for n in sft[0])
+
+
+def test_router_losses_weigh_the_token_mean_whatever_the_micro_batches(tmp_path):
+    """The z-loss is a mean over real tokens: one micro-batch or several (each padded differently), the same
+    gradient norm, while the coefficient changes it."""
+    from agentrl.config import LearnerSection
+    from agentrl.learners.megatron.learner import MegatronLearner
+
+    model = make_tiny_model(tmp_path / "q", "qwen3_moe", seed=2, hidden=64, vocab_size=300, init_std=0.2)
+    norms = {}
+    for z, budget in ((0.0, 100_000), (1.0, 100_000), (1.0, 40)):
+        section = LearnerSection(kind="megatron", micro_batch_tokens=budget, moe_z_loss_coeff=z)
+        metrics = MegatronLearner(model, section).train_step(make_batch(300, seed=1))
+        norms[(z, budget)] = (metrics["grad_norm"], metrics["micro_batches"])
+    (off, _), (whole, one), (split, several) = norms[(0.0, 100_000)], norms[(1.0, 100_000)], norms[(1.0, 40)]
+    assert one == 1 and several > 1
+    assert abs(whole - off) > 1e-2 * off
+    assert abs(whole - split) <= 1e-6 * whole
 
 
 def test_moe_settings_the_learner_cannot_honour_are_refused_by_name(tmp_path):

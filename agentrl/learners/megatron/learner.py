@@ -160,25 +160,32 @@ class MegatronLearner(Learner):
         return model
 
     def _moe_loss_config(self, arch: ArchSpec) -> dict:
-        """The router's load-balancing and z-loss coefficients (MoE models; 0 = off)."""
+        """The router's load-balancing and z-loss coefficients (MoE models; 0 = off), in megatron's terms.
+
+        Megatron adds each MoE layer's loss; the learner's coefficients weigh the mean over MoE layers (as the
+        torch learner's do), and megatron's Switch loss counts each expert's share of the tokens' top-k slots
+        (summing to 1) where transformers' counts its share of tokens (summing to top-k): times top-k."""
         if not arch.num_experts:
             return {}
+        layers = len(arch.moe_layer_indices)
         return {
-            "moe_aux_loss_coeff": self.cfg.moe_aux_loss_coeff,
-            "moe_z_loss_coeff": self.cfg.moe_z_loss_coeff or None,  # None: megatron skips the term entirely
+            "moe_aux_loss_coeff": self.cfg.moe_aux_loss_coeff * arch.moe_topk / layers,
+            # None: megatron skips the term entirely
+            "moe_z_loss_coeff": self.cfg.moe_z_loss_coeff / layers if self.cfg.moe_z_loss_coeff else None,
         }
 
-    def _scale_moe_losses(self, batch: Batch) -> None:
-        """Megatron adds each router loss's gradient once per micro-batch, times that micro-batch's tokens
-        (its per-token-loss convention): scaled by 1 / the update's tokens (every DP rank's), the coefficients
-        weigh the token mean of the load-balancing and z losses over the mini-batch, as the policy loss's
-        normalisers do."""
+    def _scale_moe_losses(self, batch: Batch, on: bool = True) -> None:
+        """Megatron adds each router loss's gradient once per micro-batch, times that micro-batch's real tokens
+        (its per-token-loss convention): scaled by 1 / the update's real tokens (every DP rank's), the
+        coefficients weigh the token mean of the load-balancing and z losses over the mini-batch, as the policy
+        loss's normalisers do. `on = False`: no router losses (the SFT step, as the torch learner's)."""
         if not self._router_losses():
             return
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        tokens = sum(mb.input_ids.numel() for mb in micro_batches(batch, self.cfg.micro_batch_tokens))
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / max(tokens, 1), device=self.device))
+        tokens = sum(batch.row_lengths_list())
+        scale = 1.0 / max(tokens, 1) if on else 0.0
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale, device=self.device))
 
     def _router_losses(self) -> bool:
         """Whether the routers add a load-balancing or z loss (a MoE model with either coefficient > 0)."""
@@ -238,11 +245,14 @@ class MegatronLearner(Learner):
         if self.attention == "local":
             width = mb.input_ids.shape[1]
             mask = torch.ones(width, width, dtype=torch.bool, device=self.device).triu(1)[None, None]
+        if not unwrap(model).config.num_moe_experts:
+            return model(mb.input_ids, mb.position_ids, mask)
+        padding = mb.attention_mask == 0  # kept out of the routers' losses and statistics
         experts = getattr(mb, "routed_experts", None) if self.cfg.routing_replay == "rollout" else None
-        if experts is None or not self.arch.num_experts or model is self.teacher_model:
-            return model(mb.input_ids, mb.position_ids, mask)
+        if experts is None or model is self.teacher_model:
+            return model(mb.input_ids, mb.position_ids, mask, padding_mask=padding)
         with routing_replay.replayed_routing(unwrap(model), self.arch, experts):
-            return model(mb.input_ids, mb.position_ids, mask)
+            return model(mb.input_ids, mb.position_ids, mask, padding_mask=padding)
 
     def _forward(self, model: torch.nn.Module, mb: Batch, *, entropy: bool = False):
         """(logprobs, entropy or None), both [R, T] float32; entropy carries a gradient only if its coef != 0."""
@@ -331,7 +341,7 @@ class MegatronLearner(Learner):
         metrics.update(self._apply_update(norm, loss=metrics.get("loss", 0.0)))
         return metrics, len(parts)
 
-    def _lockstep(self, batch: Batch, mine: int) -> None:
+    def _lockstep(self, batch: Batch, mine: int, router_losses: bool = True) -> None:
         """Under EP, the forward/backward passes this rank still owes its EP group (expert_parallel.py), on a
         micro-batch of the batch with zero loss and zero router-loss scale: no gradient changes."""
         if self.ep_size == 1:
@@ -347,7 +357,7 @@ class MegatronLearner(Learner):
         for _ in range(owed):
             logp, _ = self._forward(self.model, mbs[-1])
             (logp.sum() * 0.0).backward()
-        self._scale_moe_losses(batch)
+        self._scale_moe_losses(batch, on=router_losses)
 
     def _loss_payload(self, mb: Batch, logits: torch.Tensor) -> tuple:
         logp, ent = self._from_logits(logits, mb, entropy=True)
@@ -372,7 +382,7 @@ class MegatronLearner(Learner):
         _check_batch(batch)
         batch = batch.to(self.device)
         self._zero_grad()
-        self._scale_moe_losses(batch)
+        self._scale_moe_losses(batch, on=False)
         mbs = self._my_micro_batches(batch)
         payload = functools.partial(self._sft_payload, total_loss_tokens=batch.total_loss_tokens)
         if self.pp_size == 1:
@@ -381,7 +391,7 @@ class MegatronLearner(Learner):
                 loss = sft_loss(self._forward(self.model, mb)[0], mb.loss_mask, batch.total_loss_tokens)
                 loss.backward()
                 losses.append(loss.detach())
-            self._lockstep(batch, len(mbs))
+            self._lockstep(batch, len(mbs), router_losses=False)
             norm = update.grad_norm(self)
             total = float(torch.stack(losses).sum())
         else:
