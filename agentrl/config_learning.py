@@ -123,7 +123,7 @@ class LearnerSection(_Section):
         int,
         doc(
             "megatron, MoE models: expert-parallel ranks (each holds num_experts / expert_parallel experts); "
-            "must divide data_parallel x tensor_parallel (docs/moe.md)",
+            "must divide data_parallel (MoE models run tensor_parallel = 1; docs/moe.md)",
             ge=1,
         ),
     ] = 1
@@ -160,6 +160,15 @@ class LearnerSection(_Section):
         if self.lora.enabled and self.fsdp:
             raise ConfigError(
                 "learner.lora.rank > 0 with learner.fsdp = true is not supported (use one rank)"
+            )
+        if self.expert_parallel > 1 and self.kind != "megatron":
+            raise ConfigError(
+                f"learner.expert_parallel = {self.expert_parallel} needs learner.kind = 'megatron'"
+            )
+        if self.data_parallel % self.expert_parallel:
+            raise ConfigError(
+                f"learner.expert_parallel = {self.expert_parallel} must divide learner.data_parallel = "
+                f"{self.data_parallel} (each group of expert_parallel data-parallel ranks shares out the experts)"
             )
         if self.kind == "megatron" and self.device == "cpu" and self.tensor_parallel > 1:
             raise ConfigError("learner.tensor_parallel > 1 needs learner.device = 'cuda' (CPU runs TP=PP=1)")

@@ -41,6 +41,32 @@ def fake_cuda() -> None:
     CudaOnCpu().__enter__()
 
 
+def fake_cuda_streams() -> None:
+    """Process-wide, after `fake_cuda()`: CUDA streams and events that do nothing (megatron's alltoall MoE token
+    dispatcher copies its split sizes to the host on a side stream; on CPU everything is already there)."""
+    import contextlib
+
+    class Event:
+        def synchronize(self) -> None:
+            pass
+
+    class Stream:
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def wait_stream(self, other) -> None:
+            pass
+
+        def record_event(self, *args) -> Event:
+            return Event()
+
+    default = Stream()
+    torch.cuda.Stream = Stream
+    torch.cuda.current_stream = lambda *args, **kwargs: default
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    torch.Tensor.record_stream = lambda self, stream: None
+
+
 def gpu_path_class():
     """MegatronLearner as built on a GPU (Megatron DDP + distributed optimizer), on CPU tensors (import after
     `fake_cuda()`)."""
@@ -269,3 +295,89 @@ def main() -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def expert_parallel_worker(rank: int, world: int, model_dir: str, port: int, out_dir: str) -> None:
+    """One of 2 gloo ranks on the GPU path: EP = 2 (each rank holds half the experts) against DP = 2 without
+    EP on the same batches, a checkpoint and its resume, and the published weights against the HF files and
+    the checkpoint's own HF conversion."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    fake_cuda()
+    from agentrl.learners.megatron import checkpoint
+    from tests.megatron_helpers import hf_state, make_batch
+
+    moe = dict(data_parallel=2, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+    hf = hf_state(__import__("pathlib").Path(model_dir))
+
+    def max_diff(a: dict, b: dict) -> float:
+        assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))
+        return max((a[n].float() - b[n].float()).abs().max().item() for n in a)
+
+    out: dict = {}
+    ep = gpu_path_learner(model_dir, expert_parallel=2, **moe)
+    out["local_experts"] = sorted(
+        n.split("local_experts.")[1].split(".")[0]
+        for n, _ in ep.model.named_parameters()
+        if "local_experts" in n
+    )
+    out["published_vs_hf"] = max_diff(dict(ep.weights()), hf)
+    steps = [ep.train_step(make_batch(300, seed=step)) for step in range(2)]
+    ckpt = os.path.join(out_dir, "ckpt")
+    ep.save(ckpt)
+    published = {n: t.clone() for n, t in ep.weights()}
+    out["published_vs_checkpoint_hf"] = max_diff(published, dict(checkpoint.iter_checkpoint_hf(ckpt)))
+    out["published_changed"] = max_diff(published, hf) > 0
+    out["trained_logprobs"] = ep.compute_logprobs(make_batch(300, seed=11)).tolist()
+    if rank == 0:  # `agentrl export`: an HF directory from the rank files alone
+        checkpoint.to_hf(ckpt, os.path.join(out_dir, "export"))
+    batch = make_batch(300, seed=9)
+    resumed = gpu_path_learner(model_dir, expert_parallel=2, **moe)
+    resumed.load(ckpt)
+    out["resumed_losses"] = [resumed.train_step(batch)["loss"], ep.train_step(batch)["loss"]]
+    out["resumed_weight_diff"] = max_diff(dict(resumed.weights()), dict(ep.weights()))
+    dp = gpu_path_learner(model_dir, expert_parallel=1, **moe)  # the same 2 ranks, every expert on each
+    dp_steps = [dp.train_step(make_batch(300, seed=step)) for step in range(2)]
+    out["steps"] = [
+        {k: [a[k], b[k]] for k in ("loss", "grad_norm", "updates")}
+        for a, b in zip(steps, dp_steps, strict=True)
+    ]
+    out["ep_vs_dp_weights"] = max_diff(published, dict(dp.weights()))
+    # the CPU learner (torch AdamW, gradients reduced by hand: experts over the expert-data-parallel group)
+    cpu = gpu_path_learner(model_dir, gpu_path=False, expert_parallel=2, **moe)
+    cpu_steps = [cpu.train_step(make_batch(300, seed=step)) for step in range(2)]
+    out["cpu_steps"] = [
+        {k: [a[k], b[k]] for k in ("loss", "grad_norm")} for a, b in zip(cpu_steps, dp_steps, strict=True)
+    ]
+    out["cpu_vs_dp_weights"] = max_diff(dict(cpu.weights()), dict(dp.weights()))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+
+
+def moe_pipeline_worker(rank: int, world: int, model_dir: str, port: int, out_dir: str) -> None:
+    """One of 2 gloo ranks: PP = 2 of a MoE model (megatron's alltoall dispatcher, as on GPU) against the torch
+    learner: log-probs, losses and gradient norms of two steps, and every weight streamed under its HF name."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    fake_cuda()
+    fake_cuda_streams()
+    from agentrl.config import AlgorithmSection, LearnerSection
+    from agentrl.learners.torch_learner import TorchLearner
+    from tests.megatron_helpers import hf_state, make_batch
+
+    learner = gpu_path_learner(model_dir, pp=2)
+    dispatchers = {
+        type(m.token_dispatcher).__name__ for m in learner.model.modules() if hasattr(m, "token_dispatcher")
+    }
+    ref = TorchLearner(model_dir, LearnerSection(**SETTINGS), AlgorithmSection(entropy_coef=0.01))
+    probe = make_batch(300, seed=11)
+    out = {"dispatchers": sorted(dispatchers)}
+    out["logprob_diff"] = (learner.compute_logprobs(probe) - ref.compute_logprobs(probe)).abs().max().item()
+    out["steps"] = []
+    for step in range(2):
+        a, b = learner.train_step(make_batch(300, seed=step)), ref.train_step(make_batch(300, seed=step))
+        out["steps"].append({k: [a[k], b[k]] for k in ("loss", "grad_norm")})
+    out["names"] = sorted(n for n, _ in learner.weights())
+    out["hf_names"] = sorted(hf_state(__import__("pathlib").Path(model_dir)))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)

@@ -53,7 +53,8 @@ def hf_logprobs(path, batch, temperature=1.0):
 
 
 def write_model(path: Path, arch: str, tied: bool, overrides: dict, seed: int = 0) -> Path:
-    """A tiny HF model of `arch` with config `overrides`; biases get random nonzero values (HF inits them 0)."""
+    """A tiny HF model of `arch` with config `overrides`; biases (and GLM's expert-choice correction bias) get
+    random nonzero values (HF inits them 0)."""
     from transformers import AutoModelForCausalLM
 
     from agentrl.engines.tiny import model_config
@@ -71,5 +72,8 @@ def write_model(path: Path, arch: str, tied: bool, overrides: dict, seed: int = 
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0.0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     model.save_pretrained(path)
     return path

@@ -136,6 +136,12 @@ def test_a_sections_own_checks_are_its_validate_with_the_load_messages():
          r"learner\.fsdp = true needs learner\.kind = 'torch'"),
         (LearnerSection(data_parallel=2), ["--learner.data-parallel", "2"],
          r"learner\.data_parallel = 2 with learner\.kind = 'torch' needs learner\.fsdp = true"),
+        (LearnerSection(expert_parallel=2, data_parallel=2, fsdp=True),
+         ["--learner.expert-parallel", "2", "--learner.data-parallel", "2", "--learner.fsdp", "true"],
+         r"learner\.expert_parallel = 2 needs learner\.kind = 'megatron'"),
+        (LearnerSection(kind="megatron", expert_parallel=2, data_parallel=3),
+         ["--learner.kind", "megatron", "--learner.expert-parallel", "2", "--learner.data-parallel", "3"],
+         r"learner\.expert_parallel = 2 must divide learner\.data_parallel = 3"),
     ]  # fmt: skip
     for section, flags, message in cases:
         with pytest.raises(ConfigError, match=message):

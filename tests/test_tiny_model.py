@@ -7,16 +7,16 @@ import json
 import pytest
 
 from agentrl.engines import tiny_cli
-from agentrl.engines.tiny import ARCHS, make_tiny_model
+from agentrl.engines.tiny import ARCHS, MOE_ARCHS, make_tiny_model
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
-    return {arch: make_tiny_model(root / arch, arch=arch, seed=0) for arch in ARCHS}
+    return {arch: make_tiny_model(root / arch, arch=arch, seed=0) for arch in ARCHS + MOE_ARCHS}
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + MOE_ARCHS)
 def test_loads_with_transformers(model_dirs, arch):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -66,6 +66,33 @@ def test_agent_text_tokenizes_compactly(model_dirs):
     assert len(ids) <= 24
 
 
+def test_moe_models_route_to_four_experts_top_2(model_dirs):
+    """The MoE archs: 4 experts, top-2, on every layer (qwen3_moe) or after one dense layer with a shared
+    expert (glm4_moe), whose grouped routing chooses by score + correction bias and weighs by score alone."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    qwen = AutoModelForCausalLM.from_pretrained(model_dirs["qwen3_moe"])
+    cfg = qwen.config
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (4, 2, True)
+    assert all(hasattr(layer.mlp, "gate") for layer in qwen.model.layers)
+    glm = AutoModelForCausalLM.from_pretrained(model_dirs["glm4_moe"])
+    cfg = glm.config
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_shared_experts) == (4, 2, 1)
+    assert (cfg.n_group, cfg.topk_group, cfg.first_k_dense_replace) == (2, 1, 1)
+    assert cfg.rope_parameters["partial_rotary_factor"] == 0.5
+    assert not hasattr(glm.model.layers[0].mlp, "gate") and hasattr(glm.model.layers[1].mlp, "shared_experts")
+    router = glm.model.layers[1].mlp.gate
+    bias = router.e_score_correction_bias
+    assert bias.abs().min() > 0
+    hidden = torch.randn(64, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, _, chosen = router(hidden)
+        by_score = torch.topk(torch.sigmoid(hidden @ router.weight.T), 2, dim=-1).indices
+    differs = (chosen.sort(-1).values != by_score.sort(-1).values).any(-1)
+    assert differs.any() and not differs.all()
+
+
 def test_same_seed_same_files_other_seed_differs(tmp_path):
     def digest(path):
         return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
@@ -74,6 +101,10 @@ def test_same_seed_same_files_other_seed_differs(tmp_path):
     b = make_tiny_model(tmp_path / "b", arch="llama", seed=3)
     c = make_tiny_model(tmp_path / "c", arch="llama", seed=4)
     assert digest(a) == digest(b) != digest(c)
+    glm = [
+        make_tiny_model(tmp_path / f"glm{seed}", arch="glm4_moe", seed=seed, hidden=32) for seed in (3, 3, 4)
+    ]
+    assert digest(glm[0]) == digest(glm[1]) != digest(glm[2])  # the correction bias too
     assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
     assert (a / "tokenizer.json").read_bytes() == (
         c / "tokenizer.json"
@@ -90,6 +121,10 @@ def test_cli_writes_model(tmp_path, capsys):
     assert json.loads((tmp_path / "m" / "config.json").read_text())["max_position_embeddings"] == 2048
     tiny_cli.main(parser.parse_args([str(tmp_path / "long"), "--arch", "qwen3", "--max-position", "8192"]))
     assert json.loads((tmp_path / "long" / "config.json").read_text())["max_position_embeddings"] == 8192
+    for arch in MOE_ARCHS:
+        tiny_cli.main(parser.parse_args([str(tmp_path / arch), "--arch", arch, "--hidden", "32"]))
+        assert json.loads((tmp_path / arch / "config.json").read_text())["model_type"] == arch
+        assert arch in capsys.readouterr().out
 
 
 def test_unknown_arch_is_a_config_error(tmp_path):

@@ -4,7 +4,10 @@
 covering arithmetic, the guess-the-number game, calculator tool calls and `\\boxed{}` answers; digits are
 split one per token, Qwen2's pre-tokenizer), a ChatML chat template (`<|im_start|>role\\n...<|im_end|>\\n`;
 tools rendered as Qwen2.5 does), and a random-init causal LM (Qwen2, Qwen3 or Llama architecture, ~0.6M
-parameters by default) saved as safetensors.
+parameters by default; or a mixture of experts: Qwen3-MoE, GLM-4.5 MoE, with 4 experts and top-2 routing) saved
+as safetensors. The GLM-4.5 MoE model has GLM's layout in small: one leading dense layer, one shared expert, RoPE
+on half of each head, q/k/v biases, grouped top-k routing (2 groups of 2 experts, 1 group kept) and a random
+nonzero `e_score_correction_bias`, so the experts a token is sent to differ from those with the largest weights.
 Invariants: the same `(arch, seed, sizes)` gives the same files; the tokenizer does not depend on `seed`
 (models of every seed and arch share token ids); `AutoTokenizer` and
 `AutoModelForCausalLM.from_pretrained(dir)` load the result; eos is `<|im_end|>`, pad is `<|endoftext|>`;
@@ -21,7 +24,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-ARCHS = ("qwen2", "qwen3", "llama")
+ARCHS = ("qwen2", "qwen3", "llama")  # dense
+MOE_ARCHS = ("qwen3_moe", "glm4_moe")
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -135,15 +139,18 @@ def model_config(arch: str, vocab_size: int, hidden: int = 128, layers: int = 2,
                  kv_heads: int = 2, intermediate: int | None = None, max_position: int = 2048,
                  rope_theta: float = 10000.0, tie_embeddings: bool = True, init_std: float = 0.02,
                  eos_token_id: int | None = None, pad_token_id: int | None = None,
-                 head_dim: int | None = None):  # fmt: skip
-    """The transformers config for `arch` with the given sizes (head_dim defaults to hidden // heads)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+                 head_dim: int | None = None, experts: int = 4, experts_per_token: int = 2,
+                 moe_intermediate: int | None = None):  # fmt: skip
+    """The transformers config for `arch` with the given sizes (head_dim defaults to hidden // heads; the MoE
+    archs' experts have `moe_intermediate` (default hidden) units, their dense layers `intermediate`)."""
+    from transformers import Glm4MoeConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    if arch not in ARCHS:
+    if arch not in ARCHS + MOE_ARCHS:
         from agentrl.errors import ConfigError
 
-        raise ConfigError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
-    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}[arch]
+        raise ConfigError(f"arch must be one of {', '.join(ARCHS + MOE_ARCHS)}, got {arch!r}")
+    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig,
+           "glm4_moe": Glm4MoeConfig}[arch]  # fmt: skip
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -161,6 +168,17 @@ def model_config(arch: str, vocab_size: int, hidden: int = 128, layers: int = 2,
         head_dim=head_dim or hidden // heads,
         rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
     )
+    moe = dict(num_experts_per_tok=experts_per_token, moe_intermediate_size=moe_intermediate or hidden)
+    if arch == "qwen3_moe":
+        kwargs |= moe | dict(
+            num_experts=experts, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]
+        )
+    elif arch == "glm4_moe":
+        kwargs |= moe | dict(
+            n_routed_experts=experts, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True, use_qk_norm=False,
+        )  # fmt: skip
+        kwargs["rope_parameters"] |= {"partial_rotary_factor": 0.5}
     return cls(**kwargs)
 
 
@@ -211,6 +229,10 @@ def _write_tiny_model(path: Path, arch: str, seed: int, vocab_size: int, dims: d
     saved_rng = torch.random.get_rng_state()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # transformers starts the correction bias at 0: then it would not change a choice
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, 0.1)
     torch.random.set_rng_state(saved_rng)
     model.generation_config = GenerationConfig(eos_token_id=[eos_id, pad_id], pad_token_id=pad_id)
     model.save_pretrained(path, safe_serialization=True)

@@ -2,9 +2,11 @@
 
 Layout of a checkpoint directory (learner.json follows agentrl.learners.checkpoint):
   learner.json                  {"kind": "megatron", step, policy_version, "hf_config_dir": "hf", tensor_parallel,
-                                 pipeline_parallel, dtype, model_path}
+                                 pipeline_parallel, expert_parallel, dtype, model_path}
   hf/                           the source model's config + tokenizer files (no weights)
   model_tp{t}_pp{p}.pt          {global Megatron name: tensor} for TP rank t / PP rank p (written by DP rank 0)
+  model_tp{t}_pp{p}_ep{e}.pt    with learner.expert_parallel > 1: the same for EP rank e (with its experts)
+                                (written by the first DP rank of each EP rank; the other weights in every one)
   optim_rank{r}.pt              optimizer of global rank r: its torch optimizer's state_dict and the (fp32 main)
                                 parameters it steps (GPU: the distributed optimizer's shard), once it has stepped
 With LoRA (`lora_base` in learner.json: the base model's directory) there are no model files: the adapter is a
@@ -80,7 +82,19 @@ def hf_reader(path: str | Path) -> Iterator[Callable[[str], torch.Tensor]]:
 def _rank_suffix() -> str:
     from megatron.core import parallel_state as ps
 
-    return f"tp{ps.get_tensor_model_parallel_rank()}_pp{ps.get_pipeline_model_parallel_rank()}"
+    suffix = f"tp{ps.get_tensor_model_parallel_rank()}_pp{ps.get_pipeline_model_parallel_rank()}"
+    if ps.get_expert_model_parallel_world_size() > 1:
+        suffix += f"_ep{ps.get_expert_model_parallel_rank()}"
+    return suffix
+
+
+def _writes_model_file() -> bool:
+    """One rank per distinct set of weights writes them: the first DP rank (of each EP rank under EP)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_expert_model_parallel_world_size() > 1:
+        return ps.get_expert_data_parallel_rank() == 0
+    return ps.get_data_parallel_rank() == 0
 
 
 def save(learner: MegatronLearner, path: Path) -> None:
@@ -103,7 +117,7 @@ def save(learner: MegatronLearner, path: Path) -> None:
         adapter = {k: host(v) for k, v in lora.gather(unwrap(learner.model), scaled=False).items()}
         if rank == 0:
             _write_adapter(path, adapter, learner.lora, extra["lora_base"])
-    elif ps.get_data_parallel_rank() == 0:
+    elif _writes_model_file():
         params = convert.global_params(unwrap(learner.model))
         torch.save({k: host(v) for k, v in params.items()}, path / f"model_{_rank_suffix()}.pt")
     if has_state:
@@ -118,6 +132,7 @@ def save(learner: MegatronLearner, path: Path) -> None:
         write_metadata(
             path, "megatron", learner.step, learner.policy_version, "hf",
             tensor_parallel=learner.tp_size, pipeline_parallel=ps.get_pipeline_model_parallel_world_size(),
+            expert_parallel=learner.ep_size,
             dtype=learner.cfg.dtype, model_path=learner.model_path, temperature=learner.temperature,
             optimizer_steps=learner.optimizer_steps, world_size=dist.get_world_size(), **extra,
         )  # fmt: skip
@@ -149,11 +164,12 @@ def load(learner: MegatronLearner, path: Path) -> None:
 
     meta = read_meta(path)
     pp = ps.get_pipeline_model_parallel_world_size()
-    if (meta["tensor_parallel"], meta["pipeline_parallel"]) != (learner.tp_size, pp):
+    saved = (meta["tensor_parallel"], meta["pipeline_parallel"], meta.get("expert_parallel", 1))
+    if saved != (learner.tp_size, pp, learner.ep_size):
         raise LearnerError(
-            f"{path}: saved with tensor_parallel={meta['tensor_parallel']} pipeline_parallel="
-            f"{meta['pipeline_parallel']}, learner runs {learner.tp_size}/{pp}; export it with `agentrl export` "
-            "and start from the HF directory instead"
+            f"{path}: saved with tensor_parallel={saved[0]} pipeline_parallel={saved[1]} expert_parallel="
+            f"{saved[2]}, learner runs {learner.tp_size}/{pp}/{learner.ep_size}; export it with "
+            "`agentrl export` and start from the HF directory instead"
         )
     if (learner.lora is not None) != ("lora_base" in meta):
         raise LearnerError(
@@ -267,13 +283,20 @@ def iter_checkpoint_hf(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     path = Path(path)
     meta = read_meta(path)
     arch = ArchSpec.from_hf(AutoConfig.from_pretrained(str(hf_config_dir(path, meta))))
-    tp, pp = meta["tensor_parallel"], meta["pipeline_parallel"]
-    files = {(t, p): path / f"model_tp{t}_pp{p}.pt" for t in range(tp) for p in range(pp)}
-    stages = [torch.load(files[(0, p)], map_location="cpu", weights_only=True, mmap=True) for p in range(pp)]
+    tp, pp, ep = meta["tensor_parallel"], meta["pipeline_parallel"], meta.get("expert_parallel", 1)
+
+    def rank_file(t: int, p: int) -> dict[str, torch.Tensor]:
+        """TP rank t / PP rank p; under EP the union of the EP ranks' files (each holds its experts)."""
+        names = [f"model_tp{t}_pp{p}.pt"] if ep == 1 else [f"model_tp{t}_pp{p}_ep{e}.pt" for e in range(ep)]
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            out |= torch.load(path / name, map_location="cpu", weights_only=True, mmap=True)
+        return out
+
+    stages = [rank_file(0, p) for p in range(pp)]
     te = any("layer_norm_weight" in name for stage in stages for name in stage)
     for p in range(pp):
-        ranks = [stages[p]] + [torch.load(files[(t, p)], map_location="cpu", weights_only=True, mmap=True)
-                               for t in range(1, tp)]  # fmt: skip
+        ranks = [stages[p]] + [rank_file(t, p) for t in range(1, tp)]
         for group in convert.groups(arch, te=te):
             if group.mcore not in ranks[0] or (group.mcore == "output_layer.weight" and arch.tied):
                 continue

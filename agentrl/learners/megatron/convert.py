@@ -1,4 +1,5 @@
-"""Hugging Face <-> Megatron-core weight conversion (Qwen2, Qwen3, Llama), exact (views and concatenations only).
+"""Hugging Face <-> Megatron-core weight conversion (Qwen2, Qwen3, Llama, Qwen3-MoE, GLM-4.5-MoE), exact
+(views and concatenations only).
 
 Layout (per transformer layer, HF names under `model.layers.{i}.`):
   linear_qkv  = per query group g: [q rows of the group's heads (heads_per_group*head_dim); k rows (head_dim);
@@ -8,6 +9,12 @@ Layout (per transformer layer, HF names under `model.layers.{i}.`):
   linear_proj / linear_fc2 are row-parallel (split dim 1; linear_proj.bias = o_proj.bias, replicated);
   embedding / output_layer split the vocab (dim 0); norms (input, pre-MLP, q/k-norm, final) are replicated.
   Tied models have no output_layer (HF: no lm_head).
+  MoE layers (HF `mlp.gate`, `mlp.experts.{e}.*`, GLM's `mlp.shared_experts.*`): the router weight and GLM's
+  `e_score_correction_bias` (Megatron: the router's `expert_bias` buffer) are replicated; expert e's
+  gate/up/down become `mlp.experts.local_experts.{e}.linear_fc1` (GLU) / `linear_fc2`, the shared expert
+  `mlp.shared_experts.linear_fc1` / `linear_fc2`; the pre-MLP norm is never fused into a MoE layer.
+  Global names number experts globally: expert-parallel rank r holds experts r*n .. r*n+n-1 (n = experts / EP)
+  as its local_experts 0..n-1.
 `load_hf` refuses an HF checkpoint holding a tensor no group maps (nothing is dropped silently).
 
 A `Group` maps one Megatron parameter (global layer numbering: `decoder.layers.{i}.`) to its HF tensors.
@@ -33,6 +40,7 @@ class Group:
     hf: tuple[str, ...]
     kind: str
     layer: int | None = None  # global layer index, None for embedding / final norm / output layer
+    expert: int | None = None  # global expert index of a routed expert's weights
 
 
 def groups(arch: ArchSpec, te: bool = False) -> list[Group]:
@@ -59,15 +67,41 @@ def groups(arch: ArchSpec, te: bool = False) -> list[Group]:
         layer.append(Group(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), COL, i))
         if arch.proj_bias:  # added after the row-parallel all-reduce: one full copy per TP rank
             layer.append(Group(m + "self_attention.linear_proj.bias", (attn + "o_proj.bias",), REPLICATED, i))
-        layer.append(Group(m + mlp_norm, (h + "post_attention_layernorm.weight",), REPLICATED, i))
-        glu = (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight")
-        layer.append(Group(m + "mlp.linear_fc1.weight", glu, GLU, i))
-        layer.append(Group(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), COL, i))
+        moe = bool(arch.moe_layers) and arch.moe_layers[i]
+        norm = m + ("pre_mlp_layernorm.weight" if moe else mlp_norm)
+        layer.append(Group(norm, (h + "post_attention_layernorm.weight",), REPLICATED, i))
+        layer.extend(_moe_groups(arch, i) if moe else _mlp_groups(m + "mlp.", h + "mlp.", i))
         out.extend(layer)
     out.append(Group("decoder.final_layernorm.weight", ("model.norm.weight",), REPLICATED))
     if not arch.tied:
         out.append(Group("output_layer.weight", ("lm_head.weight",), ROW))
     return out
+
+
+def _mlp_groups(m: str, h: str, layer: int, expert: int | None = None) -> list[Group]:
+    """A SwiGLU MLP: Megatron prefix `m`, HF prefix `h` (both ending in '.')."""
+    glu = (h + "gate_proj.weight", h + "up_proj.weight")
+    return [
+        Group(m + "linear_fc1.weight", glu, GLU, layer, expert),
+        Group(m + "linear_fc2.weight", (h + "down_proj.weight",), COL, layer, expert),
+    ]
+
+
+def _moe_groups(arch: ArchSpec, i: int) -> list[Group]:
+    m, h = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
+    out = [Group(m + "router.weight", (h + "gate.weight",), REPLICATED, i)]
+    if arch.router_expert_bias:
+        out.append(Group(m + "router.expert_bias", (h + "gate.e_score_correction_bias",), REPLICATED, i))
+    for e in range(arch.num_experts):
+        out.extend(_mlp_groups(f"{m}experts.local_experts.{e}.", f"{h}experts.{e}.", i, e))
+    if arch.shared_expert_intermediate_size:
+        out.extend(_mlp_groups(m + "shared_experts.", h + "shared_experts.", i))
+    return out
+
+
+def _mlp_shapes(h: str, hidden: int, ffn: int) -> dict[str, tuple[int, ...]]:
+    return {h + "gate_proj.weight": (ffn, hidden), h + "up_proj.weight": (ffn, hidden),
+            h + "down_proj.weight": (hidden, ffn)}  # fmt: skip
 
 
 def hf_shapes(arch: ArchSpec) -> dict[str, tuple[int, ...]]:
@@ -86,8 +120,16 @@ def hf_shapes(arch: ArchSpec) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
         if arch.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
-        shapes |= {p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h)}
-        shapes |= {p + "mlp.down_proj.weight": (h, ffn)}
+        if not (arch.moe_layers and arch.moe_layers[i]):
+            shapes |= _mlp_shapes(p + "mlp.", h, ffn)
+            continue
+        shapes[p + "mlp.gate.weight"] = (arch.num_experts, h)
+        if arch.router_expert_bias:
+            shapes[p + "mlp.gate.e_score_correction_bias"] = (arch.num_experts,)
+        for e in range(arch.num_experts):
+            shapes |= _mlp_shapes(f"{p}mlp.experts.{e}.", h, arch.moe_intermediate_size)
+        if arch.shared_expert_intermediate_size:
+            shapes |= _mlp_shapes(p + "mlp.shared_experts.", h, arch.shared_expert_intermediate_size)
     shapes["model.norm.weight"] = (h,)
     if not arch.tied:
         shapes["lm_head.weight"] = (arch.vocab_size, h)
@@ -146,14 +188,22 @@ def unshard(group: Group, shards: list[torch.Tensor], arch: ArchSpec) -> list[to
     raise LearnerError(f"unknown group kind {group.kind!r}")
 
 
+_LOCAL_EXPERTS = "mlp.experts.local_experts."
+
+
 def local_to_global(model: torch.nn.Module) -> Callable[[str], str]:
-    """Map this stage's parameter names (local layer index) to global layer numbering."""
+    """Map this stage's parameter names (local layer index, local expert index) to global numbering."""
     layers = model.decoder.layers
     offsets = {str(j): str(layer.layer_number - 1) for j, layer in enumerate(layers)}
+    first_expert = {str(j): layer.mlp.local_expert_indices[0] for j, layer in enumerate(layers)
+                    if hasattr(layer.mlp, "local_expert_indices")}  # fmt: skip
 
     def convert(name: str) -> str:
         if name.startswith("decoder.layers."):
             j, rest = name[len("decoder.layers.") :].split(".", 1)
+            if rest.startswith(_LOCAL_EXPERTS):
+                e, tail = rest[len(_LOCAL_EXPERTS) :].split(".", 1)
+                rest = f"{_LOCAL_EXPERTS}{first_expert[j] + int(e)}.{tail}"
             return f"decoder.layers.{offsets[j]}.{rest}"
         return name
 
@@ -164,20 +214,33 @@ def is_te_model(model: torch.nn.Module) -> bool:
     return any("layer_norm_weight" in n for n, _ in model.named_parameters())
 
 
-def global_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+def global_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """{global name: tensor} of this rank's parameters and the routers' `expert_bias` buffers (weights of the
+    model the optimizer does not step: GLM's correction bias)."""
     to_global = local_to_global(model)
-    return {to_global(n): p for n, p in model.named_parameters()}
+    out: dict[str, torch.Tensor] = {to_global(n): p for n, p in model.named_parameters()}
+    out |= {to_global(n): b for n, b in model.named_buffers() if n.endswith("router.expert_bias")}
+    return out
 
 
 def check_hf_names(arch: ArchSpec, hf_names: Iterable[str]) -> None:
     """LearnerError naming the HF tensors that no group maps (a tied model may also store lm_head.weight;
     rotary inv_freq buffers of old checkpoints are recomputed)."""
     mapped = {name for group in groups(arch) for name in group.hf} | {"lm_head.weight"}
-    extra = sorted(n for n in hf_names if n not in mapped and not n.endswith("rotary_emb.inv_freq"))
+    extra = sorted(n for n in hf_names if n not in mapped and not n.endswith("rotary_emb.inv_freq")
+                   and not _beyond_last_layer(arch, n))  # fmt: skip
     if extra:
         raise LearnerError(
             f"the HF checkpoint has {len(extra)} tensors the Megatron converter does not map, e.g. {extra[:4]}"
         )
+
+
+def _beyond_last_layer(arch: ArchSpec, name: str) -> bool:
+    """GLM-4.5's multi-token-prediction layers, numbered after the last decoder layer: transformers skips them
+    (they only draft tokens for speculative decoding)."""
+    if arch.model_type != "glm4_moe" or not name.startswith("model.layers."):
+        return False
+    return int(name.split(".")[2]) >= arch.num_layers
 
 
 @torch.no_grad()
@@ -215,8 +278,17 @@ def iter_hf(model: torch.nn.Module, arch: ArchSpec) -> Iterator[tuple[str, torch
     params = global_params(model)
     tp_size = ps.get_tensor_model_parallel_world_size()
     pp_size = ps.get_pipeline_model_parallel_world_size()
+    ep_size = ps.get_expert_model_parallel_world_size() if arch.num_experts else 1
     owners = _owners(params, pp_size)
     shapes = hf_shapes(arch)
+    like = next(iter(params.values()))
+
+    def empty(group: Group) -> list[torch.Tensor]:
+        dtype = params[group.mcore].dtype if group.mcore in params else like.dtype
+        if group.mcore.endswith("router.expert_bias"):  # Megatron keeps it in fp32 in any model dtype
+            dtype = torch.float32
+        return [torch.empty(shapes[n], dtype=dtype, device=like.device) for n in group.hf]
+
     for group in groups(arch, te=is_te_model(model)):
         tensors: list[torch.Tensor] | None = None
         if group.mcore in params:
@@ -226,13 +298,17 @@ def iter_hf(model: torch.nn.Module, arch: ArchSpec) -> Iterator[tuple[str, torch
                 shards = [torch.empty_like(local) for _ in range(tp_size)]
                 dist.all_gather(shards, local.contiguous(), group=ps.get_tensor_model_parallel_group())
             tensors = unshard(group, shards, arch)
+        if group.expert is not None and ep_size > 1:  # from the expert-parallel rank that holds it
+            src = ps.get_expert_model_parallel_group()
+            owner = group.expert // (arch.num_experts // ep_size)
+            tensors = tensors if tensors is not None else empty(group)
+            for t in tensors:
+                dist.broadcast(t.contiguous(), src=dist.get_global_rank(src, owner), group=src)
         if pp_size > 1:
             src = ps.get_pipeline_model_parallel_group()
-            owner = owners[group.mcore]
-            if tensors is None:
-                dtype = next(iter(params.values())).dtype
-                device = next(iter(params.values())).device
-                tensors = [torch.empty(shapes[n], dtype=dtype, device=device) for n in group.hf]
+            # another stage's expert may be held by another EP rank: its layer's router says which stage
+            owner = owners.get(group.mcore, owners.get(f"decoder.layers.{group.layer}.mlp.router.weight"))
+            tensors = tensors if tensors is not None else empty(group)
             for t in tensors:
                 dist.broadcast(t.contiguous(), src=dist.get_global_rank(src, owner), group=src)
         yield from zip(group.hf, tensors, strict=True)

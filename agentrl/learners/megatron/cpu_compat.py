@@ -6,6 +6,9 @@
    `CpuRNGStatesTracker` keeps named CPU generator states with the same `add`/`fork`/`get_states` API.
 3. `RotaryEmbedding.get_emb` moves `inv_freq` to the current CUDA device on first use; `patch_model` gives
    the model's rotary embedding a `get_emb` that stays on the device `inv_freq` lives on.
+4. MoE routers allocate their expert-bias buffers on `torch.cuda.current_device()` (`building()` makes that
+   "cpu" while the model is built) and move a CPU gate weight to CUDA before each gating (`patch_model` gives
+   each router a `gating` without the move).
 
 Invariant: `install()` is called only for a CPU learner (device "cpu", which is the only choice without CUDA);
 it is idempotent and runs after `parallel_state.initialize_model_parallel` (which creates the buffer it replaces).
@@ -100,8 +103,35 @@ def _get_emb_on_device(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
     return emb[:, None, None, :]
 
 
+@contextlib.contextmanager
+def building():
+    """While a CPU model is built: megatron's allocations on `torch.cuda.current_device()` land on CPU."""
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = saved
+
+
+def _gating_in_place(self, input: torch.Tensor) -> torch.Tensor:
+    """megatron's Router.gating less its move of a CPU weight to CUDA."""
+    from megatron.core.transformer.moe.moe_utils import router_gating_linear
+
+    dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+    return router_gating_linear(input, self.weight, self.bias, dtype)
+
+
 def patch_model(model: torch.nn.Module) -> None:
-    """Make the GPTModel's rotary embedding compute on CPU (no-op for models without RoPE)."""
+    """Make the GPTModel's rotary embedding and MoE routers compute on CPU."""
+    from megatron.core.transformer.moe.router import Router
+
     rope = getattr(model, "rotary_pos_emb", None)
     if rope is not None:
         rope.get_emb = types.MethodType(_get_emb_on_device, rope)
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.gating = types.MethodType(_gating_in_place, module)

@@ -30,7 +30,18 @@ from agentrl.errors import LearnerError
 from agentrl.learners import fused_logprob, offload
 from agentrl.learners.base import Learner
 from agentrl.learners.batch import Batch, micro_batches
-from agentrl.learners.megatron import checkpoint, convert, handoff, host_overhead, lora, ops, pipeline, update
+from agentrl.learners.megatron import (
+    checkpoint,
+    convert,
+    expert_parallel,
+    handoff,
+    host_overhead,
+    lora,
+    ops,
+    pipeline,
+    routing_replay,
+    update,
+)
 from agentrl.learners.megatron.model import ArchSpec, build_gpt, unwrap
 from agentrl.learners.megatron.parallel import init_parallel, sum_over_dp
 from agentrl.learners.teacher import teacher_path
@@ -70,6 +81,20 @@ class MegatronLearner(Learner):
         self.entropy_metric = entropy_metric
         hf_config = AutoConfig.from_pretrained(self.model_path)
         self.arch = ArchSpec.from_hf(hf_config)
+        if lc.lora.enabled and self.arch.num_experts:
+            raise LearnerError("learner.lora.rank > 0 with a mixture-of-experts model is not supported")
+        if lc.expert_parallel > 1 and lc.pipeline_parallel > 1:
+            raise LearnerError(
+                "learner.expert_parallel > 1 with learner.pipeline_parallel > 1 is not supported"
+            )
+        if lc.routing_replay != "off" and not self.arch.num_experts:
+            raise LearnerError(
+                f"learner.routing_replay = '{lc.routing_replay}': {self.model_path} is not a mixture of experts"
+            )
+        if lc.expert_parallel > 1 and not self.arch.num_experts:
+            raise LearnerError(
+                f"learner.expert_parallel = {lc.expert_parallel}: {self.model_path} is not a mixture of experts"
+            )
         pad = hf_config.pad_token_id
         self.pad_id = int(pad if pad is not None else (hf_config.eos_token_id or 0))
         torch.manual_seed(seed)
@@ -107,7 +132,7 @@ class MegatronLearner(Learner):
         from megatron.core import parallel_state as ps
 
         lc = self.cfg
-        init_parallel(lc.tensor_parallel, lc.pipeline_parallel, lc.device, seed)
+        init_parallel(lc.tensor_parallel, lc.pipeline_parallel, lc.device, seed, lc.expert_parallel)
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device(lc.device)
         )
@@ -117,6 +142,7 @@ class MegatronLearner(Learner):
         )
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.ep_size = ps.get_expert_model_parallel_world_size()
 
     def _load_model(self, path: str | None = None, arch: ArchSpec | None = None) -> torch.nn.Module:
         """A GPTModel with the HF weights of `path` (default: the student's), sharded for this rank."""
@@ -124,12 +150,48 @@ class MegatronLearner(Learner):
         model = build_gpt(
             arch, dtype=self.dtype, device=str(self.device), attention=self.attention, fused=self.fused,
             calculate_per_token_loss=True, use_te=False if self.lora is not None else None,
-            **self._pipeline_config(),
+            **self._pipeline_config(), **self._moe_loss_config(arch),
         )  # fmt: skip
         convert.check_hf_names(arch, checkpoint.weight_map(path))
         with checkpoint.hf_reader(path) as get_hf:
-            convert.load_hf(model, arch, lambda n: get_hf(n).to(self.dtype), self.tp_rank, self.tp_size)
+            convert.load_hf(model, arch, lambda n: _as_model_dtype(n, get_hf(n), self.dtype), self.tp_rank,
+                            self.tp_size)  # fmt: skip
+        if self.ep_size > 1:
+            expert_parallel.pad_tokens(model)
         return model
+
+    def _moe_loss_config(self, arch: ArchSpec) -> dict:
+        """The router's load-balancing and z-loss coefficients (MoE models; 0 = off), in megatron's terms.
+
+        Megatron adds each MoE layer's loss; the learner's coefficients weigh the mean over MoE layers (as the
+        torch learner's do), and megatron's Switch loss counts each expert's share of the tokens' top-k slots
+        (summing to 1) where transformers' counts its share of tokens (summing to top-k): times top-k."""
+        if not arch.num_experts:
+            return {}
+        layers = len(arch.moe_layer_indices)
+        return {
+            "moe_aux_loss_coeff": self.cfg.moe_aux_loss_coeff * arch.moe_topk / layers,
+            # None: megatron skips the term entirely
+            "moe_z_loss_coeff": self.cfg.moe_z_loss_coeff / layers if self.cfg.moe_z_loss_coeff else None,
+        }
+
+    def _scale_moe_losses(self, batch: Batch, on: bool = True) -> None:
+        """Megatron adds each router loss's gradient once per micro-batch, times that micro-batch's real tokens
+        (its per-token-loss convention): scaled by 1 / the update's real tokens (every DP rank's), the
+        coefficients weigh the token mean of the load-balancing and z losses over the mini-batch, as the policy
+        loss's normalisers do. `on = False`: no router losses (the SFT step, as the torch learner's)."""
+        if not self._router_losses():
+            return
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        tokens = sum(batch.row_lengths_list())
+        scale = 1.0 / max(tokens, 1) if on else 0.0
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale, device=self.device))
+
+    def _router_losses(self) -> bool:
+        """Whether the routers add a load-balancing or z loss (a MoE model with either coefficient > 0)."""
+        lc = self.cfg
+        return bool(self.arch.num_experts) and (lc.moe_aux_loss_coeff > 0 or lc.moe_z_loss_coeff > 0)
 
     def _load_teacher(self) -> torch.nn.Module:
         """The distillation teacher, frozen: its own architecture, the student's parallel layout."""
@@ -143,10 +205,8 @@ class MegatronLearner(Learner):
         """Micro-batches differ in rows and width: pipeline stages exchange shapes before activations."""
         if self.cfg.pipeline_parallel == 1:
             return {}
-        return {
-            "variable_seq_lengths": True,
-            "moe_token_dispatcher_type": "alltoall",
-        }  # no MoE: only a validity check
+        # megatron's allgather token dispatcher (model.py) refuses variable lengths; dense models: a no-op
+        return {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
 
     def _make_optimizer(self):
         lc = self.cfg
@@ -179,12 +239,21 @@ class MegatronLearner(Learner):
     # -- forward -----------------------------------------------------------------------------------------
 
     def _logits(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor:
-        """[R, T, V/tp] vocab-parallel logits (right-padded rows: the causal mask is exact for real tokens)."""
+        """[R, T, V/tp] vocab-parallel logits (right-padded rows: the causal mask is exact for real tokens);
+        with learner.routing_replay = 'rollout', the policy's (and reference's) MoE layers route as the batch's
+        `routed_experts` record (the rollout's choices; the teacher, another model, routes by itself)."""
         mask = None
         if self.attention == "local":
             width = mb.input_ids.shape[1]
             mask = torch.ones(width, width, dtype=torch.bool, device=self.device).triu(1)[None, None]
-        return model(mb.input_ids, mb.position_ids, mask)
+        if not unwrap(model).config.num_moe_experts:
+            return model(mb.input_ids, mb.position_ids, mask)
+        padding = mb.attention_mask == 0  # kept out of the routers' losses and statistics
+        experts = getattr(mb, "routed_experts", None) if self.cfg.routing_replay == "rollout" else None
+        if experts is None or model is self.teacher_model:
+            return model(mb.input_ids, mb.position_ids, mask, padding_mask=padding)
+        with routing_replay.replayed_routing(unwrap(model), self.arch, experts):
+            return model(mb.input_ids, mb.position_ids, mask, padding_mask=padding)
 
     def _forward(self, model: torch.nn.Module, mb: Batch, *, entropy: bool = False):
         """(logprobs, entropy or None), both [R, T] float32; entropy carries a gradient only if its coef != 0."""
@@ -268,6 +337,7 @@ class MegatronLearner(Learner):
 
     def _update(self, batch: Batch) -> tuple[dict[str, float], int]:
         self._zero_grad()
+        self._scale_moe_losses(batch)
         if self.pp_size == 1:
             parts = []
             for mb in self._my_micro_batches(batch):
@@ -275,6 +345,7 @@ class MegatronLearner(Learner):
                 loss, m = compute_loss(self.algo, mb, logp, entropy=ent, as_tensors=True)
                 loss.backward()  # no host read before it: the metrics stay on the device until the norm's read
                 parts.append((m, mb.loss_mask.sum()))
+            self._lockstep(batch, len(parts))
             norm = update.grad_norm(self)
             parts = self._read_metrics(parts)  # with the step's batch metrics: one read
         else:
@@ -284,6 +355,24 @@ class MegatronLearner(Learner):
         metrics = self._sum_over_dp(merge_metrics(parts))
         metrics.update(self._apply_update(norm, loss=metrics.get("loss", 0.0)))
         return metrics, len(parts)
+
+    def _lockstep(self, batch: Batch, mine: int, router_losses: bool = True) -> None:
+        """Under EP, the forward/backward passes this rank still owes its EP group (expert_parallel.py), on a
+        micro-batch of the batch with zero loss and zero router-loss scale: no gradient changes."""
+        if self.ep_size == 1:
+            return
+        mbs = micro_batches(batch, self.cfg.micro_batch_tokens)
+        owed = expert_parallel.lockstep_passes(len(mbs), mine, self.dp_size)
+        if not owed:
+            return
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        if self._router_losses():
+            MoEAuxLossAutoScaler.set_loss_scale(torch.zeros((), device=self.device))
+        for _ in range(owed):
+            logp, _ = self._forward(self.model, mbs[-1])
+            (logp.sum() * 0.0).backward()
+        self._scale_moe_losses(batch, on=router_losses)
 
     def _loss_payload(self, mb: Batch, logits: torch.Tensor) -> tuple:
         logp, ent = self._from_logits(logits, mb, entropy=True)
@@ -308,6 +397,7 @@ class MegatronLearner(Learner):
         _check_batch(batch)
         batch = batch.to(self.device)
         self._zero_grad()
+        self._scale_moe_losses(batch, on=False)
         mbs = self._my_micro_batches(batch)
         payload = functools.partial(self._sft_payload, total_loss_tokens=batch.total_loss_tokens)
         if self.pp_size == 1:
@@ -316,6 +406,7 @@ class MegatronLearner(Learner):
                 loss = sft_loss(self._forward(self.model, mb)[0], mb.loss_mask, batch.total_loss_tokens)
                 loss.backward()
                 losses.append(loss.detach())
+            self._lockstep(batch, len(mbs), router_losses=False)
             norm = update.grad_norm(self)
             total = float(torch.stack(losses).sum())
         else:
@@ -392,6 +483,12 @@ class MegatronLearner(Learner):
 
     def load(self, path: str) -> None:
         checkpoint.load(self, Path(path))
+
+
+def _as_model_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The HF tensor in the model's dtype, but GLM's correction bias as stored: Megatron keeps it in fp32 in any
+    model dtype, and the engines choose experts with the checkpoint's value."""
+    return tensor if name.endswith("e_score_correction_bias") else tensor.to(dtype)
 
 
 def _check_batch(batch: Batch) -> None:

@@ -8,10 +8,19 @@ MLP biases, so an o_proj bias without MLP biases swaps in a linear_proj class th
 is replaced by `SDPAttention` (torch scaled_dot_product_attention, causal; flash kernels on GPU) unless
 attention="local" asks for Megatron's own DotProductAttention. Batches are right-padded, so a causal mask
 alone is exact for every real token and RoPE positions are 0..T-1.
+Mixtures of experts (Qwen3-MoE, GLM-4.5-MoE): a per-layer block spec (dense layers where the HF model has
+them), Megatron's TopKRouter configured from the ArchSpec's router fields, SequentialMLP experts (one MLP per
+expert: no grouped GEMM, which needs Transformer Engine or the grouped_gemm package) and the "allgather" token
+dispatcher (plain collectives: it runs on CPU over gloo as on GPU over NCCL; "alltoall" opens CUDA streams),
+except under pipeline parallelism, whose variable sequence lengths megatron's allgather dispatcher refuses:
+there the learner asks for "alltoall" (GPU only, as PP is).
+GLM's correction bias is the router's `expert_bias` buffer with an update rate of 0: it keeps the value the
+engines route with (Megatron would otherwise move it toward balanced loads after every step).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -64,7 +73,32 @@ def transformer_config(arch: ArchSpec, *, dtype: torch.dtype, device: str, fused
         apply_rope_fusion=False,
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
-        **extra,
+        **{**moe_config(arch), **extra},  # extra wins: the pipeline's alltoall dispatcher
+    )
+
+
+def moe_config(arch: ArchSpec) -> dict:
+    """TransformerConfig fields of a mixture of experts (none for a dense model)."""
+    if not arch.num_experts:
+        return {}
+    return dict(
+        num_moe_experts=arch.num_experts,
+        moe_ffn_hidden_size=arch.moe_intermediate_size,
+        moe_layer_freq=[int(moe) for moe in arch.moe_layers],
+        moe_router_topk=arch.moe_topk,
+        moe_router_score_function=arch.router_score,
+        moe_router_pre_softmax=arch.router_pre_softmax,
+        moe_router_enable_expert_bias=arch.router_expert_bias,
+        moe_router_bias_update_rate=0.0,
+        moe_router_num_groups=arch.router_groups or None,
+        moe_router_group_topk=arch.router_group_topk or None,
+        moe_router_topk_scaling_factor=arch.router_scaling if arch.router_scaling != 1.0 else None,
+        # GLM's router runs in fp32 whatever the model's dtype (HF keeps gate.weight and the bias in fp32)
+        moe_router_dtype="fp32" if arch.router_score == "sigmoid" else None,
+        moe_shared_expert_intermediate_size=arch.shared_expert_intermediate_size or None,
+        moe_router_load_balancing_type="aux_loss",
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
     )
 
 
@@ -115,15 +149,21 @@ def _with_bias(linear: type) -> type:
     return Biased
 
 
-def layer_spec(arch: ArchSpec, attention: str = "sdpa", use_te: bool | None = None):
+def layer_spec(arch: ArchSpec, attention: str = "sdpa", use_te: bool | None = None, moe: bool = False):
+    """One transformer layer's spec; `moe`: its MLP is the mixture of experts."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te is None:
         use_te = have_transformer_engine()
+    experts = arch.num_experts if moe else None
     if use_te:
-        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, qk_layernorm=arch.qk_norm
+        )
     else:
-        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=experts, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
+        )
         if attention == "sdpa":
             spec.submodules.self_attention.submodules.core_attention = SDPAttention
         elif attention != "local":
@@ -132,6 +172,23 @@ def layer_spec(arch: ArchSpec, attention: str = "sdpa", use_te: bool | None = No
         attn = spec.submodules.self_attention.submodules
         attn.linear_proj = _with_bias(attn.linear_proj)
     return spec
+
+
+def block_spec(arch: ArchSpec, config, attention: str = "sdpa", use_te: bool | None = None):
+    """The layer spec (dense) or this pipeline stage's block spec (MoE: dense and MoE layers as in HF)."""
+    if not arch.num_experts:
+        return layer_spec(arch, attention, use_te)
+    from megatron.core.transformer.transformer_block import (
+        LayerNormImpl,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+        get_transformer_layer_offset,
+    )
+
+    offset = get_transformer_layer_offset(config)
+    local = arch.moe_layers[offset : offset + get_num_layers_to_build(config)]
+    specs = {moe: layer_spec(arch, attention, use_te, moe=moe) for moe in set(local)}
+    return TransformerBlockSubmodules(layer_specs=[specs[moe] for moe in local], layer_norm=LayerNormImpl)
 
 
 def build_gpt(arch: ArchSpec, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
@@ -145,26 +202,82 @@ def build_gpt(arch: ArchSpec, *, dtype: torch.dtype = torch.float32, device: str
                         ("vocab_size", arch.vocab_size)):  # fmt: skip
         if value % tp:
             raise LearnerError(f"{name} = {value} is not divisible by learner.tensor_parallel = {tp}")
+    if arch.num_experts:
+        _check_moe_layout(arch, tp)
+        _without_te_gemm()
+        config_extra.setdefault("expert_model_parallel_size", ps.get_expert_model_parallel_world_size())
     config_extra.setdefault("tensor_model_parallel_size", tp)
     config_extra.setdefault("pipeline_model_parallel_size", ps.get_pipeline_model_parallel_world_size())
     config = transformer_config(arch, dtype=dtype, device=device, fused=fused, **config_extra)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec(arch, attention, use_te),
-        vocab_size=arch.vocab_size,
-        max_sequence_length=arch.max_position_embeddings,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
-        parallel_output=True,
-        share_embeddings_and_output_weights=arch.tied,
-        position_embedding_type="rope",
-        rotary_base=arch.rope_theta,
-        rope_scaling=arch.llama3_rope_factor > 0,
-        rope_scaling_factor=arch.llama3_rope_factor or 8.0,
-    )
+    building = contextlib.nullcontext() if device.startswith("cuda") else cpu_compat.building()
+    with building:
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=block_spec(arch, config, attention, use_te),
+            vocab_size=arch.vocab_size,
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+            parallel_output=True,
+            share_embeddings_and_output_weights=arch.tied,
+            position_embedding_type="rope",
+            rotary_base=arch.rope_theta,
+            rope_scaling=arch.llama3_rope_factor > 0,
+            rope_scaling_factor=arch.llama3_rope_factor or 8.0,
+            rotary_percent=arch.rotary_percent,
+        )
     if not device.startswith("cuda"):
         cpu_compat.patch_model(model)
+    if arch.router_expert_bias:
+        _keep_expert_bias(model)
     return model.to(device)
+
+
+def _no_expert_load_count(routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
+    """Stands in for the router's count of tokens per expert, which feeds only the expert-bias update (rate 0
+    here) and which megatron-core 0.16 cannot take with a padding_mask ([tokens] against [tokens, experts])."""
+
+
+def _keep_expert_bias(model: torch.nn.Module) -> None:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            module._apply_expert_bias = _no_expert_load_count
+
+
+def _without_te_gemm() -> None:
+    """megatron-core 0.16's router gating tests `te_general_gemm is not None`, a name it defines only when
+    Transformer Engine imports: without it, define it as None (its torch.mm fallback)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+MOE_MIN_MEGATRON = (0, 16)  # padding_mask in MoE layers, the router's replay hook, moe_router_dtype
+
+
+def _check_moe_layout(arch: ArchSpec, tp: int) -> None:
+    from megatron.core import package_info
+    from megatron.core import parallel_state as ps
+
+    version = tuple(int(part) for part in package_info.__version__.split(".")[:2])
+    if version < MOE_MIN_MEGATRON:
+        raise LearnerError(
+            f"model_type {arch.model_type!r} (a mixture of experts) needs megatron-core >= "
+            f"{'.'.join(map(str, MOE_MIN_MEGATRON))}, found {package_info.__version__}"
+        )
+    if tp > 1:  # Megatron's MoE layer needs sequence parallelism under TP, which the learner does not run
+        raise LearnerError(
+            f"learner.tensor_parallel = {tp} with a mixture-of-experts model: use learner.tensor_parallel = "
+            "1 and spread the experts with learner.expert_parallel"
+        )
+    ep = ps.get_expert_model_parallel_world_size()
+    if arch.num_experts % ep:
+        raise LearnerError(
+            f"num_experts = {arch.num_experts} is not divisible by learner.expert_parallel = {ep}"
+        )
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -3,8 +3,10 @@
 Invariants: a process launched by torchrun (RANK/WORLD_SIZE set) joins that group with NCCL on GPU (gloo on
 CPU); a plain process starts a private world of size 1 through a FileStore in a fresh temp dir, so several
 learners (or test modules) in one process reuse one group instead of colliding on a port. Model-parallel groups
-are rebuilt only when the requested TP/PP sizes change. CUDA RNG seeding on GPU, CPU substitutes otherwise
-(gloo groups carry TP/PP on CPU too; the learner itself limits CPU runs to TP = PP = 1).
+are rebuilt only when the requested TP/PP/EP sizes change. Expert parallelism (EP) splits the data-parallel
+ranks: each group of EP consecutive DP ranks shares out the experts (megatron-core's expert-model-parallel
+group), the non-expert weights stay replicated over all DP ranks. CUDA RNG seeding on GPU, CPU substitutes
+otherwise (gloo groups carry TP/PP on CPU too; the learner itself limits CPU runs to TP = PP = 1).
 """
 
 from __future__ import annotations
@@ -35,8 +37,11 @@ def init_distributed(device: str) -> None:
     dist.init_process_group(backend, store=store, rank=0, world_size=1)
 
 
-def init_parallel(tensor_parallel: int, pipeline_parallel: int, device: str, seed: int = 0) -> None:
-    """Make parallel_state hold TP x PP groups over the current world (DP = world / (TP*PP))."""
+def init_parallel(
+    tensor_parallel: int, pipeline_parallel: int, device: str, seed: int = 0, expert_parallel: int = 1
+) -> None:
+    """Make parallel_state hold TP x PP groups over the current world (DP = world / (TP*PP)), and EP groups of
+    `expert_parallel` DP ranks."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel as mp_tensor_parallel
 
@@ -47,16 +52,25 @@ def init_parallel(tensor_parallel: int, pipeline_parallel: int, device: str, see
             f"world size {world} is not divisible by learner.tensor_parallel * learner.pipeline_parallel "
             f"= {tensor_parallel * pipeline_parallel}"
         )
+    data_parallel = world // (tensor_parallel * pipeline_parallel)
+    if data_parallel % expert_parallel:
+        raise LearnerError(
+            f"learner.expert_parallel = {expert_parallel} does not divide the {data_parallel} data-parallel "
+            f"ranks (world size {world})"
+        )
     if ps.model_parallel_is_initialized():
         same = (
             ps.get_tensor_model_parallel_world_size() == tensor_parallel
             and ps.get_pipeline_model_parallel_world_size() == pipeline_parallel
+            and ps.get_expert_model_parallel_world_size() == expert_parallel
         )
         if same:
             return
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        expert_model_parallel_size=expert_parallel,
     )
     if device.startswith("cuda"):
         mp_tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -30,15 +30,28 @@ def grad_norm(learner) -> float:
             return math.inf
         return float(learner.optimizer.get_grad_norm())
     params = learner._trainable()
+    # megatron marks the weights of experts split over EP ranks `allreduce = False`: each EP rank has its own
+    experts = [p for p in params if not getattr(p, "allreduce", True)]
+    shared = [p for p in params if getattr(p, "allreduce", True)]
     if learner.dp_size > 1:  # CPU data parallel: sum gradients over DP ranks (no Megatron DDP on CPU)
         from megatron.core import parallel_state as ps
 
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
-    grads = [p.grad for p in params if p.grad is not None]
-    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        for group, ps_group in ((shared, ps.get_data_parallel_group()),
+                                (experts, ps.get_expert_data_parallel_group())):  # fmt: skip
+            for p in group:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                if dist.get_world_size(ps_group) > 1:
+                    dist.all_reduce(p.grad, group=ps_group)
+    grads = [p.grad for p in shared if p.grad is not None]
+    if not experts:
+        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+    from megatron.core import parallel_state as ps
+
+    # every EP rank holds other experts: their squares add up over the EP group
+    squares = torch.stack([torch.nn.utils.get_total_norm([p.grad for p in experts]) ** 2])
+    dist.all_reduce(squares, group=ps.get_expert_model_parallel_group())
+    return float((torch.nn.utils.get_total_norm(grads) ** 2 + squares[0]).sqrt())
 
 
 def apply(learner, norm: float) -> None:

@@ -1,0 +1,56 @@
+"""Expert parallelism (EP) in lockstep: what megatron-core's allgather token dispatcher needs from the learner.
+
+The EP ranks of a group run every MoE layer together: the dispatcher all-gathers the tokens of all of them
+(`all_gather_into_tensor`, equal sizes only), each rank runs its own experts on the tokens routed to them and
+the outputs go back by reduce-scatter. The learner's data-parallel split gives ranks micro-batches of
+different sizes and, when the micro-batches do not divide evenly, different numbers of them. So:
+- `pad_tokens(model)`: every MoE layer first agrees on the group's largest token count (one all-reduce) and
+  pads its tokens with zeros to it; the padding is marked in megatron's `padding_mask` (kept out of the
+  router's load-balancing statistics and losses) and its outputs are dropped.
+- `lockstep_passes(...)`: how many forward/backward passes a rank owes its group after its own micro-batches;
+  the learner runs them on a micro-batch of the batch with zero loss (and zero router-loss scale), so they add
+  nothing to any gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.distributed as dist
+
+
+def pad_tokens(model: torch.nn.Module) -> None:
+    """Wrap every MoELayer's forward of `model` (see the module docstring)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.forward = functools.partial(_padded_forward, module.forward)
+
+
+def _padded_forward(forward, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
+    from megatron.core import parallel_state as ps
+
+    s, b, h = hidden_states.shape
+    n = s * b
+    count = torch.tensor([n], device=hidden_states.device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=ps.get_expert_model_parallel_group())
+    most = int(count.item())
+    if most == n and padding_mask is None:
+        return forward(hidden_states, intermediate_tensors, padding_mask)
+    flat = hidden_states.reshape(n, 1, h)
+    padded = torch.cat([flat, flat.new_zeros(most - n, 1, h)])
+    # megatron's padding_mask: [batch, sequence], True on padding (the router counts ~mask as tokens)
+    mask = torch.zeros(1, most, dtype=torch.bool, device=hidden_states.device)
+    mask[0, n:] = True
+    if padding_mask is not None:
+        mask[0, :n] = padding_mask.transpose(0, 1).reshape(n)
+    out, bias = forward(padded, intermediate_tensors, mask)
+    return out[:n].reshape(s, b, h), bias
+
+
+def lockstep_passes(n_micro_batches: int, mine: int, dp_size: int) -> int:
+    """Passes a rank with `mine` of the batch's `n_micro_batches` owes so that every rank runs as many."""
+    return math.ceil(n_micro_batches / dp_size) - mine

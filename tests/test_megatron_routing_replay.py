@@ -1,0 +1,124 @@
+"""Rollout routing replay in the Megatron learner (agentrl/learners/megatron/routing_replay.py), on CPU, fp32.
+
+The experts one model's routers choose, replayed in a model whose correction bias differs (a router that alone
+routes otherwise, with the same expert weights), reproduce the first model's log-probs; a row without a record
+routes by itself; router gradients flow through the replayed experts' scores.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from transformers import AutoConfig
+
+from agentrl.engines.tiny import make_tiny_model
+from agentrl.errors import LearnerError
+from agentrl.learners.megatron import checkpoint, convert
+from agentrl.learners.megatron.arch import ArchSpec
+from agentrl.learners.megatron.model import build_gpt
+from agentrl.learners.megatron.parallel import init_parallel
+from agentrl.learners.megatron.routing_replay import moe_routers, replayed_routing
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _parallel():
+    torch.set_num_threads(2)
+    init_parallel(1, 1, "cpu")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("replay")
+    kw = dict(seed=5, hidden=64, vocab_size=300, init_std=0.2, tie_embeddings=False)
+    return {arch: make_tiny_model(root / arch, arch, **kw) for arch in ("glm4_moe", "qwen3_moe")}
+
+
+def load(path):
+    spec = ArchSpec.from_hf(AutoConfig.from_pretrained(path))
+    model = build_gpt(spec).eval()
+    with checkpoint.hf_reader(path) as get:
+        convert.load_hf(model, spec, get)
+    return model, spec
+
+
+class Recorder:
+    """A router's own choices (megatron's replay interface, recording instead of replaying)."""
+
+    def __init__(self):
+        self.indices = None
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        probs, self.indices = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        return probs, self.indices
+
+
+def own_routing(model, spec, ids) -> torch.Tensor:
+    """[R, T, MoE layers, topk] experts the model's routers choose for `ids`."""
+    routers = moe_routers(model, spec)
+    recorders = [Recorder() for _ in routers]
+    for (router, _), rec in zip(routers, recorders, strict=True):
+        router.router_replay = rec
+    with torch.no_grad():
+        model(ids, None, None)
+    for router, _ in routers:
+        router.router_replay = None
+    rows, width = ids.shape
+    layers = [rec.indices.reshape(width, rows, -1).transpose(0, 1) for rec in recorders]
+    return torch.stack(layers, dim=2)
+
+
+def logprobs(model, ids):
+    logits = model(ids, None, None)
+    return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def test_replayed_experts_reproduce_the_recorded_models_logprobs(models):
+    recorded_model, spec = load(models["glm4_moe"])
+    ids = torch.randint(0, spec.vocab_size, (3, 24), generator=torch.Generator().manual_seed(0))
+    record = own_routing(recorded_model, spec, ids)
+    assert record.shape == (3, 24, 1, 2)
+    with torch.no_grad():
+        want = logprobs(recorded_model, ids)
+    model, _ = load(models["glm4_moe"])
+    with torch.no_grad():  # the bias only chooses: same expert weights and scores, other experts
+        for router, _ in moe_routers(model, spec):
+            router.expert_bias.add_(torch.randn(4, generator=torch.Generator().manual_seed(1)) * 0.5)
+        own = logprobs(model, ids)
+        assert (own_routing(model, spec, ids) != record).any()
+        assert (own - want).abs().max().item() > 1e-3
+        with replayed_routing(model, spec, record):
+            assert (logprobs(model, ids) - want).abs().max().item() <= 1e-5
+        partial = record.clone()
+        partial[1] = -1  # no record for row 1: its tokens route by the model's own router
+        with replayed_routing(model, spec, partial):
+            got = logprobs(model, ids)
+        assert (got[[0, 2]] - want[[0, 2]]).abs().max().item() <= 1e-5
+        assert (got[1] - own[1]).abs().max().item() <= 1e-5
+        assert (logprobs(model, ids) - own).abs().max().item() == 0.0  # nothing left behind
+
+
+def test_router_gradients_flow_through_the_replayed_experts(models):
+    model, spec = load(models["qwen3_moe"])
+    ids = torch.randint(0, spec.vocab_size, (2, 20), generator=torch.Generator().manual_seed(2))
+    assert set(own_routing(model, spec, ids)[:, :, 0].flatten().tolist()) == {0, 1, 2, 3}
+    record = torch.tensor([0, 1]).expand(2, 20, 2, 2)  # every token to experts 0 and 1, in both layers
+    model.train()
+    with replayed_routing(model, spec, record):
+        (-logprobs(model, ids).sum()).backward()
+    for router, _ in moe_routers(model, spec):  # through the softmax over the two replayed experts' logits
+        assert router.weight.grad is not None and router.weight.grad[:2].abs().sum() > 0
+        assert router.weight.grad[2:].abs().sum() == 0
+    for layer in model.decoder.layers:  # only the replayed experts ran
+        grads = [e.linear_fc1.weight.grad for e in layer.mlp.experts.local_experts]
+        assert [g is not None and bool(g.abs().sum() > 0) for g in grads] == [True, True, False, False]
+
+
+def test_a_record_of_the_wrong_shape_is_refused(models):
+    model, spec = load(models["qwen3_moe"])
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with (
+        pytest.raises(LearnerError, match="routed_experts has shape"),
+        replayed_routing(model, spec, torch.zeros(1, 4, 1, 2, dtype=torch.long)),
+    ):
+        model(ids, None, None)
