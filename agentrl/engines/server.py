@@ -32,9 +32,10 @@ import msgspec
 from aiohttp import web
 
 from agentrl.engines import wire
-from agentrl.engines.base import DiskSource, DistributedSource, InvalidRequest, TensorSource
+from agentrl.engines.base import DiskSource, DistributedSource, GenerateOutput, InvalidRequest, TensorSource
 from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.openapi import OPEN_PATHS, openapi_spec
+from agentrl.engines.stops import find_stop
 from agentrl.errors import EngineError, WeightSyncError
 from agentrl.net import lacks_token, serve
 
@@ -216,6 +217,10 @@ class EngineServer:
             raise BadRequest("streaming is not supported", "stream")
         sampling = req.to_sampling()
         self.engine.validate(req.input_ids, sampling)
+        if sampling.stop and self._tokenizer is None:
+            raise BadRequest(
+                "stop strings need the model's tokenizer.json to be found in the text", "sampling_params.stop"
+            )
         rid = req.rid or uuid.uuid4().hex
         if rid in self._rids or rid in self._held:
             raise BadRequest(f"Duplicate request ID detected: {rid}", "rid")
@@ -229,6 +234,14 @@ class EngineServer:
         if out.finish_reason == "abort" and not out.output_ids:
             self._hold(rid)
         text = self._tokenizer.decode(out.output_ids, skip_special_tokens=False) if self._tokenizer else None
+        if sampling.stop and self._tokenizer is not None:  # as SGLang: end at the stop, the text before it
+            tokenizer = self._tokenizer
+            hit = find_stop(
+                lambda ids: tokenizer.decode(ids, skip_special_tokens=False), out.output_ids, sampling.stop
+            )
+            if hit is not None:
+                out = _cut(out, hit.n_tokens)
+                text = tokenizer.decode(out.output_ids, skip_special_tokens=False)[: hit.text_end]
         return web.json_response(wire.generate_response(out, rid, req.return_logprob, sampling, text))
 
     def _hold(self, rid: str) -> None:
@@ -353,3 +366,15 @@ class EngineServer:
         return web.json_response(
             {**info, "engine": "agentrl-embedded", "tp_size": 1, "model_path": self.engine.model_path}
         )
+
+
+def _cut(out: GenerateOutput, n_tokens: int) -> GenerateOutput:
+    """`out` ended after its first `n_tokens` tokens, at a stop string (finish reason `stop`)."""
+    versions, left = [], n_tokens
+    for version, count in out.versions:
+        if left > 0:
+            versions.append((version, min(count, left)))
+            left -= count
+    top = out.top_logprobs[:n_tokens] if out.top_logprobs is not None else None
+    return msgspec.structs.replace(out, output_ids=out.output_ids[:n_tokens], logprobs=out.logprobs[:n_tokens],
+                                   finish_reason="stop", versions=versions, top_logprobs=top)  # fmt: skip

@@ -134,6 +134,12 @@ class SGLangEngine(Engine):
 
     # -- Engine API ----------------------------------------------------------------------------------------------
 
+    @property
+    def structured_output(self) -> bool:
+        """SGLang takes a JSON schema (`json_schema`); serve-engine, once this client has found it is one (its
+        /get_model_info), refuses it."""
+        return self.tensor_format != "agentrl"
+
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
     ) -> GenerateOutput:

@@ -26,9 +26,8 @@ def stop_reason(tokenizer: Any, choice: Choice) -> tuple[str, str | None]:
         return "tool_use", None
     if choice.finish_reason == "length":
         return "max_tokens", None
-    stopped = choice.reply_ids[len(choice.text_ids) :]  # a stop sequence: recorded, not shown
-    if stopped:
-        return "stop_sequence", tokenizer.decode(stopped, skip_special_tokens=False)
+    if choice.stop_sequence is not None:  # recorded, not shown
+        return "stop_sequence", choice.stop_sequence
     return "end_turn", None
 
 

@@ -37,12 +37,18 @@ from typing import Any
 
 import msgspec
 
-from agentrl.engines.base import Engine, GenerateOutput, SamplingParams
+from agentrl.engines.base import Engine, GenerateOutput, InvalidRequest, SamplingParams
+from agentrl.engines.stops import find_stop
 from agentrl.errors import AgentRLError
 from agentrl.generator import RolloutContext
 from agentrl.generators.chat import chat_tokens
 from agentrl.generators.multi_turn import TokenLog, generate_turn
-from agentrl.generators.openai_params import SAMPLING_POLICIES, RequestError, turn_sampling
+from agentrl.generators.openai_params import (
+    SAMPLING_POLICIES,
+    RequestError,
+    requested_sampling,
+    turn_sampling,
+)
 from agentrl.generators.openai_response import Choice
 from agentrl.generators.openai_schema import (
     ChatMessage,
@@ -68,6 +74,8 @@ class Segment:
     finish_reasons: list[str] = field(default_factory=list)
     tool_call_errors: int = 0
     turn_sampling: list[dict[str, float]] = field(default_factory=list)  # per turn ("record" policy)
+    requested_sampling: list[dict[str, float]] = field(default_factory=list)  # per turn ("override" policy)
+    max_tokens_capped: list[dict[str, int]] = field(default_factory=list)  # turns asking past the context
 
 
 @dataclass
@@ -189,14 +197,16 @@ class ProxySessions:
         plan = self.tool_plan(req)
         keys = [turn_key(m) for m in req.messages]
         turns = [template_message(m) for m in req.messages]
+        asked = requested_sampling(req, base) if self.sampling_policy == "override" else None
         session = self._session(sid)
         async with session.lock:
             if req.n == 1:
-                return [await self._turn(session, keys, turns, plan, sampling, 0)]
-            return await self._turn_n(session, keys, turns, plan, sampling, req.n)
+                return [await self._turn(session, keys, turns, plan, sampling, 0, asked)]
+            return await self._turn_n(session, keys, turns, plan, sampling, req.n, asked)
 
     async def _turn_n(self, session: Session, keys: list[tuple], turns: list[dict[str, Any]], plan: ToolPlan,
-                      sampling: SamplingParams, n: int) -> list[Choice]:  # fmt: skip
+                      sampling: SamplingParams, n: int, asked: dict[str, float] | None = None
+                      ) -> list[Choice]:  # fmt: skip
         """n choices on forks of `session` (module docstring, `n > 1`); all or nothing."""
         forks = [self._fork(session, session.id if i == 0 else f"{session.id}.n{i}") for i in range(n)]
         taken = [f.id for f in forks[1:] if f.id in self.sessions]
@@ -207,7 +217,7 @@ class ProxySessions:
             for i in range(n)
         ]  # one seed for all would give n equal samples
         results = await asyncio.gather(
-            *[self._turn(f, keys, turns, plan, seeded[i], i) for i, f in enumerate(forks)],
+            *[self._turn(f, keys, turns, plan, seeded[i], i, asked) for i, f in enumerate(forks)],
             return_exceptions=True,
         )
         failed = next((r for r in results if isinstance(r, BaseException)), None)
@@ -230,10 +240,18 @@ class ProxySessions:
         plan: ToolPlan,
         sampling: SamplingParams,
         index: int,
+        asked: dict[str, float] | None = None,
     ) -> Choice:
         seg, mark = self._segment_for(session, keys, turns, plan)
         engine = self.engines[session.engine_index]
         recorder = _TopRecorder(engine)
+        call_end = plan.parser.call_end if plan.one_call and plan.parser is not None else ""
+        if call_end:  # parallel_tool_calls=false: the engine may stop where the first call closes
+            ids = self.chat.encode(call_end)
+            stop_ids = sorted({*sampling.stop_token_ids, *ids}) if len(ids) == 1 else sampling.stop_token_ids
+            sampling = msgspec.structs.replace(
+                sampling, stop=[*sampling.stop, call_end], stop_token_ids=stop_ids
+            )
         self.in_flight[session.engine_index] += 1
         try:
             out, reply, start = await self._generate(session, seg, plan, sampling, recorder)
@@ -244,12 +262,28 @@ class ProxySessions:
                 seg.log.rollback(mark)
             if isinstance(exc, RequestError):
                 raise
+            if isinstance(exc, InvalidRequest):  # an option this engine cannot serve (json_schema, ...)
+                raise RequestError(400, f"the engine refused the request: {exc}", _param(exc.field)) from exc
             raise RequestError(502, f"engine error: {exc}") from exc
         finally:
             self.in_flight[session.engine_index] -= 1
-        user_stop = out.finish_reason == "stop" and reply and reply[-1] not in self.chat.stop_ids
-        text_ids = reply[:-1] if user_stop else reply  # OpenAI omits the stop sequence
-        content, calls = self._parse_reply(seg, plan, plan.prefill + self.chat.decode(text_ids))
+        given = self.max_seq_len - len(seg.log.prompt_ids) - start  # the context left for the reply
+        if sampling.max_new_tokens > given:
+            seg.max_tokens_capped.append({"turn": len(seg.finish_reasons), "asked": sampling.max_new_tokens,
+                                          "given": given})  # fmt: skip
+        finish_reason, text, stop_sequence = out.finish_reason, self.chat.decode(reply), None
+        hit = find_stop(self.chat.decode, reply, sampling.stop)
+        if hit is not None:  # the reply ends at the stop: its tokens are kept up to the one completing it
+            seg.log.rollback(start + hit.n_tokens)
+            del recorder.top[len(recorder.top) - len(reply) + hit.n_tokens :]
+            reply, finish_reason = reply[: hit.n_tokens], "stop"
+            if hit.stop == call_end:  # the call's closing is part of the call
+                text = self.chat.decode(reply)[: hit.text_end + len(call_end)]
+            else:  # OpenAI omits the stop sequence
+                text, stop_sequence = self.chat.decode(reply)[: hit.text_end], hit.stop
+        out = msgspec.structs.replace(out, finish_reason=finish_reason)
+        text_ids = reply
+        content, calls = self._parse_reply(seg, plan, plan.prefill + text)
         finish = "tool_calls" if calls else "length" if out.finish_reason == "length" else "stop"
         sent = ChatMessage(
             "assistant", content, [ToolCall(FunctionCall(**c["function"])) for c in calls] or None
@@ -259,11 +293,14 @@ class ProxySessions:
         seg.finish_reasons.append(out.finish_reason)
         if self.sampling_policy == "record":
             seg.turn_sampling.append({"temperature": sampling.temperature, "top_p": sampling.top_p})
+        if asked is not None:
+            seg.requested_sampling.append(asked)
         return Choice(index=index, session_id=session.id, content=content, tool_calls=calls,
                       finish_reason=finish, prompt_tokens=len(seg.log) - len(reply), reply_ids=reply,
                       text_ids=text_ids, prefill=plan.prefill, logprobs=seg.log.logprobs[start:],
                       top_logprobs=recorder.top[-len(reply):] if sampling.top_logprobs and reply else [],
-                      policy_version=seg.log.versions[-1] if seg.log.versions else engine.policy_version)  # fmt: skip
+                      policy_version=seg.log.versions[-1] if seg.log.versions else engine.policy_version,
+                      stop_sequence=stop_sequence)  # fmt: skip
 
     async def _generate(self, session: Session, seg: Segment, plan: ToolPlan, sampling: SamplingParams,
                         recorder: _TopRecorder) -> tuple[GenerateOutput, list[int], int]:  # fmt: skip
@@ -298,7 +335,7 @@ class ProxySessions:
             self.metrics["tool_call_parse_errors"] += 1
             seg.tool_call_errors += 1
             return text, []
-        return parsed.content, parsed.tool_calls
+        return parsed.content, parsed.tool_calls[:1] if plan.one_call else parsed.tool_calls
 
     def _existing(self, sid: str) -> Session:
         session = self.sessions.get(sid)
@@ -344,6 +381,10 @@ class ProxySessions:
             }
             if self.sampling_policy == "record":
                 meta["turn_sampling"] = seg.turn_sampling
+            if self.sampling_policy == "override":
+                meta["requested_sampling"] = seg.requested_sampling
+            if seg.max_tokens_capped:
+                meta["max_tokens_capped"] = seg.max_tokens_capped
             out.append(
                 seg.log.trajectory(
                     id=base if k == 0 else f"{base}.{k}",
@@ -379,6 +420,13 @@ class _TopRecorder:
                 raise AgentRLError("the engine did not return top_logprobs for every token")
             self.top += out.top_logprobs
         return out
+
+
+def _param(engine_field: str) -> str:
+    """The request parameter behind an engine's refused field."""
+    if "json_schema" in engine_field:
+        return "response_format"
+    return "stop" if engine_field.endswith("stop") else ""
 
 
 def _no_env() -> Any:

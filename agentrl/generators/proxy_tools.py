@@ -21,6 +21,7 @@ class ToolPlan:
     key: str = ""
     parser: ToolParser | None = None  # None: the reply is text
     prefill: str = ""  # opens a call after the generation prompt (tool_choice required / named)
+    one_call: bool = False  # parallel_tool_calls=false: the reply ends where its first call closes
 
 
 def tool_plan(req: ChatRequest, chat: Any, parser: ToolParser) -> ToolPlan:
@@ -36,7 +37,9 @@ def tool_plan(req: ChatRequest, chat: Any, parser: ToolParser) -> ToolPlan:
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) < len(names):
         raise RequestError(400, "tool function names must be unique", "tools")
-    plan = ToolPlan(tools, msgspec.json.encode(tools).decode(), parser)
+    plan = ToolPlan(
+        tools, msgspec.json.encode(tools).decode(), parser, one_call=req.parallel_tool_calls is False
+    )
     if choice is None or choice == "auto":
         return plan
     if choice == "none":
