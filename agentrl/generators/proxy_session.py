@@ -39,7 +39,7 @@ import msgspec
 
 from agentrl.engines.base import Engine, GenerateOutput, InvalidRequest, SamplingParams
 from agentrl.engines.stops import find_stop
-from agentrl.errors import AgentRLError
+from agentrl.errors import AgentRLError, EnvError
 from agentrl.generator import RolloutContext
 from agentrl.generators.chat import chat_tokens
 from agentrl.generators.multi_turn import TokenLog, generate_turn
@@ -199,10 +199,13 @@ class ProxySessions:
         turns = [template_message(m) for m in req.messages]
         asked = requested_sampling(req, base) if self.sampling_policy == "override" else None
         session = self._session(sid)
-        async with session.lock:
-            if req.n == 1:
-                return [await self._turn(session, keys, turns, plan, sampling, 0, asked)]
-            return await self._turn_n(session, keys, turns, plan, sampling, req.n, asked)
+        try:
+            async with session.lock:
+                if req.n == 1:
+                    return [await self._turn(session, keys, turns, plan, sampling, 0, asked)]
+                return await self._turn_n(session, keys, turns, plan, sampling, req.n, asked)
+        except EnvError as exc:  # the chat template cannot render the conversation (nothing was recorded)
+            raise RequestError(400, str(exc), "messages") from None
 
     async def _turn_n(self, session: Session, keys: list[tuple], turns: list[dict[str, Any]], plan: ToolPlan,
                       sampling: SamplingParams, n: int, asked: dict[str, float] | None = None
