@@ -75,6 +75,18 @@ async def test_claude_codes_request_with_a_system_message_midway(tiny, tok):
     assert traj.metadata["max_tokens_capped"][0]["asked"] == 32000
 
 
+async def test_a_system_message_after_the_users_is_rendered_before_the_reply(tiny, tok):
+    """Claude Code's default request ends [user, system] (the system message lists its agent types)."""
+    async with Live(scripted(tiny, tok, "ok"), tok) as live:
+        messages = [{"role": "user", "content": "hi"}, {"role": "system", "content": "Agent types: none."}]
+        async with live.anthropic("last").messages.stream(
+            model="m", max_tokens=32000, messages=messages
+        ) as s:
+            assert (await s.get_final_message()).content[0].text == "ok"
+        (traj,) = await live.close("last")
+    assert_recorded(tok, traj, [*messages, {"role": "assistant", "content": "ok"}])
+
+
 async def test_the_chat_face_renders_a_system_message_where_it_stands(tiny, tok):
     async with Live(scripted(tiny, tok, "a", "b"), tok) as live:
         client = live.client("mid")

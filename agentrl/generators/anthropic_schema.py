@@ -252,9 +252,9 @@ def chat_messages(req: CountRequest) -> list[ChatMessage]:
         else:
             raise RequestError(400, f"role must be 'user', 'assistant' or 'system', got {message.role!r}",
                                f"messages[{i}].role")  # fmt: skip
-    if req.messages[-1].role != "user":
-        raise RequestError(400, "the last message must be the user's (a prefilled assistant turn is not "
-                           "supported)", f"messages[{len(req.messages) - 1}].role")  # fmt: skip
+    if req.messages[-1].role == "assistant":  # a system message may follow the user's (Claude Code's do)
+        raise RequestError(400, "the last message must not be the assistant's (a prefilled assistant turn is "
+                           "not supported)", f"messages[{len(req.messages) - 1}].role")  # fmt: skip
     return out
 
 
