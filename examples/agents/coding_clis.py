@@ -47,7 +47,7 @@ QUIET = {"DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_RE
 
 
 class ScriptedEngine(Engine):
-    """The policy, scripted: a `shell` call first (named as the CLI's tool list names it), then, once the input
+    """The policy, scripted: a shell call first (named as the CLI's tool list names it), then, once the input
     holds the tool's output, an answer quoting it. Each reply ends with the chat's end-of-turn token."""
 
     def __init__(self, tokenizer: Any):
@@ -66,8 +66,12 @@ class ScriptedEngine(Engine):
         if results and "tool" in turn:
             reply = f"The command printed {results[-1].strip()}."
         else:
-            tool = "Bash" if '"name": "Bash"' in text else "shell"
-            arguments = {"command": COMMAND} if tool == "Bash" else {"command": ["bash", "-lc", COMMAND]}
+            # the CLI's shell tool: Claude Code's `Bash` {command}, Codex's `exec_command` {cmd}
+            tool, arguments = (
+                ("Bash", {"command": COMMAND})
+                if '"name": "Bash"' in text
+                else ("exec_command", {"cmd": COMMAND})
+            )
             reply = f"<tool_call>\n{json.dumps({'name': tool, 'arguments': arguments})}\n</tool_call>"
         self.calls.append(reply)
         ids = [*self.chat.encode(reply), self.chat.eot_id][: sampling.max_new_tokens]
@@ -115,9 +119,11 @@ def claude_command(binary: str, base_url: str, home: Path, lean: bool) -> tuple[
 
 def codex_command(binary: str, base_url: str, home: Path, lean: bool) -> tuple[list[str], dict[str, str]]:
     (home / ".codex").mkdir(parents=True, exist_ok=True)
+    # web search (a hosted tool) and the multi-agent tools (a `namespace` tool) off: the proxy serves function tools
     (home / ".codex" / "config.toml").write_text(
-        f'model = "{MODEL}"\nmodel_provider = "agentrl"\n\n[model_providers.agentrl]\nname = "agentrl proxy"\n'
-        f'base_url = "{base_url}"\nenv_key = "AGENTRL_PROXY_KEY"\nwire_api = "responses"\n'
+        f'model = "{MODEL}"\nmodel_provider = "agentrl"\nweb_search = "disabled"\n\n[agents]\nenabled = false\n\n'
+        f'[model_providers.agentrl]\nname = "agentrl proxy"\nbase_url = "{base_url}"\n'
+        'env_key = "AGENTRL_PROXY_KEY"\nwire_api = "responses"\n'
     )
     env = {"CODEX_HOME": str(home / ".codex"), "AGENTRL_PROXY_KEY": "unused", **QUIET}
     argv = [binary, "exec", "--skip-git-repo-check", "--sandbox", "danger-full-access", TASK]
