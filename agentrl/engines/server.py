@@ -358,7 +358,8 @@ class EngineServer:
         )
 
     async def openapi(self, request: web.Request) -> web.Response:
-        spec = openapi_spec(vocab_size=self.engine.vocab_size, max_seq_len=self.engine.max_seq_len)
+        spec = openapi_spec(vocab_size=self.engine.vocab_size, max_seq_len=self.engine.max_seq_len,
+                            stop_strings=self._tokenizer is not None)  # fmt: skip
         return web.json_response(spec)
 
     async def server_info(self, request: web.Request) -> web.Response:
