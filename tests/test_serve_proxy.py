@@ -84,6 +84,8 @@ def test_serve_proxy_sampling_policy_flag(engine_url, tiny, tmp_path):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], temperature=0.3,
                                        max_tokens=100000, stop=["\n\n\n"])  # fmt: skip
         assert requests.post(f"{url}/v1/sessions/o/reward", json={"reward": 1.0}).status_code == 200
+        formats = requests.get(f"{url}/openapi.json").json()["components"]["schemas"]["ResponseFormat"]
+        assert formats["properties"]["type"]["const"] == "text"  # serve-engine has no structured output
     (row,) = [json.loads(line) for line in sink.read_text().splitlines()]
     assert row["metadata"]["requested_sampling"] == [{"temperature": 0.3}]
     assert row["metadata"]["max_tokens_capped"][0]["asked"] == 100000

@@ -243,7 +243,11 @@ class SGLangEngine(Engine):
             return {"ok": False, "url": self.url, "error": str(exc), "policy_version": self._version}
 
     async def model_info(self) -> dict[str, Any]:
-        return await self._call("GET", "/get_model_info")
+        """The server's /get_model_info; it also tells serve-engine from SGLang (`tensor_format`, when "auto")."""
+        info = await self._call("GET", "/get_model_info")
+        if self.tensor_format == "auto":
+            self.tensor_format = "agentrl" if info.get("engine") == "agentrl-embedded" else "sglang"
+        return info
 
     # -- weights -------------------------------------------------------------------------------------------------
 
