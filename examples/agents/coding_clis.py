@@ -61,9 +61,8 @@ class ScriptedEngine(Engine):
     async def generate(self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
                        ) -> GenerateOutput:  # fmt: skip
         text = self.chat.decode(input_ids)
-        turn = text[text.rfind("<|im_start|>") :] if "<|im_start|>" in text else text
         results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text, re.DOTALL)
-        if results and "tool" in turn:
+        if results:
             reply = f"The command printed {results[-1].strip()}."
         else:
             # the CLI's shell tool: Claude Code's `Bash` {command}, Codex's `exec_command` {cmd}
