@@ -58,7 +58,7 @@ from agentrl.generators.openai_schema import (
     template_message,
     turn_key,
 )
-from agentrl.generators.proxy_tools import ToolPlan, tool_plan
+from agentrl.generators.proxy_tools import ToolPlan, one_call_sampling, tool_plan
 from agentrl.generators.tool_parsers import parser_for
 from agentrl.types import Trajectory
 
@@ -248,13 +248,7 @@ class ProxySessions:
         seg, mark = self._segment_for(session, keys, turns, plan)
         engine = self.engines[session.engine_index]
         recorder = _TopRecorder(engine)
-        call_end = plan.parser.call_end if plan.one_call and plan.parser is not None else ""
-        if call_end:  # parallel_tool_calls=false: the engine may stop where the first call closes
-            ids = self.chat.encode(call_end)
-            stop_ids = sorted({*sampling.stop_token_ids, *ids}) if len(ids) == 1 else sampling.stop_token_ids
-            sampling = msgspec.structs.replace(
-                sampling, stop=[*sampling.stop, call_end], stop_token_ids=stop_ids
-            )
+        sampling = one_call_sampling(sampling, plan, self.chat)
         self.in_flight[session.engine_index] += 1
         try:
             out, reply, start = await self._generate(session, seg, plan, sampling, recorder)
@@ -274,17 +268,11 @@ class ProxySessions:
         if sampling.max_new_tokens > given:
             seg.max_tokens_capped.append({"turn": len(seg.finish_reasons), "asked": sampling.max_new_tokens,
                                           "given": given})  # fmt: skip
-        finish_reason, text, stop_sequence = out.finish_reason, self.chat.decode(reply), None
-        hit = find_stop(self.chat.decode, reply, sampling.stop)
-        if hit is not None:  # the reply ends at the stop: its tokens are kept up to the one completing it
-            seg.log.rollback(start + hit.n_tokens)
-            del recorder.top[len(recorder.top) - len(reply) + hit.n_tokens :]
-            reply, finish_reason = reply[: hit.n_tokens], "stop"
-            if hit.stop == call_end:  # the call's closing is part of the call
-                text = self.chat.decode(reply)[: hit.text_end + len(call_end)]
-            else:  # OpenAI omits the stop sequence
-                text, stop_sequence = self.chat.decode(reply)[: hit.text_end], hit.stop
-        out = msgspec.structs.replace(out, finish_reason=finish_reason)
+        stopped, reply, text, stop_sequence = self._end_at_stop(
+            seg, reply, start, recorder, sampling.stop, plan
+        )
+        if stopped:
+            out = msgspec.structs.replace(out, finish_reason="stop")
         text_ids = reply
         content, calls = self._parse_reply(seg, plan, plan.prefill + text)
         finish = "tool_calls" if calls else "length" if out.finish_reason == "length" else "stop"
@@ -326,6 +314,24 @@ class ProxySessions:
         if out.finish_reason == "abort":
             raise RequestError(503, "the engine aborted the request (weight update); retry")
         return out, reply, start
+
+    def _end_at_stop(self, seg: Segment, reply: list[int], start: int, recorder: _TopRecorder, stops: list[str],
+                     plan: ToolPlan) -> tuple[bool, list[int], str, str | None]:  # fmt: skip
+        """The reply ended at its first stop string (agentrl/engines/stops.py): tokens after the one completing
+        it are dropped from the record; the text ends before it (OpenAI omits the stop sequence), or after it
+        for the call closing of `parallel_tool_calls: false`. Returns whether a stop ended it, the reply, its
+        text and the request's stop string that ended it."""
+        text = self.chat.decode(reply)
+        hit = find_stop(self.chat.decode, reply, stops)
+        if hit is None:
+            return False, reply, text, None
+        seg.log.rollback(start + hit.n_tokens)
+        del recorder.top[len(recorder.top) - len(reply) + hit.n_tokens :]
+        reply = reply[: hit.n_tokens]
+        text = self.chat.decode(reply)
+        if plan.one_call and plan.parser is not None and hit.stop == plan.parser.call_end:
+            return True, reply, text[: hit.text_end + len(hit.stop)], None
+        return True, reply, text[: hit.text_end], hit.stop
 
     def _parse_reply(
         self, seg: Segment, plan: ToolPlan, text: str

@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from agentrl.engines.base import SamplingParams
 from agentrl.generators.openai_params import RequestError
 from agentrl.generators.openai_schema import ChatRequest, tool_dicts
 from agentrl.generators.tool_parsers import ToolParser
@@ -55,3 +56,15 @@ def tool_plan(req: ChatRequest, chat: Any, parser: ToolParser) -> ToolPlan:
     else:
         plan.prefill = parser.prefill(choice.function.name)
     return plan
+
+
+def one_call_sampling(sampling: SamplingParams, plan: ToolPlan, chat: Any) -> SamplingParams:
+    """`parallel_tool_calls: false`: the parser's call closing is a stop string of the turn (and a stop token
+    where it is one token), so the reply ends with its first call."""
+    if not plan.one_call or plan.parser is None:
+        return sampling
+    ids = chat.encode(plan.parser.call_end)
+    stop_ids = sorted({*sampling.stop_token_ids, *ids}) if len(ids) == 1 else sampling.stop_token_ids
+    return msgspec.structs.replace(
+        sampling, stop=[*sampling.stop, plan.parser.call_end], stop_token_ids=stop_ids
+    )
