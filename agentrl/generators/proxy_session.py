@@ -24,6 +24,10 @@ Invariants:
 - A failed turn leaves its session as it was (a fresh segment is dropped, delta tokens are rolled back), and
   no segment reaches `max_seq_len` tokens. Bad input raises `RequestError`, a 4xx whose `param` names the
   field; the HTTP layer renders it as an OpenAI-shaped error.
+- A reply ends at the first stop string in its text (the request's `stop`, or the call closing under
+  `parallel_tool_calls: false`): tokens sampled after the one that completes it are dropped from the record
+  (an engine that does not stop there ran on). A `max_tokens` past the context left is capped to it and the
+  cap recorded (`metadata.max_tokens_capped`).
 """
 
 from __future__ import annotations
