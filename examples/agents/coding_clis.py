@@ -99,8 +99,12 @@ class ScriptedEngine(Engine):
         pass
 
 
-def claude_command(binary: str, base_url: str, home: Path, lean: bool) -> tuple[list[str], dict[str, str]]:
-    env = {"ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_API_KEY": "unused", "ANTHROPIC_MODEL": MODEL, **QUIET}
+def claude_command(
+    binary: str, base_url: str, home: Path, lean: bool, token: str
+) -> tuple[list[str], dict[str, str]]:
+    # with a proxy token: ANTHROPIC_AUTH_TOKEN, sent as `Authorization: Bearer` (the proxy's check)
+    key = {"ANTHROPIC_AUTH_TOKEN": token} if token else {"ANTHROPIC_API_KEY": "unused"}
+    env = {"ANTHROPIC_BASE_URL": base_url, **key, "ANTHROPIC_MODEL": MODEL, **QUIET}
     # -p: one task, no terminal UI; --allowedTools Bash: the command runs without asking
     argv = [binary, "-p", TASK, "--allowedTools", "Bash", "--model", MODEL, "--max-turns", "4"]
     if (
@@ -116,7 +120,9 @@ def claude_command(binary: str, base_url: str, home: Path, lean: bool) -> tuple[
     return argv, env
 
 
-def codex_command(binary: str, base_url: str, home: Path, lean: bool) -> tuple[list[str], dict[str, str]]:
+def codex_command(
+    binary: str, base_url: str, home: Path, lean: bool, token: str
+) -> tuple[list[str], dict[str, str]]:
     (home / ".codex").mkdir(parents=True, exist_ok=True)
     # web search (a hosted tool) and the multi-agent tools (a `namespace` tool) off: the proxy serves function tools
     (home / ".codex" / "config.toml").write_text(
@@ -124,22 +130,24 @@ def codex_command(binary: str, base_url: str, home: Path, lean: bool) -> tuple[l
         f'[model_providers.agentrl]\nname = "agentrl proxy"\nbase_url = "{base_url}"\n'
         'env_key = "AGENTRL_PROXY_KEY"\nwire_api = "responses"\n'
     )
-    env = {"CODEX_HOME": str(home / ".codex"), "AGENTRL_PROXY_KEY": "unused", **QUIET}
+    env = {"CODEX_HOME": str(home / ".codex"), "AGENTRL_PROXY_KEY": token or "unused", **QUIET}
     argv = [binary, "exec", "--skip-git-repo-check", "--sandbox", "danger-full-access", TASK]
     return argv, env
 
 
-async def episode(name: str, binary: str, tok: Any, workdir: Path, lean: bool) -> tuple[bool, str]:
+async def episode(
+    name: str, binary: str, tok: Any, workdir: Path, lean: bool, token: str
+) -> tuple[bool, str]:
     engine = ScriptedEngine(tok)
     trajectories: list[Any] = []
     proxy = OpenAIProxy([engine], tok, sink=trajectories.extend, sampling=SamplingParams(max_new_tokens=512),
-                        max_seq_len=65536, model_name=MODEL, sampling_policy="override")  # fmt: skip
+                        max_seq_len=65536, model_name=MODEL, sampling_policy="override", token=token)  # fmt: skip
     url = await proxy.start("127.0.0.1")
     sid = f"{name}-episode"
     home = workdir / name
     home.mkdir(parents=True, exist_ok=True)
     argv, env = (claude_command if name == "claude" else codex_command)(
-        binary, f"{url}/v1/sessions/{sid}", home, lean
+        binary, f"{url}/v1/sessions/{sid}", home, lean, token
     )
     try:
         proc = await asyncio.create_subprocess_exec(
@@ -149,7 +157,11 @@ async def episode(name: str, binary: str, tok: Any, workdir: Path, lean: bool) -
         out, _ = await asyncio.wait_for(proc.communicate(), 300)
         output = out.decode(errors="replace")
         reward_url = f"{url}/v1/sessions/{sid}/reward"
-        async with aiohttp.ClientSession() as http, http.post(reward_url, json={"reward": 1.0}) as resp:
+        auth = {"Authorization": f"Bearer {token}"} if token else {}
+        async with (
+            aiohttp.ClientSession(headers=auth) as http,
+            http.post(reward_url, json={"reward": 1.0}) as resp,
+        ):
             closed = await resp.text()
     finally:
         await proxy.stop()
@@ -205,6 +217,7 @@ def main() -> int:
     parser.add_argument(
         "--lean", action="store_true", help="Claude Code with --bare, only Bash, a short prompt"
     )
+    parser.add_argument("--token", default="", help="a bearer token the proxy requires (the CLIs send it)")
     args = parser.parse_args()
     if not args.no_isolate:
         command = isolated(sys.argv)
@@ -228,7 +241,7 @@ def main() -> int:
                 )
                 ok = False
                 continue
-            passed, line = asyncio.run(episode(name, binary, tok, Path(tmp), args.lean))
+            passed, line = asyncio.run(episode(name, binary, tok, Path(tmp), args.lean, args.token))
             print(line, flush=True)
             ok = ok and passed
     return 0 if ok else 1
