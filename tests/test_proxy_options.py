@@ -178,41 +178,70 @@ async def test_parallel_tool_calls_false_returns_one_call_and_ends_the_reply_the
     assert "mul" not in tok.decode(response(traj)) and traj.metadata["segments"] == 1
 
 
-async def test_a_json_schema_reaches_sglang_as_its_json_schema(tiny, tok):
-    """A stand-in for SGLang's /generate (loopback) that answers with a JSON object and keeps what it got."""
-    got = []
-    chat = chat_tokens(tok)
-    answer = [*chat.encode('{"sum": 5}'), chat.eot_id]
+class StandIn:
+    """A stand-in for SGLang's /generate and /get_server_info (loopback): it answers `reply` and keeps the
+    sampling_params it got; `info` is its server info (SGLang's flags)."""
 
-    async def generate(request):
-        body = await request.json()
-        got.append(body["sampling_params"])
+    def __init__(self, tok, reply, info):
+        chat = chat_tokens(tok)
+        self.answer, self.info, self.got = [*chat.encode(reply), chat.eot_id], info, []
+
+    async def generate(self, request):
+        self.got.append((await request.json())["sampling_params"])
         meta = {"finish_reason": {"type": "stop"}, "weight_version": "0",
-                "output_token_logprobs": [[-0.1, t, None] for t in answer]}  # fmt: skip
-        return web.json_response({"output_ids": answer, "meta_info": meta})
+                "output_token_logprobs": [[-0.1, t, None] for t in self.answer]}  # fmt: skip
+        return web.json_response({"output_ids": self.answer, "meta_info": meta})
 
-    app = web.Application()
-    app.router.add_post("/generate", generate)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    sglang = SGLangEngine(f"http://127.0.0.1:{port}", request_timeout_s=10)
-    schema = {"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"]}
-    try:
-        async with Live(sglang, tok) as live:
-            client = live.client("json")
-            resp = await client.chat.completions.create(model="m", messages=Q, response_format={
-                "type": "json_schema", "json_schema": {"name": "sum", "schema": schema}})  # fmt: skip
+    async def __aenter__(self):
+        app = web.Application()
+        app.router.add_post("/generate", self.generate)
+        app.router.add_get("/get_server_info", lambda _: web.json_response(self.info))
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.engine = SGLangEngine(
+            f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", request_timeout_s=10
+        )
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.engine.close()
+        await self.runner.cleanup()
+
+
+SCHEMA = {"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"]}
+
+
+async def test_a_json_schema_and_stop_strings_reach_sglang(tok):
+    info = {"skip_tokenizer_init": False, "grammar_backend": "xgrammar"}
+    async with StandIn(tok, '{"sum": 5}', info) as sglang, Live(sglang.engine, tok) as live:
+        client = live.client("json")
+        resp = await client.chat.completions.create(model="m", messages=Q, stop=["never"], response_format={
+            "type": "json_schema", "json_schema": {"name": "sum", "schema": SCHEMA}})  # fmt: skip
+        await client.chat.completions.create(model="m", messages=Q, response_format={"type": "json_object"})
+    assert json.loads(resp.choices[0].message.content) == {"sum": 5}
+    assert [json.loads(g["json_schema"]) for g in sglang.got] == [SCHEMA, {"type": "object"}]
+    assert sglang.got[0]["stop"] == ["never"]
+
+
+async def test_sglang_without_a_tokenizer_gets_no_stop_strings_and_no_schema(tok):
+    """`--skip-tokenizer-init` (agentrl's GPU setup): SGLang's scheduler cannot decode a stop string's tail, so
+    none is sent (the proxy cuts the reply itself), and a JSON schema is refused by name."""
+    info = {"skip_tokenizer_init": True, "grammar_backend": "none"}
+    async with StandIn(tok, "It is 5. Done", info) as sglang, Live(sglang.engine, tok) as live:
+        client = live.client("plain")
+        resp = await client.chat.completions.create(model="m", messages=Q, stop=["5. D"])
+        with pytest.raises(openai.BadRequestError) as err:
             await client.chat.completions.create(
                 model="m", messages=Q, response_format={"type": "json_object"}
             )
-    finally:
-        await sglang.close()
-        await runner.cleanup()
-    assert json.loads(resp.choices[0].message.content) == {"sum": 5}
-    assert [json.loads(g["json_schema"]) for g in got] == [schema, {"type": "object"}]
+        (traj,) = await live.close("plain")
+    assert err.value.body["param"] == "response_format" and "structured output" in err.value.body["message"]
+    assert resp.choices[0].message.content == "It is " and "stop" not in sglang.got[0]
+    chat = chat_tokens(tok)
+    ids = chat.encode("It is 5. Done")
+    assert response(traj) == ids[: first_with(chat.decode, ids, "5. D")]
 
 
 async def test_the_embedded_engine_refuses_a_json_schema_by_name(engine, tok):

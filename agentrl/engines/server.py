@@ -365,7 +365,15 @@ class EngineServer:
     async def server_info(self, request: web.Request) -> web.Response:
         info = await self.engine.health()
         return web.json_response(
-            {**info, "engine": "agentrl-embedded", "tp_size": 1, "model_path": self.engine.model_path}
+            {
+                **info,
+                "engine": "agentrl-embedded",
+                "tp_size": 1,
+                "model_path": self.engine.model_path,
+                # SGLang's names: stop strings need the tokenizer; no grammar backend (no structured output)
+                "skip_tokenizer_init": self._tokenizer is None,
+                "grammar_backend": "none",
+            }
         )
 
 

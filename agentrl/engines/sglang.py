@@ -17,9 +17,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from agentrl.engines import wire
 from agentrl.engines.base import (
@@ -53,6 +55,12 @@ def _parse_body(text: str) -> Any:
         return {"text": text}
 
 
+@dataclass(frozen=True)
+class TextOptions:
+    stop: bool  # stop strings end the output (else it runs on, as the embedded engine's does)
+    json_schema: bool  # structured output
+
+
 class SGLangEngine(Engine):
     """Client of one server at `url`. `tensor_format`: "auto" (asks /get_model_info), "sglang" or "agentrl"."""
 
@@ -76,6 +84,7 @@ class SGLangEngine(Engine):
         self._lora = LoraVersions()
         self._kv_released = False  # between release_memory and resume_memory(["kv_cache"])
         self._unloads: set[asyncio.Task] = set()
+        self._text: TextOptions | None = None  # what the server does with text, once asked (text_options)
 
     @property
     def policy_version(self) -> int:
@@ -134,16 +143,17 @@ class SGLangEngine(Engine):
 
     # -- Engine API ----------------------------------------------------------------------------------------------
 
-    @property
-    def structured_output(self) -> bool:
-        """SGLang takes a JSON schema (`json_schema`); serve-engine, once this client has found it is one (its
-        /get_model_info), refuses it."""
-        return self.tensor_format != "agentrl"
-
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
     ) -> GenerateOutput:
         self._ensure()
+        if sampling.stop or sampling.json_schema is not None:
+            text = await self.text_options()
+            if sampling.json_schema is not None and not text.json_schema:
+                raise InvalidRequest("sampling_params.json_schema", f"{self.url} serves no structured output "
+                                     "(no grammar backend, or --skip-tokenizer-init)")  # fmt: skip
+            if sampling.stop and not text.stop:  # as the embedded engine: it runs on, the caller cuts
+                sampling = msgspec.structs.replace(sampling, stop=[])
         await self._gate.wait()
         body = wire.generate_body(input_ids, sampling, request_id)
         lora = self._lora.acquire()
@@ -243,11 +253,23 @@ class SGLangEngine(Engine):
             return {"ok": False, "url": self.url, "error": str(exc), "policy_version": self._version}
 
     async def model_info(self) -> dict[str, Any]:
-        """The server's /get_model_info; it also tells serve-engine from SGLang (`tensor_format`, when "auto")."""
-        info = await self._call("GET", "/get_model_info")
-        if self.tensor_format == "auto":
-            self.tensor_format = "agentrl" if info.get("engine") == "agentrl-embedded" else "sglang"
-        return info
+        return await self._call("GET", "/get_model_info")
+
+    async def text_options(self) -> TextOptions:
+        """What the server does with text (/get_server_info, asked once): stop strings need its tokenizer
+        (SGLang's `--skip-tokenizer-init` has none: its scheduler would fail decoding a stop string's tail), and
+        a JSON schema a grammar backend too (not `--grammar-backend none`; serve-engine has none)."""
+        if self._text is None:
+            info = await self._call("GET", "/get_server_info")
+            tokenizer = not info.get("skip_tokenizer_init", False)
+            grammar = info.get("grammar_backend", "xgrammar") not in (None, "none")
+            self._text = TextOptions(stop=tokenizer, json_schema=tokenizer and grammar)
+        return self._text
+
+    @property
+    def structured_output(self) -> bool:
+        """Whether a JSON schema is served, as far as known (`text_options` asks; until then assumed)."""
+        return self._text is None or self._text.json_schema
 
     # -- weights -------------------------------------------------------------------------------------------------
 

@@ -170,8 +170,7 @@ async def _serve(args: argparse.Namespace) -> None:
         health = await engine.health()
         if not health["ok"]:
             raise ConfigError(f"--engine {engine.url}: not answering ({health['error']})")
-        # serve-engine or SGLang: whether it serves structured output, as /openapi.json says
-        await engine.model_info()
+        await engine.text_options()  # stop strings and structured output, as /openapi.json says
     client = None
     if args.sink.startswith(("http://", "https://")):
         sink, client = _queue_sink(args.sink.rstrip("/"), args.sink_token or "")
