@@ -262,7 +262,7 @@ class SGLangEngine(Engine):
         if self._text is None:
             info = await self._call("GET", "/get_server_info")
             tokenizer = not info.get("skip_tokenizer_init", False)
-            grammar = info.get("grammar_backend", "xgrammar") not in (None, "none")
+            grammar = info.get("grammar_backend") != "none"  # SGLang's default (None) is xgrammar
             self._text = TextOptions(stop=tokenizer, json_schema=tokenizer and grammar)
         return self._text
 
