@@ -86,9 +86,10 @@ class RolloutSection(_Section):
         ),
     ] = ""
     proxy_sampling: Annotated[
-        Literal["refuse", "record"],
-        doc("OpenAI proxy: a request's temperature/top_p that differ from the run's are refused (400) or "
-            "sampled with and recorded per turn in the trajectory's metadata"),
+        Literal["refuse", "record", "override"],
+        doc("OpenAI proxy: a request's temperature/top_p that differ from the run's are refused (400), "
+            "sampled with and recorded per turn in the trajectory's metadata (record), or replaced by the "
+            "run's and recorded as asked (override: for clients that always send their own)"),
     ] = "refuse"  # fmt: skip
     proxy_host: Annotated[
         str, doc("openai_proxy / external generators: address their HTTP servers listen on (port: any free)")

@@ -1,8 +1,8 @@
 """Schemathesis hooks (SCHEMATHESIS_HOOKS=tests.proxy_schemathesis_hooks) for tests/test_proxy_openapi.py.
 
 Some of the proxy's rules are beyond JSON Schema, and /openapi.json states them in descriptions: the session
-of `POST /v1/chat/completions` comes from the `X-Session-Id` header or the `user` field; a stop string must be
-one token; the prompt must fit in max_seq_len tokens; a named tool_choice must be one of the tools, whose
+of `POST /v1/chat/completions` comes from the `X-Session-Id` header or the `user` field; the prompt must fit
+in max_seq_len tokens; a named tool_choice must be one of the tools, whose
 names are unique. Generated *positive* requests are made to honour them, so "schema-valid data accepted"
 checks everything else the schema says. Negative requests are left alone.
 """
@@ -14,10 +14,13 @@ from typing import Any
 import schemathesis
 
 MAX_TEXT_CHARS = 60  # four such messages and two tools stay inside the test proxy's max_seq_len in tokens
+MAX_REPLY_TOKENS = 16
 
 
 def _fit(body: dict[str, Any]) -> None:
-    body.pop("stop", None)
+    for name in ("max_tokens", "max_completion_tokens"):  # any value >= 1 is served (capped): keep runs short
+        if isinstance(body.get(name), int) and body[name] > MAX_REPLY_TOKENS:
+            body[name] = MAX_REPLY_TOKENS
     if isinstance(body.get("messages"), list):
         body["messages"] = body["messages"][:4]
     for message in body.get("messages") or []:

@@ -182,7 +182,7 @@ async def test_session_from_header_or_user_field(tiny, tok):
             "messages[0].tool_calls[0].function.name",
         ),
         ({"messages": Q, "max_tokens": 0}, "max_tokens"),
-        ({"messages": Q, "stop": ["</calc>"]}, "stop"),
+        ({"messages": Q, "stop": [""]}, "stop"),
         (b"{not json", None),
     ],
 )

@@ -50,8 +50,8 @@ async def test_openapi_states_the_parameter_rules_and_405(tiny, tok):
 
 
 async def test_schemathesis_finds_no_failure(tiny, tok, tmp_path):
-    proxy = OpenAIProxy([embedded_engine(tiny, max_seq_len=512)], tok, sampling=SamplingParams(max_new_tokens=8),
-                        max_seq_len=512, token=TOKEN)  # fmt: skip
+    proxy = OpenAIProxy([embedded_engine(tiny, max_seq_len=2048)], tok, sampling=SamplingParams(max_new_tokens=8),
+                        max_seq_len=2048, token=TOKEN)  # fmt: skip
     url = await proxy.start()
     try:
         cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{url}/openapi.json", "--checks", "all",

@@ -60,10 +60,16 @@ def test_openapi_states_the_enforced_rules(serve, tokenizer_dir):
     props = schemas["Trajectory"]["properties"]
     assert (props["id"]["minLength"], props["id"]["maxLength"]) == (1, 256)
     assert props["response_ids"]["minItems"] == 1 and props["response_ids"]["items"]["maximum"] == 399
-    assert props["logprobs"]["anyOf"][0]["items"] == {"type": "number", "minimum": -1000.0, "maximum": 0.001}
-    assert props["loss_mask"]["anyOf"][0]["items"] == {"type": "integer", "minimum": 0, "maximum": 1}
+    # JSON: a mask and a logprob per token, in the token's row (no lengths to match)
+    assert "loss_mask" not in props and "logprobs" not in props and "versions" not in props
+    assert props["response"]["items"]["prefixItems"] == [
+        {"type": "integer", "minimum": 0, "maximum": 399},
+        {"type": "integer", "minimum": 0, "maximum": 1},
+        {"type": "number", "minimum": -1000.0, "maximum": 0.001},
+    ]
     assert props["policy_version"]["anyOf"][0]["maximum"] == 2
-    assert props["loss_mask"]["x-same-length-as"] == "response_ids"
+    packed_props = schemas["TrajectoryMsgpack"]["properties"]
+    assert packed_props["loss_mask"]["x-same-length-as"] == "response_ids"
     assert schemas["Message"]["properties"]["role"]["enum"] == sorted(
         ["system", "developer", "user", "assistant", "tool"]
     )

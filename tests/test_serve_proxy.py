@@ -75,6 +75,22 @@ def test_serve_proxy_records_sessions_into_a_jsonl_file(engine_url, tiny, tok, t
     assert tok.decode(rows[0]["prompt_ids"]).endswith("What is 2+3?<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_serve_proxy_sampling_policy_flag(engine_url, tiny, tmp_path):
+    """--proxy-sampling override: a request's temperature is recorded, the run's is sampled with."""
+    sink = tmp_path / "override.jsonl"
+    with serving(proxy_args(engine_url, tiny, str(sink), "--proxy-sampling", "override"),
+                 "agentrl serve-proxy: serving") as (_, url):  # fmt: skip
+        client = openai.OpenAI(base_url=f"{url}/v1/sessions/o", api_key="unused", max_retries=0)
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], temperature=0.3,
+                                       max_tokens=100000, stop=["\n\n\n"])  # fmt: skip
+        assert requests.post(f"{url}/v1/sessions/o/reward", json={"reward": 1.0}).status_code == 200
+        formats = requests.get(f"{url}/openapi.json").json()["components"]["schemas"]["ResponseFormat"]
+        assert formats["properties"]["type"]["const"] == "text"  # serve-engine has no structured output
+    (row,) = [json.loads(line) for line in sink.read_text().splitlines()]
+    assert row["metadata"]["requested_sampling"] == [{"temperature": 0.3}]
+    assert row["metadata"]["max_tokens_capped"][0]["asked"] == 100000
+
+
 def test_serve_proxy_submits_to_serve_queue_with_tokens(engine_url, tiny, tmp_path):
     queue_env = {"AGENTRL_QUEUE_TOKEN": "qsecret"}
     queue_args = ["-m", "agentrl.cli", "serve-queue", "--port", "0", "--run-dir", str(tmp_path / "q"),

@@ -40,6 +40,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     ignore_eos: bool = False
     top_logprobs: int = 0  # k most likely tokens reported per generated token (0: none)
     return_routed_experts: bool = False  # MoE: report the router's experts per position (GenerateOutput)
+    # stop strings: an engine that detokenizes (SGLang) ends the output at the token that completes one; the
+    # embedded engine samples ids only and runs on to a stop token or max_new_tokens, so a caller that needs
+    # them finds them in the text (the proxy does, agentrl/chat.py `find_stop`)
+    stop: list[str] = []
+    # structured output: the reply must match this JSON schema (SGLang's `json_schema`, a grammar-constrained
+    # decode); the embedded engine has no grammar backend and refuses it (InvalidRequest)
+    json_schema: str | None = None
 
 
 class GenerateOutput(msgspec.Struct, kw_only=True):

@@ -115,6 +115,12 @@ class EmbeddedEngine(BatchingEngine):
             raise InvalidRequest("sampling_params.top_p", f"must be in (0, 1], got {sampling.top_p}")
         if sampling.top_k == 0 or sampling.top_k < -1:
             raise InvalidRequest("sampling_params.top_k", f"must be -1 (off) or >= 1, got {sampling.top_k}")
+        if sampling.json_schema is not None:
+            raise InvalidRequest(
+                "sampling_params.json_schema",
+                "the embedded engine has no grammar backend for structured output (constrained decoding): "
+                "serve the model with SGLang for a JSON schema",
+            )
         if not 0 <= sampling.top_logprobs <= self.spec.vocab_size:
             raise InvalidRequest(
                 "top_logprobs_num", f"must be in [0, {self.spec.vocab_size}], got {sampling.top_logprobs}"

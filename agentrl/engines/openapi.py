@@ -53,7 +53,7 @@ def _errors(codes: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-def _specialise(components: dict[str, Any], vocab_size: int, max_seq_len: int) -> None:
+def _specialise(components: dict[str, Any], vocab_size: int, max_seq_len: int, stop_strings: bool) -> None:
     gen = components["GenerateRequest"]
     ids = gen["properties"]["input_ids"] = copy.deepcopy(gen["properties"]["input_ids"]["anyOf"][0])
     ids["items"]["maximum"] = vocab_size - 1
@@ -65,6 +65,10 @@ def _specialise(components: dict[str, Any], vocab_size: int, max_seq_len: int) -
     sp = components["WireSamplingParams"]["properties"]
     sp["top_k"] = {"anyOf": [{"const": -1}, {"type": "integer", "minimum": 1, "maximum": 2**31 - 1}],
                    "default": -1, "description": "-1: off"}  # fmt: skip
+    if stop_strings:
+        sp["stop"]["description"] = "the output ends at the token that completes the first; text before it"
+    else:
+        sp["stop"] = {"type": "null", "default": None, "description": "needs the model's tokenizer.json"}
     abort = components["AbortRequest"]
     abort["anyOf"] = [
         {"required": ["rid"], "properties": {"rid": {"minLength": 1}}},
@@ -73,10 +77,10 @@ def _specialise(components: dict[str, Any], vocab_size: int, max_seq_len: int) -
 
 
 @lru_cache(maxsize=8)
-def openapi_spec(*, vocab_size: int, max_seq_len: int) -> dict[str, Any]:
+def openapi_spec(*, vocab_size: int, max_seq_len: int, stop_strings: bool = True) -> dict[str, Any]:
     structs = [cls for cls, _ in _BODIES.values()]
     _, components = msgspec.json.schema_components(structs, ref_template="#/components/schemas/{name}")
-    _specialise(components, vocab_size, max_seq_len)
+    _specialise(components, vocab_size, max_seq_len, stop_strings)
     components["Error"] = {
         "type": "object",
         "properties": {"error": {"type": "object", "required": ["message", "code"], "properties": {

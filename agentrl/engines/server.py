@@ -32,11 +32,13 @@ import msgspec
 from aiohttp import web
 
 from agentrl.engines import wire
-from agentrl.engines.base import DiskSource, DistributedSource, InvalidRequest, TensorSource
+from agentrl.engines.base import DiskSource, DistributedSource, GenerateOutput, InvalidRequest, TensorSource
 from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.openapi import OPEN_PATHS, openapi_spec
+from agentrl.engines.stops import find_stop
 from agentrl.errors import EngineError, WeightSyncError
 from agentrl.net import lacks_token, serve
+from agentrl.types.trajectory import EXPERT_DTYPES
 
 _PAUSE_MODES = {"abort": "abort", "wait": "wait", "keep": "keep", "in_place": "keep", "retract": "keep"}
 _DECODERS: dict[type, msgspec.json.Decoder] = {}
@@ -216,6 +218,10 @@ class EngineServer:
             raise BadRequest("streaming is not supported", "stream")
         sampling = req.to_sampling()
         self.engine.validate(req.input_ids, sampling)
+        if sampling.stop and self._tokenizer is None:
+            raise BadRequest(
+                "stop strings need the model's tokenizer.json to be found in the text", "sampling_params.stop"
+            )
         rid = req.rid or uuid.uuid4().hex
         if rid in self._rids or rid in self._held:
             raise BadRequest(f"Duplicate request ID detected: {rid}", "rid")
@@ -229,6 +235,14 @@ class EngineServer:
         if out.finish_reason == "abort" and not out.output_ids:
             self._hold(rid)
         text = self._tokenizer.decode(out.output_ids, skip_special_tokens=False) if self._tokenizer else None
+        if sampling.stop and self._tokenizer is not None:  # as SGLang: end at the stop, the text before it
+            tokenizer = self._tokenizer
+            hit = find_stop(
+                lambda ids: tokenizer.decode(ids, skip_special_tokens=False), out.output_ids, sampling.stop
+            )
+            if hit is not None:
+                out = _cut(out, hit.n_tokens)
+                text = tokenizer.decode(out.output_ids, skip_special_tokens=False)[: hit.text_end]
         body = wire.generate_response(
             out, rid, req.return_logprob, sampling, text, self.engine.spec.moe, self.engine.spec.layers
         )
@@ -348,11 +362,40 @@ class EngineServer:
         )
 
     async def openapi(self, request: web.Request) -> web.Response:
-        spec = openapi_spec(vocab_size=self.engine.vocab_size, max_seq_len=self.engine.max_seq_len)
+        spec = openapi_spec(vocab_size=self.engine.vocab_size, max_seq_len=self.engine.max_seq_len,
+                            stop_strings=self._tokenizer is not None)  # fmt: skip
         return web.json_response(spec)
 
     async def server_info(self, request: web.Request) -> web.Response:
         info = await self.engine.health()
         return web.json_response(
-            {**info, "engine": "agentrl-embedded", "tp_size": 1, "model_path": self.engine.model_path}
+            {
+                **info,
+                "engine": "agentrl-embedded",
+                "tp_size": 1,
+                "model_path": self.engine.model_path,
+                # SGLang's names: stop strings need the tokenizer; no grammar backend (no structured output)
+                "skip_tokenizer_init": self._tokenizer is None,
+                "grammar_backend": "none",
+            }
         )
+
+
+def _cut(out: GenerateOutput, n_tokens: int) -> GenerateOutput:
+    """`out` ended after its first `n_tokens` tokens, at a stop string (finish reason `stop`)."""
+    versions, left = [], n_tokens
+    for version, count in out.versions:
+        if left > 0:
+            versions.append((version, min(count, left)))
+            left -= count
+    top = out.top_logprobs[:n_tokens] if out.top_logprobs is not None else None
+    routed = out.routed_experts
+    if (
+        routed is not None
+    ):  # the positions that ran a forward: the prompt and the kept output but its last token
+        row = routed.layers * routed.topk * EXPERT_DTYPES[routed.dtype].itemsize
+        keep = (out.prompt_tokens + n_tokens - 1) * row
+        routed = msgspec.structs.replace(routed, data=routed.data[:keep])
+    return msgspec.structs.replace(out, output_ids=out.output_ids[:n_tokens], logprobs=out.logprobs[:n_tokens],
+                                   finish_reason="stop", versions=versions, top_logprobs=top,
+                                   routed_experts=routed)  # fmt: skip

@@ -20,9 +20,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from agentrl.engines import wire
 from agentrl.engines.base import (
@@ -57,6 +59,12 @@ def _parse_body(text: str) -> Any:
         return {"text": text}
 
 
+@dataclass(frozen=True)
+class TextOptions:
+    stop: bool  # stop strings end the output (else it runs on, as the embedded engine's does)
+    json_schema: bool  # structured output
+
+
 class SGLangEngine(Engine):
     """Client of one server at `url`. `tensor_format`: "auto" (asks /get_model_info), "sglang" or "agentrl".
     `model_path`: the served model's directory, read for its MoE layers when routed experts are asked for."""
@@ -84,6 +92,7 @@ class SGLangEngine(Engine):
         self._unloads: set[asyncio.Task] = set()
         self.model_path = model_path
         self._moe: tuple[MoeSpec | None, int] | None = None  # the served model's MoE layers, once read
+        self._text: TextOptions | None = None  # what the server does with text, once asked (text_options)
 
     @property
     def policy_version(self) -> int:
@@ -148,6 +157,13 @@ class SGLangEngine(Engine):
         self._ensure()
         # the model's MoE layout is read before sending, so a missing config fails before any generation
         moe, num_layers = await self._moe_layout() if sampling.return_routed_experts else (None, 0)
+        if sampling.stop or sampling.json_schema is not None:
+            text = await self.text_options()
+            if sampling.json_schema is not None and not text.json_schema:
+                raise InvalidRequest("sampling_params.json_schema", f"{self.url} serves no structured output "
+                                     "(no grammar backend, or --skip-tokenizer-init)")  # fmt: skip
+            if sampling.stop and not text.stop:  # as the embedded engine: it runs on, the caller cuts
+                sampling = msgspec.structs.replace(sampling, stop=[])
         await self._gate.wait()
         body = wire.generate_body(input_ids, sampling, request_id)
         lora = self._lora.acquire()
@@ -270,6 +286,22 @@ class SGLangEngine(Engine):
 
     async def model_info(self) -> dict[str, Any]:
         return await self._call("GET", "/get_model_info")
+
+    async def text_options(self) -> TextOptions:
+        """What the server does with text (/get_server_info, asked once): stop strings need its tokenizer
+        (SGLang's `--skip-tokenizer-init` has none: its scheduler would fail decoding a stop string's tail), and
+        a JSON schema a grammar backend too (not `--grammar-backend none`; serve-engine has none)."""
+        if self._text is None:
+            info = await self._call("GET", "/get_server_info")
+            tokenizer = not info.get("skip_tokenizer_init", False)
+            grammar = info.get("grammar_backend") != "none"  # SGLang's default (None) is xgrammar
+            self._text = TextOptions(stop=tokenizer, json_schema=tokenizer and grammar)
+        return self._text
+
+    @property
+    def structured_output(self) -> bool:
+        """Whether a JSON schema is served, as far as known (`text_options` asks; until then assumed)."""
+        return self._text is None or self._text.json_schema
 
     # -- weights -------------------------------------------------------------------------------------------------
 

@@ -55,6 +55,9 @@ class WireSamplingParams(_Body, omit_defaults=True):
     ignore_eos: bool = False
     seed: Seed | None = None
     sampling_seed: Seed | None = None
+    # stop strings are taken as SGLang takes them; the embedded engine does not end early at them (see
+    # SamplingParams.stop). SGLang's json_schema is not a field: the embedded engine has no grammar backend
+    stop: str | list[str] | None = None
 
     def to_sampling(self) -> SamplingParams:
         seed = self.sampling_seed if self.sampling_seed is not None else self.seed
@@ -66,6 +69,7 @@ class WireSamplingParams(_Body, omit_defaults=True):
             stop_token_ids=list(self.stop_token_ids or []),
             seed=seed,
             ignore_eos=self.ignore_eos,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
         )
 
 
@@ -95,6 +99,10 @@ def sampling_to_wire(sp: SamplingParams) -> dict[str, Any]:
         out["stop_token_ids"] = list(sp.stop_token_ids)
     if sp.seed is not None:
         out["sampling_seed"] = sp.seed
+    if sp.stop:
+        out["stop"] = list(sp.stop)
+    if sp.json_schema is not None:
+        out["json_schema"] = sp.json_schema
     return out
 
 

@@ -27,11 +27,13 @@ from aiohttp import web
 from agentrl.errors import EnvError
 from agentrl.generators.anthropic_response import events, message
 from agentrl.generators.anthropic_schema import (
+    REASONING_OPEN,
     CountRequest,
     chat_request,
     count_decoder,
     error_body,
     messages_decoder,
+    thinking_on,
 )
 from agentrl.generators.openai_schema import template_message
 from agentrl.generators.proxy_session import RequestError
@@ -80,12 +82,13 @@ class MessagesFace:
         except RequestError as exc:
             return _error(exc)
         model, tokenizer = req.model or self.proxy.model_name, self.proxy.tokenizer
+        thinking = thinking_on(req) and REASONING_OPEN in (getattr(tokenizer, "chat_template", None) or "")
         if not req.stream:
-            return web.Response(body=encoder.encode(message(model, tokenizer, choice)),
+            return web.Response(body=encoder.encode(message(model, tokenizer, choice, thinking)),
                                 content_type="application/json")  # fmt: skip
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        for name, data in events(model, tokenizer, choice):
+        for name, data in events(model, tokenizer, choice, thinking):
             await resp.write(f"event: {name}\ndata: ".encode() + encoder.encode(data) + b"\n\n")
         await resp.write_eof()
         return resp

@@ -18,7 +18,10 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from agentrl.generators.anthropic_schema import split_reasoning
 from agentrl.generators.openai_response import Choice, _text_pieces
+
+SIGNATURE = "agentrl"  # a thinking block's signature: Anthropic's verifies the block; the proxy needs none
 
 
 def stop_reason(tokenizer: Any, choice: Choice) -> tuple[str, str | None]:
@@ -26,9 +29,8 @@ def stop_reason(tokenizer: Any, choice: Choice) -> tuple[str, str | None]:
         return "tool_use", None
     if choice.finish_reason == "length":
         return "max_tokens", None
-    stopped = choice.reply_ids[len(choice.text_ids) :]  # a stop sequence: recorded, not shown
-    if stopped:
-        return "stop_sequence", tokenizer.decode(stopped, skip_special_tokens=False)
+    if choice.stop_sequence is not None:  # recorded, not shown
+        return "stop_sequence", choice.stop_sequence
     return "end_turn", None
 
 
@@ -38,8 +40,15 @@ def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
             "input": json.loads(function["arguments"])}  # fmt: skip
 
 
-def message(model: str, tokenizer: Any, choice: Choice) -> dict[str, Any]:
-    content: list[dict[str, Any]] = [{"type": "text", "text": choice.content}] if choice.content else []
+def message(model: str, tokenizer: Any, choice: Choice, thinking: bool = False) -> dict[str, Any]:
+    """`thinking`: a reply that opens with the template's reasoning channel is returned as a `thinking` block
+    (its signature is a placeholder: the proxy checks none) and the text after it."""
+    reasoning, text = split_reasoning(choice.content) if thinking else (None, choice.content)
+    content: list[dict[str, Any]] = []
+    if reasoning is not None:
+        content.append({"type": "thinking", "thinking": reasoning, "signature": SIGNATURE})
+    if text:
+        content.append({"type": "text", "text": text})
     content += [_tool_use(call) for call in choice.tool_calls]
     reason, sequence = stop_reason(tokenizer, choice)
     return {
@@ -54,9 +63,12 @@ def message(model: str, tokenizer: Any, choice: Choice) -> dict[str, Any]:
     }
 
 
-def events(model: str, tokenizer: Any, choice: Choice) -> Iterator[tuple[str, dict[str, Any]]]:
+def events(
+    model: str, tokenizer: Any, choice: Choice, thinking: bool = False
+) -> Iterator[tuple[str, dict[str, Any]]]:
     """(event name, data) of a streamed message."""
-    whole = message(model, tokenizer, choice)
+    whole = message(model, tokenizer, choice, thinking)
+    split = any(block["type"] == "thinking" for block in whole["content"])
     start = {**whole, "content": [], "stop_reason": None, "stop_sequence": None,
              "usage": {**whole["usage"], "output_tokens": 0}}  # fmt: skip
     yield "message_start", {"type": "message_start", "message": start}
@@ -65,10 +77,16 @@ def events(model: str, tokenizer: Any, choice: Choice) -> Iterator[tuple[str, di
         return tokenizer.decode(ids, skip_special_tokens=True)
 
     for index, block in enumerate(whole["content"]):
-        if block["type"] == "text":
+        if block["type"] == "thinking":
+            yield "content_block_start", {"type": "content_block_start", "index": index,
+                                          "content_block": {"type": "thinking", "thinking": "", "signature": ""}}  # fmt: skip
+            for delta in ({"type": "thinking_delta", "thinking": block["thinking"]},
+                          {"type": "signature_delta", "signature": block["signature"]}):  # fmt: skip
+                yield "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+        elif block["type"] == "text":
             yield "content_block_start", {"type": "content_block_start", "index": index,
                                           "content_block": {"type": "text", "text": ""}}  # fmt: skip
-            for piece in _text_pieces(decode, choice):
+            for piece in [block["text"]] if split else _text_pieces(decode, choice):
                 delta = {"type": "text_delta", "text": piece}
                 yield "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
         else:

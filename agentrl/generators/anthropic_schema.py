@@ -2,20 +2,29 @@
 proxy's one chat request (`openai_schema.ChatRequest`), so both faces share one session recording.
 
 A request field the proxy does not know is refused (400 naming it) rather than ignored; content blocks of
-a type other than `text`, `tool_use` and `tool_result` (images, documents, thinking) are refused by path
-(`messages[i].content[j].type`). `cache_control` (top level, on blocks and tools) is accepted: it is a
-caching hint that changes no token (the proxy keeps every session's tokens anyway).
+a type other than `text`, `tool_use`, `tool_result` and `thinking` (images, documents, redacted thinking) are
+refused by path (`messages[i].content[j].type`). Accepted as no-ops, since they change no token: `cache_control`
+(top level, on blocks and tools: a caching hint; the proxy keeps every session's tokens anyway),
+`context_management` (edits of the context the server keeps: the proxy keeps none beyond the session's
+record, and the client re-sends the history it wants), `output_config.effort` (steers Claude's thinking
+budget; the run samples with its own settings), and the `anthropic-beta` header.
 
 Translation (the chat template then renders it like any OpenAI conversation):
-- `system` (a string or text blocks) -> a leading system message;
+- `system` (a string or text blocks) -> a leading system message; a message of role `system` in `messages`
+  (Claude Code sends them mid-conversation) -> a system message where it stands;
 - a user message's text blocks -> one user message; each `tool_result` block -> a `tool` message with
   `tool_call_id` = its `tool_use_id` (content: its text, prefixed `Error: ` when `is_error`), in block order;
 - an assistant message's text blocks -> its content, its `tool_use` blocks -> `tool_calls` (arguments =
   the `input` as JSON), matched to the recorded reply by name + arguments as the OpenAI face matches them;
+  its `thinking` blocks -> the reasoning the reply began with, written back as the template's reasoning
+  channel (`<think>...</think>`) before the text, exactly as the model wrote it;
+- `thinking` (`enabled` / `adaptive` / `disabled`): where the chat template has a reasoning channel, a reply
+  that begins with one is returned as a `thinking` block when thinking is on (as text otherwise); where it
+  has none, thinking is a no-op (the model answers as it was trained to);
 - `tools` (`name`, `description`, `input_schema`) -> function tools; `tool_choice` `auto` / `any` / `tool` /
   `none` -> `auto` / `required` / the named function / `none`; `disable_parallel_tool_use` ->
-  `parallel_tool_calls`; `stop_sequences` -> `stop`; `metadata.user_id` names the session when neither the
-  URL nor `X-Session-Id` does.
+  `parallel_tool_calls`; `stop_sequences` -> `stop`; `output_config.format` (a JSON schema) ->
+  `response_format`; `metadata.user_id` names the session when neither the URL nor `X-Session-Id` does.
 """
 
 from __future__ import annotations
@@ -33,18 +42,23 @@ from agentrl.generators.openai_schema import (
     FunctionDef,
     NamedFunction,
     NamedToolChoice,
+    ResponseFormat,
     Tool,
     ToolCall,
 )
 from agentrl.generators.proxy_session import RequestError
 
-BLOCK_TYPES = ("text", "tool_use", "tool_result")
+BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking")
+THINKING_TYPES = ("enabled", "adaptive", "disabled")
+# the reasoning channel of chat templates that have one (Qwen3, DeepSeek-R1, GLM-4.5): the reply opens with it
+REASONING_OPEN, REASONING_CLOSE = "<think>", "</think>"
 # the OpenAI face's parameter names -> the Anthropic request's, for errors raised by the shared sessions
 PARAMS = {
     "stop": "stop_sequences",
     "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
     "user": "metadata.user_id",
     "max_completion_tokens": "max_tokens",
+    "response_format": "output_config.format",
 }
 
 
@@ -57,6 +71,9 @@ class Block(msgspec.Struct, kw_only=True):
     tool_use_id: str | None = None
     content: str | list[Block] | None = None
     is_error: bool = False
+    thinking: str | None = None  # a thinking block's text (its `signature` is the proxy's own: not checked)
+    signature: str | None = None
+    cache_control: dict[str, Any] | None = None  # a caching hint: no token depends on it
 
 
 class Message(msgspec.Struct, kw_only=True):
@@ -82,6 +99,24 @@ class Metadata(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     user_id: str | None = None
 
 
+class Thinking(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: str
+    budget_tokens: int | None = (
+        None  # the reply's max_tokens bounds it: the engine does not count thinking apart
+    )
+    display: str | None = None
+
+
+class OutputFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: str  # json_schema
+    schema: dict[str, Any] | None = None
+
+
+class OutputConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    effort: str | None = None  # a no-op: the run samples with its own settings
+    format: OutputFormat | None = None
+
+
 class CountRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """`POST /v1/messages/count_tokens`: what shapes the prompt."""
 
@@ -90,8 +125,10 @@ class CountRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     system: str | list[Block] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: ToolChoice | None = None
-    thinking: dict[str, Any] | None = None  # only {"type": "disabled"}
+    thinking: Thinking | None = None
     cache_control: dict[str, Any] | None = None  # a caching hint: no token depends on it
+    context_management: dict[str, Any] | None = None  # a no-op (module docstring)
+    output_config: OutputConfig | None = None
 
 
 class MessagesRequest(CountRequest, forbid_unknown_fields=True, kw_only=True):
@@ -150,7 +187,9 @@ def _user(blocks: list[Block], where: str) -> list[ChatMessage]:
 def _assistant(blocks: list[Block], where: str) -> ChatMessage:
     text, calls = [], []
     for j, block in enumerate(blocks):
-        if block.type == "text":
+        if block.type == "thinking":  # the reasoning the recorded reply began with
+            text.append(f"{REASONING_OPEN}{block.thinking or ''}{REASONING_CLOSE}")
+        elif block.type == "text":
             text.append(block.text or "")
         elif block.type == "tool_use":
             if not block.name:
@@ -159,7 +198,7 @@ def _assistant(blocks: list[Block], where: str) -> ChatMessage:
             calls.append(ToolCall(FunctionCall(block.name, arguments), id=block.id or ""))
         else:
             raise RequestError(400, f"an assistant message cannot hold a {block.type!r} block here "
-                               "(supported: text, tool_use)", f"{where}[{j}].type")  # fmt: skip
+                               "(supported: text, tool_use, thinking)", f"{where}[{j}].type")  # fmt: skip
     return ChatMessage("assistant", "".join(text) if text else None, calls or None)
 
 
@@ -191,8 +230,9 @@ def _tool_choice(choice: ToolChoice | None) -> str | NamedToolChoice | None:
 
 def chat_messages(req: CountRequest) -> list[ChatMessage]:
     """The conversation in the proxy's (OpenAI) form; raises RequestError naming the Anthropic field."""
-    if req.thinking is not None and req.thinking.get("type") != "disabled":
-        raise RequestError(400, "extended thinking is not supported", "thinking")
+    if req.thinking is not None and req.thinking.type not in THINKING_TYPES:
+        raise RequestError(400, f"thinking.type must be one of {list(THINKING_TYPES)}, got {req.thinking.type!r}",
+                           "thinking.type")  # fmt: skip
     if not req.messages:
         raise RequestError(400, "messages must hold at least one message", "messages")
     out = [] if req.system is None else [ChatMessage("system", _text(req.system, "system"))]
@@ -207,12 +247,14 @@ def chat_messages(req: CountRequest) -> list[ChatMessage]:
             out += _user(blocks, where)
         elif message.role == "assistant":
             out.append(_assistant(blocks, where))
+        elif message.role == "system":  # rendered where it stands
+            out.append(ChatMessage("system", _text(message.content, where)))
         else:
-            raise RequestError(400, f"role must be 'user' or 'assistant', got {message.role!r}",
+            raise RequestError(400, f"role must be 'user', 'assistant' or 'system', got {message.role!r}",
                                f"messages[{i}].role")  # fmt: skip
-    if req.messages[-1].role != "user":
-        raise RequestError(400, "the last message must be the user's (a prefilled assistant turn is not "
-                           "supported)", f"messages[{len(req.messages) - 1}].role")  # fmt: skip
+    if req.messages[-1].role == "assistant":  # a system message may follow the user's (Claude Code's do)
+        raise RequestError(400, "the last message must not be the assistant's (a prefilled assistant turn is "
+                           "not supported)", f"messages[{len(req.messages) - 1}].role")  # fmt: skip
     return out
 
 
@@ -222,6 +264,13 @@ def chat_request(req: CountRequest) -> ChatRequest:
     if full is not None and full.top_k is not None:
         raise RequestError(400, "top_k is not supported: the run samples with its own top_k", "top_k")
     choice = req.tool_choice
+    response_format = None
+    output = req.output_config.format if req.output_config is not None else None
+    if output is not None:
+        if output.type != "json_schema" or output.schema is None:
+            raise RequestError(400, "output_config.format must be {type: json_schema, schema: {...}}",
+                               "output_config.format")  # fmt: skip
+        response_format = ResponseFormat("json_schema", {"name": "output", "schema": output.schema})
     parallel = None
     if choice is not None and choice.disable_parallel_tool_use is not None:
         parallel = not choice.disable_parallel_tool_use
@@ -231,6 +280,7 @@ def chat_request(req: CountRequest) -> ChatRequest:
         tools=_tools(req),
         tool_choice=_tool_choice(choice),
         parallel_tool_calls=parallel,
+        response_format=response_format,
         **(
             {}
             if full is None
@@ -254,3 +304,16 @@ def error_body(status: int, message: str, param: str = "") -> bytes:
     param = PARAMS.get(param, param)
     text = f"{param}: {message}" if param else message
     return msgspec.json.encode({"type": "error", "error": {"type": kind, "message": text}})
+
+
+def thinking_on(req: CountRequest) -> bool:
+    return req.thinking is not None and req.thinking.type != "disabled"
+
+
+def split_reasoning(content: str | None) -> tuple[str | None, str | None]:
+    """(reasoning, the rest) of a reply that opens with the reasoning channel, else (None, content); the
+    inverse of how an assistant message's thinking block is written back (`_assistant`)."""
+    if not content or not content.startswith(REASONING_OPEN) or REASONING_CLOSE not in content:
+        return None, content
+    end = content.index(REASONING_CLOSE)
+    return content[len(REASONING_OPEN) : end], content[end + len(REASONING_CLOSE) :]

@@ -7,8 +7,9 @@ Routes (aiohttp):
   `X-Session-Id` header, or else in the `user` field. Every parameter is honoured or refused with a 400
   naming it (agentrl/generators/openai_params.py owns the rule; docs/agents.md has the table): n (choice i > 0
   continues in session `{sid}.n{i}`, named in the choice's `session_id`), tools / tool_choice, stream +
-  stream_options, logprobs + top_logprobs, stop (one-token strings), seed, max_(completion_)tokens;
-  temperature / top_p other than the run's are refused or recorded (`sampling_policy`).
+  stream_options, logprobs + top_logprobs, stop strings, seed, max_(completion_)tokens (capped to the context
+  left), parallel_tool_calls, response_format (a JSON schema where the engine serves structured output);
+  temperature / top_p other than the run's are refused, recorded or overridden (`sampling_policy`).
   Reply shaped like OpenAI's (agentrl/generators/openai_response.py): choices[i].message.content / tool_calls,
   finish_reason (`stop`, `length`, `tool_calls`), usage, optional logprobs; or SSE chunks ending `[DONE]`.
 - `POST /v1/sessions/{sid}/reward` `{reward, group_id?, turn_rewards?, metadata?}` closes the session into
@@ -244,7 +245,8 @@ class OpenAIProxy(ProxySessions, FrontDoor):
         return self._json(self._model_card())
 
     async def _openapi(self, request: web.Request) -> web.Response:
-        spec = openapi_spec(sampling=self.sampling, policy=self.sampling_policy, max_seq_len=self.max_seq_len)
+        structured = all(getattr(engine, "structured_output", False) for engine in self.engines)
+        spec = openapi_spec(sampling=self.sampling, policy=self.sampling_policy, structured_output=structured)
         return self._json(spec)
 
     async def _health(self, request: web.Request) -> web.Response:

@@ -28,11 +28,14 @@ class Choice:
     finish_reason: str
     prompt_tokens: int
     reply_ids: list[int]  # the engine's tokens of this reply (what the trajectory records)
-    text_ids: list[int]  # the part of them the reply's text shows (a user stop string is left out)
+    text_ids: list[
+        int
+    ]  # the tokens the reply's text shows, the last one in part when a stop string begins in it
     prefill: str = ""  # text given before the reply (tool_choice required / named)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per reply token, when asked
     policy_version: int = 0  # of the reply's last token
+    stop_sequence: str | None = None  # the request's stop string that ended the reply (left out of the text)
 
 
 def fingerprint(choices: list[Choice]) -> str:
@@ -86,8 +89,9 @@ def _text_pieces(decode: Any, choice: Choice) -> list[str]:
     if choice.tool_calls:
         return [choice.content] if choice.content else []
     pieces, shown = [choice.prefill] if choice.prefill else [], ""
+    limit = len(choice.content or "") - len(choice.prefill)  # a stop string cuts the last token's text
     for k in range(1, len(choice.text_ids) + 1):
-        text = decode(choice.text_ids[:k])
+        text = decode(choice.text_ids[:k])[:limit]
         if text.startswith(shown) and not text.endswith("\ufffd") and len(text) > len(shown):
             pieces.append(text[len(shown) :])
             shown = text

@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--temperature", type=float, default=1.0, help="the sampling the trajectories are trained as"
     )
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--proxy-sampling", choices=["refuse", "record", "override"], default="refuse",
+                        help="a request's temperature/top_p other than the run's: refused (400), sampled with "
+                        "and recorded (record), or replaced by the run's and recorded as asked (override)")  # fmt: skip
     parser.add_argument(
         "--tool-parser", default="", help="hermes or qwen3_coder ('' picks by the chat template)"
     )
@@ -170,6 +173,7 @@ async def _serve(args: argparse.Namespace) -> None:
         health = await engine.health()
         if not health["ok"]:
             raise ConfigError(f"--engine {engine.url}: not answering ({health['error']})")
+        await engine.text_options()  # stop strings and structured output, as /openapi.json says
     client = None
     if args.sink.startswith(("http://", "https://")):
         sink, client = _queue_sink(args.sink.rstrip("/"), args.sink_token or "")
@@ -180,7 +184,7 @@ async def _serve(args: argparse.Namespace) -> None:
                               max_new_tokens=args.max_new_tokens, stop_token_ids=stop)  # fmt: skip
     proxy = OpenAIProxy(engines, tokenizer, sink, sampling=sampling, max_seq_len=args.max_seq_len,
                         model_name=args.model_name, env_name=args.env_name, session_timeout_s=args.session_timeout_s,
-                        token=args.token, tool_parser=args.tool_parser,
+                        token=args.token, tool_parser=args.tool_parser, sampling_policy=args.proxy_sampling,
                         keep_side_requests=args.keep_side_requests)  # fmt: skip
     url = await proxy.start(args.host, args.port)
     print(f"agentrl serve-proxy: serving {url}", flush=True)

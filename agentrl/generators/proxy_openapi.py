@@ -2,8 +2,8 @@
 
 Request bodies are generated from the request Structs (agentrl/generators/openai_schema.py) and completed with the
 value rules of agentrl/generators/openai_params.py (read from it, not restated) and the serving proxy's state: the
-run's temperature / top_p when per-request sampling is refused, `max_seq_len`. Rules that depend on the
-tokenizer (a stop string must be one token, the prompt must fit in `max_seq_len` tokens) or cross fields
+run's temperature / top_p when per-request sampling is refused, whether its engines serve structured output.
+Rules that depend on the tokenizer (the prompt must fit in `max_seq_len` tokens) or cross fields
 beyond JSON Schema (a named tool_choice among the tools) are stated in descriptions; the server answers
 them with a 400 naming the parameter. Every error is OpenAI's `{"error": {message, type, param, code}}`.
 """
@@ -34,14 +34,19 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
     return {"anyOf": [schema, {"type": "null"}], "default": None}
 
 
-def _chat_request(props: dict[str, Any], sampling: Any, policy: str, max_seq_len: int) -> None:
+POLICY_TEXT = {"record": "sampled with and recorded per turn",
+               "override": "recorded per turn; the reply is sampled with the run's setting"}  # fmt: skip
+
+
+def _chat_request(props: dict[str, Any], sampling: Any, policy: str) -> None:
     for name, low in (("temperature", {"minimum": 0}), ("top_p", {"exclusiveMinimum": 0, "maximum": 1})):
         run = getattr(sampling, name)
         rule = {"const": run} if policy == "refuse" else {"type": "number", **low}
         props[name] = {**_nullable(rule), "description": f"refused unless {run:g} (the run's)"
-                       if policy == "refuse" else "sampled with and recorded per turn"}  # fmt: skip
+                       if policy == "refuse" else POLICY_TEXT[policy]}  # fmt: skip
     for name in ("max_tokens", "max_completion_tokens"):
-        props[name] = _nullable({"type": "integer", "minimum": 1, "maximum": max_seq_len})
+        props[name] = {**_nullable({"type": "integer", "minimum": 1}),
+                       "description": "capped to the context left (recorded in the trajectory's metadata)"}  # fmt: skip
     props["n"] = {"type": "integer", "minimum": 1, "maximum": MAX_N, "default": 1}
     props["top_logprobs"] = {**_nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}),
                              "description": "needs logprobs: true"}  # fmt: skip
@@ -51,20 +56,22 @@ def _chat_request(props: dict[str, Any], sampling: Any, policy: str, max_seq_len
         **_nullable({"type": "object", "maxProperties": 0}),
         "description": "not supported",
     }
-    props["parallel_tool_calls"] = {**_nullable({"const": True}), "description": "false is not supported"}
+    props["parallel_tool_calls"]["description"] = "false: at most one call, the reply ends where it closes"
     props["messages"]["minItems"] = 1
-    props["stop"]["description"] = "strings that are one token each"
+    props["stop"] = {**_nullable({"anyOf": [{"type": "string", "minLength": 1},
+                                            {"type": "array", "items": {"type": "string", "minLength": 1}}]}),
+                     "description": "stop strings: the text ends before the first, the record keeps its tokens"}  # fmt: skip
     props["tool_choice"]["anyOf"][0] = {"enum": ["auto", "none", "required"]}
     props["tool_choice"]["description"] = "needs tools (unless 'none'); a named function must be one of them"
 
 
-def _components(sampling: Any, policy: str, max_seq_len: int) -> dict[str, Any]:
+def _components(sampling: Any, policy: str, structured_output: bool) -> dict[str, Any]:
     """The request Structs' schemas, completed with the value rules (module docstring), and the error body."""
     _, components = msgspec.json.schema_components(
         [ChatRequest, RewardRequest], ref_template="#/components/schemas/{name}"
     )
     chat = components["ChatRequest"]
-    _chat_request(chat["properties"], sampling, policy, max_seq_len)
+    _chat_request(chat["properties"], sampling, policy)
     chat["dependentSchemas"] = {
         "top_logprobs": {"anyOf": [{"properties": {"top_logprobs": {"type": "null"}}},
                                    {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}]},
@@ -72,7 +79,16 @@ def _components(sampling: Any, policy: str, max_seq_len: int) -> dict[str, Any]:
                                   {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}]},
     }  # fmt: skip
     components["ChatMessage"]["properties"]["role"] = {"enum": list(ROLES)}
-    components["ResponseFormat"]["properties"]["type"] = {"enum": list(RESPONSE_FORMATS)}
+    formats = components["ResponseFormat"]
+    if structured_output:  # the engines take a JSON schema (SGLang's structured output)
+        formats["properties"]["type"] = {"enum": list(RESPONSE_FORMATS)}
+        formats["properties"]["json_schema"] = {**_nullable({"type": "object", "required": ["schema"],
+            "properties": {"schema": {"type": "object"}}}), "description": "needed by type json_schema"}  # fmt: skip
+    else:
+        formats["properties"]["type"] = {
+            "const": "text",
+            "description": "the engine has no structured output",
+        }
     components["Error"] = {
         "type": "object",
         "required": ["error"],
@@ -134,12 +150,12 @@ def _paths() -> dict[str, Any]:
     }  # fmt: skip
 
 
-def openapi_spec(*, sampling: Any, policy: str, max_seq_len: int) -> dict[str, Any]:
+def openapi_spec(*, sampling: Any, policy: str, structured_output: bool) -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {"title": "agentrl OpenAI proxy", "version": __version__},
         "components": {
-            "schemas": _components(sampling, policy, max_seq_len),
+            "schemas": _components(sampling, policy, structured_output),
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
         "security": [{"bearer": []}],

@@ -28,6 +28,10 @@ Invariants:
 - A failed turn leaves its session as it was (a fresh segment is dropped, delta tokens are rolled back), and
   no segment reaches `max_seq_len` tokens. Bad input raises `RequestError`, a 4xx whose `param` names the
   field; the HTTP layer renders it as an OpenAI-shaped error.
+- A reply ends at the first stop string in its text (the request's `stop`, or the call closing under
+  `parallel_tool_calls: false`): tokens sampled after the one that completes it are dropped from the record
+  (an engine that does not stop there ran on). A `max_tokens` past the context left is capped to it and the
+  cap recorded (`metadata.max_tokens_capped`).
 """
 
 from __future__ import annotations
@@ -41,12 +45,18 @@ from typing import Any
 
 import msgspec
 
-from agentrl.engines.base import Engine, GenerateOutput, SamplingParams
-from agentrl.errors import AgentRLError
+from agentrl.engines.base import Engine, GenerateOutput, InvalidRequest, SamplingParams
+from agentrl.engines.stops import find_stop
+from agentrl.errors import AgentRLError, EnvError
 from agentrl.generator import RolloutContext
 from agentrl.generators.chat import chat_tokens
 from agentrl.generators.multi_turn import TokenLog, generate_turn
-from agentrl.generators.openai_params import SAMPLING_POLICIES, RequestError, turn_sampling
+from agentrl.generators.openai_params import (
+    SAMPLING_POLICIES,
+    RequestError,
+    requested_sampling,
+    turn_sampling,
+)
 from agentrl.generators.openai_response import Choice
 from agentrl.generators.openai_schema import (
     ChatMessage,
@@ -59,7 +69,7 @@ from agentrl.generators.openai_schema import (
 from agentrl.generators.proxy_segments import Boundary, continuation, renders_same, side_requests
 from agentrl.generators.proxy_segments import fork as fork_segment
 from agentrl.generators.proxy_segments import template_exact as renders_exactly
-from agentrl.generators.proxy_tools import ToolPlan, tool_plan
+from agentrl.generators.proxy_tools import ToolPlan, one_call_sampling, tool_plan
 from agentrl.generators.tool_parsers import parser_for
 from agentrl.types import Trajectory
 
@@ -80,6 +90,8 @@ class Segment:
     turns: list[dict[str, Any]] = field(default_factory=list)
     boundaries: list[Boundary] = field(default_factory=list)
     turn_order: list[int] = field(default_factory=list)
+    requested_sampling: list[dict[str, float]] = field(default_factory=list)  # per turn ("override" policy)
+    max_tokens_capped: list[dict[str, int]] = field(default_factory=list)  # turns asking past the context
 
 
 @dataclass
@@ -209,14 +221,19 @@ class ProxySessions:
         plan = self.tool_plan(req)
         keys = [turn_key(m) for m in req.messages]
         turns = [template_message(m) for m in req.messages]
+        asked = requested_sampling(req, base) if self.sampling_policy == "override" else None
         session = self._session(sid)
-        async with session.lock:
-            if req.n == 1:
-                return [await self._turn(session, keys, turns, plan, sampling, 0)]
-            return await self._turn_n(session, keys, turns, plan, sampling, req.n)
+        try:
+            async with session.lock:
+                if req.n == 1:
+                    return [await self._turn(session, keys, turns, plan, sampling, 0, asked)]
+                return await self._turn_n(session, keys, turns, plan, sampling, req.n, asked)
+        except EnvError as exc:  # the chat template cannot render the conversation (nothing was recorded)
+            raise RequestError(400, str(exc), "messages") from None
 
     async def _turn_n(self, session: Session, keys: list[tuple], turns: list[dict[str, Any]], plan: ToolPlan,
-                      sampling: SamplingParams, n: int) -> list[Choice]:  # fmt: skip
+                      sampling: SamplingParams, n: int, asked: dict[str, float] | None = None
+                      ) -> list[Choice]:  # fmt: skip
         """n choices on forks of `session` (module docstring, `n > 1`); all or nothing."""
         forks = [self._fork(session, session.id if i == 0 else f"{session.id}.n{i}") for i in range(n)]
         taken = [f.id for f in forks[1:] if f.id in self.sessions]
@@ -227,7 +244,7 @@ class ProxySessions:
             for i in range(n)
         ]  # one seed for all would give n equal samples
         results = await asyncio.gather(
-            *[self._turn(f, keys, turns, plan, seeded[i], i) for i, f in enumerate(forks)],
+            *[self._turn(f, keys, turns, plan, seeded[i], i, asked) for i, f in enumerate(forks)],
             return_exceptions=True,
         )
         failed = next((r for r in results if isinstance(r, BaseException)), None)
@@ -250,10 +267,12 @@ class ProxySessions:
         plan: ToolPlan,
         sampling: SamplingParams,
         index: int,
+        asked: dict[str, float] | None = None,
     ) -> Choice:
         seg, mark = self._segment_for(session, keys, turns, plan)
         engine = self.engines[session.engine_index]
         recorder = _TopRecorder(engine)
+        sampling = one_call_sampling(sampling, plan, self.chat)
         self.in_flight[session.engine_index] += 1
         try:
             out, reply, start = await self._generate(session, seg, plan, sampling, recorder)
@@ -264,12 +283,22 @@ class ProxySessions:
                 seg.log.rollback(mark)
             if isinstance(exc, RequestError):
                 raise
+            if isinstance(exc, InvalidRequest):  # an option this engine cannot serve (json_schema, ...)
+                raise RequestError(400, f"the engine refused the request: {exc}", _param(exc.field)) from exc
             raise RequestError(502, f"engine error: {exc}") from exc
         finally:
             self.in_flight[session.engine_index] -= 1
-        user_stop = out.finish_reason == "stop" and reply and reply[-1] not in self.chat.stop_ids
-        text_ids = reply[:-1] if user_stop else reply  # OpenAI omits the stop sequence
-        content, calls = self._parse_reply(seg, plan, plan.prefill + self.chat.decode(text_ids))
+        given = self.max_seq_len - len(seg.log.prompt_ids) - start  # the context left for the reply
+        if sampling.max_new_tokens > given:
+            seg.max_tokens_capped.append({"turn": len(seg.finish_reasons), "asked": sampling.max_new_tokens,
+                                          "given": given})  # fmt: skip
+        stopped, reply, text, stop_sequence = self._end_at_stop(
+            seg, reply, start, recorder, sampling.stop, plan
+        )
+        if stopped:
+            out = msgspec.structs.replace(out, finish_reason="stop")
+        text_ids = reply
+        content, calls = self._parse_reply(seg, plan, plan.prefill + text)
         finish = "tool_calls" if calls else "length" if out.finish_reason == "length" else "stop"
         sent = ChatMessage(
             "assistant", content, [ToolCall(FunctionCall(**c["function"])) for c in calls] or None
@@ -285,11 +314,14 @@ class ProxySessions:
         )
         if self.sampling_policy == "record":
             seg.turn_sampling.append({"temperature": sampling.temperature, "top_p": sampling.top_p})
+        if asked is not None:
+            seg.requested_sampling.append(asked)
         return Choice(index=index, session_id=session.id, content=content, tool_calls=calls,
                       finish_reason=finish, prompt_tokens=len(seg.log) - len(reply), reply_ids=reply,
                       text_ids=text_ids, prefill=plan.prefill, logprobs=seg.log.logprobs[start:],
                       top_logprobs=recorder.top[-len(reply):] if sampling.top_logprobs and reply else [],
-                      policy_version=seg.log.versions[-1] if seg.log.versions else engine.policy_version)  # fmt: skip
+                      policy_version=seg.log.versions[-1] if seg.log.versions else engine.policy_version,
+                      stop_sequence=stop_sequence)  # fmt: skip
 
     async def _generate(self, session: Session, seg: Segment, plan: ToolPlan, sampling: SamplingParams,
                         recorder: _TopRecorder) -> tuple[GenerateOutput, list[int], int]:  # fmt: skip
@@ -313,6 +345,24 @@ class ProxySessions:
             raise RequestError(503, "the engine aborted the request (weight update); retry")
         return out, reply, start
 
+    def _end_at_stop(self, seg: Segment, reply: list[int], start: int, recorder: _TopRecorder, stops: list[str],
+                     plan: ToolPlan) -> tuple[bool, list[int], str, str | None]:  # fmt: skip
+        """The reply ended at its first stop string (agentrl/engines/stops.py): tokens after the one completing
+        it are dropped from the record; the text ends before it (OpenAI omits the stop sequence), or after it
+        for the call closing of `parallel_tool_calls: false`. Returns whether a stop ended it, the reply, its
+        text and the request's stop string that ended it."""
+        text = self.chat.decode(reply)
+        hit = find_stop(self.chat.decode, reply, stops)
+        if hit is None:
+            return False, reply, text, None
+        seg.log.rollback(start + hit.n_tokens)
+        del recorder.top[len(recorder.top) - len(reply) + hit.n_tokens :]
+        reply = reply[: hit.n_tokens]
+        text = self.chat.decode(reply)
+        if plan.one_call and plan.parser is not None and hit.stop == plan.parser.call_end:
+            return True, reply, text[: hit.text_end + len(hit.stop)], None
+        return True, reply, text[: hit.text_end], hit.stop
+
     def _parse_reply(
         self, seg: Segment, plan: ToolPlan, text: str
     ) -> tuple[str | None, list[dict[str, Any]]]:
@@ -324,7 +374,7 @@ class ProxySessions:
             self.metrics["tool_call_parse_errors"] += 1
             seg.tool_call_errors += 1
             return text, []
-        return parsed.content, parsed.tool_calls
+        return parsed.content, parsed.tool_calls[:1] if plan.one_call else parsed.tool_calls
 
     def _existing(self, sid: str) -> Session:
         session = self.sessions.get(sid)
@@ -384,6 +434,10 @@ class ProxySessions:
                 }
                 if self.sampling_policy == "record":
                     meta["turn_sampling"] = seg.turn_sampling
+                if self.sampling_policy == "override":
+                    meta["requested_sampling"] = seg.requested_sampling
+                if seg.max_tokens_capped:
+                    meta["max_tokens_capped"] = seg.max_tokens_capped
                 name = f"{base}.side{k}" if is_side else base if k == 0 else f"{base}.{k}"
                 out.append(
                     seg.log.trajectory(
@@ -420,6 +474,13 @@ class _TopRecorder:
                 raise AgentRLError("the engine did not return top_logprobs for every token")
             self.top += out.top_logprobs
         return out
+
+
+def _param(engine_field: str) -> str:
+    """The request parameter behind an engine's refused field."""
+    if "json_schema" in engine_field:
+        return "response_format"
+    return "stop" if engine_field.endswith("stop") else ""
 
 
 def _no_env() -> Any:

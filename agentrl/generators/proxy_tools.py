@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from agentrl.engines.base import SamplingParams
 from agentrl.generators.openai_params import RequestError
 from agentrl.generators.openai_schema import ChatRequest, tool_dicts
 from agentrl.generators.tool_parsers import ToolParser
@@ -21,6 +22,7 @@ class ToolPlan:
     key: str = ""
     parser: ToolParser | None = None  # None: the reply is text
     prefill: str = ""  # opens a call after the generation prompt (tool_choice required / named)
+    one_call: bool = False  # parallel_tool_calls=false: the reply ends where its first call closes
 
 
 def tool_plan(req: ChatRequest, chat: Any, parser: ToolParser) -> ToolPlan:
@@ -36,7 +38,9 @@ def tool_plan(req: ChatRequest, chat: Any, parser: ToolParser) -> ToolPlan:
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) < len(names):
         raise RequestError(400, "tool function names must be unique", "tools")
-    plan = ToolPlan(tools, msgspec.json.encode(tools).decode(), parser)
+    plan = ToolPlan(
+        tools, msgspec.json.encode(tools).decode(), parser, one_call=req.parallel_tool_calls is False
+    )
     if choice is None or choice == "auto":
         return plan
     if choice == "none":
@@ -52,3 +56,15 @@ def tool_plan(req: ChatRequest, chat: Any, parser: ToolParser) -> ToolPlan:
     else:
         plan.prefill = parser.prefill(choice.function.name)
     return plan
+
+
+def one_call_sampling(sampling: SamplingParams, plan: ToolPlan, chat: Any) -> SamplingParams:
+    """`parallel_tool_calls: false`: the parser's call closing is a stop string of the turn (and a stop token
+    where it is one token), so the reply ends with its first call."""
+    if not plan.one_call or plan.parser is None:
+        return sampling
+    ids = chat.encode(plan.parser.call_end)
+    stop_ids = sorted({*sampling.stop_token_ids, *ids}) if len(ids) == 1 else sampling.stop_token_ids
+    return msgspec.structs.replace(
+        sampling, stop=[*sampling.stop, plan.parser.call_end], stop_token_ids=stop_ids
+    )

@@ -51,6 +51,7 @@ def _schemas(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
 
 class ToolParser:
     name = ""
+    call_end = "</tool_call>"  # closes one call: parallel_tool_calls=false stops the reply there
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None) -> Parsed:
         start = text.find("<tool_call>")

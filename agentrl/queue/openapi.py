@@ -119,30 +119,49 @@ def _trajectory(base: dict[str, Any], *, packed: bool, vocab_size: int | None, p
     for name in ("loss_mask", "logprobs"):
         props[name]["description"] = "one value per response_ids token"
         props[name]["x-same-length-as"] = "response_ids"
-    props["logprobs"]["description"] += (
-        f" (log-probabilities: <= 0, up to {LOGPROB_MAX:g} of float rounding, >= {LOGPROB_MIN:g})"
-    )
-    versions = props["versions"]["anyOf"][0]
-    versions["items"]["prefixItems"][0]["maximum"] = policy_version
-    props["versions"].update(description="runs [policy_version, n_tokens] covering every response token",
-                             **{"x-counts-sum-to-length-of": "response_ids"})  # fmt: skip
+    logprob = f"log-probabilities: <= 0, up to {LOGPROB_MAX:g} of float rounding, >= {LOGPROB_MIN:g}"
+    props["logprobs"]["description"] += f" ({logprob})"
+    # JSON is described with per-token `response` rows [token_id, loss_mask, logprob] (agentrl/queue/rows.py),
+    # where neither per-token rule can be broken, or `response_ids` alone (every token trained, no logprobs);
+    # the separate lists, which JSON bodies may still send, are described by the msgpack form
+    if not packed:
+        ids = props["response_ids"]["anyOf"][0] if "anyOf" in props["response_ids"] else props["response_ids"]
+        row = {"type": "array", "minItems": 3, "maxItems": 3, "prefixItems": [
+            ids["items"], {"type": "integer", "minimum": 0, "maximum": 1},
+            {"type": "number", "minimum": LOGPROB_MIN, "maximum": LOGPROB_MAX}]}  # fmt: skip
+        props["response"] = {"type": "array", "minItems": 1, "items": row, "description": "one row per "
+                             f"response token: [token_id, loss_mask (0 / 1), logprob ({logprob})]"}  # fmt: skip
+        for name in ("loss_mask", "logprobs", "versions"):
+            del props[name]
+    if packed:
+        versions = props["versions"]["anyOf"][0]
+        versions["items"]["prefixItems"][0]["maximum"] = policy_version
+        props["versions"].update(description="runs [policy_version, n_tokens] covering every response token",
+                                 **{"x-counts-sum-to-length-of": "response_ids"})  # fmt: skip
     props["metadata"]["additionalProperties"] = _ref("JSONValue")
     if packed:
         props["routed_experts"]["anyOf"][0] = _ref("RoutedExpertsMsgpack")
-    props["routed_experts"].update(description=_ROUTED, **{"x-rows-cover": ["prompt_ids", "response_ids"]})
+    covered = ["prompt_ids", "response_ids"] if packed else ["prompt_ids", "response_ids", "response"]
+    props["routed_experts"].update(description=_ROUTED, **{"x-rows-cover": covered})
     props["policy_version"]["anyOf"][0]["maximum"] = policy_version
     props["policy_version"]["description"] = "at most the queue's current version; left out: stamped with it"
     for name in ("prompt_ids", "response_ids"):
         props[name].pop("default", None)
-    both = {"required": ["policy_version", "versions"],
-            "properties": {"policy_version": {"type": "integer"}, "versions": {"type": "array"}}}  # fmt: skip
-    schema["not"] = both  # give either policy_version or versions
+    if packed:
+        both = {"required": ["policy_version", "versions"],
+                "properties": {"policy_version": {"type": "integer"}, "versions": {"type": "array"}}}  # fmt: skip
+        schema["not"] = both  # give either policy_version or versions
+    responses = ("response_ids",) if packed else ("response_ids", "response")
+    # the token form: the response as ids (JSON: or as rows, not both)
+    token = [{"required": [name], "not": {"anyOf": [{"required": [other]} for other in responses if other != name]}}
+             if len(responses) > 1 else {"required": [name]} for name in responses]  # fmt: skip
     if not chat:
         props["messages"] = {
             "type": "null",
             "description": "chat form needs the server's tokenizer (--model)",
         }
-        schema["required"] = ["id", "response_ids"]
+        schema["required"] = ["id"]
+        schema["oneOf"] = token
         return schema
     first = {"properties": {"role": {"enum": [r for r in ROLES if r != "assistant"]}}}
     reply = {"properties": {"role": {"const": "assistant"}}}
@@ -150,12 +169,16 @@ def _trajectory(base: dict[str, Any], *, packed: bool, vocab_size: int | None, p
         "required": ["messages"],
         "properties": {
             "messages": {"type": "array", "minItems": 2, "prefixItems": [first], "contains": reply},
-            **{name: {"type": "null"} for name in ("loss_mask", "logprobs", "versions", "routed_experts")},
+            **{
+                name: {"type": "null"}
+                for name in ("loss_mask", "logprobs", "versions", "routed_experts")
+                if name in props
+            },
         },
-        "not": {"anyOf": [{"required": ["prompt_ids"]}, {"required": ["response_ids"]}]},
+        "not": {"anyOf": [{"required": [name]} for name in ("prompt_ids", *responses)]},
     }
-    token_form = {"required": ["response_ids"], "properties": {"messages": {"type": "null"}}}
-    schema["oneOf"] = [token_form, chat_form]
+    no_messages = {"properties": {"messages": {"type": "null"}}}
+    schema["oneOf"] = [*({**form, **no_messages} for form in token), chat_form]
     return schema
 
 

@@ -26,6 +26,7 @@ from agentrl.queue.chat import NO_TOKENIZER, ChatTokenizer
 from agentrl.queue.core import ReplayQueue
 from agentrl.queue.metrics import prometheus_text
 from agentrl.queue.openapi import openapi_spec
+from agentrl.queue.rows import unzip
 from agentrl.types import decode_trajectories, where
 
 log = logging.getLogger(__name__)
@@ -203,6 +204,8 @@ class QueueServer:
 
     async def _submit(self, body: memoryview | bytes, ctype: str) -> web.Response:
         try:
+            if ctype in JSON_TYPES:
+                body = unzip(body)  # `response` rows -> the lists every other path reads (rows.py)
             trajectories = decode_trajectories(body, ctype, strict=True)
             # the WAL stores the body as received (no re-encoding); chat form is logged tokenized
             raw: tuple[str, Any] | None = (ctype, body)
