@@ -40,6 +40,7 @@ from agentrl.generators.openai_schema import (
     ContentPart,
     FunctionCall,
     FunctionDef,
+    MaxTokens,
     NamedFunction,
     NamedToolChoice,
     ResponseFormat,
@@ -132,7 +133,7 @@ class CountRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class MessagesRequest(CountRequest, forbid_unknown_fields=True, kw_only=True):
-    max_tokens: int  # required, as in the Anthropic API
+    max_tokens: MaxTokens  # required, as in the Anthropic API
     stop_sequences: list[str] | None = None
     stream: bool = False
     # in the API though not in every SDK's signature (`extra_body`); judged by the shared sampling check

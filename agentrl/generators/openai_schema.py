@@ -13,6 +13,10 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+# a reply's token budget: capped to the context left when larger (openai_params); past a signed 64-bit integer
+# it is no number a client means, and is refused by name
+MaxTokens = Annotated[int, msgspec.Meta(le=2**63 - 1)]
+
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True):
     pass
@@ -81,8 +85,8 @@ class ChatRequest(_Strict, kw_only=True):
     model: str = ""
     temperature: float | None = None
     top_p: float | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     stop: str | list[str] | None = None
     n: int = 1
     logprobs: bool = False

@@ -46,6 +46,7 @@ from agentrl.generators.openai_schema import (
     ChatRequest,
     FunctionCall,
     FunctionDef,
+    MaxTokens,
     NamedFunction,
     NamedToolChoice,
     ResponseFormat,
@@ -75,7 +76,7 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: MaxTokens | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_logprobs: int | None = None

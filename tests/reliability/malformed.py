@@ -176,14 +176,15 @@ def proxy_bodies(rng: random.Random, n_per_category: int) -> Iterator[tuple[str,
         field, value = rng.choice([("messages", "hi"), ("messages", [{"role": 3}]), ("messages", []),
                                    ("messages", [{"role": "wizard", "content": "x"}]), ("max_tokens", "ten"),
                                    ("max_tokens", 0), ("temperature", "hot"), ("n", 0), ("stream", "yes"),
-                                   ("stop", ["not one token at all"]), ("top_p", -1), ("seed", 1.5)])  # fmt: skip
+                                   ("stop", [3]), ("top_p", -1), ("seed", 1.5)])  # fmt: skip
         yield "wrong-types", JS, _json({**good, field: value})
         yield (
             "huge-length",
             JS,
             _json({**good, "messages": [{"role": "user", "content": "7" * rng.randint(5000, 20000)}]}),
         )
-        yield "huge-length", JS, _json({**good, "max_tokens": 2 ** rng.randint(40, 70)})
+        # past a signed 64-bit integer (a smaller budget than the context left is capped, not refused)
+        yield "huge-length", JS, _json({**good, "max_tokens": 2 ** rng.randint(64, 70)})
         nan = rng.choice(["NaN", "Infinity", "-Infinity"])
         yield (
             "nan-inf",
