@@ -90,12 +90,13 @@ def build_model(arch: str, root: Path) -> Path:
 
     spec = dict(ARCHS[arch])
     cls = getattr(transformers, spec.pop("cls"))
+    special = spec["vocab_size"] - 1  # Qwen's ids where the vocabulary holds them (GLM's is smaller)
     if cls.__name__ == "Qwen3MoeConfig":  # transformers 5 names the expert count num_local_experts
         spec["num_local_experts"] = spec["num_experts"]
     config = cls(**spec, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
                  rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0,
                                   "partial_rotary_factor": spec.get("partial_rotary_factor", 1.0)},
-                 eos_token_id=151645, pad_token_id=151643, bos_token_id=None)  # fmt: skip
+                 eos_token_id=min(151645, special), pad_token_id=min(151643, special), bos_token_id=None)  # fmt: skip
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
