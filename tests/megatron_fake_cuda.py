@@ -336,6 +336,8 @@ def expert_parallel_worker(rank: int, world: int, model_dir: str, port: int, out
     resumed.load(ckpt)
     out["resumed_losses"] = [resumed.train_step(batch)["loss"], ep.train_step(batch)["loss"]]
     out["resumed_weight_diff"] = max_diff(dict(resumed.weights()), dict(ep.weights()))
+    # a warm-up batch of one micro-batch: rank 1 holds none, and still steps in lockstep with rank 0
+    out["sft_one_micro_batch"] = ep.sft_step(make_batch(300, n=1, seed=5))["loss"]
     dp = gpu_path_learner(model_dir, expert_parallel=1, **moe)  # the same 2 ranks, every expert on each
     dp_steps = [dp.train_step(make_batch(300, seed=step)) for step in range(2)]
     out["steps"] = [

@@ -121,6 +121,10 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype, hidden: int, inte
     a recent GPU and dtype); probed once on tiny operands of the real layout."""
     if not hasattr(F, "grouped_mm"):
         return False
+    if device.type == "cuda" and dtype != torch.bfloat16:
+        # only bf16 has a CUDA kernel; other dtypes run a fallback that copies the offsets to the host, which
+        # breaks CUDA-graph capture (seen with a float32 engine on an H200)
+        return False
     try:
         rows = torch.zeros(3, hidden, device=device, dtype=dtype)
         weight = torch.zeros(2, 2 * intermediate, hidden, device=device, dtype=dtype)

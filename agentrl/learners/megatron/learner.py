@@ -408,7 +408,8 @@ class MegatronLearner(Learner):
                 losses.append(loss.detach())
             self._lockstep(batch, len(mbs), router_losses=False)
             norm = update.grad_norm(self)
-            total = float(torch.stack(losses).sum())
+            # a data-parallel rank may hold no micro-batch of a small batch (the warm-up's): it adds nothing
+            total = float(torch.stack(losses).sum()) if losses else 0.0
         else:
             losses = pipeline.broadcast_from_last(pipeline.run(self, mbs, payload, forward_only=False))
             norm, total = update.grad_norm(self), sum(losses)
