@@ -77,7 +77,12 @@ class RolloutSection(_Section):
         bool, doc("drop groups whose rewards agree (agentrl.rewards.dynamic_sampling)")
     ] = False
     max_oversample: Annotated[
-        float, doc("with dynamic_sampling: request at most this many times the prompts needed", ge=1)
+        float,
+        doc(
+            "with dynamic_sampling: at most this many times prompts_per_step tasks may finish between two learner "
+            "steps without a batch's worth of informative groups; past it the run stops, naming this field",
+            ge=1,
+        ),
     ] = 4.0
     agent: Annotated[
         str,

@@ -7,18 +7,14 @@ from hypothesis import strategies as st
 
 from agentrl.errors import ConfigError
 from agentrl.rewards import (
-    GroupFilter,
-    OverSampler,
     exact_match,
     extract_answer,
     extract_boxed,
-    filter_groups,
     is_informative,
     load_reward,
     math_reward,
     normalize_answer,
 )
-from agentrl.types import Trajectory
 
 
 def test_exact_match():
@@ -121,41 +117,7 @@ def length_reward(response, task):
 NOT_CALLABLE = 3
 
 
-def traj(tid: str, gid: str, reward: float) -> Trajectory:
-    return Trajectory(id=tid, group_id=gid, reward=reward)
-
-
-def test_filter_groups_drops_zero_variance():
-    batch = [
-        traj("a0", "a", 1.0),
-        traj("b0", "b", 0.0),
-        traj("a1", "a", 1.0),
-        traj("b1", "b", 1.0),
-        traj("c0", "c", 0.3),
-    ]
-    kept, dropped = filter_groups(batch)
-    assert [t.id for t in kept] == ["b0", "b1"]
-    assert sorted(dropped) == ["a", "c"]  # c: a group of one has no spread either
-    assert is_informative([0.0, 0.0, 1e-3]) and not is_informative([0.5, 0.5 + 1e-9])
-
-
-def test_group_filter_streaming():
-    f = GroupFilter(group_size=2)
-    assert f.add(traj("a0", "a", 1.0)) == []
-    assert f.add(traj("b0", "b", 0.0)) == []
-    assert [t.id for t in f.add(traj("b1", "b", 1.0))] == ["b0", "b1"]
-    assert f.add(traj("a1", "a", 1.0)) == []
-    assert (f.kept_groups, f.dropped_groups, dict(f.pending)) == (1, 1, {})
-
-
-def test_oversampler_keeps_batches_full():
-    sampler = OverSampler(max_factor=4.0, smoothing=0.0)
-    assert sampler.prompts_to_request(8) == 8
-    sampler.update(kept_groups=4, total_groups=8)
-    assert sampler.prompts_to_request(8) == 16
-    sampler.update(kept_groups=0, total_groups=8)
-    assert sampler.prompts_to_request(8) == 32  # capped at max_factor
-    sampler.update(kept_groups=5, total_groups=0)  # no information: unchanged
-    assert sampler.prompts_to_request(8) == 32
-    with pytest.raises(ValueError):
-        OverSampler(min_factor=0.5)
+def test_a_group_is_informative_when_its_rewards_differ():
+    assert is_informative([0.0, 0.0, 1e-3]) and is_informative([1.0, 0.0])
+    assert not is_informative([0.5, 0.5 + 1e-9]) and not is_informative([1.0, 1.0])
+    assert not is_informative([0.3])  # a group of one has no spread

@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 
 from agentrl.config import load_config
 from agentrl.data import task_source
@@ -213,3 +214,50 @@ def test_a_step_metrics_line_has_the_driver_timings_and_the_rollouts_since_the_l
     assert (line["queue_depth"], line["admission_wait_max_s"], line["staleness_hist"]) == (7, 1.0, {"0": 16})
     assert line["rollout_reward_mean"] == 0.5 and line["reissued"] == 1
     assert math.isnan(step_metrics(dict(train), 6, times, {}, [], counts)["rollout_reward_mean"])
+
+
+class _AgreeingGroups(_Admitting):
+    """Every group's samples get the same reward: dynamic sampling drops them all (`informative` False), as the
+    rollout worker reports it; after `informative_from` groups they start to differ."""
+
+    def __init__(self, cfg, informative_from: int | None = None):
+        super().__init__(cfg)
+        self.finished = 0
+        self.informative_from = informative_from
+
+    async def run_group(self, index, task):
+        await asyncio.sleep(0)
+        self.done(index)
+        self.finished += 1
+        informative = self.informative_from is not None and self.finished > self.informative_from
+        return {"rewards": [1.0, 1.0], "informative": informative}
+
+
+def _dispatch(cfg, groups) -> Dispatcher:
+    env = make_env(cfg.env.name, cfg.env.kwargs)
+
+    async def scenario():
+        dispatcher = Dispatcher(cfg, task_source(env, cfg.data, seed=0))
+        dispatcher.start(groups)
+        for _ in range(400):
+            await asyncio.sleep(0)
+            if dispatcher.failure is not None:
+                break
+        await dispatcher.stop()
+        return dispatcher
+
+    return asyncio.run(scenario())
+
+
+def test_dynamic_sampling_stops_a_run_whose_groups_all_agree_at_max_oversample():
+    cfg = config("/nonexistent", "--rollout.dynamic-sampling", "true", "--rollout.prompts-per-step", "2",
+                 "--rollout.max-oversample", "3")  # fmt: skip
+    groups = _AgreeingGroups(cfg)
+    failure = _dispatch(cfg, groups).failure
+    assert failure is not None and "rollout.max_oversample = 3" in str(failure), failure
+    dropped = re.search(r"dropped (\d+) of the (\d+) tasks", str(failure))
+    assert dropped[1] == dropped[2] and int(dropped[1]) > 3 * 2  # 3 x 2 may finish; the next one stops it
+    # groups that start to differ in time keep the run going; without dynamic sampling nothing is counted
+    assert _dispatch(cfg, _AgreeingGroups(cfg, informative_from=4)).failure is None
+    plain = config("/nonexistent", "--rollout.prompts-per-step", "2", "--rollout.max-oversample", "1")
+    assert _dispatch(plain, _AgreeingGroups(plain)).failure is None

@@ -1,8 +1,8 @@
 """agentrl.rewards: reward functions (exact match, math verifier, custom `module:function`) and the
-dynamic-sampling filter. Imports nothing heavy."""
+dynamic-sampling test (`is_informative`). Imports nothing heavy."""
 
 from agentrl.rewards.custom import BUILTIN_REWARDS, RewardFn, load_reward
-from agentrl.rewards.dynamic_sampling import GroupFilter, OverSampler, filter_groups, is_informative
+from agentrl.rewards.dynamic_sampling import is_informative
 from agentrl.rewards.exact import exact_match
 from agentrl.rewards.math_verify import (
     answers_equal,
@@ -14,14 +14,11 @@ from agentrl.rewards.math_verify import (
 
 __all__ = [
     "BUILTIN_REWARDS",
-    "GroupFilter",
-    "OverSampler",
     "RewardFn",
     "answers_equal",
     "exact_match",
     "extract_answer",
     "extract_boxed",
-    "filter_groups",
     "is_informative",
     "load_reward",
     "math_reward",

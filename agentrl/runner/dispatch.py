@@ -18,6 +18,7 @@ import logging
 from typing import Any
 
 from agentrl.config import Config
+from agentrl.errors import AgentRLError
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,9 @@ class Dispatcher:
         self.reissue: list[tuple[int, dict[str, Any]]] = []  # from a checkpoint: in flight when it was taken
         self.rewards: list[float] = []  # of the groups finished since the last `take_rewards`
         self.groups_done = 0
+        # dynamic sampling, since the learner's last batch (`take_rewards`): tasks finished, and of those the
+        # ones whose every group was dropped (all rewards agreed); rollout.max_oversample caps the first
+        self.finished_since_step = self.dropped_since_step = 0
         self.failure: Exception | None = None
         self.coord: Any = None
         self.task: asyncio.Task | None = None
@@ -61,7 +65,27 @@ class Dispatcher:
 
     def take_rewards(self) -> list[float]:
         rewards, self.rewards = self.rewards, []
+        self.finished_since_step = self.dropped_since_step = 0
         return rewards
+
+    def _count_dropped(self, summary: dict[str, Any]) -> None:
+        """With rollout.dynamic_sampling, stop the run once more than max_oversample x prompts_per_step tasks
+        finished since the learner's last batch without prompts_per_step informative ones among them: a run
+        whose groups all agree (every sample right, or every one wrong) would otherwise sample for ever."""
+        r = self.cfg.rollout
+        if not r.dynamic_sampling:
+            return
+        self.finished_since_step += 1
+        self.dropped_since_step += not summary.get("informative", True)
+        kept = self.finished_since_step - self.dropped_since_step
+        if self.finished_since_step > r.max_oversample * r.prompts_per_step and kept < r.prompts_per_step:
+            raise AgentRLError(
+                f"rollout.dynamic_sampling dropped {self.dropped_since_step} of the {self.finished_since_step} "
+                f"tasks finished since the last learner step (every sample of each got the same reward), more "
+                f"than rollout.max_oversample = {r.max_oversample:g} x rollout.prompts_per_step = "
+                f"{r.prompts_per_step} allows: the task is too easy or too hard for the model; raise "
+                "rollout.max_oversample or turn rollout.dynamic_sampling off"
+            )
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -104,6 +128,7 @@ class Dispatcher:
             summary = await self.coord.run_group(index, task)
             self.rewards.extend(summary["rewards"])
             self.groups_done += 1
+            self._count_dropped(summary)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # surfaced by the supervisor's restart budget
