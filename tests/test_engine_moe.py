@@ -29,6 +29,7 @@ from agentrl.engines.weight_sync import (
 from agentrl.errors import EngineError
 from agentrl.net import free_port
 from agentrl.types.trajectory import routed_expert_ids
+from tests.test_engine_embedded import hf_model, teacher_logprobs
 
 torch.set_num_threads(1)
 ARCHS = ("qwen3_moe", "glm4_moe")
@@ -72,19 +73,6 @@ def dirs(tmp_path_factory):
     tokenizer = train_tokenizer()
     return {(arch, seed): make_moe_model(root / f"{arch}-{seed}", arch, seed, tokenizer)
             for arch in ARCHS for seed in (1, 2)}  # fmt: skip
-
-
-def hf_model(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def teacher_logprobs(model, prompt, output, temperature=1.0):
-    ids = torch.tensor([prompt + output])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
 
 
 def hf_router_choices(model, ids: list[int]) -> np.ndarray:
