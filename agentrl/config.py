@@ -115,9 +115,10 @@ class RunSection(_Section):
     offload: Annotated[
         bool,
         doc(
-            "colocated sync runs on one GPU: the learner's parameters and optimizer state wait in pinned CPU "
-            "memory during rollout (its gradients are dropped), the engines release their weights and KV cache "
-            "during training (docs/architecture.md, colocated hand-off)"
+            "colocated runs at staleness 0 (sync, or async with queue.max_staleness = 0) on one GPU: the "
+            "learner's parameters and optimizer state wait in pinned CPU memory during rollout (its gradients are "
+            "dropped), the engines release their weights and KV cache during training (docs/architecture.md, "
+            "colocated hand-off)"
         ),
     ] = False
     torch_threads: Annotated[int, doc("torch CPU threads per actor", ge=1)] = 1
