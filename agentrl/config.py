@@ -115,9 +115,10 @@ class RunSection(_Section):
     offload: Annotated[
         bool,
         doc(
-            "colocated sync runs on one GPU: the learner's parameters and optimizer state wait in pinned CPU "
-            "memory during rollout (its gradients are dropped), the engines release their weights and KV cache "
-            "during training (docs/architecture.md, colocated hand-off)"
+            "colocated runs at staleness 0 (sync, or async with queue.max_staleness = 0) on one GPU: the "
+            "learner's parameters and optimizer state wait in pinned CPU memory during rollout (its gradients are "
+            "dropped), the engines release their weights and KV cache during training (docs/architecture.md, "
+            "colocated hand-off)"
         ),
     ] = False
     torch_threads: Annotated[int, doc("torch CPU threads per actor", ge=1)] = 1
@@ -151,13 +152,15 @@ class RunSection(_Section):
 
     @staticmethod
     def _check_offload(cfg: Config) -> None:
-        """run.offload hands one GPU between the phases of a sync colocated run (torch learner without FSDP, or
-        the Megatron learner: its one colocated rank)."""
+        """run.offload hands one GPU between the phases of a colocated run whose rollout and training take turns
+        (staleness 0: sync, or async with queue.max_staleness = 0, the same schedule) with the torch learner
+        without FSDP, or the Megatron learner (its one colocated rank)."""
         for ok, need in (
             (cfg.run.placement == "colocated", f"run.placement = 'colocated', got '{cfg.run.placement}'"),
             (
-                cfg.run.mode == "sync",
-                f"run.mode = 'sync' (rollout and training take turns), got '{cfg.run.mode}'",
+                cfg.effective_max_staleness == 0,
+                "run.mode = 'sync' or queue.max_staleness = 0 (rollout and training take turns), got "
+                f"run.mode = '{cfg.run.mode}' with queue.max_staleness = {cfg.queue.max_staleness}",
             ),
             (
                 cfg.learner.kind == "megatron" or not cfg.learner.fsdp,

@@ -257,6 +257,12 @@ def test_config_refuses_what_the_hand_off_cannot_do(overrides, match):
         load_config(None, ["--run.offload", "true", *overrides])
 
 
+def test_async_at_staleness_0_may_offload():
+    """Async with queue.max_staleness = 0 is the sync schedule (rollout and training take turns): allowed."""
+    on = ["--run.offload", "true", "--run.placement", "colocated", "--run.mode", "async"]
+    assert load_config(None, [*on, "--queue.max-staleness", "0"]).run.offload
+
+
 def test_sglang_is_launched_with_the_memory_saver(monkeypatch):
     from agentrl.actors import engine as engine_mod
     from agentrl.engines import sglang_launcher

@@ -2,7 +2,7 @@
 
 Publishing is a direct tensor copy from the learner's parameters into the engines (no serialization).
 Training runs in a worker thread (`asyncio.to_thread`), so the event loop keeps generating while the
-learner steps; torch releases the GIL inside its kernels. With `run.offload` (sync mode) the GPU is handed
+learner steps; torch releases the GIL inside its kernels. With `run.offload` (staleness 0) the GPU is handed
 back and forth between rollout and training (agentrl.actors.handoff): the learner is offloaded before the
 engines start, every train / warm-up first takes the GPU back, every publish gives it to rollout again.
 

@@ -1,4 +1,4 @@
-"""The colocated memory hand-off (`run.offload = true`, `run.placement = "colocated"`, sync mode): one GPU serves
+"""The colocated memory hand-off (`run.offload = true`, `run.placement = "colocated"`, staleness 0): one GPU serves
 rollout and training in turn, each phase holding the memory the other gave back.
 
 Phases and their order (`ColocatedHost` calls `to_training` before every train or warm-up and `publish` for every
@@ -11,7 +11,7 @@ weight version; the first publish comes right after setup):
       their weights' memory, the new version is loaded (from the learner's weights, still on the GPU), the
       learner's weights follow to pinned CPU memory, engines resume their KV cache (and CUDA graphs).
   learner_on_device: loading a checkpoint (a resume, before rollouts start) goes through training and back.
-Checkpoints are written during rollout (sync mode generates the next batch meanwhile) from the learner's CPU
+Checkpoints are written during rollout (at staleness 0 the next batch is generated meanwhile) from the learner's CPU
 copies, without moving anything.
 The learner starts offloaded (before the engines start, so SGLang sizes itself with the learner gone). Each
 phase's peak device memory (all processes: the engines run in their own) is sampled by `PeakMeter` and returned
