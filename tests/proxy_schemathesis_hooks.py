@@ -59,12 +59,6 @@ def _fit(body: dict[str, Any]) -> None:
             body["tool_choice"] = "auto"
 
 
-def _tool_name(tool: Any) -> Any:
-    if not isinstance(tool, dict):
-        return None
-    return tool["function"].get("name") if isinstance(tool.get("function"), dict) else tool.get("name")
-
-
 def _fit_faces(body: dict[str, Any]) -> None:
     """The Responses and Anthropic bodies: short texts, few items, unique tool names, a named tool_choice
     among them, no dangling previous_response_id, no conversation ending with the assistant."""
@@ -94,7 +88,7 @@ def _fit_faces(body: dict[str, Any]) -> None:
     ):
         messages.append({"role": "user", "content": "go on"})
     tools = body.get("tools")
-    if isinstance(tools, list) and tools and isinstance(tools[0], dict) and "function" not in tools[0]:
+    if isinstance(tools, list):  # Responses and Anthropic tools: a name at the top
         seen, unique = set(), []
         for tool in tools[:2]:
             for key in ("parameters", "input_schema"):
@@ -103,8 +97,8 @@ def _fit_faces(body: dict[str, Any]) -> None:
             for key in ("name", "description"):
                 if isinstance(tool.get(key), str):
                     tool[key] = tool[key][:40]
-            if _tool_name(tool) not in seen:
-                seen.add(_tool_name(tool))
+            if tool.get("name") not in seen:
+                seen.add(tool.get("name"))
                 unique.append(tool)
         body["tools"] = unique
         choice = body.get("tool_choice")
