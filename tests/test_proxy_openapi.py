@@ -59,6 +59,10 @@ async def test_openapi_states_the_parameter_rules_and_405(tiny, tok):
         assert responses["truncation"]["enum"] == ["disabled", None]
         assert responses["tools"]["anyOf"][0]["items"]["properties"]["type"] == {"const": "function"}
         assert schemas["ResponsesRequest"]["additionalProperties"] is False
+        kinds = [
+            item["properties"]["type"]["const"] for item in responses["input"]["anyOf"][1]["items"]["anyOf"]
+        ]
+        assert kinds == ["message", "function_call", "function_call_output"]  # no reasoning channel: refused
         messages = schemas["MessagesRequest"]["properties"]
         assert messages["temperature"]["anyOf"][0] == {"const": 0.8}
         assert messages["top_k"]["type"] == "null"
