@@ -167,6 +167,7 @@ async def test_without_a_reasoning_channel_think_is_text_and_reasoning_items_are
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
         ({"bogus": 1}, "bogus"),
+        ({"input": [{"role": {"name": "user"}, "content": "hi"}]}, "input[0].role"),
     ],
 )
 async def test_unsupported_fields_are_refused_by_name(tiny, tok, extra, param):
@@ -181,6 +182,16 @@ async def test_unsupported_fields_are_refused_by_name(tiny, tok, extra, param):
         ).output_text == "x"  # nothing left behind
         (traj,) = await live.close("err")
     assert traj.metadata["turns"] == 1
+
+
+async def test_integral_floats_are_integers(tiny, tok):
+    """JSON (and the /openapi.json schema) counts 4.0 as an integer."""
+    async with Live(scripted(tiny, tok, "x"), tok) as live:
+        client = live.client("floats")
+        body = {"model": "m", "input": USER, "max_output_tokens": 4.0, "top_logprobs": 0.0}
+        response = await client.post("/responses", cast_to=object, body=body)
+        assert (response["max_output_tokens"], response["output"][0]["content"][0]["text"]) == (4, "x")
+        await live.close("floats")
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])

@@ -1,5 +1,6 @@
-"""The OpenAI proxy's `/openapi.json` states what it enforces: checked by hand for the parameter rules, then
-by Schemathesis (all its checks) against a live proxy over loopback on the tiny model (embedded engine). The
+"""The proxy's `/openapi.json` states what it enforces on its three faces (OpenAI chat, OpenAI Responses,
+Anthropic Messages): checked by hand for the parameter rules, then by Schemathesis (all its checks) against a
+live proxy over loopback on the tiny model (embedded engine). The
 rules beyond JSON Schema (tokens, cross-field, header-or-field) are stated in descriptions and honoured by
 the generated positive requests through tests/proxy_schemathesis_hooks.py."""
 
@@ -44,6 +45,36 @@ async def test_openapi_states_the_parameter_rules_and_405(tiny, tok):
         assert props["top_logprobs"]["anyOf"][0]["maximum"] == 20
         assert spec["components"]["schemas"]["ChatRequest"]["additionalProperties"] is False
         assert "/v1/sessions/{sid}/models" in spec["paths"]
+        # the Responses and Anthropic faces, their bodies from their request Structs with the server's rules
+        body = {path: op["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+                for path, op in spec["paths"].items() if "post" in op and "requestBody" in op["post"]}  # fmt: skip
+        assert {p: body[p] for p in body if "responses" in p or "messages" in p} == {
+            "/v1/sessions/{sid}/responses": "ResponsesRequest", "/v1/responses": "ResponsesRequest",
+            "/v1/sessions/{sid}/v1/messages": "MessagesRequest", "/v1/messages": "MessagesRequest",
+            "/v1/sessions/{sid}/v1/messages/count_tokens": "CountRequest", "/v1/messages/count_tokens": "CountRequest",
+        }  # fmt: skip
+        schemas = spec["components"]["schemas"]
+        responses = schemas["ResponsesRequest"]["properties"]
+        assert responses["temperature"]["anyOf"][0] == {"const": 0.8}
+        assert responses["truncation"]["enum"] == ["disabled", None]
+        assert responses["tools"]["anyOf"][0]["items"]["properties"]["type"] == {"const": "function"}
+        assert schemas["ResponsesRequest"]["additionalProperties"] is False
+        kinds = [
+            item["properties"]["type"]["const"] for item in responses["input"]["anyOf"][1]["items"]["anyOf"]
+        ]
+        assert kinds == ["message", "function_call", "function_call_output"]  # no reasoning channel: refused
+        messages = schemas["MessagesRequest"]["properties"]
+        assert messages["temperature"]["anyOf"][0] == {"const": 0.8}
+        assert messages["top_k"]["type"] == "null"
+        assert (
+            messages["max_tokens"]["minimum"] == 1 and "max_tokens" in schemas["MessagesRequest"]["required"]
+        )
+        assert schemas["ToolChoice"]["properties"]["type"]["enum"] == ["auto", "any", "tool", "none"]
+        assert "max_tokens" not in schemas["CountRequest"]["properties"]
+        error = spec["paths"]["/v1/messages"]["post"]["responses"]["400"]["content"]["application/json"][
+            "schema"
+        ]
+        assert error == {"$ref": "#/components/schemas/AnthropicError"}
     finally:
         await proxy.stop()
         await proxy.engines[0].close()

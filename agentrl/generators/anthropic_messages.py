@@ -19,7 +19,7 @@ agentrl/generators/anthropic_response.py; errors are Anthropic's
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 from aiohttp import web
@@ -36,8 +36,7 @@ from agentrl.generators.anthropic_schema import (
     thinking_on,
 )
 from agentrl.generators.openai_schema import template_message
-from agentrl.generators.proxy_session import RequestError
-from agentrl.types import validation_field
+from agentrl.generators.proxy_session import RequestError, decode_request
 
 if TYPE_CHECKING:
     from agentrl.generators.openai_proxy import OpenAIProxy
@@ -57,22 +56,13 @@ def _error(exc: RequestError) -> web.Response:
                         content_type="application/json")  # fmt: skip
 
 
-def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
-    try:
-        return decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        raise RequestError(400, f"invalid request: {exc}", validation_field(exc)) from None
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise RequestError(400, f"request body is not valid JSON: {exc}") from None
-
-
 class MessagesFace:
     def __init__(self, proxy: OpenAIProxy):
         self.proxy = proxy
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         try:
-            req = _decode(messages_decoder, await self.proxy._body(request))
+            req = decode_request(messages_decoder, await self.proxy._body(request))
             chat = chat_request(req)
             sid = request.match_info.get("sid") or request.headers.get("X-Session-Id") or chat.user
             if not sid:
@@ -95,7 +85,7 @@ class MessagesFace:
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         try:
-            req: CountRequest = _decode(count_decoder, await self.proxy._body(request))
+            req: CountRequest = decode_request(count_decoder, await self.proxy._body(request))
             chat = chat_request(req)
             plan = self.proxy.tool_plan(chat)  # validates tools / tool_choice as a real request would
             turns = [template_message(m) for m in chat.messages]

@@ -41,14 +41,14 @@ import msgspec
 from aiohttp import web
 
 from agentrl.engines.base import Engine
-from agentrl.engines.wire import integral_floats
 from agentrl.errors import ConfigError, QueueClosed, QueueFull
 from agentrl.generator import RolloutContext
 from agentrl.generators.anthropic_messages import add_routes as add_anthropic_routes
 from agentrl.generators.endpoints import record_endpoint
 from agentrl.generators.openai_response import chunks, completion
+from agentrl.generators.openai_responses import RESPONSES_FACE
 from agentrl.generators.openai_responses import add_routes as add_responses_routes
-from agentrl.generators.openai_schema import ChatRequest, chat_decoder, encoder, error_body, reward_decoder
+from agentrl.generators.openai_schema import chat_decoder, encoder, error_body, reward_decoder
 from agentrl.generators.proxy_openapi import OPEN_PATHS, openapi_spec
 
 # Segment, Session and RequestError stay importable from here
@@ -58,6 +58,7 @@ from agentrl.generators.proxy_session import (  # noqa: F401
     RequestError,
     Segment,
     Session,
+    decode_request,
 )
 from agentrl.net import FrontDoor, lacks_token
 from agentrl.plugins import load_object
@@ -157,18 +158,7 @@ class OpenAIProxy(ProxySessions, FrontDoor):
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = await self._body(request)
-            try:
-                try:
-                    req = chat_decoder.decode(body)
-                except msgspec.ValidationError as exc:
-                    if "got `float`" not in str(exc):
-                        raise
-                    req = msgspec.convert(integral_floats(msgspec.json.decode(body)), ChatRequest)
-            except msgspec.ValidationError as exc:
-                raise RequestError(400, f"invalid request: {exc}", validation_field(exc)) from None
-            except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
-                raise RequestError(400, f"request body is not valid JSON: {exc}") from None
+            req = decode_request(chat_decoder, await self._body(request))
             if not req.messages:
                 raise RequestError(400, "messages must hold at least one message", "messages")
             for i, message in enumerate(req.messages):
@@ -246,7 +236,9 @@ class OpenAIProxy(ProxySessions, FrontDoor):
 
     async def _openapi(self, request: web.Request) -> web.Response:
         structured = all(getattr(engine, "structured_output", False) for engine in self.engines)
-        spec = openapi_spec(sampling=self.sampling, policy=self.sampling_policy, structured_output=structured)
+        reasoning = request.app[RESPONSES_FACE].reasoning_channel  # Responses `reasoning` items are taken
+        spec = openapi_spec(sampling=self.sampling, policy=self.sampling_policy, structured_output=structured,
+                            reasoning_channel=reasoning)  # fmt: skip
         return self._json(spec)
 
     async def _health(self, request: web.Request) -> web.Response:

@@ -40,7 +40,7 @@ from aiohttp import web
 
 from agentrl.generators.openai_response import Choice, _logprobs, _text_pieces
 from agentrl.generators.openai_schema import ChatMessage, FunctionCall, ToolCall, error_body
-from agentrl.generators.proxy_session import EPISODE_HEADER, RequestError
+from agentrl.generators.proxy_session import EPISODE_HEADER, RequestError, decode_request
 from agentrl.generators.responses_schema import (
     PARAMS,
     ResponsesRequest,
@@ -49,7 +49,6 @@ from agentrl.generators.responses_schema import (
     responses_decoder,
     split_reasoning,
 )
-from agentrl.types import validation_field
 
 if TYPE_CHECKING:
     from agentrl.generators.openai_proxy import OpenAIProxy
@@ -86,13 +85,7 @@ class ResponsesFace:
 
     async def create(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = await self.proxy._body(request)
-            try:
-                req = responses_decoder.decode(body)
-            except msgspec.ValidationError as exc:
-                raise RequestError(400, f"invalid request: {exc}", validation_field(exc)) from None
-            except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
-                raise RequestError(400, f"request body is not valid JSON: {exc}") from None
+            req = decode_request(responses_decoder, await self.proxy._body(request))
             sid = request.match_info.get("sid") or request.headers.get("X-Session-Id") or req.user
             if not sid:
                 raise RequestError(

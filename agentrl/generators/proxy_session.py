@@ -47,6 +47,7 @@ import msgspec
 
 from agentrl.engines.base import Engine, GenerateOutput, InvalidRequest, SamplingParams
 from agentrl.engines.stops import find_stop
+from agentrl.engines.wire import integral_floats
 from agentrl.errors import AgentRLError, EnvError
 from agentrl.generator import RolloutContext
 from agentrl.generators.chat import chat_tokens
@@ -71,7 +72,7 @@ from agentrl.generators.proxy_segments import fork as fork_segment
 from agentrl.generators.proxy_segments import template_exact as renders_exactly
 from agentrl.generators.proxy_tools import ToolPlan, one_call_sampling, tool_plan
 from agentrl.generators.tool_parsers import parser_for
-from agentrl.types import Trajectory
+from agentrl.types import Trajectory, validation_field
 
 EPISODE_HEADER = "X-AgentRL-Episode"  # names the episode a request's new session belongs to (`open_episode`)
 
@@ -474,6 +475,22 @@ class _TopRecorder:
                 raise AgentRLError("the engine did not return top_logprobs for every token")
             self.top += out.top_logprobs
         return out
+
+
+def decode_request(decoder: msgspec.json.Decoder, body: bytes) -> Any:
+    """A request body as the decoder's Struct, or RequestError(400) naming the field. Integral floats (8.0)
+    are taken as integers, as JSON and JSON Schema count them (msgspec's typed decoding does not)."""
+    try:
+        try:
+            return decoder.decode(body)
+        except msgspec.ValidationError as exc:
+            if "got `float`" not in str(exc):
+                raise
+            return msgspec.convert(integral_floats(msgspec.json.decode(body)), decoder.type)
+    except msgspec.ValidationError as exc:
+        raise RequestError(400, f"invalid request: {exc}", validation_field(exc)) from None
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise RequestError(400, f"request body is not valid JSON: {exc}") from None
 
 
 def _param(engine_field: str) -> str:

@@ -257,7 +257,7 @@ class _Turns:
 
     def message(self, item: dict[str, Any], where: str) -> None:
         _check_keys(item, ("type", "role", "content"), where)
-        role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
+        role = ROLES.get(item["role"]) if isinstance(item.get("role"), str) else None
         if role is None:
             raise RequestError(400, f"role must be one of {list(ROLES)}, got {item.get('role')!r}",
                                f"{where}.role")  # fmt: skip
