@@ -298,13 +298,11 @@ class TorchLearner(Learner):
         if self.value_head is not None:  # the value clip's V_old: the critic before the first update
             batch.old_values = self.compute_values(batch)
         self._no_replay_logprobs = None
-        if (
-            self.routers is not None
-            and batch.routed_experts is not None
-            and self.cfg.routing_replay == "rollout"
-        ):
+        if self.routers is not None and self.cfg.routing_replay == "rollout":
             # logprob_mismatch_no_replay: what the mismatch would be with the learner's own routing. Costs one
             # more no-grad forward over the batch per step (about a third of the step's forward + backward).
+            # Decided by the settings, not by whether this batch holds records: under FSDP every rank must run
+            # the same forwards (one whose data-parallel slice has no record would leave the others waiting).
             self._no_replay_logprobs = self._whole_batch(self.model, batch, replay=False)
 
     def _step_metrics(self, batch: Batch) -> dict:
@@ -316,8 +314,11 @@ class TorchLearner(Learner):
         use = batch.has_rollout_logprobs[seq.clamp(min=0)] & (seq >= 0) & (batch.loss_mask > 0)
         gap = clamp_log_ratio(self._no_replay_logprobs - batch.rollout_logprobs, use).abs()
         self._no_replay_logprobs = None
+        total, count = torch.where(use, gap, 0.0).sum(), use.sum().to(gap.dtype)
+        if self._sliced:  # this rank's slice of the batch: the mean is over every rank's tokens
+            total, count = self._dp_sum(total), self._dp_sum(count)
         key = "logprob_mismatch_no_replay"
-        return {key: torch.where(use, gap, 0.0).sum() / use.sum().clamp(min=1), HAS + key: use.any()}
+        return {key: total / count.clamp(min=1), HAS + key: count > 0}
 
     def _router_metrics(self, stats: list, batch: Batch) -> dict:
         """One update's router metrics from its micro-batches' `Routing`s (summed over ranks under FSDP):
