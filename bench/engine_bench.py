@@ -40,12 +40,32 @@ ARCHS = {"qwen3-0.6b": QWEN3_06B,
                           vocab=151936, tie=False)}  # fmt: skip
 
 
+# random-init mixtures of experts with fewer layers (MoE engine and routing-replay checks)
+MOE_ARCHS = {
+    # Qwen3-30B-A3B's layer: hidden 2048, 32 q / 4 kv heads of 128, 128 experts of 768, top-8
+    "qwen3-30b-a3b-4l": dict(cls="Qwen3MoeConfig", vocab_size=151936, hidden_size=2048, num_hidden_layers=4,
+                             num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                             moe_intermediate_size=768, num_experts=128, num_local_experts=128,
+                             num_experts_per_tok=8, norm_topk_prob=True),
+    # GLM-4.5-Air's layer: hidden 4096, 96 q / 8 kv heads of 128, 128 experts of 1408 + 1 shared, top-8; layer 0 dense
+    "glm45-air-3l": dict(cls="Glm4MoeConfig", vocab_size=151552, hidden_size=4096, num_hidden_layers=3,
+                         num_attention_heads=96, num_key_value_heads=8, head_dim=128, intermediate_size=10944,
+                         moe_intermediate_size=1408, n_routed_experts=128, n_shared_experts=1,
+                         num_experts_per_tok=8, first_k_dense_replace=1, n_group=1, topk_group=1,
+                         routed_scaling_factor=1.0, norm_topk_prob=True, partial_rotary_factor=0.5,
+                         attention_bias=True, use_qk_norm=False),
+}  # fmt: skip
+
+
 def build_model(arch: str, root: Path, dtype: str, device: str) -> Path:
-    """Write the model to `root` (tiny: the offline kit; else random init of that `ARCHS` architecture)."""
+    """Write the model to `root` (tiny: the offline kit; else random init of that `ARCHS` / `MOE_ARCHS`
+    architecture)."""
     if arch == "tiny":
         from agentrl.engines.tiny import make_tiny_model
 
         return make_tiny_model(root / "tiny", arch="qwen3", seed=0)
+    if arch in MOE_ARCHS:
+        return _build_moe(arch, root, dtype, device)
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     s = ARCHS[arch]
@@ -59,6 +79,30 @@ def build_model(arch: str, root: Path, dtype: str, device: str) -> Path:
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+    path = root / arch
+    model.save_pretrained(path, safe_serialization=True)
+    del model
+    return path
+
+
+def _build_moe(arch: str, root: Path, dtype: str, device: str) -> Path:
+    import transformers
+
+    spec = dict(MOE_ARCHS[arch])
+    cls = getattr(transformers, spec.pop("cls"))
+    special = spec["vocab_size"] - 1  # Qwen's special ids where the vocabulary holds them (GLM's is smaller)
+    rope = {"rope_type": "default", "rope_theta": 1_000_000.0,
+            "partial_rotary_factor": spec.get("partial_rotary_factor", 1.0)}  # fmt: skip
+    config = cls(**spec, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                 rope_parameters=rope, eos_token_id=min(151645, special), pad_token_id=min(151643, special),
+                 bos_token_id=None)  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+    for layer in model.model.layers:  # GLM: a nonzero correction bias, so choosing differs from weighting
+        bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
+        if bias is not None:
+            bias.data.normal_(0.0, 0.02)
     path = root / arch
     model.save_pretrained(path, safe_serialization=True)
     del model
@@ -263,7 +307,7 @@ def _free(device: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", choices=["tiny", "qwen3-0.6b"], default="tiny")
+    ap.add_argument("--arch", choices=["tiny", "qwen3-0.6b", *MOE_ARCHS], default="tiny")
     ap.add_argument("--model", help="use this HF directory instead of building --arch")
     ap.add_argument("--device", default="cpu")
     ap.add_argument(

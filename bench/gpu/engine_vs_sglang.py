@@ -85,7 +85,7 @@ def ratios(embedded: dict, sglang: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", choices=["tiny", "qwen3-0.6b"], default="qwen3-0.6b")
+    ap.add_argument("--arch", choices=["tiny", "qwen3-0.6b", *eb.MOE_ARCHS], default="qwen3-0.6b")
     ap.add_argument("--device", default="cuda")
     ap.add_argument(
         "--dtype", choices=list(eb.DTYPES), default=None, help="default: bfloat16 on cuda, else float32"

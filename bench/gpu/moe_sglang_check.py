@@ -35,6 +35,9 @@ from agentrl.engines.weight_sync import per_expert_names
 from agentrl.learners.routing_replay import Routers
 from agentrl.types import routed_expert_ids
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine_bench import MOE_ARCHS, build_model  # bench/: the one builder of random models
+
 DEFAULT_FLAGS = [
     "--sglang-attention-backend", "triton", "--sglang-sampling-backend", "pytorch",
     "--sglang-grammar-backend", "none", "--sglang-disable-piecewise-cuda-graph",
@@ -42,74 +45,6 @@ DEFAULT_FLAGS = [
     "--sglang-enable-return-routed-experts",
 ]  # fmt: skip
 TOL = 1e-2  # mean |d| of log-probs after a publish, as sglang_check.py (bf16)
-
-ARCHS = {
-    # Qwen3-30B-A3B: hidden 2048, 32 q / 4 kv heads of 128, 128 experts of 768, top-8
-    "qwen3-30b-a3b-4l": dict(
-        cls="Qwen3MoeConfig",
-        vocab_size=151936,
-        hidden_size=2048,
-        num_hidden_layers=4,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        intermediate_size=6144,
-        moe_intermediate_size=768,
-        num_experts=128,
-        num_experts_per_tok=8,
-        norm_topk_prob=True,
-    ),
-    # GLM-4.5-Air: hidden 4096, 96 q / 8 kv heads of 128, 128 experts of 1408 + 1 shared, top-8, layer 0 dense
-    "glm45-air-3l": dict(
-        cls="Glm4MoeConfig",
-        vocab_size=151552,
-        hidden_size=4096,
-        num_hidden_layers=3,
-        num_attention_heads=96,
-        num_key_value_heads=8,
-        head_dim=128,
-        intermediate_size=10944,
-        moe_intermediate_size=1408,
-        n_routed_experts=128,
-        n_shared_experts=1,
-        num_experts_per_tok=8,
-        first_k_dense_replace=1,
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=1.0,
-        norm_topk_prob=True,
-        partial_rotary_factor=0.5,
-        attention_bias=True,
-        use_qk_norm=False,
-    ),
-}
-
-
-def build_model(arch: str, root: Path) -> Path:
-    import transformers
-
-    spec = dict(ARCHS[arch])
-    cls = getattr(transformers, spec.pop("cls"))
-    special = spec["vocab_size"] - 1  # Qwen's ids where the vocabulary holds them (GLM's is smaller)
-    if cls.__name__ == "Qwen3MoeConfig":  # transformers 5 names the expert count num_local_experts
-        spec["num_local_experts"] = spec["num_experts"]
-    config = cls(**spec, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                 rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0,
-                                  "partial_rotary_factor": spec.get("partial_rotary_factor", 1.0)},
-                 eos_token_id=min(151645, special), pad_token_id=min(151643, special), bos_token_id=None)  # fmt: skip
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    if hasattr(model.model.layers[-1].mlp, "gate") and hasattr(model.model.layers[-1].mlp.gate,
-                                                                 "e_score_correction_bias"):  # fmt: skip
-        for layer in model.model.layers:  # a nonzero correction bias: choosing differs from weighting
-            gate = getattr(layer.mlp, "gate", None)
-            if gate is not None and hasattr(gate, "e_score_correction_bias"):
-                gate.e_score_correction_bias.data.normal_(0.0, 0.02)
-    path = root / arch
-    model.save_pretrained(path, safe_serialization=True)
-    del model
-    return path
 
 
 def forward_logprobs(model, routers: Routers, ids: list[int], n_prompt: int, output: list[int],
@@ -186,7 +121,7 @@ async def main_async(args, flags: dict) -> dict:
     out, root = Path(args.out), Path(args.workdir)
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    path = build_model(args.arch, root)
+    path = build_model(args.arch, root, "bfloat16", "cuda")
     server = SGLangServer(str(path), args=flags, log_path=str(out / f"sglang_{args.arch}.log"),
                           startup_timeout_s=600, restart_on_crash=False)  # fmt: skip
     await asyncio.to_thread(server.start)
@@ -233,7 +168,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="/tmp/out")
     parser.add_argument("--workdir", default="/tmp/moe_sglang_check")
-    parser.add_argument("--arch", choices=sorted(ARCHS), default="qwen3-30b-a3b-4l")
+    parser.add_argument("--arch", choices=sorted(MOE_ARCHS), default="qwen3-30b-a3b-4l")
     parser.add_argument("--paths", default="tensor,disk", help="publish paths, in order (tensor, disk)")
     args, rest = parser.parse_known_args()
     flags, extra = parse_sglang_flags(DEFAULT_FLAGS + rest)
