@@ -27,7 +27,7 @@ from agentrl.engines.weight_sync import (
     send_publish,
 )
 from agentrl.errors import EngineError
-from agentrl.net import free_port
+from agentrl.net import free_port, serve
 from agentrl.types.trajectory import routed_expert_ids
 from tests.test_engine_embedded import hf_model, teacher_logprobs
 
@@ -263,6 +263,14 @@ class CapturedSGLang:
         return web.json_response({"model_path": self.model_path, "is_generation": True})
 
 
+async def serve_fake(fake: CapturedSGLang) -> tuple[web.AppRunner, int]:
+    """The captured SGLang answers on a loopback port (agentrl.net.serve, as every front door is served)."""
+    app = web.Application()
+    app.router.add_post("/generate", fake.generate)
+    app.router.add_get("/get_model_info", fake.model_info)
+    return await serve(app, "127.0.0.1", 0, token="", what="a fake SGLang", how="")
+
+
 @pytest.mark.parametrize("dtype", [None, "uint8", "uint16"])
 async def test_sglang_client_reads_sglang_routed_experts(dirs, dtype):
     prompt, output = [4, 5, 6], [7, 8]
@@ -271,13 +279,7 @@ async def test_sglang_client_reads_sglang_routed_experts(dirs, dtype):
     table[:, 0] = 0  # GLM's leading dense layer
     fake = CapturedSGLang(table, output, dtype)
     fake.model_path = str(dirs["glm4_moe", 1])
-    app = web.Application()
-    app.router.add_post("/generate", fake.generate)
-    app.router.add_get("/get_model_info", fake.model_info)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    runner, port = await serve_fake(fake)
     client = SGLangEngine(f"http://127.0.0.1:{port}")  # no model_path: it asks /get_model_info for it
     try:
         out = await client.generate(prompt, SamplingParams(max_new_tokens=2, return_routed_experts=True))
@@ -306,13 +308,7 @@ async def test_sglang_client_reads_sglang_routed_experts(dirs, dtype):
 async def test_sglang_client_without_a_config_says_what_to_pass(tmp_path):
     fake = CapturedSGLang(np.zeros((1, 1, 1)), [1], None)
     fake.model_path = str(tmp_path / "missing")
-    app = web.Application()
-    app.router.add_post("/generate", fake.generate)
-    app.router.add_get("/get_model_info", fake.model_info)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    runner, port = await serve_fake(fake)
     client = SGLangEngine(f"http://127.0.0.1:{port}")
     try:
         with pytest.raises(EngineError, match="model_path"):
