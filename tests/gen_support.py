@@ -166,6 +166,20 @@ def scripted_replies(model_dir: Path, tok: Any, *texts: str) -> HFEngine:
     return HFEngine(model_dir, script=lambda _input: next(replies))
 
 
+def record_sampling(engine: Any) -> list[tuple[float, float]]:
+    """Wrap `engine.generate` so each request's (temperature, top_p) is appended to the returned list: what the
+    proxy actually sampled with."""
+    seen: list[tuple[float, float]] = []
+    generate = engine.generate
+
+    async def spy(input_ids, sampling, request_id=None):
+        seen.append((sampling.temperature, sampling.top_p))
+        return await generate(input_ids, sampling, request_id)
+
+    engine.generate = spy
+    return seen
+
+
 def calculator_context(engine: Engine, model_dir: Path, max_new_tokens: int, max_seq_len: int) -> Any:
     """A greedy two-turn calculator `RolloutContext` for the multi_turn generator (the abort-path checks)."""
     from agentrl.envs import env_factory

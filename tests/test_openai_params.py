@@ -15,7 +15,7 @@ from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.server import EngineServer
 from agentrl.engines.sglang import SGLangEngine
 from agentrl.types import floats, n_response
-from tests.gen_support import embedded_engine
+from tests.gen_support import embedded_engine, record_sampling
 from tests.gen_support import scripted_replies as scripted
 from tests.test_openai_sdk import TOOLS, Live
 
@@ -71,14 +71,7 @@ async def test_neutral_values_are_accepted(tiny, tok):
 
 async def test_record_policy_samples_with_the_request_and_records_it(tiny, tok):
     engine = scripted(tiny, tok, "5", "6")
-    seen = []
-    generate = engine.generate
-
-    async def spy(input_ids, sampling, request_id=None):
-        seen.append((sampling.temperature, sampling.top_p))
-        return await generate(input_ids, sampling, request_id)
-
-    engine.generate = spy
+    seen = record_sampling(engine)
     async with Live(engine, tok, sampling_policy="record") as live:
         client = live.client("rec")
         first = await client.chat.completions.create(model="m", messages=Q, temperature=0.5)

@@ -16,7 +16,7 @@ from agentrl.engines.server import EngineServer
 from agentrl.engines.sglang import SGLangEngine
 from agentrl.generators.chat import chat_tokens
 from agentrl.types import mask, tokens
-from tests.gen_support import embedded_engine
+from tests.gen_support import embedded_engine, record_sampling
 from tests.gen_support import scripted_replies as scripted
 from tests.sdk_support import CALL, TOOLS, Live, Q
 
@@ -118,14 +118,7 @@ async def test_stop_strings_through_both_sdks_streamed_and_not(tiny, tok):
 
 async def test_override_samples_with_the_runs_settings_and_records_what_was_asked(tiny, tok):
     engine = scripted(tiny, tok, "5", "6")
-    seen = []
-    generate = engine.generate
-
-    async def spy(input_ids, sampling, request_id=None):
-        seen.append((sampling.temperature, sampling.top_p))
-        return await generate(input_ids, sampling, request_id)
-
-    engine.generate = spy
+    seen = record_sampling(engine)
     async with Live(engine, tok, sampling_policy="override") as live:
         client = live.client("ovr")
         first = await client.chat.completions.create(model="m", messages=Q, temperature=0.2, top_p=0.9)
