@@ -6,8 +6,8 @@
 supervised phase on env demonstrations (loss on assistant tokens only, tokenized exactly as the multi-turn
 generator does). `weights_payload()` /`save_hf()` /
 `distributed_source()` feed agentrl.actors.broadcast; all but `save_hf()` (full weights) send the learner's
-`published_weights()` (the adapter alone under LoRA), logged with their size; every path, `save_hf()` too, names
-MoE experts per expert, as checkpoints and SGLang do (agentrl.engines.weight_sync.per_expert_names). `save_archive()` /
+`published_weights()` (the adapter alone under LoRA), logged with their size; the learners name MoE experts one
+by one there, as checkpoints and SGLang do (their `weights()`). `save_archive()` /
 `load_archive()` move checkpoints as bytes when the learner runs on another node than the run directory.
 Plain class: agentrl.actors.remote makes it a Ray actor.
 
@@ -130,17 +130,13 @@ class LearnerWorker:
         if self.rank != 0:
             self._drain()
             return {}
-        out = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in self._published()}
+        out = {
+            name: t.detach().to("cpu", copy=True).contiguous() for name, t in self.learner.published_weights()
+        }
         return self._logged(out)
 
-    def _published(self):
-        """What a publish sends, under the names engines load (agentrl.engines.weight_sync.per_expert_names)."""
-        from agentrl.engines.weight_sync import per_expert_names
-
-        return per_expert_names(self.learner.published_weights())
-
     def local_weights(self):
-        return self._logged(dict(self._published()))
+        return self._logged(dict(self.learner.published_weights()))
 
     def _logged(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """Log what one publish sends (the adapter alone is MBs where full weights are GBs)."""
@@ -158,9 +154,7 @@ class LearnerWorker:
         if self.rank != 0:
             self._drain()
             return path
-        from agentrl.engines.weight_sync import per_expert_names
-
-        save_hf_dir(path, per_expert_names(self.learner.weights()), self.model_path)
+        save_hf_dir(path, self.learner.weights(), self.model_path)
         return path
 
     def save_adapter(self, path: str) -> Any:
@@ -198,7 +192,7 @@ class LearnerWorker:
 
         if self.rank != 0:
             return self._drain()
-        items = list(self._logged(dict(self._published())).items())
+        items = list(self._logged(dict(self.learner.published_weights())).items())
         return describe_publish(self._group.name, items, self._bucket_bytes)
 
     def broadcast_weights(self) -> None:
@@ -213,7 +207,7 @@ class LearnerWorker:
             raise WeightSyncError(
                 "learner.publish = 'nccl': no weight-broadcast group (init_weight_group first)"
             )
-        send_publish(self._group, self._published(), self._bucket_bytes)
+        send_publish(self._group, self.learner.published_weights(), self._bucket_bytes)
 
     @property
     def _bucket_bytes(self) -> int:

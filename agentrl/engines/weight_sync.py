@@ -11,8 +11,9 @@ Wire compatibility with SGLang: its side is `init_custom_process_group` (rendezv
 `PrefixStore(group_name)`, then torch's `_new_process_group_helper`, which adds `"{group_name}/"` and
 `"{device}/"` prefixes and sets gloo's sequence number through the store); `_backend_store` rebuilds the
 same key layout from public classes.
-Names: every publish carries checkpoint (and SGLang) names; `per_expert_names` splits transformers 5's fused
-in-memory MoE expert tensors into the per-expert names SGLang's MoE loaders map.
+Names: every publish carries checkpoint (and SGLang) names: the learners' `weights()` name MoE experts one by
+one; `per_expert_names` does the same for a transformers model's own parameters (its fused in-memory expert
+tensors), for callers that publish those directly.
 """
 
 from __future__ import annotations
