@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -475,8 +475,16 @@ class MegatronLearner(Learner):
             return self.weights()
         return iter(lora.gather(unwrap(self.model), scaled=True).items())
 
+    def begin_save(self, path: str) -> Callable[[], None]:
+        return checkpoint.begin_save(self, Path(path))
+
     def save(self, path: str) -> None:
-        checkpoint.save(self, Path(path))
+        """Written when it returns on any rank (each rank writes its files; then they wait for each other)."""
+        super().save(path)
+        import torch.distributed as dist
+
+        if dist.get_world_size() > 1:
+            dist.barrier()
 
     def save_adapter_dir(self, path: str) -> None:
         """The LoRA adapter as a PEFT directory (collective under TP/PP; rank 0 writes)."""
