@@ -77,10 +77,14 @@ class MegatronLearner(Learner):
         self._init_parallel(seed)
         self.model_path, self.attention = str(model_path), attention
         self.dtype = DTYPES[lc.dtype]
-        self.fused = (self.cuda and not compile) if fused is None else fused
         self.entropy_metric = entropy_metric
         hf_config = AutoConfig.from_pretrained(self.model_path)
         self.arch = ArchSpec.from_hf(hf_config)
+        if compile == "auto":  # where compiling was measured to pay (learner.compile's doc)
+            compile = (
+                self.cuda and not self.arch.num_experts and not lc.lora.enabled and lc.pipeline_parallel == 1
+            )
+        self.fused = (self.cuda and not compile) if fused is None else fused
         if lc.lora.enabled and self.arch.num_experts:
             raise LearnerError("learner.lora.rank > 0 with a mixture-of-experts model is not supported")
         if lc.expert_parallel > 1 and lc.pipeline_parallel > 1:
