@@ -76,6 +76,15 @@ class RunSection(_Section):
             ge=0,
         ),
     ] = 5
+    checkpoint_background: Annotated[
+        bool,
+        doc(
+            "write checkpoints while the next steps train: the step only copies the learner's state to host "
+            "memory (one more copy of weights and optimizer in RAM until written); its ledger commit waits for "
+            "the files, and a crash mid-write leaves the last complete checkpoint. false: the step waits for the "
+            "write. A learner on another node always streams its files before the step goes on"
+        ),
+    ] = True
     ray_address: Annotated[str, doc("Ray cluster to join; empty = start a local Ray")] = ""
     ray_num_cpus: Annotated[int, doc("CPUs of a local Ray; 0 = this machine's count", ge=0)] = 0
     nodes: Annotated[

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-KEYS = ("tokens_per_s", "step_s", "mfu", "mfu_full_attention", "mfu_6n", "peak_mem_gib")
+KEYS = ("tokens_per_s", "step_s", "warmup_s", "mfu", "mfu_full_attention", "mfu_6n", "peak_mem_gib")
 
 
 def run_once(model: str, variants: list[str], extra: list[str], timeout_s: int) -> dict:

@@ -45,7 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (launch with torchrun)")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size (launch with torchrun)")
     p.add_argument("--variants", default="hf,megatron,megatron_compile",
-                   help="comma list of hf, megatron, megatron_compile (torch.compile), torch_learner; a "
+                   help="comma list of hf, megatron (eager), megatron_compile (torch.compile), megatron_default "
+                        "(learner.compile at its default, as `agentrl run` makes it), torch_learner; a "
                         "'_unfused' suffix (megatron_compile_unfused) runs with AGENTRL_FUSED_LOGPROBS=0, a "
                         "'_fallback' suffix with megatron-core's own fallback optimizer ops instead of "
                         "agentrl's (learners/megatron/host_overhead.py), a '_graphs' suffix compiles with "
@@ -154,9 +155,11 @@ def sync(device: str) -> None:
 
 
 def timed(step, args) -> dict:
+    t0 = time.perf_counter()
     for _ in range(args.warmup):
         step()
     sync(args.device)
+    warmup_s = time.perf_counter() - t0  # with torch.compile: the compile at start
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -165,7 +168,7 @@ def timed(step, args) -> dict:
     sync(args.device)
     step_s = (time.perf_counter() - t0) / args.steps
     mem = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
-    return {"step_s": step_s, "peak_mem_gib": round(mem, 2), "last": out}
+    return {"step_s": step_s, "warmup_s": round(warmup_s, 2), "peak_mem_gib": round(mem, 2), "last": out}
 
 
 def profile_step(step) -> None:
@@ -244,6 +247,13 @@ def learner_section(args, kind: str, world: int):
         kind=kind, device=args.device, dtype=args.dtype, lr=1e-5, grad_clip=1.0, micro_batch_tokens=mbt,
         tensor_parallel=args.tp if kind == "megatron" else 1, pipeline_parallel=args.pp if kind == "megatron" else 1,
     )  # fmt: skip
+
+
+def run_megatron_default(args, path: Path, world: int) -> dict:
+    """The learner as `agentrl run` makes it: learner.compile at its default."""
+    from agentrl.config import LearnerSection
+
+    return run_megatron(args, path, world, compile=LearnerSection().compile)
 
 
 def run_megatron_compile(args, path: Path, world: int) -> dict:
@@ -340,6 +350,7 @@ def main(argv=None) -> int:
     results = {}
     runners = {
         "hf": run_hf, "megatron": run_megatron, "megatron_compile": run_megatron_compile,
+        "megatron_default": run_megatron_default,
         "torch_learner": run_torch_learner,
     }  # fmt: skip
     for name in [v.strip() for v in args.variants.split(",") if v.strip()]:

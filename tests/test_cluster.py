@@ -30,9 +30,9 @@ class RecordingLearner(LearnerWorker):
 
     saved_to: list[str]
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, background: bool = False) -> None:
         self.saved_to.append(path)
-        super().save(path)
+        super().save(path, background)
 
 
 async def test_a_learner_on_another_node_streams_its_checkpoint_into_the_run_directory(tmp_path, model):

@@ -229,3 +229,8 @@ def test_compiled_learner_from_config_has_no_graph_breaks_and_equals_eager(model
     assert torch.allclose(got, want, atol=1e-4)
     with pytest.raises(ConfigError, match=r"learner\.compile = true needs learner\.kind = 'megatron'"):
         msgspec.structs.replace(cfg.learner, kind="torch", compile=True).validate()
+    # the default, 'auto', compiles on CUDA only, and is no error for the torch learner
+    assert Config().learner.compile == "auto"
+    cfg.learner = msgspec.structs.replace(cfg.learner, compile="auto")
+    assert not make_learner(cfg, str(path)).compile_enabled
+    msgspec.structs.replace(cfg.learner, kind="torch").validate()

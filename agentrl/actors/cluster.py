@@ -183,10 +183,13 @@ class Cluster:
 
     # -- checkpoints -------------------------------------------------------------------------------------
 
-    async def save_learner(self, path: str) -> None:
-        """The learner's checkpoint into `path` in the run directory, whichever node the learner runs on."""
+    async def save_learner(self, path: str, background: bool = False) -> None:
+        """The learner's checkpoint into `path` in the run directory, whichever node the learner runs on. With
+        `background` (a learner on this node) it returns once the learner holds its copy in host memory;
+        `learner_saved` waits for the files. A learner on another node streams its files here before this
+        returns."""
         if self.learner_is_local():
-            await self.learner.save.remote(path)
+            await self.learner.save.remote(path, background)
             return
         parts = await self.learner.save_archive.remote()
         from agentrl.actors.transfer import unpack_into
@@ -195,6 +198,11 @@ class Cluster:
             unpack_into(part, path) for part in (parts if isinstance(parts, list) else [parts]) if part
         )
         log.info("checkpoint %s: %.1f MB streamed from the learner's node through Ray", path, size / 1e6)
+
+    async def learner_saved(self) -> None:
+        """Until every learner rank has written its files of the last background `save_learner`."""
+        if self.learner_is_local():
+            await self.learner.wait_saved.remote()
 
     async def load_learner(self, path: str) -> int:
         """Load the checkpoint at `path` (in the run directory) into every learner rank."""

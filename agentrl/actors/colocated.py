@@ -105,8 +105,13 @@ class ColocatedHost(RolloutWorker):
             source = TensorSource(dict(self.learner.local_weights()))
         return await super().update_weights(version, source)
 
-    async def save(self, path: str) -> None:
-        await asyncio.to_thread(self.learner.save, path)  # offloaded: from its CPU copies (HandOff)
+    async def save(self, path: str, background: bool = False) -> None:
+        await asyncio.to_thread(
+            self.learner.save, path, background
+        )  # offloaded: from its CPU copies (HandOff)
+
+    async def wait_saved(self) -> None:
+        await asyncio.to_thread(self.learner.wait_saved)
 
     async def load(self, path: str) -> int:
         return await self._on_device(self.learner.load, path)

@@ -61,6 +61,8 @@ class LearnerWorker:
         self.learner.logprob_samples = cfg.dashboard.logprob_samples
         self._group = None
         self._slice: list[Trajectory] | None = None  # pulled by `fetch`, trained on by the next `train()`
+        self._writer: Any = None  # the thread of background checkpoint saves (`save`), made on first use
+        self._saving: Any = None  # its Future while a save is being written
 
     @property
     def pad_id(self) -> int:
@@ -213,10 +215,29 @@ class LearnerWorker:
     def _bucket_bytes(self) -> int:
         return int(self.cfg.learner.publish_bucket_mb * (1 << 20))
 
-    def save(self, path: str) -> None:
-        self.learner.save(path)
+    def save(self, path: str, background: bool = False) -> None:
+        """The learner's checkpoint into `path`. With `background`, only its copy to host memory happens here
+        (every rank, collectives included) and a thread writes the files while the next steps train:
+        `wait_saved` returns once they are written. One save at a time: a second waits for the first."""
+        self.wait_saved()
+        if not background:
+            self.learner.save(path)
+            return
+        write = self.learner.begin_save(path)
+        if self._writer is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
+        self._saving = self._writer.submit(write)
+
+    def wait_saved(self) -> None:
+        """Until the background save (if any) has written this rank's files; raises what the writer raised."""
+        saving, self._saving = self._saving, None
+        if saving is not None:
+            saving.result()
 
     def load(self, path: str) -> int:
+        self.wait_saved()
         self.learner.load(path)
         return self.policy_version()
 

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -258,8 +258,14 @@ class Learner(abc.ABC):
         yield from self.weights()
 
     @abc.abstractmethod
+    def begin_save(self, path: str) -> Callable[[], None]:
+        """Take what a checkpoint of `path` holds (model, optimizer, step, policy version: so `load` resumes
+        exactly) off the live training state, collectives included (every rank calls it), and return the
+        function that writes it. That function touches no live state and runs no collective, so it may run in a
+        thread while the next steps train (agentrl.actors.learner: background checkpoint saves)."""
+
     def save(self, path: str) -> None:
-        """Model, optimizer, step and policy version, so `load` resumes exactly."""
+        self.begin_save(path)()
 
     @abc.abstractmethod
     def load(self, path: str) -> None: ...

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,26 @@ def read_metadata(directory: str | Path) -> dict[str, Any]:
         if key not in meta:
             raise LearnerError(f"{path}: missing key '{key}'")
     return meta
+
+
+def map_tensors(tree: Any, fn: Callable[[Any], Any]) -> Any:
+    """A (state_dict) tree with `fn` applied to each tensor, the rest as it is."""
+    import torch
+
+    if torch.is_tensor(tree):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: map_tensors(v, fn) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(map_tensors(v, fn) for v in tree)
+    return tree
+
+
+def snapshot(t: Any, host: Callable[[Any], Any] | None = None) -> Any:
+    """A CPU copy of tensor `t` that later in-place updates of `t` leave alone (a background save writes it
+    while training goes on). `host` reads `t` to the CPU (default `.cpu()`, which copies only off the device)."""
+    out = host(t) if host is not None else t.detach().cpu()
+    return out.clone() if out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() else out
 
 
 def hf_config_dir(directory: str | Path, meta: dict[str, Any]) -> Path:

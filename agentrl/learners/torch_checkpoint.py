@@ -5,12 +5,15 @@ Layout (learner.json follows agentrl.learners.checkpoint):
   config.json, ...      the model's config and tokenizer files
   model.safetensors     the full weights (tied `lm_head.weight` omitted), or with LoRA the PEFT adapter instead
   trainer_state.pt      step, policy_version, optimizer state (name-keyed under FSDP) and the value head's
-Under FSDP `save` is a collective: every rank calls it, rank 0 writes; an FSDP checkpoint loads at any world
+Under FSDP `begin_save` is a collective: every rank calls it, rank 0 writes; an FSDP checkpoint loads at any world
 size and into a plain learner.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,34 +28,50 @@ if TYPE_CHECKING:
 STATE_FILE = "trainer_state.pt"
 
 
-def save(learner: TorchLearner, path: str) -> None:
-    """Under FSDP a collective: every rank calls it, rank 0 writes (on a file system all ranks can read)."""
+def begin_save(learner: TorchLearner, path: str) -> Callable[[], None]:
+    """Copy the checkpoint's contents to host memory (under FSDP a collective: every rank calls it, rank 0
+    keeps the full copies) and return the writer of `path` (rank 0; a no-op on the other ranks). The writer
+    touches no live state: it may run while the next steps train. A LoRA adapter is small: it is written here,
+    through peft, and the writer only places the trainer state beside it."""
     if learner.world is not None and learner.world.rank != 0:
         for _ in learner.weights():
             pass
         fsdp.optimizer_state(learner.model, learner.optimizer)
-        torch.distributed.barrier()
-        return
-    with hf_io.atomic_dir(path) as tmp:
-        hf_io.copy_hf_files(_config_dir(learner), tmp)
-        extra = {"temperature": learner.temperature}
-        if learner.lora is not None:  # the adapter only; the base stays where it is
-            lora.save_adapter(learner.model, tmp, str(learner.base_path.resolve()))
-            extra["lora_base"] = str(learner.base_path.resolve())
-        else:
-            hf_io.write_weights(tmp / hf_io.WEIGHTS_FILE, learner.weights(), learner.tied)
-        state = {"step": learner.step, "policy_version": learner.policy_version}
-        if learner.world is not None:  # name-keyed: loads at any world size and into a plain learner
-            state["optimizer"] = fsdp.optimizer_state(learner.model, learner.optimizer)
-            state["optimizer_format"] = "names"
-        else:
-            state["optimizer"] = learner.optimizer.state_dict()
-        if learner.value_head is not None:
-            state["value_head"] = learner.value_head.state_dict()
-        torch.save(state, tmp / STATE_FILE)
-        checkpoint.write_metadata(tmp, "torch", learner.step, learner.policy_version, ".", **extra)
-    if learner.world is not None:
-        torch.distributed.barrier()
+        return lambda: None
+    config_dir = _config_dir(learner)
+    extra: dict = {"temperature": learner.temperature}
+    weights: dict[str, torch.Tensor] = {}
+    adapter_dir = None
+    if learner.lora is not None:  # the adapter only; the base stays where it is
+        extra["lora_base"] = str(learner.base_path.resolve())
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        adapter_dir = Path(tempfile.mkdtemp(prefix=".adapter-", dir=Path(path).parent))
+        lora.save_adapter(learner.model, adapter_dir, extra["lora_base"])
+    else:
+        weights = {name: checkpoint.snapshot(t) for name, t in learner.weights()}
+    state = {"step": learner.step, "policy_version": learner.policy_version}
+    if learner.world is not None:  # name-keyed: loads at any world size and into a plain learner
+        state["optimizer"] = fsdp.optimizer_state(learner.model, learner.optimizer)  # CPU copies already
+        state["optimizer_format"] = "names"
+    else:
+        state["optimizer"] = checkpoint.map_tensors(learner.optimizer.state_dict(), checkpoint.snapshot)
+    if learner.value_head is not None:
+        state["value_head"] = checkpoint.map_tensors(learner.value_head.state_dict(), checkpoint.snapshot)
+    step, version, tied = learner.step, learner.policy_version, learner.tied
+
+    def write() -> None:
+        with hf_io.atomic_dir(path) as tmp:
+            hf_io.copy_hf_files(config_dir, tmp)
+            if adapter_dir is not None:
+                for file in adapter_dir.iterdir():
+                    os.replace(file, tmp / file.name)
+                adapter_dir.rmdir()
+            else:
+                hf_io.write_weights(tmp / hf_io.WEIGHTS_FILE, weights.items(), tied)
+            torch.save(state, tmp / STATE_FILE)
+            checkpoint.write_metadata(tmp, "torch", step, version, ".", **extra)
+
+    return write
 
 
 def _config_dir(learner: TorchLearner) -> Path:

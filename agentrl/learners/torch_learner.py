@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -453,9 +453,15 @@ class TorchLearner(Learner):
         with hf_io.atomic_dir(path) as tmp:
             lora.save_adapter(self.model, tmp, str(self.base_path.resolve()))
 
-    def save(self, path: str) -> None:
+    def begin_save(self, path: str) -> Callable[[], None]:
         """Under FSDP a collective: every rank calls it, rank 0 writes (agentrl.learners.torch_checkpoint)."""
-        torch_checkpoint.save(self, path)
+        return torch_checkpoint.begin_save(self, path)
+
+    def save(self, path: str) -> None:
+        """Written when it returns on any rank (rank 0 writes; the others wait for it)."""
+        super().save(path)
+        if self.world is not None:
+            torch.distributed.barrier()
 
     def load(self, path: str) -> None:
         torch_checkpoint.load(self, path)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,15 +83,30 @@ def pick_checkpoint(rundir: RunDir) -> tuple[Path, dict[str, Any]] | None:
     return path, state
 
 
-async def write_checkpoint(rundir: RunDir, cluster: Any, step: int, state: dict[str, Any]) -> None:
-    """checkpoints/step_N: the learner's files (written by the learner actor) and state.json, published
-    only once complete; a failed write leaves no temporary behind and raises one line naming the path."""
+async def write_checkpoint(
+    rundir: RunDir, cluster: Any, step: int, state: dict[str, Any], background: bool = False
+) -> Callable[[], Awaitable[None]]:
+    """Begin checkpoints/step_N: the learner's files (written by the learner actor) and state.json. Returns
+    `finish`, which publishes the checkpoint once complete (await it before committing the steps it covers).
+    With `background` the learner writes its files while training goes on and `finish` waits for them;
+    without, they are written when this returns. A failed write leaves no temporary behind and raises one line
+    naming the path (here or from `finish`)."""
     tmp = rundir.begin_checkpoint(step)
-    try:
-        await cluster.save_learner(str(tmp / "learner"))
-    except BaseException as exc:  # disk full in the learner: one line naming the path, no .tmp_step_N
-        error = rundir.abort_checkpoint(tmp, exc)
-        if error is exc:
-            raise
-        raise error from None
-    rundir.finish_checkpoint(step, tmp, state)
+
+    async def guarded(call: Awaitable[None]) -> None:
+        try:
+            await call
+        except BaseException as exc:  # disk full in the learner: one line naming the path, no .tmp_step_N
+            error = rundir.abort_checkpoint(tmp, exc)
+            if error is exc:
+                raise
+            raise error from None
+
+    await guarded(cluster.save_learner(str(tmp / "learner"), background))
+
+    async def finish() -> None:
+        if background:
+            await guarded(cluster.learner_saved())
+        rundir.finish_checkpoint(step, tmp, state)
+
+    return finish

@@ -16,7 +16,9 @@ WAL is replayed, with the ids the learner holds (`RunState.held_ids`) reclaimed 
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,9 @@ class Trainer:
         self.coord: Any = None
         self.dashboard: Any = None
         self.last_end = 0.0  # when the previous step's metrics were taken (its step_s ends there)
+        self._saving: asyncio.Future | None = (
+            None  # the checkpoint being written and committed (`_checkpoint`)
+        )
 
     async def main(self) -> dict[str, Any]:
         """The run to `run.steps` (or the time limit, or the end of the data); returns its summary."""
@@ -65,9 +70,9 @@ class Trainer:
         try:
             await self._start()
             history, stopped = await self._train()
+            await self._checkpointed()
             if self.state.pending:
-                await self._checkpoint()
-                await self._commit()
+                await self._checkpoint(wait=True)
             summary = self.rundir.summary(stopped)
             self.rundir.finish(summary)
             return {**summary, "ok": True, "steps": self.state.step,
@@ -90,9 +95,9 @@ class Trainer:
             history.append(metrics)
             # after the step's metrics line: a kill right after the checkpoint's commit keeps the line
             every = self.cfg.run.checkpoint_every  # 0: only the last step
-            if (every and self.state.step % every == 0) or self.state.step >= self.cfg.run.steps:
-                await self._checkpoint()
-                await self._commit()
+            last = self.state.step >= self.cfg.run.steps
+            if (every and self.state.step % every == 0) or last:
+                await self._checkpoint(wait=last)
         return history, "steps"
 
     async def _step(self) -> dict[str, Any] | None:
@@ -142,15 +147,32 @@ class Trainer:
         self.last_end = time.perf_counter()
         return metrics
 
-    async def _checkpoint(self) -> None:
-        state = self.state.to_json(self.rollouts.state_dict())
-        await write_checkpoint(self.rundir, self.coord.cluster, self.state.step, state)
+    async def _checkpoint(self, wait: bool = True) -> None:
+        """Checkpoint the steps trained so far, then commit them to the ledger (their trajectories leave the WAL
+        for good). Unless `wait`, with run.checkpoint_background the learner writes its files while the next
+        steps train and the commit follows once they are written; a checkpoint first waits for the one before."""
+        await self._checkpointed()
+        # a copy: the pending steps and the rollouts' cursor move on while a background write runs
+        state = copy.deepcopy(self.state.to_json(self.rollouts.state_dict()))
+        covered = len(self.state.pending)
+        background = self.cfg.run.checkpoint_background and not wait
+        finish = await write_checkpoint(self.rundir, self.coord.cluster, self.state.step, state, background)
+        self._saving = asyncio.ensure_future(self._commit(finish, covered))
+        if not background:
+            await self._checkpointed()
 
-    async def _commit(self) -> None:
-        """Commit the checkpointed steps to the ledger (their trajectories leave the WAL for good)."""
-        for step, ids in self.state.pending:
+    async def _commit(self, finish: Callable[[], Awaitable[None]], covered: int) -> None:
+        """Publish the checkpoint, then commit the first `covered` pending steps (those it holds)."""
+        await finish()
+        for step, ids in self.state.pending[:covered]:
             await self.coord.queue_call("commit", step, ids)
-        self.state.pending = []
+        del self.state.pending[:covered]
+
+    async def _checkpointed(self) -> None:
+        """Until the checkpoint in flight (if any) is published and committed; raises what it raised."""
+        saving, self._saving = self._saving, None
+        if saving is not None:
+            await saving
 
     # -- start and stop ----------------------------------------------------------------------------------
 

@@ -30,7 +30,9 @@ from agentrl.errors import LearnerError
 from agentrl.learners import hf_io
 from agentrl.learners.checkpoint import (
     hf_config_dir,
+    map_tensors,
     read_metadata,
+    snapshot,
     torch_to_hf,
     write_metadata,
 )
@@ -97,58 +99,67 @@ def _writes_model_file() -> bool:
     return ps.get_data_parallel_rank() == 0
 
 
-def save(learner: MegatronLearner, path: Path) -> None:
+def begin_save(learner: MegatronLearner, path: Path) -> Callable[[], None]:
+    """Copy this rank's share of the checkpoint to host memory (the LoRA gather is a collective: every rank
+    calls it) and return the writer of this rank's files into `path`; the writer touches no live state and runs
+    no collective, so it may run while the next steps train. The checkpoint is complete when every rank's
+    writer has returned."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from agentrl.learners.megatron import convert
     from agentrl.learners.megatron.model import unwrap
 
-    path.mkdir(parents=True, exist_ok=True)
     rank = dist.get_rank()
     # Megatron's distributed optimizer cannot export state before its first step (no Adam state yet).
     has_state = learner.optimizer_steps > 0
-    # every tensor is read through `host`: offloaded by the colocated hand-off (run.offload), the device storages
-    # are empty and the values are in their CPU copies
-    host = learner._offloader.host_copy
-    extra = {}
+
+    def snap(t: torch.Tensor) -> torch.Tensor:
+        # offloaded by the colocated hand-off (run.offload), the device storages are empty and the values are
+        # in their CPU copies: `host_copy` reads those
+        return snapshot(t, learner._offloader.host_copy)
+
+    extra: dict[str, Any] = {}
+    files: dict[str, Any] = {}
+    adapter = None
     if learner.lora is not None:  # collective over TP/PP; rank 0 writes it
         extra["lora_base"] = str(Path(learner.model_path).resolve())
-        adapter = {k: host(v) for k, v in lora.gather(unwrap(learner.model), scaled=False).items()}
-        if rank == 0:
-            _write_adapter(path, adapter, learner.lora, extra["lora_base"])
+        adapter = {k: snap(v) for k, v in lora.gather(unwrap(learner.model), scaled=False).items()}
     elif _writes_model_file():
         params = convert.global_params(unwrap(learner.model))
-        torch.save({k: host(v) for k, v in params.items()}, path / f"model_{_rank_suffix()}.pt")
+        files[f"model_{_rank_suffix()}.pt"] = {k: snap(v) for k, v in params.items()}
     if has_state:
-        saved = [
-            {"params": [host(p) for p in _params(o)], "state": _map_tensors(o.state_dict(), host)}
+        files[f"optim_rank{rank}.pt"] = [
+            {"params": [snap(p) for p in _params(o)], "state": map_tensors(o.state_dict(), snap)}
             for o in _torch_optimizers(learner)
         ]
-        torch.save(saved, path / f"optim_rank{rank}.pt")
+    meta = None
     if rank == 0:
-        (path / "hf").mkdir(exist_ok=True)
-        hf_io.copy_hf_files(learner.model_path, path / "hf")
-        write_metadata(
-            path, "megatron", learner.step, learner.policy_version, "hf",
+        meta = dict(
             tensor_parallel=learner.tp_size, pipeline_parallel=ps.get_pipeline_model_parallel_world_size(),
             expert_parallel=learner.ep_size,
             dtype=learner.cfg.dtype, model_path=learner.model_path, temperature=learner.temperature,
             optimizer_steps=learner.optimizer_steps, world_size=dist.get_world_size(), **extra,
         )  # fmt: skip
-    if dist.get_world_size() > 1:
-        dist.barrier()
+    step, version, lora_cfg, model_path = (
+        learner.step,
+        learner.policy_version,
+        learner.lora,
+        learner.model_path,
+    )
 
+    def write() -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        if adapter is not None and rank == 0:
+            _write_adapter(path, adapter, lora_cfg, extra["lora_base"])
+        for name, content in files.items():
+            torch.save(content, path / name)
+        if meta is not None:
+            (path / "hf").mkdir(exist_ok=True)
+            hf_io.copy_hf_files(model_path, path / "hf")
+            write_metadata(path, "megatron", step, version, "hf", **meta)
 
-def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """An optimizer state_dict with `fn` applied to each tensor (the rest as it is)."""
-    if torch.is_tensor(tree):
-        return fn(tree)
-    if isinstance(tree, dict):
-        return {k: _map_tensors(v, fn) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return type(tree)(_map_tensors(v, fn) for v in tree)
-    return tree
+    return write
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
@@ -198,7 +209,7 @@ def load(learner: MegatronLearner, path: Path) -> None:
             param.copy_(value)
         # on the CPU Adam keeps the loaded tensors themselves, whose storages (torch.load's) cannot be resized,
         # and the colocated hand-off frees a storage by resizing it: the moments get storages of their own
-        opt.load_state_dict(entry["state"] if learner.cuda else _map_tensors(entry["state"], torch.clone))
+        opt.load_state_dict(entry["state"] if learner.cuda else map_tensors(entry["state"], torch.clone))
 
 
 def _load_params(learner: MegatronLearner, path: Path) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -77,10 +77,14 @@ class MegatronLearner(Learner):
         self._init_parallel(seed)
         self.model_path, self.attention = str(model_path), attention
         self.dtype = DTYPES[lc.dtype]
-        self.fused = (self.cuda and not compile) if fused is None else fused
         self.entropy_metric = entropy_metric
         hf_config = AutoConfig.from_pretrained(self.model_path)
         self.arch = ArchSpec.from_hf(hf_config)
+        if compile == "auto":  # where compiling was measured to pay (learner.compile's doc)
+            compile = (
+                self.cuda and not self.arch.num_experts and not lc.lora.enabled and lc.pipeline_parallel == 1
+            )
+        self.fused = (self.cuda and not compile) if fused is None else fused
         if lc.lora.enabled and self.arch.num_experts:
             raise LearnerError("learner.lora.rank > 0 with a mixture-of-experts model is not supported")
         if lc.expert_parallel > 1 and lc.pipeline_parallel > 1:
@@ -475,8 +479,16 @@ class MegatronLearner(Learner):
             return self.weights()
         return iter(lora.gather(unwrap(self.model), scaled=True).items())
 
+    def begin_save(self, path: str) -> Callable[[], None]:
+        return checkpoint.begin_save(self, Path(path))
+
     def save(self, path: str) -> None:
-        checkpoint.save(self, Path(path))
+        """Written when it returns on any rank (each rank writes its files; then they wait for each other)."""
+        super().save(path)
+        import torch.distributed as dist
+
+        if dist.get_world_size() > 1:
+            dist.barrier()
 
     def save_adapter_dir(self, path: str) -> None:
         """The LoRA adapter as a PEFT directory (collective under TP/PP; rank 0 writes)."""
