@@ -4,7 +4,7 @@ background (the default)? The Megatron learner of a Qwen3-1.7B-shaped random mod
     python bench/checkpoint_stall.py --model qwen3-1.7b --steps 12 --every 4 --repeats 3
     python bench/checkpoint_stall.py --device cpu --tiny            # CPU smoke
 
-One LearnerWorker (what `agentrl run` uses) trains `--steps` steps of megatron_bench.py's batch, checkpointing
+One LearnerWorker (what `agentrl run` uses) trains, for every run, `--steps` steps of megatron_bench.py's batch, checkpointing
 every `--every` steps into a temporary directory, once per mode, `--repeats` times in alternating order. Reported
 per mode (medians over repeats, min-max in brackets): `stall_s`, the time the step that checkpoints spends in
 `save` (the whole write, or the copy to host memory); `step_s`, the median step time of the steps after a
@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import megatron_bench as mb  # bench/ is on sys.path when run as a script
 
 
-def run_mode(args, path: Path, background: bool) -> dict:
+def make_worker(args, path: Path):
+    """One LearnerWorker for every run: the modes differ in the save alone, not in a fresh model's first steps."""
     from agentrl.actors.learner import LearnerWorker
     from agentrl.config import load_config
 
@@ -44,7 +45,10 @@ def run_mode(args, path: Path, background: bool) -> dict:
             "algorithm": {"advantage": "grpo", "off_policy": "none"},
         },
     )  # fmt: skip
-    worker = LearnerWorker(cfg, str(path))
+    return LearnerWorker(cfg, str(path))
+
+
+def run_mode(args, worker, background: bool) -> dict:
     batch = mb.make_batch(args, args.device)
     stalls, writes, after, others, size = [], [], [], [], 0
     with tempfile.TemporaryDirectory(dir=args.ckpt_root) as root:
@@ -103,11 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     path = mb.ensure_model_dir(args)
+    worker = make_worker(args, path)
     runs: dict[str, list[dict]] = {"sync": [], "background": []}
     for i in range(args.repeats):
         order = ["sync", "background"] if i % 2 == 0 else ["background", "sync"]
         for mode in order:
-            result = run_mode(args, path, mode == "background")
+            result = run_mode(args, worker, mode == "background")
             runs[mode].append(result)
             print(
                 f"[run {i + 1}] {mode}: " + json.dumps({k: round(v, 3) for k, v in result.items() if v}),
