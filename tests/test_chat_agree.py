@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from agentrl.config import QueueSection
+from agentrl.config.serving import QueueSection
 from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory, make_env
 from agentrl.generator import RolloutContext, resolve_generator

@@ -16,7 +16,8 @@ pytest.importorskip("peft")
 
 from agentrl import types
 from agentrl.cli import main as cli_main
-from agentrl.config import AlgorithmSection, LearnerSection, load_config
+from agentrl.config import load_config
+from agentrl.config.learning import AlgorithmSection, LearnerSection
 from agentrl.errors import LearnerError
 from agentrl.learners.batch import build_batch
 from agentrl.learners.checkpoint import read_metadata

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from agentrl.config import QueueSection
+from agentrl.config.serving import QueueSection
 from agentrl.errors import LockHeld, QueueClosed, StorageError
 from agentrl.queue import ReplayQueue
 from agentrl.queue import wal as wal_mod

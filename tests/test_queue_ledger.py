@@ -11,7 +11,7 @@ import json
 import shutil
 import threading
 
-from agentrl.config import QueueSection
+from agentrl.config.serving import QueueSection
 from agentrl.queue import ReplayQueue, recovery
 from agentrl.queue import wal as wal_mod
 from agentrl.types import Trajectory

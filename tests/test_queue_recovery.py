@@ -10,7 +10,7 @@ import struct
 
 import pytest
 
-from agentrl.config import QueueSection
+from agentrl.config.serving import QueueSection
 from agentrl.queue import ReplayQueue
 from agentrl.queue import wal as wal_mod
 from agentrl.types import Trajectory

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import requests
 
-from agentrl.config import QueueSection
+from agentrl.config.serving import QueueSection
 from agentrl.errors import InvalidTrajectory
 from agentrl.queue import ReplayQueue
 from agentrl.queue.client import QueueClient, SubmitError

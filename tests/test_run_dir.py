@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.config import load_config, tomllib
+from agentrl.config import load_config
+from agentrl.config.text import tomllib
 from agentrl.errors import ConfigError, LockHeld, StorageError
 from agentrl.runner.rundir import RunDir
 

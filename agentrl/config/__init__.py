@@ -1,249 +1,32 @@
 """Run configuration: msgspec Structs, loaded from TOML plus dotted command-line overrides.
 
-Invariants: importing this module imports no torch or ray; every key is checked (unknown keys are errors
+Invariants: importing this package imports no torch or ray; every key is checked (unknown keys are errors
 naming the key and the closest valid one; a value out of its bounds names the key and the bound); CLI
 spelling `--queue.max-staleness 2` equals TOML `[queue] max_staleness = 2`. Sections are owned by the
 subsystem of the same name; each section's `validate()` holds its cross-field checks. A loaded config holds
 what the user wrote: values that follow from other settings (sync's staleness 0, the queue's batch and group
 size) are computed by `Config`'s properties, never written over the settings.
+
+The package by role: `base` (the section base `_Section` and `doc`), `run` (run, model), `rollout` (engine,
+SGLang, rollout, env, data), `learning` (learner, LoRA, algorithm, warm-up), `serving` (queue, dashboard),
+`text` (TOML and override parsing, error wording, TOML out), `docs` (the generated reference). Here: the root
+`Config` and `load_config`; import a section from its module.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 
-from agentrl.config_learning import (  # noqa: F401 - re-exported: the sections are imported from agentrl.config
-    DEVICE,
-    AlgorithmSection,
-    LearnerSection,
-    LoraSection,
-    _Section,
-    doc,
-)
-from agentrl.config_rollout import EngineSection, RolloutSection, SGLangSection  # noqa: F401 - re-exported
-from agentrl.config_sections import DashboardSection, DataSection, EnvSection, WarmupSection
-from agentrl.config_text import (  # noqa: F401 - tomllib re-exported
-    check_keys,
-    explain,
-    merge,
-    parse_overrides,
-    read_toml_files,
-    tomllib,
-)
+from agentrl.config.base import _Section, doc
+from agentrl.config.learning import AlgorithmSection, LearnerSection, WarmupSection
+from agentrl.config.rollout import DataSection, EngineSection, EnvSection, RolloutSection
+from agentrl.config.run import ModelSection, RunSection
+from agentrl.config.serving import DashboardSection, QueueSection
+from agentrl.config.text import check_keys, explain, merge, parse_overrides, read_toml_files
 from agentrl.errors import ConfigError
-
-
-class RunSection(_Section):
-    key = "run"
-    name: Annotated[str, doc("run directory is root/name (agentrl.runner.rundir)")] = "default"
-    root: Annotated[str, doc("directory holding the run directories")] = "runs"
-    overwrite: Annotated[
-        bool,
-        doc(
-            "a run directory that already holds a run is refused unless resumed (--resume) or this is true: "
-            "then agentrl's files in it (checkpoints, queue.wal, ledger, metrics, events) are deleted first"
-        ),
-    ] = False
-    imports: Annotated[
-        list[str],
-        doc(
-            "modules imported in the driver and every actor before anything is resolved (user envs "
-            "registered with @register_env, rewards, generators); also `--import MODULE`"
-        ),
-    ] = []
-    import_path: Annotated[
-        list[str],
-        doc(
-            "directories searched first for run.imports and 'module:function' names; the config file's "
-            "directory and the working directory are added (all made absolute) when the run starts"
-        ),
-    ] = []
-    mode: Annotated[
-        Literal["sync", "async"], doc("sync: learner and rollouts alternate (staleness 0); async: overlap")
-    ] = "sync"
-    steps: Annotated[int, doc("learner steps (policy versions) to train", ge=0)] = 20
-    seed: Annotated[int, doc("seed of the run's random number generators", ge=0)] = 0
-    time_limit_s: Annotated[float, doc("stop after this many seconds; 0 = no limit", ge=0)] = 0.0
-    eval_every: Annotated[int, doc("evaluate every this many steps; 0 = never", ge=0)] = 0
-    eval_prompts: Annotated[int, doc("prompts per evaluation", ge=1)] = 32
-    checkpoint_every: Annotated[
-        int,
-        doc(
-            "checkpoint every this many steps; 0 = only at the end (a step's ledger commit waits for its checkpoint)",
-            ge=0,
-        ),
-    ] = 5
-    ray_address: Annotated[str, doc("Ray cluster to join; empty = start a local Ray")] = ""
-    ray_num_cpus: Annotated[int, doc("CPUs of a local Ray; 0 = this machine's count", ge=0)] = 0
-    nodes: Annotated[
-        int,
-        doc(
-            "Ray nodes the run spans; > 1 (with placement = 'disaggregated'): wait for that many, then place "
-            "each role by its resources over them (docs/multinode.md)",
-            ge=1,
-        ),
-    ] = 1
-    learner_nodes: Annotated[
-        int,
-        doc("with nodes > 1: hosts the learner's ranks are split over (one STRICT_PACK group each)", ge=1),
-    ] = 1
-    engines_per_node: Annotated[
-        int,
-        doc("with nodes > 1: engines per STRICT_PACK group (one host); 0 = all engines on one host", ge=0),
-    ] = 0
-    learner_resources: Annotated[
-        dict[str, float],
-        doc("with nodes > 1: Ray custom resources each learner rank asks for, e.g. {learner = 1}"),
-    ] = {}
-    engine_resources: Annotated[
-        dict[str, float], doc("with nodes > 1: Ray custom resources each engine actor asks for")
-    ] = {}
-    rollout_resources: Annotated[
-        dict[str, float], doc("with nodes > 1: Ray custom resources each rollout worker asks for")
-    ] = {}
-    progress: Annotated[bool, doc("show the progress line on the terminal")] = True
-    tensorboard: Annotated[bool, doc("events in runs/NAME/events (tensorboard is an agentrl dependency)")] = (
-        True
-    )
-    placement: Annotated[
-        Literal["colocated", "split", "disaggregated"],
-        doc("where actors run: learner and engine in one process, split, or engines as their own actors"),
-    ] = "split"
-    offload: Annotated[
-        bool,
-        doc(
-            "colocated runs at staleness 0 (sync, or async with queue.max_staleness = 0) on one GPU: the "
-            "learner's parameters and optimizer state wait in pinned CPU memory during rollout (its gradients are "
-            "dropped), the engines release their weights and KV cache during training (docs/architecture.md, "
-            "colocated hand-off)"
-        ),
-    ] = False
-    torch_threads: Annotated[int, doc("torch CPU threads per actor", ge=1)] = 1
-    max_restarts: Annotated[int, doc("restarts of a crashed actor before the run fails", ge=0)] = 3
-    publish_timeout_s: Annotated[float, doc("seconds a weight publish may take", gt=0)] = 120.0
-    wandb_project: Annotated[
-        str, doc("Weights & Biases project the metrics also go to; empty = no W&B (pip install wandb)")
-    ] = ""
-    wandb_entity: Annotated[str, doc("W&B entity (user or team); empty = your default")] = ""
-    wandb_name: Annotated[str, doc("W&B run name; empty = run.name")] = ""
-    wandb_group: Annotated[str, doc("W&B group (e.g. one per sweep); empty = none")] = ""
-    wandb_tags: Annotated[list[str], doc("W&B tags")] = []
-    wandb_mode: Annotated[
-        Literal["online", "offline", "disabled"],
-        doc("W&B mode: offline writes runs/NAME/wandb only (no network; `wandb sync` uploads it later)"),
-    ] = "online"
-
-    def validate(self, cfg: Config | None = None) -> None:
-        if cfg is not None and self.offload:
-            self._check_offload(cfg)
-        if cfg is not None and self.placement == "colocated" and cfg.learner.ranks > 1:
-            raise ConfigError(
-                f"run.placement = 'colocated' runs one learner process, but learner ranks = {cfg.learner.ranks} "
-                "(tensor_parallel x pipeline_parallel x data_parallel); use 'split' or 'disaggregated'"
-            )
-        if cfg is not None and cfg.rollout.prompts_per_step < cfg.learner.data_parallel:
-            raise ConfigError(
-                f"rollout.prompts_per_step = {cfg.rollout.prompts_per_step} is less than learner.data_parallel = "
-                f"{cfg.learner.data_parallel}: each data-parallel rank trains on whole groups of its own"
-            )
-
-    @staticmethod
-    def _check_offload(cfg: Config) -> None:
-        """run.offload hands one GPU between the phases of a colocated run whose rollout and training take turns
-        (staleness 0: sync, or async with queue.max_staleness = 0, the same schedule) with the torch learner
-        without FSDP, or the Megatron learner (its one colocated rank)."""
-        for ok, need in (
-            (cfg.run.placement == "colocated", f"run.placement = 'colocated', got '{cfg.run.placement}'"),
-            (
-                cfg.effective_max_staleness == 0,
-                "run.mode = 'sync' or queue.max_staleness = 0 (rollout and training take turns), got "
-                f"run.mode = '{cfg.run.mode}' with queue.max_staleness = {cfg.queue.max_staleness}",
-            ),
-            (
-                cfg.learner.kind == "megatron" or not cfg.learner.fsdp,
-                "learner.kind = 'megatron', or 'torch' without learner.fsdp",
-            ),
-        ):
-            if not ok:
-                raise ConfigError(f"run.offload = true needs {need}")
-
-
-class ModelSection(_Section):
-    key = "model"
-    path: Annotated[str, doc("Hugging Face model directory")] = "runs/tiny-model"
-    make_tiny: Annotated[bool, doc("create a tiny random model at model.path if it is missing")] = True
-    arch: Annotated[
-        Literal["qwen3", "qwen2", "llama", "qwen3_moe", "glm4_moe"], doc("architecture of the tiny model")
-    ] = "qwen2"
-    seed: Annotated[int, doc("seed of the tiny model's weights", ge=0)] = 0
-
-
-class QueueSection(_Section):
-    key = "queue"
-    host: Annotated[str, doc("address the queue's HTTP front door listens on")] = "127.0.0.1"
-    port: Annotated[int, doc("HTTP port; 0 = any free port", ge=0, le=65535)] = 0
-    token: Annotated[
-        str,
-        doc(
-            "bearer token HTTP clients must send; empty = $AGENTRL_QUEUE_TOKEN, else queue.token_file, else none "
-            "(refused off loopback); never written to the run directory"
-        ),
-    ] = ""
-    token_file: Annotated[
-        str,
-        doc(
-            "file whose first line is the bearer token: its path is kept in the run's config, so `--resume` "
-            "reads the token again (the token itself never is)"
-        ),
-    ] = ""
-    max_staleness: Annotated[
-        int, doc("most versions a trajectory may lag the learner; run.mode = 'sync' runs with 0", ge=0)
-    ] = 1
-    stale_policy: Annotated[Literal["drop", "keep"], doc("what happens to a too-stale trajectory")] = "drop"
-    group_size: Annotated[
-        int,
-        doc(
-            "trajectories per group released together; 1 in `agentrl run`: rollout.n_samples_per_prompt", ge=1
-        ),
-    ] = 1
-    group_timeout_s: Annotated[float, doc("seconds an incomplete group waits for straggler_policy", gt=0)] = (
-        120.0
-    )
-    straggler_policy: Annotated[
-        Literal["release", "drop"], doc("an incomplete group at its timeout is released as is, or dropped")
-    ] = "release"
-    max_trajectories: Annotated[int, doc("trajectories the queue holds before refusing puts", ge=1)] = 100_000
-    max_bytes: Annotated[int, doc("bytes the queue holds before refusing puts", ge=1)] = 2 << 30
-    max_body_bytes: Annotated[int, doc("largest HTTP request body (413 above)", ge=1)] = 64 << 20
-    batch_size: Annotated[
-        int,
-        doc(
-            "trajectories per learner step for the admission window; 0 = no window. `agentrl run` ignores it "
-            "and uses rollout.prompts_per_step x rollout.n_samples_per_prompt",
-            ge=0,
-        ),
-    ] = 0
-    external_share: Annotated[
-        float,
-        doc("part of the staleness window rollout reservations leave to HTTP submissions", ge=0, lt=1),
-    ] = 0.0
-    retry_after_s: Annotated[float, doc("Retry-After a refused put is told to wait", ge=0)] = 1.0
-    read_timeout_s: Annotated[
-        float, doc("client sends headers and body within this (slowloris): 408", gt=0)
-    ] = 30.0
-    wal: Annotated[bool, doc("keep a write-ahead log so accepted trajectories survive a restart")] = True
-    fsync: Annotated[
-        bool,
-        doc(
-            "acknowledge (202, put returns) only once an fsync covers the record (group commit: concurrent "
-            "puts share one); false: acknowledged = in the page cache (survives a process kill, not a "
-            "machine crash)"
-        ),
-    ] = True
-    compact_every: Annotated[int, doc("compact the log every this many commits; 0 = never", ge=0)] = 50
 
 
 class Config(_Section):
@@ -363,8 +146,3 @@ def load_config(
 
 
 REGENERATE_DOCS = "python -m agentrl.config > docs/config.md"
-
-if __name__ == "__main__":
-    from agentrl.config_docs import markdown_reference
-
-    print(markdown_reference(Config, REGENERATE_DOCS), end="")

@@ -26,7 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
-from agentrl.config_text import tomllib
+from agentrl.config.text import tomllib
 from agentrl.dashboard import runfiles
 from agentrl.dashboard.curves import CURVES
 from agentrl.dashboard.viewer import Query, Viewer

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from agentrl.config import LoraSection
+from agentrl.config.learning import LoraSection
 from agentrl.errors import LearnerError
 from agentrl.learners.peft_files import ADAPTER_WEIGHTS
 

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from agentrl.config import QueueSection
+from agentrl.config.serving import QueueSection
 from agentrl.errors import QueueClosed, StorageError
 from agentrl.queue import wal as wal_mod
 from agentrl.queue.admission import Admission

@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 
 from agentrl.config import Config
-from agentrl.config_text import dump_toml
+from agentrl.config.text import dump_toml
 from agentrl.dashboard.runfiles import LOGPROBS_NAME, read_metrics
 from agentrl.errors import ConfigError, StorageError
 from agentrl.queue.walformat import LEDGER_NAME

@@ -17,7 +17,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from agentrl.config import QueueSection
+from agentrl.config.serving import QueueSection
 from agentrl.queue import wal as wal_mod
 from agentrl.queue.core import ReplayQueue
 from agentrl.queue.server import QueueServer

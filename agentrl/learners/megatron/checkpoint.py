@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from agentrl.config import LoraSection
+from agentrl.config.learning import LoraSection
 from agentrl.errors import LearnerError
 from agentrl.learners import hf_io
 from agentrl.learners.checkpoint import (
