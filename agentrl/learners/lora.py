@@ -20,7 +20,7 @@ import torch
 
 from agentrl.config.learning import LoraSection
 from agentrl.errors import LearnerError
-from agentrl.learners.peft_files import ADAPTER_WEIGHTS
+from agentrl.learners.checkpoint import ADAPTER_WEIGHTS
 
 _PREFIX = "base_model.model."  # what PeftModel puts before the wrapped model's own module names
 

@@ -29,13 +29,14 @@ from agentrl.config.learning import LoraSection
 from agentrl.errors import LearnerError
 from agentrl.learners import hf_io
 from agentrl.learners.checkpoint import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
     hf_config_dir,
     read_metadata,
     torch_to_hf,
     write_metadata,
 )
 from agentrl.learners.megatron import lora
-from agentrl.learners.peft_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 if TYPE_CHECKING:
     from agentrl.learners.megatron.learner import MegatronLearner
