@@ -67,15 +67,16 @@ def resolve(args: argparse.Namespace):
     from agentrl.engines.sglang_launcher import parse_sglang_flags
     from agentrl.errors import ConfigError
     from agentrl.plugins import search_path
+    from agentrl.runlayout import CONFIG_FILE
 
     # --sglang-mem-fraction-static 0.7 -> engine.sglang.args (first: a bare --sglang-flag takes no value)
     sglang_args, rest = parse_sglang_flags(list(getattr(args, "overrides", []) or []))
     files, overrides = split_config_args(rest)
     paths: list[str | Path] = list(files)
     if args.resume:
-        saved = Path(args.resume) / "config.toml"
+        saved = Path(args.resume) / CONFIG_FILE
         if not saved.exists():
-            raise ConfigError(f"--resume {args.resume}: no config.toml there (not a run directory)")
+            raise ConfigError(f"--resume {args.resume}: no {CONFIG_FILE} there (not a run directory)")
         paths = paths or [saved]
     if not paths:
         raise ConfigError("agentrl run needs a CONFIG file (or --resume RUN_DIR)")
