@@ -19,7 +19,7 @@ from agentrl.errors import ConfigError, EngineError
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from agentrl.config import QueueSection
+    from agentrl.config.serving import QueueSection
 
 
 def is_loopback(host: str) -> bool:

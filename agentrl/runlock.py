@@ -19,10 +19,6 @@ from pathlib import Path
 
 from agentrl.errors import LockHeld
 
-RUN_LOCK = (
-    "run.lock"  # in a run directory: held by the driver of `agentrl run` (the queue actor fences on it)
-)
-
 
 class DirLock:
     """`DirLock(path, what).acquire()` holds `path` exclusively until `release()` or process exit."""

@@ -117,7 +117,7 @@ def bench_train(args) -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from agentrl.config import AlgorithmSection, LearnerSection
+    from agentrl.config.learning import AlgorithmSection, LearnerSection
     from agentrl.learners.batch import build_batch
     from agentrl.learners.torch_learner import TorchLearner
 

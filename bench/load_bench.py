@@ -28,7 +28,7 @@ TRAJ_PER_REQUEST = 8
 
 
 async def serve(run_dir: str, max_bytes: int, max_trajectories: int, consume_per_s: float) -> None:
-    from agentrl.config import QueueSection
+    from agentrl.config.serving import QueueSection
     from agentrl.queue.core import ReplayQueue
     from agentrl.queue.server import QueueServer
 

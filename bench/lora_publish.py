@@ -25,7 +25,7 @@ import time
 import torch
 
 from agentrl import types
-from agentrl.config import AlgorithmSection, LearnerSection, LoraSection
+from agentrl.config.learning import AlgorithmSection, LearnerSection, LoraSection
 from agentrl.engines.base import SamplingParams, TensorSource
 from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.tiny import make_tiny_model

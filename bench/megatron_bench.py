@@ -238,7 +238,7 @@ def run_hf(args, path: Path) -> dict:
 
 
 def learner_section(args, kind: str, world: int):
-    from agentrl.config import LearnerSection
+    from agentrl.config.learning import LearnerSection
 
     dp = world // (args.tp * args.pp)
     mbt = args.micro_batch_tokens or -(-args.batch // dp) * args.seq
@@ -251,7 +251,7 @@ def learner_section(args, kind: str, world: int):
 
 def run_megatron_default(args, path: Path, world: int) -> dict:
     """The learner as `agentrl run` makes it: learner.compile at its default."""
-    from agentrl.config import LearnerSection
+    from agentrl.config.learning import LearnerSection
 
     return run_megatron(args, path, world, compile=LearnerSection().compile)
 
@@ -263,7 +263,7 @@ def run_megatron_compile(args, path: Path, world: int) -> dict:
 
 def run_megatron(args, path: Path, world: int, compile: bool = False) -> dict:
     fast = "_fallback" not in getattr(args, "variant", "")
-    from agentrl.config import AlgorithmSection
+    from agentrl.config.learning import AlgorithmSection
     from agentrl.learners.megatron.learner import MegatronLearner
 
     algo = AlgorithmSection(advantage="grpo", off_policy="none")
@@ -284,7 +284,7 @@ def run_megatron(args, path: Path, world: int, compile: bool = False) -> dict:
 
 
 def run_torch_learner(args, path: Path) -> dict:
-    from agentrl.config import AlgorithmSection
+    from agentrl.config.learning import AlgorithmSection
     from agentrl.learners.torch_learner import TorchLearner
 
     learner = TorchLearner(path, learner_section(args, "torch", 1), AlgorithmSection(off_policy="none"))

@@ -132,7 +132,7 @@ def run_clients(target, n_clients: int, make_args) -> float:
 
 async def serve_draining(run_dir: str, fsync: bool, batch_size: int = 256) -> None:
     """The queue server plus a learner on the same loop that takes and commits batches (steady state)."""
-    from agentrl.config import QueueSection
+    from agentrl.config.serving import QueueSection
     from agentrl.queue.core import ReplayQueue
     from agentrl.queue.server import QueueServer
 
@@ -256,7 +256,7 @@ def bench_fsync(args) -> dict[str, float]:
 def bench_sample(args) -> dict[str, float]:
     import torch
 
-    from agentrl.config import QueueSection
+    from agentrl.config.serving import QueueSection
     from agentrl.queue.collate import pad_batch
     from agentrl.queue.core import ReplayQueue
 

@@ -14,13 +14,14 @@ from collections import defaultdict
 from pathlib import Path
 
 from agentrl.queue import recovery
-from agentrl.queue.wal import WAL_NAME, PutRecord
+from agentrl.queue.wal import PutRecord
+from agentrl.runlayout import WAL_FILE
 from agentrl.types import expand_versions, n_response
 
 
 def games(run_dir: Path) -> dict[str, dict[int, object]]:
     trajs = []
-    data = (run_dir / WAL_NAME).read_bytes()
+    data = (run_dir / WAL_FILE).read_bytes()
     recovery.scan(data, lambda r: trajs.extend(r.trajectories) if isinstance(r, PutRecord) else None)
     out: dict[str, dict[int, object]] = defaultdict(dict)
     for traj in trajs:

@@ -38,7 +38,7 @@ def main() -> int:
     torch.backends.cudnn.allow_tf32 = False
     import torch.distributed as dist
 
-    from agentrl.config import AlgorithmSection, LearnerSection
+    from agentrl.config.learning import AlgorithmSection, LearnerSection
     from agentrl.learners.megatron.learner import MegatronLearner
     from tests.megatron_lora_helpers import ALGO, SETTINGS, compare, lora_section, torch_learner
 

@@ -33,7 +33,7 @@ def main() -> int:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from agentrl.config import AlgorithmSection, LearnerSection
+    from agentrl.config.learning import AlgorithmSection, LearnerSection
     from agentrl.learners.megatron.checkpoint import hf_reader
     from agentrl.learners.megatron.learner import MegatronLearner
     from tests.megatron_helpers import hf_logprobs, make_batch

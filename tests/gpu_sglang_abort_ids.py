@@ -18,7 +18,7 @@ from pathlib import Path
 import aiohttp
 
 from agentrl.actors.broadcast import load_into_engines
-from agentrl.config import SGLangSection
+from agentrl.config.rollout import SGLangSection
 from agentrl.engines.base import DiskSource
 from agentrl.engines.sglang import SGLangEngine
 from agentrl.engines.sglang_launcher import SGLangServer

@@ -85,7 +85,7 @@ def gpu_path_class():
 
 def gpu_path_learner(model_dir, tp: int = 1, pp: int = 1, gpu_path: bool = True, **learner_kw):
     """A MegatronLearner built as on a GPU (`gpu_path_class`), or the CPU learner itself (torch AdamW)."""
-    from agentrl.config import AlgorithmSection, LearnerSection
+    from agentrl.config.learning import AlgorithmSection, LearnerSection
     from agentrl.learners.megatron.learner import MegatronLearner
 
     lc = LearnerSection(
@@ -97,7 +97,7 @@ def gpu_path_learner(model_dir, tp: int = 1, pp: int = 1, gpu_path: bool = True,
 
 def compare_with_torch_learner(learner, model_dir, steps: int = 2, **learner_kw) -> dict:
     """Train `learner` and a TorchLearner (same `learner_kw`) on the same batches; the numbers a test compares."""
-    from agentrl.config import AlgorithmSection, LearnerSection
+    from agentrl.config.learning import AlgorithmSection, LearnerSection
     from agentrl.learners.torch_learner import TorchLearner
     from tests.megatron_helpers import make_batch
 
@@ -363,7 +363,7 @@ def moe_pipeline_worker(rank: int, world: int, model_dir: str, port: int, out_di
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     fake_cuda()
     fake_cuda_streams()
-    from agentrl.config import AlgorithmSection, LearnerSection
+    from agentrl.config.learning import AlgorithmSection, LearnerSection
     from agentrl.learners.torch_learner import TorchLearner
     from tests.megatron_helpers import hf_state, make_batch
 

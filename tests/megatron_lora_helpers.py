@@ -2,7 +2,7 @@
 
 import torch
 
-from agentrl.config import AlgorithmSection, LearnerSection, LoraSection
+from agentrl.config.learning import AlgorithmSection, LearnerSection, LoraSection
 from agentrl.learners.megatron import lora as mlora
 from agentrl.learners.megatron.model import unwrap
 from agentrl.learners.torch_learner import TorchLearner

@@ -17,7 +17,7 @@ def worker(rank: int, world: int, model_dir: str, out_dir: str, port: int) -> No
     from tests.megatron_fake_cuda import fake_cuda, gpu_path_class
 
     fake_cuda()
-    from agentrl.config import AlgorithmSection, LearnerSection
+    from agentrl.config.learning import AlgorithmSection, LearnerSection
     from tests.megatron_lora_helpers import ALGO, SETTINGS, compare, lora_section, torch_learner
 
     learner_class = gpu_path_class()

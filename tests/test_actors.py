@@ -13,6 +13,7 @@ from agentrl.actors.router import EngineRouter
 from agentrl.config import load_config
 from agentrl.engines.base import DiskSource, SamplingParams, TensorSource
 from agentrl.errors import ConfigError, WeightSyncError
+from agentrl.runlayout import latest_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,7 @@ def test_run_dir_checkpoints_are_atomic_and_metrics_truncate(tmp_path):
         (tmp / "learner").mkdir()
         rd.finish_checkpoint(step, tmp, {"policy_version": step})
         rd.log({"step": step, "reward_mean": 0.1 * step})
-    path, state = rd.latest_checkpoint()
+    path, state = latest_checkpoint(rd.path)
     assert path.name == "step_3" and state["step"] == 3
     assert sorted(p.name for p in rd.ckpt_root.glob("step_*")) == ["step_2", "step_3"]  # keeps 2
     assert not list(rd.ckpt_root.glob(".tmp*"))

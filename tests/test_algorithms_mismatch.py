@@ -8,7 +8,7 @@ import torch
 
 from agentrl import types
 from agentrl.algorithms import check, compute_loss, merge_metrics, merge_updates, metric_floats, prepare_batch
-from agentrl.config import AlgorithmSection
+from agentrl.config.learning import AlgorithmSection
 from agentrl.errors import ConfigError
 from agentrl.learners.batch import build_batch
 

@@ -9,7 +9,7 @@ import torch
 
 from agentrl import types
 from agentrl.algorithms import compute_loss, merge_metrics, prepare_batch
-from agentrl.config import AlgorithmSection
+from agentrl.config.learning import AlgorithmSection
 from agentrl.learners.batch import build_batch, micro_batches
 from agentrl.queue.slices import split_groups
 
@@ -215,7 +215,7 @@ def test_gspo_default_is_the_papers_sequence_objective():
 
 def test_every_registered_estimator_and_loss_has_an_implementation():
     from agentrl.algorithms.objective import SEQUENCE_ESTIMATORS, TOKEN_ESTIMATORS
-    from agentrl.config_learning import ESTIMATORS, LOSSES
+    from agentrl.config.learning import ESTIMATORS, LOSSES
 
     levels = {name: e.level for name, e in ESTIMATORS.items()}
     assert {n for n, lv in levels.items() if lv == "sequence"} == set(SEQUENCE_ESTIMATORS)

@@ -8,7 +8,7 @@ import torch
 from agentrl import types
 from agentrl.algorithms import compute_loss, prepare_batch
 from agentrl.algorithms.ratios import MAX_LOG_RATIO, exp_ratio
-from agentrl.config import AlgorithmSection
+from agentrl.config.learning import AlgorithmSection
 from agentrl.learners.batch import build_batch
 
 # (advantage estimator, policy loss): every estimator with the default loss, every loss with grpo

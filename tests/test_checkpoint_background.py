@@ -13,7 +13,8 @@ import torch
 
 from agentrl.actors.cluster import Cluster
 from agentrl.actors.learner import LearnerWorker
-from agentrl.config import AlgorithmSection, LearnerSection, load_config
+from agentrl.config import load_config
+from agentrl.config.learning import AlgorithmSection, LearnerSection
 from agentrl.errors import StorageError
 from agentrl.learners.batch import build_batch
 from agentrl.learners.torch_learner import TorchLearner

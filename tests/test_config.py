@@ -3,8 +3,10 @@
 import msgspec
 import pytest
 
-from agentrl.config import Config, EngineSection, LearnerSection, RolloutSection, load_config
-from agentrl.config_text import dump_toml, parse_overrides, unwrap
+from agentrl.config import Config, load_config
+from agentrl.config.learning import LearnerSection
+from agentrl.config.rollout import EngineSection, RolloutSection
+from agentrl.config.text import dump_toml, parse_overrides, unwrap
 from agentrl.errors import ConfigError
 
 

@@ -11,9 +11,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from agentrl.config import Config, LearnerSection, load_config
-from agentrl.config_docs import reference
-from agentrl.config_text import parse_overrides, split_config_args
+from agentrl.config import Config, load_config
+from agentrl.config.docs import reference
+from agentrl.config.learning import LearnerSection
+from agentrl.config.text import parse_overrides, split_config_args
 from agentrl.errors import ConfigError
 from agentrl.runner import cli as run_cli
 

@@ -23,4 +23,4 @@ def test_docs_config_md_is_what_the_generator_prints():
     ).stdout
     assert "| `max_staleness` | int | `1` | >= 0 |" in out
     written = (ROOT / "docs" / "config.md").read_text()
-    assert written == out, f"docs/config.md is out of date with agentrl/config.py: run `{REGENERATE_DOCS}`"
+    assert written == out, f"docs/config.md is out of date with agentrl/config: run `{REGENERATE_DOCS}`"

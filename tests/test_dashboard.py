@@ -15,7 +15,8 @@ import pytest
 from agentrl.config import load_config
 from agentrl.dashboard.server import Dashboard
 from agentrl.errors import ConfigError
-from agentrl.runlock import RUN_LOCK, DirLock
+from agentrl.runlayout import RUN_LOCK
+from agentrl.runlock import DirLock
 from tests.dashboard_support import short_run
 
 pytestmark = pytest.mark.slow  # one short real `agentrl run` per session (tests/dashboard_support.py)

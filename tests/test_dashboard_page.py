@@ -22,7 +22,8 @@ import pytest
 
 from agentrl.dashboard.server import Dashboard
 from agentrl.net import free_port
-from agentrl.runlock import RUN_LOCK, DirLock
+from agentrl.runlayout import RUN_LOCK
+from agentrl.runlock import DirLock
 from tests.dashboard_support import short_run
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")

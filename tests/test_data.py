@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from agentrl.config import DataSection
+from agentrl.config.rollout import DataSection
 from agentrl.data import EnvTaskSource, PromptDataset, eval_tasks, task_source
 from agentrl.envs import make_env
 from agentrl.errors import DataError

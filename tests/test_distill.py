@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from agentrl import types
 from agentrl.algorithms import compute_loss, prepare_batch
-from agentrl.config import AlgorithmSection, LearnerSection
+from agentrl.config.learning import AlgorithmSection, LearnerSection
 from agentrl.engines.tiny import make_tiny_model
 from agentrl.errors import LearnerError
 from agentrl.learners.batch import build_batch

@@ -13,7 +13,7 @@ import torch
 from aiohttp import web
 from safetensors import safe_open
 
-from agentrl.config_learning import LearnerSection
+from agentrl.config.learning import LearnerSection
 from agentrl.engines.base import DiskSource, SamplingParams, TensorSource
 from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.server import EngineServer

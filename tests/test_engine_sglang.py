@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from agentrl.config import SGLangSection
+from agentrl.config.rollout import SGLangSection
 from agentrl.engines.base import DiskSource, InvalidRequest, SamplingParams, TensorSource
 from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.sglang import SGLangEngine
@@ -339,7 +339,7 @@ async def test_launcher_reports_a_failed_start_with_the_log(dirs, fake_sglang):
 
 
 async def test_connect_attaches_to_external_urls(dirs):
-    from agentrl.config import EngineSection
+    from agentrl.config.rollout import EngineSection
     from agentrl.engines.sglang_launcher import connect
 
     urls, servers = await connect(

@@ -15,11 +15,11 @@ pytest.importorskip("verifiers")
 
 from verifiers.v1.dialects.chat import message_to_wire
 
+from agentrl.chat import chat_tokens
 from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory, make_env
 from agentrl.errors import EnvError
 from agentrl.generator import RolloutContext
-from agentrl.generators.chat import chat_tokens
 from agentrl.generators.openai_proxy import proxy_for, stop_proxies
 from agentrl.generators.verifiers_env import API_KEY_VAR, play, stop_envs
 from agentrl.types import mask, tokens

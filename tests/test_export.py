@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agentrl import types
 from agentrl.cli import main as cli_main
-from agentrl.config import AlgorithmSection, LearnerSection
+from agentrl.config.learning import AlgorithmSection, LearnerSection
 from agentrl.engines.tiny import make_tiny_model
 from agentrl.errors import LearnerError
 from agentrl.learners.batch import build_batch
@@ -76,7 +76,8 @@ def test_export_finds_the_checkpoint_in_a_run_directory(tmp_path):
     learner = TorchLearner(model_dir, LearnerSection(), AlgorithmSection())
     run = tmp_path / "runs" / "exp"
     learner.save(str(run / "checkpoints" / "step_4" / "learner"))
-    (run / "checkpoints" / "latest").write_text("step_4\n")
+    (run / "checkpoints" / "step_4" / "state.json").write_text(json.dumps({"step": 4}))
+    (run / "checkpoints" / "step_5" / "learner").mkdir(parents=True)  # a save that did not finish
     for source, out in ((run, tmp_path / "a"), (run / "checkpoints" / "step_4", tmp_path / "b")):
         assert cli_main(["export", str(source), "--out", str(out)]) == 0
         assert (out / "model.safetensors").is_file()

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from agentrl.queue import recovery
-from agentrl.queue.walformat import LEDGER_NAME, WAL_NAME, PutRecord
+from agentrl.queue.walformat import PutRecord
+from agentrl.runlayout import LEDGER_FILE, WAL_FILE
 from tests.run_support import read_jsonl, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -28,7 +29,7 @@ def wal_trajectories(run: Path) -> dict:
         if isinstance(record, PutRecord):
             found.update((t.id, t) for t in record.trajectories)
 
-    recovery.scan((run / WAL_NAME).read_bytes(), apply)
+    recovery.scan((run / WAL_FILE).read_bytes(), apply)
     return found
 
 
@@ -71,7 +72,7 @@ def test_external_agent_process_drives_a_run(tmp_path, run_model):
     lines = dict(line.split(": ", 1) for line in agent_out.splitlines() if ": " in line)
     abandoned = [tid for tid, outcome in lines.items() if outcome == "abandoned"]
     assert len(abandoned) == 1, agent_out
-    ledger = read_jsonl(run_dir / LEDGER_NAME)
+    ledger = read_jsonl(run_dir / LEDGER_FILE)
     assert [row["step"] for row in ledger] == [1, 2]
     trained = [i for row in ledger for i in row["ids"]]
     assert len(trained) == 4 and len(set(trained)) == 4

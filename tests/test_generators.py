@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
+from agentrl.chat import chat_tokens, demonstration_tokens
 from agentrl.engines.base import SamplingParams, TensorSource
 from agentrl.envs import env_factory, make_env
 from agentrl.generator import RolloutContext, resolve_generator
-from agentrl.generators.chat import chat_tokens, demonstration_tokens
 from agentrl.tokenizer import load_tokenizer
 from agentrl.types import Message, expand_versions, floats, mask, n_response, normalize, tokens
 from tests.gen_support import (

@@ -8,7 +8,8 @@ import torch
 from aiohttp import web
 
 from agentrl.actors.handoff import GIB, HandOff, PeakMeter, wait_until_free
-from agentrl.config import AlgorithmSection, LearnerSection, load_config
+from agentrl.config import load_config
+from agentrl.config.learning import AlgorithmSection, LearnerSection
 from agentrl.engines.base import DiskSource, SamplingParams
 from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.sglang import SGLangEngine

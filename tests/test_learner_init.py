@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from agentrl.config import AlgorithmSection, LearnerSection
+from agentrl.config.learning import AlgorithmSection, LearnerSection
 from agentrl.errors import ConfigError, LearnerError
 from agentrl.learners.torch_learner import TorchLearner
 

@@ -6,7 +6,8 @@ from transformers import AutoModelForCausalLM
 
 from agentrl import types
 from agentrl.cli import main as cli_main
-from agentrl.config import AlgorithmSection, LearnerSection, LoraSection, load_config
+from agentrl.config import load_config
+from agentrl.config.learning import AlgorithmSection, LearnerSection, LoraSection
 from agentrl.engines.base import SamplingParams, TensorSource
 from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.tiny import make_tiny_model

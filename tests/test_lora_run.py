@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from agentrl.cli import main as cli_main
+from agentrl.runlayout import latest_checkpoint
 from tests.run_support import read_jsonl, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -24,8 +25,7 @@ def test_lora_run_checkpoints_resumes_and_exports(ray_session, tmp_path, run_mod
     lora = ["--learner.lora.rank", "4", "--learner.lora.target-modules", '["all-linear"]']
     assert run(load_config(path, lora))["ok"]
     run_dir = tmp_path / "t"
-    step = (run_dir / "checkpoints" / "latest").read_text().strip()
-    files = {p.name for p in (run_dir / "checkpoints" / step / "learner").iterdir()}
+    files = {p.name for p in (latest_checkpoint(run_dir)[0] / "learner").iterdir()}
     assert "adapter_model.safetensors" in files and "model.safetensors" not in files
     summary = run(load_config(path, [*lora, "--run.steps", "3"]), resume=True)
     assert summary["ok"] and summary["steps"] == 3

@@ -19,7 +19,7 @@ pytest.importorskip("megatron.core")
 from safetensors.torch import load_file, save_file
 
 from agentrl import types
-from agentrl.config import LearnerSection
+from agentrl.config.learning import LearnerSection
 from agentrl.engines.tiny import MOE_ARCHS, make_tiny_model
 from agentrl.errors import LearnerError
 from agentrl.learners.batch import build_batch

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from agentrl.config import AlgorithmSection, LearnerSection  # noqa: E402
+from agentrl.config.learning import AlgorithmSection, LearnerSection  # noqa: E402
 from tests.megatron_helpers import hf_logprobs, make_batch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from agentrl import types
-from agentrl.config import AlgorithmSection, LearnerSection
+from agentrl.config.learning import AlgorithmSection, LearnerSection
 from agentrl.errors import ConfigError, LearnerError
 from agentrl.learners import checkpoint as learner_checkpoint
 from agentrl.learners.batch import build_batch

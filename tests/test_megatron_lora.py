@@ -16,11 +16,13 @@ pytest.importorskip("peft")
 
 from agentrl import types
 from agentrl.cli import main as cli_main
-from agentrl.config import AlgorithmSection, LearnerSection, load_config
+from agentrl.config import load_config
+from agentrl.config.learning import AlgorithmSection, LearnerSection
 from agentrl.errors import LearnerError
 from agentrl.learners.batch import build_batch
 from agentrl.learners.checkpoint import read_metadata
 from agentrl.learners.megatron.learner import MegatronLearner
+from agentrl.runlayout import latest_checkpoint
 from tests.megatron_helpers import hf_logprobs, make_batch
 from tests.megatron_lora_helpers import ALGO, SETTINGS, compare, lora_section, torch_learner
 
@@ -171,8 +173,7 @@ def test_agentrl_run_with_megatron_lora_checkpoints_and_resumes(ray_session, tmp
     lora = ["--learner.lora.rank", "4", "--learner.lora.target-modules", '["all-linear"]']
     assert run(load_config(path, lora))["ok"]
     run_dir = tmp_path / "t"
-    step = (run_dir / "checkpoints" / "latest").read_text().strip()
-    files = {p.name for p in (run_dir / "checkpoints" / step / "learner").iterdir()}
+    files = {p.name for p in (latest_checkpoint(run_dir)[0] / "learner").iterdir()}
     assert "adapter_model.safetensors" in files and not any(f.startswith("model_tp") for f in files)
     assert run(load_config(path, [*lora, "--run.steps", "3"]), resume=True)["steps"] == 3
     versions = [m["policy_version"] for m in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in m]

@@ -79,7 +79,7 @@ def test_router_loss_coefficients_reach_the_router(tmp_path, coeff):
     """A router loss changes the routers' updates (and those of the weights below them, through their inputs),
     not those of weights no router depends on (one CPU process, no clipping: the norm would couple them); the
     SFT step has none (as the torch learner's)."""
-    from agentrl.config import LearnerSection
+    from agentrl.config.learning import LearnerSection
     from agentrl.learners.megatron.learner import MegatronLearner
 
     model = make_tiny_model(tmp_path / "q", "qwen3_moe", seed=2, hidden=64, vocab_size=300, init_std=0.2)
@@ -103,7 +103,7 @@ def test_router_loss_coefficients_reach_the_router(tmp_path, coeff):
 def test_router_losses_weigh_the_token_mean_whatever_the_micro_batches(tmp_path):
     """The z-loss is a mean over real tokens: one micro-batch or several (each padded differently), the same
     gradient norm, while the coefficient changes it."""
-    from agentrl.config import LearnerSection
+    from agentrl.config.learning import LearnerSection
     from agentrl.learners.megatron.learner import MegatronLearner
 
     model = make_tiny_model(tmp_path / "q", "qwen3_moe", seed=2, hidden=64, vocab_size=300, init_std=0.2)
@@ -119,7 +119,7 @@ def test_router_losses_weigh_the_token_mean_whatever_the_micro_batches(tmp_path)
 
 
 def test_moe_settings_the_learner_cannot_honour_are_refused_by_name(tmp_path):
-    from agentrl.config import LearnerSection, LoraSection
+    from agentrl.config.learning import LearnerSection, LoraSection
     from agentrl.errors import LearnerError
     from agentrl.learners.megatron.learner import MegatronLearner
 
@@ -149,7 +149,7 @@ def test_moe_training_equals_the_torch_learner(tmp_path, arch):
     batches: log-probs, losses, gradient norms (router gradients included) and weights after two Adam steps."""
     from safetensors.torch import load_file
 
-    from agentrl.config import AlgorithmSection, LearnerSection
+    from agentrl.config.learning import AlgorithmSection, LearnerSection
     from agentrl.learners.megatron.learner import MegatronLearner
     from agentrl.learners.torch_learner import TorchLearner
 

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, Glm4MoeConfig, Qwen3MoeConfig
 
 from agentrl import types
-from agentrl.config import AlgorithmSection, LearnerSection, LoraSection
+from agentrl.config.learning import AlgorithmSection, LearnerSection, LoraSection
 from agentrl.engines.tiny import train_tokenizer
 from agentrl.errors import LearnerError
 from agentrl.learners.batch import build_batch, micro_batches

@@ -186,7 +186,7 @@ def test_sampling_policy_is_checked(tiny, tok):
 
 
 async def test_the_generator_proxy_takes_the_configured_policy(tiny, tok):
-    from agentrl.config import RolloutSection
+    from agentrl.config.rollout import RolloutSection
     from agentrl.generator import RolloutContext
     from agentrl.generators.openai_proxy import proxy_for, stop_proxies
 

@@ -11,8 +11,8 @@ import json
 import openai
 import pytest
 
+from agentrl.chat import chat_tokens
 from agentrl.engines.base import SamplingParams
-from agentrl.generators.chat import chat_tokens
 from agentrl.generators.openai_proxy import OpenAIProxy
 from agentrl.types import mask, tokens
 from tests.gen_support import HFEngine

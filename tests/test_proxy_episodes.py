@@ -11,10 +11,10 @@ import types
 import openai
 import pytest
 
+from agentrl.chat import chat_tokens
 from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory
 from agentrl.generator import RolloutContext, resolve_generator
-from agentrl.generators.chat import chat_tokens
 from agentrl.generators.openai_proxy import stop_proxies
 from agentrl.types import mask, tokens
 from tests.gen_support import HFEngine

@@ -8,7 +8,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from agentrl.config import QueueSection
+from agentrl.config.serving import QueueSection
 from agentrl.errors import InvalidTrajectory, QueueClosed, QueueFull
 from agentrl.queue import ReplayQueue
 from agentrl.queue.collate import pad_batch

@@ -14,10 +14,11 @@ import time
 
 import pytest
 
-from agentrl.config import QueueSection
+from agentrl.config.serving import QueueSection
 from agentrl.errors import LockHeld, QueueClosed, StorageError
 from agentrl.queue import ReplayQueue
 from agentrl.queue import wal as wal_mod
+from agentrl.runlayout import LEDGER_FILE, WAL_FILE
 from agentrl.runlock import Fence
 from agentrl.types import Trajectory
 
@@ -29,7 +30,7 @@ def traj(tid: str, n: int = 64) -> Trajectory:
 HOLDER = textwrap.dedent(
     """
     import sys, time
-    from agentrl.config import QueueSection
+    from agentrl.config.serving import QueueSection
     from agentrl.queue import ReplayQueue
 
     q = ReplayQueue(QueueSection(), sys.argv[1])
@@ -85,15 +86,15 @@ async def test_fenced_queue_writes_nothing_once_its_owner_is_gone(tmp_path):
     assert not q.fenced()
     owner.kill()
     owner.wait()
-    size = (tmp_path / wal_mod.WAL_NAME).stat().st_size
+    size = (tmp_path / WAL_FILE).stat().st_size
     with pytest.raises(QueueClosed, match=f"process {owner.pid}"):
         await q.put([traj("c1"), traj("c2")])
     with pytest.raises(QueueClosed):
         await q.commit(1, batch.ids)
     assert not q.is_known("c1") and q.fenced() and q.closed
     q.set_policy_version(50)  # would drop the queued group as stale: no drop record either
-    assert (tmp_path / wal_mod.WAL_NAME).stat().st_size == size
-    assert not (tmp_path / wal_mod.LEDGER_NAME).exists()
+    assert (tmp_path / WAL_FILE).stat().st_size == size
+    assert not (tmp_path / LEDGER_FILE).exists()
     q2 = ReplayQueue(QueueSection(group_size=2, max_staleness=5), tmp_path)  # the lock is released
     assert sorted(q2.pending_ids()) == ["a1", "a2", "b1", "b2"]
     q2.close()
@@ -148,7 +149,7 @@ async def test_group_commit_puts_share_fsyncs_and_return_only_once_covered(tmp_p
 
 def record_ends(run_dir) -> list[int]:
     """End offset of each put record, in log order (one trajectory per record here)."""
-    data = (run_dir / wal_mod.WAL_NAME).read_bytes()
+    data = (run_dir / WAL_FILE).read_bytes()
     pos, ends = len(wal_mod.MAGIC), []
     while pos < len(data):
         length, _ = wal_mod.HEADER.unpack_from(data, pos)

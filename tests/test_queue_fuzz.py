@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentrl.config import QueueSection
+from agentrl.config.serving import QueueSection
 from agentrl.queue import ReplayQueue
 from agentrl.queue.server import BackgroundServer
 

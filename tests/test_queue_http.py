@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from agentrl.config import QueueSection
+from agentrl.config.serving import QueueSection
 from agentrl.errors import ConfigError
 from agentrl.queue import ReplayQueue
 from agentrl.queue import wal as wal_mod

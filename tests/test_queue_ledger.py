@@ -11,9 +11,10 @@ import json
 import shutil
 import threading
 
-from agentrl.config import QueueSection
+from agentrl.config.serving import QueueSection
 from agentrl.queue import ReplayQueue, recovery
 from agentrl.queue import wal as wal_mod
+from agentrl.runlayout import LEDGER_FILE, WAL_FILE
 from agentrl.types import Trajectory
 
 
@@ -24,7 +25,7 @@ def traj(tid: str) -> Trajectory:
 def crash_copy(run_dir, to):
     """The run dir as a SIGKILL now leaves it: the log and the ledger as written so far."""
     to.mkdir()
-    for name in (wal_mod.WAL_NAME, wal_mod.LEDGER_NAME):
+    for name in (WAL_FILE, LEDGER_FILE):
         if (run_dir / name).exists():
             shutil.copy(run_dir / name, to / name)
     return to
@@ -40,13 +41,13 @@ def accounted(run_dir) -> tuple[set[str], list[int]]:
 
 
 def ledger(run_dir) -> list[dict]:
-    path = run_dir / wal_mod.LEDGER_NAME
+    path = run_dir / LEDGER_FILE
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def record_kinds(run_dir) -> list[str]:
     kinds: list[str] = []
-    data = (run_dir / wal_mod.WAL_NAME).read_bytes()
+    data = (run_dir / WAL_FILE).read_bytes()
     recovery.scan(data, lambda record: kinds.append(type(record).__name__.removesuffix("Record").lower()))
     return kinds
 
@@ -55,7 +56,7 @@ class UnwritableLedger:
     """ledger.jsonl is a directory until `restore()`: appending a line fails (EISDIR), as on a broken disk."""
 
     def __init__(self, run_dir):
-        self.path, self.kept = run_dir / wal_mod.LEDGER_NAME, run_dir / "ledger.kept"
+        self.path, self.kept = run_dir / LEDGER_FILE, run_dir / "ledger.kept"
         if self.path.exists():
             self.path.rename(self.kept)
         self.path.mkdir()

@@ -10,9 +10,10 @@ import struct
 
 import pytest
 
-from agentrl.config import QueueSection
+from agentrl.config.serving import QueueSection
 from agentrl.queue import ReplayQueue
 from agentrl.queue import wal as wal_mod
+from agentrl.runlayout import LEDGER_FILE, WAL_FILE
 from agentrl.types import Trajectory
 
 HEADER = struct.Struct("<II")
@@ -35,7 +36,7 @@ def frames(path) -> list[tuple[int, int]]:
 
 
 def ledger(run_dir) -> list[dict]:
-    path = run_dir / wal_mod.LEDGER_NAME
+    path = run_dir / LEDGER_FILE
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
@@ -58,7 +59,7 @@ def flip(path, offset: int, mask: int = 0x40) -> bytes:
 @pytest.mark.parametrize("where", ["payload", "length-low", "length-high", "crc"])
 async def test_one_damaged_record_in_the_middle_costs_only_that_record(tmp_path, caplog, where):
     await write_puts(tmp_path, 40)
-    path = tmp_path / wal_mod.WAL_NAME
+    path = tmp_path / WAL_FILE
     start, end = frames(path)[20]  # record 20 of 40 (t20)
     original = path.read_bytes()
     at = {
@@ -75,7 +76,7 @@ async def test_one_damaged_record_in_the_middle_costs_only_that_record(tmp_path,
     assert q.pending_ids() == expected  # everything after the damage is kept
     repairs = q.status()["wal_repairs"]
     assert repairs["damaged_ranges"] == [[start, end - start]] and repairs["records_after_damage"] == 19
-    side = tmp_path / f"{wal_mod.WAL_NAME}.damaged-1"
+    side = tmp_path / f"{WAL_FILE}.damaged-1"
     assert repairs["side_file"] == str(side) and side.read_bytes() == damaged
     lines = [r.message for r in caplog.records if "damaged" in r.message]
     assert len(lines) == 1 and f"{start}+{end - start}" in lines[0] and "kept 19 intact records" in lines[0]
@@ -85,14 +86,14 @@ async def test_one_damaged_record_in_the_middle_costs_only_that_record(tmp_path,
 
     q2 = ReplayQueue(QueueSection(), tmp_path)  # clean now: nothing skipped, no second side file
     assert q2.pending_ids() == [*expected, "new"] and q2.status()["wal_repairs"] is None
-    assert not (tmp_path / f"{wal_mod.WAL_NAME}.damaged-2").exists()
+    assert not (tmp_path / f"{WAL_FILE}.damaged-2").exists()
     q2.close()
 
 
 async def test_damage_and_a_torn_tail_together_and_side_files_are_never_overwritten(tmp_path):
     await write_puts(tmp_path, 10)
-    path = tmp_path / wal_mod.WAL_NAME
-    (tmp_path / f"{wal_mod.WAL_NAME}.damaged-1").write_bytes(b"an earlier one")
+    path = tmp_path / WAL_FILE
+    (tmp_path / f"{WAL_FILE}.damaged-1").write_bytes(b"an earlier one")
     start, _ = frames(path)[3]
     flip(path, start + HEADER.size + 5)
     path.write_bytes(path.read_bytes()[:-7])  # and the last record torn
@@ -101,7 +102,7 @@ async def test_damage_and_a_torn_tail_together_and_side_files_are_never_overwrit
     repairs = q.status()["wal_repairs"]
     assert repairs["records_after_damage"] == 5 and repairs["cut_tail_bytes"] > 0
     assert repairs["side_file"].endswith(".damaged-2")
-    assert (tmp_path / f"{wal_mod.WAL_NAME}.damaged-1").read_bytes() == b"an earlier one"
+    assert (tmp_path / f"{WAL_FILE}.damaged-1").read_bytes() == b"an earlier one"
     q.close()
 
 
@@ -128,8 +129,8 @@ def commit_frames(path) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("damage", ["log-lost-its-last-25-commits", "commit-record-20-damaged"])
 async def test_finished_run_resumed_duplicates_no_ledger_line_and_brings_nothing_back(tmp_path, damage):
     trained = await train(tmp_path, 40)
-    path = tmp_path / wal_mod.WAL_NAME
-    before = (tmp_path / wal_mod.LEDGER_NAME).read_bytes()
+    path = tmp_path / WAL_FILE
+    before = (tmp_path / LEDGER_FILE).read_bytes()
     commits = commit_frames(path)
     if damage == "log-lost-its-last-25-commits":  # e.g. a machine crash with fsync off: the ledger survived
         path.write_bytes(path.read_bytes()[: commits[14][1]])
@@ -137,12 +138,12 @@ async def test_finished_run_resumed_duplicates_no_ledger_line_and_brings_nothing
         flip(path, commits[19][0] + HEADER.size + 12)
 
     q = ReplayQueue(QueueSection(compact_every=0, max_staleness=100), tmp_path)
-    assert (tmp_path / wal_mod.LEDGER_NAME).read_bytes() == before  # no ledger line re-appended
+    assert (tmp_path / LEDGER_FILE).read_bytes() == before  # no ledger line re-appended
     assert q.pending_ids() == [] and len(q) == 0  # no trained trajectory came back
     assert sorted(q.committed_steps()) == list(range(1, 41)) and q.status()["committed_total"] == 160
     for step, ids in list(trained.items())[-3:]:  # the resumed run rolls its checkpoint's commits forward
         await q.commit(step, ids)
-    assert (tmp_path / wal_mod.LEDGER_NAME).read_bytes() == before
+    assert (tmp_path / LEDGER_FILE).read_bytes() == before
     every_id = [tid for ids in trained.values() for tid in ids]
     result = await q.put([traj(tid) for tid in every_id])
     assert (result.accepted, result.duplicates) == (0, 160)
@@ -153,7 +154,7 @@ async def test_finished_run_resumed_duplicates_no_ledger_line_and_brings_nothing
 async def test_a_ledger_line_the_log_lacks_anywhere_is_re_appended_once(tmp_path):
     """The other direction: the log has the commit, the ledger lost a line in the middle (not the last)."""
     await train(tmp_path, 6)
-    path = tmp_path / wal_mod.LEDGER_NAME
+    path = tmp_path / LEDGER_FILE
     lines = path.read_bytes().splitlines(keepends=True)
     path.write_bytes(b"".join(lines[:2] + lines[3:]))  # step 3 is missing
     q = ReplayQueue(QueueSection(compact_every=0), tmp_path)

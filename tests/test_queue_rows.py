@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from agentrl.config import QueueSection
+from agentrl.config.serving import QueueSection
 from agentrl.queue import ReplayQueue
 from agentrl.types import floats, mask, tokens
 from tests.test_queue_http import background, post_json  # noqa: F401  (the fixture)

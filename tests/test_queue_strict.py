@@ -11,7 +11,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from agentrl.config import QueueSection
+from agentrl.config.serving import QueueSection
 from agentrl.errors import ConfigError
 from agentrl.queue import ReplayQueue
 from agentrl.queue.server import BackgroundServer, QueueServer

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from agentrl.cli import main
 from agentrl.config import load_config
-from agentrl.config_text import dump_toml
+from agentrl.config.text import dump_toml
 from agentrl.runner.rundir import redact
 
 

@@ -14,10 +14,11 @@ import textwrap
 
 import pytest
 
-from agentrl.config import QueueSection
+from agentrl.config.serving import QueueSection
 from agentrl.errors import StorageError
 from agentrl.queue import ReplayQueue
 from agentrl.queue import wal as wal_mod
+from agentrl.runlayout import LEDGER_FILE, WAL_FILE
 from agentrl.types import Trajectory
 
 
@@ -28,7 +29,7 @@ def traj(tid: str, group: str = "", version: int = 0, n: int = 8) -> Trajectory:
 
 
 def ledger(run_dir) -> list[dict]:
-    path = run_dir / wal_mod.LEDGER_NAME
+    path = run_dir / LEDGER_FILE
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
@@ -60,7 +61,7 @@ async def test_restart_recovers_uncommitted_exactly_once(tmp_path):
 CHILD = textwrap.dedent(
     """
     import asyncio, sys
-    from agentrl.config import QueueSection
+    from agentrl.config.serving import QueueSection
     from agentrl.queue import ReplayQueue
     from agentrl.types import Trajectory
 
@@ -141,7 +142,7 @@ def _write_some(run_dir, n: int) -> None:
 @pytest.mark.parametrize("damage", ["truncate", "corrupt", "garbage"])
 def test_torn_or_corrupt_last_record_is_cut(tmp_path, damage, caplog):
     _write_some(tmp_path, 3)
-    path = tmp_path / wal_mod.WAL_NAME
+    path = tmp_path / WAL_FILE
     data = path.read_bytes()
     if damage == "truncate":
         path.write_bytes(data[:-7])
@@ -158,7 +159,7 @@ def test_torn_or_corrupt_last_record_is_cut(tmp_path, damage, caplog):
 
 
 def test_not_a_log_is_refused(tmp_path):
-    (tmp_path / wal_mod.WAL_NAME).write_bytes(b"hello world")
+    (tmp_path / WAL_FILE).write_bytes(b"hello world")
     with pytest.raises(StorageError, match="magic"):
         ReplayQueue(QueueSection(), tmp_path)
 
@@ -170,10 +171,10 @@ async def test_compaction_keeps_uncommitted_and_known_ids(tmp_path):
         await q.put([traj(f"s{step}-{k}", n=200) for k in range(4)])
         batch = await q.sample_batch(3)
         await q.commit(step, batch.ids)
-    size_before = (tmp_path / wal_mod.WAL_NAME).stat().st_size
+    size_before = (tmp_path / WAL_FILE).stat().st_size
     await q.put(traj("late", n=200))
     q.compact()
-    assert (tmp_path / wal_mod.WAL_NAME).stat().st_size < size_before
+    assert (tmp_path / WAL_FILE).stat().st_size < size_before
     assert not (tmp_path / "queue.wal.tmp").exists()
     pending = q.pending_ids()
     q.close()
@@ -228,7 +229,7 @@ async def test_fsync_mode_and_torn_ledger_line_repaired(tmp_path):
     batch = await q.sample_batch(2)
     await q.commit(0, batch.ids)
     q.close()
-    path = tmp_path / wal_mod.LEDGER_NAME
+    path = tmp_path / LEDGER_FILE
     path.write_bytes(path.read_bytes()[:-10])  # killed while writing the ledger line
     q2 = ReplayQueue(cfg, tmp_path)
     assert [line["step"] for line in ledger(tmp_path)] == [0]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import requests
 
-from agentrl.config import QueueSection
+from agentrl.config.serving import QueueSection
 from agentrl.errors import InvalidTrajectory
 from agentrl.queue import ReplayQueue
 from agentrl.queue.client import QueueClient, SubmitError
@@ -161,7 +161,7 @@ def test_a_bad_record_is_refused_with_its_field_and_nothing_accepted_is_lost(bac
 CHILD = textwrap.dedent(
     """
     import asyncio, sys
-    from agentrl.config import QueueSection
+    from agentrl.config.serving import QueueSection
     from agentrl.queue import ReplayQueue
     from tests.test_routing_replay_queue import moe_traj
 

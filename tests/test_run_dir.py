@@ -1,5 +1,6 @@
 """The run directory without Ray: which directories hold a run (refused without --resume), clean-up of a
-failed start, `run.overwrite`, the driver's lock, storage errors as one line, the TensorBoard default."""
+failed start, `run.overwrite`, the driver's lock, storage errors as one line, the TensorBoard default, and the
+one rule for the latest checkpoint that resume, the refusal, the summary and `agentrl export` share."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.config import load_config, tomllib
+from agentrl.config import load_config
+from agentrl.config.text import tomllib
 from agentrl.errors import ConfigError, LockHeld, StorageError
+from agentrl.runlayout import latest_checkpoint
 from agentrl.runner.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +42,39 @@ def trained(tmp_path: Path, steps: int = 2, finished: bool = False) -> Path:
         rd.finish(rd.summary("steps"))
     rd.close()
     return rd.path
+
+
+def test_every_reader_takes_the_same_latest_checkpoint_and_none_takes_an_unfinished_save(tmp_path):
+    """Real files as crashes leave them: a save still in its temporary directory, a step directory whose
+    state.json was never written, one whose state.json is torn. Resume, the refusal of the directory, the
+    run's summary and `agentrl export` all take step 2, the newest complete checkpoint."""
+    from agentrl.learners.checkpoint import write_metadata
+    from agentrl.learners.cli import resolve_checkpoint
+    from agentrl.runner.claim import existing_run
+    from agentrl.runner.state import pick_checkpoint
+
+    path = trained(tmp_path, steps=2)
+    rd = RunDir(config(tmp_path), resume=True)
+    try:
+        (rd.begin_checkpoint(3) / "learner").mkdir()  # the learner was writing when the process died
+        (rd.step_dir(4) / "learner").mkdir(parents=True)  # written in place, state.json never came
+        (rd.step_dir(5) / "learner").mkdir(parents=True)
+        (rd.step_dir(5) / "state.json").write_text('{"step": 5, "policy_')
+        newest = rd.step_dir(2)
+        for step in (2, 4, 5):  # the learner's own files (`agentrl export` looks for learner.json)
+            write_metadata(rd.step_dir(step) / "learner", "torch", step, step, ".")
+        assert latest_checkpoint(path) == (newest, json.loads((newest / "state.json").read_text()))
+        assert pick_checkpoint(rd)[0] == newest
+        assert existing_run(path)["step"] == 2
+        assert rd.summary("steps")["checkpoint"] == str(newest)
+        assert resolve_checkpoint(str(path)) == newest / "learner"
+        tmp = rd.begin_checkpoint(6)  # the next save that completes is the latest, whatever its neighbours
+        (tmp / "learner").mkdir()
+        rd.finish_checkpoint(6, tmp, {"policy_version": 6})
+        assert latest_checkpoint(path)[0] == rd.step_dir(6) == pick_checkpoint(rd)[0]
+        assert existing_run(path)["step"] == 6
+    finally:
+        rd.close()
 
 
 def test_a_directory_holding_an_unfinished_run_is_refused_with_what_to_do(tmp_path):
@@ -77,7 +113,7 @@ def test_leftovers_of_a_failed_start_are_cleared_and_the_retry_starts(tmp_path):
     (rd.path / "notes.txt").write_text("mine")
     retry = RunDir(config(tmp_path))
     assert not (retry.path / "queue.wal").exists() and not retry.metrics_path.exists()
-    assert retry.latest_checkpoint() is None
+    assert latest_checkpoint(retry.path) is None
     assert (retry.path / "notes.txt").read_text() == "mine"  # only agentrl's own files go
     retry.close()
 
@@ -86,7 +122,7 @@ def test_overwrite_deletes_the_old_run(tmp_path):
     path = trained(tmp_path, finished=True)
     rd = RunDir(config(tmp_path, "--run.overwrite", "true"))
     assert not (path / "queue.wal").exists() and not (path / "summary.json").exists()
-    assert rd.latest_checkpoint() is None and rd.read_metrics() == []
+    assert latest_checkpoint(rd.path) is None and rd.read_metrics() == []
     rd.close()
     with pytest.raises(ConfigError, match="exclusive"):
         RunDir(config(tmp_path, "--run.overwrite", "true"), resume=True)
@@ -125,7 +161,7 @@ def test_a_full_disk_is_one_line_naming_the_file_and_leaves_no_tmp_checkpoint(tm
     assert (
         message.startswith(f"disk full: checkpoint {tmp} (No space left on device)") and "\n" not in message
     )
-    assert not list(rd.ckpt_root.glob(".tmp*")) and rd.latest_checkpoint() is None
+    assert not list(rd.ckpt_root.glob(".tmp*")) and latest_checkpoint(rd.path) is None
     monkeypatch.setattr(Path, "open", _disk_full)
     with pytest.raises(StorageError, match=rf"^disk full: metrics {rd.metrics_path} .*--resume"):
         rd.log({"step": 1})

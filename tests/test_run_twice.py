@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from agentrl.runlayout import latest_checkpoint
 from tests.run_support import read_jsonl, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -89,9 +90,7 @@ def test_the_same_command_twice_a_second_owner_and_a_user_env_module(tmp_path, r
                                  stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
     try:
         deadline = time.time() + 180
-        while not (
-            run / "checkpoints" / "latest"
-        ).exists():  # live: its actors are up, episodes wait for `go`
+        while latest_checkpoint(run) is None:  # live: its actors are up, episodes wait for `go`
             assert first.poll() is None, log.read_text()[-3000:]
             assert time.time() < deadline, "the first run never checkpointed"
             time.sleep(0.2)

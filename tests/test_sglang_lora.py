@@ -10,7 +10,8 @@ import torch
 from aiohttp import web
 
 from agentrl.actors.broadcast import choose_path
-from agentrl.config import LoraSection, load_config
+from agentrl.config import load_config
+from agentrl.config.learning import LoraSection
 from agentrl.engines.base import AdapterSource, SamplingParams
 from agentrl.engines.sglang import SGLangEngine
 from agentrl.engines.sglang_launcher import lora_server_args, sglang_argv

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from agentrl import types
-from agentrl.config import AlgorithmSection, LearnerSection
+from agentrl.config.learning import AlgorithmSection, LearnerSection
 from agentrl.engines.tiny import make_tiny_model
 from agentrl.learners.batch import build_batch, micro_batches, sft_batch
 from agentrl.learners.torch_learner import TorchLearner

@@ -6,9 +6,10 @@ import os
 import pytest
 import torch
 
-from agentrl.config import AlgorithmSection, ConfigError, LearnerSection, learner_ranks, load_config
+from agentrl.config import learner_ranks, load_config
+from agentrl.config.learning import AlgorithmSection, LearnerSection
 from agentrl.engines.tiny import make_tiny_model
-from agentrl.errors import LearnerError
+from agentrl.errors import ConfigError, LearnerError
 from agentrl.learners.batch import build_batch
 from agentrl.learners.torch_learner import TorchLearner
 from agentrl.net import free_port

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import Config
-from agentrl.runlock import RUN_LOCK, Fence, holder_pid, pid_alive
+from agentrl.runlayout import RUN_LOCK
+from agentrl.runlock import Fence, holder_pid, pid_alive
 from agentrl.types import Trajectory
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ import math
 import torch
 
 from agentrl.algorithms.ratios import seq_mean
-from agentrl.config import AlgorithmSection
+from agentrl.config.learning import AlgorithmSection
 
 MAX_TURNS = 8
 

@@ -1,7 +1,7 @@
 """The one objective both learners call, so the torch and Megatron learners compute identical losses.
 
 Per train step:
-1. the learner fills what `cfg.needs(updates)` (agentrl.config_learning's registry) asks for: `batch.old_logprobs`
+1. the learner fills what `cfg.needs(updates)` (agentrl.config.learning's registry) asks for: `batch.old_logprobs`
    (proximal), `batch.ref_logprobs` (reference model), `batch.teacher_logprobs` (distillation) and
    `batch.old_values` (a value head), all over the whole batch before any update;
 2. `prepare_batch(cfg, batch, policy_version)` drops tokens older than `max_token_age`, applies KL reward shaping
@@ -28,13 +28,13 @@ from agentrl.algorithms.kl import kl_estimate
 from agentrl.algorithms.losses import agg_weights, cispo, gspo, ppo_clip, value_loss
 from agentrl.algorithms.off_policy import age_mask, importance_weights
 from agentrl.algorithms.ratios import clamp_log_ratio
-from agentrl.config import AlgorithmSection
+from agentrl.config.learning import AlgorithmSection
 from agentrl.errors import ConfigError, LearnerError
 
 if TYPE_CHECKING:  # annotations only: the learners call the algorithms, never the other way round
     from agentrl.learners.batch import Batch
 
-# Implementations of the registry's names (agentrl.config_learning: ESTIMATORS, LOSSES); the registry says what
+# Implementations of the registry's names (agentrl.config.learning: ESTIMATORS, LOSSES); the registry says what
 # each needs, these say how it is computed.
 SEQUENCE_ESTIMATORS = {"grpo": adv_lib.grpo, "dr_grpo": adv_lib.dr_grpo, "rloo": adv_lib.rloo}
 TOKEN_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")

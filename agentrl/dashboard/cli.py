@@ -22,14 +22,14 @@ def main(args: argparse.Namespace) -> int:
     import asyncio
     import os
 
-    from agentrl.dashboard.runfiles import METRICS_NAME
     from agentrl.dashboard.server import serve_forever
     from agentrl.errors import ConfigError
+    from agentrl.runlayout import CONFIG_FILE, METRICS_FILE
 
     run_dir = Path(args.run_dir)
-    if not (run_dir / METRICS_NAME).is_file() and not (run_dir / "config.toml").is_file():
+    if not (run_dir / METRICS_FILE).is_file() and not (run_dir / CONFIG_FILE).is_file():
         raise ConfigError(
-            f"agentrl dashboard: {run_dir} is not a run directory (no config.toml or {METRICS_NAME})"
+            f"agentrl dashboard: {run_dir} is not a run directory (no {CONFIG_FILE} or {METRICS_FILE})"
         )
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"agentrl dashboard: --port {args.port} is not a port (0..65535)")

@@ -14,14 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.queue import recovery
-from agentrl.queue.walformat import LEDGER_NAME, MAGIC, WAL_NAME, PutRecord
+from agentrl.queue.walformat import MAGIC, PutRecord
+from agentrl.runlayout import LEDGER_FILE, LOGPROBS_FILE, METRICS_FILE, WAL_FILE
 from agentrl.types import Trajectory
-
-METRICS_NAME = "metrics.jsonl"
-LOGPROBS_NAME = (
-    "learner_logprobs.jsonl"  # written by the driver from the learner's sample (agentrl.learners.base)
-)
-DASHBOARD_URL_NAME = "dashboard_url"
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -42,7 +37,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def read_metrics(run_dir: Path, since_step: int = -1) -> list[dict[str, Any]]:
     """metrics.jsonl rows with `step > since_step` (all of them by default)."""
-    return [r for r in read_jsonl(Path(run_dir) / METRICS_NAME) if int(r.get("step", 0)) > since_step]
+    return [r for r in read_jsonl(Path(run_dir) / METRICS_FILE) if int(r.get("step", 0)) > since_step]
 
 
 class MetricsTail:
@@ -51,7 +46,7 @@ class MetricsTail:
     past its checkpoint) is read again from the start."""
 
     def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / METRICS_NAME
+        self.path = Path(run_dir) / METRICS_FILE
         self.rows: list[dict[str, Any]] = []
         self._at = (0, 0)  # (inode, offset of the first byte not parsed yet)
 
@@ -79,7 +74,7 @@ class MetricsTail:
 def wal_trajectories(run_dir: Path) -> dict[str, Trajectory]:
     """Every trajectory the queue's log still holds, by id (compaction, `queue.compact_every`, drops the
     committed ones from the log, so steps before the last compaction are gone)."""
-    path = Path(run_dir) / WAL_NAME
+    path = Path(run_dir) / WAL_FILE
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -98,9 +93,9 @@ def wal_trajectories(run_dir: Path) -> dict[str, Trajectory]:
 
 def ledger_steps(run_dir: Path) -> dict[int, list[str]]:
     """Which trajectory ids each committed learner step consumed."""
-    return recovery.read_ledger(Path(run_dir) / LEDGER_NAME)[0]
+    return recovery.read_ledger(Path(run_dir) / LEDGER_FILE)[0]
 
 
 def learner_logprobs(run_dir: Path) -> dict[str, dict[str, Any]]:
     """The learner's per-token record of the sampled trajectories, by trajectory id (the newest wins)."""
-    return {row["id"]: row for row in read_jsonl(Path(run_dir) / LOGPROBS_NAME) if "id" in row}
+    return {row["id"]: row for row in read_jsonl(Path(run_dir) / LOGPROBS_FILE) if "id" in row}

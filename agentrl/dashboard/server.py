@@ -26,13 +26,14 @@ from typing import Any
 
 from aiohttp import web
 
-from agentrl.config_text import tomllib
+from agentrl.config.text import tomllib
 from agentrl.dashboard import runfiles
 from agentrl.dashboard.curves import CURVES
 from agentrl.dashboard.viewer import Query, Viewer
 from agentrl.errors import ConfigError
 from agentrl.net import is_loopback, lacks_token, serve
-from agentrl.runlock import RUN_LOCK, holder_pid, pid_alive
+from agentrl.runlayout import CONFIG_FILE, RUN_LOCK, SUMMARY_FILE
+from agentrl.runlock import holder_pid, pid_alive
 
 log = logging.getLogger(__name__)
 STATIC = Path(__file__).with_name("static")
@@ -110,7 +111,7 @@ class Dashboard:
 
     async def _config(self, request: web.Request) -> web.Response:
         try:
-            text = (self.run_dir / "config.toml").read_text()
+            text = (self.run_dir / CONFIG_FILE).read_text()
         except FileNotFoundError:
             return _json({"config": {}, "text": ""})
         return _json({"config": tomllib.loads(text), "text": text})
@@ -150,12 +151,12 @@ class Dashboard:
 def status(run_dir: Path, metrics: list[dict[str, Any]]) -> dict[str, Any]:
     """running (the driver holds run.lock and lives), finished (summary.json) or stopped; the last step row."""
     pid = holder_pid(run_dir / RUN_LOCK)
-    summary = _read_json(run_dir / "summary.json")
+    summary = _read_json(run_dir / SUMMARY_FILE)
     state = "running" if pid and pid_alive(pid) else ("finished" if summary else "stopped")
     rows = [r for r in metrics if "phase" not in r]
     config = {}
     try:
-        config = tomllib.loads((run_dir / "config.toml").read_text())
+        config = tomllib.loads((run_dir / CONFIG_FILE).read_text())
     except (OSError, ValueError):
         pass
     return {
@@ -180,7 +181,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 def _decoder(run_dir: Path):
     """token id(s) -> text, with the run's tokenizer (model.path of its config); ids shown as `<id>` without."""
     try:
-        model = tomllib.loads((run_dir / "config.toml").read_text())["model"]["path"]
+        model = tomllib.loads((run_dir / CONFIG_FILE).read_text())["model"]["path"]
         from agentrl.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(model)

@@ -16,6 +16,7 @@ import numpy as np
 
 from agentrl import types
 from agentrl.dashboard import runfiles
+from agentrl.runlayout import WAL_FILE
 
 MISMATCH_HIGHLIGHT = 0.1  # |rollout - learner| log-prob above which a token / turn is highlighted
 QUEUED = -1  # the "step" of trajectories in the log no step has trained yet
@@ -106,7 +107,7 @@ class Viewer:
 
     def _trajectories(self) -> dict[str, types.Trajectory]:
         try:
-            st = (self.run_dir / runfiles.WAL_NAME).stat()
+            st = (self.run_dir / WAL_FILE).stat()
             key = (st.st_size, st.st_mtime_ns)
         except FileNotFoundError:
             return {}

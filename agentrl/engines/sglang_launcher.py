@@ -24,7 +24,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from agentrl.config import EngineSection, LoraSection, SGLangSection
+from agentrl.config.learning import LoraSection
+from agentrl.config.rollout import EngineSection, SGLangSection
 from agentrl.errors import ConfigError, EngineError
 from agentrl.net import free_port
 

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-ENDPOINTS_FILE = "proxy.json"
+from agentrl.runlayout import ENDPOINTS_FILE
 
 
 def record_endpoint(extra: dict[str, Any], kind: str, key: str, url: str, what: str) -> None:

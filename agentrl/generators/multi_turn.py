@@ -3,7 +3,7 @@
 Invariants of the trajectory this returns:
 - `prompt_ids` are the chat-templated opening messages (generation prompt included); `response_ids` are
   everything after: each model reply exactly as generated, then the template delta for the env's feedback
-  (see agentrl/generators/chat.py). Turn k's engine input is prompt + response so far, so decoding
+  (see agentrl/chat.py). Turn k's engine input is prompt + response so far, so decoding
   prompt + response reproduces the conversation, and no earlier token is ever re-tokenized.
 - `loss_mask` is 1 on model tokens and 0 on env/tool tokens; `logprobs` hold the engine's logprobs on model
   tokens and 0.0 on env tokens; `versions` cover every response token: model tokens carry the policy version
@@ -35,10 +35,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from agentrl.chat import chat_tokens
 from agentrl.engines.base import GenerateOutput, SamplingParams
 from agentrl.errors import AgentRLError
 from agentrl.generator import RolloutContext
-from agentrl.generators.chat import chat_tokens
 from agentrl.types import (
     RoutedExperts,
     Status,

@@ -45,12 +45,12 @@ from typing import Any
 
 import msgspec
 
+from agentrl.chat import chat_tokens
 from agentrl.engines.base import Engine, GenerateOutput, InvalidRequest, SamplingParams
 from agentrl.engines.stops import find_stop
 from agentrl.engines.wire import integral_floats
 from agentrl.errors import AgentRLError, EnvError
 from agentrl.generator import RolloutContext
-from agentrl.generators.chat import chat_tokens
 from agentrl.generators.multi_turn import TokenLog, generate_turn
 from agentrl.generators.openai_params import (
     SAMPLING_POLICIES,

@@ -25,8 +25,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from agentrl.chat import chat_tokens
 from agentrl.generator import RolloutContext
-from agentrl.generators.chat import chat_tokens
 from agentrl.generators.multi_turn import TokenLog, _plain, generate_turn, run_episode, turn_sampling
 from agentrl.types import Status, Trajectory
 

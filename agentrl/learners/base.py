@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from agentrl.algorithms import check, merge_updates, metric_floats, prepare_batch
-from agentrl.config import AlgorithmSection, LearnerSection
+from agentrl.config.learning import AlgorithmSection, LearnerSection
 from agentrl.errors import LearnerError
 from agentrl.learners.batch import Batch, mini_batches
 

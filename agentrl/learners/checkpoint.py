@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.errors import ConfigError, LearnerError
-from agentrl.learners.peft_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from agentrl.plugins import load_object
 
 METADATA_FILE = "learner.json"
+# A PEFT adapter directory's files (peft's own names): the LoRA checkpoints of both learners hold one.
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 EXPORTERS = {
     "torch": "agentrl.learners.checkpoint:torch_to_hf",
     "megatron": "agentrl.learners.megatron.checkpoint:to_hf",

@@ -25,16 +25,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_checkpoint(path: str) -> Path:
-    """The learner checkpoint inside `path`: itself, `step_N/learner`, or a run's newest complete checkpoint."""
-    from agentrl.errors import LearnerError
+    """The learner checkpoint inside `path`: itself, `step_N/learner`, or a run's latest complete checkpoint
+    (agentrl.runlayout's rule)."""
+    from agentrl.runlayout import LEARNER_DIR, latest_checkpoint
 
     root = Path(path)
-    latest = root / "checkpoints" / "latest"
-    if latest.is_file():
-        root = root / "checkpoints" / latest.read_text().strip()
-        if not root.is_dir():
-            raise LearnerError(f"{latest} names {root.name}, which is not there (a damaged run directory)")
-    for candidate in (root, root / "learner"):
+    latest = latest_checkpoint(root)
+    if latest is not None:
+        root = latest[0]
+    for candidate in (root, root / LEARNER_DIR):
         if (candidate / "learner.json").is_file():
             return candidate
     return root  # export_checkpoint names what is missing

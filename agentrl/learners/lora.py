@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from agentrl.config import LoraSection
+from agentrl.config.learning import LoraSection
 from agentrl.errors import LearnerError
-from agentrl.learners.peft_files import ADAPTER_WEIGHTS
+from agentrl.learners.checkpoint import ADAPTER_WEIGHTS
 
 _PREFIX = "base_model.model."  # what PeftModel puts before the wrapped model's own module names
 

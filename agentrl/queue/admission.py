@@ -39,7 +39,7 @@ from agentrl.queue.primitives import Hold, Ticket, _Group, _Signal
 from agentrl.types import Trajectory, normalize, where
 
 if TYPE_CHECKING:
-    from agentrl.config import QueueSection
+    from agentrl.config.serving import QueueSection
     from agentrl.queue.core import ReplayQueue
 
 

@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dry-run", action="store_true", help="print the resolved [queue] config and exit")
     from agentrl.config import Config
-    from agentrl.config_docs import add_config_help
+    from agentrl.config.docs import add_config_help
 
     add_config_help(parser, Config, only=("queue",))  # any --queue.KEY VALUE override is accepted
     parser.set_defaults(accepts_overrides=True)
@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resolve(args: argparse.Namespace):
     from agentrl.config import load_config
-    from agentrl.config_text import parse_overrides
+    from agentrl.config.text import parse_overrides
     from agentrl.errors import ConfigError
 
     extra = parse_overrides(list(args.overrides or []))
@@ -66,7 +66,7 @@ def main(args: argparse.Namespace) -> int:
 
     import msgspec
 
-    from agentrl.config_text import dump_toml
+    from agentrl.config.text import dump_toml
 
     cfg = resolve(args)
     if args.dry_run:

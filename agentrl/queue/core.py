@@ -5,8 +5,7 @@ Invariants:
   cache only with `queue.fsync = false`); the learner's `commit(step, ids)` is durable before it returns.
   Reopening the queue on the same run dir brings back every uncommitted trajectory exactly once (including
   ones sampled but not committed); every id ever accepted stays known, so re-sending it is counted as a
-  duplicate, never queued twice. The log's half of the queue (recovery, durability, the one-writer lock and
-  the fence) is in durable.py; pending and ready groups (completion, timeouts, staleness drops) in groups.py.
+  duplicate, never queued twice.
 - Groups (same `group_id`, `group_size` samples) reach the learner only whole: complete, or released partial /
   dropped by `straggler_policy` after `group_timeout_s`. A trajectory sent without a `group_id` is a group of
   one. Members arriving after their group was released are dropped and counted (`dropped_late`).
@@ -15,6 +14,15 @@ Invariants:
 - Admission (AReaL staleness window, reservations, hard caps; see admission.py): a put that does not fit
   raises `QueueFull` and nothing of it is accepted.
 - FIFO: groups are handed out in the order they became complete. Waiting uses asyncio Events, never polling.
+
+Durability (the write-ahead log, wal.py; its records and recovery in walformat.py and recovery.py):
+- `_append` returns once the record is durable (group commit, see wal.py); until then the trajectories of
+  a put are in `_unsynced`, so a compaction meanwhile keeps them, and a duplicate of one of them is
+  answered only once they are durable too (`_await_originals`).
+- A commit record leaves the log (compaction keeps only a snapshot) only once its ledger line is written:
+  the reopen's ledger repair re-appends lines only for the commit records the log still holds. So no
+  compaction while a commit waits for its fsync (the snapshot would miss it) or its ledger line, nor while
+  a ledger line that failed is owed; an owed line is written before the next commit's (step order).
 Pure asyncio; no torch or ray.
 """
 
@@ -24,16 +32,15 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from agentrl.config import QueueSection
+from agentrl.config.serving import QueueSection
 from agentrl.errors import QueueClosed, StorageError
 from agentrl.queue import wal as wal_mod
 from agentrl.queue.admission import Admission
-from agentrl.queue.durable import DurableQueue
-from agentrl.queue.groups import GroupedQueue
 from agentrl.queue.metrics import QueueMetrics
 from agentrl.queue.primitives import Hold, PutResult, SampledBatch, Ticket, _Group, _Signal
 from agentrl.runlock import Fence
@@ -42,7 +49,24 @@ from agentrl.types import Trajectory, min_version, nbytes
 log = logging.getLogger(__name__)
 
 
-class ReplayQueue(GroupedQueue, DurableQueue):
+async def _to_the_end(coro: Any) -> Any:
+    """Await `coro`; if the caller is cancelled meanwhile, still wait for it to finish, then re-raise the
+    cancel: a worker thread outlives its caller, and what it wrote must be known before going on."""
+    task = asyncio.ensure_future(coro)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        while not task.done():
+            try:
+                await asyncio.wait([task])
+            except asyncio.CancelledError:
+                pass
+        if not task.cancelled():
+            task.exception()  # retrieved: the cancel is what the caller gets
+        raise
+
+
+class ReplayQueue:
     def __init__(
         self,
         cfg: QueueSection | None = None,
@@ -77,6 +101,12 @@ class ReplayQueue(GroupedQueue, DurableQueue):
         self._ready_signal = _Signal()
         self._wanted: list[int] = []  # sizes the waiting sample_batch calls need
         self._untimed: list[_Group] = []
+        # The log's state (the module docstring's "Durability").
+        self._wal: wal_mod.WriteAheadLog | None = None
+        self._unsynced: dict[str, Trajectory] = {}  # logged, waiting for the fsync that acknowledges them
+        self._committing = 0  # commits between their log append and their ledger line
+        self._ledger_owed: list[wal_mod.CommitRecord] = []  # logged commits whose ledger line failed
+        self.wal_repairs: dict[str, Any] = {}
         self._open_log(run_dir, fence, lock_wait_s)
 
     # ----------------------------------------------------------------- producers
@@ -161,6 +191,115 @@ class ReplayQueue(GroupedQueue, DurableQueue):
         `with await queue.reserve(n) as ticket: ...; await queue.put(trajectories, ticket=ticket)`."""
         return await self._admission.reserve(n, timeout_s)
 
+    # ----------------------------------------------------------------- groups
+    def _insert(self, traj: Trajectory, *, ungrouped: bool) -> None:
+        if ungrouped or self.cfg.group_size <= 1:
+            self._release(_Group(traj.group_id, 1, [traj]))
+            return
+        group = self._pending.get(traj.group_id)
+        if group is None:
+            group = self._pending[traj.group_id] = _Group(traj.group_id, self.cfg.group_size)
+            self._untimed.append(group)
+        group.trajectories.append(traj)
+        if len(group.trajectories) >= group.size:
+            del self._pending[group.group_id]
+            self._release(group)
+
+    def _release(self, group: _Group) -> None:
+        if group.timer is not None:
+            group.timer.cancel()
+            group.timer = None
+        if group.size > 1:
+            self._released[group.group_id] = len(group.trajectories)
+        group.oldest_version = min(min_version(t) for t in group.trajectories)
+        self._ready[next(self._seq)] = group
+        self._n_ready += len(group.trajectories)
+        if self._wanted and self._n_ready >= min(self._wanted):  # only when a batch may be ready
+            self._ready_signal.fire()
+
+    def _schedule_timers(self) -> None:
+        if not self._untimed:
+            return
+        loop = asyncio.get_running_loop()
+        for group in self._untimed:
+            if self._pending.get(group.group_id) is group:
+                group.timer = loop.call_later(self.cfg.group_timeout_s, self._expire, group)
+        self._untimed.clear()
+
+    def _expire(self, group: _Group) -> None:
+        if self._pending.get(group.group_id) is not group:
+            return
+        del self._pending[group.group_id]
+        group.timer = None
+        if self.cfg.straggler_policy == "release":
+            self.metrics.inc("released_partial", len(group.trajectories))
+            self._release(group)
+        else:
+            self._released[group.group_id] = 0
+            self._drop([group], "dropped_straggler")
+
+    def _drop(self, groups: list[_Group], counter: str) -> None:
+        ids = [t.id for g in groups for t in g.trajectories]
+        for traj in (t for g in groups for t in g.trajectories):
+            self._live.pop(traj.id, None)
+            self._n_queued -= 1
+            self._bytes -= nbytes(traj)
+        self._admission.discard(len(ids))
+        self.metrics.inc(counter, len(ids))
+        if self._wal is not None and ids:
+            try:  # never acknowledged to anyone: if lost, the ids come back and are dropped again
+                self._wal.append(wal_mod.DropRecord(ids, counter))
+            except QueueClosed:
+                pass
+            except StorageError:
+                self.metrics.inc("storage_errors")
+                log.warning("queue log: cannot record %d dropped trajectories", len(ids))
+
+    def _purge_stale(self) -> None:
+        if self.cfg.stale_policy == "keep":
+            return
+        limit = self.policy_version - self.cfg.max_staleness
+        stale = [(k, g) for k, g in self._ready.items() if g.oldest_version < limit]
+        for key, group in stale:
+            del self._ready[key]
+            self._n_ready -= len(group.trajectories)
+        if stale:
+            self._drop([g for _, g in stale], "dropped_stale")
+
+    def _take(self, size: int) -> list[int] | None:
+        """Keys of FIFO whole groups filling `size`; short only when the next group does not fit (or closed)."""
+        chosen: list[int] = []
+        total = 0
+        for key, group in self._ready.items():
+            n = len(group.trajectories)
+            if n > size:
+                raise ValueError(f"sample_batch size {size} is smaller than group {group.group_id!r} ({n})")
+            if total + n > size:
+                return chosen
+            chosen.append(key)
+            total += n
+            if total == size:
+                return chosen
+        return chosen if (self.closed and chosen) else None
+
+    def _forget_queued(self, ids: set[str]) -> None:
+        """Take `ids` out of the ready and pending groups (the learner holds them already)."""
+        for groups, is_ready in ((self._ready, True), (self._pending, False)):
+            for key, group in list(groups.items()):
+                gone = [t for t in group.trajectories if t.id in ids]
+                if not gone:
+                    continue
+                group.trajectories = [t for t in group.trajectories if t.id not in ids]
+                self._n_queued -= len(gone)
+                self._bytes -= sum(nbytes(t) for t in gone)
+                if is_ready:
+                    self._n_ready -= len(gone)
+                if not group.trajectories:
+                    if group.timer is not None:
+                        group.timer.cancel()
+                    del groups[key]
+        self._admission.space.fire()
+
     # ----------------------------------------------------------------- learner
     def set_policy_version(self, version: int) -> None:
         """The learner published `version`: stamp new unversioned trajectories with it and re-check staleness."""
@@ -229,7 +368,7 @@ class ReplayQueue(GroupedQueue, DurableQueue):
             self._apply_commit(step, versions)
             return
         record = wal_mod.CommitRecord(step, ids, versions)
-        self._committing += 1  # until the ledger line is written: compaction waits (durable.py)
+        self._committing += 1  # until the ledger line is written: compaction waits (see `compact`)
         try:
             await self._append(record)
             self._apply_commit(step, versions)
@@ -270,6 +409,95 @@ class ReplayQueue(GroupedQueue, DurableQueue):
                 raise KeyError(f"trajectory {tid!r} is not sampled and uncommitted in this queue")
             out.append(self._sampled[tid])
         return out
+
+    # ----------------------------------------------------------------- the log
+    def _open_log(self, run_dir: str | Path | None, fence: Fence | None, lock_wait_s: float) -> None:
+        """Open the write-ahead log in `run_dir` (none without one, or with `queue.wal = false`) and rebuild the
+        queue from it."""
+        if not run_dir or not self.cfg.wal:
+            return
+        self._wal = wal_mod.WriteAheadLog(run_dir, fsync=self.cfg.fsync, lock_wait_s=lock_wait_s, fence=fence)
+        try:
+            self._recover(self._wal.replay())
+        except BaseException:
+            self._wal.close()  # the lock too: nothing holds the directory after a failed open
+            raise
+
+    def _recover(self, state: wal_mod.WalState) -> None:
+        self._known = state.known_ids
+        self._committed_steps = state.committed_steps
+        self._n_committed = state.n_committed
+        self._admission.restore(state.n_committed + len(state.uncommitted))
+        # `put` normalised an empty group_id to the trajectory's id, so group_id == id alone does not say
+        # "ungrouped": a group may be named after one of its members. Ungrouped = nobody else shares it.
+        sharing = Counter(t.group_id for t in state.uncommitted.values())
+        for traj in state.uncommitted.values():
+            self._live[traj.id] = traj
+            self._n_queued += 1
+            self._bytes += nbytes(traj)
+            alone = traj.group_id == traj.id and sharing[traj.group_id] == 1
+            self._insert(traj, ungrouped=alone)
+        self.wal_repairs = state.repairs
+        if state.uncommitted or state.cut_bytes:
+            log.info("queue recovered %d uncommitted trajectories", len(state.uncommitted))
+
+    async def _append(self, record: wal_mod.Record | wal_mod.RawPut) -> None:
+        """Log `record` and wait until it is durable (group commit; at once with `fsync = false`)."""
+        assert self._wal is not None
+        await self._wal.sync(self._wal.append(record))
+
+    async def _await_originals(self) -> None:
+        """A put answered "duplicate" while the original put waits for its fsync waits for it too (and fails
+        with it: then nothing was stored)."""
+        if self._unsynced and self._wal is not None:
+            await self._wal.sync(self._wal.written_seq)
+
+    async def _log_ledger(self, record: wal_mod.CommitRecord) -> None:
+        """Write the ledger lines owed by earlier failures, then `record`'s (a thread with fsync). One that
+        cannot be written stays owed (logged, counted): compaction waits for it, the next commit retries it."""
+        assert self._wal is not None
+        records, self._ledger_owed = [*self._ledger_owed, record], []
+        written = 0
+
+        def write() -> None:
+            nonlocal written
+            for r in records:
+                self._wal.ledger(r)
+                written += 1
+
+        try:
+            if self.cfg.fsync:
+                await _to_the_end(asyncio.to_thread(write))
+            else:
+                write()
+        except StorageError:
+            self.metrics.inc("storage_errors")
+            log.warning("ledger: cannot record step %s (retried at the next commit; compaction waits for it, "
+                        "the reopen repairs it)", " ".join(str(r.step) for r in records[written:]))  # fmt: skip
+        finally:  # (QueueClosed goes to the caller: the fence's owner is gone)
+            self._ledger_owed[:0] = records[written:]
+
+    def compact(self) -> None:
+        """Rewrite the log as the known-id set plus the uncommitted trajectories (atomic rename). Deferred
+        (the next commit tries again) while a commit's ledger line is in flight or owed: the rewrite drops
+        commit records, which a missing ledger line is repaired from."""
+        if self._wal is None or self._committing or self._ledger_owed:
+            return
+        known = list(self._known.difference(self._live, self._unsynced))
+        snapshot = wal_mod.SnapshotRecord(known, self._committed_steps, self._n_committed)
+        try:
+            self._wal.compact(snapshot, [*self._live.values(), *self._unsynced.values()])
+            self._commits_since_compact = 0
+        except StorageError:
+            self.metrics.inc("storage_errors")
+            log.warning("queue log compaction failed; keeping the old log", exc_info=True)
+
+    def fenced(self) -> bool:
+        """True once the fence's owner is gone (the log is closed then, the queue draining)."""
+        if self._wal is None or not self._wal.fenced():
+            return False
+        self.drain()
+        return True
 
     # ----------------------------------------------------------------- state
     def pending_ids(self) -> list[str]:

@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from agentrl.config import QueueSection
+from agentrl.config.serving import QueueSection
 from agentrl.errors import ConfigError, InvalidTrajectory, QueueClosed, QueueFull, StorageError
 from agentrl.net import check_token, lacks_token, serve
 from agentrl.queue.chat import NO_TOKENIZER, ChatTokenizer

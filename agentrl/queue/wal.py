@@ -36,9 +36,7 @@ from agentrl.queue import recovery
 from agentrl.queue.recovery import WalState
 from agentrl.queue.walformat import (  # noqa: F401 (re-exported: the log's records are used as wal.X)
     HEADER,
-    LEDGER_NAME,
     MAGIC,
-    WAL_NAME,
     BodyMeta,
     CommitRecord,
     DropRecord,
@@ -49,12 +47,11 @@ from agentrl.queue.walformat import (  # noqa: F401 (re-exported: the log's reco
     frame,
     payload_chunks,
 )
+from agentrl.runlayout import LEDGER_FILE, QUEUE_LOCK, WAL_FILE, replacement
 from agentrl.runlock import DirLock, Fence
 from agentrl.types import Trajectory
 
 log = logging.getLogger(__name__)
-
-LOCK_NAME = "queue.lock"
 
 
 def _writev(fd: int, buffers: list[Any]) -> int:
@@ -75,8 +72,8 @@ class WriteAheadLog:
                  fence: Fence | None = None):  # fmt: skip
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.dir / WAL_NAME
-        self.ledger_path = self.dir / LEDGER_NAME
+        self.path = self.dir / WAL_FILE
+        self.ledger_path = self.dir / LEDGER_FILE
         self.fsync = fsync
         self.fence = fence
         self._fd = -1
@@ -95,7 +92,7 @@ class WriteAheadLog:
 
     def _acquire(self, wait_s: float) -> DirLock:
         deadline = time.monotonic() + wait_s
-        lock = DirLock(self.dir / LOCK_NAME, f"queue log {self.dir}")
+        lock = DirLock(self.dir / QUEUE_LOCK, f"queue log {self.dir}")
         while True:
             try:
                 return lock.acquire()
@@ -324,7 +321,7 @@ class WriteAheadLog:
 
     def _replace_file(self, chunks: list[Any]) -> int:
         """Write `chunks` to a temporary file, fsync it, rename it over the log; returns the new size."""
-        tmp = self.path.with_suffix(".wal.tmp")
+        tmp = replacement(self.path)
         try:
             with open(tmp, "wb") as f:
                 for chunk in chunks:

@@ -24,8 +24,6 @@ from agentrl.types import Trajectory, decode_trajectories, normalize
 
 MAGIC = b"AGRLWAL1"
 HEADER = struct.Struct("<II")
-WAL_NAME = "queue.wal"
-LEDGER_NAME = "ledger.jsonl"
 
 
 class PutRecord(msgspec.Struct, tag="put", array_like=True):

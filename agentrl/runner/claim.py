@@ -14,19 +14,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from agentrl.dashboard.runfiles import DASHBOARD_URL_NAME, LOGPROBS_NAME
 from agentrl.errors import ConfigError
-from agentrl.queue.walformat import LEDGER_NAME, WAL_NAME
-from agentrl.runner.loggers import WANDB_ID
-
-SUMMARY_FILE = "summary.json"
-# Every file or directory agentrl writes into a run directory (what `run.overwrite` and the clean-up of a
-# failed start delete); lock files stay, they are how the next owner is kept out.
-RUN_FILES = (
-    "config.toml", "metrics.jsonl", "metrics.tmp", LEDGER_NAME, WAL_NAME, f"{WAL_NAME}.tmp", "queue_url",
-    SUMMARY_FILE, "events", "checkpoints", "published", "wandb", WANDB_ID, LOGPROBS_NAME, DASHBOARD_URL_NAME,
-    "proxy.json",
-)  # fmt: skip
+from agentrl.runlayout import RUN_FILES, SUMMARY_FILE, latest_checkpoint, replacement
 
 
 class RunExists(ConfigError):
@@ -47,18 +36,11 @@ def existing_run(path: Path) -> dict[str, Any] | None:
         summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     except (OSError, ValueError):
         summary = {"stopped": f"unreadable {SUMMARY_FILE}"}
-    step = _latest_step(path / "checkpoints")
+    latest = latest_checkpoint(path)
+    step = int(latest[1]["step"]) if latest else -1
     if not summary and step < 1:
         return None
     return {"finished": bool(summary), "step": max(step, int(summary.get("steps", 0))), "summary": summary}
-
-
-def _latest_step(ckpt_root: Path) -> int:
-    try:
-        name = (ckpt_root / "latest").read_text().strip()
-        return int(json.loads((ckpt_root / name / "state.json").read_text())["step"])
-    except (OSError, ValueError, KeyError):
-        return -1
 
 
 def _refusal(name: str, held: dict[str, Any]) -> RunExists:
@@ -87,8 +69,7 @@ def claim(path: Path, name: str, resume: bool, overwrite: bool) -> None:
     held = existing_run(path)
     if held is not None and not overwrite:
         raise _refusal(name, held)
-    for entry in RUN_FILES:
-        target = path / entry
+    for target in (path / entry for name in RUN_FILES for entry in (name, replacement(Path(name)))):
         if target.is_dir() and not target.is_symlink():
             shutil.rmtree(target)
         elif target.exists() or target.is_symlink():

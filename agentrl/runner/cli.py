@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    # CONFIG files are taken from the words argparse leaves over (agentrl.config_text.split_config_args), so
+    # CONFIG files are taken from the words argparse leaves over (agentrl.config.text.split_config_args), so
     # that `a.toml --run.steps 7 @ b.toml` keeps its order; the usage line names them.
     parser.usage = "%(prog)s [CONFIG ...] [@ CONFIG ...] [options] [--section.key VALUE ...]"
     parser.description = (
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ray-address", metavar="ADDR", help="join an existing Ray cluster (e.g. auto)")
     parser.set_defaults(accepts_overrides=True)
     from agentrl.config import Config
-    from agentrl.config_docs import add_config_help
+    from agentrl.config.docs import add_config_help
 
     add_config_help(parser, Config)
 
@@ -63,19 +63,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def resolve(args: argparse.Namespace):
     """The validated Config for these arguments (no heavy imports)."""
     from agentrl.config import load_config
-    from agentrl.config_text import split_config_args
+    from agentrl.config.text import split_config_args
     from agentrl.engines.sglang_launcher import parse_sglang_flags
     from agentrl.errors import ConfigError
     from agentrl.plugins import search_path
+    from agentrl.runlayout import CONFIG_FILE
 
     # --sglang-mem-fraction-static 0.7 -> engine.sglang.args (first: a bare --sglang-flag takes no value)
     sglang_args, rest = parse_sglang_flags(list(getattr(args, "overrides", []) or []))
     files, overrides = split_config_args(rest)
     paths: list[str | Path] = list(files)
     if args.resume:
-        saved = Path(args.resume) / "config.toml"
+        saved = Path(args.resume) / CONFIG_FILE
         if not saved.exists():
-            raise ConfigError(f"--resume {args.resume}: no config.toml there (not a run directory)")
+            raise ConfigError(f"--resume {args.resume}: no {CONFIG_FILE} there (not a run directory)")
         paths = paths or [saved]
     if not paths:
         raise ConfigError("agentrl run needs a CONFIG file (or --resume RUN_DIR)")
@@ -126,7 +127,7 @@ def _quote(text: str) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from agentrl.config_text import dump_toml
+    from agentrl.config.text import dump_toml
     from agentrl.runner.rundir import redact
 
     cfg = resolve(args)

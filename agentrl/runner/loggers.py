@@ -13,9 +13,9 @@ import msgspec
 
 from agentrl.config import Config
 from agentrl.errors import ConfigError
+from agentrl.runlayout import EVENTS_DIR, WANDB_DIR, WANDB_ID_FILE
 
 log = logging.getLogger(__name__)
-WANDB_ID = "wandb_id"
 
 
 def scalars(metrics: dict[str, Any]) -> dict[str, float]:
@@ -53,10 +53,10 @@ class _Wandb:
                 "or leave run.wandb_project empty"
             ) from None
         r = cfg.run
-        id_file = path / WANDB_ID
+        id_file = path / WANDB_ID_FILE
         run_id = id_file.read_text().strip() if resume and id_file.is_file() else secrets.token_hex(4)
         id_file.write_text(run_id + "\n")
-        (path / "wandb").mkdir(exist_ok=True)
+        (path / WANDB_DIR).mkdir(exist_ok=True)
         self.run = wandb.init(
             project=r.wandb_project, entity=r.wandb_entity or None, name=r.wandb_name or r.name,
             group=r.wandb_group or None, tags=list(r.wandb_tags) or None, mode=r.wandb_mode, dir=str(path),
@@ -85,7 +85,7 @@ def open_loggers(cfg: Config, path: Path, resume: bool) -> list[Any]:
                 exc,
             )
         else:
-            loggers.append(_TensorBoard(SummaryWriter(str(path / "events"))))
+            loggers.append(_TensorBoard(SummaryWriter(str(path / EVENTS_DIR))))
     if cfg.run.wandb_project:
         loggers.append(_Wandb(cfg, path, resume))
     return loggers

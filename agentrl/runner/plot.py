@@ -36,7 +36,8 @@ def labels(paths: list[Path]) -> list[str]:
 def plot_runs(paths: list[Path], out: Path, x: str = "step", every: bool = False) -> list[Path]:
     """Write the PNGs; returns their paths (a curve no run has data for is skipped)."""
     from agentrl.dashboard.curves import CURVES, X_AXES, points
-    from agentrl.dashboard.runfiles import METRICS_NAME, read_metrics
+    from agentrl.dashboard.runfiles import read_metrics
+    from agentrl.runlayout import METRICS_FILE
 
     try:
         import matplotlib
@@ -49,8 +50,8 @@ def plot_runs(paths: list[Path], out: Path, x: str = "step", every: bool = False
 
     runs = []
     for path in paths:
-        if not (path / METRICS_NAME).is_file():
-            raise ConfigError(f"agentrl plot: {path} is not a run directory (no {METRICS_NAME})")
+        if not (path / METRICS_FILE).is_file():
+            raise ConfigError(f"agentrl plot: {path} is not a run directory (no {METRICS_FILE})")
         runs.append(read_metrics(path))
     out.mkdir(parents=True, exist_ok=True)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]

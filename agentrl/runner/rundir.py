@@ -1,16 +1,11 @@
-"""The run directory `runs/<name>/` and its files.
+"""The run directory `runs/<name>/` as the driver writes it: the run's lock, its config, metrics, the learner's
+log-prob sample, checkpoints and summary. The names of its files and the rule for the latest checkpoint are
+agentrl.runlayout's (its docstring has the layout).
 
-Layout: `run.lock` (held by the driver for the whole run; holds its pid), `config.toml` (resolved config),
-`metrics.jsonl` (one JSON line per learner step: the source of truth; `RunDir.log` also hands its numbers to
-the loggers, TensorBoard and W&B), `learner_logprobs.jsonl` (the learner's sample for the trajectory viewer),
-`dashboard_url`, `ledger.jsonl` (written by the replay queue's `commit`),
-`queue.wal` (the queue's write-ahead log), `queue_url`, `events/` (TensorBoard), `wandb/` and `wandb_id`, `checkpoints/step_N/`
-(`learner/` from `Learner.save`, `state.json` with the driver's state: step, data cursor, trajectories trained
-since the previous checkpoint), `checkpoints/latest` naming the newest complete checkpoint, and
-`summary.json` once the run has finished. Invariants: one driver per directory (an exclusive lock, a second
-one fails at once naming the holder's pid); a checkpoint directory is complete before `latest` names it
-(written to a temporary name, then renamed; a failed write removes the temporary); on resume, metrics lines
-past the checkpoint's step are dropped, so every step appears once.
+Invariants: one driver per directory (an exclusive lock, a second one fails at once naming the holder's pid);
+a checkpoint directory is complete before it is taken as one (written to a temporary name, its `state.json`
+last, then renamed; a failed write removes the temporary); on resume, metrics lines past the checkpoint's step
+are dropped, so every step appears once.
 
 Which directories hold a run, and the refusal of one, are decided in agentrl.runner.claim; the loggers
 (TensorBoard, W&B) live in agentrl.runner.loggers.
@@ -28,13 +23,23 @@ from typing import Any
 
 import msgspec
 
+from agentrl import runlayout
 from agentrl.config import Config
-from agentrl.config_text import dump_toml
-from agentrl.dashboard.runfiles import LOGPROBS_NAME, read_metrics
+from agentrl.config.text import dump_toml
+from agentrl.dashboard.runfiles import read_metrics
 from agentrl.errors import ConfigError, StorageError
-from agentrl.queue.walformat import LEDGER_NAME
-from agentrl.runlock import RUN_LOCK, DirLock
-from agentrl.runner.claim import SUMMARY_FILE, claim
+from agentrl.runlayout import (
+    CONFIG_FILE,
+    LEDGER_FILE,
+    LOGPROBS_FILE,
+    METRICS_FILE,
+    RUN_LOCK,
+    STATE_FILE,
+    SUMMARY_FILE,
+    replacement,
+)
+from agentrl.runlock import DirLock
+from agentrl.runner.claim import claim
 from agentrl.runner.loggers import open_loggers, scalars
 
 LOGPROBS_MAX_BYTES = 64 << 20
@@ -82,8 +87,8 @@ class RunDir:
     def __init__(self, cfg: Config, resume: bool = False):
         self.path = Path(cfg.run.root) / cfg.run.name
         self.cfg = cfg
-        if resume and not (self.path / "config.toml").exists():
-            raise ConfigError(f"--resume {self.path}: not a run directory (no config.toml)")
+        if resume and not (self.path / CONFIG_FILE).exists():
+            raise ConfigError(f"--resume {self.path}: not a run directory (no {CONFIG_FILE})")
         if resume and cfg.run.overwrite:
             raise ConfigError("--resume and run.overwrite = true are exclusive (continue, or start afresh)")
         self.path.mkdir(parents=True, exist_ok=True)
@@ -92,7 +97,7 @@ class RunDir:
         try:
             claim(self.path, shown(self.path), resume, cfg.run.overwrite)
             self.ckpt_root.mkdir(exist_ok=True)
-            (self.path / "config.toml").write_text(dump_toml(redact(cfg)))
+            (self.path / CONFIG_FILE).write_text(dump_toml(redact(cfg)))
         except OSError as exc:
             self._lock.release()
             raise storage_error(exc, "run directory", self.path, self.path) from None
@@ -107,15 +112,15 @@ class RunDir:
 
     @property
     def ledger_path(self) -> Path:
-        return self.path / LEDGER_NAME
+        return self.path / LEDGER_FILE
 
     @property
     def metrics_path(self) -> Path:
-        return self.path / "metrics.jsonl"
+        return self.path / METRICS_FILE
 
     @property
     def ckpt_root(self) -> Path:
-        return self.path / "checkpoints"
+        return runlayout.checkpoints_dir(self.path)
 
     def log(self, metrics: dict[str, Any]) -> None:
         """Append one metrics line (the source of truth), then hand its numbers to each logger (TensorBoard,
@@ -136,7 +141,7 @@ class RunDir:
         steps; the WAL is compacted anyway)."""
         if not sample:
             return
-        path = self.path / LOGPROBS_NAME
+        path = self.path / LOGPROBS_FILE
         try:
             with path.open("a") as f:
                 f.writelines(
@@ -144,7 +149,7 @@ class RunDir:
                 )
             if path.stat().st_size > LOGPROBS_MAX_BYTES:
                 lines = path.read_text().splitlines(keepends=True)
-                tmp = path.with_suffix(".tmp")
+                tmp = replacement(path)
                 tmp.write_text("".join(lines[len(lines) // 2 :]))
                 os.replace(tmp, path)
         except OSError as exc:
@@ -156,17 +161,17 @@ class RunDir:
     def truncate_metrics(self, last_step: int) -> None:
         """Drop metrics lines of steps after `last_step` (they were not checkpointed)."""
         rows = [r for r in self.read_metrics() if r.get("step", 0) <= last_step]
-        tmp = self.metrics_path.with_suffix(".tmp")
+        tmp = replacement(self.metrics_path)
         tmp.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
         os.replace(tmp, self.metrics_path)
 
     def step_dir(self, step: int) -> Path:
-        return self.ckpt_root / f"step_{step}"
+        return runlayout.step_dir(self.path, step)
 
     def begin_checkpoint(self, step: int) -> Path:
         """A fresh temporary directory to write checkpoint `step` into; `finish_checkpoint` publishes it and
         `abort_checkpoint` removes it."""
-        tmp = self.ckpt_root / f".tmp_step_{step}"
+        tmp = runlayout.partial_step_dir(self.path, step)
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             tmp.mkdir(parents=True)
@@ -181,35 +186,18 @@ class RunDir:
         return storage_error(exc, "checkpoint", self.path, tmp) if isinstance(exc, OSError) else exc
 
     def finish_checkpoint(self, step: int, tmp: Path, state: dict[str, Any], keep: int = 2) -> Path:
+        """Write `state.json` into `tmp` (last: it is what makes a checkpoint complete, runlayout's rule), rename
+        `tmp` into place, and keep the newest `keep` complete checkpoints."""
         try:
-            (tmp / "state.json").write_text(json.dumps({**state, "step": step, "saved_at": time.time()}))
+            (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step, "saved_at": time.time()}))
             final = self.step_dir(step)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            latest_tmp = self.ckpt_root / "latest.tmp"
-            latest_tmp.write_text(final.name + "\n")
-            os.replace(latest_tmp, self.ckpt_root / "latest")
         except OSError as exc:
-            (self.ckpt_root / "latest.tmp").unlink(missing_ok=True)
             raise self.abort_checkpoint(tmp, exc) from None
-        self._prune(keep)
-        return final
-
-    def latest_checkpoint(self) -> tuple[Path, dict[str, Any]] | None:
-        pointer = self.ckpt_root / "latest"
-        if not pointer.exists():
-            return None
-        path = self.ckpt_root / pointer.read_text().strip()
-        return path, json.loads((path / "state.json").read_text())
-
-    def _prune(self, keep: int) -> None:
-        steps = sorted(
-            (int(p.name.split("_")[1]), p)
-            for p in self.ckpt_root.glob("step_*")
-            if p.name.split("_")[1].isdigit()
-        )
-        for _, path in steps[:-keep]:
+        for _, path, _ in runlayout.complete_checkpoints(self.path)[:-keep]:
             shutil.rmtree(path, ignore_errors=True)
+        return final
 
     def summary(self, stopped_by: str) -> dict[str, Any]:
         """The run so far, from metrics.jsonl (all of it, across resumes): steps, wall time, rewards, evals.
@@ -218,7 +206,7 @@ class RunDir:
         steps = [r for r in rows if "phase" not in r]
         evals = [r for r in rows if "eval_reward_mean" in r]
         rewards = [(r["reward_mean"], r["step"]) for r in steps if _finite(r.get("reward_mean"))]
-        latest = self.latest_checkpoint()
+        latest = runlayout.latest_checkpoint(self.path)
         out: dict[str, Any] = {
             "run_dir": str(self.path),
             "steps": steps[-1]["step"] if steps else 0,
@@ -249,7 +237,7 @@ class RunDir:
 
     def finish(self, summary: dict[str, Any]) -> None:
         """Mark the run finished (a later `agentrl run` of the same config says so instead of starting)."""
-        tmp = self.path / (SUMMARY_FILE + ".tmp")
+        tmp = replacement(self.path / SUMMARY_FILE)
         try:
             tmp.write_text(json.dumps(summary, indent=1) + "\n")
             os.replace(tmp, self.path / SUMMARY_FILE)

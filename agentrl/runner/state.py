@@ -10,7 +10,6 @@ is killed. The ids the learner holds (`held_ids`) are what a restarted queue act
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.dashboard.runfiles import ledger_steps
+from agentrl.runlayout import LEARNER_DIR, latest_checkpoint
 from agentrl.runner.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -66,17 +66,13 @@ class RunState:
 
 
 def pick_checkpoint(rundir: RunDir) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint on disk with its state.json (the ledger may not have reached it yet: its
-    pending commits say which steps to roll forward)."""
-    candidates = []
-    for path in rundir.ckpt_root.glob("step_*"):
-        state_file = path / "state.json"
-        if state_file.exists():
-            state = json.loads(state_file.read_text())
-            candidates.append((int(state["step"]), path, state))
-    if not candidates:
+    """The latest complete checkpoint (agentrl.runlayout's rule) with its state.json (the ledger may not have
+    reached it yet: its pending commits say which steps to roll forward)."""
+    latest = latest_checkpoint(rundir.path)
+    if latest is None:
         return None
-    step, path, state = max(candidates, key=lambda c: c[0])
+    path, state = latest
+    step = int(state["step"])
     committed_after = sorted(s for s in ledger_steps(rundir.path) if s > step)
     if committed_after:
         log.warning("ledger has steps past checkpoint %d: %s", step, committed_after)
@@ -102,7 +98,7 @@ async def write_checkpoint(
                 raise
             raise error from None
 
-    await guarded(cluster.save_learner(str(tmp / "learner"), background))
+    await guarded(cluster.save_learner(str(tmp / LEARNER_DIR), background))
 
     async def finish() -> None:
         if background:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import Config
+from agentrl.runlayout import LEARNER_DIR
 from agentrl.runner.dispatch import Dispatcher
 from agentrl.runner.evaluation import Evaluation
 from agentrl.runner.live_dashboard import start_dashboard
@@ -210,7 +211,7 @@ class Trainer:
 
     async def _resume(self, path: Path, saved: dict[str, Any]) -> None:
         """Load the learner of checkpoint `path`, roll its pending commits forward, restore the rollouts."""
-        await self.coord.cluster.load_learner(str(path / "learner"))
+        await self.coord.cluster.load_learner(str(path / LEARNER_DIR))
         for step, ids in saved.get("pending_commits", []):  # roll forward what the checkpoint trained on
             await self.coord.queue_call("commit", int(step), list(ids))
         self.rollouts.load_state_dict(saved)

@@ -49,7 +49,7 @@ import torch  # noqa: E402
 from agentrl import types  # noqa: E402
 from agentrl.actors.colocated import allocator_settings  # noqa: E402
 from agentrl.actors.handoff import HandOff, PeakMeter  # noqa: E402
-from agentrl.config import AlgorithmSection, LearnerSection, LoraSection  # noqa: E402
+from agentrl.config.learning import AlgorithmSection, LearnerSection, LoraSection  # noqa: E402
 from agentrl.engines.base import AdapterSource, SamplingParams, TensorSource  # noqa: E402
 from agentrl.engines.embedded import EmbeddedEngine  # noqa: E402
 from agentrl.engines.sglang import SGLangEngine  # noqa: E402

@@ -52,7 +52,7 @@ def peak_gib(device: str) -> float:
 
 def run(args, path: Path, fsdp: bool) -> dict:
     """First-step metrics and log-probs, then mean step time over the timed steps (after warmup)."""
-    from agentrl.config import AlgorithmSection, LearnerSection
+    from agentrl.config.learning import AlgorithmSection, LearnerSection
     from agentrl.learners.torch_learner import TorchLearner
 
     cfg = LearnerSection(device=args.device, dtype=args.dtype, lr=1e-5, micro_batch_tokens=args.micro_batch_tokens,

@@ -30,7 +30,7 @@ import torch
 from sglang_check import DEFAULT_FLAGS, TOL, build_model
 
 from agentrl import types
-from agentrl.config import AlgorithmSection, LearnerSection, LoraSection
+from agentrl.config.learning import AlgorithmSection, LearnerSection, LoraSection
 from agentrl.engines.base import AdapterSource, SamplingParams
 from agentrl.engines.sglang import SGLangEngine
 from agentrl.engines.sglang_launcher import SGLangServer, lora_server_args, parse_sglang_flags

@@ -17,15 +17,16 @@ import aiohttp
 import msgspec
 import pytest
 
-from agentrl.config import QueueSection
+from agentrl.config.serving import QueueSection
 from agentrl.queue import wal as wal_mod
 from agentrl.queue.core import ReplayQueue
 from agentrl.queue.server import QueueServer
+from agentrl.runlayout import LEDGER_FILE, WAL_FILE
 from tests.reliability.support import figure, load_bench
 
 pytestmark = pytest.mark.slow
 
-FILES = (wal_mod.WAL_NAME, wal_mod.LEDGER_NAME)
+FILES = (WAL_FILE, LEDGER_FILE)
 
 
 class CrashStates:
@@ -69,16 +70,16 @@ class CrashStates:
             self.check("before a log append")
             torn = self.files()
             data = b"".join(bytes(b) for b in buffers)
-            torn[wal_mod.WAL_NAME] += data[: len(data) // 2]
+            torn[WAL_FILE] += data[: len(data) // 2]
             self.check("a torn log append", torn)
             return real_writev(fd, buffers)
 
         def ledger(log, record):
             self.check(f"before the ledger line of step {record.step}")
-            before = self.files()[wal_mod.LEDGER_NAME]
+            before = self.files()[LEDGER_FILE]
             real_ledger(log, record)
             torn = self.files()
-            torn[wal_mod.LEDGER_NAME] = before + torn[wal_mod.LEDGER_NAME][len(before) :][:30]
+            torn[LEDGER_FILE] = before + torn[LEDGER_FILE][len(before) :][:30]
             self.check(f"a torn ledger line of step {record.step}", torn)
 
         def compact(log, *args):
@@ -162,7 +163,7 @@ async def test_the_accounting_says_where_lost_ids_are(tmp_path):
         await queue.commit(step, (await queue.sample_batch(8)).ids)
     queue.compact()
     queue.close()
-    ledger = run_dir / wal_mod.LEDGER_NAME
+    ledger = run_dir / LEDGER_FILE
     ledger.write_text(ledger.read_text().splitlines()[1] + "\n")  # step 1's line lost
     acked = [f"c0-{s}-{k}" for s in range(3) for k in range(8)]
     result = load_bench().account(run_dir, acked)

@@ -25,10 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from agentrl.config import LoraSection
+from agentrl.config.learning import LoraSection
 from agentrl.errors import LearnerError
 from agentrl.learners import hf_io
 from agentrl.learners.checkpoint import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
     hf_config_dir,
     map_tensors,
     read_metadata,
@@ -37,7 +39,6 @@ from agentrl.learners.checkpoint import (
     write_metadata,
 )
 from agentrl.learners.megatron import lora
-from agentrl.learners.peft_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 if TYPE_CHECKING:
     from agentrl.learners.megatron.learner import MegatronLearner

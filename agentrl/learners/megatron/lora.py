@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 import torch
 
-from agentrl.config import LoraSection
+from agentrl.config.learning import LoraSection
 from agentrl.errors import LearnerError
 from agentrl.learners.megatron.arch import ArchSpec
 

@@ -1,6 +1,5 @@
-"""The sections of the sampling side: the inference engines (and SGLang's server settings) and the rollout
-workers. Split from agentrl.config to keep each module small; agentrl.config re-exports them, so import them
-from there. Light: no torch or ray.
+"""The sampling side of the config: the inference engines (and SGLang's server settings), the rollout
+workers, and what they roll out: the env and the prompt data. Light: no torch or ray.
 """
 
 from __future__ import annotations
@@ -9,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 
-from agentrl.config_learning import DEVICE, _Section, doc
+from agentrl.config.base import DEVICE, _Section, doc
 from agentrl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -115,3 +114,23 @@ class RolloutSection(_Section):
         doc("OpenAI proxy: keep a session's side requests (title / summary calls, abandoned branches) as their "
             "own trajectories, flagged metadata.side_request, rather than drop them from training"),
     ] = False  # fmt: skip
+
+
+class EnvSection(_Section):
+    key = "env"
+    name: Annotated[str, doc("a registered env (`agentrl envs` lists them)")] = "guess_number"
+    kwargs: Annotated[dict[str, Any], doc("passed to the env's constructor")] = {}
+    reward: Annotated[str, doc("env's reward instead: 'exact_match', 'math' or 'module:function'")] = ""
+
+
+class DataSection(_Section):
+    key = "data"
+    path: Annotated[str, doc("JSONL or Parquet prompts; empty: the env generates tasks (sample_tasks)")] = ""
+    eval_path: Annotated[str, doc("JSONL or Parquet evaluation prompts; empty: the env's")] = ""
+    input_key: Annotated[str, doc("record key holding the prompt")] = "prompt"
+    label_key: Annotated[str, doc("record key holding the answer")] = "answer"
+    metadata_key: Annotated[str, doc("record key passed to the env as metadata; empty = none")] = ""
+    apply_chat_template: Annotated[bool, doc("wrap prompts in the tokenizer's chat template")] = True
+    shuffle: Annotated[bool, doc("shuffle the prompts every epoch")] = True
+    seed: Annotated[int, doc("seed of the shuffle", ge=0)] = 0
+    epochs: Annotated[int, doc("passes over the prompts", ge=1)] = 1

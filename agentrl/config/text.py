@@ -1,7 +1,7 @@
 """The config's text forms: command-line overrides in, key checking and error wording, TOML out.
 
-Kept apart from agentrl.config (the sections and their cross-field rules) so each stays small; generic over
-msgspec Structs, so it imports nothing of agentrl but the error type. Light: no torch or ray.
+Generic over msgspec Structs (the sections and their cross-field rules are the rest of agentrl.config), so it
+imports nothing of agentrl but the error type. Light: no torch or ray.
 """
 
 from __future__ import annotations

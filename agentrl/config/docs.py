@@ -11,7 +11,7 @@ from typing import Any, Literal, NamedTuple, get_origin
 
 import msgspec
 
-from agentrl.config_text import bounds_text, is_struct, toml_value, unwrap
+from agentrl.config.text import bounds_text, is_struct, toml_value, unwrap
 
 
 class Key(NamedTuple):

@@ -1,44 +1,23 @@
-"""The learner's and the algorithm's config sections (and the section base every section of agentrl.config
-builds on): split from agentrl.config to keep each module small; agentrl.config re-exports them, so import
-them from there. Light: no torch or ray.
+"""The learning side of the config: the learner (and its LoRA adapter), the algorithm (with the one registry
+of advantage estimators and policy losses) and the supervised warm-up before RL. Light: no torch or ray.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, NamedTuple
+from typing import TYPE_CHECKING, Annotated, Literal, NamedTuple
 
 import msgspec
 
-from agentrl.config_text import check_bounds
+from agentrl.config.base import DEVICE, _Section, doc
 from agentrl.errors import ConfigError
 
 if TYPE_CHECKING:
     from agentrl.config import Config
 
 
-def doc(description: str, **bounds: float | str) -> msgspec.Meta:
-    """A field's description and bounds (ge, gt, le, lt; `pattern` for a string), for msgspec's load, the
-    docs and `--help`."""
-    return msgspec.Meta(description=description, **bounds)  # type: ignore[arg-type]
-
-
-# A torch device as the config spells it, and an AdamW beta.
-DEVICE = r"^(cpu|cuda(:[0-9]+)?)$"
+# An AdamW beta.
 Beta = Annotated[float, msgspec.Meta(ge=0, lt=1)]
-
-
-class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    # The section's dotted key, for messages about a section built directly rather than loaded.
-    key: ClassVar[str] = ""
-
-    def __post_init__(self) -> None:
-        check_bounds(self, f"{self.key}." if self.key else "")
-
-    def validate(self, cfg: Config | None = None) -> None:
-        """This section's cross-field checks, each message naming both settings; with `cfg` (as
-        agentrl.config.validate passes it) also those against other sections. A section without any
-        inherits this one."""
 
 
 class LoraSection(_Section):
@@ -386,3 +365,12 @@ class AlgorithmSection(_Section):
             )
         if self.estimator.teacher and self.teacher_coef <= 0:
             raise ConfigError(f"algorithm.advantage = '{self.advantage}' needs algorithm.teacher_coef > 0")
+
+
+class WarmupSection(_Section):
+    key = "warmup"
+    steps: Annotated[int, doc("supervised warm-up steps on env demonstrations; 0 = none", ge=0)] = 0
+    batch_size: Annotated[int, doc("demonstrations per warm-up step", ge=1)] = 32
+    lr: Annotated[float, doc("warm-up learning rate", gt=0)] = 1e-3
+    time_limit_s: Annotated[float, doc("stop warm-up after this many seconds; 0 = no limit", ge=0)] = 0.0
+    seed: Annotated[int, doc("seed of the demonstrations", ge=0)] = 12345

@@ -1,0 +1,167 @@
+"""The run's own config: the run (name, length, placement, checkpoints, loggers) and the model trained.
+Light: no torch or ray.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Literal
+
+from agentrl.config.base import _Section, doc
+from agentrl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from agentrl.config import Config
+
+
+class RunSection(_Section):
+    key = "run"
+    name: Annotated[str, doc("run directory is root/name (agentrl.runner.rundir)")] = "default"
+    root: Annotated[str, doc("directory holding the run directories")] = "runs"
+    overwrite: Annotated[
+        bool,
+        doc(
+            "a run directory that already holds a run is refused unless resumed (--resume) or this is true: "
+            "then agentrl's files in it (checkpoints, queue.wal, ledger, metrics, events) are deleted first"
+        ),
+    ] = False
+    imports: Annotated[
+        list[str],
+        doc(
+            "modules imported in the driver and every actor before anything is resolved (user envs "
+            "registered with @register_env, rewards, generators); also `--import MODULE`"
+        ),
+    ] = []
+    import_path: Annotated[
+        list[str],
+        doc(
+            "directories searched first for run.imports and 'module:function' names; the config file's "
+            "directory and the working directory are added (all made absolute) when the run starts"
+        ),
+    ] = []
+    mode: Annotated[
+        Literal["sync", "async"], doc("sync: learner and rollouts alternate (staleness 0); async: overlap")
+    ] = "sync"
+    steps: Annotated[int, doc("learner steps (policy versions) to train", ge=0)] = 20
+    seed: Annotated[int, doc("seed of the run's random number generators", ge=0)] = 0
+    time_limit_s: Annotated[float, doc("stop after this many seconds; 0 = no limit", ge=0)] = 0.0
+    eval_every: Annotated[int, doc("evaluate every this many steps; 0 = never", ge=0)] = 0
+    eval_prompts: Annotated[int, doc("prompts per evaluation", ge=1)] = 32
+    checkpoint_every: Annotated[
+        int,
+        doc(
+            "checkpoint every this many steps; 0 = only at the end (a step's ledger commit waits for its checkpoint)",
+            ge=0,
+        ),
+    ] = 5
+    checkpoint_background: Annotated[
+        bool,
+        doc(
+            "write checkpoints while the next steps train: the step only copies the learner's state to host "
+            "memory (one more copy of weights and optimizer in RAM until written); its ledger commit waits for "
+            "the files, and a crash mid-write leaves the last complete checkpoint. false: the step waits for the "
+            "write. A learner on another node always streams its files before the step goes on"
+        ),
+    ] = True
+    ray_address: Annotated[str, doc("Ray cluster to join; empty = start a local Ray")] = ""
+    ray_num_cpus: Annotated[int, doc("CPUs of a local Ray; 0 = this machine's count", ge=0)] = 0
+    nodes: Annotated[
+        int,
+        doc(
+            "Ray nodes the run spans; > 1 (with placement = 'disaggregated'): wait for that many, then place "
+            "each role by its resources over them (docs/multinode.md)",
+            ge=1,
+        ),
+    ] = 1
+    learner_nodes: Annotated[
+        int,
+        doc("with nodes > 1: hosts the learner's ranks are split over (one STRICT_PACK group each)", ge=1),
+    ] = 1
+    engines_per_node: Annotated[
+        int,
+        doc("with nodes > 1: engines per STRICT_PACK group (one host); 0 = all engines on one host", ge=0),
+    ] = 0
+    learner_resources: Annotated[
+        dict[str, float],
+        doc("with nodes > 1: Ray custom resources each learner rank asks for, e.g. {learner = 1}"),
+    ] = {}
+    engine_resources: Annotated[
+        dict[str, float], doc("with nodes > 1: Ray custom resources each engine actor asks for")
+    ] = {}
+    rollout_resources: Annotated[
+        dict[str, float], doc("with nodes > 1: Ray custom resources each rollout worker asks for")
+    ] = {}
+    progress: Annotated[bool, doc("show the progress line on the terminal")] = True
+    tensorboard: Annotated[bool, doc("events in runs/NAME/events (tensorboard is an agentrl dependency)")] = (
+        True
+    )
+    placement: Annotated[
+        Literal["colocated", "split", "disaggregated"],
+        doc("where actors run: learner and engine in one process, split, or engines as their own actors"),
+    ] = "split"
+    offload: Annotated[
+        bool,
+        doc(
+            "colocated runs at staleness 0 (sync, or async with queue.max_staleness = 0) on one GPU: the "
+            "learner's parameters and optimizer state wait in pinned CPU memory during rollout (its gradients are "
+            "dropped), the engines release their weights and KV cache during training (docs/architecture.md, "
+            "colocated hand-off)"
+        ),
+    ] = False
+    torch_threads: Annotated[int, doc("torch CPU threads per actor", ge=1)] = 1
+    max_restarts: Annotated[int, doc("restarts of a crashed actor before the run fails", ge=0)] = 3
+    publish_timeout_s: Annotated[float, doc("seconds a weight publish may take", gt=0)] = 120.0
+    wandb_project: Annotated[
+        str, doc("Weights & Biases project the metrics also go to; empty = no W&B (pip install wandb)")
+    ] = ""
+    wandb_entity: Annotated[str, doc("W&B entity (user or team); empty = your default")] = ""
+    wandb_name: Annotated[str, doc("W&B run name; empty = run.name")] = ""
+    wandb_group: Annotated[str, doc("W&B group (e.g. one per sweep); empty = none")] = ""
+    wandb_tags: Annotated[list[str], doc("W&B tags")] = []
+    wandb_mode: Annotated[
+        Literal["online", "offline", "disabled"],
+        doc("W&B mode: offline writes runs/NAME/wandb only (no network; `wandb sync` uploads it later)"),
+    ] = "online"
+
+    def validate(self, cfg: Config | None = None) -> None:
+        if cfg is not None and self.offload:
+            self._check_offload(cfg)
+        if cfg is not None and self.placement == "colocated" and cfg.learner.ranks > 1:
+            raise ConfigError(
+                f"run.placement = 'colocated' runs one learner process, but learner ranks = {cfg.learner.ranks} "
+                "(tensor_parallel x pipeline_parallel x data_parallel); use 'split' or 'disaggregated'"
+            )
+        if cfg is not None and cfg.rollout.prompts_per_step < cfg.learner.data_parallel:
+            raise ConfigError(
+                f"rollout.prompts_per_step = {cfg.rollout.prompts_per_step} is less than learner.data_parallel = "
+                f"{cfg.learner.data_parallel}: each data-parallel rank trains on whole groups of its own"
+            )
+
+    @staticmethod
+    def _check_offload(cfg: Config) -> None:
+        """run.offload hands one GPU between the phases of a colocated run whose rollout and training take turns
+        (staleness 0: sync, or async with queue.max_staleness = 0, the same schedule) with the torch learner
+        without FSDP, or the Megatron learner (its one colocated rank)."""
+        for ok, need in (
+            (cfg.run.placement == "colocated", f"run.placement = 'colocated', got '{cfg.run.placement}'"),
+            (
+                cfg.effective_max_staleness == 0,
+                "run.mode = 'sync' or queue.max_staleness = 0 (rollout and training take turns), got "
+                f"run.mode = '{cfg.run.mode}' with queue.max_staleness = {cfg.queue.max_staleness}",
+            ),
+            (
+                cfg.learner.kind == "megatron" or not cfg.learner.fsdp,
+                "learner.kind = 'megatron', or 'torch' without learner.fsdp",
+            ),
+        ):
+            if not ok:
+                raise ConfigError(f"run.offload = true needs {need}")
+
+
+class ModelSection(_Section):
+    key = "model"
+    path: Annotated[str, doc("Hugging Face model directory")] = "runs/tiny-model"
+    make_tiny: Annotated[bool, doc("create a tiny random model at model.path if it is missing")] = True
+    arch: Annotated[
+        Literal["qwen3", "qwen2", "llama", "qwen3_moe", "glm4_moe"], doc("architecture of the tiny model")
+    ] = "qwen2"
+    seed: Annotated[int, doc("seed of the tiny model's weights", ge=0)] = 0
