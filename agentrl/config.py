@@ -24,7 +24,14 @@ from agentrl.config_learning import (  # noqa: F401 - re-exported: the sections 
     doc,
 )
 from agentrl.config_rollout import EngineSection, RolloutSection, SGLangSection  # noqa: F401 - re-exported
-from agentrl.config_sections import DashboardSection, DataSection, EnvSection, WarmupSection
+from agentrl.config_sections import (
+    DashboardSection,
+    DataSection,
+    EnvSection,
+    EvalSection,
+    WarmupSection,
+    check_eval_sets,
+)
 from agentrl.config_text import (  # noqa: F401 - tomllib re-exported
     check_keys,
     explain,
@@ -67,8 +74,17 @@ class RunSection(_Section):
     steps: Annotated[int, doc("learner steps (policy versions) to train", ge=0)] = 20
     seed: Annotated[int, doc("seed of the run's random number generators", ge=0)] = 0
     time_limit_s: Annotated[float, doc("stop after this many seconds; 0 = no limit", ge=0)] = 0.0
-    eval_every: Annotated[int, doc("evaluate every this many steps; 0 = never", ge=0)] = 0
-    eval_prompts: Annotated[int, doc("prompts per evaluation", ge=1)] = 32
+    eval_every: Annotated[
+        int,
+        doc(
+            "evaluate the run's own eval set (greedy, one sample per prompt, logged as eval_reward_mean) every "
+            "this many steps and before RL; 0 = never; also the default of every [[eval]] set's every_steps",
+            ge=0,
+        ),
+    ] = 0
+    eval_prompts: Annotated[
+        int, doc("prompts per evaluation (data.eval_path's first rows, else env tasks)", ge=1)
+    ] = 32
     checkpoint_every: Annotated[
         int,
         doc(
@@ -270,11 +286,21 @@ class Config(_Section):
     dashboard: Annotated[DashboardSection, doc("the live dashboard and trajectory viewer")] = msgspec.field(
         default_factory=DashboardSection
     )
+    eval: Annotated[
+        list[EvalSection],
+        doc(
+            "named eval sets, each a [[eval]] table, evaluated during the run besides run.eval_every's and by "
+            "`agentrl eval RUN_DIR`"
+        ),
+    ] = []
 
     def validate(self, cfg: Config | None = None) -> None:
         """Every section's checks, each given the whole config for those that span sections."""
         for f in msgspec.structs.fields(self):
-            getattr(self, f.name).validate(self)
+            value = getattr(self, f.name)
+            for section in value if isinstance(value, list) else [value]:
+                section.validate(self)
+        check_eval_sets(self.eval, self.run.eval_every)
 
     # Values that follow from the settings: computed here, their one owner, and never written back.
     @property

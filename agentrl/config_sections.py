@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from agentrl.config_learning import _Section, doc
+from agentrl.errors import ConfigError
 
 
 class EnvSection(_Section):
@@ -60,3 +61,63 @@ class DashboardSection(_Section):
             le=64,
         ),
     ] = 4
+
+
+EVAL_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+DEFAULT_EVAL = (
+    "default"  # the run's own eval set (run.eval_every, run.eval_prompts); no [[eval]] takes the name
+)
+
+
+class EvalSection(_Section):
+    """One named eval set, a `[[eval]]` table (agentrl.runner.evaluation); the run's own set is `run.eval_*`."""
+
+    key = "eval"
+    name: Annotated[
+        str,
+        doc(
+            "the set's name: its metrics are eval/<name>/mean_reward, eval/<name>/pass@k, ...",
+            pattern=EVAL_NAME,
+        ),
+    ]
+    env: Annotated[str, doc("a registered env whose tasks are the prompts; empty: env.name (or `data`)")] = ""
+    env_kwargs: Annotated[
+        dict[str, Any], doc("passed to the env's constructor; empty with env = env.name: env.kwargs")
+    ] = {}
+    data: Annotated[
+        str,
+        doc("JSONL or Parquet prompts (read with [data]'s keys), scored by the env; empty: the env's tasks"),
+    ] = ""
+    prompts: Annotated[
+        int, doc("prompts evaluated: the first rows of `data`, else env tasks; 0 = run.eval_prompts", ge=0)
+    ] = 0
+    n: Annotated[int, doc("samples per prompt (pass@k for k = 1, 2, 4, ... up to n)", ge=1)] = 1
+    temperature: Annotated[float, doc("sampling temperature; 0 = greedy", ge=0)] = 0.0
+    top_p: Annotated[float, doc("nucleus sampling when temperature > 0", gt=0, le=1)] = 1.0
+    max_new_tokens: Annotated[int, doc("tokens per reply; 0 = rollout.max_new_tokens", ge=0)] = 0
+    seed: Annotated[
+        int, doc("seed of a sampled set: sample k of prompt i asks the engine for seed + i * n + k", ge=0)
+    ] = 0
+    every_steps: Annotated[
+        int, doc("evaluate every this many steps (and before RL); 0 = run.eval_every", ge=0)
+    ] = 0
+
+
+def check_eval_sets(sets: list[EvalSection], eval_every: int) -> None:
+    """The `[[eval]]` tables together: names unique and not the run's own set's, each one run at some step."""
+    seen: dict[str, int] = {}
+    for i, s in enumerate(sets):
+        if s.name == DEFAULT_EVAL:
+            raise ConfigError(
+                f"eval[{i}].name = '{DEFAULT_EVAL}' names the run's own eval set (run.eval_every, run.eval_prompts); "
+                "choose another name"
+            )
+        if s.name in seen:
+            raise ConfigError(
+                f"eval[{i}].name = '{s.name}' is the name of eval[{seen[s.name]}] too; names are unique"
+            )
+        seen[s.name] = i
+        if not (s.every_steps or eval_every):
+            raise ConfigError(
+                f"eval[{i}] ('{s.name}') never runs: set eval[{i}].every_steps, or run.eval_every (its default)"
+            )
