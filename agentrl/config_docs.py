@@ -97,7 +97,7 @@ def help_reference(root: type[msgspec.Struct], only: tuple[str, ...] = (), width
         )
         for k in sec.keys:
             limits = f"; {k.bounds}" if k.bounds else ""
-            flag = k.name if sec.array else f"--{sec.key}.{k.name.replace('_', '-')}"
+            flag = f"{k.name} =" if sec.array else f"--{sec.key}.{k.name.replace('_', '-')}"
             lines.append(f"  {flag} {k.type}  (default {k.default}{limits})")
             lines.extend(
                 textwrap.wrap(k.description, width, initial_indent=" " * 6, subsequent_indent=" " * 6)

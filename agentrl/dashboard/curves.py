@@ -6,6 +6,7 @@ the curves `agentrl plot` writes by default (the ones papers and issues show); t
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -44,6 +45,32 @@ CURVES = (
 )
 
 X_AXES = {"step": "step", "wall": "wall_s"}  # --x choice -> metrics key
+EVAL_SET_KEY = re.compile(
+    r"^eval/(.+)/(mean_reward|pass@\d+)$"
+)  # a named eval set's (agentrl.runner.evaluation)
+
+
+def run_curves(rows: list[dict], names: list[str] | tuple[str, ...] = ()) -> tuple[Curve, ...]:
+    """CURVES with a curve per named eval set after the run's own eval curve: its mean reward and pass@k
+    lines. The sets are `names` (a run's [[eval]] tables, known before their first line) and those the rows'
+    keys show (`eval/<name>/mean_reward`, `eval/<name>/pass@k`)."""
+    keys: dict[str, list[str]] = {name: [f"eval/{name}/mean_reward"] for name in names}
+    for row in rows:
+        for key in row:
+            if (m := EVAL_SET_KEY.match(key)) and key not in keys.setdefault(m.group(1), []):
+                keys[m.group(1)].append(key)
+    sets = [
+        Curve(f"eval-{name}", f"eval set {name}", tuple(sorted(k, key=_eval_key_order)))
+        for name, k in keys.items()
+    ]
+    at = next(i for i, c in enumerate(CURVES) if c.name == "eval") + 1
+    return (*CURVES[:at], *sets, *CURVES[at:])
+
+
+def _eval_key_order(key: str) -> tuple[int, int]:
+    """mean_reward first, then pass@k by k."""
+    last = key.rsplit("/", 1)[1]
+    return (0, 0) if last == "mean_reward" else (1, int(last.split("@")[1]))
 
 
 def points(rows: list[dict], key: str, x: str = "step") -> list[tuple[float, float]]:
