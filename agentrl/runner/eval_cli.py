@@ -157,7 +157,7 @@ def load(args: argparse.Namespace) -> tuple[Any, str, Path | None, list[Any]]:
     from agentrl.config import load_config
     from agentrl.config_text import split_config_args
     from agentrl.errors import ConfigError
-    from agentrl.plugins import activate
+    from agentrl.plugins import activate, search_path
 
     kind, ckpt, run_config = resolve_target(args.target, args.step)
     files, overrides = split_config_args(list(getattr(args, "overrides", []) or []))
@@ -171,6 +171,7 @@ def load(args: argparse.Namespace) -> tuple[Any, str, Path | None, list[Any]]:
         overrides += ["--engine.kind", "sglang", "--engine.external-urls", urls]
     cfg = load_config([run_config] if run_config else None, overrides)
     cfg.run.imports += [m for m in args.imports if m not in cfg.run.imports]
+    cfg.run.import_path = search_path(cfg.run.import_path)
     activate(cfg.run)
     return cfg, kind, ckpt, eval_sets(args, cfg, run_config is not None)
 
@@ -189,7 +190,7 @@ def main(args: argparse.Namespace) -> int:
         where = f"{args.target} ({kind}{f', {ckpt}' if ckpt else ''})"
         print(f"agentrl eval: {where}")
         for s, r in zip(sets, results, strict=True):
-            print(format_result(s.describe(), r))
+            print(format_result(s.describe(r.prompts), r))
         if args.out:
             print(f"samples: {args.out}")
     return 0

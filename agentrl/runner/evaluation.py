@@ -74,10 +74,11 @@ class EvalSet:
         env = make_env(self.env, self.env_kwargs)
         return eval_tasks(env, msgspec.structs.replace(data, eval_path=self.data), self.prompts)
 
-    def describe(self) -> str:
+    def describe(self, prompts: int) -> str:
+        """One line: the set's name, its `prompts` (as many as were scored), samples and sampling."""
         source = f"data {self.data}" if self.data else f"env {self.env}"
         sampling = "greedy" if self.temperature == 0 else f"temperature {self.temperature:g}"
-        return f"{self.name}: {self.prompts} prompts of {source}, n = {self.n}, {sampling}"
+        return f"{self.name}: {prompts} prompts of {source}, n = {self.n}, {sampling}"
 
 
 def default_set(cfg: Config) -> EvalSet:
