@@ -156,7 +156,9 @@ def load(args: argparse.Namespace) -> tuple[Any, str, Path | None, list[Any]]:
     """(the config, what MODEL_OR_RUN is, its learner checkpoint, the eval sets)."""
     from agentrl.config import load_config
     from agentrl.config_text import split_config_args
+    from agentrl.envs.registry import env_factory
     from agentrl.errors import ConfigError
+    from agentrl.generator import resolve_generator
     from agentrl.plugins import activate, search_path
 
     kind, ckpt, run_config = resolve_target(args.target, args.step)
@@ -173,7 +175,11 @@ def load(args: argparse.Namespace) -> tuple[Any, str, Path | None, list[Any]]:
     cfg.run.imports += [m for m in args.imports if m not in cfg.run.imports]
     cfg.run.import_path = search_path(cfg.run.import_path)
     activate(cfg.run)
-    return cfg, kind, ckpt, eval_sets(args, cfg, run_config is not None)
+    sets = eval_sets(args, cfg, run_config is not None)
+    for s in sets:  # a wrong name fails here, before a model is loaded
+        env_factory(*s.env_spec())
+    resolve_generator(cfg.rollout.generator)
+    return cfg, kind, ckpt, sets
 
 
 def main(args: argparse.Namespace) -> int:
