@@ -80,9 +80,13 @@ class EvalSection(_Section):
             pattern=EVAL_NAME,
         ),
     ]
-    env: Annotated[str, doc("a registered env whose tasks are the prompts; empty: env.name (or `data`)")] = ""
+    env: Annotated[
+        str,
+        doc("the registered env that scores the set (and, without `data`, makes its tasks); empty: env.name"),
+    ] = ""
     env_kwargs: Annotated[
-        dict[str, Any], doc("passed to the env's constructor; empty with env = env.name: env.kwargs")
+        dict[str, Any],
+        doc("the env's constructor arguments; empty: env.kwargs when the set's env is env.name"),
     ] = {}
     data: Annotated[
         str,

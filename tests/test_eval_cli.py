@@ -73,6 +73,7 @@ def test_greedy_and_temperature_are_exclusive(capsys, model):
         ("--prompts", "0", "argument --prompts: must be >= 1, got 0"),
         ("--temperature", "-1", "argument --temperature: must be >= 0, got -1"),
         ("--step", "-2", "argument --step: must be >= 0, got -2"),
+        ("--top-p", "0", "argument --top-p: must be > 0 and <= 1, got 0"),
     ],
 )
 def test_numbers_out_of_range_name_the_flag(capsys, model, flag, value, message):

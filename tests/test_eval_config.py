@@ -16,7 +16,7 @@ eval_every = 4
 eval_prompts = 8
 [env]
 name = "calculator"
-kwargs = {max_value = 9}
+kwargs = {high = 9}
 reward = "exact_match"
 """
 
@@ -48,7 +48,7 @@ every_steps = 10
     # a set on the run's env scores like the run: its kwargs and env.reward
     assert (sampled.env, sampled.env_kwargs, sampled.reward) == (
         "calculator",
-        {"max_value": 9},
+        {"high": 9},
         "exact_match",
     )
     assert (sampled.prompts, sampled.n, sampled.every_steps) == (8, 8, 4)
@@ -120,3 +120,12 @@ def test_run_help_lists_the_eval_table_keys():
     text = help_reference(Config)
     assert "[[eval]]" in text and "  every_steps = int  (default 0; >= 0)" in text
     assert "--eval." not in text  # an array of tables has no flags
+
+
+def test_an_unknown_env_of_a_set_fails_before_the_run_starts(tmp_path):
+    from agentrl.errors import EnvError
+    from agentrl.runner.cli import check_names
+
+    cfg = load(BASE + '[[eval]]\nname = "a"\nenv = "guess_numbr"\n', tmp_path)
+    with pytest.raises(EnvError, match=r"unknown env\.name 'guess_numbr'; did you mean 'guess_number'"):
+        check_names(cfg)

@@ -36,6 +36,13 @@ def _at_least(low: int | float, kind: type) -> Any:
     return check
 
 
+def _top_p(value: str) -> float:
+    p = _at_least(0, float)(value)
+    if not 0 < p <= 1:
+        raise argparse.ArgumentTypeError(f"must be > 0 and <= 1, got {value}")
+    return p
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.usage = (
         "%(prog)s MODEL_OR_RUN [--env NAME | --data FILE] [--n N] [--greedy | --temperature T] [--prompts K] "
@@ -60,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--greedy", action="store_true", help="greedy decoding (temperature 0; the default)"
     )
     sampling.add_argument("--temperature", type=_at_least(0, float), metavar="T", help="sampling temperature")
-    parser.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling with --temperature > 0")
+    parser.add_argument("--top-p", type=_top_p, metavar="P", help="nucleus sampling with --temperature > 0")
     parser.add_argument(
         "--seed",
         type=_at_least(0, int),
