@@ -30,6 +30,8 @@ def write_rows(path: Path, n: int, offset: int = 0) -> str:
 
 
 def test_eval_of_a_step_equals_agentrl_eval_of_its_checkpoint(ray_session, tmp_path, run_model, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     from agentrl.config import load_config
     from agentrl.runner.loop import run
 
@@ -50,6 +52,11 @@ def test_eval_of_a_step_equals_agentrl_eval_of_its_checkpoint(ray_session, tmp_p
     logged = {row["step"]: row for row in read_jsonl(run_dir / "metrics.jsonl") if "eval_reward_mean" in row}
     assert sorted(logged) == [0, 1]  # before RL and at step 1, both sets each time
     assert all("eval/sampled/pass@3" in row for row in logged.values())
+    tensorboard = EventAccumulator(str(run_dir / "events"))
+    tensorboard.Reload()
+    assert {"eval_reward_mean", "eval/sampled/pass@3", "eval/sampled/mean_reward_se"} <= set(
+        tensorboard.Tags()["scalars"]
+    )
 
     out = tmp_path / "samples.jsonl"
     threads = torch.get_num_threads()  # the command pins them (run.torch_threads), as in its own process
