@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -107,3 +108,25 @@ def test_engine_urls_and_config_flags_are_checked(capsys, model):
     assert "unknown config key 'rollout.max_turn'; did you mean 'rollout.max_turns'?" in refused(
         capsys, model, "--env", "calculator", "--rollout.max-turn", "3"
     )
+
+
+def test_what_model_or_run_resolves_to(run_dir, model):
+    from agentrl.runner.eval_cli import resolve_target
+
+    run = Path(run_dir)
+    (run / "checkpoints" / "step_3" / "learner" / "learner.json").write_text("{}")
+    assert resolve_target(run_dir, None) == (
+        "run",
+        run / "checkpoints" / "step_5" / "learner",
+        run / "config.toml",
+    )
+    assert resolve_target(run_dir, 3)[1] == run / "checkpoints" / "step_3" / "learner"
+    # a checkpoint, as step_N or its learner/: the run's config.toml still gives the env and engine
+    for ckpt in (run / "checkpoints" / "step_3", run / "checkpoints" / "step_3" / "learner"):
+        kind, learner, config = resolve_target(str(ckpt), None)
+        assert (kind, learner.resolve(), config) == (
+            "checkpoint",
+            (run / "checkpoints" / "step_3" / "learner").resolve(),
+            (run / "config.toml").resolve(),
+        )
+    assert resolve_target(model, None) == ("model", None, None)
