@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "%(prog)s MODEL_OR_RUN [--env NAME | --data FILE] [--n N] [--greedy | --temperature T] [--prompts K] "
         "[--out FILE.jsonl] [options] [--section.key VALUE ...]"
     )
+    parser.description = (
+        "Score a run, a checkpoint or a Hugging Face model on held-out prompts with the engine, generator and env\n"
+        "training uses: mean reward, pass@k (k = 1, 2, 4, ... n) and avg@n, each ± its standard error over\n"
+        "prompts. Any config key is a flag too (--rollout.max-turns 3); a run directory's config.toml comes first."
+    )
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
         "target", metavar="MODEL_OR_RUN",
         help="a run directory (its latest checkpoint, or --step), a checkpoint (checkpoints/step_N) or a Hugging "
