@@ -31,18 +31,20 @@ async def curves(run_dir):
 async def test_dashboard_draws_a_curve_per_named_set(tmp_path):
     write_run(tmp_path / "before", [{"step": 1, "reward_mean": 0.1}])
     before = await curves(tmp_path / "before")
-    assert before["eval-hard"] == ["eval/hard/mean_reward"]  # from config.toml: there before the first eval
+    # from config.toml (n = 4): there before the first eval
+    assert before["eval-hard"] == ["eval/hard/mean_reward", "eval/hard/pass@1", "eval/hard/pass@4"]
     assert list(before).index("eval-hard") == list(before).index("eval") + 1
     evals = {
         "eval/hard/pass@4": 0.5,
         "eval/hard/pass@1": 0.2,
         "eval/hard/mean_reward": 0.3,
-        "eval/hard/pass@2": 0.4,
+        "eval/other/pass@8": 0.4,
     }
     write_run(tmp_path / "after", [{"step": 0, "phase": "eval", **evals}, {"step": 1, "reward_mean": 0.1}])
-    assert (await curves(tmp_path / "after"))["eval-hard"] == [
-        "eval/hard/mean_reward", "eval/hard/pass@1", "eval/hard/pass@2", "eval/hard/pass@4",
-    ]  # fmt: skip
+    after = await curves(tmp_path / "after")
+    assert after["eval-hard"] == before["eval-hard"]
+    # a set the config does not name (a copied metrics.jsonl): n from its largest pass@k
+    assert after["eval-other"] == ["eval/other/mean_reward", "eval/other/pass@1", "eval/other/pass@8"]
 
 
 def test_plot_writes_the_named_sets_curve_from_metrics_alone(tmp_path):

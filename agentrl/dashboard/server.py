@@ -107,12 +107,11 @@ class Dashboard:
 
     async def _curves(self, request: web.Request) -> web.Response:
         try:  # the run's [[eval]] sets: their curves are on the page before their first eval
-            names = [
-                t["name"] for t in tomllib.loads((self.run_dir / "config.toml").read_text()).get("eval", [])
-            ]
-        except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError):
-            names = []
-        curves = run_curves(self._tail.read(), names)
+            tables = tomllib.loads((self.run_dir / "config.toml").read_text()).get("eval", [])
+            sets = {str(t["name"]): int(t.get("n", 1)) for t in tables}
+        except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError, ValueError, AttributeError):
+            sets = {}
+        curves = run_curves(self._tail.read(), sets)
         return _json([{"name": c.name, "title": c.title, "keys": list(c.keys)} for c in curves])
 
     async def _config(self, request: web.Request) -> web.Response:
