@@ -30,6 +30,7 @@ COMMANDS = [
         "agentrl.engines.tiny_cli",
         "write a tiny random Hugging Face model + tokenizer offline",
     ),
+    ("eval", "agentrl.runner.eval_cli", "score a run, checkpoint or model: mean reward, pass@k, avg@k"),
     ("export", "agentrl.learners.cli", "write a Hugging Face directory from a learner checkpoint"),
     ("envs", "agentrl.envs.cli", "list the registered agent environments"),
     ("plot", "agentrl.runner.plot", "write PNGs of runs' curves (several runs overlaid)"),

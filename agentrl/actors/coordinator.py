@@ -220,9 +220,11 @@ class Coordinator:
             if self.queue_generation != queue_generation:  # a restarted queue may have re-reserved it
                 await self.queue_call("release", key)
 
-    async def evaluate(self, tasks: list[dict[str, Any]]) -> dict[str, float]:
+    async def evaluate(self, tasks: list[dict[str, Any]], n: int = 1, sampling: dict[str, Any] | None = None,
+                       env: tuple[str, dict[str, Any], str] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+        """The samples of an eval set (RolloutWorker.evaluate; agentrl.runner.evaluation scores them)."""
         self.evaluations += 1
-        return await self.workers[0].handle.evaluate.remote(tasks, self.evaluations - 1)
+        return await self.workers[0].handle.evaluate.remote(tasks, self.evaluations - 1, n, sampling, env)
 
     # -- learner -----------------------------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ from agentrl.engines.base import Engine, SamplingParams, describe_error
 from agentrl.errors import AgentRLError, EngineError, QueueFull
 from agentrl.generator import RolloutContext, resolve_generator
 from agentrl.rewards.dynamic_sampling import is_informative
-from agentrl.types import Trajectory, n_response
+from agentrl.types import Trajectory, n_response, tokens
 
 log = logging.getLogger(__name__)
 MAX_ABORT_RETRIES = 3
@@ -86,7 +86,9 @@ class RolloutWorker:
 
     # -- rollout -----------------------------------------------------------------------------------------
 
-    def _context(self, engine: Engine, sampling: SamplingParams, request_prefix: str) -> RolloutContext:
+    def _context(self, engine: Engine, sampling: SamplingParams, request_prefix: str,
+                 env: tuple[Any, str] | None = None) -> RolloutContext:  # fmt: skip
+        """`env`: (make_env, env name) of an eval set scored by another env than the run's."""
         r = self.cfg.rollout
         # what the HTTP-serving generators (openai_proxy, external) need: where to listen, the token, and the
         # run directory where they write their URLs (proxy.json)
@@ -105,8 +107,8 @@ class RolloutWorker:
         return RolloutContext(
             engine=engine,
             tokenizer=self.tokenizer,
-            make_env=self.make_env,
-            env_name=self.cfg.env.name,
+            make_env=env[0] if env else self.make_env,
+            env_name=env[1] if env else self.cfg.env.name,
             sampling=sampling,
             max_turns=self.cfg.rollout.max_turns,
             max_seq_len=self.cfg.engine.max_seq_len,
@@ -114,25 +116,26 @@ class RolloutWorker:
         )
 
     async def _episode(self, task: dict[str, Any], traj_id: str, group_id: str, sampling: SamplingParams,
-                       attempt: int = 0) -> list[Trajectory]:  # fmt: skip
-        """One episode: its trajectory, or one per seat of a multi-agent env (see agentrl.generator)."""
+                       attempt: int = 0, env: tuple[Any, str, int] | None = None) -> list[Trajectory]:  # fmt: skip
+        """One episode: its trajectory, or one per seat of a multi-agent env (see agentrl.generator). `env`:
+        (make_env, name, policy seats) of an eval set's env other than the run's."""
+        make_env, env_name, seats = env or (self.make_env, self.cfg.env.name, self.seats)
         for rerun in range(MAX_ABORT_RETRIES + 1):
             prefix = traj_id + (f".a{attempt}" if attempt or rerun else "") + (f"r{rerun}" if rerun else "")
             async with self.sem:
                 with self.router.episode() as sticky:  # counts the load; generators see one object per engine
-                    out = await self.generate_fn(
-                        self._context(sticky.engine, sampling, prefix), task, traj_id, group_id
-                    )
+                    ctx = self._context(sticky.engine, sampling, prefix, (make_env, env_name))
+                    out = await self.generate_fn(ctx, task, traj_id, group_id)
             trajs = out if isinstance(out, list) else [out]
-            if len(trajs) != self.seats:
+            if len(trajs) != seats:
                 raise AgentRLError(
                     f"rollout.generator '{self.cfg.rollout.generator}' returned {len(trajs)} trajectories for an "
-                    f"episode of env '{self.cfg.env.name}', which has {self.seats} policy seats"
+                    f"episode of env '{env_name}', which has {seats} policy seats"
                 )
             if all(t.status != "aborted" for t in trajs) or self.cfg.effective_update_mode != "abort":
                 break
         for traj in trajs:
-            traj.env = traj.env or self.cfg.env.name
+            traj.env = traj.env or env_name
         return trajs
 
     async def run_group(self, task_index: int, task: dict[str, Any], attempt: int = 0) -> dict[str, Any]:
@@ -191,20 +194,64 @@ class RolloutWorker:
         """Put into a restarted queue actor from now on (the Cluster calls this)."""
         self.queue.replace(queue)
 
-    async def evaluate(self, tasks: list[dict[str, Any]], round_index: int = 0) -> dict[str, float]:
-        """Greedy rollouts of held-out tasks (not queued): mean reward and success rate. `round_index` (the
-        driver's count of evaluations) keeps the engine request ids of each evaluation new."""
+    async def evaluate(
+        self,
+        tasks: list[dict[str, Any]],
+        round_index: int = 0,
+        n: int = 1,
+        sampling: dict[str, Any] | None = None,
+        env: tuple[str, dict[str, Any], str] | None = None,
+    ) -> list[dict[str, Any]]:
+        """`n` rollouts of each held-out task (not queued), greedy unless `sampling` says otherwise
+        (temperature, top_p, max_new_tokens, seed: sample k of task i gets seed + i * n + k), with the run's env
+        or `env` (name, kwargs, reward). One dict per trajectory: prompt index and id, sample index, reward,
+        status, response tokens and text; agentrl.runner.evaluation scores them. `round_index` (the driver's
+        count of evaluations) keeps the engine request ids of each evaluation new."""
+        over = {k: v for k, v in (sampling or {}).items() if v is not None and k != "seed"}
+        if not over.get("max_new_tokens"):
+            over.pop("max_new_tokens", None)
+        base = msgspec.structs.replace(self.greedy, **over)
+        if base.temperature == 0:
+            base = msgspec.structs.replace(base, top_p=1.0, top_k=-1)
+        seed = (sampling or {}).get("seed")
+        episode_env = self._eval_env(env)
+
+        def sample(i: int, k: int) -> SamplingParams:
+            return base if seed is None else msgspec.structs.replace(base, seed=seed + i * n + k)
+
         jobs = [
-            self._episode(task, f"eval-{i}", f"eval-{i}", self.greedy, round_index)
+            self._episode(
+                task,
+                f"eval-{i}" + (f"-s{k}" if n > 1 else ""),
+                f"eval-{i}",
+                sample(i, k),
+                round_index,
+                episode_env,
+            )
             for i, task in enumerate(tasks)
+            for k in range(n)
         ]
-        trajs = [t for episode in await asyncio.gather(*jobs) for t in episode]
-        rewards = [t.reward for t in trajs]
-        return {
-            "eval_reward_mean": sum(rewards) / max(1, len(rewards)),
-            "eval_success": sum(r >= 0.999 for r in rewards) / max(1, len(rewards)),
-            "eval_n": float(len(rewards)),
-        }
+        episodes = await asyncio.gather(*jobs)
+        samples = []
+        for j, episode in enumerate(episodes):
+            i, k = divmod(j, n)
+            for traj in episode:
+                ids = tokens(traj.response_ids).tolist() if n_response(traj) else []
+                samples.append({
+                    "prompt_index": i, "prompt_id": str(tasks[i].get("id", i)), "sample_index": k,
+                    "reward": float(traj.reward), "status": traj.status, "response_tokens": n_response(traj),
+                    "response": self.tokenizer.decode(ids, skip_special_tokens=False),
+                })  # fmt: skip
+        return samples
+
+    def _eval_env(self, env: tuple[str, dict[str, Any], str] | None) -> tuple[Any, str, int] | None:
+        """(make_env, name, seats) of an eval set's env; None for the run's own."""
+        if env is None or tuple(env) == (self.cfg.env.name, dict(self.cfg.env.kwargs), self.cfg.env.reward):
+            return None
+        from agentrl.envs.registry import env_factory
+
+        make = env_factory(*env)
+        return make, env[0], make().policy_seats()
 
     # -- weights -----------------------------------------------------------------------------------------
 

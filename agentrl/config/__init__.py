@@ -23,7 +23,7 @@ import msgspec
 from agentrl.config.base import _Section, doc
 from agentrl.config.learning import AlgorithmSection, LearnerSection, WarmupSection
 from agentrl.config.rollout import DataSection, EngineSection, EnvSection, RolloutSection
-from agentrl.config.run import ModelSection, RunSection
+from agentrl.config.run import EvalSection, ModelSection, RunSection, check_eval_sets
 from agentrl.config.serving import DashboardSection, QueueSection
 from agentrl.config.text import check_keys, explain, merge, parse_overrides, read_toml_files
 from agentrl.errors import ConfigError
@@ -53,11 +53,21 @@ class Config(_Section):
     dashboard: Annotated[DashboardSection, doc("the live dashboard and trajectory viewer")] = msgspec.field(
         default_factory=DashboardSection
     )
+    eval: Annotated[
+        list[EvalSection],
+        doc(
+            "named eval sets, each a [[eval]] table, evaluated during the run besides run.eval_every's and by "
+            "`agentrl eval RUN_DIR`"
+        ),
+    ] = []
 
     def validate(self, cfg: Config | None = None) -> None:
         """Every section's checks, each given the whole config for those that span sections."""
         for f in msgspec.structs.fields(self):
-            getattr(self, f.name).validate(self)
+            value = getattr(self, f.name)
+            for section in value if isinstance(value, list) else [value]:
+                section.validate(self)
+        check_eval_sets(self.eval, self.run.eval_every)
 
     # Values that follow from the settings: computed here, their one owner, and never written back.
     @property

@@ -11,7 +11,7 @@ from typing import Any, Literal, NamedTuple, get_origin
 
 import msgspec
 
-from agentrl.config.text import bounds_text, is_struct, toml_value, unwrap
+from agentrl.config.text import bounds_text, is_struct, table_array_item, toml_value, unwrap
 
 
 class Key(NamedTuple):
@@ -26,6 +26,7 @@ class Section(NamedTuple):
     key: str  # dotted: "engine.sglang"
     about: str
     keys: list[Key]
+    array: bool = False  # an array of tables (`[[eval]]`): no flags, any number of tables
 
 
 def reference(root: type[msgspec.Struct], only: tuple[str, ...] = ()) -> list[Section]:
@@ -33,7 +34,7 @@ def reference(root: type[msgspec.Struct], only: tuple[str, ...] = ()) -> list[Se
     those top-level sections (and what they nest)."""
     out: list[Section] = []
 
-    def walk(struct: type[msgspec.Struct], prefix: str, about: str) -> None:
+    def walk(struct: type[msgspec.Struct], prefix: str, about: str, array: bool = False) -> None:
         keys, nested = [], []
         for f in msgspec.structs.fields(struct):
             tp, meta = unwrap(f.type)
@@ -41,9 +42,12 @@ def reference(root: type[msgspec.Struct], only: tuple[str, ...] = ()) -> list[Se
             if is_struct(tp):
                 nested.append((tp, f"{prefix}.{f.name}", description))
                 continue
+            if f.default is msgspec.NODEFAULT and f.default_factory is msgspec.NODEFAULT:
+                keys.append(Key(f.name, _type_name(tp), "(required)", _limits(tp, meta), description))
+                continue
             default = f.default_factory() if f.default is msgspec.NODEFAULT else f.default
             keys.append(Key(f.name, _type_name(tp), _default_text(default), _limits(tp, meta), description))
-        out.append(Section(prefix, about, keys))
+        out.append(Section(prefix, about, keys, array))
         for sub, key, about_sub in nested:
             walk(sub, key, about_sub)
 
@@ -51,7 +55,9 @@ def reference(root: type[msgspec.Struct], only: tuple[str, ...] = ()) -> list[Se
         if only and f.name not in only:
             continue
         tp, meta = unwrap(f.type)
-        walk(tp, f.name, meta.description if meta is not None and meta.description else "")
+        item = table_array_item(tp)
+        about = meta.description if meta is not None and meta.description else ""
+        walk(item or tp, f.name, about, array=item is not None)
     return out
 
 
@@ -67,8 +73,9 @@ def markdown_reference(root: type[msgspec.Struct], regenerate: str) -> str:
         "win, tables merge), then the flags.",
     ]
     for sec in reference(root):
+        title = f"[[{sec.key}]]" if sec.array else f"[{sec.key}]"
         lines.extend(
-            ["", f"## [{sec.key}]", "", sec.about, "", "| key | type | default | bounds | description |"]
+            ["", f"## {title}", "", sec.about, "", "| key | type | default | bounds | description |"]
         )
         lines.append("|---|---|---|---|---|")
         for k in sec.keys:
@@ -85,10 +92,13 @@ def help_reference(root: type[msgspec.Struct], only: tuple[str, ...] = (), width
         "same list):"
     ]
     for sec in reference(root, only):
-        lines.extend(["", f"[{sec.key}]  {sec.about}"])
+        lines.extend(
+            ["", f"[[{sec.key}]]  {sec.about} (TOML only)" if sec.array else f"[{sec.key}]  {sec.about}"]
+        )
         for k in sec.keys:
             limits = f"; {k.bounds}" if k.bounds else ""
-            lines.append(f"  --{sec.key}.{k.name.replace('_', '-')} {k.type}  (default {k.default}{limits})")
+            flag = f"{k.name} =" if sec.array else f"--{sec.key}.{k.name.replace('_', '-')}"
+            lines.append(f"  {flag} {k.type}  (default {k.default}{limits})")
             lines.extend(
                 textwrap.wrap(k.description, width, initial_indent=" " * 6, subsequent_indent=" " * 6)
             )

@@ -1,10 +1,11 @@
-"""The run's own config: the run (name, length, placement, checkpoints, loggers) and the model trained.
+"""The run's own config: the run (name, length, placement, checkpoints, loggers), the model trained and the
+named eval sets evaluated along the run.
 Light: no torch or ray.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from agentrl.config.base import _Section, doc
 from agentrl.errors import ConfigError
@@ -44,8 +45,17 @@ class RunSection(_Section):
     steps: Annotated[int, doc("learner steps (policy versions) to train", ge=0)] = 20
     seed: Annotated[int, doc("seed of the run's random number generators", ge=0)] = 0
     time_limit_s: Annotated[float, doc("stop after this many seconds; 0 = no limit", ge=0)] = 0.0
-    eval_every: Annotated[int, doc("evaluate every this many steps; 0 = never", ge=0)] = 0
-    eval_prompts: Annotated[int, doc("prompts per evaluation", ge=1)] = 32
+    eval_every: Annotated[
+        int,
+        doc(
+            "evaluate the run's own eval set (greedy, one sample per prompt, logged as eval_reward_mean) every "
+            "this many steps and before RL; 0 = never; also the default of every [[eval]] set's every_steps",
+            ge=0,
+        ),
+    ] = 0
+    eval_prompts: Annotated[
+        int, doc("prompts per evaluation (data.eval_path's first rows, else env tasks)", ge=1)
+    ] = 32
     checkpoint_every: Annotated[
         int,
         doc(
@@ -165,3 +175,67 @@ class ModelSection(_Section):
         Literal["qwen3", "qwen2", "llama", "qwen3_moe", "glm4_moe"], doc("architecture of the tiny model")
     ] = "qwen2"
     seed: Annotated[int, doc("seed of the tiny model's weights", ge=0)] = 0
+
+
+EVAL_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+DEFAULT_EVAL = (
+    "default"  # the run's own eval set (run.eval_every, run.eval_prompts); no [[eval]] takes the name
+)
+
+
+class EvalSection(_Section):
+    """One named eval set, a `[[eval]]` table (agentrl.runner.evaluation); the run's own set is `run.eval_*`."""
+
+    key = "eval"
+    name: Annotated[
+        str,
+        doc(
+            "the set's name: its metrics are eval/<name>/mean_reward, eval/<name>/pass@k, ...",
+            pattern=EVAL_NAME,
+        ),
+    ]
+    env: Annotated[
+        str,
+        doc("the registered env that scores the set (and, without `data`, makes its tasks); empty: env.name"),
+    ] = ""
+    env_kwargs: Annotated[
+        dict[str, Any],
+        doc("the env's constructor arguments; empty: env.kwargs when the set's env is env.name"),
+    ] = {}
+    data: Annotated[
+        str,
+        doc("JSONL or Parquet prompts (read with [data]'s keys), scored by the env; empty: the env's tasks"),
+    ] = ""
+    prompts: Annotated[
+        int, doc("prompts evaluated: the first rows of `data`, else env tasks; 0 = run.eval_prompts", ge=0)
+    ] = 0
+    n: Annotated[int, doc("samples per prompt (pass@k for k = 1, 2, 4, ... up to n)", ge=1)] = 1
+    temperature: Annotated[float, doc("sampling temperature; 0 = greedy", ge=0)] = 0.0
+    top_p: Annotated[float, doc("nucleus sampling when temperature > 0", gt=0, le=1)] = 1.0
+    max_new_tokens: Annotated[int, doc("tokens per reply; 0 = rollout.max_new_tokens", ge=0)] = 0
+    seed: Annotated[
+        int, doc("seed of a sampled set: sample k of prompt i asks the engine for seed + i * n + k", ge=0)
+    ] = 0
+    every_steps: Annotated[
+        int, doc("evaluate every this many steps (and before RL); 0 = run.eval_every", ge=0)
+    ] = 0
+
+
+def check_eval_sets(sets: list[EvalSection], eval_every: int) -> None:
+    """The `[[eval]]` tables together: names unique and not the run's own set's, each one run at some step."""
+    seen: dict[str, int] = {}
+    for i, s in enumerate(sets):
+        if s.name == DEFAULT_EVAL:
+            raise ConfigError(
+                f"eval[{i}].name = '{DEFAULT_EVAL}' names the run's own eval set (run.eval_every, run.eval_prompts); "
+                "choose another name"
+            )
+        if s.name in seen:
+            raise ConfigError(
+                f"eval[{i}].name = '{s.name}' is the name of eval[{seen[s.name]}] too; names are unique"
+            )
+        seen[s.name] = i
+        if not (s.every_steps or eval_every):
+            raise ConfigError(
+                f"eval[{i}] ('{s.name}') never runs: set eval[{i}].every_steps, or run.eval_every (its default)"
+            )

@@ -45,6 +45,22 @@ def check_keys(
             if not isinstance(value, dict):
                 raise ConfigError(f"config key '{path}' must be a table, got {type(value).__name__}")
             check_keys(value, sub, open_tables, path + ".")
+        elif (item := table_array_item(sub)) is not None:
+            if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+                raise ConfigError(
+                    f"config key '{path}' must be an array of tables ([[{path}]] in TOML), got "
+                    f"{type(value).__name__}"
+                )
+            for i, table in enumerate(value):
+                check_keys(table, item, open_tables, f"{path}[{i}].")
+
+
+def table_array_item(tp: Any) -> type[msgspec.Struct] | None:
+    """The Struct of a `list[Struct]` field (a TOML array of tables, `[[eval]]`); None for any other type."""
+    args = getattr(tp, "__args__", ())
+    if get_origin(tp) is list and len(args) == 1 and is_struct(unwrap(args[0])[0]):
+        return unwrap(args[0])[0]
+    return None
 
 
 def _parse_value(text: str) -> Any:
@@ -244,20 +260,33 @@ def dump_toml(cfg: msgspec.Struct) -> str:
     """Render the resolved config as TOML (what --dry-run prints and what the run directory keeps)."""
     lines: list[str] = []
 
-    def emit(table: dict[str, Any], prefix: str) -> None:
-        scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
+    def emit(table: dict[str, Any], prefix: str, header: str = "[{}]") -> None:
+        # the root holds tables only, and an empty array of tables (no [[eval]]) is written as nothing
+        scalars = {
+            k: v
+            for k, v in table.items()
+            if not isinstance(v, dict) and not _table_array(v) and (prefix or v != [])
+        }
         tables = {k: v for k, v in table.items() if isinstance(v, dict)}
         if prefix and (scalars or not tables):
-            lines.append(f"[{prefix}]")
+            lines.append(header.format(prefix))
         for key, value in scalars.items():
             lines.append(f"{key} = {toml_value(value)}")
         if prefix and scalars:
             lines.append("")
         for key, value in tables.items():
             emit(value, f"{prefix}.{key}" if prefix else key)
+        for key, value in table.items():
+            if _table_array(value):
+                for item in value:
+                    emit(item, f"{prefix}.{key}" if prefix else key, "[[{}]]")
 
     emit(to_toml_dict(cfg), "")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _table_array(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
 
 
 def toml_value(value: Any) -> str:

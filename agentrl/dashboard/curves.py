@@ -6,6 +6,7 @@ the curves `agentrl plot` writes by default (the ones papers and issues show); t
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -44,6 +45,25 @@ CURVES = (
 )
 
 X_AXES = {"step": "step", "wall": "wall_s"}  # --x choice -> metrics key
+# a named eval set's metric (agentrl.runner.evaluation): its name and pass@k's k
+EVAL_SET_KEY = re.compile(r"^eval/(.+)/(?:mean_reward|pass@(\d+))$")
+
+
+def run_curves(rows: list[dict], sets: dict[str, int] | None = None) -> tuple[Curve, ...]:
+    """CURVES with a curve per named eval set after the run's own eval curve: its mean reward, pass@1 and
+    pass@n lines. The sets are `sets` ({name: n}, a run's [[eval]] tables: known before their first eval) and
+    those the rows' keys show (`eval/<name>/pass@k`: n is the largest k)."""
+    samples = dict(sets or {})
+    for row in rows:
+        for key in row:
+            if m := EVAL_SET_KEY.match(key):
+                samples[m.group(1)] = max(samples.get(m.group(1), 1), int(m.group(2) or 1))
+    curves = []
+    for name, n in samples.items():
+        keys = ["mean_reward", "pass@1"] + ([f"pass@{n}"] if n > 1 else [])
+        curves.append(Curve(f"eval-{name}", f"eval set {name}", tuple(f"eval/{name}/{k}" for k in keys)))
+    at = next(i for i, c in enumerate(CURVES) if c.name == "eval") + 1
+    return (*CURVES[:at], *curves, *CURVES[at:])
 
 
 def points(rows: list[dict], key: str, x: str = "step") -> list[tuple[float, float]]:

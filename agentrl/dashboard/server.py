@@ -28,7 +28,7 @@ from aiohttp import web
 
 from agentrl.config.text import tomllib
 from agentrl.dashboard import runfiles
-from agentrl.dashboard.curves import CURVES
+from agentrl.dashboard.curves import run_curves
 from agentrl.dashboard.viewer import Query, Viewer
 from agentrl.errors import ConfigError
 from agentrl.net import is_loopback, lacks_token, serve
@@ -107,7 +107,13 @@ class Dashboard:
         return _json({"rows": rows, "last_step": last})
 
     async def _curves(self, request: web.Request) -> web.Response:
-        return _json([{"name": c.name, "title": c.title, "keys": list(c.keys)} for c in CURVES])
+        try:  # the run's [[eval]] sets: their curves are on the page before their first eval
+            tables = tomllib.loads((self.run_dir / "config.toml").read_text()).get("eval", [])
+            sets = {str(t["name"]): int(t.get("n", 1)) for t in tables}
+        except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError, ValueError, AttributeError):
+            sets = {}
+        curves = run_curves(self._tail.read(), sets)
+        return _json([{"name": c.name, "title": c.title, "keys": list(c.keys)} for c in curves])
 
     async def _config(self, request: web.Request) -> web.Response:
         try:

@@ -110,6 +110,9 @@ def check_names(cfg: Config) -> None:
 
     activate(cfg.run)
     env_factory(cfg.env.name, cfg.env.kwargs, cfg.env.reward)  # name, kwargs and env.reward
+    for table in cfg.eval:  # [[eval]] sets scored by another env
+        if table.env and table.env != cfg.env.name:
+            env_factory(table.env, table.env_kwargs)
     resolve_generator(cfg.rollout.generator)
     if cfg.rollout.agent:
         load_object(cfg.rollout.agent, "rollout.agent")

@@ -35,7 +35,7 @@ def labels(paths: list[Path]) -> list[str]:
 
 def plot_runs(paths: list[Path], out: Path, x: str = "step", every: bool = False) -> list[Path]:
     """Write the PNGs; returns their paths (a curve no run has data for is skipped)."""
-    from agentrl.dashboard.curves import CURVES, X_AXES, points
+    from agentrl.dashboard.curves import X_AXES, points, run_curves
     from agentrl.dashboard.runfiles import read_metrics
     from agentrl.runlayout import METRICS_FILE
 
@@ -57,7 +57,7 @@ def plot_runs(paths: list[Path], out: Path, x: str = "step", every: bool = False
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     styles = ("-", "--", ":", "-.")
     written = []
-    for curve in CURVES:
+    for curve in run_curves([row for rows in runs for row in rows]):
         if not (curve.main or every):
             continue
         fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)

@@ -54,7 +54,7 @@ class Trainer:
         env = make_env(cfg.env.name, cfg.env.kwargs)
         self.state = RunState()
         self.rollouts = Dispatcher(cfg, task_source(env, cfg.data, seed=cfg.run.seed))
-        self.evaluation = Evaluation(cfg, env)
+        self.evaluation = Evaluation(cfg)
         self.progress = Progress(
             cfg.run.steps, cfg.run.progress, title=cfg.run.name, time_limit_s=cfg.run.time_limit_s
         )
@@ -116,7 +116,7 @@ class Trainer:
         self.rundir.log_logprobs(self.state.step, metrics.pop("logprob_sample", []))
         metrics = await self._metrics(metrics, wait_s, publish_s)
         if self.evaluation.due(self.state.step):
-            metrics.update(await self.evaluation.run(self.coord))
+            metrics.update(await self.evaluation.run(self.coord, self.state.step))
         self.rundir.log(metrics)
         self.progress.update(metrics)
         return metrics
@@ -230,9 +230,13 @@ class Trainer:
         self.rundir.log({"step": 0, "phase": "warmup", **stats})
 
     async def _eval_before_rl(self) -> None:
-        first = await self.evaluation.run(self.coord)
+        first = await self.evaluation.run(self.coord, 0)
         self.rundir.log({"step": 0, "phase": "eval", "policy_version": self.state.policy_version, **first})
-        self.progress.note(f"eval before RL: reward {first.get('eval_reward_mean', 0):.3f}", keep=True)
+        rewards = [f"{k.removesuffix('/mean_reward').removeprefix('eval/')} {v:.3f}" for k, v in first.items()
+                   if k.endswith("/mean_reward")]  # fmt: skip
+        if "eval_reward_mean" in first:
+            rewards.insert(0, f"{first['eval_reward_mean']:.3f}")
+        self.progress.note(f"eval before RL: reward {', '.join(rewards)}", keep=True)
 
     async def _stop(self) -> None:
         await self.rollouts.stop()
