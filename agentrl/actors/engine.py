@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from agentrl.config import Config
-from agentrl.engines.base import Engine, GenerateOutput, SamplingParams
+from agentrl.engines.base import Engine, GenerateOutput, SamplingParams, image_kwargs
+from agentrl.types import Image
 
 
 def make_engine(cfg: Config, model_path: str, index: int = 0) -> Engine:
@@ -56,9 +57,9 @@ class EngineActor:
         self.index = index
         self.engine = make_engine(cfg, model_path, index)
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
-                       ) -> GenerateOutput:  # fmt: skip
-        return await self.engine.generate(input_ids, sampling, request_id)
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
+                       images: list[Image] | None = None) -> GenerateOutput:  # fmt: skip
+        return await self.engine.generate(input_ids, sampling, request_id, **image_kwargs(images))
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)

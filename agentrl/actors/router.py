@@ -23,8 +23,10 @@ from agentrl.engines.base import (
     SamplingParams,
     WeightSource,
     describe_error,
+    image_kwargs,
 )
 from agentrl.errors import EngineError
+from agentrl.types import Image
 
 
 class RemoteEngine(Engine):
@@ -36,9 +38,10 @@ class RemoteEngine(Engine):
         self._version = 0
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
-    ) -> GenerateOutput:
-        out = await self.handle.generate.remote(input_ids, sampling, request_id)
+        self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
+        images: list[Image] | None = None,
+    ) -> GenerateOutput:  # fmt: skip
+        out = await self.handle.generate.remote(input_ids, sampling, request_id, **image_kwargs(images))
         if out.versions:
             self._version = max(self._version, max(v for v, _ in out.versions))
         return out
@@ -74,9 +77,10 @@ class ForwardingEngine(Engine):
         self.inner = inner
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
-    ) -> GenerateOutput:
-        return await self.inner.generate(input_ids, sampling, request_id)
+        self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
+        images: list[Image] | None = None,
+    ) -> GenerateOutput:  # fmt: skip
+        return await self.inner.generate(input_ids, sampling, request_id, **image_kwargs(images))
 
     async def abort(self, request_id: str) -> None:
         await self.inner.abort(request_id)
@@ -110,10 +114,11 @@ class NamedEngine(ForwardingEngine):
         self.name = f"engine {index}" + (f" ({url})" if url else "")
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
-    ) -> GenerateOutput:
+        self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
+        images: list[Image] | None = None,
+    ) -> GenerateOutput:  # fmt: skip
         try:
-            return await self.inner.generate(input_ids, sampling, request_id)
+            return await self.inner.generate(input_ids, sampling, request_id, **image_kwargs(images))
         except RequestFailed:
             raise
         except EngineError as exc:  # RayTaskError(EngineError) too: it subclasses the cause
