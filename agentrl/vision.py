@@ -109,3 +109,50 @@ def vision_spec(tokenizer: Any) -> VisionSpec | None:
         except AttributeError:  # a tokenizer that refuses attributes: read the directory each time
             pass
     return cached
+
+
+_processors: dict[str, Any] = {}
+
+
+def image_pixels(model_dir: str | Path, data: bytes) -> tuple[Any, tuple[int, int, int]]:
+    """The model's image processor on the image file `data`: (pixel_values, a numpy array [patches,
+    channels x temporal_patch x patch x patch], and the grid [t, h, w]). Pillow's processor always (not the
+    torchvision one transformers picks where torchvision is installed), so the engine and the learner make
+    the same pixels on every machine."""
+    from PIL import Image as PILImage
+    from transformers import Qwen2VLImageProcessorPil
+
+    key = str(model_dir)
+    processor = _processors.get(key)
+    if processor is None:
+        processor = _processors[key] = Qwen2VLImageProcessorPil.from_pretrained(key)
+    with PILImage.open(io.BytesIO(data)) as picture:
+        out = processor(images=[picture.convert("RGB")], return_tensors="np")
+    t, h, w = (int(x) for x in out["image_grid_thw"][0])
+    return out["pixel_values"], (t, h, w)
+
+
+def mrope_positions(n_tokens: int, spans: list[tuple[int, int, tuple[int, int, int]]], merge_size: int):
+    """Multimodal RoPE positions [3, n_tokens] (time, height, width) of a token stream whose images sit at
+    `spans` (start, length, grid_thw), in order, and the delta of the positions after it: text tokens count up
+    by one on all three axes; an image's tokens take the position it starts at plus their frame, row and column
+    in the merged grid; the text after it continues from the largest
+    position + 1 (Qwen2-VL's `get_rope_index` for still images). Returns (positions, delta) with delta =
+    next position - n_tokens, what every later token's position is offset by."""
+    import numpy as np
+
+    out = np.empty((3, n_tokens), dtype=np.int64)
+    at = pos = 0
+    for start, length, (t, h, w) in spans:
+        out[:, at:start] = np.arange(pos, pos + start - at)
+        pos += start - at
+        rows, cols = h // merge_size, w // merge_size
+        if t * rows * cols != length:
+            raise EnvError(f"an image span of {length} tokens does not match its grid {t}x{h}x{w}")
+        grid = np.indices((t, rows, cols)).reshape(3, -1)
+        out[:, start : start + length] = grid + pos
+        pos += max(rows, cols)
+        at = start + length
+    out[:, at:] = np.arange(pos, pos + n_tokens - at)
+    pos += n_tokens - at
+    return out, pos - n_tokens
