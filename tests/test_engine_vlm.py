@@ -120,3 +120,37 @@ async def test_bad_image_requests_name_the_field(vlm, tmp_path):
         assert err.value.field == "images" and "takes no images" in err.value.message
     finally:
         await eng.close()
+
+
+async def test_image_data_on_generate_over_http(vlm):
+    """`serve-engine`'s /generate takes SGLang's `image_data` as the SGLang client sends it (data URLs); a URL
+    is refused, never fetched."""
+    import aiohttp
+
+    from agentrl.engines import wire
+    from agentrl.engines.server import EngineServer
+
+    red = png("red", (60, 90))
+    ids, _ = prompt(vlm, [Message("user", [ImagePart(red), TextPart("Count.")])])
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    engine = EmbeddedEngine(str(vlm), max_batch_size=2, max_seq_len=128)
+    server = EngineServer(engine)
+    url = await server.start()
+    try:
+        direct = await engine.generate(ids, greedy, images=[image(red)])
+        body = wire.generate_body(ids, greedy, "r1", [image(red)])
+        assert body["image_data"][0].startswith("data:image/png;base64,")
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/generate", json=body) as resp:
+                status, data = resp.status, await resp.json()
+            assert status == 200, data
+            logprobs = [lp for lp, _, _ in data["meta_info"]["output_token_logprobs"]]
+            assert data["output_ids"] == direct.output_ids and logprobs == pytest.approx(
+                direct.logprobs, abs=1e-6
+            )
+            fetch = {**body, "rid": "r2", "image_data": ["https://example.com/a.png"]}
+            async with session.post(url + "/generate", json=fetch) as resp:
+                status, data = resp.status, await resp.json()
+            assert status == 400 and "does not fetch" in str(data), data
+    finally:
+        await server.stop(close_engine=True)

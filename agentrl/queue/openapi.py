@@ -195,7 +195,8 @@ def _trajectory(base: dict[str, Any], *, packed: bool, vocab_size: int | None, p
         schema["required"] = ["id"]
         schema["oneOf"] = token
         return schema
-    first = {"properties": {"role": {"enum": [r for r in ROLES if r != "assistant"]}}}
+    first = {"properties": {"role": {"enum": [r for r in ROLES if r != "assistant"]},
+                            "content": _TEXT_ONLY["properties"]["content"]}}  # fmt: skip
     reply = {"properties": {"role": {"const": "assistant"}}}
     chat_form = {
         "required": ["messages"],
@@ -259,7 +260,8 @@ def _components(*, policy_version: int, vocab_size: int | None, chat: bool) -> d
     img["properties"]["data"] = {"type": "string", "contentEncoding": "base64", "pattern": _BASE64,
                                  "description": "base64 of the image file"}  # fmt: skip
     components["ImageMsgpack"]["properties"]["data"] = {"description": "msgpack bin: the image file"}
-    components["ImagePart"]["properties"]["data"]["description"] = "the image file (base64 in JSON)"
+    components["ImagePart"]["properties"]["data"].update(description="the image file (base64 in JSON)",
+                                                         pattern=_BASE64)  # fmt: skip
     components["Error"] = {
         "type": "object",
         "properties": {"error": {"type": "string"}, "field": {"type": ["string", "null"]}},
