@@ -154,3 +154,34 @@ async def test_image_data_on_generate_over_http(vlm):
             assert status == 400 and "does not fetch" in str(data), data
     finally:
         await server.stop(close_engine=True)
+
+
+async def test_a_picture_crosses_to_an_engine_actor_once(vlm):
+    """`RemoteEngine` sends a picture's bytes once, then its hash; an actor that lost it (restarted) refuses the
+    reference and the request is sent again with the bytes. The handle calls the actor in-process, as Ray would."""
+    from types import SimpleNamespace
+
+    from agentrl.actors.engine import EngineActor
+    from agentrl.actors.router import RemoteEngine
+    from agentrl.config import Config
+
+    actor = EngineActor(Config(), str(vlm))
+    sent: list[list[bytes]] = []
+
+    def remote(*args, **kw):
+        sent.append([i.data for i in kw.get("images") or []])
+        return actor.generate(*args, **kw)
+
+    engine = RemoteEngine(SimpleNamespace(generate=SimpleNamespace(remote=remote)))
+    red = png("red", (60, 90))
+    ids, _ = prompt(vlm, [Message("user", [ImagePart(red), TextPart("Count.")])])
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)
+    try:
+        first = await engine.generate(ids, greedy, "a", images=[image(red)])
+        second = await engine.generate(ids, greedy, "b", images=[image(red)])
+        assert sent == [[red], [b""]] and second.output_ids == first.output_ids
+        actor.images.held.clear()  # a restarted actor holds nothing
+        third = await engine.generate(ids, greedy, "c", images=[image(red)])
+        assert sent[2:] == [[b""], [red]] and third.output_ids == first.output_ids
+    finally:
+        await actor.engine.close()
