@@ -102,3 +102,12 @@ def test_pictures_need_a_vision_learner_and_unpacked_rows(vlm):
         build_batch(trajs, 0)
     with pytest.raises(LearnerError, match="pack_tokens"):
         build_batch(trajs, 0, pack_tokens=512, images=True)
+
+
+def test_the_megatron_learner_refuses_a_vlm_naming_the_torch_learner(vlm):
+    from transformers import AutoConfig
+
+    from agentrl.learners.megatron.arch import ArchSpec
+
+    with pytest.raises(LearnerError, match=r"vision-language model.*learner\.kind = 'torch'"):
+        ArchSpec.from_hf(AutoConfig.from_pretrained(vlm))
