@@ -15,7 +15,6 @@ import torch
 from agentrl.chat import chat_tokens
 from agentrl.engines.base import InvalidRequest, SamplingParams, TensorSource
 from agentrl.engines.embedded import EmbeddedEngine
-from agentrl.engines.tiny import make_tiny_model
 from agentrl.tokenizer import load_tokenizer
 from agentrl.types import ImagePart, Message, TextPart, image
 
@@ -31,11 +30,6 @@ def png(color: str, size: tuple[int, int]) -> bytes:
     buf = io.BytesIO()
     picture.save(buf, "PNG")
     return buf.getvalue()
-
-
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("vlm") / "m", arch="qwen2_5_vl", seed=1, init_std=0.1)
 
 
 def prompt(path, messages: list[Message]) -> tuple[list[int], list[bytes]]:
@@ -68,13 +62,13 @@ def hf_logprobs(path, ids: list[int], output: list[int], pictures: list[bytes]) 
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
 
 
-async def test_logprobs_match_transformers_with_and_without_pictures(vlm):
+async def test_logprobs_match_transformers_with_and_without_pictures(tiny_vlm):
     red, blue = png("red", (60, 90)), png("blue", (112, 56))
     one = [Message("user", [ImagePart(red), TextPart("How many shapes?")])]
     two = [Message("user", [TextPart("Which is bigger?"), ImagePart(blue), ImagePart(red)])]
     text = [Message("user", "What is 2 + 3?")]
-    requests = [prompt(vlm, m) for m in (one, two, text)]
-    eng = EmbeddedEngine(str(vlm), max_batch_size=4, max_seq_len=256)
+    requests = [prompt(tiny_vlm, m) for m in (one, two, text)]
+    eng = EmbeddedEngine(str(tiny_vlm), max_batch_size=4, max_seq_len=256)
     try:
         sampling = [SamplingParams(max_new_tokens=8 + i, seed=i, ignore_eos=True) for i in range(3)]
         outs = await asyncio.gather(*[
@@ -85,14 +79,14 @@ async def test_logprobs_match_transformers_with_and_without_pictures(vlm):
         await eng.close()
     for (ids, pictures), out in zip(requests, outs, strict=True):
         assert len(out.output_ids) == len(out.logprobs) > 1
-        expected = hf_logprobs(vlm, ids, out.output_ids, pictures)
+        expected = hf_logprobs(tiny_vlm, ids, out.output_ids, pictures)
         assert (torch.tensor(out.logprobs) - expected).abs().max().item() <= 1e-5
 
 
-async def test_bad_image_requests_name_the_field(vlm, tmp_path):
+async def test_bad_image_requests_name_the_field(tiny_vlm, tiny):
     red = png("red", (60, 90))
-    ids, _ = prompt(vlm, [Message("user", [ImagePart(red), TextPart("Count.")])])
-    eng = EmbeddedEngine(str(vlm), max_batch_size=2, max_seq_len=128)
+    ids, _ = prompt(tiny_vlm, [Message("user", [ImagePart(red), TextPart("Count.")])])
+    eng = EmbeddedEngine(str(tiny_vlm), max_batch_size=2, max_seq_len=128)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=2)
     try:
         with pytest.raises(InvalidRequest) as err:
@@ -112,8 +106,7 @@ async def test_bad_image_requests_name_the_field(vlm, tmp_path):
         assert after.versions == [(1, 2)] and after.logprobs != before.logprobs
     finally:
         await eng.close()
-    text_model = make_tiny_model(tmp_path / "text", arch="qwen2", layers=1)
-    eng = EmbeddedEngine(str(text_model), max_batch_size=2, max_seq_len=64)
+    eng = EmbeddedEngine(str(tiny), max_batch_size=2, max_seq_len=64)
     try:
         with pytest.raises(InvalidRequest) as err:
             await eng.generate([1, 2, 3], greedy, images=[image(red)])
@@ -122,7 +115,7 @@ async def test_bad_image_requests_name_the_field(vlm, tmp_path):
         await eng.close()
 
 
-async def test_image_data_on_generate_over_http(vlm):
+async def test_image_data_on_generate_over_http(tiny_vlm):
     """`serve-engine`'s /generate takes SGLang's `image_data` as the SGLang client sends it (data URLs); a URL
     is refused, never fetched."""
     import aiohttp
@@ -131,9 +124,9 @@ async def test_image_data_on_generate_over_http(vlm):
     from agentrl.engines.server import EngineServer
 
     red = png("red", (60, 90))
-    ids, _ = prompt(vlm, [Message("user", [ImagePart(red), TextPart("Count.")])])
+    ids, _ = prompt(tiny_vlm, [Message("user", [ImagePart(red), TextPart("Count.")])])
     greedy = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
-    engine = EmbeddedEngine(str(vlm), max_batch_size=2, max_seq_len=128)
+    engine = EmbeddedEngine(str(tiny_vlm), max_batch_size=2, max_seq_len=128)
     server = EngineServer(engine)
     url = await server.start()
     try:
@@ -156,7 +149,7 @@ async def test_image_data_on_generate_over_http(vlm):
         await server.stop(close_engine=True)
 
 
-async def test_a_picture_crosses_to_an_engine_actor_once(vlm):
+async def test_a_picture_crosses_to_an_engine_actor_once(tiny_vlm):
     """`RemoteEngine` sends a picture's bytes once, then its hash; an actor that lost it (restarted) refuses the
     reference and the request is sent again with the bytes. The handle calls the actor in-process, as Ray would."""
     from types import SimpleNamespace
@@ -165,7 +158,7 @@ async def test_a_picture_crosses_to_an_engine_actor_once(vlm):
     from agentrl.actors.router import RemoteEngine
     from agentrl.config import Config
 
-    actor = EngineActor(Config(), str(vlm))
+    actor = EngineActor(Config(), str(tiny_vlm))
     sent: list[list[bytes]] = []
 
     def remote(*args, **kw):
@@ -174,7 +167,7 @@ async def test_a_picture_crosses_to_an_engine_actor_once(vlm):
 
     engine = RemoteEngine(SimpleNamespace(generate=SimpleNamespace(remote=remote)))
     red = png("red", (60, 90))
-    ids, _ = prompt(vlm, [Message("user", [ImagePart(red), TextPart("Count.")])])
+    ids, _ = prompt(tiny_vlm, [Message("user", [ImagePart(red), TextPart("Count.")])])
     greedy = SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)
     try:
         first = await engine.generate(ids, greedy, "a", images=[image(red)])

@@ -11,7 +11,6 @@ import pytest
 
 from agentrl.engines.base import Engine, GenerateOutput, SamplingParams
 from agentrl.engines.embedded import EmbeddedEngine
-from agentrl.engines.tiny import make_tiny_model
 from agentrl.envs import env_factory, make_env
 from agentrl.envs.shapes import COLORS
 from agentrl.errors import EnvError
@@ -96,14 +95,9 @@ class Scripted(Engine):
         return 0
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("vlm") / "m", arch="qwen2_5_vl", seed=0)
-
-
-async def test_multi_turn_records_each_picture_once_and_sends_them_in_order(vlm):
-    tokenizer = load_tokenizer(vlm)
-    inner = EmbeddedEngine(str(vlm), max_batch_size=2, max_seq_len=512)
+async def test_multi_turn_records_each_picture_once_and_sends_them_in_order(tiny_vlm):
+    tokenizer = load_tokenizer(tiny_vlm)
+    inner = EmbeddedEngine(str(tiny_vlm), max_batch_size=2, max_seq_len=512)
     make = env_factory("shapes_zoom", {})
     task = make().sample_tasks(seed=2, n=1)[0]
     engine = Scripted(inner, tokenizer, ["zoom 2", "zoom 2", task["answer"]])

@@ -14,7 +14,6 @@ from agentrl.chat import chat_tokens
 from agentrl.config import AlgorithmSection, LearnerSection
 from agentrl.engines.base import SamplingParams, TensorSource
 from agentrl.engines.embedded import EmbeddedEngine
-from agentrl.engines.tiny import make_tiny_model
 from agentrl.envs import make_env
 from agentrl.errors import LearnerError
 from agentrl.learners.batch import build_batch
@@ -22,11 +21,6 @@ from agentrl.learners.torch_learner import TorchLearner
 from agentrl.tokenizer import load_tokenizer
 
 torch.set_num_threads(2)
-
-
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("vlm") / "m", arch="qwen2_5_vl", seed=0, init_std=0.1)
 
 
 async def sampled(path, engine: EmbeddedEngine, n: int = 4) -> list[types.Trajectory]:
@@ -52,14 +46,14 @@ def visual(learner) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in learner.model.named_parameters() if ".visual." in f".{n}"}
 
 
-async def test_learner_matches_the_engine_and_trains_the_vlm(vlm):
-    engine = EmbeddedEngine(str(vlm), max_batch_size=4, max_seq_len=256)
+async def test_learner_matches_the_engine_and_trains_the_vlm(tiny_vlm):
+    engine = EmbeddedEngine(str(tiny_vlm), max_batch_size=4, max_seq_len=256)
     try:
-        trajs = await sampled(vlm, engine)
+        trajs = await sampled(tiny_vlm, engine)
         assert sum(t.images is not None for t in trajs) == 3
         algo = AlgorithmSection(advantage="grpo", off_policy="none")
         learner = TorchLearner(
-            vlm, LearnerSection(lr=1e-2, micro_batch_tokens=256, vision_tower="frozen"), algo
+            tiny_vlm, LearnerSection(lr=1e-2, micro_batch_tokens=256, vision_tower="frozen"), algo
         )
         batch = build_batch(trajs, learner.pad_id, images=learner.takes_images)
         logp = learner.compute_logprobs(batch)
@@ -86,16 +80,16 @@ async def test_learner_matches_the_engine_and_trains_the_vlm(vlm):
     logp = learner.compute_logprobs(build_batch([traj], learner.pad_id, images=True))
     assert (logp[0, -4:] - torch.tensor(again.logprobs)).abs().max() <= 1e-4
 
-    trained = TorchLearner(vlm, LearnerSection(lr=1e-2, micro_batch_tokens=256), algo)
+    trained = TorchLearner(tiny_vlm, LearnerSection(lr=1e-2, micro_batch_tokens=256), algo)
     before = visual(trained)
     trained.train_step(build_batch(trajs, trained.pad_id, images=True))
     assert any(not torch.equal(p, before[n]) for n, p in visual(trained).items())
 
 
-def test_pictures_need_a_vision_learner_and_unpacked_rows(vlm):
-    engine = EmbeddedEngine(str(vlm), max_batch_size=4, max_seq_len=256)
+def test_pictures_need_a_vision_learner_and_unpacked_rows(tiny_vlm):
+    engine = EmbeddedEngine(str(tiny_vlm), max_batch_size=4, max_seq_len=256)
     try:
-        trajs = asyncio.run(sampled(vlm, engine, n=2))
+        trajs = asyncio.run(sampled(tiny_vlm, engine, n=2))
     finally:
         asyncio.run(engine.close())
     with pytest.raises(LearnerError, match="text-only model"):
@@ -104,10 +98,10 @@ def test_pictures_need_a_vision_learner_and_unpacked_rows(vlm):
         build_batch(trajs, 0, pack_tokens=512, images=True)
 
 
-def test_the_megatron_learner_refuses_a_vlm_naming_the_torch_learner(vlm):
+def test_the_megatron_learner_refuses_a_vlm_naming_the_torch_learner(tiny_vlm):
     from transformers import AutoConfig
 
     from agentrl.learners.megatron.arch import ArchSpec
 
     with pytest.raises(LearnerError, match=r"vision-language model.*learner\.kind = 'torch'"):
-        ArchSpec.from_hf(AutoConfig.from_pretrained(vlm))
+        ArchSpec.from_hf(AutoConfig.from_pretrained(tiny_vlm))
