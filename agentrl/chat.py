@@ -38,6 +38,8 @@ import hashlib
 import json
 from typing import Any
 
+import msgspec
+
 from agentrl.errors import EnvError, InvalidTrajectory
 from agentrl.types import ImagePart, ImageSpan, Message, TextPart, message_images
 from agentrl.vision import VisionSpec, vision_spec
@@ -240,12 +242,23 @@ def conversation_tokens(
     messages: list[Message] | list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
 ) -> tuple[list[int], list[int], list[int]]:
-    """(prompt_ids, response_ids, loss_mask) of a whole conversation, exactly as a multi-turn rollout (or a
+    """(prompt_ids, response_ids, loss_mask) of a whole conversation (`conversation_images`, without the
+    pictures' spans)."""
+    return conversation_images(chat, messages, tools)[:3]
+
+
+def conversation_images(
+    chat: ChatTokens,
+    messages: list[Message] | list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+) -> tuple[list[int], list[int], list[int], list[ImageSpan]]:
+    """(prompt_ids, response_ids, loss_mask, image_spans) of a whole conversation, exactly as a multi-turn rollout (or a
     proxy session) that produced it would hold it: the opening messages are the prompt; each assistant
     message is its content's tokens plus the end-of-turn token (mask 1); the messages after it are the
     template delta (mask 0); `tools` are rendered as the proxy renders a request's; an assistant message's
-    `prefill` (the opening the proxy gave, see `_assistant_ids`) is mask 0. Raises InvalidTrajectory naming
-    `messages...` when the conversation cannot be tokenized so."""
+    `prefill` (the opening the proxy gave, see `_assistant_ids`) is mask 0; pictures are expanded into their
+    tokens and placed by the spans (positions in prompt + response), as the multi-turn generator records them.
+    Raises InvalidTrajectory naming `messages...` when the conversation cannot be tokenized so."""
     turns = _as_dicts(messages)
     first = next((i for i, m in enumerate(turns) if m["role"] == "assistant"), None)
     if first is None:
@@ -256,7 +269,7 @@ def conversation_tokens(
     if not chat.has_template:
         raise InvalidTrajectory("messages", "the tokenizer has no chat template")
     try:
-        prompt = chat.prompt_ids(turns[:first], tools=tools)
+        prompt, spans = chat.place_images(chat.prompt_ids(turns[:first], tools=tools), turns[:first])
     except EnvError as exc:
         raise InvalidTrajectory("messages", str(exc)) from None
     response: list[int] = []
@@ -272,13 +285,17 @@ def conversation_tokens(
             j += 1
         if j > i + 1:
             try:
-                delta = chat.delta_ids(turns[i + 1 : j], reply, tools=tools)
+                delta, placed = chat.place_images(
+                    chat.delta_ids(turns[i + 1 : j], reply, tools=tools), turns[i + 1 : j]
+                )
             except EnvError as exc:
                 raise InvalidTrajectory(f"messages[{i + 1}]", str(exc)) from None
+            at = len(prompt) + len(response)
+            spans += [msgspec.structs.replace(s, start=at + s.start) for s in placed]
             response += delta
             mask += [0] * len(delta)
         i = j
-    return prompt, response, mask
+    return prompt, response, mask, spans
 
 
 def _assistant_ids(chat: ChatTokens, message: dict[str, Any], index: int) -> tuple[list[int], list[int]]:
@@ -294,10 +311,18 @@ def _assistant_ids(chat: ChatTokens, message: dict[str, Any], index: int) -> tup
 def demonstration_tokens(
     tokenizer: Any, messages: list[Message] | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
 ) -> tuple[list[int], list[int], list[int]]:
-    """(prompt_ids, response_ids, loss_mask) of a demonstration conversation, tokenized exactly as a
-    multi-turn rollout of it would be (assistant tokens + end-of-turn: mask 1; env deltas: mask 0), or, with
-    `tools` (OpenAI function schemas), as the proxy records a session that sent them."""
+    """(prompt_ids, response_ids, loss_mask) of a demonstration conversation (`demonstration_images`, without
+    the pictures' spans)."""
+    return demonstration_images(tokenizer, messages, tools)[:3]
+
+
+def demonstration_images(
+    tokenizer: Any, messages: list[Message] | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> tuple[list[int], list[int], list[int], list[ImageSpan]]:
+    """(prompt_ids, response_ids, loss_mask, image_spans) of a demonstration conversation, tokenized exactly as
+    a multi-turn rollout of it would be (assistant tokens + end-of-turn: mask 1; env deltas and pictures: mask
+    0), or, with `tools` (OpenAI function schemas), as the proxy records a session that sent them."""
     try:
-        return conversation_tokens(chat_tokens(tokenizer), messages, tools)
+        return conversation_images(chat_tokens(tokenizer), messages, tools)
     except InvalidTrajectory as exc:
         raise EnvError(f"cannot tokenize the demonstration: {exc}") from None

@@ -105,3 +105,23 @@ def test_the_megatron_learner_refuses_a_vlm_naming_the_torch_learner(tiny_vlm):
 
     with pytest.raises(LearnerError, match=r"vision-language model.*learner\.kind = 'torch'"):
         ArchSpec.from_hf(AutoConfig.from_pretrained(tiny_vlm))
+
+
+def test_warmup_demonstrations_carry_their_pictures(tiny_vlm):
+    """The warm-up's demonstrations of `shapes_zoom` hold both pictures (the task's and the zoom) placed as a
+    rollout places them, and supervised steps on them lower the loss."""
+    from agentrl.actors.warmup import demonstration_batch
+    from agentrl.config import Config
+
+    env = make_env("shapes_zoom", {})
+    demos = demonstration_batch(Config(), env, load_tokenizer(tiny_vlm), env.sample_tasks(seed=0, n=2), "t")
+    demos = [types.normalize(d) for d in demos]
+    assert all(len(d.images) == 2 and len(d.image_spans) == 2 for d in demos)
+    assert all(
+        d.image_spans[1].start >= types.tokens(d.prompt_ids).size for d in demos
+    )  # the zoom: env feedback
+    learner = TorchLearner(tiny_vlm, LearnerSection(micro_batch_tokens=512))
+    losses = [
+        learner.sft_step(build_batch(demos, learner.pad_id, images=True), lr=1e-2)["loss"] for _ in range(4)
+    ]
+    assert losses[-1] < losses[0]

@@ -105,6 +105,9 @@ class ShapesEnv(AgentEnv):
         self.task = task
         return self.opening(task)
 
+    def demonstration(self, task: dict[str, Any]) -> list[Message]:
+        return [*self.opening(task), Message("assistant", task["answer"])]
+
     async def step(self, action: str) -> StepResult:
         reward = exact_match(action.strip().lower(), self.task["answer"])
         return StepResult(reward=reward, done=True, info={"answer": self.task["answer"]})
@@ -125,13 +128,24 @@ class ShapesZoomEnv(ShapesEnv):
         (message,) = super().opening(task)
         return [Message("user", [*message.content, TextPart(" " + ZOOM)])]
 
+    def demonstration(self, task: dict[str, Any]) -> list[Message]:
+        """Zoom into the quadrant of the first shape's centre, then answer."""
+        half = task["size"] // 2
+        _, _, x, y, _ = task["shapes"][0]
+        quadrant = 1 + (x >= half) + 2 * (y >= half)
+        return [*self.opening(task), Message("assistant", f"zoom {quadrant}"), self.zoomed(task, quadrant),
+                Message("assistant", task["answer"])]  # fmt: skip
+
+    def zoomed(self, task: dict[str, Any], quadrant: int) -> Message:
+        """Quadrant `quadrant` (1-4) of the task's picture, enlarged to the canvas size, as the env shows it."""
+        half = task["size"] // 2
+        left, top = ((quadrant - 1) % 2) * half, ((quadrant - 1) // 2) * half
+        picture = draw(task["size"], task["shapes"], (left, top, left + half, top + half))
+        return Message("user", [TextPart(f"Quadrant {quadrant}:"), ImagePart(picture), TextPart(ZOOM)])
+
     async def step(self, action: str) -> StepResult:
         words = action.strip().lower().split()
         if len(words) == 2 and words[0] == "zoom" and words[1] in ("1", "2", "3", "4"):
-            half = self.task["size"] // 2
-            quadrant = int(words[1]) - 1
-            left, top = (quadrant % 2) * half, (quadrant // 2) * half
-            picture = draw(self.task["size"], self.task["shapes"], (left, top, left + half, top + half))
-            shown = Message("user", [TextPart(f"Quadrant {words[1]}:"), ImagePart(picture), TextPart(ZOOM)])
-            return StepResult(messages=[shown], info={"zoom": int(words[1])})
+            quadrant = int(words[1])
+            return StepResult(messages=[self.zoomed(self.task, quadrant)], info={"zoom": quadrant})
         return await super().step(action)
