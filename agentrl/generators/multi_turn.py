@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 import numpy as np
 
-from agentrl.engines.base import GenerateOutput, SamplingParams
+from agentrl.engines.base import GenerateOutput, SamplingParams, image_kwargs
 from agentrl.errors import AgentRLError
 from agentrl.generator import RolloutContext
 from agentrl.generators.chat import chat_tokens
@@ -75,7 +76,7 @@ class TokenLog:
         self.images: dict[str, Image] = {}  # by sha256: each picture once
         self.spans: list[ImageSpan] = []  # absolute positions, in token order
 
-    def add_images(self, start: int, spans: list[ImageSpan], pictures: list[bytes]) -> None:
+    def add_images(self, start: int, spans: Sequence[ImageSpan], pictures: Sequence[bytes]) -> None:
         """Place `pictures` (in order, one per span; span positions relative to `start`)."""
         for span, data in zip(spans, pictures, strict=True):
             self.images.setdefault(span.sha256, image(data))
@@ -119,9 +120,9 @@ class TokenLog:
             self.routed_positions = end
 
     def add_env(
-        self, ids: list[int], version: int, spans: list[ImageSpan] = (), pictures: list[bytes] = ()
+        self, ids: list[int], version: int, spans: Sequence[ImageSpan] = (), pictures: Sequence[bytes] = ()
     ) -> None:
-        self.add_images(len(self), list(spans), list(pictures))
+        self.add_images(len(self), spans, pictures)
         self.response_ids += ids
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
@@ -188,7 +189,7 @@ async def generate_turn(
         log.sent[request_id] += 1
         budget = min(sampling.max_new_tokens - len(reply), ctx.max_seq_len - len(log))
         params = msgspec.structs.replace(sampling, max_new_tokens=max(budget, 1))
-        images = {"images": log.engine_images()} if log.spans else {}  # text-only engines take no images
+        images = image_kwargs(log.engine_images())  # none: engines of text-only models take no `images`
         out = await ctx.engine.generate(log.input_ids, params, request_id=f"{request_id}.{piece}", **images)
         log.add_model(out)
         reply += out.output_ids
