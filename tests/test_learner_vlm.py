@@ -125,3 +125,12 @@ def test_warmup_demonstrations_carry_their_pictures(tiny_vlm):
         learner.sft_step(build_batch(demos, learner.pad_id, images=True), lr=1e-2)["loss"] for _ in range(4)
     ]
     assert losses[-1] < losses[0]
+
+
+def test_a_checkpoint_keeps_the_image_processor(tiny_vlm, tmp_path):
+    """A saved VLM learner loads back as one (its directory keeps preprocessor_config.json), as `--resume` and
+    `agentrl export` read it."""
+    learner = TorchLearner(tiny_vlm, LearnerSection())
+    learner.save(str(tmp_path / "ckpt"))
+    again = TorchLearner(tmp_path / "ckpt", LearnerSection())
+    assert again.takes_images and again.vision == learner.vision
