@@ -25,29 +25,54 @@ Tools (OpenAI function schemas) are rendered by the template itself (`apply_chat
 `prompt_ids` and `delta_ids` take them, and a delta with tools is measured on the dummy rendered with the
 same tools. Messages may carry `tool_calls` / `tool_call_id` (OpenAI form, arguments as objects), which the
 template renders; they are part of the cache key.
+Images (a vision-language model): a message's content may be a list of text and image parts; a list of text
+parts alone renders as its joined text, one with images goes to the template as parts (`{"type": "image"}`,
+`{"type": "text", "text": ...}`, as Qwen2-VL templates read them). The template writes one placeholder per
+image; `ChatTokens.place_images` expands each into the image's tokens (agentrl.vision) and says where it went.
 Nothing here imports transformers, torch or ray: the tokenizer is passed in.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
+import msgspec
+
 from agentrl.errors import EnvError, InvalidTrajectory
-from agentrl.types import Message
+from agentrl.types import ImagePart, ImageSpan, Message, TextPart, message_images
+from agentrl.vision import VisionSpec, vision_spec
 
 MARK = "QXZMARKZXQ"
 CACHE_SIZE = 4096
 _cache: dict[int, tuple[Any, ChatTokens]] = {}
 
 
+def _content(content: Any) -> Any:
+    """A message's content as templates read it: text, or (with images) a list of part dicts."""
+    if isinstance(content, str) or not any(isinstance(p, ImagePart) for p in content):
+        return content if isinstance(content, str) else "".join(p.text for p in content)
+    return [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image", "data": p.data}
+            for p in content]  # fmt: skip
+
+
 def _as_dicts(messages: list[Message] | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
+    return [m if isinstance(m, dict) else {"role": m.role, "content": _content(m.content)} for m in messages]
+
+
+def _digest(value: Any) -> str:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return hashlib.sha256(value).hexdigest()
+    raise TypeError(f"{type(value).__name__} in a message is not JSON")
 
 
 def _key(messages: list[Message] | list[dict[str, Any]]) -> tuple[tuple[str, ...], ...]:
+    """A hashable key of messages: text as is, images by their content hash."""
     return tuple(
-        (m["role"], m["content"]) if len(m) == 2 else (m["role"], m["content"], json.dumps(m, sort_keys=True))
+        (m["role"], m["content"])
+        if len(m) == 2 and isinstance(m["content"], str)
+        else (m["role"], json.dumps(m, sort_keys=True, default=_digest))
         for m in _as_dicts(messages)
     )
 
@@ -135,8 +160,11 @@ class ChatTokens:
         if hit is None:
             if chat_template and self.has_template:
                 hit = self.encode(self.render(_as_dicts(messages), add_generation_prompt=True, tools=tools))
+            elif message_images(messages):
+                raise EnvError("messages with images need the model's chat template (apply_chat_template)")
             else:
-                hit = list(self.tokenizer.encode("\n".join(c for _, c in key[0]), add_special_tokens=True))
+                text = "\n".join(m["content"] for m in _as_dicts(messages))
+                hit = list(self.tokenizer.encode(text, add_special_tokens=True))
             _remember(self._prompts, key, hit)
         return list(hit)
 
@@ -166,6 +194,27 @@ class ChatTokens:
             _remember(self._deltas, key, hit)
         return list(hit)
 
+    @property
+    def vision(self) -> VisionSpec | None:
+        """How the model puts images in its tokens (agentrl.vision); None for a text-only model."""
+        return vision_spec(self.tokenizer)
+
+    def place_images(
+        self, ids: list[int], messages: list[Message] | list[dict[str, Any]]
+    ) -> tuple[list[int], list[ImageSpan]]:
+        """`ids` (a prompt or delta of `messages`) with each image placeholder expanded into the image's tokens,
+        and the images' spans (positions relative to the returned ids); `ids` as they are without images."""
+        images = message_images(messages)
+        if not images:
+            return ids, []
+        spec = self.vision
+        if spec is None:
+            raise EnvError(
+                "the messages hold images but the model has no image processor (preprocessor_config.json "
+                "with the model's image_token_id): use a vision-language model"
+            )
+        return spec.expand(ids, images)
+
     def closing_ids(self, reply_ids: list[int]) -> list[int]:
         """End-of-turn tokens to append after a reply that did not end with one (for demonstrations)."""
         if self.eot_id is None or (reply_ids and reply_ids[-1] == self.eot_id):
@@ -193,12 +242,23 @@ def conversation_tokens(
     messages: list[Message] | list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
 ) -> tuple[list[int], list[int], list[int]]:
-    """(prompt_ids, response_ids, loss_mask) of a whole conversation, exactly as a multi-turn rollout (or a
+    """(prompt_ids, response_ids, loss_mask) of a whole conversation (`conversation_images`, without the
+    pictures' spans)."""
+    return conversation_images(chat, messages, tools)[:3]
+
+
+def conversation_images(
+    chat: ChatTokens,
+    messages: list[Message] | list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+) -> tuple[list[int], list[int], list[int], list[ImageSpan]]:
+    """(prompt_ids, response_ids, loss_mask, image_spans) of a whole conversation, exactly as a multi-turn rollout (or a
     proxy session) that produced it would hold it: the opening messages are the prompt; each assistant
     message is its content's tokens plus the end-of-turn token (mask 1); the messages after it are the
     template delta (mask 0); `tools` are rendered as the proxy renders a request's; an assistant message's
-    `prefill` (the opening the proxy gave, see `_assistant_ids`) is mask 0. Raises InvalidTrajectory naming
-    `messages...` when the conversation cannot be tokenized so."""
+    `prefill` (the opening the proxy gave, see `_assistant_ids`) is mask 0; pictures are expanded into their
+    tokens and placed by the spans (positions in prompt + response), as the multi-turn generator records them.
+    Raises InvalidTrajectory naming `messages...` when the conversation cannot be tokenized so."""
     turns = _as_dicts(messages)
     first = next((i for i, m in enumerate(turns) if m["role"] == "assistant"), None)
     if first is None:
@@ -209,7 +269,7 @@ def conversation_tokens(
     if not chat.has_template:
         raise InvalidTrajectory("messages", "the tokenizer has no chat template")
     try:
-        prompt = chat.prompt_ids(turns[:first], tools=tools)
+        prompt, spans = chat.place_images(chat.prompt_ids(turns[:first], tools=tools), turns[:first])
     except EnvError as exc:
         raise InvalidTrajectory("messages", str(exc)) from None
     response: list[int] = []
@@ -225,13 +285,17 @@ def conversation_tokens(
             j += 1
         if j > i + 1:
             try:
-                delta = chat.delta_ids(turns[i + 1 : j], reply, tools=tools)
+                delta, placed = chat.place_images(
+                    chat.delta_ids(turns[i + 1 : j], reply, tools=tools), turns[i + 1 : j]
+                )
             except EnvError as exc:
                 raise InvalidTrajectory(f"messages[{i + 1}]", str(exc)) from None
+            at = len(prompt) + len(response)
+            spans += [msgspec.structs.replace(s, start=at + s.start) for s in placed]
             response += delta
             mask += [0] * len(delta)
         i = j
-    return prompt, response, mask
+    return prompt, response, mask, spans
 
 
 def _assistant_ids(chat: ChatTokens, message: dict[str, Any], index: int) -> tuple[list[int], list[int]]:
@@ -247,10 +311,18 @@ def _assistant_ids(chat: ChatTokens, message: dict[str, Any], index: int) -> tup
 def demonstration_tokens(
     tokenizer: Any, messages: list[Message] | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
 ) -> tuple[list[int], list[int], list[int]]:
-    """(prompt_ids, response_ids, loss_mask) of a demonstration conversation, tokenized exactly as a
-    multi-turn rollout of it would be (assistant tokens + end-of-turn: mask 1; env deltas: mask 0), or, with
-    `tools` (OpenAI function schemas), as the proxy records a session that sent them."""
+    """(prompt_ids, response_ids, loss_mask) of a demonstration conversation (`demonstration_images`, without
+    the pictures' spans)."""
+    return demonstration_images(tokenizer, messages, tools)[:3]
+
+
+def demonstration_images(
+    tokenizer: Any, messages: list[Message] | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> tuple[list[int], list[int], list[int], list[ImageSpan]]:
+    """(prompt_ids, response_ids, loss_mask, image_spans) of a demonstration conversation, tokenized exactly as
+    a multi-turn rollout of it would be (assistant tokens + end-of-turn: mask 1; env deltas and pictures: mask
+    0), or, with `tools` (OpenAI function schemas), as the proxy records a session that sent them."""
     try:
-        return conversation_tokens(chat_tokens(tokenizer), messages, tools)
+        return conversation_images(chat_tokens(tokenizer), messages, tools)
     except InvalidTrajectory as exc:
         raise EnvError(f"cannot tokenize the demonstration: {exc}") from None

@@ -26,6 +26,15 @@ def tok(tiny):  # per module: a tokenizer object is mutable
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory) -> Path:
+    """The tiny vision-language model (`make-tiny-model --arch qwen2_5_vl`, init std 0.1: logits that differ
+    visibly between pictures): the engine, env and learner tests of pictures."""
+    from agentrl.engines.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("vlm") / "m", arch="qwen2_5_vl", seed=0, init_std=0.1)
+
+
+@pytest.fixture(scope="session")
 def run_model(tmp_path_factory) -> str:
     """The model of the `agentrl run` tests (qwen2, hidden 64, one layer; run_support.make_model)."""
     return make_model(tmp_path_factory.mktemp("run-model"))

@@ -10,7 +10,7 @@ from agentrl.envs.calculator import calculate, tool_call
 from agentrl.errors import ConfigError, EnvError
 from agentrl.types import Message
 
-BUILTINS = ["arithmetic", "guess_number", "calculator", "long_tail"]
+BUILTINS = ["arithmetic", "guess_number", "calculator", "long_tail", "shapes", "shapes_zoom"]
 
 
 def test_builtins_listed():

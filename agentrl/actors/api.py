@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from agentrl.engines.base import GenerateOutput, SamplingParams
-from agentrl.types import Trajectory
+from agentrl.types import Image, Trajectory
 
 
 class QueueAPI(Protocol):
@@ -80,8 +80,8 @@ class RolloutAPI(Protocol):
 class EngineAPI(Protocol):
     """agentrl.actors.engine.EngineActor: one engine served to the rollout workers."""
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
-                       ) -> GenerateOutput: ...  # fmt: skip
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
+                       images: list[Image] | None = None) -> GenerateOutput: ...  # fmt: skip
     async def abort(self, request_id: str) -> None: ...
     async def pause(self, mode: str = "keep") -> None: ...
     async def resume(self) -> None: ...

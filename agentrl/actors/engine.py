@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from agentrl.actors.images import ImageStore
 from agentrl.config import Config
-from agentrl.engines.base import Engine, GenerateOutput, SamplingParams
+from agentrl.engines.base import Engine, GenerateOutput, SamplingParams, image_kwargs
+from agentrl.types import Image
 
 
 def make_engine(cfg: Config, model_path: str, index: int = 0) -> Engine:
@@ -55,10 +57,12 @@ class EngineActor:
         self.cfg = cfg
         self.index = index
         self.engine = make_engine(cfg, model_path, index)
+        self.images = ImageStore()  # pictures sent once, then referred to by hash (agentrl.actors.images)
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
-                       ) -> GenerateOutput:  # fmt: skip
-        return await self.engine.generate(input_ids, sampling, request_id)
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
+                       images: list[Image] | None = None) -> GenerateOutput:  # fmt: skip
+        images = self.images.unpack(images)
+        return await self.engine.generate(input_ids, sampling, request_id, **image_kwargs(images))
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)

@@ -102,7 +102,8 @@ class LearnerWorker:
                 raise RuntimeError("LearnerWorker.train() without trajectories needs a fetch() first")
         t0 = time.perf_counter()
         replay = self.cfg.learner.routing_replay == "rollout"
-        batch = build_batch(trajectories, self.pad_id, self.cfg.learner.device, routed_experts=replay)
+        batch = build_batch(trajectories, self.pad_id, self.cfg.learner.device, routed_experts=replay,
+                            images=self.learner.takes_images)  # fmt: skip
         stats = self.learner.train_step(batch, sliced=True)
         return self.policy_version(), {
             **{f"train/{k}": float(v) for k, v in stats.items()},

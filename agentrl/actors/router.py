@@ -7,7 +7,7 @@ for every episode on it), is what generators receive as `ctx.engine`; they never
 that fails in a `NamedEngine` raises `RequestFailed`: one line naming the engine, the request id and the
 cause.
 `RemoteEngine` adapts a Ray actor handle (an engine actor, see agentrl.actors.engine) to the `Engine`
-interface. Load is counted here, per worker, in episodes; ties go to the engine used least recently.
+interface; it sends each picture's bytes to its actor once, then its hash (agentrl.actors.images). Load is counted here, per worker, in episodes; ties go to the engine used least recently.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from agentrl.actors.images import ImageSender, MissingImage
 from agentrl.engines.base import (
     Engine,
     GenerateOutput,
@@ -23,8 +24,10 @@ from agentrl.engines.base import (
     SamplingParams,
     WeightSource,
     describe_error,
+    image_kwargs,
 )
 from agentrl.errors import EngineError
+from agentrl.types import Image
 
 
 class RemoteEngine(Engine):
@@ -34,11 +37,21 @@ class RemoteEngine(Engine):
         self.handle = handle
         self.name = name
         self._version = 0
+        self._images = ImageSender()  # each picture's bytes cross to the actor once (agentrl.actors.images)
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
-    ) -> GenerateOutput:
-        out = await self.handle.generate.remote(input_ids, sampling, request_id)
+        self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
+        images: list[Image] | None = None,
+    ) -> GenerateOutput:  # fmt: skip
+        try:
+            out = await self.handle.generate.remote(
+                input_ids, sampling, request_id, **image_kwargs(self._images.pack(images))
+            )
+        except MissingImage:  # RayTaskError(MissingImage) too: it subclasses the cause
+            self._images.forget()
+            out = await self.handle.generate.remote(
+                input_ids, sampling, request_id, **image_kwargs(self._images.pack(images))
+            )
         if out.versions:
             self._version = max(self._version, max(v for v, _ in out.versions))
         return out
@@ -74,9 +87,10 @@ class ForwardingEngine(Engine):
         self.inner = inner
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
-    ) -> GenerateOutput:
-        return await self.inner.generate(input_ids, sampling, request_id)
+        self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
+        images: list[Image] | None = None,
+    ) -> GenerateOutput:  # fmt: skip
+        return await self.inner.generate(input_ids, sampling, request_id, **image_kwargs(images))
 
     async def abort(self, request_id: str) -> None:
         await self.inner.abort(request_id)
@@ -110,10 +124,11 @@ class NamedEngine(ForwardingEngine):
         self.name = f"engine {index}" + (f" ({url})" if url else "")
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
-    ) -> GenerateOutput:
+        self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
+        images: list[Image] | None = None,
+    ) -> GenerateOutput:  # fmt: skip
         try:
-            return await self.inner.generate(input_ids, sampling, request_id)
+            return await self.inner.generate(input_ids, sampling, request_id, **image_kwargs(images))
         except RequestFailed:
             raise
         except EngineError as exc:  # RayTaskError(EngineError) too: it subclasses the cause

@@ -1,7 +1,7 @@
 """Supervised warm-up (`[warmup]`): a few SFT steps on the env's demonstrations before RL.
 
 Demonstrations are tokenized exactly as a multi-turn rollout of the same conversation would be
-(agentrl.chat.demonstration_tokens): loss on assistant tokens and their end-of-turn, none on env/tool
+(agentrl.chat.demonstration_images; pictures stored once and placed, as a rollout records them): loss on assistant tokens and their end-of-turn, none on env/tool
 tokens. Tasks come from `warmup.seed` (agentrl.data.warmup_source): env tasks from a seed range apart from
 training and evaluation, or, with `data.path`, the dataset's rows in a `warmup.seed` order. The optimizer's
 moments are reset afterwards (`reset_optimizer`): RL is a new objective at its own lr, and Adam would otherwise
@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from agentrl.chat import demonstration_tokens
+from agentrl.chat import demonstration_images
 from agentrl.config import Config
 from agentrl.errors import EnvError
-from agentrl.types import Trajectory, pack_tokens
+from agentrl.types import Trajectory, image, message_images, pack_tokens
 
 
 def demonstration_batch(
@@ -35,13 +35,16 @@ def demonstration_batch(
                 f"warmup.steps > 0 needs demonstrations, and env '{cfg.env.name}' has none"
             ) from None
         # an env whose demonstrations are tool calls names its tools (`env.tools`): they go in the prompt
-        prompt, response, mask = demonstration_tokens(tokenizer, messages, getattr(env, "tools", None))
+        prompt, response, mask, spans = demonstration_images(tokenizer, messages, getattr(env, "tools", None))
+        pictures = {img.sha256: img for img in map(image, message_images(messages))}  # each stored once
         trajs.append(
             Trajectory(
                 id=f"demo-{tag}-{i}",
                 prompt_ids=pack_tokens(prompt),
                 response_ids=pack_tokens(response),
                 loss_mask=np.asarray(mask, dtype=np.uint8).tobytes(),
+                images=list(pictures.values()) or None,
+                image_spans=spans or None,
             )
         )
     return trajs
@@ -61,7 +64,7 @@ def run_warmup(cfg: Config, learner: Any, tokenizer: Any, pad_id: int) -> dict[s
         if w.time_limit_s and time.perf_counter() - t0 > w.time_limit_s:
             break
         demos = demonstration_batch(cfg, env, tokenizer, tasks.next_batch(w.batch_size), str(w.seed + step))
-        batch = build_batch(demos, pad_id, cfg.learner.device)
+        batch = build_batch(demos, pad_id, cfg.learner.device, images=learner.takes_images)
         stats = learner.sft_step(batch, lr=w.lr)
         losses.append(float(stats.get("loss", stats.get("sft_loss", float("nan")))))
     if losses:  # RL starts with fresh moments (see the module docstring)

@@ -74,6 +74,13 @@ class LearnerSection(_Section):
     reference_model: Annotated[bool, doc("keep a frozen reference model (for the KL term)")] = False
     pack_tokens: Annotated[int, doc("pack sequences in rows of at most this many tokens; 0 = off", ge=0)] = 0
     gradient_checkpointing: Annotated[bool, doc("recompute activations in the backward pass")] = False
+    vision_tower: Annotated[
+        Literal["trained", "frozen"],
+        doc(
+            "vision-language models (torch learner): train the vision tower (patch embedding, blocks, merger) "
+            "with the language model, or keep it frozen"
+        ),
+    ] = "trained"
     fsdp: Annotated[bool, doc("torch: FSDP2 over learner.data_parallel ranks (a process per GPU)")] = False
     minibatches: Annotated[
         int,

@@ -172,7 +172,8 @@ class ModelSection(_Section):
     path: Annotated[str, doc("Hugging Face model directory")] = "runs/tiny-model"
     make_tiny: Annotated[bool, doc("create a tiny random model at model.path if it is missing")] = True
     arch: Annotated[
-        Literal["qwen3", "qwen2", "llama", "qwen3_moe", "glm4_moe"], doc("architecture of the tiny model")
+        Literal["qwen3", "qwen2", "llama", "qwen3_moe", "glm4_moe", "qwen2_5_vl"],
+        doc("architecture of the tiny model (qwen2_5_vl: a vision-language model)"),
     ] = "qwen2"
     seed: Annotated[int, doc("seed of the tiny model's weights", ge=0)] = 0
 

@@ -46,6 +46,9 @@ class QueueSection(_Section):
     max_trajectories: Annotated[int, doc("trajectories the queue holds before refusing puts", ge=1)] = 100_000
     max_bytes: Annotated[int, doc("bytes the queue holds before refusing puts", ge=1)] = 2 << 30
     max_body_bytes: Annotated[int, doc("largest HTTP request body (413 above)", ge=1)] = 64 << 20
+    max_image_bytes: Annotated[
+        int, doc("largest image file in a submitted trajectory (`images[].data`; 413 above)", ge=1)
+    ] = 16 << 20
     batch_size: Annotated[
         int,
         doc(

@@ -7,7 +7,9 @@ top_k = -1, and the same quantity the learner computes, so importance ratios com
 (top-p/top-k truncation is left out of the logprob on purpose, as in slime and SGLang). Greedy
 (temperature 0) reports the temperature-1 logprob. `top_logprobs = k > 0` asks for each generated token's k
 most likely tokens under that same distribution (`GenerateOutput.top_logprobs[i]`: `(token_id, logprob)`
-pairs, most likely first).
+pairs, most likely first). `images` (a vision-language model): the pictures of the input, one per run of image
+placeholder tokens in `input_ids`, in order (agentrl.types.Image: the file bytes and their SHA-256); engines of
+text-only models take none, and callers without images leave the argument out (`image_kwargs`).
 This module imports no torch.
 """
 
@@ -20,7 +22,7 @@ from typing import Any, Literal
 import msgspec
 
 from agentrl.errors import AgentRLError, EngineError
-from agentrl.types.trajectory import RoutedExperts
+from agentrl.types.trajectory import Image, RoutedExperts
 
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "wait", "keep"]
@@ -59,6 +61,11 @@ class GenerateOutput(msgspec.Struct, kw_only=True):
     # MoE engines asked for them: the router's experts for every position the request ran a forward on
     # (prompt and output, the last output token excluded); see agentrl.types.RoutedExperts
     routed_experts: RoutedExperts | None = None
+
+
+def image_kwargs(images: list[Image] | None) -> dict[str, Any]:
+    """`generate`'s keyword for `images` when there are any (engines of text-only models need not take it)."""
+    return {"images": images} if images else {}
 
 
 class InvalidRequest(EngineError):
@@ -139,7 +146,11 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        images: list[Image] | None = None,
     ) -> GenerateOutput: ...
 
     @abc.abstractmethod

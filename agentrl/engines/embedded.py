@@ -18,9 +18,11 @@ import torch
 
 from agentrl.engines.adapter import AdapterMerger, adapter_items
 from agentrl.engines.base import GenerateOutput, InvalidRequest, SamplingParams, WeightSource
-from agentrl.engines.runner import DTYPES, ModelRunner, Request
+from agentrl.engines.runner import DTYPES, ModelRunner, Request, placeholder_runs
 from agentrl.engines.scheduler import BatchingEngine
-from agentrl.errors import EngineError, WeightSyncError
+from agentrl.errors import EngineError, EnvError, WeightSyncError
+from agentrl.types import Image
+from agentrl.vision import VisionSpec
 
 __all__ = ["DTYPES", "EmbeddedEngine"]
 
@@ -59,6 +61,7 @@ class EmbeddedEngine(BatchingEngine):
             sampler,
         )  # fmt: skip
         self.spec, self.device, self.dtype_name = runner.spec, runner.device, dtype
+        self.vision = VisionSpec.from_dir(self.model_path) if self.spec.vision is not None else None
         super().__init__(
             runner, max_batch_size=max_batch_size, max_prefill_tokens=max_prefill_tokens,
             decode_steps=decode_steps or (8 if self.device.type == "cuda" else 1), policy_version=policy_version,
@@ -91,6 +94,26 @@ class EmbeddedEngine(BatchingEngine):
     @property
     def vocab_size(self) -> int:
         return self.spec.vocab_size
+
+    def validate_images(self, input_ids: list[int], images: list[Image]) -> None:
+        """Raise InvalidRequest unless `images` are one per run of image placeholders, each as long as the
+        model's image processor makes that picture."""
+        if images and self.vision is None:
+            raise InvalidRequest("images", f"the served model ({self.spec.arch}) takes no images")
+        if self.vision is None:
+            return
+        runs = placeholder_runs(input_ids, self.vision.image_token_id)
+        if len(runs) != len(images):
+            raise InvalidRequest("images", f"{len(images)} images for {len(runs)} runs of the image placeholder "
+                                 f"token {self.vision.image_token_id} in input_ids")  # fmt: skip
+        for i, (img, (_, length)) in enumerate(zip(images, runs, strict=True)):
+            try:
+                grid = self.vision.grid_thw(img.data)
+            except EnvError as exc:
+                raise InvalidRequest(f"images[{i}]", str(exc)) from None
+            if self.vision.n_tokens(grid) != length:
+                raise InvalidRequest(f"images[{i}]", f"the picture makes {self.vision.n_tokens(grid)} tokens "
+                                     f"(grid {list(grid)}) but its placeholder run has {length}")  # fmt: skip
 
     def validate(self, input_ids: list[int], sampling: SamplingParams) -> None:
         """Raise InvalidRequest naming the field when a request cannot run."""
@@ -127,9 +150,14 @@ class EmbeddedEngine(BatchingEngine):
             )
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        images: list[Image] | None = None,
     ) -> GenerateOutput:
         self.validate(input_ids, sampling)
+        self.validate_images(input_ids, images or [])
         self._ensure_loop()
         rid = request_id or uuid.uuid4().hex
         if rid in self._by_rid:
@@ -139,7 +167,7 @@ class EmbeddedEngine(BatchingEngine):
             stop.update(self.spec.eos_token_ids)
         req = Request(
             rid, list(input_ids), sampling, asyncio.get_running_loop().create_future(), frozenset(stop),
-            seed=self.runner.request_seed(sampling.seed),
+            seed=self.runner.request_seed(sampling.seed), images=list(images or []),
         )  # fmt: skip
         if sampling.seed is not None:
             req.generator = torch.Generator(device=self.device)

@@ -9,6 +9,10 @@ Expert weights answer to the per-expert names a checkpoint (and SGLang's loader)
 `mlp.experts.{e}.gate_proj.weight` / `up_proj` / `down_proj`, and to transformers 5's fused in-memory names
 `mlp.experts.gate_up_proj` / `mlp.experts.down_proj` (`aliases`), so either form loads.
 The model's shape and its KV cache are agentrl.engines.model_spec's; the layer math is agentrl.engines.layers'.
+A vision-language model (Qwen2.5-VL) adds its vision tower (agentrl.engines.vision_tower, parameters `visual.*`)
+and multimodal RoPE: prefill takes each token's [time, height, width] positions and the image tokens'
+embeddings; a text token's three positions are equal, which is plain RoPE at that position, so decode takes one
+rotary position per row (the cache position plus the request's offset after its images).
 Numerics follow transformers: RMSNorm in fp32, RoPE tables in fp32 cast to the model dtype, SDPA attention.
 """
 
@@ -87,6 +91,21 @@ class CausalLM:
             self.lm_head = self.params["lm_head.weight"] = empty(s.vocab_size, s.hidden)
         self.norm = self.params["model.norm.weight"]
         self.embed = self.params["model.embed_tokens.weight"]
+        self.vision = None
+        if s.vision is not None:
+            from agentrl.engines.vision_tower import VisionTower
+
+            self.vision = VisionTower(s.vision, self.device, dtype)
+            # transformers 5 names them so in memory (a learner's publish): model.visual.*, model.language_model.*
+            for name, tensor in [*self.vision.params.items(), *self.params.items()]:
+                alias = (
+                    "model." + name
+                    if name.startswith("visual.")
+                    else name.replace("model.", "model.language_model.", 1)
+                )
+                if alias != name:
+                    self.aliases[alias] = (tensor, [name])
+            self.params.update(self.vision.params)
         self._rope_len = 0
         self._cos = self._sin = torch.empty(0)
         self._layer_in, self._layer_out, self.compiled = layer_in, layer_out, False
@@ -187,6 +206,18 @@ class CausalLM:
         freqs = torch.outer(torch.arange(n, device=self.device, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos, self._sin, self._rope_len = emb.cos(), emb.sin(), n
+        if (
+            self.spec.mrope_section
+        ):  # which axis (time, height, width) each rotary column reads its position from
+            axis = [i for i, n in enumerate(self.spec.mrope_section) for _ in range(n)]
+            self._mrope_axis = torch.tensor(axis + axis, device=self.device)
+
+    def _mrope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of multimodal positions [3, S]: column j of each head from its axis' position."""
+        cols = torch.arange(self._mrope_axis.numel(), device=self.device)
+        cos = self._cos[positions][self._mrope_axis, :, cols].T  # [S, dim]
+        sin = self._sin[positions][self._mrope_axis, :, cols].T
+        return cos.to(self.dtype), sin.to(self.dtype)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._cos[positions].to(self.dtype), self._sin[positions].to(self.dtype)
@@ -250,18 +281,27 @@ class CausalLM:
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor,
-                lengths: list[int], cache: KVCache, record: list[torch.Tensor] | None = None
-                ) -> torch.Tensor:  # fmt: skip
+                lengths: list[int], cache: KVCache, record: list[torch.Tensor] | None = None,
+                rope_positions: torch.Tensor | None = None,
+                image_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
         """Packed prompts: `tokens`, `positions`, `token_slots` [S] are the prompts' tokens back to back (prompt
         j has `lengths[j]` tokens at positions 0..len-1 of its cache slot). Writes their K/V into the cache and
         returns logits [N, vocab] (model dtype) at each prompt's last token. The projections and MLP run on the
         S real tokens (no padding); attention is causal within each prompt: one varlen flash kernel per layer on CUDA
         (bf16/fp16), per-prompt SDPA otherwise (engines/prefill_attention.py). `record`: a list that gets each
-        MoE layer's expert ids [S, k], in layer order."""
-        self.ensure_rope(max(lengths))
-        cos, sin = self._rope(positions)
+        MoE layer's expert ids [S, k], in layer order. A vision-language model: `rope_positions` [3, S] are the
+        multimodal positions (None: `positions` on all three axes), `image_rows` = (indices into the S tokens,
+        their embeddings) replace the image placeholders' embeddings."""
+        if rope_positions is None:
+            self.ensure_rope(max(lengths))
+            cos, sin = self._rope(positions)
+        else:
+            self.ensure_rope(int(rope_positions.max()) + 1)
+            cos, sin = self._mrope(rope_positions)
         packed = Packed.from_lengths(lengths, self.device)
         x = F.embedding(tokens, self.embed)  # [S, hidden]
+        if image_rows is not None:
+            x[image_rows[0]] = image_rows[1].to(x.dtype)
         with _prefill_backends(self.device):
             x = self._prefill_layers(x, cos, sin, positions, token_slots, packed, cache, record)
         last = torch.tensor([b - 1 for _, b in packed.spans], device=self.device)
@@ -288,18 +328,24 @@ class CausalLM:
         max_len: int,
         attention: str = "sdpa",
         record: list[torch.Tensor] | None = None,
+        rope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One step for slots `0..B-1`: `tokens` [B] at `positions` [B]; attends over cache positions
         `<= position` of each slot. `attention="sdpa"` reads positions `< max_len` of every slot (masked);
         `"triton"` (CUDA) reads each slot's own length (engines/triton_attention.py; `max_len` unused).
         No host synchronisation (MoE: with `grouped_experts`), fixed shapes for a given (B, max_len): CUDA-graph
-        capturable. `record` gets each MoE layer's expert ids [B, k], as in `prefill`.
+        capturable. `record` gets each MoE layer's expert ids [B, k], as in `prefill`. `rope_positions` [B]:
+        the rotary positions when they differ from the cache positions (a VLM's rows after images).
         Returns logits [B, vocab] in the model dtype."""
         s = self.spec
         b = tokens.shape[0]
         groups = s.heads // s.kv_heads
-        self.ensure_rope(max_len)
-        cos, sin = self._rope(positions)
+        if rope_positions is None:
+            self.ensure_rope(max_len)
+            cos, sin = self._rope(positions)
+        else:  # host read of the largest position: VLM rows decode without CUDA graphs
+            self.ensure_rope(max(max_len, int(rope_positions.max()) + 1))
+            cos, sin = self._rope(rope_positions)
         if attention == "triton":
             from agentrl.engines.triton_attention import decode_attention
         else:

@@ -53,8 +53,17 @@ def _errors(codes: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-def _specialise(components: dict[str, Any], vocab_size: int, max_seq_len: int, stop_strings: bool) -> None:
+def _specialise(components: dict[str, Any], vocab_size: int, max_seq_len: int, stop_strings: bool,
+                images: bool) -> None:  # fmt: skip
     gen = components["GenerateRequest"]
+    if images:
+        gen["properties"]["image_data"]["description"] = (
+            "one picture per run of image placeholder tokens in input_ids, in order: a data URL "
+            "(data:image/png;base64,...) or base64 of a PNG, JPEG, GIF or WebP file; URLs are not fetched (400)"
+        )
+    else:
+        gen["properties"]["image_data"] = {"type": "null", "default": None,
+                                           "description": "the served model takes no images"}  # fmt: skip
     ids = gen["properties"]["input_ids"] = copy.deepcopy(gen["properties"]["input_ids"]["anyOf"][0])
     ids["items"]["maximum"] = vocab_size - 1
     ids["maxItems"] = max_seq_len - 1
@@ -77,10 +86,12 @@ def _specialise(components: dict[str, Any], vocab_size: int, max_seq_len: int, s
 
 
 @lru_cache(maxsize=8)
-def openapi_spec(*, vocab_size: int, max_seq_len: int, stop_strings: bool = True) -> dict[str, Any]:
+def openapi_spec(
+    *, vocab_size: int, max_seq_len: int, stop_strings: bool = True, images: bool = False
+) -> dict[str, Any]:
     structs = [cls for cls, _ in _BODIES.values()]
     _, components = msgspec.json.schema_components(structs, ref_template="#/components/schemas/{name}")
-    _specialise(components, vocab_size, max_seq_len, stop_strings)
+    _specialise(components, vocab_size, max_seq_len, stop_strings, images)
     components["Error"] = {
         "type": "object",
         "properties": {"error": {"type": "object", "required": ["message", "code"], "properties": {

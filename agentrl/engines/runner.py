@@ -21,6 +21,8 @@ from agentrl.engines.model import CausalLM
 from agentrl.engines.model_spec import KVCache, ModelSpec
 from agentrl.engines.sampling import BatchSampling, sample, top_logprobs
 from agentrl.errors import EngineError, WeightSyncError
+from agentrl.types import Image
+from agentrl.vision import image_pixels, mrope_positions
 
 log = logging.getLogger(__name__)
 _SERIALS = itertools.count()
@@ -46,6 +48,8 @@ class Request:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # when sampling asks
     routes: list[np.ndarray] = field(default_factory=list)  # expert ids per forward, when sampling asks
     abort_requested: bool = False
+    images: list[Image] = field(default_factory=list)  # one per run of image placeholders in the prompt
+    rope_delta: int = 0  # rotary position - cache position of the tokens after the prompt's images
     serial: int = field(default_factory=lambda: next(_SERIALS))
 
     def kv_len(self) -> int:
@@ -76,6 +80,7 @@ class ModelRunner:
         if dtype not in DTYPES:
             raise EngineError(f"engine.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         self.device = torch.device(device)
+        self.model_path = model_path
         self.spec = ModelSpec.from_dir(model_path)
         self.model = CausalLM(self.spec, self.device, DTYPES[dtype])
         self.model.load_dir(model_path)
@@ -92,14 +97,17 @@ class ModelRunner:
         self.attention = "triton" if _use_triton("attention", attention, "sdpa", self.device) else "sdpa"
         self.graphs = None
         self.max_batch_size, self._recapture = max_batch_size, False
-        # an MoE model without the grouped kernel reads its expert counts on the host: no graph can hold that
-        graphable = self.spec.moe is None or self.model.grouped_experts
+        # an MoE model without the grouped kernel reads its expert counts on the host: no graph can hold that;
+        # a VLM's rows decode at rotary positions of their own (after their images), which no graph holds
+        graphable = (self.spec.moe is None or self.model.grouped_experts) and self.spec.vision is None
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and graphable
         if cuda_graphs and not graphable:
             raise EngineError(
-                "engine cuda_graphs=True: this MoE model's experts need torch.nn.functional.grouped_mm, which "
-                f"does not run on {self.device} in {dtype}"
+                "engine cuda_graphs=True: a vision-language model decodes without CUDA graphs"
+                if self.spec.vision is not None
+                else "engine cuda_graphs=True: this MoE model's experts need torch.nn.functional.grouped_mm, "
+                f"which does not run on {self.device} in {dtype}"
             )
         if cuda_graphs:
             if self.device.type != "cuda":
@@ -179,6 +187,8 @@ class ModelRunner:
             self.model.load_named(receive_broadcast(group, source, self.device), checked=True)
         else:
             raise WeightSyncError(f"unknown weight source {type(source).__name__}")
+        if self.model.vision is not None:
+            self.model.vision.forget()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -251,7 +261,8 @@ class ModelRunner:
             self.device, non_blocking=True
         )
         record = self._recording(batch)
-        logits = self.model.prefill(packed[0], packed[1], packed[2], lengths, self.cache, record)
+        rope, rows = self._images(batch, lengths) if any(r.images for r in batch) else (None, None)
+        logits = self.model.prefill(packed[0], packed[1], packed[2], lengths, self.cache, record, rope, rows)
         params, gens = self._batch_sampling(batch)
         at = torch.tensor([n - 1 for n in lengths], device=self.device)  # each prompt's last position
         sampled, logps = sample(logits, params, gens, self.generator, at)
@@ -264,6 +275,27 @@ class ModelRunner:
             routes = [[ids[a:b] for a, b in itertools.pairwise(starts)]]
         return (*out, routes)
 
+    def _images(
+        self, batch: list[Request], lengths: list[int]
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """A VLM prefill's multimodal positions [3, S] and image rows (indices into the packed tokens, their
+        embeddings from the vision tower); sets each request's `rope_delta` for its decode steps."""
+        image_id, vision = self.spec.image_token_id, self.model.vision
+        columns, at, embeds = [], [], []
+        offset = 0
+        for req, n in zip(batch, lengths, strict=True):
+            spans = []
+            for img, (start, length) in zip(req.images, placeholder_runs(req.prompt, image_id), strict=True):
+                pixels, grid = image_pixels(self.model_path, img.data)
+                embeds.append(vision.embed(img.sha256, pixels, grid))
+                spans.append((start, length, grid))
+                at.extend(range(offset + start, offset + start + length))
+            positions, req.rope_delta = mrope_positions(n, spans, vision.merge_size)
+            columns.append(positions)
+            offset += n
+        rope = torch.from_numpy(np.concatenate(columns, axis=1)).to(self.device)
+        return rope, (torch.tensor(at, dtype=torch.int64, device=self.device), torch.cat(embeds))
+
     def decode(self, batch: list[Request], moves: list, steps: int = 1) -> StepOut:
         """`steps` decode steps for `batch` with one host synchronisation: each step's sampled tokens feed the
         next on the device. Returns tokens and logprobs per step ([steps][row]); the caller drops what a row
@@ -274,6 +306,8 @@ class ModelRunner:
         tokens = torch.tensor([r.output_ids[-1] for r in batch], dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         top, k = max(positions), self._top_k(batch)
+        deltas = [r.rope_delta for r in batch]
+        rope = torch.tensor(deltas, device=self.device) + pos if any(deltas) else None
         recording = self._recording(batch) is not None
         out_tokens, out_logps, out_tops, out_routes = [], [], [], []
         for step in range(steps):
@@ -282,7 +316,7 @@ class ModelRunner:
             if self.graphs is not None:
                 logits = self.graphs(tokens, pos, max_len, record)
             else:
-                logits = self.model.decode(tokens, pos, self.cache, max_len, self.attention, record)
+                logits = self.model.decode(tokens, pos, self.cache, max_len, self.attention, record, rope)
             if record is not None:  # stacked now: a graph's outputs are only valid until the next replay
                 out_routes.append(torch.stack(record, dim=1))
             if k:  # before sampling: a graph's logits buffer is only valid until the next replay
@@ -291,12 +325,22 @@ class ModelRunner:
             out_tokens.append(tokens)
             out_logps.append(logps)
             pos = pos + 1
+            rope = None if rope is None else rope + 1
         out = self._to_host(out_tokens, out_logps, batch, out_tops)
         routes = None
         if recording:
             ids = self._routes(out_routes)  # [B, steps, layers, k]: one position per row and step
             routes = [[ids[i, s : s + 1] for i in range(len(batch))] for s in range(steps)]
         return (*out, routes)
+
+
+def placeholder_runs(ids: list[int], token: int | None) -> list[tuple[int, int]]:
+    """(start, length) of each run of `token` in `ids`: where a VLM prompt's images go."""
+    if token is None:
+        return []
+    hit = np.concatenate(([0], np.asarray(ids) == token, [0])).astype(np.int8)
+    edges = np.flatnonzero(np.diff(hit))
+    return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
 
 
 def _use_triton(option: str, value: str, other: str, device: torch.device) -> bool:

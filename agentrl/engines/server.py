@@ -218,6 +218,12 @@ class EngineServer:
             raise BadRequest("streaming is not supported", "stream")
         sampling = req.to_sampling()
         self.engine.validate(req.input_ids, sampling)
+        try:
+            images = wire.images_from_wire(req.image_data)
+        except ValueError as exc:
+            field, _, message = str(exc).partition(": ")
+            raise BadRequest(message, field) from None
+        self.engine.validate_images(req.input_ids, images)
         if sampling.stop and self._tokenizer is None:
             raise BadRequest(
                 "stop strings need the model's tokenizer.json to be found in the text", "sampling_params.stop"
@@ -229,7 +235,7 @@ class EngineServer:
         try:
             while not self._open.is_set():
                 await self._open.wait()
-            out = await self.engine.generate(req.input_ids, sampling, request_id=rid)
+            out = await self.engine.generate(req.input_ids, sampling, request_id=rid, images=images or None)
         finally:
             self._rids.discard(rid)
         if out.finish_reason == "abort" and not out.output_ids:
@@ -363,7 +369,8 @@ class EngineServer:
 
     async def openapi(self, request: web.Request) -> web.Response:
         spec = openapi_spec(vocab_size=self.engine.vocab_size, max_seq_len=self.engine.max_seq_len,
-                            stop_strings=self._tokenizer is not None)  # fmt: skip
+                            stop_strings=self._tokenizer is not None,
+                            images=getattr(self.engine, "vision", None) is not None)  # fmt: skip
         return web.json_response(spec)
 
     async def server_info(self, request: web.Request) -> web.Response:

@@ -43,6 +43,7 @@ from agentrl.engines.moe_spec import MoeSpec, moe_from_hf_config
 from agentrl.engines.sglang_launcher import SGLangServer
 from agentrl.engines.sglang_lora import LoraVersions, adapter_name
 from agentrl.errors import EngineError, WeightSyncError
+from agentrl.types import Image
 
 __all__ = ["SGLangEngine", "SGLangServer"]
 log = logging.getLogger(__name__)
@@ -152,7 +153,11 @@ class SGLangEngine(Engine):
     # -- Engine API ----------------------------------------------------------------------------------------------
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        images: list[Image] | None = None,
     ) -> GenerateOutput:
         self._ensure()
         # the model's MoE layout is read before sending, so a missing config fails before any generation
@@ -165,7 +170,7 @@ class SGLangEngine(Engine):
             if sampling.stop and not text.stop:  # as the embedded engine: it runs on, the caller cuts
                 sampling = msgspec.structs.replace(sampling, stop=[])
         await self._gate.wait()
-        body = wire.generate_body(input_ids, sampling, request_id)
+        body = wire.generate_body(input_ids, sampling, request_id, images)
         lora = self._lora.acquire()
         if lora is not None:
             body["lora_path"] = lora[0]  # SGLang looks the adapter up by name

@@ -8,6 +8,11 @@ parameters by default; or a mixture of experts: Qwen3-MoE, GLM-4.5 MoE, with 4 e
 as safetensors. The GLM-4.5 MoE model has GLM's layout in small: one leading dense layer, one shared expert, RoPE
 on half of each head, q/k/v biases, grouped top-k routing (2 groups of 2 experts, 1 group kept) and a random
 nonzero `e_score_correction_bias`, so the experts a token is sent to differ from those with the largest weights.
+`qwen2_5_vl` is a vision-language model: Qwen2.5-VL's layout in small (a 2-block vision tower with window and
+full attention, its patch merger, a Qwen2 language model with multimodal RoPE) plus an image processor
+(`preprocessor_config.json`: 14-pixel patches merged 2x2, images resized to between 56x56 and 112x112
+pixels, so 4 to 16 tokens each) and the vision tokens `<|vision_start|><|image_pad|><|vision_end|>` in the
+tokenizer; its chat template renders a message's image parts as those tokens (text parts as their text).
 Invariants: the same `(arch, seed, sizes)` gives the same files; the tokenizer does not depend on `seed`
 (models of every seed and arch share token ids); `AutoTokenizer` and
 `AutoModelForCausalLM.from_pretrained(dir)` load the result; eos is `<|im_end|>`, pad is `<|endoftext|>`;
@@ -26,6 +31,9 @@ from typing import Any
 
 ARCHS = ("qwen2", "qwen3", "llama")  # dense
 MOE_ARCHS = ("qwen3_moe", "glm4_moe")
+VLM_ARCHS = ("qwen2_5_vl",)
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+IMAGE_PIXELS = (56 * 56, 112 * 112)  # the tiny VLM's image processor: min_pixels, max_pixels
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -75,6 +83,17 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# the same template, with a message's content either text or parts: an image part is the model's vision tokens
+VLM_CHAT_TEMPLATE = (
+    "{%- macro content(c) %}"
+    "{%- if c is string or c is none %}{{- c or '' }}"
+    "{%- else %}{%- for part in c %}"
+    "{%- if part['type'] == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- else %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{%- endmacro %}" + CHAT_TEMPLATE.replace("(message['content'] or '')", "content(message['content'])")
+)
+
 _WORD_TEXT = (
     "the a is of to and what number guess higher lower correct too high low your my answer think try "
     "again game between you have turns left win lose compute calculate add subtract multiply plus minus "
@@ -105,8 +124,9 @@ def _corpus(rng: random.Random, n_lines: int = 1500) -> list[str]:
     return lines
 
 
-def train_tokenizer(vocab_size: int = 1024, corpus_seed: int = 0):
-    """Train a byte-level BPE (digits split individually) and wrap it as a `PreTrainedTokenizerFast`."""
+def train_tokenizer(vocab_size: int = 1024, corpus_seed: int = 0, vision: bool = False):
+    """Train a byte-level BPE (digits split individually) and wrap it as a `PreTrainedTokenizerFast`;
+    `vision`: with the vision tokens and the template that renders image parts."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -129,9 +149,9 @@ def train_tokenizer(vocab_size: int = 1024, corpus_seed: int = 0):
         tokenizer_object=tok,
         eos_token=IM_END,
         pad_token=PAD_TOKEN,
-        additional_special_tokens=[IM_START],
+        additional_special_tokens=[IM_START, *(VISION_TOKENS if vision else [])],
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = VLM_CHAT_TEMPLATE if vision else CHAT_TEMPLATE
     return fast
 
 
@@ -140,17 +160,18 @@ def model_config(arch: str, vocab_size: int, hidden: int = 128, layers: int = 2,
                  rope_theta: float = 10000.0, tie_embeddings: bool = True, init_std: float = 0.02,
                  eos_token_id: int | None = None, pad_token_id: int | None = None,
                  head_dim: int | None = None, experts: int = 4, experts_per_token: int = 2,
-                 moe_intermediate: int | None = None):  # fmt: skip
+                 moe_intermediate: int | None = None,
+                 vision_token_ids: list[int] | None = None):  # fmt: skip
     """The transformers config for `arch` with the given sizes (head_dim defaults to hidden // heads; the MoE
     archs' experts have `moe_intermediate` (default hidden) units, their dense layers `intermediate`)."""
     from transformers import Glm4MoeConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    if arch not in ARCHS + MOE_ARCHS:
+    if arch not in ARCHS + MOE_ARCHS + VLM_ARCHS:
         from agentrl.errors import ConfigError
 
-        raise ConfigError(f"arch must be one of {', '.join(ARCHS + MOE_ARCHS)}, got {arch!r}")
+        raise ConfigError(f"arch must be one of {', '.join(ARCHS + MOE_ARCHS + VLM_ARCHS)}, got {arch!r}")
     cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig,
-           "glm4_moe": Glm4MoeConfig}[arch]  # fmt: skip
+           "glm4_moe": Glm4MoeConfig}.get(arch)  # fmt: skip
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -168,6 +189,8 @@ def model_config(arch: str, vocab_size: int, hidden: int = 128, layers: int = 2,
         head_dim=head_dim or hidden // heads,
         rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
     )
+    if arch in VLM_ARCHS:
+        return _vlm_config(kwargs | {"vision_token_ids": vision_token_ids})
     moe = dict(num_experts_per_tok=experts_per_token, moe_intermediate_size=moe_intermediate or hidden)
     if arch == "qwen3_moe":
         kwargs |= moe | dict(
@@ -180,6 +203,25 @@ def model_config(arch: str, vocab_size: int, hidden: int = 128, layers: int = 2,
         )  # fmt: skip
         kwargs["rope_parameters"] |= {"partial_rotary_factor": 0.5}
     return cls(**kwargs)
+
+
+def _vlm_config(text: dict[str, Any]):
+    """Qwen2.5-VL in small: `text` is the language model's config (a Qwen2's); the vision tower has 2 blocks
+    (the first with window attention, the second full), 32 wide, and multimodal RoPE splits each head's
+    frequencies 1:1.5:1.5 between time, height and width, as Qwen2.5-VL's [16, 24, 24] does."""
+    from transformers import Qwen2_5_VLConfig
+
+    half = text["head_dim"] // 2
+    hw = (half - half // 4) // 2
+    text["rope_parameters"] |= {"mrope_section": [half - 2 * hw, hw, hw]}
+    text.pop("head_dim")
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
+                  fullatt_block_indexes=[1], window_size=56, initializer_range=text["initializer_range"])  # fmt: skip
+    ids = text.pop("vision_token_ids")
+    tie = text["tie_word_embeddings"]
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie,
+                            **dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id",
+                                        "video_token_id"), ids, strict=True)))  # fmt: skip
 
 
 def make_tiny_model(
@@ -220,15 +262,19 @@ def make_tiny_model(
 
 def _write_tiny_model(path: Path, arch: str, seed: int, vocab_size: int, dims: dict[str, Any]) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
-    tokenizer = train_tokenizer(vocab_size)  # one tokenizer for every seed: models of any seed share ids
+    vision = arch in VLM_ARCHS
+    # one tokenizer for every seed: models of any seed share ids
+    tokenizer = train_tokenizer(vocab_size, vision=vision)
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
-    config = model_config(arch, len(tokenizer), eos_token_id=eos_id, pad_token_id=pad_id, **dims)
+    extra = {"vision_token_ids": tokenizer.convert_tokens_to_ids(VISION_TOKENS)} if vision else {}
+    config = model_config(arch, len(tokenizer), eos_token_id=eos_id, pad_token_id=pad_id, **dims, **extra)
     saved_rng = torch.random.get_rng_state()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # transformers starts the correction bias at 0: then it would not change a choice
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
@@ -237,5 +283,10 @@ def _write_tiny_model(path: Path, arch: str, seed: int, vocab_size: int, dims: d
     model.generation_config = GenerationConfig(eos_token_id=[eos_id, pad_id], pad_token_id=pad_id)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
+    if vision:
+        from transformers import Qwen2VLImageProcessorPil
+
+        low, high = IMAGE_PIXELS
+        Qwen2VLImageProcessorPil(size={"shortest_edge": low, "longest_edge": high}).save_pretrained(path)
     meta = {"arch": arch, "seed": seed, "params": sum(p.numel() for p in model.parameters())}
     (path / "agentrl_tiny.json").write_text(json.dumps(meta) + "\n")

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import argparse
 
-from agentrl.engines.tiny import ARCHS, MOE_ARCHS
+from agentrl.engines.tiny import ARCHS, MOE_ARCHS, VLM_ARCHS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", help="output directory (created if missing)")
     parser.add_argument(
         "--arch",
-        choices=[*ARCHS, *MOE_ARCHS],
+        choices=[*ARCHS, *MOE_ARCHS, *VLM_ARCHS],
         default="qwen2",
         help="qwen3_moe / glm4_moe: a mixture of experts (4 experts, top-2; glm4_moe: a leading dense layer and "
-        "a shared expert)",
+        "a shared expert); qwen2_5_vl: a vision-language model (vision tower, image processor)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden", type=int, default=128)

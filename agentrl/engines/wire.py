@@ -13,6 +13,9 @@ router's choices, answered in `meta_info.routed_experts` as SGLang does: base64 
 `[prompt + output tokens - 1, num_hidden_layers, num_experts_per_tok]` expert ids in
 `meta_info.routed_experts_dtype` (int32 when absent; dense layers' rows are 0). The client keeps the MoE layers'
 rows (`decode_routed_experts`), the `RoutedExperts` record agentrl stores.
+Images (a vision-language model): `image_data`, SGLang's field, one entry per run of image placeholder tokens in
+`input_ids`, in order; agentrl sends and takes data URLs (`data:image/png;base64,...`) or bare base64. It never
+fetches: an http(s) URL or a file path is refused, naming the entry.
 Imports no torch at module level.
 """
 
@@ -26,7 +29,14 @@ import numpy as np
 
 from agentrl.engines.base import GenerateOutput, SamplingParams
 from agentrl.engines.moe_spec import MoeSpec
-from agentrl.types.trajectory import EXPERT_DTYPES, RoutedExperts, routed_expert_ids
+from agentrl.types.trajectory import (
+    EXPERT_DTYPES,
+    Image,
+    RoutedExperts,
+    image,
+    image_format,
+    routed_expert_ids,
+)
 
 AGENTRL_TENSOR_FORMAT = "agentrl_safetensors"
 VERSIONS_KEY = "agentrl_versions"
@@ -73,10 +83,14 @@ class WireSamplingParams(_Body, omit_defaults=True):
         )
 
 
-def generate_body(input_ids: list[int], sp: SamplingParams, rid: str | None = None) -> dict[str, Any]:
+def generate_body(
+    input_ids: list[int], sp: SamplingParams, rid: str | None = None, images: list[Image] | None = None
+) -> dict[str, Any]:
     """The `/generate` request for one engine request (top logprobs travel as SGLang's `top_logprobs_num`)."""
     body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling_to_wire(sp),
                             "return_logprob": True}  # fmt: skip
+    if images:
+        body["image_data"] = images_to_wire(images)
     if sp.top_logprobs:
         body["top_logprobs_num"] = sp.top_logprobs
     if sp.return_routed_experts:
@@ -84,6 +98,35 @@ def generate_body(input_ids: list[int], sp: SamplingParams, rid: str | None = No
     if rid is not None:
         body["rid"] = rid
     return body
+
+
+def images_to_wire(images: list[Image]) -> list[str]:
+    """Each picture as a data URL (SGLang's `image_data` takes them)."""
+    return [
+        f"data:image/{image_format(i.data) or 'png'};base64,{base64.b64encode(i.data).decode()}"
+        for i in images
+    ]
+
+
+def images_from_wire(value: str | list[str] | None) -> list[Image]:
+    """`image_data` -> pictures; ValueError naming the entry (`image_data[1]`) for one that is no inline image."""
+    entries = [value] if isinstance(value, str) else list(value or [])
+    out = []
+    for i, entry in enumerate(entries):
+        at = f"image_data[{i}]" if isinstance(value, list) else "image_data"
+        if entry.startswith(("http://", "https://", "file:", "/")):
+            raise ValueError(
+                f"{at}: the engine does not fetch images; send the file inline (a data URL or base64)"
+            )
+        payload = entry.split(",", 1)[1] if entry.startswith("data:") and "," in entry else entry
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except ValueError:
+            raise ValueError(f"{at}: not a data URL or base64") from None
+        if image_format(data) is None:
+            raise ValueError(f"{at}: not a PNG, JPEG, GIF or WebP file")
+        out.append(image(data))
+    return out
 
 
 def sampling_to_wire(sp: SamplingParams) -> dict[str, Any]:
@@ -115,6 +158,8 @@ class GenerateRequest(_Body):
     stream: bool = False
     logprob_start_len: int = -1
     return_routed_experts: bool = False
+    # one picture per run of image placeholder tokens in input_ids: data URLs or base64 (module docstring)
+    image_data: str | list[str] | None = None
 
     def to_sampling(self) -> SamplingParams:
         return msgspec.structs.replace(

@@ -1,7 +1,7 @@
 """Agent environments: the plugin interface rollout generators drive.
 
 Invariants: an env instance serves one episode at a time (`reset` starts it, `step` advances it); envs speak
-text (chat messages), never token ids, so the generator alone owns tokenization and the trajectory holds
+chat messages (text, or text and image parts: agentrl.types `TextPart` / `ImagePart`), never token ids, so the generator alone owns tokenization and the trajectory holds
 exactly the tokens the engine saw and produced. Rewards are floats; `done` ends the episode.
 """
 

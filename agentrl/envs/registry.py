@@ -38,6 +38,7 @@ BUILTIN_MODULES = (
     "agentrl.envs.calculator",
     "agentrl.envs.math_env",
     "agentrl.envs.long_tail",
+    "agentrl.envs.shapes",
 )
 
 E = TypeVar("E", bound=type[AgentEnv])

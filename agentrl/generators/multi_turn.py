@@ -24,25 +24,33 @@ Invariants of the trajectory this returns:
   them): each position's experts come from the first request that ran a forward on it, so a reply's own
   positions keep the routing they were sampled with (docs/moe.md, "Routing replay data"). A reply that comes
   back without a record leaves the trajectory without one (the learner routes it itself).
+- images (a vision-language model): the env's messages may hold image parts; each image's placeholder is
+  expanded into its tokens (agentrl.chat `place_images`), the picture is stored once in `images` and placed by
+  `image_spans`, and every engine request carries the pictures of its input in the order they appear.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 import numpy as np
 
 from agentrl.chat import chat_tokens
-from agentrl.engines.base import GenerateOutput, SamplingParams
+from agentrl.engines.base import GenerateOutput, SamplingParams, image_kwargs
 from agentrl.errors import AgentRLError
 from agentrl.generator import RolloutContext
 from agentrl.types import (
+    Image,
+    ImageSpan,
     RoutedExperts,
     Status,
     Trajectory,
+    image,
+    message_images,
     pack_floats,
     pack_tokens,
     routed_expert_ids,
@@ -65,6 +73,18 @@ class TokenLog:
         self.routed: list[np.ndarray] = []
         self.routed_positions = 0
         self.routed_lost_at: int | None = None  # where a reply without a record started (None: none did)
+        self.images: dict[str, Image] = {}  # by sha256: each picture once
+        self.spans: list[ImageSpan] = []  # absolute positions, in token order
+
+    def add_images(self, start: int, spans: Sequence[ImageSpan], pictures: Sequence[bytes]) -> None:
+        """Place `pictures` (in order, one per span; span positions relative to `start`)."""
+        for span, data in zip(spans, pictures, strict=True):
+            self.images.setdefault(span.sha256, image(data))
+            self.spans.append(msgspec.structs.replace(span, start=start + span.start))
+
+    def engine_images(self) -> list[Image]:
+        """The pictures of the input, one per span, in token order (what an engine request carries)."""
+        return [self.images[s.sha256] for s in self.spans]
 
     @property
     def input_ids(self) -> list[int]:
@@ -99,7 +119,10 @@ class TokenLog:
             self.routed.append(rows[self.routed_positions : end])
             self.routed_positions = end
 
-    def add_env(self, ids: list[int], version: int) -> None:
+    def add_env(
+        self, ids: list[int], version: int, spans: Sequence[ImageSpan] = (), pictures: Sequence[bytes] = ()
+    ) -> None:
+        self.add_images(len(self), spans, pictures)
         self.response_ids += ids
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
@@ -109,6 +132,8 @@ class TokenLog:
         """Forget every response token past the first `n_response` (a reply that was not delivered)."""
         for name in ("response_ids", "mask", "logprobs", "versions"):
             del getattr(self, name)[n_response:]
+        self.spans = [s for s in self.spans if s.start + s.length <= len(self)]
+        self.images = {s.sha256: self.images[s.sha256] for s in self.spans}
         # what the kept requests computed: every position but the last kept token (the end of a reply, which no
         # kept request fed back); the next request's prefill records it
         keep = max(len(self) - 1, 0)
@@ -146,6 +171,8 @@ class TokenLog:
             logprobs=pack_floats(self.logprobs),
             versions=version_runs(self.versions) if self.response_ids else None,
             routed_experts=self.routed_record(trained),
+            images=list(self.images.values()) or None,
+            image_spans=list(self.spans) or None,
             **fields,
         )
 
@@ -162,7 +189,8 @@ async def generate_turn(
         log.sent[request_id] += 1
         budget = min(sampling.max_new_tokens - len(reply), ctx.max_seq_len - len(log))
         params = msgspec.structs.replace(sampling, max_new_tokens=max(budget, 1))
-        out = await ctx.engine.generate(log.input_ids, params, request_id=f"{request_id}.{piece}")
+        images = image_kwargs(log.engine_images())  # none: engines of text-only models take no `images`
+        out = await ctx.engine.generate(log.input_ids, params, request_id=f"{request_id}.{piece}", **images)
         log.add_model(out)
         reply += out.output_ids
         if out.finish_reason != "abort" or retries <= 0 or budget - len(out.output_ids) <= 0:
@@ -189,7 +217,11 @@ async def run_episode(
     status: Status = "truncated"
     try:
         opening = await env.reset(task)
-        log = TokenLog(chat.prompt_ids(opening, chat_template=task.get("apply_chat_template", True)))
+        prompt, spans = chat.place_images(
+            chat.prompt_ids(opening, chat_template=task.get("apply_chat_template", True)), opening
+        )
+        log = TokenLog(prompt)
+        log.add_images(0, spans, message_images(opening))
         for turn in range(max_turns):
             if len(log) >= ctx.max_seq_len:
                 break
@@ -210,10 +242,10 @@ async def run_episode(
                 break
             if turn + 1 == max_turns:
                 break
-            delta = chat.delta_ids(result.messages, reply)
+            delta, spans = chat.place_images(chat.delta_ids(result.messages, reply), result.messages)
             if len(log) + len(delta) >= ctx.max_seq_len:
                 break
-            log.add_env(delta, ctx.engine.policy_version)
+            log.add_env(delta, ctx.engine.policy_version, spans, message_images(result.messages))
     finally:
         await env.close()
     reward = info.get("episode_reward", sum(turn_rewards))

@@ -56,6 +56,7 @@ class Learner(abc.ABC):
     _batch_metrics: dict[str, float] = {}  # ... and once read
 
     kind: str = "torch"  # learner.kind of the section a learner built without one gets
+    takes_images: bool = False  # trains a vision-language model: batches may hold pictures (Batch.images)
     _sliced: bool = False  # during a train_step on this rank's data-parallel slice (see the module docstring)
 
     def __init__(

@@ -15,7 +15,9 @@ so column 0 (and the first token of every packed sequence) never carries loss an
 (0.., one per run of loss tokens) of a loss token, -1 elsewhere; per-sequence tensors (`rewards`,
 `group_index`, ...) have length N and stay whole when rows are selected into micro-batches, together with the
 full-batch normalisers `total_loss_tokens` and `n_seqs`, so summing micro-batch losses equals the big-batch loss.
-Building does no Python work per token: one loop per trajectory collects numpy views, the rest is
+Pictures (a vision-language model): `images[r]` lists row r's pictures in token order, `(Image, grid_thw)` per
+image span (unpacked batches only: the model computes multimodal positions per row); a learner's forward turns
+them into pixels. Building does no Python work per token: one loop per trajectory collects numpy views, the rest is
 concatenate/repeat/scatter.
 """
 
@@ -80,6 +82,8 @@ class Batch:
     # forward position of token t (the position that reads `input_ids[:, t]`, in every MoE layer), -1 where there
     # is no record (padding, trajectories without one, a sequence's last token); None when not replaying.
     routed_experts: torch.Tensor | None = None
+    # per row: its pictures in token order, (Image, grid_thw) per span (see the module docstring); None: no pictures
+    images: list[list[tuple[types.Image, tuple[int, int, int]]]] | None = None
     extra: dict = field(default_factory=dict)
     # Used length of each row as known on the host when the batch was built (kept by `select` of listed rows);
     # None: read from the device. Saves a device read per step: the micro-batch plan and the token count.
@@ -134,6 +138,8 @@ class Batch:
             value = getattr(self, name)
             if value is not None:
                 changes[name] = value[rows, :width]
+        if self.images is not None:
+            changes["images"] = [self.images[r] for r in rows.tolist()]
         return dataclasses.replace(self, **changes, extra={**self.extra, "rows": rows}, row_tokens=picked)
 
 
@@ -181,11 +187,20 @@ def build_batch(
     *,
     pack_tokens: int = 0,
     routed_experts: bool = False,
+    images: bool = False,
 ) -> Batch:
     """Batch of normalized trajectories; `pack_tokens > 0` packs sequences into rows of at most that many tokens;
-    `routed_experts` (learner.routing_replay = "rollout") also lays out the trajectories' expert records."""
+    `routed_experts` (learner.routing_replay = "rollout") also lays out the trajectories' expert records;
+    `images`: the learner trains a vision-language model (trajectories with pictures are refused otherwise)."""
     if not trajectories:
         raise LearnerError("build_batch: no trajectories")
+    shown = next((tr for tr in trajectories if tr.images), None)
+    if shown is not None and not images:
+        raise LearnerError(f"trajectory {shown.id!r} shows pictures but this learner trains a text-only model: "
+                           "train a vision-language model with the torch learner (learner.backend = 'torch')")  # fmt: skip
+    if shown is not None and pack_tokens > 0:
+        raise LearnerError("learner.pack_tokens > 0 with pictures: a vision-language model's multimodal positions "
+                           "are computed per row; set learner.pack_tokens = 0")  # fmt: skip
     arrays, has_lp = _per_trajectory(trajectories)
     n = len(trajectories)
     s_len = np.fromiter((len(p) + len(r) for p, r, *_ in arrays), dtype=np.int64, count=n)
@@ -221,7 +236,17 @@ def build_batch(
         advantages=t(np.zeros((n_rows, grid.width), dtype=np.float32)),
         row_tokens=np.bincount(row_of, weights=s_len, minlength=n_rows).astype(np.int64).tolist(),
         routed_experts=_routed_experts(trajectories, s_len, grid, t) if routed_experts else None,
+        images=_images(trajectories) if shown is not None else None,
     )
+
+
+def _images(trajectories: Sequence[types.Trajectory]) -> list[list[tuple[types.Image, tuple[int, int, int]]]]:
+    """Each (unpacked) row's pictures in token order, one per span."""
+    out = []
+    for tr in trajectories:
+        stored = {img.sha256: img for img in tr.images or ()}
+        out.append([(stored[s.sha256], tuple(s.grid_thw)) for s in tr.image_spans or ()])
+    return out
 
 
 def _routed_experts(

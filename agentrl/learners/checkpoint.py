@@ -5,7 +5,7 @@ Every checkpoint directory holds `learner.json`:
 `hf_config_dir` holds config.json + tokenizer files (relative paths are relative to the checkpoint directory;
 the torch learner writes them into the checkpoint itself, so it is "."). `export_checkpoint(path, out)` looks up
 the exporter of `kind` in EXPORTERS ("module:function", imported lazily by agentrl.plugins) and calls
-`fn(path, out)`; a torch checkpoint already is an HF directory plus optimizer state, a Megatron one is
+`fn(path, out)`; a torch checkpoint already is an HF directory plus optimizer state (agentrl.learners.torch_checkpoint), a Megatron one is
 converted by `agentrl.learners.megatron.checkpoint:to_hf`. A LoRA checkpoint (torch learner, `lora_base` in
 learner.json: the base model's directory) holds a PEFT adapter directory instead of weights; it exports merged
 into the base (the default) or, with `adapter=True`, as the PEFT adapter directory alone (docs/lora.md).
@@ -27,7 +27,7 @@ METADATA_FILE = "learner.json"
 # A PEFT adapter directory's files (peft's own names): the LoRA checkpoints of both learners hold one.
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 EXPORTERS = {
-    "torch": "agentrl.learners.checkpoint:torch_to_hf",
+    "torch": "agentrl.learners.torch_checkpoint:to_hf",
     "megatron": "agentrl.learners.megatron.checkpoint:to_hf",
 }
 
@@ -116,38 +116,3 @@ def _export_adapter(path: Path, meta: dict[str, Any], out: Path) -> Path:
             if (path / name).is_file():
                 shutil.copyfile(path / name, tmp / name)
     return out
-
-
-def torch_to_hf(path: str, out: str) -> None:
-    """A torch-learner checkpoint holds HF-named weights: copy them with the config and tokenizer files; a
-    LoRA checkpoint's adapter is merged into its base first."""
-    from agentrl.learners import hf_io
-
-    meta = read_metadata(path)
-    if "lora_base" in meta:
-        _merge_lora(path, meta, out)
-        return
-    weights = Path(path) / hf_io.WEIGHTS_FILE
-    if not weights.is_file():
-        raise LearnerError(f"{path}: no {hf_io.WEIGHTS_FILE}")
-    with hf_io.atomic_dir(out) as tmp:
-        hf_io.copy_hf_files(hf_config_dir(path, meta), tmp)
-        shutil.copyfile(weights, tmp / hf_io.WEIGHTS_FILE)
-        hf_io.stamp_dtype(tmp)
-
-
-def _merge_lora(path: str, meta: dict[str, Any], out: str) -> None:
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from agentrl.learners import hf_io, lora
-
-    base = Path(meta["lora_base"])
-    if not (base / "config.json").is_file():
-        raise LearnerError(f"{path}: the base model {base} (lora_base in {METADATA_FILE}) is not there")
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    model = PeftModel.from_pretrained(model, path)
-    with hf_io.atomic_dir(out) as tmp:
-        hf_io.copy_hf_files(hf_config_dir(path, meta), tmp)
-        hf_io.write_weights(tmp / hf_io.WEIGHTS_FILE, lora.merged_weights(model), hf_io.tied_embeddings(tmp))

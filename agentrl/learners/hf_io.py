@@ -29,6 +29,8 @@ HF_FILES = (
     "tokenizer.model",
     "chat_template.jinja",
     "chat_template.json",
+    "preprocessor_config.json",  # a vision-language model's image processor (agentrl.vision)
+    "processor_config.json",
 )
 WEIGHTS_FILE = "model.safetensors"
 

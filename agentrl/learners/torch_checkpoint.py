@@ -12,10 +12,11 @@ size and into a plain learner.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -127,3 +128,35 @@ def _load_state(learner: TorchLearner, path: str) -> None:
         optim = state["optimizer"] if named else fsdp.named_optimizer_state(learner.model, state["optimizer"])
         fsdp.load_optimizer_state(learner.model, learner.optimizer, optim)
     learner.step, learner.policy_version = int(state["step"]), int(state["policy_version"])
+
+
+def to_hf(path: str, out: str) -> None:
+    """A torch-learner checkpoint holds HF-named weights: copy them with the config and tokenizer files; a
+    LoRA checkpoint's adapter is merged into its base first."""
+    meta = checkpoint.read_metadata(path)
+    if "lora_base" in meta:
+        _merge_lora(path, meta, out)
+        return
+    weights = Path(path) / hf_io.WEIGHTS_FILE
+    if not weights.is_file():
+        raise LearnerError(f"{path}: no {hf_io.WEIGHTS_FILE}")
+    with hf_io.atomic_dir(out) as tmp:
+        hf_io.copy_hf_files(checkpoint.hf_config_dir(path, meta), tmp)
+        shutil.copyfile(weights, tmp / hf_io.WEIGHTS_FILE)
+        hf_io.stamp_dtype(tmp)
+
+
+def _merge_lora(path: str, meta: dict[str, Any], out: str) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = Path(meta["lora_base"])
+    if not (base / "config.json").is_file():
+        raise LearnerError(
+            f"{path}: the base model {base} (lora_base in {checkpoint.METADATA_FILE}) is not there"
+        )
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    model = PeftModel.from_pretrained(model, path)
+    with hf_io.atomic_dir(out) as tmp:
+        hf_io.copy_hf_files(checkpoint.hf_config_dir(path, meta), tmp)
+        hf_io.write_weights(tmp / hf_io.WEIGHTS_FILE, lora.merged_weights(model), hf_io.tied_embeddings(tmp))

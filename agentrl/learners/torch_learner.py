@@ -48,6 +48,7 @@ from agentrl.learners.base import Learner
 from agentrl.learners.batch import Batch, micro_batches
 from agentrl.learners.teacher import teacher_path
 from agentrl.learners.token_ops import token_entropy, token_logprobs
+from agentrl.vision import VisionSpec, image_pixels
 
 
 class TorchLearner(Learner):
@@ -70,6 +71,11 @@ class TorchLearner(Learner):
                 f"learner.fsdp = true does not support algorithm.advantage = '{self.algo.advantage}' (value head)"
             )
         self.device = self.world.device if self.world is not None else torch.device(self.cfg.device)
+        self.vision = VisionSpec.from_dir(
+            self.base_path
+        )  # a vision-language model (agentrl.vision), else None
+        self.takes_images = self.vision is not None
+        self._pixels: dict[str, tuple[torch.Tensor, tuple[int, int, int]]] = {}
         torch.manual_seed(seed)
         self.model = self._policy_model()
         self.ref_model, self.teacher_model = self._frozen_models()
@@ -80,12 +86,15 @@ class TorchLearner(Learner):
         self._no_replay_logprobs: torch.Tensor | None = None
         self.value_head = None
         if self.algo.needs().value_head:
-            self.value_head = torch.nn.Linear(self.model.config.hidden_size, 1).to(self.device)
+            self.value_head = torch.nn.Linear(self.model.config.get_text_config().hidden_size, 1).to(
+                self.device
+            )
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
+        text = self.model.config.get_text_config()  # a VLM's language model config; else the config itself
         self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
-        pad = self.model.config.pad_token_id
-        self.pad_id = int(pad if pad is not None else (self.model.config.eos_token_id or 0))
+        pad = text.pad_token_id
+        self.pad_id = int(pad if pad is not None else (text.eos_token_id or 0))
         self.optimizer = torch.optim.AdamW(
             self._params(),
             lr=self.cfg.lr,
@@ -100,9 +109,10 @@ class TorchLearner(Learner):
     def _load_hf(self, dtype: torch.dtype, *, on_device: bool = True, path: Path | None = None):
         """A Hugging Face causal LM from `path` (default: the base weights) without a KV cache, moved to this
         learner's device unless `on_device` is False."""
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-        m = AutoModelForCausalLM.from_pretrained(str(path or self.base_path), dtype=dtype)
+        auto = AutoModelForImageTextToText if self.vision is not None else AutoModelForCausalLM
+        m = auto.from_pretrained(str(path or self.base_path), dtype=dtype)
         m.config.use_cache = False
         return m.to(self.device) if on_device else m
 
@@ -115,6 +125,8 @@ class TorchLearner(Learner):
                 model.activation_checkpointing_enable({"use_reentrant": False})
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.vision is not None and self.cfg.vision_tower == "frozen":
+            model.model.visual.requires_grad_(False)
         if self.world is not None:  # shards move to the device; the full model never lands there
             self.world.shard(model, self._autocast_dtype() is not None)
         if self.lora is not None:
@@ -225,9 +237,9 @@ class TorchLearner(Learner):
             out = model(
                 input_ids=mb.input_ids,
                 attention_mask=None if mb.packed else mb.attention_mask,
-                position_ids=mb.position_ids,
                 output_hidden_states=values,
                 use_cache=False,
+                **self._positions(mb),
             )
         logp = token_logprobs(out.logits, mb.input_ids, self.temperature)
         ent = None
@@ -239,6 +251,31 @@ class TorchLearner(Learner):
             hidden = out.hidden_states[-1].float()
             vals = F.pad(self.value_head(hidden[:, :-1]).squeeze(-1), (1, 0))
         return logp, ent, vals
+
+    def _positions(self, mb: Batch) -> dict:
+        """The forward's position inputs: `position_ids`; a VLM's rows with pictures: the pixels, their grids and
+        which tokens are image tokens, from which the model computes its multimodal positions."""
+        if not mb.images or not any(mb.images):
+            return {"position_ids": mb.position_ids}
+        pixels, grids = [], []
+        for row in mb.images:
+            for img, grid in row:
+                hit = self._pixels.get(img.sha256)
+                if hit is None:  # the engine's pixels: the same processor (agentrl.vision)
+                    values, made = image_pixels(self.base_path, img.data)
+                    if made != grid:
+                        raise LearnerError(f"an image span's grid_thw {list(grid)} is not the {list(made)} this "
+                                           "model's image processor makes of the picture")  # fmt: skip
+                    hit = self._pixels[img.sha256] = (torch.from_numpy(values), made)
+                    if len(self._pixels) > 1024:
+                        self._pixels.pop(next(iter(self._pixels)))
+                pixels.append(hit[0])
+                grids.append(grid)
+        return {
+            "pixel_values": torch.cat(pixels).to(self.device),
+            "image_grid_thw": torch.tensor(grids, dtype=torch.int64, device=self.device),
+            "mm_token_type_ids": (mb.input_ids == self.vision.image_token_id).int(),
+        }
 
     def _whole_batch(self, model, batch: Batch, *, values: bool = False, replay: bool = True) -> torch.Tensor:
         batch = batch.to(self.device)

@@ -17,13 +17,18 @@ import numpy as np
 
 from agentrl.chat import chat_tokens, conversation_tokens
 from agentrl.errors import ConfigError, EnvError, InvalidTrajectory
-from agentrl.types import MASK_DTYPE, Trajectory, pack_tokens
+from agentrl.types import MASK_DTYPE, Trajectory, message_images, pack_tokens
 
 NO_TOKENIZER = (
     "chat-form trajectories (messages) need the run's tokenizer: start `agentrl serve-queue` with --model DIR, "
     "or send prompt_ids/response_ids"
 )
-TOKEN_FIELDS = ("prompt_ids", "response_ids", "loss_mask", "logprobs", "versions", "routed_experts")
+TOKEN_FIELDS = ("prompt_ids", "response_ids", "loss_mask", "logprobs", "versions", "routed_experts", "images",
+                "image_spans")  # fmt: skip
+IMAGES_IN_CHAT = (
+    "image parts are not tokenized by the queue (it has no image processor): send the token form "
+    "(prompt_ids, response_ids, images, image_spans)"
+)
 
 
 class ChatTokenizer:
@@ -50,6 +55,9 @@ class ChatTokenizer:
             if getattr(traj, name) not in (None, b""):  # b"": the default of the token arrays
                 raise InvalidTrajectory(name, "a chat-form trajectory (messages) is tokenized by the server: "
                                         f"send {name} only with token ids")  # fmt: skip
+        for i, message in enumerate(traj.messages):
+            if message_images([message]):
+                raise InvalidTrajectory(f"messages[{i}].content", IMAGES_IN_CHAT)
         prompt, response, mask = conversation_tokens(self.chat, traj.messages)
         return msgspec.structs.replace(
             traj,

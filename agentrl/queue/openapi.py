@@ -6,7 +6,10 @@ forms, `policy_version` xor `versions`, one status code per answer the server gi
 Three rules cross fields and have no JSON Schema keyword: `loss_mask` / `logprobs` hold one value per response
 token (`x-same-length-as`), `versions` counts add up to the response length (`x-counts-sum-to-length-of`), and
 `routed_experts.data` holds whole `layers x topk` rows for the positions of prompt + response
-(`x-rows-cover`: total - 1 or total of them; agentrl.types.validate says exactly).
+(`x-rows-cover`: total - 1 or total of them; agentrl.types.validate says exactly). Images add two:
+an image's `sha256` is that of its `data` (`x-sha256-of`), and `image_spans` place stored images at token
+positions of prompt + response (`x-positions-in`; each image placed, spans in order, one placeholder id
+repeated, untrained in the response).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ _ARRAYS = ("prompt_ids", "response_ids", "loss_mask", "logprobs")
 _SUBMIT_ERRORS = {
     "400": "malformed body (not msgpack / JSON); `field` is `body`",
     "408": "body not received within queue.read_timeout_s",
-    "413": "body over queue.max_body_bytes",
+    "413": "body over queue.max_body_bytes (`field` is `body`), or an image file over queue.max_image_bytes "
+    "(`field` names it: `images[0].data`)",
     "415": "content type other than application/msgpack or application/json; `field` is `Content-Type`",
     "422": "invalid trajectory: `field` is its path (`id`, `[1].id`, `messages[2].role`, `response_ids[3]`)",
     "429": "backpressure (staleness window, count or byte cap); honour Retry-After",
@@ -53,6 +57,17 @@ _ROUTED = (
     "[n, layers, topk] (`layers`: the MoE layers, in model order), n = total tokens - 1 (every token but "
     "the last sampled one) or total; it may stop earlier only where the tokens after it are all untrained "
     "(loss_mask 0). int16 ids are >= 0."
+)
+_IMAGES = (
+    "optional: the image files the trajectory shows (PNG, JPEG, GIF or WebP), each stored once and named by "
+    "the SHA-256 of its bytes; every one is placed by `image_spans`. Each file is at most queue.max_image_bytes "
+    "(413 above)."
+)
+_SPANS = (
+    "where the images sit in the token stream, in token order, not overlapping: `length` tokens of the model's "
+    "image placeholder (one id repeated) from position `start` of prompt_ids + response_ids, made from the "
+    "vision patch grid `grid_thw` [t, h, w] (t*h*w a multiple of length); in the response they are untrained "
+    "(loss_mask 0). Given with `images`."
 )
 _WAIT = {"type": "object", "properties": {k: {"type": "number", "minimum": 0} for k in ("count", "sum_s", "mean_s", "max_s")}}  # fmt: skip
 _STATUS = {
@@ -89,9 +104,22 @@ _DESCRIPTION = (
     'send an array as `{"dtype": ..., "data": <bin>}` (little-endian; int32/int64/uint8 for token ids and '
     "loss_mask, float32/float64 for logprobs); bare bytes are refused (their dtype would be a guess). "
     "`routed_experts` (MoE rollout routing replay, optional) is `{layers, topk, dtype, data}` with `data` "
-    "base64 in JSON and bin in msgpack. Integers written as integral floats (608.0) are integers. Every "
+    "base64 in JSON and bin in msgpack. Images (vision-language models) travel once per trajectory in `images` "
+    "(`data`: base64 in JSON, bin in msgpack), placed in the tokens by `image_spans`; chat form takes text only. "
+    "Integers written as integral floats (608.0) are integers. Every "
     "error is `{error, field}`, `field` naming what was wrong; a request is all or nothing."
 )
+
+
+# chat form is tokenized by the queue, which has no image processor: a message's parts are text there
+_TEXT_ONLY = {
+    "properties": {
+        "content": {
+            "anyOf": [{"type": "string"}, {"type": "array", "items": _ref("TextPart")}],
+            "description": "text, or text parts (image parts need the token form: images + image_spans)",
+        }
+    }
+}
 
 
 def _json(schema: dict[str, Any]) -> dict[str, Any]:
@@ -143,6 +171,10 @@ def _trajectory(base: dict[str, Any], *, packed: bool, vocab_size: int | None, p
         props["routed_experts"]["anyOf"][0] = _ref("RoutedExpertsMsgpack")
     covered = ["prompt_ids", "response_ids"] if packed else ["prompt_ids", "response_ids", "response"]
     props["routed_experts"].update(description=_ROUTED, **{"x-rows-cover": covered})
+    if packed:
+        props["images"]["anyOf"][0]["items"] = _ref("ImageMsgpack")
+    props["images"].update(description=_IMAGES)
+    props["image_spans"].update(description=_SPANS, **{"x-positions-in": covered})
     props["policy_version"]["anyOf"][0]["maximum"] = policy_version
     props["policy_version"]["description"] = "at most the queue's current version; left out: stamped with it"
     for name in ("prompt_ids", "response_ids"):
@@ -163,15 +195,22 @@ def _trajectory(base: dict[str, Any], *, packed: bool, vocab_size: int | None, p
         schema["required"] = ["id"]
         schema["oneOf"] = token
         return schema
-    first = {"properties": {"role": {"enum": [r for r in ROLES if r != "assistant"]}}}
+    first = {"properties": {"role": {"enum": [r for r in ROLES if r != "assistant"]},
+                            "content": _TEXT_ONLY["properties"]["content"]}}  # fmt: skip
     reply = {"properties": {"role": {"const": "assistant"}}}
     chat_form = {
         "required": ["messages"],
         "properties": {
-            "messages": {"type": "array", "minItems": 2, "prefixItems": [first], "contains": reply},
+            "messages": {
+                "type": "array",
+                "minItems": 2,
+                "prefixItems": [first],
+                "contains": reply,
+                "items": _TEXT_ONLY,
+            },
             **{
                 name: {"type": "null"}
-                for name in ("loss_mask", "logprobs", "versions", "routed_experts")
+                for name in ("loss_mask", "logprobs", "versions", "routed_experts", "images", "image_spans")
                 if name in props
             },
         },
@@ -215,6 +254,14 @@ def _components(*, policy_version: int, vocab_size: int | None, chat: bool) -> d
     routed["properties"]["data"] = {"type": "string", "contentEncoding": "base64", "pattern": _BASE64,
                                     "description": "base64 of the little-endian dtype ids"}  # fmt: skip
     msgpack_routed["properties"]["data"] = {"description": "msgpack bin: little-endian dtype ids"}
+    img = components["Image"]
+    img["properties"]["sha256"]["x-sha256-of"] = "data"
+    components["ImageMsgpack"] = {**copy.deepcopy(img), "title": "ImageMsgpack"}
+    img["properties"]["data"] = {"type": "string", "contentEncoding": "base64", "pattern": _BASE64,
+                                 "description": "base64 of the image file"}  # fmt: skip
+    components["ImageMsgpack"]["properties"]["data"] = {"description": "msgpack bin: the image file"}
+    components["ImagePart"]["properties"]["data"].update(description="the image file (base64 in JSON)",
+                                                         pattern=_BASE64)  # fmt: skip
     components["Error"] = {
         "type": "object",
         "properties": {"error": {"type": "string"}, "field": {"type": ["string", "null"]}},

@@ -27,7 +27,7 @@ from agentrl.queue.core import ReplayQueue
 from agentrl.queue.metrics import prometheus_text
 from agentrl.queue.openapi import openapi_spec
 from agentrl.queue.rows import unzip
-from agentrl.types import decode_trajectories, where
+from agentrl.types import ImagePart, decode_trajectories, where
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +207,7 @@ class QueueServer:
             if ctype in JSON_TYPES:
                 body = unzip(body)  # `response` rows -> the lists every other path reads (rows.py)
             trajectories = decode_trajectories(body, ctype, strict=True)
+            self._check_image_sizes(trajectories)
             # the WAL stores the body as received (no re-encoding); chat form is logged tokenized
             raw: tuple[str, Any] | None = (ctype, body)
             if any(t.messages is not None for t in trajectories):
@@ -230,6 +231,20 @@ class QueueServer:
         return json_response(
             {"accepted": result.accepted, "duplicates": result.duplicates, "dropped": result.dropped}, 202
         )
+
+    def _check_image_sizes(self, trajectories: list[Any]) -> None:
+        """413 naming the first image file over queue.max_image_bytes (in `images` or a message's parts)."""
+        limit, n = self.cfg.max_image_bytes, len(trajectories)
+        for i, traj in enumerate(trajectories):
+            for j, img in enumerate(traj.images or ()):
+                if len(img.data) > limit:
+                    raise HTTPError(413, f"image of {len(img.data)} bytes is over queue.max_image_bytes = {limit}",
+                                    where(i, n, f"images[{j}].data"))  # fmt: skip
+            for j, message in enumerate(traj.messages or ()):
+                for k, part in enumerate(message.content if isinstance(message.content, list) else ()):
+                    if isinstance(part, ImagePart) and len(part.data) > limit:
+                        raise HTTPError(413, f"image of {len(part.data)} bytes is over queue.max_image_bytes = "
+                                        f"{limit}", where(i, n, f"messages[{j}].content[{k}].data"))  # fmt: skip
 
     async def _tokenize(self, trajectories: list[Any]) -> list[Any]:
         n = len(trajectories)

@@ -7,6 +7,11 @@ A *normalized* trajectory (what `agentrl.types.validate.normalize` returns, ever
 - `versions` holds runs `(policy_version, n_tokens)` whose counts sum to len(response); a plain
   `policy_version` is folded into one run and cleared. Staleness is measured from the oldest run.
 - `messages` (chat form) is never set: the queue server tokenizes it before normalizing.
+- `images` hold each picture's file bytes once, named by their SHA-256; `image_spans` place them in the token
+  stream: each span is a run of the model's image placeholder tokens (Qwen2.5-VL: `<|image_pad|>` repeated
+  once per merged patch) in prompt_ids + response_ids, with the patch grid `[t, h, w]` the model's image
+  processor made of the picture (Qwen2.5-VL's `image_grid_thw`): with the bytes, what the learner needs to
+  recompute the forward. An image shown twice is stored once and placed twice.
 What clients may send besides (lists, `Packed` arrays, a plain `policy_version`, chat) is decoded in wire.py.
 Bounds are declared once, as `msgspec.Meta` on the fields: decoding enforces them, /openapi.json states them,
 `normalize` checks in-process trajectories against the same constants. Nothing here imports torch or ray.
@@ -14,6 +19,7 @@ Bounds are declared once, as `msgspec.Meta` on the fields: decoding enforces the
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Any, Literal, get_args
 
 import msgspec
@@ -23,6 +29,7 @@ from msgspec import Meta
 __all__ = [
     "BARE_DTYPES",
     "EXPERT_DTYPES",
+    "IMAGE_FORMATS",
     "LOGPROB_DTYPE",
     "LOGPROB_MAX",
     "LOGPROB_MIN",
@@ -37,12 +44,16 @@ __all__ = [
     "TOKEN_MAX",
     "DType",
     "FloatArray",
+    "Image",
+    "ImagePart",
+    "ImageSpan",
     "MaskArray",
     "Message",
     "Packed",
     "Role",
     "RoutedExperts",
     "Status",
+    "TextPart",
     "TokenArray",
     "TokenId",
     "Trajectory",
@@ -52,8 +63,12 @@ __all__ = [
     "encode_msgpack",
     "expand_versions",
     "floats",
+    "image",
+    "image_format",
     "mask",
     "max_version",
+    "message_images",
+    "message_text",
     "min_version",
     "n_response",
     "nbytes",
@@ -122,11 +137,85 @@ Version = Annotated[int, Meta(ge=0)]
 UnixTime = Annotated[float, Meta(ge=0)]
 
 
+Sha256 = Annotated[
+    str, Meta(pattern="^[0-9a-f]{64}$", description="SHA-256 of the image file, lowercase hex")
+]
+# the image files agentrl takes, by their leading bytes (what every image library reads them by)
+IMAGE_FORMATS = {"png": (b"\x89PNG\r\n\x1a\n",), "jpeg": (b"\xff\xd8\xff",), "gif": (b"GIF87a", b"GIF89a"),
+                 "webp": (b"RIFF",)}  # fmt: skip
+
+
+class Image(msgspec.Struct, forbid_unknown_fields=True):
+    """A picture's file bytes (PNG, JPEG, GIF or WebP), stored once per trajectory and named by their SHA-256."""
+
+    sha256: Sha256
+    data: bytes
+
+
+class ImageSpan(msgspec.Struct, forbid_unknown_fields=True):
+    """Where an image sits in the token stream: `length` placeholder tokens from position `start` of
+    prompt_ids + response_ids, made from the patch grid `grid_thw` = [t, h, w] (frames, rows, columns of
+    vision patches; the model merges neighbouring patches into one token, so t*h*w is a multiple of
+    `length`)."""
+
+    sha256: Sha256
+    start: Annotated[int, Meta(ge=0)]
+    length: Annotated[int, Meta(ge=1)]
+    grid_thw: tuple[Annotated[int, Meta(ge=1)], Annotated[int, Meta(ge=1)], Annotated[int, Meta(ge=1)]]
+
+
+class TextPart(msgspec.Struct, tag="text", tag_field="type", forbid_unknown_fields=True):
+    """Text in a message made of parts."""
+
+    text: str
+
+
+class ImagePart(msgspec.Struct, tag="image", tag_field="type", forbid_unknown_fields=True):
+    """A picture in a message (an env's observation): the image file's bytes."""
+
+    data: bytes
+
+
 class Message(msgspec.Struct, forbid_unknown_fields=True):
-    """One chat turn."""
+    """One chat turn: text, or a list of text and image parts (a vision-language model's input)."""
 
     role: Role
-    content: str
+    content: str | list[TextPart | ImagePart]
+
+
+def image_format(data: bytes) -> str | None:
+    """'png', 'jpeg', 'gif' or 'webp' by the file's leading bytes; None for anything else."""
+    for name, magics in IMAGE_FORMATS.items():
+        if any(data.startswith(m) for m in magics) and (name != "webp" or data[8:12] == b"WEBP"):
+            return name
+    return None
+
+
+def image(data: bytes) -> Image:
+    """The `Image` of an image file's bytes (named by their SHA-256)."""
+    return Image(hashlib.sha256(data).hexdigest(), bytes(data))
+
+
+def message_images(messages: list[Message] | list[dict[str, Any]]) -> list[bytes]:
+    """The image files of `messages`, in the order they appear (an `ImagePart`, or in dict form a
+    `{"type": "image", "data": bytes}` part)."""
+    out: list[bytes] = []
+    for m in messages:
+        content = m["content"] if isinstance(m, dict) else m.content
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, ImagePart):
+                    out.append(part.data)
+                elif isinstance(part, dict) and part.get("type") == "image":
+                    out.append(part["data"])
+    return out
+
+
+def message_text(content: str | list[TextPart | ImagePart]) -> str:
+    """The text of a message's content (its text parts joined; images left out)."""
+    if isinstance(content, str):
+        return content
+    return "".join(p.text for p in content if isinstance(p, TextPart))
 
 
 class Trajectory(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, gc=False):
@@ -149,6 +238,8 @@ class Trajectory(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True,
     status: Status = "completed"
     metadata: dict[str, Any] = {}
     routed_experts: RoutedExperts | None = None
+    images: list[Image] | None = None
+    image_spans: list[ImageSpan] | None = None
     messages: list[Message] | None = None
     created_at: UnixTime = 0.0
     finished_at: UnixTime = 0.0
@@ -242,6 +333,8 @@ def nbytes(traj: Trajectory) -> int:
     size += len(traj.loss_mask or b"") + len(traj.logprobs or b"")
     if traj.routed_experts is not None:
         size += len(traj.routed_experts.data)
+    if traj.images:
+        size += sum(len(i.data) for i in traj.images)
     return size
 
 

@@ -8,10 +8,17 @@ trajectory's token count and at least the position that predicts its last traine
 positions an engine ran a forward on are every token but the last sampled one (n = total - 1; an engine that
 also reports the last one gives n = total), and untrained tokens at the end (an env's feedback after which
 no reply came) may lack a record, since no trained token's forward depends on them.
+
+`images` and `image_spans` come together: every image is stored once (its `sha256` is that of its bytes, no
+two alike, a PNG, JPEG, GIF or WebP file) and placed at least once; every span names a stored image, lies in
+prompt + response, overlaps no other (they are given in token order), repeats one token id (the model's image
+placeholder) and, in the response, is untrained (loss_mask 0: the model did not write it); its grid's t*h*w is
+a multiple of its length (neighbouring patches merge into one token).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from typing import Any
@@ -34,9 +41,12 @@ from agentrl.types.trajectory import (
     PACKED_DTYPES,
     TOKEN_DTYPE,
     TOKEN_MAX,
+    Image,
+    ImageSpan,
     Packed,
     RoutedExperts,
     Trajectory,
+    image_format,
 )
 
 __all__ = ["normalize"]
@@ -167,6 +177,62 @@ def _routed_experts(rec: Any, n_prompt: int, n_response: int, loss_mask: bytes |
     return rec if data is rec.data else msgspec.structs.replace(rec, data=data)
 
 
+def _images(images: Any, spans: Any, ids: np.ndarray, loss_mask: bytes | None, n_prompt: int) -> None:
+    """Check the images and their spans against the tokens (`ids`: prompt + response), module docstring."""
+    if not images or not spans:
+        if images:
+            raise InvalidTrajectory("image_spans", "images are given but none is placed: each needs a span")
+        if spans:
+            raise InvalidTrajectory("images", "image_spans name images but images is empty")
+        return
+    stored: dict[str, int] = {}
+    for i, img in enumerate(images):
+        if not isinstance(img, Image):
+            raise InvalidTrajectory(f"images[{i}]", f"must be an Image, got {type(img).__name__}")
+        if image_format(img.data) is None:
+            raise InvalidTrajectory(f"images[{i}].data", "is not a PNG, JPEG, GIF or WebP file")
+        if hashlib.sha256(img.data).hexdigest() != img.sha256:
+            raise InvalidTrajectory(f"images[{i}].sha256", "is not the SHA-256 of its data")
+        if img.sha256 in stored:
+            raise InvalidTrajectory(f"images[{i}]", f"is images[{stored[img.sha256]}] again: store each image "
+                                    "once and place it with several spans")  # fmt: skip
+        stored[img.sha256] = i
+    placed: set[str] = set()
+    end = 0
+    trained = None if loss_mask is None else np.frombuffer(loss_mask, MASK_DTYPE)
+    for i, span in enumerate(spans):
+        at = f"image_spans[{i}]"
+        if not isinstance(span, ImageSpan):
+            raise InvalidTrajectory(at, f"must be an ImageSpan, got {type(span).__name__}")
+        if span.sha256 not in stored:
+            raise InvalidTrajectory(f"{at}.sha256", "names no image of `images`")
+        placed.add(span.sha256)
+        if span.start < end:
+            raise InvalidTrajectory(f"{at}.start", f"{span.start} is inside the span before it (spans come in "
+                                    "token order and do not overlap)")  # fmt: skip
+        end = span.start + span.length
+        if end > len(ids):
+            raise InvalidTrajectory(at, f"ends at token {end} but the trajectory has {len(ids)} tokens "
+                                    "(prompt_ids + response_ids)")  # fmt: skip
+        run = ids[span.start : end]
+        if (run != run[0]).any():
+            raise InvalidTrajectory(
+                at, "covers different token ids: a span is one placeholder token repeated"
+            )
+        if end > n_prompt and (
+            trained is None or trained[max(span.start - n_prompt, 0) : end - n_prompt].any()
+        ):
+            raise InvalidTrajectory(f"{at}", "lies in the response where loss_mask is 1: image tokens are the "
+                                    "env's, never trained")  # fmt: skip
+        t, h, w = span.grid_thw
+        if (t * h * w) % span.length:
+            raise InvalidTrajectory(f"{at}.grid_thw", f"{t}x{h}x{w} patches do not merge into {span.length} "
+                                    "tokens")  # fmt: skip
+    unplaced = next((i for i, img in enumerate(images) if img.sha256 not in placed), None)
+    if unplaced is not None:
+        raise InvalidTrajectory(f"images[{unplaced}]", "is placed by no span of image_spans")
+
+
 def _check_plain(path: str, value: Any) -> None:
     """Metadata is plain JSON data whose numbers lie in [METADATA_MIN, METADATA_MAX]: the log stores it as
     msgpack, which has no integers beyond 64 bits (and a float there is one written as such)."""
@@ -248,6 +314,9 @@ def normalize(
     routed = traj.routed_experts
     if routed is not None:
         routed = _routed_experts(routed, len(prompt) // TOKEN_DTYPE.itemsize, n, loss_mask)
+    if traj.images or traj.image_spans:
+        _images(traj.images, traj.image_spans, np.frombuffer(prompt + response, TOKEN_DTYPE), loss_mask,
+                len(prompt) // TOKEN_DTYPE.itemsize)  # fmt: skip
     for name in ("created_at", "finished_at"):
         value = getattr(traj, name)
         if not math.isfinite(value) or value < 0:
@@ -260,6 +329,8 @@ def normalize(
         loss_mask=loss_mask,
         logprobs=logprobs,
         routed_experts=routed,
+        images=traj.images or None,
+        image_spans=traj.image_spans or None,
         versions=_versions(traj, n, default_version, max_version),
         policy_version=None,
         created_at=traj.created_at or time.time(),

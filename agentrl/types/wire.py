@@ -5,7 +5,8 @@ sends lists; msgpack lists or `Packed` {"dtype", "data": bin}. Bare bytes (int64
 `[8, 0, 2, 0]`) are refused there; they stay the in-process form (`pack_tokens`, `BARE_DTYPES`), also in
 bodies logged before this rule. `routed_experts` (optional: rollout routing replay) declares its dtype itself,
 `{"layers", "topk", "dtype", "data"}`: `data` is msgpack bin, or in JSON a base64 string (the record is
-positions x layers x topk ids: lists would make it ~10x larger). An integral float (`608.0`) in an integer
+positions x layers x topk ids: lists would make it ~10x larger). `images[].data` (and an `ImagePart`'s
+`data`) is the image file: msgpack bin, or in JSON a base64 string. An integral float (`608.0`) in an integer
 field is that integer. A decoded trajectory is not trusted yet: `normalize` (validate.py) makes it the
 normalized form. No torch or ray.
 """
@@ -103,5 +104,12 @@ def _integral(item: dict[str, Any]) -> None:
         for name in ("layers", "topk"):
             if name in routed:
                 routed[name] = num(routed[name])
+    for span in item.get("image_spans") or []:
+        if isinstance(span, dict):
+            for name in ("start", "length"):
+                if name in span:
+                    span[name] = num(span[name])
+            if isinstance(span.get("grid_thw"), list):
+                span["grid_thw"] = [num(x) for x in span["grid_thw"]]
     if isinstance(item.get("versions"), list):
         item["versions"] = [[num(x) for x in r] if isinstance(r, list) else r for r in item["versions"]]

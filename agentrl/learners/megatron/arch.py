@@ -118,6 +118,9 @@ class ArchSpec:
     @classmethod
     def from_hf(cls, cfg: Any) -> ArchSpec:
         model_type = getattr(cfg, "model_type", "")
+        if getattr(cfg, "vision_config", None) is not None:
+            raise LearnerError(f"model_type {model_type!r} is a vision-language model, which the Megatron learner "
+                               "does not train: use learner.kind = 'torch'")  # fmt: skip
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise LearnerError(
                 f"model_type {model_type!r}: the Megatron learner supports {SUPPORTED_MODEL_TYPES}"

@@ -27,7 +27,7 @@ import torch
 
 from agentrl.config.learning import LoraSection
 from agentrl.errors import LearnerError
-from agentrl.learners import hf_io
+from agentrl.learners import hf_io, torch_checkpoint
 from agentrl.learners.checkpoint import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -35,7 +35,6 @@ from agentrl.learners.checkpoint import (
     map_tensors,
     read_metadata,
     snapshot,
-    torch_to_hf,
     write_metadata,
 )
 from agentrl.learners.megatron import lora
@@ -321,7 +320,7 @@ def to_hf(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
     """Write a Hugging Face directory (config, tokenizer, safetensors) from a Megatron learner checkpoint."""
     meta = read_meta(checkpoint_dir)
     if "lora_base" in meta:  # the adapter merged into its base, through peft (as a torch LoRA checkpoint)
-        torch_to_hf(str(checkpoint_dir), str(out_dir))
+        torch_checkpoint.to_hf(str(checkpoint_dir), str(out_dir))
         return Path(out_dir)
     config_dir = hf_config_dir(checkpoint_dir, meta)
     return hf_io.save_hf_dir(out_dir, iter_checkpoint_hf(checkpoint_dir), config_dir)

@@ -1,0 +1,136 @@
+"""The torch learner on the tiny Qwen2.5-VL: its log-probs of trajectories with pictures equal the embedded
+engine's that sampled them, a step trains the language model with the vision tower frozen or trained
+(`learner.vision_tower`), the published weights load into the engine, and a text-only learner refuses pictures."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from agentrl import types
+from agentrl.chat import chat_tokens
+from agentrl.config.learning import AlgorithmSection, LearnerSection
+from agentrl.engines.base import SamplingParams, TensorSource
+from agentrl.engines.embedded import EmbeddedEngine
+from agentrl.envs import make_env
+from agentrl.errors import LearnerError
+from agentrl.learners.batch import build_batch
+from agentrl.learners.torch_learner import TorchLearner
+from agentrl.tokenizer import load_tokenizer
+
+torch.set_num_threads(2)
+
+
+async def sampled(path, engine: EmbeddedEngine, n: int = 4) -> list[types.Trajectory]:
+    """Single-turn `shapes` episodes (and one without a picture) sampled by the engine, as trajectories."""
+    chat = chat_tokens(load_tokenizer(path))
+    env = make_env("shapes", {})
+    openings = [env.opening(task) for task in env.sample_tasks(seed=0, n=n - 1)]
+    openings.append([types.Message("user", "What is 2 + 3?")])
+    out = []
+    for i, opening in enumerate(openings):
+        ids, spans = chat.place_images(chat.prompt_ids(opening), opening)
+        pictures = [types.image(p) for p in types.message_images(opening)]
+        gen = await engine.generate(
+            ids, SamplingParams(max_new_tokens=6, seed=i, ignore_eos=True), images=pictures or None
+        )
+        out.append(types.normalize(types.Trajectory(
+            id=f"t{i}", group_id="g", prompt_ids=ids, response_ids=gen.output_ids, logprobs=gen.logprobs,
+            versions=gen.versions, reward=float(i % 2), images=pictures or None, image_spans=spans or None)))  # fmt: skip
+    return out
+
+
+def visual(learner) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in learner.model.named_parameters() if ".visual." in f".{n}"}
+
+
+async def test_learner_matches_the_engine_and_trains_the_vlm(tiny_vlm):
+    engine = EmbeddedEngine(str(tiny_vlm), max_batch_size=4, max_seq_len=256)
+    try:
+        trajs = await sampled(tiny_vlm, engine)
+        assert sum(t.images is not None for t in trajs) == 3
+        algo = AlgorithmSection(advantage="grpo", off_policy="none")
+        learner = TorchLearner(
+            tiny_vlm, LearnerSection(lr=1e-2, micro_batch_tokens=256, vision_tower="frozen"), algo
+        )
+        batch = build_batch(trajs, learner.pad_id, images=learner.takes_images)
+        logp = learner.compute_logprobs(batch)
+        for i, traj in enumerate(trajs):
+            row, cols = (batch.seq_index == i).nonzero(as_tuple=True)
+            got = logp[row, cols][-types.n_response(traj) :]
+            assert (got - torch.from_numpy(types.floats(traj.logprobs).copy())).abs().max() <= 1e-4
+
+        frozen = visual(learner)
+        language = learner.model.get_input_embeddings().weight.detach().clone()
+        learner.train_step(build_batch(trajs, learner.pad_id, images=True))
+        assert all(torch.equal(p, frozen[n]) for n, p in visual(learner).items())
+        assert not torch.equal(learner.model.get_input_embeddings().weight, language)
+
+        # the published weights load into the engine, which then agrees with the learner again
+        await engine.update_weights(1, TensorSource(dict(learner.weights())))
+        again = await engine.generate(types.tokens(trajs[0].prompt_ids).tolist(),
+                                      SamplingParams(max_new_tokens=4, seed=9, ignore_eos=True), images=trajs[0].images)  # fmt: skip
+    finally:
+        await engine.close()
+    traj = types.normalize(types.Trajectory(
+        id="after", prompt_ids=trajs[0].prompt_ids, response_ids=again.output_ids, logprobs=again.logprobs,
+        images=trajs[0].images, image_spans=trajs[0].image_spans))  # fmt: skip
+    logp = learner.compute_logprobs(build_batch([traj], learner.pad_id, images=True))
+    assert (logp[0, -4:] - torch.tensor(again.logprobs)).abs().max() <= 1e-4
+
+    trained = TorchLearner(tiny_vlm, LearnerSection(lr=1e-2, micro_batch_tokens=256), algo)
+    before = visual(trained)
+    trained.train_step(build_batch(trajs, trained.pad_id, images=True))
+    assert any(not torch.equal(p, before[n]) for n, p in visual(trained).items())
+
+
+def test_pictures_need_a_vision_learner_and_unpacked_rows(tiny_vlm):
+    engine = EmbeddedEngine(str(tiny_vlm), max_batch_size=4, max_seq_len=256)
+    try:
+        trajs = asyncio.run(sampled(tiny_vlm, engine, n=2))
+    finally:
+        asyncio.run(engine.close())
+    with pytest.raises(LearnerError, match="text-only model"):
+        build_batch(trajs, 0)
+    with pytest.raises(LearnerError, match="pack_tokens"):
+        build_batch(trajs, 0, pack_tokens=512, images=True)
+
+
+def test_the_megatron_learner_refuses_a_vlm_naming_the_torch_learner(tiny_vlm):
+    from transformers import AutoConfig
+
+    from agentrl.learners.megatron.arch import ArchSpec
+
+    with pytest.raises(LearnerError, match=r"vision-language model.*learner\.kind = 'torch'"):
+        ArchSpec.from_hf(AutoConfig.from_pretrained(tiny_vlm))
+
+
+def test_warmup_demonstrations_carry_their_pictures(tiny_vlm):
+    """The warm-up's demonstrations of `shapes_zoom` hold both pictures (the task's and the zoom) placed as a
+    rollout places them, and supervised steps on them lower the loss."""
+    from agentrl.actors.warmup import demonstration_batch
+    from agentrl.config import Config
+
+    env = make_env("shapes_zoom", {})
+    demos = demonstration_batch(Config(), env, load_tokenizer(tiny_vlm), env.sample_tasks(seed=0, n=2), "t")
+    demos = [types.normalize(d) for d in demos]
+    assert all(len(d.images) == 2 and len(d.image_spans) == 2 for d in demos)
+    assert all(
+        d.image_spans[1].start >= types.tokens(d.prompt_ids).size for d in demos
+    )  # the zoom: env feedback
+    learner = TorchLearner(tiny_vlm, LearnerSection(micro_batch_tokens=512))
+    losses = [
+        learner.sft_step(build_batch(demos, learner.pad_id, images=True), lr=1e-2)["loss"] for _ in range(4)
+    ]
+    assert losses[-1] < losses[0]
+
+
+def test_a_checkpoint_keeps_the_image_processor(tiny_vlm, tmp_path):
+    """A saved VLM learner loads back as one (its directory keeps preprocessor_config.json), as `--resume` and
+    `agentrl export` read it."""
+    learner = TorchLearner(tiny_vlm, LearnerSection())
+    learner.save(str(tmp_path / "ckpt"))
+    again = TorchLearner(tmp_path / "ckpt", LearnerSection())
+    assert again.takes_images and again.vision == learner.vision
