@@ -20,7 +20,7 @@ import torch
 
 
 def batch(env, tok, seed: int, size: int):
-    from agentrl.generators.chat import demonstration_tokens
+    from agentrl.chat import demonstration_tokens
 
     rows = []
     for task in env.sample_tasks(seed, size):

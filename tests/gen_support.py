@@ -122,12 +122,12 @@ def real_model_logprob(model_dir: Path, context: list[int], token: int) -> float
 
 def sft_on_demonstrations(model_dir: Path, out_dir: Path, env_name: str, steps: int, batch_size: int = 32,
                           lr: float = 3e-3, seed: int = 0) -> dict[str, float]:  # fmt: skip
-    """Supervised training on env demonstrations tokenized by `agentrl.generators.chat.demonstration_tokens`
+    """Supervised training on env demonstrations tokenized by `agentrl.chat.demonstration_tokens`
     (loss on assistant tokens only); saves the model to `out_dir`. Returns the first and last losses."""
     from transformers import AutoModelForCausalLM
 
+    from agentrl.chat import demonstration_tokens
     from agentrl.envs import make_env
-    from agentrl.generators.chat import demonstration_tokens
     from agentrl.tokenizer import load_tokenizer
 
     torch.manual_seed(seed)
@@ -159,7 +159,7 @@ def sft_on_demonstrations(model_dir: Path, out_dir: Path, env_name: str, steps: 
 def scripted_replies(model_dir: Path, tok: Any, *texts: str) -> HFEngine:
     """An HFEngine whose successive replies are exactly `texts`, each closed by the chat's end-of-turn token
     (a tool call the random tiny model would never write)."""
-    from agentrl.generators.chat import chat_tokens
+    from agentrl.chat import chat_tokens
 
     eot = chat_tokens(tok).eot_id
     replies = iter([[*tok.encode(t, add_special_tokens=False), eot] for t in texts])

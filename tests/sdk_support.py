@@ -5,10 +5,10 @@ trajectory is exactly the conversation the SDK saw, with the mask on the model's
 import aiohttp
 import openai
 
+from agentrl.chat import chat_tokens
 from agentrl.engines.base import SamplingParams
 from agentrl.engines.tiny import CHAT_TEMPLATE
-from agentrl.generators.chat import chat_tokens
-from agentrl.generators.openai_proxy import OpenAIProxy
+from agentrl.proxy.server import OpenAIProxy
 from agentrl.types import mask, tokens
 
 Q = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "What is 2+3?"}]

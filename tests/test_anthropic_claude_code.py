@@ -10,7 +10,7 @@ import json
 import openai
 import pytest
 
-from agentrl.generators.chat import chat_tokens
+from agentrl.chat import chat_tokens
 from agentrl.tokenizer import load_tokenizer
 from agentrl.types import mask, tokens
 from tests.gen_support import embedded_engine

@@ -12,7 +12,7 @@ pytest.importorskip("anthropic")
 
 import anthropic
 
-from agentrl.generators.chat import chat_tokens
+from agentrl.chat import chat_tokens
 from agentrl.types import mask, tokens
 from tests.gen_support import scripted_replies as scripted
 from tests.sdk_support import CALL, TOOLS, Live, Q, assert_recorded

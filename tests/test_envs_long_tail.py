@@ -36,8 +36,8 @@ def test_counts_follow_the_clipped_lognormal(kwargs):
 
 
 def test_longest_replies_pass_2048_tokens():
+    from agentrl.chat import demonstration_tokens
     from agentrl.engines.tiny import train_tokenizer
-    from agentrl.generators.chat import demonstration_tokens
 
     tok = train_tokenizer()
     env = make_env("long_tail")
@@ -76,8 +76,8 @@ async def test_reward_is_the_fraction_right():
 
 
 async def test_demonstration_tokens_decode_to_right_replies():
+    from agentrl.chat import demonstration_tokens
     from agentrl.engines.tiny import train_tokenizer
-    from agentrl.generators.chat import demonstration_tokens
 
     tok = train_tokenizer()
     env = make_env("long_tail")
@@ -128,9 +128,9 @@ def test_short_run_end_to_end(ray_session, tmp_path):
 def test_example_config_fits_the_longest_episode():
     from pathlib import Path
 
+    from agentrl.chat import demonstration_tokens
     from agentrl.config import load_config
     from agentrl.engines.tiny import train_tokenizer
-    from agentrl.generators.chat import demonstration_tokens
 
     cfg = load_config(Path(__file__).parents[1] / "examples" / "long_tail.toml")
     env = make_env(cfg.env.name, cfg.env.kwargs)

@@ -9,10 +9,10 @@ import asyncio
 
 import pytest
 
+from agentrl.chat import chat_tokens
 from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory, make_env
 from agentrl.generator import RolloutContext, resolve_generator
-from agentrl.generators.chat import chat_tokens
 from agentrl.types import floats, mask, n_response, tokens
 from tests.gen_support import HFEngine, real_model_logprob
 from tests.run_support import Handle

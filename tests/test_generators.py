@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
+from agentrl.chat import chat_tokens, demonstration_tokens
 from agentrl.engines.base import SamplingParams, TensorSource
 from agentrl.envs import env_factory, make_env
 from agentrl.generator import RolloutContext, resolve_generator
-from agentrl.generators.chat import chat_tokens, demonstration_tokens
 from agentrl.tokenizer import load_tokenizer
 from agentrl.types import Message, expand_versions, floats, mask, n_response, normalize, tokens
 from tests.gen_support import (
@@ -208,7 +208,7 @@ async def test_abort_is_continued_from_partial_output(tiny, tok):
     engine = HFEngine(tiny, script=lambda _input: reply)
     engine.abort_after = 3
     ctx = context(engine, tok)
-    ctx.extra["abort_retries"] = 0
+    ctx.abort_retries = 0
     traj = await resolve_generator("multi_turn")(ctx, TASK, "t", "g")
     assert traj.status == "aborted" and n_response(traj) == 3 and traj.turn_rewards == []
 
@@ -221,16 +221,16 @@ async def test_an_abort_before_any_token_is_re_sent_under_a_new_id_and_leaves_no
     reply = [*ids(tok, "<calc>23+45</calc>"), chat.eot_id]
     answer = [*ids(tok, "68"), chat.eot_id]
 
-    async def episode(abort_first, extra):
+    async def episode(abort_first, request_prefix):
         script = iter([reply, answer] if not abort_first else [reply, reply, answer])
         engine = Recording(HFEngine(tiny, script=lambda _input: next(script)))
         engine.inner.abort_after = 0 if abort_first else None
         ctx = context(engine, tok)
-        ctx.extra.update(extra)
+        ctx.request_prefix = request_prefix
         return await resolve_generator("multi_turn")(ctx, TASK, "t7-s1", "t7"), engine.request_ids
 
-    plain, plain_ids = await episode(False, {})
-    traj, request_ids = await episode(True, {"request_prefix": "t7-s1.a2"})
+    plain, plain_ids = await episode(False, "")
+    traj, request_ids = await episode(True, "t7-s1.a2")
     assert plain_ids == ["t7-s1.t0.0", "t7-s1.t1.0"]
     assert request_ids == ["t7-s1.a2.t0.0", "t7-s1.a2.t0.1", "t7-s1.a2.t1.0"] and traj.id == "t7-s1"
     assert traj.status == plain.status == "completed" and traj.metadata == plain.metadata

@@ -35,9 +35,9 @@ def test_an_upward_import_breaks_the_layers(tmp_path):
     with (tmp_path / "agentrl" / "actors" / "common.py").open("a") as f:
         f.write("\nfrom agentrl.engines.tiny import make_tiny_model as _kit  # noqa: E402\n")
     with (tmp_path / "agentrl" / "data.py").open("a") as f:
-        f.write("\n\ndef _plugin():\n    import agentrl.generators.chat  # noqa: F401\n")
+        f.write("\n\ndef _plugin():\n    import agentrl.generators.multi_turn  # noqa: F401\n")
     out = lint_imports(tmp_path)
     assert out.returncode != 0, out.stdout
     assert "agentrl.queue.metrics -> agentrl.engines.base" in out.stdout, out.stdout
-    assert "agentrl.data -> agentrl.generators.chat" in out.stdout, out.stdout
+    assert "agentrl.data -> agentrl.generators.multi_turn" in out.stdout, out.stdout
     assert "agentrl.actors.common -> agentrl.engines.tiny" in out.stdout, out.stdout

@@ -9,12 +9,12 @@ import urllib.request
 import aiohttp
 import pytest
 
+from agentrl.chat import chat_tokens, demonstration_tokens
 from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory, make_env
 from agentrl.errors import EngineError, QueueFull
 from agentrl.generator import RolloutContext, resolve_generator
-from agentrl.generators.chat import chat_tokens, demonstration_tokens
-from agentrl.generators.openai_proxy import OpenAIProxy
+from agentrl.proxy.server import OpenAIProxy
 from agentrl.types import floats, mask, n_response, tokens
 from tests.gen_support import embedded_engine
 from tests.gen_support import scripted_replies as scripted

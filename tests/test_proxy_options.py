@@ -12,9 +12,9 @@ import openai
 import pytest
 from aiohttp import web
 
+from agentrl.chat import chat_tokens
 from agentrl.engines.server import EngineServer
 from agentrl.engines.sglang import SGLangEngine
-from agentrl.generators.chat import chat_tokens
 from agentrl.types import mask, tokens
 from tests.gen_support import embedded_engine, record_sampling
 from tests.gen_support import scripted_replies as scripted

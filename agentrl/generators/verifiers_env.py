@@ -23,7 +23,7 @@ from agentrl.envs.verifiers_env import GENERATOR, VerifiersEnv, vf_module
 from agentrl.errors import ConfigError
 from agentrl.generator import RolloutContext
 from agentrl.generators.openai_proxy import proxy_for, sink_the_rest
-from agentrl.generators.proxy_session import EPISODE_HEADER
+from agentrl.proxy.session import EPISODE_HEADER
 from agentrl.types import Trajectory
 
 API_KEY_VAR = (
@@ -95,7 +95,7 @@ async def play(
     """One verifiers episode of `task`: the trajectory and verifiers' own `Episode` (its traces hold the
     conversation each agent's client sent and received). The first trainable agent's session is the returned
     trajectory (`trajectory_id`); other trainable sessions and rewritten-history segments go to
-    `ctx.extra["sink"]` when given (ids `trajectory_id.a{k}`, then `.{segment}`), else they are dropped and
+    `ctx.sink` when given (ids `trajectory_id.a{k}`, then `.{segment}`), else they are dropped and
     counted in `metadata["dropped_segments"]`."""
     env = ctx.make_env()
     if not isinstance(env, VerifiersEnv):

@@ -29,10 +29,10 @@ from typing import Any
 
 import aiohttp
 
+from agentrl.chat import chat_tokens
 from agentrl.engines.base import Engine, GenerateOutput, SamplingParams
 from agentrl.engines.tiny import make_tiny_model
-from agentrl.generators.chat import chat_tokens
-from agentrl.generators.openai_proxy import OpenAIProxy
+from agentrl.proxy.server import OpenAIProxy
 from agentrl.tokenizer import load_tokenizer
 from agentrl.types import mask, tokens
 
