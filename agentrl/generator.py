@@ -53,8 +53,14 @@ class RolloutContext:
     sink: Callable[[list[Trajectory]], Any] | None = None
 
 
-# modules of the `agentrl.generators` package
-BUILTIN_GENERATORS = ("multi_turn", "single_turn", "openai_proxy", "external", "self_play")
+# name -> 'module:function' in the `agentrl.generators` package
+BUILTIN_GENERATORS = {
+    "multi_turn": "agentrl.generators.multi_turn:generate",
+    "single_turn": "agentrl.generators.single_turn:generate",
+    "openai_proxy": "agentrl.generators.proxy_agent:generate",
+    "external": "agentrl.generators.external:generate",
+    "self_play": "agentrl.generators.self_play:generate",
+}
 GeneratorFn = Callable[[RolloutContext, dict[str, Any], str, str], Awaitable[Trajectory | list[Trajectory]]]
 
 
@@ -67,4 +73,4 @@ def resolve_generator(name: str) -> GeneratorFn:
             f"rollout.generator = '{name}': not a built-in generator ({', '.join(BUILTIN_GENERATORS)}); "
             "for your own, use 'module:function'"
         )
-    return load_object(f"agentrl.generators.{name}:generate", "rollout.generator")
+    return load_object(BUILTIN_GENERATORS[name], "rollout.generator")

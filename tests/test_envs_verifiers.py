@@ -20,7 +20,7 @@ from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory, make_env
 from agentrl.errors import EnvError
 from agentrl.generator import RolloutContext
-from agentrl.generators.openai_proxy import proxy_for, stop_proxies
+from agentrl.generators.proxy_agent import proxy_for, stop_proxies
 from agentrl.generators.verifiers_env import API_KEY_VAR, play, stop_envs
 from agentrl.types import mask, tokens
 from tests.gen_support import scripted_replies

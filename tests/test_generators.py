@@ -284,12 +284,12 @@ def always_07(response, task):
 
 def test_generator_names_resolve():
     import agentrl.generators.multi_turn
-    import agentrl.generators.openai_proxy
+    import agentrl.generators.proxy_agent
     import agentrl.generators.single_turn
 
     assert resolve_generator("single_turn") is agentrl.generators.single_turn.generate
     assert resolve_generator("multi_turn") is agentrl.generators.multi_turn.generate
-    assert resolve_generator("openai_proxy") is agentrl.generators.openai_proxy.generate
+    assert resolve_generator("openai_proxy") is agentrl.generators.proxy_agent.generate
     assert resolve_generator("tests.test_generators:always_07") is always_07
 
 

@@ -188,7 +188,7 @@ def test_sampling_policy_is_checked(tiny, tok):
 async def test_the_generator_proxy_takes_the_configured_policy(tiny, tok):
     from agentrl.config import RolloutSection
     from agentrl.generator import RolloutContext
-    from agentrl.generators.openai_proxy import proxy_for, stop_proxies
+    from agentrl.generators.proxy_agent import proxy_for, stop_proxies
 
     assert RolloutSection().proxy_sampling == "refuse"
     ctx = RolloutContext(engine=scripted(tiny, tok), tokenizer=tok, make_env=None, env_name="e",

@@ -263,7 +263,7 @@ async def test_openai_proxy_generator_matches_multi_turn(tiny, tok):
     )
     assert all(n_response(t) > 0 and t.env == "guess_number" for t in trajs)
     await engine.close()
-    from agentrl.generators.openai_proxy import _proxies, stop_proxies
+    from agentrl.generators.proxy_agent import _proxies, stop_proxies
 
     assert len(_proxies) == 2  # one per engine that served the generator
     await stop_proxies()

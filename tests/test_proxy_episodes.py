@@ -15,7 +15,7 @@ from agentrl.chat import chat_tokens
 from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory
 from agentrl.generator import RolloutContext, resolve_generator
-from agentrl.generators.openai_proxy import stop_proxies
+from agentrl.generators.proxy_agent import stop_proxies
 from agentrl.types import mask, tokens
 from tests.gen_support import HFEngine
 from tests.gen_support import scripted_replies as scripted

@@ -15,7 +15,7 @@ from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory
 from agentrl.errors import ConfigError
 from agentrl.generator import RolloutContext, resolve_generator
-from agentrl.generators.openai_proxy import _proxies, proxy_for, stop_proxies
+from agentrl.generators.proxy_agent import _proxies, proxy_for, stop_proxies
 from agentrl.types import n_response
 from tests.gen_support import HFEngine
 

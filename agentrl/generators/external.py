@@ -39,8 +39,7 @@ from aiohttp import web
 
 from agentrl.envs.base import AgentEnv
 from agentrl.generator import RolloutContext
-from agentrl.generators.openai_proxy import proxy_for, session_trajectory
-from agentrl.generators.proxy_agent import episode_reward
+from agentrl.generators.proxy_agent import episode_reward, proxy_for, session_trajectory
 from agentrl.net import FrontDoor, lacks_token
 from agentrl.proxy.endpoints import record_endpoint
 from agentrl.proxy.openai_schema import error_body

@@ -2,7 +2,7 @@
 agentrl/envs/verifiers_env.py), run by verifiers itself against agentrl's OpenAI proxy.
 
 - Model calls: every agent of an episode reaches the model through the worker's proxy
-  (`agentrl.generators.openai_proxy.proxy_for`), whose session is the verifiers trace id (the `X-Session-ID` header
+  (`agentrl.generators.proxy_agent.proxy_for`), whose session is the verifiers trace id (the `X-Session-ID` header
   verifiers sends on every turn): each agent run is recorded token-exactly as its own session.
 - Reward: the trace's rubric total (`trace.reward`, each reward times its weight); each function's score and
   weight, the metrics and the trace id go to `metadata["verifiers"]`. A failed episode (an error in the env,
@@ -22,7 +22,7 @@ import msgspec
 from agentrl.envs.verifiers_env import GENERATOR, VerifiersEnv, vf_module
 from agentrl.errors import ConfigError
 from agentrl.generator import RolloutContext
-from agentrl.generators.openai_proxy import proxy_for, sink_the_rest
+from agentrl.generators.proxy_agent import proxy_for, sink_the_rest
 from agentrl.proxy.session import EPISODE_HEADER
 from agentrl.types import Trajectory
 

@@ -23,7 +23,7 @@ Routes (aiohttp):
 
 Sessions, segments and token-in/token-out are kept by `ProxySessions` (agentrl/proxy/session.py, whose
 docstring states their invariants); this module is its HTTP front. The `openai_proxy` generator
-(agentrl/generators/openai_proxy.py) runs one per engine of a rollout worker; `agentrl serve-proxy`
+(agentrl/generators/proxy_agent.py) runs one per engine of a rollout worker; `agentrl serve-proxy`
 (agentrl/proxy/cli.py) serves one on its own.
 Bad input gets a 4xx whose `param` names the field.
 Hardening: with a `token` every route but /health and /openapi.json needs `Authorization: Bearer <token>` (401; never logged)
