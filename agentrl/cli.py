@@ -19,12 +19,7 @@ COMMANDS = [
     ("run", "agentrl.runner.cli", "train: rollout -> replay queue -> learner -> publish (sync, or --async)"),
     ("serve-queue", "agentrl.queue.cli", "serve the replay queue over HTTP for external agents"),
     ("serve-engine", "agentrl.engines.cli", "serve the embedded engine with SGLang's HTTP routes"),
-    # a plugin module (agentrl never imports `generators` statically): imported by name, like the others
-    (
-        "serve-proxy",
-        "agentrl.generators.proxy_cli",
-        "serve the OpenAI-compatible proxy in front of engine URLs",
-    ),
+    ("serve-proxy", "agentrl.proxy.cli", "serve the OpenAI-compatible proxy in front of engine URLs"),
     (
         "make-tiny-model",
         "agentrl.engines.tiny_cli",
@@ -33,6 +28,11 @@ COMMANDS = [
     ("eval", "agentrl.runner.eval_cli", "score a run, checkpoint or model: mean reward, pass@k, avg@k"),
     ("export", "agentrl.learners.cli", "write a Hugging Face directory from a learner checkpoint"),
     ("envs", "agentrl.envs.cli", "list the registered agent environments"),
+    (
+        "generate",
+        "agentrl.generator_plugins",
+        "run a trajectory generator of generators/ against a live run or serve-queue (--list: what is there)",
+    ),
     ("plot", "agentrl.runner.plot", "write PNGs of runs' curves (several runs overlaid)"),
     (
         "dashboard",

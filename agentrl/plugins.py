@@ -82,7 +82,9 @@ def load_object(spec: str, key: str) -> Any:
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
         raise ConfigError(f"{key} = '{spec}': want 'module:function'")
-    if module.split(".")[0] == "generators":  # the built-in generators were a top-level package before 0.2
+    # the built-in generators were a top-level package before 0.2; a module of its old name that is not one of
+    # them is the user's own (e.g. a file of the top-level generators/ directory on the path)
+    if module.split(".")[0] == "generators" and _builtin_generator(module):
         warnings.warn(f"{key} = '{spec}': the built-in generators moved to 'agentrl.{module}'", FutureWarning,
                       stacklevel=2)  # fmt: skip
         module = f"agentrl.{module}"
@@ -95,3 +97,12 @@ def load_object(spec: str, key: str) -> Any:
     if not callable(obj):
         raise ConfigError(f"{key} = '{spec}' is not callable (got {type(obj).__name__})")
     return obj
+
+
+def _builtin_generator(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(f"agentrl.{module}") is not None
+    except ImportError:
+        return False

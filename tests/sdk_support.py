@@ -8,7 +8,7 @@ import openai
 from agentrl.chat import chat_tokens
 from agentrl.engines.base import SamplingParams
 from agentrl.engines.tiny import CHAT_TEMPLATE
-from agentrl.generators.openai_proxy import OpenAIProxy
+from agentrl.proxy.server import OpenAIProxy
 from agentrl.types import mask, tokens
 
 Q = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "What is 2+3?"}]

@@ -16,8 +16,8 @@ from agentrl.chat import demonstration_tokens
 from agentrl.engines.base import SamplingParams
 from agentrl.envs.calculator import CalculatorEnv
 from agentrl.errors import EnvError
-from agentrl.generators.openai_proxy import OpenAIProxy
-from agentrl.generators.tool_parsers import HermesParser
+from agentrl.proxy.server import OpenAIProxy
+from agentrl.proxy.tool_parsers import HermesParser
 from agentrl.types import mask, tokens
 from tests.gen_support import scripted_replies
 

@@ -13,7 +13,7 @@ from agentrl.config.serving import QueueSection
 from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory, make_env
 from agentrl.generator import RolloutContext, resolve_generator
-from agentrl.generators.openai_proxy import OpenAIProxy
+from agentrl.proxy.server import OpenAIProxy
 from agentrl.queue import ReplayQueue
 from agentrl.queue.server import BackgroundServer
 from agentrl.tokenizer import load_tokenizer

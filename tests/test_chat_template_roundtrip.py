@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 from agentrl.chat import chat_tokens
 from agentrl.engines.base import Engine, GenerateOutput, SamplingParams
-from agentrl.generators.openai_proxy import OpenAIProxy
-from agentrl.generators.openai_schema import ChatRequest
+from agentrl.proxy.openai_schema import ChatRequest
+from agentrl.proxy.server import OpenAIProxy
 from agentrl.types import mask, tokens
 from tests.sdk_support import REASONING_TEMPLATE
 

@@ -20,7 +20,7 @@ from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory, make_env
 from agentrl.errors import EnvError
 from agentrl.generator import RolloutContext
-from agentrl.generators.openai_proxy import proxy_for, stop_proxies
+from agentrl.generators.proxy_agent import proxy_for, stop_proxies
 from agentrl.generators.verifiers_env import API_KEY_VAR, play, stop_envs
 from agentrl.types import mask, tokens
 from tests.gen_support import scripted_replies
@@ -256,7 +256,7 @@ async def test_a_proxy_with_a_token_gets_it_from_verifiers(packages, tiny, tok, 
     api_key_var), so the episode runs and is recorded (before: every request 401, a failed trajectory)."""
     monkeypatch.setenv(API_KEY_VAR, "stale")  # restored after the test; the generator must overwrite it
     ctx = context(scripted_replies(tiny, tok, "2"), tok, "r2vf_single")
-    ctx.extra["proxy_token"] = "s3cret"
+    ctx.proxy_token = "s3cret"
     task, traj, episode = await run(ctx, "r2vf_single", seed=3)
     assert traj.status == "completed", traj.metadata
     assert [m.content for m in episode.traces[0].messages] == [task["prompt"], "2"]

@@ -1,5 +1,5 @@
 """`rollout.generator = "external"`: `agentrl run` (a real subprocess with its own Ray) parks tasks; an agent
-process outside Ray (examples/agents/external_http_agent.py, plain requests) claims them over HTTP, chats
+process outside Ray (generators/external_http_agent.py run by `agentrl generate`, plain requests) claims them over HTTP, chats
 through the run's OpenAI proxy and lets the env score its replies; one task it abandons ends as `aborted`.
 """
 
@@ -50,8 +50,8 @@ def test_external_agent_process_drives_a_run(tmp_path, run_model):
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     agent = subprocess.Popen(
-        [sys.executable, str(ROOT / "examples/agents/external_http_agent.py"), "--run-dir", str(run_dir),
-         "--abandon", "1"],
+        [sys.executable, "-m", "agentrl.cli", "generate", "external_http_agent", "--run-dir", str(run_dir),
+         "--", "--abandon", "1"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:

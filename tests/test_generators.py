@@ -208,7 +208,7 @@ async def test_abort_is_continued_from_partial_output(tiny, tok):
     engine = HFEngine(tiny, script=lambda _input: reply)
     engine.abort_after = 3
     ctx = context(engine, tok)
-    ctx.extra["abort_retries"] = 0
+    ctx.abort_retries = 0
     traj = await resolve_generator("multi_turn")(ctx, TASK, "t", "g")
     assert traj.status == "aborted" and n_response(traj) == 3 and traj.turn_rewards == []
 
@@ -221,16 +221,16 @@ async def test_an_abort_before_any_token_is_re_sent_under_a_new_id_and_leaves_no
     reply = [*ids(tok, "<calc>23+45</calc>"), chat.eot_id]
     answer = [*ids(tok, "68"), chat.eot_id]
 
-    async def episode(abort_first, extra):
+    async def episode(abort_first, request_prefix):
         script = iter([reply, answer] if not abort_first else [reply, reply, answer])
         engine = Recording(HFEngine(tiny, script=lambda _input: next(script)))
         engine.inner.abort_after = 0 if abort_first else None
         ctx = context(engine, tok)
-        ctx.extra.update(extra)
+        ctx.request_prefix = request_prefix
         return await resolve_generator("multi_turn")(ctx, TASK, "t7-s1", "t7"), engine.request_ids
 
-    plain, plain_ids = await episode(False, {})
-    traj, request_ids = await episode(True, {"request_prefix": "t7-s1.a2"})
+    plain, plain_ids = await episode(False, "")
+    traj, request_ids = await episode(True, "t7-s1.a2")
     assert plain_ids == ["t7-s1.t0.0", "t7-s1.t1.0"]
     assert request_ids == ["t7-s1.a2.t0.0", "t7-s1.a2.t0.1", "t7-s1.a2.t1.0"] and traj.id == "t7-s1"
     assert traj.status == plain.status == "completed" and traj.metadata == plain.metadata
@@ -284,12 +284,12 @@ def always_07(response, task):
 
 def test_generator_names_resolve():
     import agentrl.generators.multi_turn
-    import agentrl.generators.openai_proxy
+    import agentrl.generators.proxy_agent
     import agentrl.generators.single_turn
 
     assert resolve_generator("single_turn") is agentrl.generators.single_turn.generate
     assert resolve_generator("multi_turn") is agentrl.generators.multi_turn.generate
-    assert resolve_generator("openai_proxy") is agentrl.generators.openai_proxy.generate
+    assert resolve_generator("openai_proxy") is agentrl.generators.proxy_agent.generate
     assert resolve_generator("tests.test_generators:always_07") is always_07
 
 

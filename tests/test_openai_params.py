@@ -121,7 +121,7 @@ def test_byte_fallback_tokens_give_their_byte():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from agentrl.generators.token_bytes import token_bytes
+    from agentrl.proxy.token_bytes import token_bytes
 
     vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁": 257, "a": 258, "▁a": 259}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[("▁", "a")], unk_token="<unk>", byte_fallback=True))
@@ -179,7 +179,7 @@ async def test_retry_after_an_abort_gets_a_fresh_engine_request_id(tiny, tok):
 
 def test_sampling_policy_is_checked(tiny, tok):
     from agentrl.errors import AgentRLError
-    from agentrl.generators.openai_proxy import OpenAIProxy
+    from agentrl.proxy.server import OpenAIProxy
 
     with pytest.raises(AgentRLError, match="proxy_sampling"):
         OpenAIProxy([scripted(tiny, tok)], tok, sampling=SamplingParams(), sampling_policy="ignore")
@@ -188,11 +188,11 @@ def test_sampling_policy_is_checked(tiny, tok):
 async def test_the_generator_proxy_takes_the_configured_policy(tiny, tok):
     from agentrl.config.rollout import RolloutSection
     from agentrl.generator import RolloutContext
-    from agentrl.generators.openai_proxy import proxy_for, stop_proxies
+    from agentrl.generators.proxy_agent import proxy_for, stop_proxies
 
     assert RolloutSection().proxy_sampling == "refuse"
     ctx = RolloutContext(engine=scripted(tiny, tok), tokenizer=tok, make_env=None, env_name="e",
-                         sampling=SamplingParams(), extra={"proxy_sampling": "record"})  # fmt: skip
+                         sampling=SamplingParams(), proxy_sampling="record")  # fmt: skip
     try:
         assert (await proxy_for(ctx)).sampling_policy == "record"
     finally:

@@ -14,7 +14,7 @@ from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory, make_env
 from agentrl.errors import EngineError, QueueFull
 from agentrl.generator import RolloutContext, resolve_generator
-from agentrl.generators.openai_proxy import OpenAIProxy
+from agentrl.proxy.server import OpenAIProxy
 from agentrl.types import floats, mask, n_response, tokens
 from tests.gen_support import embedded_engine
 from tests.gen_support import scripted_replies as scripted
@@ -263,7 +263,7 @@ async def test_openai_proxy_generator_matches_multi_turn(tiny, tok):
     )
     assert all(n_response(t) > 0 and t.env == "guess_number" for t in trajs)
     await engine.close()
-    from agentrl.generators.openai_proxy import _proxies, stop_proxies
+    from agentrl.generators.proxy_agent import _proxies, stop_proxies
 
     assert len(_proxies) == 2  # one per engine that served the generator
     await stop_proxies()

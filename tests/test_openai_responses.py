@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from agentrl.chat import chat_tokens
-from agentrl.generators.openai_responses import RESPONSES_FACE
+from agentrl.proxy.openai_responses import RESPONSES_FACE
 from agentrl.types import mask, tokens
 from tests.gen_support import scripted_replies as scripted
 from tests.sdk_support import CALL, REASONING_TEMPLATE, Live, Q, assert_recorded

@@ -13,7 +13,7 @@ import pytest
 
 from agentrl.chat import chat_tokens
 from agentrl.engines.base import SamplingParams
-from agentrl.generators.openai_proxy import OpenAIProxy
+from agentrl.proxy.server import OpenAIProxy
 from agentrl.types import mask, tokens
 from tests.gen_support import HFEngine
 from tests.gen_support import scripted_replies as scripted

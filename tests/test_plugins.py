@@ -107,3 +107,17 @@ def test_a_generator_named_by_its_old_top_level_module_still_loads_with_a_warnin
 
     with pytest.warns(FutureWarning, match="moved to 'agentrl.generators.multi_turn'"):
         assert load_object("generators.multi_turn:generate", "rollout.generator") is generate
+
+
+def test_a_generators_module_that_is_not_built_in_is_the_users_own(tmp_path, monkeypatch):
+    """`generators.NAME` is redirected to agentrl's built-in generators only when agentrl has NAME: a file of a
+    top-level generators/ directory on the path loads as itself."""
+    from agentrl.plugins import load_object
+
+    (tmp_path / "generators").mkdir()
+    (tmp_path / "generators" / "my_task.py").write_text(
+        "async def generate(ctx, task, tid, gid):\n    return 1\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = load_object("generators.my_task:generate", "rollout.generator")
+    assert fn.__module__ == "generators.my_task"

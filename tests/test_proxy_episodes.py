@@ -15,7 +15,7 @@ from agentrl.chat import chat_tokens
 from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory
 from agentrl.generator import RolloutContext, resolve_generator
-from agentrl.generators.openai_proxy import stop_proxies
+from agentrl.generators.proxy_agent import stop_proxies
 from agentrl.types import mask, tokens
 from tests.gen_support import HFEngine
 from tests.gen_support import scripted_replies as scripted
@@ -139,8 +139,7 @@ async def test_the_in_process_generator_returns_the_main_thread(tiny, tok, monke
     sunk = []
     ctx = RolloutContext(engine=HFEngine(tiny), tokenizer=tok, make_env=env_factory("guess_number"),
                          env_name="guess_number", sampling=SamplingParams(max_new_tokens=3), max_seq_len=256,
-                         extra={"agent": "titled_agent:agent", "proxy_keep_side_requests": keep,
-                                "sink": sunk.extend})  # fmt: skip
+                         agent="titled_agent:agent", proxy_keep_side_requests=keep, sink=sunk.extend)  # fmt: skip
     try:
         traj = await resolve_generator("openai_proxy")(ctx, {"secret": 5}, "ep-0", "g")
     finally:

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from agentrl.engines.base import SamplingParams
-from agentrl.generators.openai_proxy import OpenAIProxy
+from agentrl.proxy.server import OpenAIProxy
 from tests.gen_support import embedded_engine
 
 # the repo root, on the schemathesis process's PYTHONPATH: its hooks are tests.proxy_schemathesis_hooks

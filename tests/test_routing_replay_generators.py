@@ -16,9 +16,9 @@ from agentrl.config import Config, load_config
 from agentrl.engines.base import SamplingParams
 from agentrl.envs import env_factory
 from agentrl.generator import RolloutContext, resolve_generator
-from agentrl.generators.openai_params import RequestError
-from agentrl.generators.openai_schema import ChatRequest
-from agentrl.generators.proxy_session import ProxySessions
+from agentrl.proxy.openai_params import RequestError
+from agentrl.proxy.openai_schema import ChatRequest
+from agentrl.proxy.session import ProxySessions
 from agentrl.queue.slices import routing_replay_metrics
 from agentrl.types import RoutedExperts, Trajectory, mask, n_response, normalize, routed_expert_ids, tokens
 from tests.gen_support import HFEngine, Recording

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from agentrl.errors import ConfigError
-from agentrl.generators.tool_parsers import HermesParser, Qwen3CoderParser, parser_for
+from agentrl.proxy.tool_parsers import HermesParser, Qwen3CoderParser, parser_for
 
 TOOLS = [
     {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {

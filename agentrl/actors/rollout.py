@@ -88,31 +88,29 @@ class RolloutWorker:
 
     def _context(self, engine: Engine, sampling: SamplingParams, request_prefix: str,
                  env: tuple[Any, str] | None = None) -> RolloutContext:  # fmt: skip
-        """`env`: (make_env, env name) of an eval set scored by another env than the run's."""
+        """Every generator option from the config (agentrl.generator.RolloutContext names each one's field).
+        `env`: (make_env, env name) of an eval set scored by another env than the run's."""
         r = self.cfg.rollout
-        # what the HTTP-serving generators (openai_proxy, external) need: where to listen, the token, and the
-        # run directory where they write their URLs (proxy.json)
-        extra: dict[str, Any] = {
-            "request_prefix": request_prefix,
-            "proxy_sampling": r.proxy_sampling,
-            "proxy_host": r.proxy_host,
-            "proxy_token": r.proxy_token,
-            "external_timeout_s": r.external_timeout_s,
-            "proxy_keep_side_requests": r.proxy_keep_side_requests,
-            "run_dir": str(Path(self.cfg.run.root) / self.cfg.run.name),
-            "worker_id": self.worker_id,
-        }
-        if r.agent:
-            extra["agent"] = r.agent
         return RolloutContext(
             engine=engine,
             tokenizer=self.tokenizer,
             make_env=env[0] if env else self.make_env,
             env_name=env[1] if env else self.cfg.env.name,
             sampling=sampling,
-            max_turns=self.cfg.rollout.max_turns,
+            max_turns=r.max_turns,
             max_seq_len=self.cfg.engine.max_seq_len,
-            extra=extra,
+            request_prefix=request_prefix,
+            abort_retries=r.abort_retries,
+            tool_parser=r.tool_parser,
+            agent=r.agent,
+            proxy_sampling=r.proxy_sampling,
+            proxy_host=r.proxy_host,
+            proxy_token=r.proxy_token,
+            proxy_keep_side_requests=r.proxy_keep_side_requests,
+            external_timeout_s=r.external_timeout_s,
+            # the HTTP-serving generators (openai_proxy, external) write their URLs there (proxy.json)
+            run_dir=str(Path(self.cfg.run.root) / self.cfg.run.name),
+            worker_id=self.worker_id,
         )
 
     async def _episode(self, task: dict[str, Any], traj_id: str, group_id: str, sampling: SamplingParams,

@@ -89,6 +89,17 @@ class RolloutSection(_Section):
             "openai_proxy generator: 'module:function' agent (default agentrl.generators.proxy_agent:env_agent)"
         ),
     ] = ""
+    tool_parser: Annotated[
+        Literal["", "hermes", "qwen", "qwen2.5", "qwen3", "qwen3_coder"],
+        doc("openai_proxy / external generators: how the proxy reads tool calls in a reply (hermes: "
+            "`<tool_call>{json}</tool_call>`, Qwen2.5/Qwen3; qwen3_coder: `<function=NAME><parameter=P>`); "
+            "\"\": chosen by the chat template"),
+    ] = ""  # fmt: skip
+    abort_retries: Annotated[
+        int,
+        doc("times a reply cut by a weight update (engine.update_mode = 'abort') is continued from its partial "
+            "output within one turn before the episode ends aborted", ge=0),
+    ] = 3  # fmt: skip
     proxy_sampling: Annotated[
         Literal["refuse", "record", "override"],
         doc("OpenAI proxy: a request's temperature/top_p that differ from the run's are refused (400), "

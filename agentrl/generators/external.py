@@ -5,7 +5,7 @@ server and waits until an external agent has played it, then returns the episode
 admission window, staleness bound and groups apply as to any generator (the `n_samples_per_prompt` episodes of
 a task are parked with one `group_id`; the worker puts the finished group into the queue).
 
-An agent's loop (examples/agents/external_http_agent.py; URLs in runs/NAME/proxy.json, `task_servers`):
+An agent's loop (generators/external_http_agent.py; URLs in runs/NAME/proxy.json, `task_servers`):
 1. `GET /v1/tasks/next?wait_s=S` claims the oldest parked task (waits up to S <= 60 seconds; 204 when none):
    `{task_id, group_id, env, task, messages, base_url, max_turns}`. `messages` are the env's opening
    messages; `base_url` is an OpenAI base URL (`.../v1/sessions/<task_id>`) on the run's proxy.
@@ -39,11 +39,10 @@ from aiohttp import web
 
 from agentrl.envs.base import AgentEnv
 from agentrl.generator import RolloutContext
-from agentrl.generators.endpoints import record_endpoint
-from agentrl.generators.openai_proxy import proxy_for, session_trajectory
-from agentrl.generators.openai_schema import error_body
-from agentrl.generators.proxy_agent import episode_reward
+from agentrl.generators.proxy_agent import episode_reward, proxy_for, session_trajectory
 from agentrl.net import FrontDoor, lacks_token
+from agentrl.proxy.endpoints import record_endpoint
+from agentrl.proxy.openai_schema import error_body
 from agentrl.types import Trajectory, validation_field
 
 MAX_WAIT_S = 60.0
@@ -227,9 +226,9 @@ async def board_for(ctx: RolloutContext) -> TaskBoard:
     if future is None:
 
         async def start() -> TaskBoard:
-            board = TaskBoard(ctx.extra.get("proxy_token", ""))
-            url = await board.start(ctx.extra.get("proxy_host", "127.0.0.1"))
-            record_endpoint(ctx.extra, "task_servers", f"w{ctx.extra.get('worker_id', 0)}", url,
+            board = TaskBoard(ctx.proxy_token)
+            url = await board.start(ctx.proxy_host)
+            record_endpoint(ctx.run_dir, bool(ctx.proxy_token), "task_servers", f"w{ctx.worker_id}", url,
                             f"external agents: GET {url}/v1/tasks/next")  # fmt: skip
             return board
 
@@ -257,7 +256,7 @@ async def generate(
 ) -> Trajectory:
     board = await board_for(ctx)
     proxy = await proxy_for(ctx)
-    sid = ctx.extra.get("request_prefix") or trajectory_id  # new for every attempt of the episode
+    sid = ctx.request_prefix or trajectory_id  # new for every attempt of the episode
     env = ctx.make_env()
     try:
         opening = [msgspec.to_builtins(m) for m in await env.reset(task)]
@@ -266,7 +265,7 @@ async def generate(
         proxy.open_session(sid, ctx.sampling)  # the episode's sampling: greedy in evaluation
         await board.park(episode)
         try:
-            outcome = await _outcome(episode, ctx.extra.get("external_timeout_s", 300.0),
+            outcome = await _outcome(episode, ctx.external_timeout_s,
                                      lambda: proxy.sessions.get(sid))  # fmt: skip
         finally:
             board.forget(episode)
@@ -278,7 +277,7 @@ async def generate(
     if outcome is None:
         meta = {
             "abandoned": True,
-            "error": f"the agent was silent for {ctx.extra.get('external_timeout_s')}s",
+            "error": f"the agent was silent for {ctx.external_timeout_s}s",
         }
         return await session_trajectory(proxy, ctx, sid, 0.0, trajectory_id, group_id, "aborted", meta)
     reward, meta = outcome

@@ -27,7 +27,8 @@ from typing import Any
 
 from agentrl.chat import chat_tokens
 from agentrl.generator import RolloutContext
-from agentrl.generators.multi_turn import TokenLog, _plain, generate_turn, run_episode, turn_sampling
+from agentrl.generators.multi_turn import _plain, run_episode
+from agentrl.turns import TokenLog, generate_turn, turn_sampling
 from agentrl.types import Status, Trajectory
 
 
@@ -42,7 +43,7 @@ async def generate(
     created_at = time.time()
     try:
         await env.begin(task)
-        logs, finish, status = await _play(ctx, env, seats, ctx.extra.get("request_prefix") or trajectory_id)
+        logs, finish, status = await _play(ctx, env, seats, ctx.request_prefix or trajectory_id)
         rewards = env.seat_rewards() if status == "completed" else dict.fromkeys(range(seats), 0.0)
         info = _plain(env.game_info())
     finally:

@@ -2,7 +2,7 @@
 agentrl/envs/verifiers_env.py), run by verifiers itself against agentrl's OpenAI proxy.
 
 - Model calls: every agent of an episode reaches the model through the worker's proxy
-  (`agentrl.generators.openai_proxy.proxy_for`), whose session is the verifiers trace id (the `X-Session-ID` header
+  (`agentrl.generators.proxy_agent.proxy_for`), whose session is the verifiers trace id (the `X-Session-ID` header
   verifiers sends on every turn): each agent run is recorded token-exactly as its own session.
 - Reward: the trace's rubric total (`trace.reward`, each reward times its weight); each function's score and
   weight, the metrics and the trace id go to `metadata["verifiers"]`. A failed episode (an error in the env,
@@ -22,8 +22,8 @@ import msgspec
 from agentrl.envs.verifiers_env import GENERATOR, VerifiersEnv, vf_module
 from agentrl.errors import ConfigError
 from agentrl.generator import RolloutContext
-from agentrl.generators.openai_proxy import proxy_for, sink_the_rest
-from agentrl.generators.proxy_session import EPISODE_HEADER
+from agentrl.generators.proxy_agent import proxy_for, sink_the_rest
+from agentrl.proxy.session import EPISODE_HEADER
 from agentrl.types import Trajectory
 
 API_KEY_VAR = (
@@ -95,7 +95,7 @@ async def play(
     """One verifiers episode of `task`: the trajectory and verifiers' own `Episode` (its traces hold the
     conversation each agent's client sent and received). The first trainable agent's session is the returned
     trajectory (`trajectory_id`); other trainable sessions and rewritten-history segments go to
-    `ctx.extra["sink"]` when given (ids `trajectory_id.a{k}`, then `.{segment}`), else they are dropped and
+    `ctx.sink` when given (ids `trajectory_id.a{k}`, then `.{segment}`), else they are dropped and
     counted in `metadata["dropped_segments"]`."""
     env = ctx.make_env()
     if not isinstance(env, VerifiersEnv):

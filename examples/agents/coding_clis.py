@@ -32,7 +32,7 @@ import aiohttp
 from agentrl.chat import chat_tokens
 from agentrl.engines.base import Engine, GenerateOutput, SamplingParams
 from agentrl.engines.tiny import make_tiny_model
-from agentrl.generators.openai_proxy import OpenAIProxy
+from agentrl.proxy.server import OpenAIProxy
 from agentrl.tokenizer import load_tokenizer
 from agentrl.types import mask, tokens
 

@@ -15,7 +15,7 @@ async def main(model_dir: str, token: str, read_timeout_s: float) -> None:
 
     from agentrl.engines.base import SamplingParams
     from agentrl.engines.embedded import EmbeddedEngine
-    from agentrl.generators.openai_proxy import OpenAIProxy
+    from agentrl.proxy.server import OpenAIProxy
     from agentrl.tokenizer import load_tokenizer
 
     torch.set_num_threads(1)

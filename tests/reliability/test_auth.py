@@ -58,7 +58,7 @@ def test_public_bind_without_token_is_refused(tiny_model, tmp_path):
     refused([sys.executable, "-m", "agentrl.cli", "serve-engine", "--model", tiny_model, "--host", "0.0.0.0",
              "--port", "0"], "serve-engine")  # fmt: skip
     code = ("import asyncio; from agentrl.tokenizer import load_tokenizer; "
-            "from agentrl.generators.openai_proxy import OpenAIProxy; "
+            "from agentrl.proxy.server import OpenAIProxy; "
             f"p = OpenAIProxy([object()], load_tokenizer({tiny_model!r})); asyncio.run(p.start('0.0.0.0', 0))")  # fmt: skip
     refused([sys.executable, "-c", code], "the OpenAI proxy", cli=False)
 

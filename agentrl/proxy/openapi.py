@@ -1,10 +1,10 @@
-"""OpenAPI 3.1 description of the proxy (agentrl/generators/openai_proxy.py), served at `/openapi.json`: its
-three faces, OpenAI chat, the OpenAI Responses API (agentrl/generators/openai_responses.py) and Anthropic
-Messages (agentrl/generators/anthropic_messages.py, with count_tokens).
+"""OpenAPI 3.1 description of the proxy (agentrl/proxy/server.py), served at `/openapi.json`: its
+three faces, OpenAI chat, the OpenAI Responses API (agentrl/proxy/openai_responses.py) and Anthropic
+Messages (agentrl/proxy/anthropic_messages.py, with count_tokens).
 
-Request bodies are generated from the request Structs (agentrl/generators/openai_schema.py,
+Request bodies are generated from the request Structs (agentrl/proxy/openai_schema.py,
 responses_schema.py, anthropic_schema.py) and completed with the value rules the server enforces (read from
-the modules that enforce them where they are constants, e.g. agentrl/generators/openai_params.py) and the
+the modules that enforce them where they are constants, e.g. agentrl/proxy/openai_params.py) and the
 serving proxy's state: the run's temperature / top_p when per-request sampling is refused, whether its
 engines serve structured output, whether its chat template has a reasoning channel.
 Rules that depend on the tokenizer (the prompt must fit in `max_seq_len` tokens) or cross fields
@@ -22,11 +22,11 @@ from typing import Any
 import msgspec
 
 from agentrl import __version__
-from agentrl.generators.anthropic_schema import THINKING_TYPES, CountRequest, MessagesRequest
-from agentrl.generators.openai_params import MAX_N, MAX_TOP_LOGPROBS, RESPONSE_FORMATS
-from agentrl.generators.openai_schema import ChatRequest, RewardRequest
-from agentrl.generators.responses_schema import IGNORED_ITEM_KEYS, INCLUDES, ResponsesRequest
-from agentrl.generators.responses_schema import ROLES as RESPONSES_ROLES
+from agentrl.proxy.anthropic_schema import THINKING_TYPES, CountRequest, MessagesRequest
+from agentrl.proxy.openai_params import MAX_N, MAX_TOP_LOGPROBS, RESPONSE_FORMATS
+from agentrl.proxy.openai_schema import ChatRequest, RewardRequest
+from agentrl.proxy.responses_schema import IGNORED_ITEM_KEYS, INCLUDES, ResponsesRequest
+from agentrl.proxy.responses_schema import ROLES as RESPONSES_ROLES
 from agentrl.types import ROLES
 
 OPEN_PATHS = frozenset({"/health", "/openapi.json"})
@@ -49,7 +49,7 @@ POLICY_TEXT = {"record": "sampled with and recorded per turn",
 
 
 def _sampling(props: dict[str, Any], sampling: Any, policy: str) -> None:
-    """temperature / top_p: the shared sampling check (agentrl/generators/openai_params.py) of every face."""
+    """temperature / top_p: the shared sampling check (agentrl/proxy/openai_params.py) of every face."""
     for name, low in (("temperature", {"minimum": 0}), ("top_p", {"exclusiveMinimum": 0, "maximum": 1})):
         run = getattr(sampling, name)
         rule = {"const": run} if policy == "refuse" else {"type": "number", **low}
@@ -101,7 +101,7 @@ def _responses_request(
     components: dict[str, Any], sampling: Any, policy: str, structured_output: bool, reasoning_channel: bool
 ) -> None:
     """ResponsesRequest's loose dicts (`input` items, `tools`, `text`) completed with what
-    agentrl/generators/responses_schema.py reads and refuses."""
+    agentrl/proxy/responses_schema.py reads and refuses."""
     req = components["ResponsesRequest"]
     props = req["properties"]
     _sampling(props, sampling, policy)
@@ -170,7 +170,7 @@ def _block(kind: str, base: dict[str, Any], needs: str = "", **rules: Any) -> di
 def _anthropic_requests(
     components: dict[str, Any], sampling: Any, policy: str, structured_output: bool
 ) -> None:
-    """The Anthropic request Structs completed with what agentrl/generators/anthropic_schema.py refuses: block
+    """The Anthropic request Structs completed with what agentrl/proxy/anthropic_schema.py refuses: block
     types by role, tool and tool_choice kinds, thinking types, top_k."""
     block = components["Block"]
     components["TextBlock"] = _block("text", block)  # the Block Struct as is inside its content: not read

@@ -1,5 +1,5 @@
 """Which recorded segment a proxy request continues, and which segments are side requests: the rules that
-make one agent episode one trajectory (agentrl/generators/proxy_session.py owns the segments themselves).
+make one agent episode one trajectory (agentrl/proxy/session.py owns the segments themselves).
 
 - Continuation: a request continues the segment (any of the session's, not only the last) whose recorded
   messages, up to one of its replies, the request's messages extend; the longest such prefix wins (the
@@ -35,7 +35,7 @@ from agentrl.errors import EnvError
 
 if TYPE_CHECKING:
     from agentrl.chat import ChatTokens
-    from agentrl.generators.proxy_session import Segment
+    from agentrl.proxy.session import Segment
 
 _HISTORY_USER = {"role": "user", "content": "u"}
 

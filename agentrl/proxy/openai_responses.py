@@ -6,7 +6,7 @@ Routes, added to `OpenAIProxy.app()` by `add_routes`:
   `base_url="http://host:port/v1/sessions/{sid}"` (the session base URL the chat and Anthropic faces take).
   Also `POST /v1/responses` with the session in the `X-Session-Id` header, or else in `user`.
 
-A request is translated into the proxy's one chat request (agentrl/generators/responses_schema.py, which
+A request is translated into the proxy's one chat request (agentrl/proxy/responses_schema.py, which
 states what each field does) and run by the shared sessions (`ProxySessions.complete`): one recording, one
 segment rule, one sampling check, one tokenization (agentrl/chat.py). The reply is a `response` object whose
 `output` holds, in order, a `reasoning` item (when the chat template has a reasoning channel and the reply
@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
-from agentrl.generators.openai_response import Choice, _logprobs, _text_pieces
-from agentrl.generators.openai_schema import ChatMessage, FunctionCall, ToolCall, error_body
-from agentrl.generators.proxy_session import EPISODE_HEADER, RequestError, decode_request
-from agentrl.generators.responses_schema import (
+from agentrl.proxy.openai_params import RequestError
+from agentrl.proxy.openai_response import Choice, _logprobs, _text_pieces
+from agentrl.proxy.openai_schema import ChatMessage, FunctionCall, ToolCall, decode_request, error_body
+from agentrl.proxy.responses_schema import (
     PARAMS,
     ResponsesRequest,
     chat_request,
@@ -49,9 +49,10 @@ from agentrl.generators.responses_schema import (
     responses_decoder,
     split_reasoning,
 )
+from agentrl.proxy.session import EPISODE_HEADER
 
 if TYPE_CHECKING:
-    from agentrl.generators.openai_proxy import OpenAIProxy
+    from agentrl.proxy.server import OpenAIProxy
 
 KEPT_RESPONSES = 4096
 encoder = msgspec.json.Encoder()

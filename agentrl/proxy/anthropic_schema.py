@@ -34,7 +34,8 @@ from typing import Any
 
 import msgspec
 
-from agentrl.generators.openai_schema import (
+from agentrl.proxy.openai_params import RequestError
+from agentrl.proxy.openai_schema import (
     ChatMessage,
     ChatRequest,
     ContentPart,
@@ -47,7 +48,6 @@ from agentrl.generators.openai_schema import (
     Tool,
     ToolCall,
 )
-from agentrl.generators.proxy_session import RequestError
 
 BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking")
 THINKING_TYPES = ("enabled", "adaptive", "disabled")

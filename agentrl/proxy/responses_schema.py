@@ -41,7 +41,8 @@ from typing import Any
 
 import msgspec
 
-from agentrl.generators.openai_schema import (
+from agentrl.proxy.openai_params import RequestError
+from agentrl.proxy.openai_schema import (
     ChatMessage,
     ChatRequest,
     FunctionCall,
@@ -53,7 +54,6 @@ from agentrl.generators.openai_schema import (
     Tool,
     ToolCall,
 )
-from agentrl.generators.proxy_session import RequestError
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 INCLUDES = ("reasoning.encrypted_content", "message.output_text.logprobs")

@@ -1,24 +1,27 @@
-"""An external agent submitting trajectories to a running `agentrl serve-queue`.
+"""Submits demonstration trajectories (token-form groups, one chat-form episode) through the queue's front door.
 
     agentrl make-tiny-model runs/tiny-model            # any HF model dir with a chat template works
-    AGENTRL_QUEUE_TOKEN=secret agentrl serve-queue --port 8765 --model runs/tiny-model &
-    AGENTRL_QUEUE_TOKEN=secret python examples/external_agent.py --url http://127.0.0.1:8765
+    echo secret > token; AGENTRL_QUEUE_TOKEN=secret agentrl serve-queue --port 8765 --model runs/tiny-model &
+    agentrl generate queue_demo --queue http://127.0.0.1:8765 --token-file token [-- --groups 2 --group-size 4]
 
 Token form: the agent sends the token ids it sampled (and the behaviour log-probs and the policy version, when
-it knows them), as lists or numpy arrays (the client sends an array with its dtype). Chat form: the agent sends `messages` + reward; the server tokenizes them with the run's chat
-template and trains only on assistant turns (the server needs --model for that, else it answers 422).
+it knows them), as lists or numpy arrays (the client sends an array with its dtype). Chat form: the agent sends
+`messages` + reward; the server tokenizes them with the run's chat template and trains only on assistant turns
+(the server needs --model for that, else it answers 422). A template for a generator of your own: make the
+trajectories of your task, then `ctx.client().submit(...)`.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import uuid
 
 import numpy as np
 
-from agentrl.queue.client import QueueClient, SubmitError
+from agentrl.queue.client import SubmitError
+
+TASK = "external_demo"
 
 
 def token_form_group(n: int, rng: random.Random) -> list[dict]:
@@ -37,7 +40,7 @@ def token_form_group(n: int, rng: random.Random) -> list[dict]:
             "logprobs": np.asarray([-rng.random() for _ in response], dtype=np.float32),
             "policy_version": 0,
             "reward": float(rng.random() > 0.5),
-            "metadata": {"agent": "external_agent.py"},
+            "metadata": {"agent": "queue_demo"},
         })  # fmt: skip
     return out
 
@@ -58,16 +61,14 @@ def chat_form(rng: random.Random) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    parser.add_argument("--url", default="http://127.0.0.1:8765")
-    parser.add_argument("--token", default=os.environ.get("AGENTRL_QUEUE_TOKEN", ""))
+def main(ctx) -> None:
+    parser = argparse.ArgumentParser(prog="agentrl generate queue_demo --")
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(ctx.argv)
     rng = random.Random(args.seed)
-    with QueueClient(args.url, args.token, timeout_s=30) as client:
+    with ctx.client() as client:
         for _ in range(args.groups):
             print("token form:", client.submit(token_form_group(args.group_size, rng)))
         try:
@@ -78,7 +79,3 @@ def main() -> None:
         print(
             f"queue depth {status['depth']}, policy version {status['policy_version']}, counts {status['counts']}"
         )
-
-
-if __name__ == "__main__":
-    main()

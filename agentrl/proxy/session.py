@@ -1,15 +1,15 @@
 """The engine-facing half of the OpenAI proxy: sessions of chat turns, recorded as token segments and closed
-into trajectories. No HTTP here: openai_proxy.py serves `ProxySessions` over aiohttp.
+into trajectories. No HTTP here: server.py serves `ProxySessions` over aiohttp.
 
 Invariants:
 - Token-in/token-out: a request continues the recorded segment (any of the session's) whose messages and
   replies, up to one of its replies, the request's messages extend: the new messages are appended as
   template-delta tokens (loss-masked) after the exact reply tokens, never re-tokenizing earlier ones
-  (continuing an earlier reply forks a copy; agentrl/generators/proxy_segments.py owns these rules).
+  (continuing an earlier reply forks a copy; agentrl/proxy/segments.py owns these rules).
   Messages are compared by `openai_schema.turn_key` (role, text, tool calls by name + arguments), or for a
   reply by the template's rendering, and the segment's `tools` must be the same: tools are rendered into the
   prompt by the chat template.
-- Tool calls: the reply text is parsed by the session's tool parser (agentrl/generators/tool_parsers.py) into
+- Tool calls: the reply text is parsed by the session's tool parser (agentrl/proxy/tool_parsers.py) into
   `tool_calls` (finish_reason `tool_calls`); a malformed call is returned as text and counted
   (`metrics["tool_call_parse_errors"]`, trajectory metadata `tool_call_errors`). `tool_choice` `none` skips
   parsing; `required` / a named function put the parser's call opening after the generation prompt as
@@ -48,18 +48,16 @@ import msgspec
 from agentrl.chat import chat_tokens
 from agentrl.engines.base import Engine, GenerateOutput, InvalidRequest, SamplingParams
 from agentrl.engines.stops import find_stop
-from agentrl.engines.wire import integral_floats
 from agentrl.errors import AgentRLError, EnvError
 from agentrl.generator import RolloutContext
-from agentrl.generators.multi_turn import TokenLog, generate_turn
-from agentrl.generators.openai_params import (
+from agentrl.proxy.openai_params import (
     SAMPLING_POLICIES,
     RequestError,
     requested_sampling,
     turn_sampling,
 )
-from agentrl.generators.openai_response import Choice
-from agentrl.generators.openai_schema import (
+from agentrl.proxy.openai_response import Choice
+from agentrl.proxy.openai_schema import (
     ChatMessage,
     ChatRequest,
     FunctionCall,
@@ -67,12 +65,13 @@ from agentrl.generators.openai_schema import (
     template_message,
     turn_key,
 )
-from agentrl.generators.proxy_segments import Boundary, continuation, renders_same, side_requests
-from agentrl.generators.proxy_segments import fork as fork_segment
-from agentrl.generators.proxy_segments import template_exact as renders_exactly
-from agentrl.generators.proxy_tools import ToolPlan, one_call_sampling, tool_plan
-from agentrl.generators.tool_parsers import parser_for
-from agentrl.types import Trajectory, validation_field
+from agentrl.proxy.segments import Boundary, continuation, renders_same, side_requests
+from agentrl.proxy.segments import fork as fork_segment
+from agentrl.proxy.segments import template_exact as renders_exactly
+from agentrl.proxy.tool_parsers import parser_for
+from agentrl.proxy.tools import ToolPlan, one_call_sampling, tool_plan
+from agentrl.turns import TokenLog, generate_turn
+from agentrl.types import Trajectory
 
 EPISODE_HEADER = "X-AgentRL-Episode"  # names the episode a request's new session belongs to (`open_episode`)
 
@@ -86,7 +85,7 @@ class Segment:
     finish_reasons: list[str] = field(default_factory=list)
     tool_call_errors: int = 0
     turn_sampling: list[dict[str, float]] = field(default_factory=list)  # per turn ("record" policy)
-    # continuation and side requests (agentrl/generators/proxy_segments.py): the conversation as the template
+    # continuation and side requests (agentrl/proxy/segments.py): the conversation as the template
     # takes it, the state after each reply, and the session's turn number of each reply
     turns: list[dict[str, Any]] = field(default_factory=list)
     boundaries: list[Boundary] = field(default_factory=list)
@@ -157,7 +156,7 @@ class ProxySessions:
         return session
 
     def tool_plan(self, req: ChatRequest) -> ToolPlan:
-        """The request's tools, parser and prefill (agentrl/generators/proxy_tools.py)."""
+        """The request's tools, parser and prefill (agentrl/proxy/tools.py)."""
         return tool_plan(req, self.chat, self.parser)
 
     def _segment_for(
@@ -168,7 +167,7 @@ class ProxySessions:
         found = continuation(session.segments, keys, turns, plan.key, self._renders_same)
         if found is not None:
             seg, k = found
-            if k < len(seg.boundaries) - 1:  # continues an earlier reply: a fork (proxy_segments.py)
+            if k < len(seg.boundaries) - 1:  # continues an earlier reply: a fork (segments.py)
                 seg = fork_segment(seg, k)
                 session.segments.append(seg)
             n = seg.boundaries[-1].n_messages
@@ -403,7 +402,7 @@ class ProxySessions:
         metadata: dict[str, Any] | None = None,
     ) -> list[Trajectory]:
         """One trajectory per main-thread segment with at least one generated token, in order, after one per
-        side request when `keep_side_requests` (agentrl/generators/proxy_segments.py says which are which);
+        side request when `keep_side_requests` (agentrl/proxy/segments.py says which are which);
         side requests are otherwise dropped (counted in `metrics["side_requests_dropped"]`)."""
         base = trajectory_id or session.id
         group_id = group_id or session.group_id or session.id
@@ -475,22 +474,6 @@ class _TopRecorder:
                 raise AgentRLError("the engine did not return top_logprobs for every token")
             self.top += out.top_logprobs
         return out
-
-
-def decode_request(decoder: msgspec.json.Decoder, body: bytes) -> Any:
-    """A request body as the decoder's Struct, or RequestError(400) naming the field. Integral floats (8.0)
-    are taken as integers, as JSON and JSON Schema count them (msgspec's typed decoding does not)."""
-    try:
-        try:
-            return decoder.decode(body)
-        except msgspec.ValidationError as exc:
-            if "got `float`" not in str(exc):
-                raise
-            return msgspec.convert(integral_floats(msgspec.json.decode(body)), decoder.type)
-    except msgspec.ValidationError as exc:
-        raise RequestError(400, f"invalid request: {exc}", validation_field(exc)) from None
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise RequestError(400, f"request body is not valid JSON: {exc}") from None
 
 
 def _param(engine_field: str) -> str:

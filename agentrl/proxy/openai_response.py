@@ -4,7 +4,7 @@ content as one delta per decoded token (deltas that join to exactly the content)
 name delta then an arguments delta, a last chunk per choice with `finish_reason` (and the logprobs when
 asked), a usage chunk when `stream_options.include_usage`, then `[DONE]`. Errors are reported before the
 first byte, as JSON with a 4xx/5xx status, never mid-stream.
-Logprobs carry each token's true bytes (agentrl/generators/token_bytes.py) and, when asked, its top logprobs as the
+Logprobs carry each token's true bytes (agentrl/proxy/token_bytes.py) and, when asked, its top logprobs as the
 engine reported them; `system_fingerprint` names the policy version of the reply's last token.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.generators.token_bytes import token_bytes
+from agentrl.proxy.token_bytes import token_bytes
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """Request/response shapes of the OpenAI-compatible proxy, as msgspec Structs.
 
 Every request field is type-checked and a wrong one is reported as a 400 naming it (`param`), the way OpenAI
-reports invalid requests. Unknown fields are refused (at the top level and inside messages, tools and
+reports invalid requests (`decode_request`, which every face decodes its bodies with). Unknown fields are refused (at the top level and inside messages, tools and
 options): a field the proxy would not act on must not be silently ignored. Which values of the known fields
-are honoured is agentrl/generators/openai_params.py's rule.
+are honoured is agentrl/proxy/openai_params.py's rule.
 """
 
 from __future__ import annotations
@@ -12,6 +12,10 @@ import json
 from typing import Annotated, Any, Literal
 
 import msgspec
+
+from agentrl.engines.wire import integral_floats
+from agentrl.proxy.openai_params import RequestError
+from agentrl.types import validation_field
 
 # a reply's token budget: capped to the context left when larger (openai_params); past a signed 64-bit integer
 # it is no number a client means, and is refused by name
@@ -172,3 +176,19 @@ def turn_key(message: ChatMessage) -> tuple[Any, ...]:
 
 def error_body(message: str, param: str = "", kind: str = "invalid_request_error") -> bytes:
     return encoder.encode({"error": {"message": message, "type": kind, "param": param or None, "code": None}})
+
+
+def decode_request(decoder: msgspec.json.Decoder, body: bytes) -> Any:
+    """A request body as the decoder's Struct, or RequestError(400) naming the field. Integral floats (8.0)
+    are taken as integers, as JSON and JSON Schema count them (msgspec's typed decoding does not)."""
+    try:
+        try:
+            return decoder.decode(body)
+        except msgspec.ValidationError as exc:
+            if "got `float`" not in str(exc):
+                raise
+            return msgspec.convert(integral_floats(msgspec.json.decode(body)), decoder.type)
+    except msgspec.ValidationError as exc:
+        raise RequestError(400, f"invalid request: {exc}", validation_field(exc)) from None
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise RequestError(400, f"request body is not valid JSON: {exc}") from None

@@ -11,9 +11,9 @@ from typing import Any
 import msgspec
 
 from agentrl.engines.base import SamplingParams
-from agentrl.generators.openai_params import RequestError
-from agentrl.generators.openai_schema import ChatRequest, tool_dicts
-from agentrl.generators.tool_parsers import ToolParser
+from agentrl.proxy.openai_params import RequestError
+from agentrl.proxy.openai_schema import ChatRequest, tool_dicts
+from agentrl.proxy.tool_parsers import ToolParser
 
 
 @dataclass

@@ -1,12 +1,15 @@
-"""An external agent process for `rollout.generator = "external"`: plain HTTP (requests), no agentrl import, so
-the same loop can be written in any language.
+"""Plays a live run's parked tasks (rollout.generator = "external") over HTTP; the env scores each reply.
 
     agentrl run examples/agents/external.toml &                  # prints "external agents: GET <url>/..."
-    python examples/agents/external_http_agent.py --run-dir runs/external
+    agentrl generate external_http_agent --run-dir runs/external
+    python generators/external_http_agent.py --run-dir runs/external     # the same, without agentrl
 
 It claims a task, chats through the task's OpenAI base URL, and lets the env score each reply
-(`POST /v1/tasks/<id>/step`), until the run ends. `--abandon K` walks away from the first K tasks after one
-reply (they end as `aborted` after `rollout.external_timeout_s`): what the tests use to check that path.
+(`POST /v1/tasks/<id>/step`), until the run ends. Plain HTTP (requests) and no agentrl import, so the same loop
+can be written in any language. Its own arguments (after `--` under `agentrl generate`): `--url` (a task
+server, instead of the run's proxy.json), `--token` (rollout.proxy_token; else $AGENTRL_PROXY_TOKEN),
+`--episodes N` (stop after N; 0: until the run ends) and `--abandon K` (walk away from the first K tasks after
+one reply: they end as `aborted` after `rollout.external_timeout_s`; what the tests use to check that path).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import time
 from pathlib import Path
 
 import requests
+
+TASK = "*"  # any env: the run's env scores the replies
 
 
 def task_server(run_dir: Path, wait_s: float) -> str:
@@ -54,10 +59,11 @@ def play(http: requests.Session, url: str, task: dict, abandon: bool) -> str:
     return "out of turns"
 
 
-def main() -> None:
+def arguments(run_dir: bool) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--run-dir", type=Path, help="the run's directory (reads proxy.json)")
+    where = parser.add_mutually_exclusive_group(required=run_dir)
+    if run_dir:
+        where.add_argument("--run-dir", type=Path, help="the run's directory (reads proxy.json)")
     where.add_argument("--url", help="a task server URL")
     parser.add_argument(
         "--token", default=os.environ.get("AGENTRL_PROXY_TOKEN", ""), help="rollout.proxy_token"
@@ -66,8 +72,19 @@ def main() -> None:
     parser.add_argument(
         "--episodes", type=int, default=0, help="stop after this many (0: until the run ends)"
     )
-    args = parser.parse_args()
-    url = args.url or task_server(args.run_dir, 120.0)
+    return parser
+
+
+def main(ctx) -> None:
+    """`agentrl generate external_http_agent --run-dir DIR [-- --abandon K ...]`."""
+    args = arguments(run_dir=False).parse_args(ctx.argv)
+    if args.url is None and ctx.run_dir is None:
+        raise SystemExit("external_http_agent: give --run-dir (a live run) or, after --, --url TASK_SERVER")
+    play_tasks(ctx.run_dir, args)
+
+
+def play_tasks(run_dir: Path | None, args: argparse.Namespace) -> None:
+    url = args.url or task_server(run_dir, 120.0)
     http = requests.Session()
     if args.token:
         http.headers["Authorization"] = f"Bearer {args.token}"
@@ -77,7 +94,7 @@ def main() -> None:
             resp = http.get(f"{url}/v1/tasks/next", params={"wait_s": 5}, timeout=30)
         except requests.ConnectionError:  # the run has ended (its workers are gone)
             break
-        if args.run_dir is not None and (args.run_dir / "summary.json").exists():
+        if run_dir is not None and (run_dir / "summary.json").exists():
             break
         if resp.status_code == 204:
             continue
@@ -92,4 +109,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    standalone = arguments(run_dir=True).parse_args()
+    play_tasks(standalone.run_dir, standalone)

@@ -1,6 +1,6 @@
 """Anthropic-shaped replies of the proxy: a `message` object, or the server-sent events of a streamed one.
 
-Built from the shared sessions' `Choice` (agentrl/generators/openai_response.py), the same turn the OpenAI face would
+Built from the shared sessions' `Choice` (agentrl/proxy/openai_response.py), the same turn the OpenAI face would
 return: content blocks (the text before any call as one `text` block, then one `tool_use` block per call,
 its `input` the parsed arguments), `stop_reason` (`tool_use`; `max_tokens`; `stop_sequence` with the
 matched `stop_sequence`, which the text omits and the recorded tokens keep; else `end_turn`) and `usage`
@@ -18,8 +18,8 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from agentrl.generators.anthropic_schema import split_reasoning
-from agentrl.generators.openai_response import Choice, _text_pieces
+from agentrl.proxy.anthropic_schema import split_reasoning
+from agentrl.proxy.openai_response import Choice, _text_pieces
 
 SIGNATURE = "agentrl"  # a thinking block's signature: Anthropic's verifies the block; the proxy needs none
 

@@ -1,7 +1,7 @@
 """Which chat-completion parameters the proxy honours and how: the one owner of that rule (docs/agents.md
 has the table). A request's parameters become the engine's `SamplingParams` for its turn, or a
 `RequestError(400)` naming the parameter; nothing a client sends is silently ignored (unknown top-level
-fields are refused by the request type, agentrl/generators/openai_schema.py).
+fields are refused by the request type, agentrl/proxy/openai_schema.py).
 
 Per-request `temperature` / `top_p`: the engine reports logprobs under the sampling it used, and the learner
 recomputes them under the run's sampling, so a request that differs from the run's sampling would make the
@@ -13,7 +13,7 @@ right) and records what was asked per turn (`requested_sampling`), for framework
 default.
 
 `max_tokens` / `max_completion_tokens` above the context left are capped to it (the session records the cap,
-proxy_session.py); `stop` strings of any length end the reply where the text first holds one (SGLang stops
+session.py); `stop` strings of any length end the reply where the text first holds one (SGLang stops
 there, the embedded engine runs on and the proxy cuts the reply: agentrl/engines/stops.py);
 `response_format` `json_object` / `json_schema` becomes the engine's `json_schema` (SGLang's structured
 output; the embedded engine refuses it, and the proxy answers 400 naming `response_format`).

@@ -1,6 +1,6 @@
 """Serve the OpenAI-compatible proxy on its own (`agentrl serve-proxy --engine URL --model DIR --sink ...`).
 
-The proxy (agentrl/generators/openai_proxy.py) in front of running engines, reached by URL: `agentrl serve-engine`
+The proxy (agentrl/proxy/server.py) in front of running engines, reached by URL: `agentrl serve-engine`
 or SGLang servers (several `--engine`: each session goes to the engine with the fewest requests in flight
 and keeps its turns there). Closed sessions (`POST /v1/sessions/<id>/reward`) become trajectories for the
 sink: a serve-queue URL (`http://...`, token from `--sink-token` or $AGENTRL_QUEUE_TOKEN) or a JSONL file
@@ -115,7 +115,7 @@ def _jsonl_sink(path: Path) -> Any:
 
 def _queue_sink(url: str, token: str) -> tuple[Any, Any]:
     from agentrl.errors import QueueFull
-    from agentrl.generators.proxy_session import RequestError
+    from agentrl.proxy.openai_params import RequestError
     from agentrl.queue.client import AsyncQueueClient, SubmitError
 
     client = AsyncQueueClient(url, token, timeout_s=30.0)
@@ -158,8 +158,8 @@ async def _serve(args: argparse.Namespace) -> None:
     from agentrl.engines.base import SamplingParams
     from agentrl.engines.sglang import SGLangEngine
     from agentrl.errors import ConfigError
-    from agentrl.generators.openai_proxy import OpenAIProxy
-    from agentrl.generators.tool_parsers import parser_for
+    from agentrl.proxy.server import OpenAIProxy
+    from agentrl.proxy.tool_parsers import parser_for
     from agentrl.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)

@@ -1,28 +1,30 @@
-"""`openai_proxy`: an OpenAI-compatible chat endpoint in front of the engines that records every session's
+"""`OpenAIProxy`: an OpenAI-compatible chat endpoint in front of the engines that records every session's
 tokens, so an agent written against the OpenAI SDK is trained unchanged.
 
 Routes (aiohttp):
 - `POST /v1/sessions/{sid}/chat/completions`: the primary form, so an SDK client needs only
   `base_url="http://host:port/v1/sessions/{sid}"`. Also `POST /v1/chat/completions` with the session in the
   `X-Session-Id` header, or else in the `user` field. Every parameter is honoured or refused with a 400
-  naming it (agentrl/generators/openai_params.py owns the rule; docs/agents.md has the table): n (choice i > 0
+  naming it (agentrl/proxy/openai_params.py owns the rule; docs/agents.md has the table): n (choice i > 0
   continues in session `{sid}.n{i}`, named in the choice's `session_id`), tools / tool_choice, stream +
   stream_options, logprobs + top_logprobs, stop strings, seed, max_(completion_)tokens (capped to the context
   left), parallel_tool_calls, response_format (a JSON schema where the engine serves structured output);
   temperature / top_p other than the run's are refused, recorded or overridden (`sampling_policy`).
-  Reply shaped like OpenAI's (agentrl/generators/openai_response.py): choices[i].message.content / tool_calls,
+  Reply shaped like OpenAI's (agentrl/proxy/openai_response.py): choices[i].message.content / tool_calls,
   finish_reason (`stop`, `length`, `tool_calls`), usage, optional logprobs; or SSE chunks ending `[DONE]`.
 - `POST /v1/sessions/{sid}/reward` `{reward, group_id?, turn_rewards?, metadata?}` closes the session into
   trajectories handed to the sink (the runner passes the queue's put); `DELETE /v1/sessions/{sid}` drops it.
 - `POST /v1/sessions/{sid}/responses` (also `/v1/responses`): the Responses API face, on the same sessions
-  (agentrl/generators/openai_responses.py); `POST .../v1/messages`: the Anthropic face
-  (agentrl/generators/anthropic_messages.py).
+  (agentrl/proxy/openai_responses.py); `POST .../v1/messages`: the Anthropic face
+  (agentrl/proxy/anthropic_messages.py).
 - `GET /v1/models` and `/v1/models/{model}` (also under `/v1/sessions/{sid}`), `GET /health` (with the
-  proxy's counters, e.g. `tool_call_parse_errors`), `GET /openapi.json` (agentrl/generators/proxy_openapi.py: every
+  proxy's counters, e.g. `tool_call_parse_errors`), `GET /openapi.json` (agentrl/proxy/openapi.py: every
   route, body and answer). A known path with a wrong method is a 405 with `Allow`.
 
-Sessions, segments and token-in/token-out are kept by `ProxySessions` (agentrl/generators/proxy_session.py, whose
-docstring states their invariants); this module is its HTTP front and the `openai_proxy` generator.
+Sessions, segments and token-in/token-out are kept by `ProxySessions` (agentrl/proxy/session.py, whose
+docstring states their invariants); this module is its HTTP front. The `openai_proxy` generator
+(agentrl/generators/proxy_agent.py) runs one per engine of a rollout worker; `agentrl serve-proxy`
+(agentrl/proxy/cli.py) serves one on its own.
 Bad input gets a 4xx whose `param` names the field.
 Hardening: with a `token` every route but /health and /openapi.json needs `Authorization: Bearer <token>` (401; never logged)
 and a non-loopback host without one is refused; bodies over `max_body_bytes` get 413, bodies (and headers)
@@ -35,33 +37,21 @@ import asyncio
 import inspect
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import quote
 
 import msgspec
 from aiohttp import web
 
 from agentrl.engines.base import Engine
-from agentrl.errors import ConfigError, QueueClosed, QueueFull
-from agentrl.generator import RolloutContext
-from agentrl.generators.anthropic_messages import add_routes as add_anthropic_routes
-from agentrl.generators.endpoints import record_endpoint
-from agentrl.generators.openai_response import chunks, completion
-from agentrl.generators.openai_responses import RESPONSES_FACE
-from agentrl.generators.openai_responses import add_routes as add_responses_routes
-from agentrl.generators.openai_schema import chat_decoder, encoder, error_body, reward_decoder
-from agentrl.generators.proxy_openapi import OPEN_PATHS, openapi_spec
-
-# Segment, Session and RequestError stay importable from here
-from agentrl.generators.proxy_session import (  # noqa: F401
-    EPISODE_HEADER,
-    ProxySessions,
-    RequestError,
-    Segment,
-    Session,
-    decode_request,
-)
+from agentrl.errors import QueueClosed, QueueFull
 from agentrl.net import FrontDoor, lacks_token
-from agentrl.plugins import load_object
+from agentrl.proxy.anthropic_messages import add_routes as add_anthropic_routes
+from agentrl.proxy.openai_params import RequestError
+from agentrl.proxy.openai_response import chunks, completion
+from agentrl.proxy.openai_responses import RESPONSES_FACE
+from agentrl.proxy.openai_responses import add_routes as add_responses_routes
+from agentrl.proxy.openai_schema import chat_decoder, decode_request, encoder, error_body, reward_decoder
+from agentrl.proxy.openapi import OPEN_PATHS, openapi_spec
+from agentrl.proxy.session import EPISODE_HEADER, ProxySessions
 from agentrl.types import ROLES, Trajectory, validation_field
 
 Sink = Callable[[list[Trajectory]], Any]
@@ -104,8 +94,8 @@ class OpenAIProxy(ProxySessions, FrontDoor):
             app.router.add_get(f"{prefix}/models/{{model}}", self._model)
         app.router.add_get("/health", self._health)
         app.router.add_get("/openapi.json", self._openapi)
-        add_anthropic_routes(app, self)  # POST /v1/messages (agentrl/generators/anthropic_messages.py)
-        add_responses_routes(app, self)  # POST /v1/responses (agentrl/generators/openai_responses.py)
+        add_anthropic_routes(app, self)  # POST /v1/messages (agentrl/proxy/anthropic_messages.py)
+        add_responses_routes(app, self)  # POST /v1/responses (agentrl/proxy/openai_responses.py)
         return app
 
     @staticmethod
@@ -245,125 +235,3 @@ class OpenAIProxy(ProxySessions, FrontDoor):
         return self._json(
             {"ok": True, "sessions": len(self.sessions), "in_flight": self.in_flight, **self.metrics}
         )
-
-
-# -- as a generator: `rollout.generator = "openai_proxy"` --------------------------------------------------
-
-_proxies: dict[tuple[int, int], asyncio.Future] = {}
-
-
-async def proxy_for(ctx: RolloutContext) -> OpenAIProxy:
-    """One proxy per (event loop, engine), started on first use and shared by every episode on that engine."""
-    key = (id(asyncio.get_running_loop()), id(ctx.engine))
-    future = _proxies.get(key)
-    if future is None:
-
-        async def start() -> OpenAIProxy:
-            proxy = OpenAIProxy([ctx.engine], ctx.tokenizer, sampling=ctx.sampling, max_seq_len=ctx.max_seq_len,
-                                env_name=ctx.env_name, tool_parser=ctx.extra.get("tool_parser", ""),
-                                sampling_policy=ctx.extra.get("proxy_sampling", "refuse"),
-                                token=ctx.extra.get("proxy_token", ""),
-                                keep_side_requests=ctx.extra.get("proxy_keep_side_requests", False))  # fmt: skip
-            await proxy.start(ctx.extra.get("proxy_host", "127.0.0.1"))
-            # hook (serve-proxy / external agents, agentrl/generators/endpoints.py): the URL goes to runs/NAME/proxy.json
-            name = f"w{ctx.extra.get('worker_id', 0)}.{len(_proxies) - 1}"
-            record_endpoint(
-                ctx.extra, "proxies", name, proxy.base_url, f"OpenAI proxy at {proxy.base_url}/v1"
-            )
-            return proxy
-
-        future = _proxies[key] = asyncio.ensure_future(start())
-    return await future
-
-
-async def stop_proxies() -> None:
-    """Stop the proxies this event loop started for the generator (call on worker shutdown)."""
-    loop_id = id(asyncio.get_running_loop())
-    for key in [k for k in _proxies if k[0] == loop_id]:
-        future = _proxies.pop(key)
-        if future.done() and not future.exception():
-            await future.result().stop()
-
-
-def load_agent(name: str) -> Callable[..., Any]:
-    return load_object(name, "rollout.agent")  # the one 'module:function' loader (agentrl.plugins)
-
-
-def agent_keywords(agent: Callable[..., Any], name: str, token: str) -> dict[str, str]:
-    """What the agent is called with besides (base_url, task, env): `api_key`, the proxy's bearer token, when
-    the proxy has one (`rollout.proxy_token`). An agent that takes no `api_key` could only get 401s."""
-    if not token:
-        return {}
-    params = inspect.signature(agent).parameters.values()
-    if any(p.name == "api_key" or p.kind is p.VAR_KEYWORD for p in params):
-        return {"api_key": token}
-    raise ConfigError(
-        f"rollout.proxy_token is set but rollout.agent = {name!r} takes no `api_key` argument, so its requests "
-        "cannot carry the token: add `api_key` to its parameters and send it (openai.AsyncOpenAI(api_key=...) "
-        "or the header `Authorization: Bearer <api_key>`)"
-    )
-
-
-async def generate(
-    ctx: RolloutContext, task: dict[str, Any], trajectory_id: str, group_id: str
-) -> Trajectory:
-    """Run an agent (`ctx.extra["agent"]` = 'module:function', default `agentrl.generators.proxy_agent:env_agent`)
-    against this worker's proxy: `await agent(base_url, task, env) -> reward`, where `base_url` is the
-    session's OpenAI base URL (with `rollout.proxy_token`, also `api_key=` the token). The session samples
-    with `ctx.sampling` (greedy in evaluation). The session's last segment is returned (id `trajectory_id`);
-    earlier segments (history rewritten) go to `ctx.extra["sink"]` when given, else they are dropped and
-    counted in metadata."""
-    proxy = await proxy_for(ctx)
-    name = ctx.extra.get("agent") or "agentrl.generators.proxy_agent:env_agent"
-    agent = load_agent(name)
-    keywords = agent_keywords(agent, name, ctx.extra.get("proxy_token", ""))
-    env = ctx.make_env()
-    sid = trajectory_id
-    proxy.open_session(sid, ctx.sampling)
-    try:
-        reward = await agent(f"{proxy.base_url}/v1/sessions/{quote(sid, safe='')}", task, env, **keywords)
-    except BaseException:
-        proxy.sessions.pop(sid, None)
-        raise
-    finally:
-        await env.close()
-    return await session_trajectory(proxy, ctx, sid, float(reward or 0.0), trajectory_id, group_id)
-
-
-async def session_trajectory(
-    proxy: OpenAIProxy,
-    ctx: RolloutContext,
-    sid: str,
-    reward: float,
-    trajectory_id: str,
-    group_id: str,
-    status: str = "",
-    metadata: dict[str, Any] | None = None,
-) -> Trajectory:
-    """Close session `sid` into the episode's trajectory (hook shared with agentrl/generators/external.py): its last
-    segment, id `trajectory_id`; earlier segments go to `ctx.extra["sink"]` or are dropped and counted.
-    `status` overrides the trajectory's (e.g. "aborted" for an episode its agent abandoned)."""
-    session = proxy.sessions.get(sid)
-    if session is None or not any(seg.log.response_ids for seg in session.segments):
-        proxy.sessions.pop(sid, None)  # opened for the episode, or its every turn failed: nothing recorded
-        return Trajectory(id=trajectory_id, group_id=group_id, env=ctx.env_name, status=status or "failed",
-                          metadata={"error": "the agent made no chat completion request that succeeded",
-                                    **(metadata or {})})  # fmt: skip
-    trajs = await proxy.close_session(
-        sid, reward, group_id=group_id, trajectory_id=trajectory_id, metadata=metadata
-    )
-    earlier = [msgspec.structs.replace(t, id=f"{trajectory_id}.seg{k}") for k, t in enumerate(trajs[:-1])]
-    last = await sink_the_rest(ctx, trajs[-1], earlier)
-    return msgspec.structs.replace(last, id=trajectory_id, **({"status": status} if status else {}))
-
-
-async def sink_the_rest(ctx: RolloutContext, main: Trajectory, rest: list[Trajectory]) -> Trajectory:
-    """An episode gives the worker one trajectory (`main`); its others (earlier segments, other agents) go to
-    `ctx.extra["sink"]` when given, else they are dropped and counted in `main`'s `metadata.dropped_segments`."""
-    sink = ctx.extra.get("sink")
-    if rest and sink is not None:
-        result = sink(rest)
-        if inspect.isawaitable(result):
-            await result
-    meta = {**main.metadata, "dropped_segments": 0 if sink is not None else len(rest)}
-    return msgspec.structs.replace(main, metadata=meta)

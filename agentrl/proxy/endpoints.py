@@ -18,11 +18,10 @@ from typing import Any
 from agentrl.runlayout import ENDPOINTS_FILE
 
 
-def record_endpoint(extra: dict[str, Any], kind: str, key: str, url: str, what: str) -> None:
-    """Add `url` under `kind` ("proxies" or "task_servers") to the run directory's proxy.json (when the rollout
-    worker named one in `extra["run_dir"]`) and print `what` once (Ray forwards it to the driver's console)."""
+def record_endpoint(run_dir: str, token_required: bool, kind: str, key: str, url: str, what: str) -> None:
+    """Add `url` under `kind` ("proxies" or "task_servers") to `run_dir`'s proxy.json (when the rollout worker
+    named a run directory) and print `what` once (Ray forwards it to the driver's console)."""
     print(f"agentrl: {what}", flush=True)
-    run_dir = extra.get("run_dir")
     if not run_dir:
         return
     path = Path(run_dir) / ENDPOINTS_FILE
@@ -36,7 +35,7 @@ def record_endpoint(extra: dict[str, Any], kind: str, key: str, url: str, what: 
         data.setdefault("proxies", {})
         data.setdefault("task_servers", {})
         data[kind][key] = url
-        data["token_required"] = bool(extra.get("proxy_token"))
+        data["token_required"] = token_required
         tmp = path.with_suffix(f".json.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         tmp.replace(path)

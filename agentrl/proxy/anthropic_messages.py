@@ -9,11 +9,11 @@ Routes, added to `OpenAIProxy.app()` by `add_routes`:
 With a proxy token, the SDK authenticates with `auth_token=` (`Authorization: Bearer`), as the proxy's guard
 reads it.
 
-A request is translated into the proxy's one chat request (agentrl/generators/anthropic_schema.py) and run by the
-shared sessions (`ProxySessions.complete`, agentrl/generators/proxy_session.py): one recording, one segment rule, one
+A request is translated into the proxy's one chat request (agentrl/proxy/anthropic_schema.py) and run by the
+shared sessions (`ProxySessions.complete`, agentrl/proxy/session.py): one recording, one segment rule, one
 sampling check (temperature / top_p / max_tokens / stop are judged there, as for the OpenAI face), one
 tokenization (agentrl/chat.py). A session may even mix both faces. The reply is shaped by
-agentrl/generators/anthropic_response.py; errors are Anthropic's
+agentrl/proxy/anthropic_response.py; errors are Anthropic's
 `{"type": "error", "error": {"type": "invalid_request_error", "message": "<param>: ..."}}`.
 """
 
@@ -25,8 +25,8 @@ import msgspec
 from aiohttp import web
 
 from agentrl.errors import EnvError
-from agentrl.generators.anthropic_response import events, message
-from agentrl.generators.anthropic_schema import (
+from agentrl.proxy.anthropic_response import events, message
+from agentrl.proxy.anthropic_schema import (
     REASONING_OPEN,
     CountRequest,
     chat_request,
@@ -35,11 +35,11 @@ from agentrl.generators.anthropic_schema import (
     messages_decoder,
     thinking_on,
 )
-from agentrl.generators.openai_schema import template_message
-from agentrl.generators.proxy_session import RequestError, decode_request
+from agentrl.proxy.openai_params import RequestError
+from agentrl.proxy.openai_schema import decode_request, template_message
 
 if TYPE_CHECKING:
-    from agentrl.generators.openai_proxy import OpenAIProxy
+    from agentrl.proxy.server import OpenAIProxy
 
 encoder = msgspec.json.Encoder()
 
