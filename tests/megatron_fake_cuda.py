@@ -341,7 +341,7 @@ def expert_parallel_worker(rank: int, world: int, model_dir: str, port: int, out
     dp = gpu_path_learner(model_dir, expert_parallel=1, **moe)  # the same 2 ranks, every expert on each
     dp_steps = [dp.train_step(make_batch(300, seed=step)) for step in range(2)]
     out["steps"] = [
-        {k: [a[k], b[k]] for k in ("loss", "grad_norm", "updates")}
+        {k: [a[k], b[k]] for k in ("loss", "grad_norm", "updates", "expert_load_max_over_mean")}
         for a, b in zip(steps, dp_steps, strict=True)
     ]
     out["ep_vs_dp_weights"] = max_diff(published, dict(dp.weights()))

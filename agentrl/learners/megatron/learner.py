@@ -384,14 +384,17 @@ class MegatronLearner(Learner):
                 )
         finally:
             self._tally = None
-        moe = None if tally is None else self._router_metrics(tally)
         if self.pp_size == 1:
+            # the lockstep passes first: an EP rank still owing its group a pass must not wait in the router
+            # metrics' collective meanwhile
             self._lockstep(batch, len(parts))
+            moe = self._router_metrics(tally)
             norm = update.grad_norm(self)
             # with the step's batch metrics and the router metrics: one read
             parts = self._read_metrics(parts if moe is None else [*parts, (moe, 1.0)])
             moe_floats = parts.pop()[0] if moe is not None else {}
         else:
+            moe = self._router_metrics(tally)
             parts = pipeline.broadcast_from_last(parts)
             norm = update.grad_norm(self)
             moe_floats = metric_floats([(moe, 1.0)])[0][0] if moe is not None else {}
@@ -400,9 +403,11 @@ class MegatronLearner(Learner):
         metrics.update(self._apply_update(norm, loss=metrics.get("loss", 0.0)))
         return metrics, len(parts)
 
-    def _router_metrics(self, tally: router_stats.RouterTally) -> dict[str, torch.Tensor]:
+    def _router_metrics(self, tally: router_stats.RouterTally | None) -> dict[str, torch.Tensor] | None:
         """The update's router metrics from its tally summed over the data-parallel ranks (other tokens; under
-        EP too) and the pipeline stages (other layers); MoE models run TP = 1."""
+        EP too) and the pipeline stages (other layers); MoE models run TP = 1. None for a dense model."""
+        if tally is None:
+            return None
         from megatron.core import parallel_state as ps
 
         if self.dp_size > 1:
