@@ -211,9 +211,11 @@ def sync(device: str) -> None:
 
 
 def timed(step, args) -> dict:
+    t0 = time.perf_counter()
     for _ in range(args.warmup):
         step()
     sync(args.device)
+    warmup_s = time.perf_counter() - t0  # with torch.compile: the compile at start
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
@@ -224,7 +226,7 @@ def timed(step, args) -> dict:
         times.append(time.perf_counter() - t0)
     mem = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
     return {"step_s": statistics.median(times), "step_times_s": [round(t, 4) for t in times],
-            "peak_mem_gib": round(mem, 2), "last": out}  # fmt: skip
+            "warmup_s": round(warmup_s, 2), "peak_mem_gib": round(mem, 2), "last": out}  # fmt: skip
 
 
 def profile_step(step) -> None:

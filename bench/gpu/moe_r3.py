@@ -72,7 +72,10 @@ def summary(run_dir: Path) -> dict[str, Any]:
     sys.path.insert(0, str(HERE))
     from run_summary import load_rows, spread
 
-    from agentrl.config_text import tomllib
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
 
     rows = load_rows(run_dir)
     cfg = tomllib.loads((run_dir / "config.toml").read_text())
@@ -81,9 +84,9 @@ def summary(run_dir: Path) -> dict[str, Any]:
     model = Path(cfg["model"]["path"]) / "config.json"
     if model.exists():
         spec = json.loads(model.read_text())
-        out["model"] = {
-            k: spec.get(k) for k in ("model_type", "num_hidden_layers", "num_experts", "vocab_size")
-        }
+        experts = spec.get("num_experts") or spec.get("num_local_experts") or spec.get("n_routed_experts")
+        out["model"] = {"model_type": spec.get("model_type"), "layers": spec.get("num_hidden_layers"),
+                        "experts": experts, "topk": spec.get("num_experts_per_tok"), "vocab": spec.get("vocab_size")}  # fmt: skip
     for name, key in METRICS.items():
         values = [float(r[key]) for r in rows if r.get(key) is not None]
         out[name] = spread(values)
