@@ -352,6 +352,10 @@ def expert_parallel_worker(rank: int, world: int, model_dir: str, port: int, out
         {k: [a[k], b[k]] for k in ("loss", "grad_norm")} for a, b in zip(cpu_steps, dp_steps, strict=True)
     ]
     out["cpu_vs_dp_weights"] = max_diff(dict(cpu.weights()), dict(dp.weights()))
+    # each rank trains on its own data-parallel slice, as in `agentrl run`: 6 rows (several micro-batches)
+    # against 1 (one), so the rank with fewer runs lockstep passes in the update and in the log-prob passes
+    mine = make_batch(300, n=6 if rank == 0 else 1, seed=20 + rank)
+    out["sliced_uneven"] = ep.train_step(mine, sliced=True)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
 

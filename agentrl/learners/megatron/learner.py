@@ -288,9 +288,17 @@ class MegatronLearner(Learner):
         mbs = micro_batches(batch, self.cfg.micro_batch_tokens)
         model.eval()
         if self.pp_size == 1:
+            # each rank its own slice under EP: as many passes as the group's most (agreed before the first)
+            owed = (
+                expert_parallel.owed_in_group(len(mbs), self.device)
+                if self._sliced and self.ep_size > 1
+                else 0
+            )
             for mb in mbs:
                 logp, _ = self._forward(model, mb, replay=replay)
                 out[mb.extra["rows"], : logp.shape[1]] = logp
+            for _ in range(owed):
+                self._forward(model, mbs[-1], replay=replay)
         else:
             payload = self._logprob_payload
             runs = pipeline.run(self, mbs, payload, forward_only=True, model=model, replay=replay)
@@ -372,8 +380,9 @@ class MegatronLearner(Learner):
         self._tally = tally  # the policy's routers add this update's micro-batches to it (`_logits`)
         try:
             if self.pp_size == 1:
-                parts = []
-                for mb in self._my_micro_batches(batch):
+                parts, mbs = [], self._my_micro_batches(batch)
+                owed = self._owed_passes(batch, len(mbs))  # before any MoE layer's collective
+                for mb in mbs:
                     logp, ent = self._forward(self.model, mb, entropy=True)
                     loss, m = compute_loss(self.algo, mb, logp, entropy=ent, as_tensors=True)
                     loss.backward()  # no host read before it: the metrics stay on the device until the norm's
@@ -387,7 +396,7 @@ class MegatronLearner(Learner):
         if self.pp_size == 1:
             # the lockstep passes first: an EP rank still owing its group a pass must not wait in the router
             # metrics' collective meanwhile
-            self._lockstep(batch, len(parts))
+            self._lockstep(batch, owed)
             moe = self._router_metrics(tally)
             norm = update.grad_norm(self)
             # with the step's batch metrics and the router metrics: one read
@@ -416,15 +425,24 @@ class MegatronLearner(Learner):
             dist.all_reduce(tally.flat, group=ps.get_pipeline_model_parallel_group())
         return tally.metrics(replaying=self.cfg.routing_replay == "rollout")
 
-    def _lockstep(self, batch: Batch, mine: int, router_losses: bool = True) -> None:
-        """Under EP, the forward/backward passes this rank still owes its EP group (expert_parallel.py), on a
-        micro-batch of the batch with zero loss and zero router-loss scale: no gradient changes."""
+    def _owed_passes(self, batch: Batch, mine: int) -> int:
+        """The passes this rank will owe its EP group after its `mine` micro-batches of `batch`
+        (expert_parallel.py). On data-parallel slices every rank runs all micro-batches of its own slice, so
+        the group agrees on its most in a collective: call it before the micro-batches (whose MoE layers run
+        collectives of the same group)."""
         if self.ep_size == 1:
+            return 0
+        if self._sliced:
+            return expert_parallel.owed_in_group(mine, self.device)
+        return expert_parallel.lockstep_passes(len(micro_batches(batch, self.cfg.micro_batch_tokens)), mine,
+                                               self.dp_size)  # fmt: skip
+
+    def _lockstep(self, batch: Batch, owed: int, router_losses: bool = True) -> None:
+        """Under EP, the `owed` forward/backward passes (`_owed_passes`), on a micro-batch of the batch with zero
+        loss and zero router-loss scale: no gradient changes."""
+        if owed <= 0:
             return
         mbs = micro_batches(batch, self.cfg.micro_batch_tokens)
-        owed = expert_parallel.lockstep_passes(len(mbs), mine, self.dp_size)
-        if not owed:
-            return
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
         if self._router_losses():
@@ -466,7 +484,7 @@ class MegatronLearner(Learner):
                 loss = sft_loss(self._forward(self.model, mb)[0], mb.loss_mask, batch.total_loss_tokens)
                 loss.backward()
                 losses.append(loss.detach())
-            self._lockstep(batch, len(mbs), router_losses=False)
+            self._lockstep(batch, self._owed_passes(batch, len(mbs)), router_losses=False)
             norm = update.grad_norm(self)
             # a data-parallel rank may hold no micro-batch of a small batch (the warm-up's): it adds nothing
             total = float(torch.stack(losses).sum()) if losses else 0.0
