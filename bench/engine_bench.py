@@ -57,15 +57,15 @@ MOE_ARCHS = {
 }  # fmt: skip
 
 
-def build_model(arch: str, root: Path, dtype: str, device: str) -> Path:
+def build_model(arch: str, root: Path, dtype: str, device: str, overrides: dict | None = None) -> Path:
     """Write the model to `root` (tiny: the offline kit; else random init of that `ARCHS` / `MOE_ARCHS`
-    architecture)."""
+    architecture; `overrides`: config fields of an MoE architecture to change, e.g. num_hidden_layers)."""
     if arch == "tiny":
         from agentrl.engines.tiny import make_tiny_model
 
         return make_tiny_model(root / "tiny", arch="qwen3", seed=0)
     if arch in MOE_ARCHS:
-        return _build_moe(arch, root, dtype, device)
+        return _build_moe(arch, root, dtype, device, overrides or {})
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     s = ARCHS[arch]
@@ -85,17 +85,18 @@ def build_model(arch: str, root: Path, dtype: str, device: str) -> Path:
     return path
 
 
-def _build_moe(arch: str, root: Path, dtype: str, device: str) -> Path:
+def _build_moe(arch: str, root: Path, dtype: str, device: str, overrides: dict) -> Path:
     import transformers
 
-    spec = dict(MOE_ARCHS[arch])
+    spec = {**MOE_ARCHS[arch], **overrides}
     cls = getattr(transformers, spec.pop("cls"))
     special = spec["vocab_size"] - 1  # Qwen's special ids where the vocabulary holds them (GLM's is smaller)
+    ids = {"eos_token_id": min(151645, special), "pad_token_id": min(151643, special), "bos_token_id": None}
+    ids.update({key: spec.pop(key) for key in list(ids) if key in spec})
     rope = {"rope_type": "default", "rope_theta": 1_000_000.0,
             "partial_rotary_factor": spec.get("partial_rotary_factor", 1.0)}  # fmt: skip
     config = cls(**spec, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                 rope_parameters=rope, eos_token_id=min(151645, special), pad_token_id=min(151643, special),
-                 bos_token_id=None)  # fmt: skip
+                 rope_parameters=rope, **ids)  # fmt: skip
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])

@@ -3,15 +3,21 @@
 One GPU:   python bench/megatron_bench.py            (hf, megatron, megatron_compile; 8 x 2048 tokens/step)
 TP = 2:    torchrun --nproc_per_node 2 bench/megatron_bench.py --tp 2 --variants megatron,megatron_compile
 DP = 2:    torchrun --nproc_per_node 2 bench/megatron_bench.py --variants megatron
-CPU smoke: python bench/megatron_bench.py --device cpu --tiny
+MoE, EP=2: python bench/megatron_bench.py --model qwen3-30b-a3b-4l --variants hf   (the one-GPU baseline), then
+           torchrun --nproc_per_node 2 bench/megatron_bench.py --model qwen3-30b-a3b-4l --ep 2 --variants megatron
+CPU smoke: python bench/megatron_bench.py --device cpu --tiny   (--tiny --model qwen3-30b-a3b-4l: a tiny MoE)
 
 Random-init weights (written once as an HF directory), bf16 on GPU. A step is one optimizer step over the whole
-batch (forward + backward + update). `mfu` counts FLOPs per token = 6 N + 6 L H d S: N = all parameters (tied
-embedding counted once, so the LM head's matmul is in 6 N), and causal attention's scores and values (fwd +
-bwd) at half of the full S x S (12 L H d S / 2: a causal kernel skips the upper triangle). `mfu_full_attention`
-counts the full 12 L H d S (PaLM's convention, what earlier docs reported); `mfu_6n` 6 N alone. Peak 989e12
-FLOP/s (H100/H200 bf16 dense) per GPU. Run-to-run spread is large (host time between kernels varies):
-bench/learner_mfu.py runs this script several times and reports medians.
+batch (forward + backward + update); `step_s` is the median of the timed steps (each ends with the step's read
+of its metrics, so the host waits for the GPU in every one). `mfu` counts FLOPs per token = 6 N + 6 L H d S:
+N = all parameters (tied embedding counted once, so the LM head's matmul is in 6 N), and causal attention's
+scores and values (fwd + bwd) at half of the full S x S (12 L H d S / 2: a causal kernel skips the upper
+triangle). A mixture of experts (the `MOE_ARCHS` of bench/engine_bench.py, with `--ep` the Megatron learner's
+expert parallelism) counts its ACTIVE parameters as N: per MoE layer the router and top-k experts (plus shared
+experts), dense layers whole, the LM head (untied; the input embedding is a lookup, no FLOPs).
+`mfu_full_attention` counts the full 12 L H d S (PaLM's convention, what earlier docs reported); `mfu_6n` 6 N
+alone. Peak 989e12 FLOP/s (H100/H200 bf16 dense) per GPU. Run-to-run spread is large (host time between
+kernels varies): bench/learner_mfu.py runs this script several times and reports medians.
 Each variant runs in its own try block: a failure is reported (with its traceback) and the others still run.
 """
 
@@ -21,29 +27,40 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(
+    0, str(Path(__file__).resolve().parent)
+)  # engine_bench, also when imported as bench.megatron_bench
 
 import torch
+from engine_bench import MOE_ARCHS, build_model  # the one builder of random MoE models
 
 PEAK_FLOPS = 989e12
 QWEN3_06B = dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, ffn=3072, vocab=151936)
 QWEN3_17B = dict(hidden=2048, layers=28, heads=16, kv_heads=8, head_dim=128, ffn=6144, vocab=151936)
 MODELS = {"qwen3-0.6b": QWEN3_06B, "qwen3-1.7b": QWEN3_17B}
 TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=512)
+# --tiny with an MoE --model: its family in small (4 experts, top-2), for the CPU smoke test
+TINY_MOE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                intermediate_size=128, moe_intermediate_size=32, vocab_size=512, num_experts=4,
+                num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2)  # fmt: skip
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true", help="tiny model and batch (CPU smoke test)")
-    p.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODELS), help="architecture (random init)")
+    p.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODELS) + sorted(MOE_ARCHS),
+                   help="architecture (random init)")  # fmt: skip
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (launch with torchrun)")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size (launch with torchrun)")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size of an MoE --model (torchrun)")
     p.add_argument("--variants", default="hf,megatron,megatron_compile",
                    help="comma list of hf, megatron (eager), megatron_compile (torch.compile), megatron_default "
                         "(learner.compile at its default, as `agentrl run` makes it), torch_learner; a "
@@ -69,12 +86,18 @@ def parse_args(argv=None):
 def fill_defaults(args, steps: tuple[int, int]):
     """Workload defaults shared with bench/gpu/fsdp_check.py (same dims, batch and model directory);
     `steps` = (tiny, full) timed steps."""
-    args.dims = TINY if args.tiny else MODELS[getattr(args, "model", "qwen3-0.6b")]
+    model = getattr(args, "model", "qwen3-0.6b")
+    args.moe_overrides = {}
+    if model in MOE_ARCHS:
+        args.moe_overrides = {k: v for k, v in TINY_MOE.items() if k in MOE_ARCHS[model]} if args.tiny else {}
+        args.dims = moe_dims({**MOE_ARCHS[model], **args.moe_overrides})
+    else:
+        args.dims = TINY if args.tiny else MODELS[model]
     args.batch = args.batch or (4 if args.tiny else 8)
     args.seq = args.seq or (64 if args.tiny else 2048)
     args.steps = args.steps or (steps[0] if args.tiny else steps[1])
     args.dtype = "float32" if args.device == "cpu" else "bfloat16"
-    name = "tiny" if args.tiny else getattr(args, "model", "qwen3-0.6b")
+    name = f"tiny-{model}" if args.tiny and model in MOE_ARCHS else "tiny" if args.tiny else model
     args.model_dir = args.model_dir or f"/tmp/agentrl-bench-{name}-{args.dtype}"
     return args
 
@@ -95,12 +118,30 @@ def hf_config(dims: dict):
     )  # fmt: skip
 
 
+def moe_dims(spec: dict) -> dict:
+    """The dims this script counts FLOPs with, from a `MOE_ARCHS` config (Qwen3-MoE or GLM-4.5 MoE)."""
+    layers = spec["num_hidden_layers"]
+    dense = spec.get("first_k_dense_replace", 0) + len(spec.get("mlp_only_layers", []))
+    return dict(hidden=spec["hidden_size"], layers=layers, heads=spec["num_attention_heads"],
+                kv_heads=spec["num_key_value_heads"], head_dim=spec["head_dim"], ffn=spec["intermediate_size"],
+                vocab=spec["vocab_size"], experts=spec.get("num_experts") or spec["n_routed_experts"],
+                topk=spec["num_experts_per_tok"], moe_ffn=spec["moe_intermediate_size"],
+                shared=spec.get("n_shared_experts", 0), dense_layers=min(dense, layers))  # fmt: skip
+
+
 def ensure_model_dir(args) -> Path:
     """Rank 0 writes a random-init HF directory once; everyone else waits on the process group."""
     import torch.distributed as dist
 
     path = Path(args.model_dir)
-    if int(os.environ.get("RANK", "0")) == 0 and not (path / "model.safetensors").exists():
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if rank0 and "experts" in args.dims and not (path / "config.json").exists():  # saved in shards when large
+        t0 = time.perf_counter()
+        built = build_model(args.model, path.parent / f"{path.name}.build", args.dtype, args.device,
+                            args.moe_overrides)  # fmt: skip
+        built.rename(path)
+        log(f"wrote random model to {path} in {time.perf_counter() - t0:.1f}s")
+    if rank0 and "experts" not in args.dims and not (path / "model.safetensors").exists():
         from transformers import AutoModelForCausalLM
 
         t0 = time.perf_counter()
@@ -117,10 +158,26 @@ def ensure_model_dir(args) -> Path:
 
 
 def n_params(dims: dict) -> int:
+    """All parameters (a dense model's, tied embedding once); an MoE model's active ones (module docstring)."""
     h, hd, ffn, v = dims["hidden"], dims["head_dim"], dims["ffn"], dims["vocab"]
     q, kv = dims["heads"] * hd, dims["kv_heads"] * hd
-    layer = h * (q + 2 * kv) + q * h + 3 * h * ffn + 2 * h + 2 * hd
-    return v * h + dims["layers"] * layer + h
+    attention = h * (q + 2 * kv) + q * h + 2 * h + 2 * hd
+    if "experts" not in dims:
+        return v * h + dims["layers"] * (attention + 3 * h * ffn) + h
+    moe = h * dims["experts"] + (dims["topk"] + dims["shared"]) * 3 * h * dims["moe_ffn"]
+    dense = dims["dense_layers"]
+    return v * h + dims["layers"] * attention + dense * 3 * h * ffn + (dims["layers"] - dense) * moe + h
+
+
+def n_params_total(dims: dict) -> int:
+    """Every parameter (an MoE model's experts all counted, its input embedding too)."""
+    if "experts" not in dims:
+        return n_params(dims)
+    h = dims["hidden"]
+    idle = (
+        (dims["experts"] - dims["topk"]) * 3 * h * dims["moe_ffn"] * (dims["layers"] - dims["dense_layers"])
+    )
+    return n_params(dims) + idle + dims["vocab"] * h
 
 
 def flops_per_token(dims: dict, seq: int) -> dict[str, float]:
@@ -162,13 +219,15 @@ def timed(step, args) -> dict:
     warmup_s = time.perf_counter() - t0  # with torch.compile: the compile at start
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
+    times = []
     for _ in range(args.steps):
-        out = step()
-    sync(args.device)
-    step_s = (time.perf_counter() - t0) / args.steps
+        t0 = time.perf_counter()
+        out = step()  # reads its loss: the host waits for the step's GPU work
+        sync(args.device)
+        times.append(time.perf_counter() - t0)
     mem = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
-    return {"step_s": step_s, "warmup_s": round(warmup_s, 2), "peak_mem_gib": round(mem, 2), "last": out}
+    return {"step_s": statistics.median(times), "step_times_s": [round(t, 4) for t in times],
+            "warmup_s": round(warmup_s, 2), "peak_mem_gib": round(mem, 2), "last": out}  # fmt: skip
 
 
 def profile_step(step) -> None:
@@ -243,9 +302,11 @@ def learner_section(args, kind: str, world: int):
     dp = world // (args.tp * args.pp)
     mbt = args.micro_batch_tokens or -(-args.batch // dp) * args.seq
     args.micro_batch_tokens = mbt
+    mega = kind == "megatron"
     return LearnerSection(
         kind=kind, device=args.device, dtype=args.dtype, lr=1e-5, grad_clip=1.0, micro_batch_tokens=mbt,
-        tensor_parallel=args.tp if kind == "megatron" else 1, pipeline_parallel=args.pp if kind == "megatron" else 1,
+        tensor_parallel=args.tp if mega else 1, pipeline_parallel=args.pp if mega else 1,
+        data_parallel=dp if mega else 1, expert_parallel=args.ep if mega else 1,
     )  # fmt: skip
 
 
@@ -323,7 +384,8 @@ def write_summary(args, results: dict, world: int, rank: int, flops: dict) -> No
         if "error" not in results.get("hf", {"error": 1}) and "error" not in results.get(name, {"error": 1}):
             results[f"speedup_{name}_vs_hf"] = results["hf"]["step_s"] / results[name]["step_s"]
     summary = {"world": world, "tp": args.tp, "pp": args.pp, "batch": args.batch, "seq": args.seq,
-               "dims": args.dims, "n_params": n_params(args.dims), "flops_per_token": flops, "results": results}  # fmt: skip
+               "dims": args.dims, "n_params": n_params(args.dims), "n_params_total": n_params_total(args.dims),
+               "ep": args.ep, "flops_per_token": flops, "results": results}  # fmt: skip
     if args.out and rank == 0:
         Path(args.out).write_text(json.dumps(summary, indent=2, default=str) + "\n")
 

@@ -341,7 +341,7 @@ def expert_parallel_worker(rank: int, world: int, model_dir: str, port: int, out
     dp = gpu_path_learner(model_dir, expert_parallel=1, **moe)  # the same 2 ranks, every expert on each
     dp_steps = [dp.train_step(make_batch(300, seed=step)) for step in range(2)]
     out["steps"] = [
-        {k: [a[k], b[k]] for k in ("loss", "grad_norm", "updates")}
+        {k: [a[k], b[k]] for k in ("loss", "grad_norm", "updates", "expert_load_max_over_mean")}
         for a, b in zip(steps, dp_steps, strict=True)
     ]
     out["ep_vs_dp_weights"] = max_diff(published, dict(dp.weights()))
@@ -352,6 +352,10 @@ def expert_parallel_worker(rank: int, world: int, model_dir: str, port: int, out
         {k: [a[k], b[k]] for k in ("loss", "grad_norm")} for a, b in zip(cpu_steps, dp_steps, strict=True)
     ]
     out["cpu_vs_dp_weights"] = max_diff(dict(cpu.weights()), dict(dp.weights()))
+    # each rank trains on its own data-parallel slice, as in `agentrl run`: 6 rows (several micro-batches)
+    # against 1 (one), so the rank with fewer runs lockstep passes in the update and in the log-prob passes
+    mine = make_batch(300, n=6 if rank == 0 else 1, seed=20 + rank)
+    out["sliced_uneven"] = ep.train_step(mine, sliced=True)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
 

@@ -141,3 +141,60 @@ def test_run_summary_loop_time_of_a_resumed_run(tmp_path):
     assert proc.returncode == 0, proc.stderr
     (r,) = json.loads(out.read_text())
     assert r["steps"] == 6 and r["loop_s"] == 3.0 + 3 * 2.0 and r["trajectories"] == 6 * 64
+
+
+def test_moe_r3_config_takes_the_scripts_flags(tmp_path):
+    """`moe_checks.sh r3`'s run, as the script starts it (common.sh's flag sets, routing replay on and off),
+    passes `agentrl run --dry-run`: every key exists, the reward module resolves from the config's directory,
+    and SGLang's placement settings reach engine.sglang.args."""
+    for replay in ("rollout", "off"):
+        cmd = ('source bench/gpu/common.sh; python3 -m agentrl.cli run bench/gpu/moe_r3.toml --dry-run '
+               f'--model.path {tmp_path}/m --run.steps 50 "${{MEGATRON_GPU[@]}}" "${{SGLANG_GPU[@]}}" '
+               f'--learner.routing-replay {replay}')  # fmt: skip
+        env = {
+            "OUT": str(tmp_path),
+            "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+            "PYTHONPATH": str(ROOT),
+        }
+        proc = subprocess.run(["bash", "-c", cmd], cwd=ROOT, env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        text = proc.stdout
+        assert f'routing_replay = "{replay}"' in text and "expert_parallel = 2" in text, text
+        assert "base_gpu_id = 1" in text and 'kind = "sglang"' in text and "learner ranks = 2" in text
+
+
+def test_moe_r3_summary_medians_and_rows(tmp_path):
+    """bench/gpu/moe_r3.py: the reward, and per run one JSON line of medians over steps and a markdown row (n/a
+    for metrics a run did not report: no router agreement without replay)."""
+    sys.path.insert(0, str(ROOT / "bench/gpu"))
+    from moe_r3 import digit_share
+
+    assert digit_share("a1b2", {}) == 0.5 and digit_share("", {}) == 0.0
+    for name, replay, agreement in (("on", "rollout", [0.9, 0.95, 0.93]), ("off", "off", None)):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "config.toml").write_text(
+            f'[learner]\nrouting_replay = "{replay}"\nexpert_parallel = 2\n[model]\npath = "{tmp_path}/m"\n'
+        )
+        rows = []
+        for i in range(3):
+            row = {
+                "step": i + 1,
+                "step_s": 1.0 + i,
+                "publish_s": 0.1 * (i + 1),
+                "train/logprob_mismatch": 0.01,
+            }
+            if agreement:
+                row.update({"train/router_agreement": agreement[i], "train/logprob_mismatch_no_replay": 0.02})
+            rows.append(json.dumps(row))
+        (run / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    proc = subprocess.run([sys.executable, "bench/gpu/moe_r3.py", "summary", str(tmp_path / "on"), str(tmp_path / "off")],
+                          cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    on, off = json.loads(lines[0]), json.loads(lines[1])
+    assert on["steps"] == 3 and on["step_s"]["median"] == 2.0 and on["publish_s"]["median"] == 0.2
+    assert on["router_agreement"]["median"] == 0.93 and on["logprob_mismatch_no_replay"]["median"] == 0.02
+    assert off["routing_replay"] == "off" and off["router_agreement"] == {}
+    assert lines[-2] == "| on | rollout | 3 | 2.00 | 0.20 | 0.930 | 0.0100 | 0.0200 | n/a |"
+    assert lines[-1] == "| off | off | 3 | 2.00 | 0.20 | n/a | 0.0100 | n/a | n/a |"

@@ -38,6 +38,13 @@ def test_expert_parallel_2_trains_checkpoints_resumes_and_publishes(tmp_path):
     probe = make_batch(300, seed=11)
     exported = hf_logprobs(tmp_path / "export", probe)
     assert (torch.tensor(ranks[0]["trained_logprobs"]) - exported).abs().max().item() <= 1e-5
+    # the router metrics are summed over the ranks' micro-batches: every rank reports the whole batch's
+    loads = [[step["expert_load_max_over_mean"][0] for step in r["steps"]] for r in ranks]
+    assert loads[0] == loads[1] and min(loads[0]) > 1.0
+    # slices of different micro-batch counts train together (no rank waits alone in an EP collective)
+    uneven = [r["sliced_uneven"] for r in ranks]
+    assert uneven[0]["micro_batches"] > uneven[1]["micro_batches"] == 1
+    assert uneven[0]["loss"] == uneven[1]["loss"] and uneven[0]["grad_norm"] == uneven[1]["grad_norm"] > 0
     for out in ranks:
         assert out["published_vs_hf"] == 0.0  # every expert gathered from its EP rank, under its HF name
         assert out["published_vs_checkpoint_hf"] == 0.0 and out["published_changed"]

@@ -5,6 +5,8 @@ routes otherwise, with the same expert weights), reproduce the first model's log
 routes by itself; router gradients flow through the replayed experts' scores.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -122,3 +124,104 @@ def test_a_record_of_the_wrong_shape_is_refused(models):
         replayed_routing(model, spec, torch.zeros(1, 4, 1, 2, dtype=torch.long)),
     ):
         model(ids, None, None)
+
+
+def rollout_batch(learner, seed: int, budget: int):
+    """A batch whose rollout log-probs are the learner's own (no replay) and whose record is the learner's own
+    routing of every real position (-1 on padding), computed on the micro-batches the learner will run."""
+    from agentrl.learners.batch import micro_batches
+    from agentrl.learners.megatron.model import unwrap
+    from tests.megatron_helpers import make_batch
+
+    batch = make_batch(300, n=6, seed=seed)
+    batch.rollout_logprobs = learner.compute_logprobs(batch)
+    own = torch.full((*batch.input_ids.shape, len(learner.arch.moe_layer_indices), 2), -1, dtype=torch.int16)
+    for mb in micro_batches(batch, budget):
+        own[mb.extra["rows"], : mb.input_ids.shape[1]] = own_routing(
+            unwrap(learner.model), learner.arch, mb.input_ids
+        ).to(torch.int16)
+    own[batch.attention_mask == 0] = -1
+    return batch, own
+
+
+def load_ratio(records, mask) -> float:
+    """expert_load_max_over_mean counted by hand: per layer, each expert's slots over the real tokens."""
+    real = records[mask.bool()].long()  # [tokens, layers, topk]
+    counts = [
+        torch.bincount(real[:, layer].reshape(-1), minlength=4).float() for layer in range(real.shape[1])
+    ]
+    return max((c.max() / c.mean()).item() for c in counts)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+def test_megatron_router_metrics(models, arch):
+    """The Megatron learner's router metrics, over several micro-batches: with the last MoE layer's record
+    changed at some positions (which changes nothing its router sees), agreement 1 - changed / compared
+    exactly, a mismatch with replay and none without, the expert load counted from the experts that ran on
+    real tokens, all as the torch learner reports them on the same batch; then, with records that are its own
+    routing, agreement 1 and no mismatch either way."""
+    from agentrl.config.learning import AlgorithmSection, LearnerSection
+    from agentrl.learners.megatron.learner import MegatronLearner
+    from agentrl.learners.router_stats import predicting
+    from agentrl.learners.torch_learner import TorchLearner
+
+    budget = 40
+    settings = dict(routing_replay="rollout", micro_batch_tokens=budget, lr=1e-3)
+    algo = AlgorithmSection(advantage="grpo")
+    learner = MegatronLearner(models[arch], LearnerSection(kind="megatron", **settings), algo)
+    batch, own = rollout_batch(learner, seed=3, budget=budget)
+    records = own.clone()
+    changed = torch.zeros_like(batch.attention_mask, dtype=torch.bool)
+    changed[:, ::3] = True
+    changed &= batch.attention_mask.bool()
+    others = torch.tensor([[e for e in range(4) if e not in pair] for pair in own[changed][:, -1].tolist()])
+    records[changed, -1] = others.to(torch.int16)  # the other two experts: another set
+    batch.routed_experts = records
+    compared = predicting(batch.loss_mask)
+    layers = records.shape[2]
+    want = 1.0 - (changed & compared).sum().item() / (compared.sum().item() * layers)
+    assert 0.5 < want < 1.0
+    ref_batch = copy.deepcopy(batch)  # the same tokens, rollout log-probs and records, for the torch learner
+    m = learner.train_step(batch)
+    assert m["micro_batches"] > 1
+    assert m["router_agreement"] == pytest.approx(want, rel=1e-6)
+    assert m["logprob_mismatch"] > 1e-3 and m["logprob_mismatch_no_replay"] == 0.0
+    assert m["expert_load_max_over_mean"] == pytest.approx(
+        load_ratio(records, batch.attention_mask), rel=1e-6
+    )
+    r = TorchLearner(models[arch], LearnerSection(**settings), algo).train_step(ref_batch)
+    for key in ("router_agreement", "expert_load_max_over_mean", "logprob_mismatch"):
+        assert r[key] == pytest.approx(m[key], rel=1e-5), key
+    assert r["logprob_mismatch_no_replay"] <= 1e-5
+
+    batch, own = rollout_batch(learner, seed=3, budget=budget)  # at the weights after that step
+    batch.routed_experts = own
+    m = learner.train_step(batch)
+    assert m["router_agreement"] == 1.0
+    assert m["logprob_mismatch"] <= 1e-6 and m["logprob_mismatch_no_replay"] == 0.0
+    assert m["expert_load_max_over_mean"] == pytest.approx(load_ratio(own, batch.attention_mask), rel=1e-6)
+
+
+def test_megatron_expert_load_counts_the_hand_made_routing(models):
+    """Rows 0-1 to experts (0, 1) and the others to (2, 3) in every MoE layer, padding by the router itself:
+    the load ratio is 2 max(a, b) / (a + b) over the real tokens a, b of the two parts; no agreement is
+    reported without replay, and the load still is (the routers' own choice)."""
+    from agentrl.config.learning import LearnerSection
+    from agentrl.learners.megatron.learner import MegatronLearner
+    from tests.megatron_helpers import make_batch
+
+    learner = MegatronLearner(models["qwen3_moe"], LearnerSection(kind="megatron", routing_replay="rollout"))
+    batch = make_batch(300, n=6, seed=4)
+    records = torch.full((*batch.input_ids.shape, 2, 2), -1, dtype=torch.int16)
+    records[:2] = torch.tensor([0, 1], dtype=torch.int16)
+    records[2:] = torch.tensor([2, 3], dtype=torch.int16)
+    records[batch.attention_mask == 0] = -1
+    lengths = batch.attention_mask.sum(1)
+    a, b = lengths[:2].sum().item(), lengths[2:].sum().item()
+    batch.routed_experts = records
+    m = learner.train_step(batch)
+    assert m["expert_load_max_over_mean"] == pytest.approx(2 * max(a, b) / (a + b), rel=1e-6)
+    plain = MegatronLearner(models["qwen3_moe"], LearnerSection(kind="megatron"))
+    m = plain.train_step(make_batch(300, n=6, seed=4))
+    assert "router_agreement" not in m and "logprob_mismatch_no_replay" not in m
+    assert m["expert_load_max_over_mean"] >= 1.0

@@ -37,6 +37,6 @@ def test_sync_moe_run_replays_the_engines_experts(ray_session, tmp_path, moe_mod
         assert m["staleness_max"] == 0
         # on-policy, fp32: with the engine's experts the learner computes the engine's log-probs
         assert m["train/logprob_mismatch"] < 1e-4, m["train/logprob_mismatch"]
-    if learner == "torch":  # the torch learner also reports its own routing against the engine's
-        assert all(m["train/router_agreement"] >= 0.99 for m in steps)
-        assert all(m["train/expert_load_max_over_mean"] >= 1.0 for m in steps)
+        # both learners report their own routing against the engine's, and the mismatch it would give
+        assert m["train/router_agreement"] >= 0.99 and m["train/expert_load_max_over_mean"] >= 1.0
+        assert m["train/logprob_mismatch_no_replay"] >= m["train/logprob_mismatch"] - 1e-6

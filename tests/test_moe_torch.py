@@ -264,16 +264,16 @@ def test_build_batch_lays_records_out_with_the_tokens():
     assert build_batch([trajs[1]], 0, routed_experts=True).routed_experts is None
     for pack in (0, 8):
         b = build_batch(trajs, 0, pack_tokens=pack, routed_experts=True)
-        assert b.routed_experts.dtype == torch.int64 and b.routed_experts.shape[:2] == b.input_ids.shape
+        assert b.routed_experts.dtype == torch.int16 and b.routed_experts.shape[:2] == b.input_ids.shape
         assert b.routed_experts.shape[2:] == (2, 2)
         for i, t in enumerate(trajs):
             rows, cols = torch.nonzero(b.seq_index == i, as_tuple=True)
             got = b.routed_experts[rows, cols]
             tokens = np.concatenate([types.tokens(t.prompt_ids), types.tokens(t.response_ids)])
             assert b.input_ids[rows, cols].tolist() == tokens.tolist()
-            want = torch.full((len(tokens), 2, 2), -1, dtype=torch.int64)
+            want = torch.full((len(tokens), 2, 2), -1, dtype=torch.int16)
             if t.routed_experts is not None:
-                want[:-1] = torch.from_numpy(types.routed_expert_ids(t.routed_experts).astype(np.int64))
+                want[:-1] = torch.from_numpy(types.routed_expert_ids(t.routed_experts).astype(np.int16))
             assert torch.equal(got, want)
         assert bool((b.routed_experts[b.seq_index < 0] == -1).all())
         for mb in micro_batches(b, 8):

@@ -78,9 +78,11 @@ class Batch:
     turn_index: torch.Tensor | None = (
         None  # [R, T] int64: assistant turn (0..) of each loss token, -1 elsewhere
     )
-    # [R, T, layers, topk] int64 (learner.routing_replay = "rollout"): the experts the engine's router chose at the
+    # [R, T, layers, topk] int16 (learner.routing_replay = "rollout"): the experts the engine's router chose at the
     # forward position of token t (the position that reads `input_ids[:, t]`, in every MoE layer), -1 where there
-    # is no record (padding, trajectories without one, a sequence's last token); None when not replaying.
+    # is no record (padding, trajectories without one, a sequence's last token); None when not replaying. int16
+    # (a quarter of int64: a rollout batch's record is tokens x layers x top-k) holds every expert id of
+    # `types.RoutedExperts` (uint8 or int16) and -1; the learners widen a micro-batch's to int64 to index.
     routed_experts: torch.Tensor | None = None
     # per row: its pictures in token order, (Image, grid_thw) per span (see the module docstring); None: no pictures
     images: list[list[tuple[types.Image, tuple[int, int, int]]]] | None = None
@@ -260,7 +262,7 @@ def _routed_experts(
         return None
     shape = records[0][1].shape[1:]
     starts = np.concatenate(([0], np.cumsum(s_len)[:-1]))
-    flat = np.full((int(s_len.sum()), *shape), -1, dtype=np.int64)
+    flat = np.full((int(s_len.sum()), *shape), -1, dtype=np.int16)
     for i, ids in records:
         tr = trajectories[i]
         if ids.shape[1:] != shape:
@@ -274,7 +276,7 @@ def _routed_experts(
                 f"more than its {int(s_len[i])} tokens"
             )
         flat[starts[i] : starts[i] + len(ids)] = ids
-    return t(grid(-1, np.int64, flat))
+    return t(grid(-1, np.int16, flat))
 
 
 def _per_trajectory(

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 import torch
 
 from agentrl.errors import LearnerError
+from agentrl.learners import router_stats
 
 # transformers' router classes -> how their probabilities are computed
 ROUTERS = {"Qwen3MoeTopKRouter": "softmax", "Glm4MoeTopkRouter": "sigmoid"}
@@ -88,7 +89,7 @@ class Routers:
                 f"has {self.layers} MoE layers with top-{self.topk} (a record of another model?)"
             )
         state = Routing(
-            records=flat(records),
+            records=None if records is None else flat(records).long(),  # the batch keeps them int16
             tokens=None if tokens is None else flat(tokens).float(),
             agree_positions=None if agree_positions is None else flat(agree_positions).bool(),
             keep_logits=keep_logits,
@@ -123,17 +124,12 @@ class Routers:
         return hook
 
     def _observe(self, state: Routing, layer: int, logits, own, chosen, record) -> None:
-        with torch.no_grad():
-            tokens = state.tokens
-            k = chosen.shape[-1]
-            state.load[layer] = torch.zeros(self.num_experts, device=logits.device).index_add_(
-                0, chosen.reshape(-1), tokens.repeat_interleave(k)
-            )
+        with torch.no_grad():  # agentrl.learners.router_stats defines them, for the Megatron learner too
+            state.load[layer] = router_stats.expert_load(chosen, state.tokens, self.num_experts)
             if record is not None and state.agree_positions is not None:
-                counted = state.agree_positions & (record[:, 0] >= 0)
-                same = (own.sort(dim=-1).values == record.sort(dim=-1).values).all(dim=-1)
-                state.matches[layer] = (same & counted).sum()
-                state.choices[layer] = counted.sum()
+                state.matches[layer], state.choices[layer] = router_stats.agreement(
+                    own, record, state.agree_positions
+                )
         if state.keep_logits:
             state.logits[layer] = (logits, chosen)
 

@@ -40,10 +40,17 @@ import torch
 import torch.nn.functional as F
 
 from agentrl.algorithms import compute_loss, merge_metrics, sft_loss
-from agentrl.algorithms.objective import HAS
-from agentrl.algorithms.ratios import clamp_log_ratio
 from agentrl.errors import LearnerError
-from agentrl.learners import checkpoint, fsdp, hf_io, lora, offload, routing_replay, torch_checkpoint
+from agentrl.learners import (
+    checkpoint,
+    fsdp,
+    hf_io,
+    lora,
+    offload,
+    router_stats,
+    routing_replay,
+    torch_checkpoint,
+)
 from agentrl.learners.base import Learner
 from agentrl.learners.batch import Batch, micro_batches
 from agentrl.learners.teacher import teacher_path
@@ -168,11 +175,12 @@ class TorchLearner(Learner):
         records = mb.routed_experts if replay and self.cfg.routing_replay == "rollout" else None
         if not stats:
             return routers.routing(records)
-        # the positions whose logits give the loss tokens' log-probs (token t is predicted at position t - 1)
-        predicting = F.pad(mb.loss_mask[:, 1:] > 0, (0, 1))
         keep_logits = self.cfg.moe_aux_loss_coeff > 0 or self.cfg.moe_z_loss_coeff > 0
         return routers.routing(
-            records, tokens=mb.attention_mask, agree_positions=predicting, keep_logits=keep_logits
+            records,
+            tokens=mb.attention_mask,
+            agree_positions=router_stats.predicting(mb.loss_mask),
+            keep_logits=keep_logits,
         )
 
     def _moe_losses(self, routing, metrics: dict, mb: Batch, batch: Batch) -> torch.Tensor | float:
@@ -343,40 +351,25 @@ class TorchLearner(Learner):
             self._no_replay_logprobs = self._whole_batch(self.model, batch, replay=False)
 
     def _step_metrics(self, batch: Batch) -> dict:
-        """`logprob_mismatch_no_replay`: mean |log pi_prox - log mu| over the loss tokens with rollout log-probs,
-        pi_prox from the no-replay forward (the `logprob_mismatch` of the objective, without routing replay)."""
-        if self._no_replay_logprobs is None:
+        """`logprob_mismatch_no_replay` (agentrl.learners.router_stats) from the no-replay forward."""
+        no_replay, self._no_replay_logprobs = self._no_replay_logprobs, None
+        if no_replay is None:
             return {}
-        seq = batch.seq_index
-        use = batch.has_rollout_logprobs[seq.clamp(min=0)] & (seq >= 0) & (batch.loss_mask > 0)
-        gap = clamp_log_ratio(self._no_replay_logprobs - batch.rollout_logprobs, use).abs()
-        self._no_replay_logprobs = None
-        total, count = torch.where(use, gap, 0.0).sum(), use.sum().to(gap.dtype)
-        if self._sliced:  # this rank's slice of the batch: the mean is over every rank's tokens
-            total, count = self._dp_sum(total), self._dp_sum(count)
-        key = "logprob_mismatch_no_replay"
-        return {key: total / count.clamp(min=1), HAS + key: count > 0}
+        # this rank's slice of the batch: the mean is over every rank's tokens
+        return router_stats.mismatch_no_replay(no_replay, batch, self._dp_sum if self._sliced else None)
 
-    def _router_metrics(self, stats: list, batch: Batch) -> dict:
-        """One update's router metrics from its micro-batches' `Routing`s (summed over ranks under FSDP):
-        `router_agreement` (share of token x MoE-layer choices, at the positions predicting loss tokens with a
-        record, where the learner's own top-k set is the engine's) and `expert_load_max_over_mean` (over the
-        real tokens, the busiest expert's load over the mean load, in the least balanced MoE layer)."""
+    def _router_metrics(self, stats: list) -> dict:
+        """One update's router metrics (agentrl.learners.router_stats) from its micro-batches' `Routing`s,
+        summed over ranks under FSDP."""
         layers = range(self.routers.layers)
-        flat = torch.zeros(2 + self.routers.layers * self.routers.num_experts, device=self.device)
-        for s in stats:  # [agreed, counted, load of layer 0's experts, layer 1's, ...]
+        tally = router_stats.RouterTally(self.routers.layers, self.routers.num_experts, self.device)
+        for s in stats:
             if s.matches:
-                flat[0] += torch.stack([s.matches[i] for i in layers]).sum()
-                flat[1] += torch.stack([s.choices[i] for i in layers]).sum()
-            flat[2:] += torch.cat([s.load[i] for i in layers])
+                tally.counts += torch.stack([sum(s.matches.values()), sum(s.choices.values())]).float()
+            tally.load += torch.stack([s.load[i] for i in layers])
         if self.world is not None:  # one collective for all of them
-            self.world.sum_(flat)
-        load = flat[2:].view(self.routers.layers, -1)
-        out = {"expert_load_max_over_mean": (load.max(-1).values / load.mean(-1).clamp(min=1e-9)).max()}
-        if batch.routed_experts is not None and self.cfg.routing_replay == "rollout":
-            out["router_agreement"] = flat[0] / flat[1].clamp(min=1)
-            out[HAS + "router_agreement"] = flat[1] > 0
-        return out
+            self.world.sum_(tally.flat)
+        return tally.metrics(replaying=self.cfg.routing_replay == "rollout")
 
     def _update(self, batch: Batch) -> tuple[dict[str, float], int]:
         self.optimizer.zero_grad(set_to_none=True)
@@ -395,7 +388,7 @@ class TorchLearner(Learner):
                 parts.append((m, mb.loss_mask.sum()))
                 if routing is not None:
                     routed.append(routing)
-        moe = self._router_metrics(routed, batch) if self.routers is not None else None
+        moe = self._router_metrics(routed) if self.routers is not None else None
         # one device-to-host copy: every micro-batch's metrics, the router metrics, the batch's
         parts = self._read_metrics(parts if moe is None else [*parts, (moe, 1.0)])
         moe_floats = parts.pop()[0] if moe is not None else {}  # the same on every rank (summed over ranks)

@@ -9,7 +9,9 @@ different sizes and, when the micro-batches do not divide evenly, different numb
   router's load-balancing statistics and losses) and its outputs are dropped.
 - `lockstep_passes(...)`: how many forward/backward passes a rank owes its group after its own micro-batches;
   the learner runs them on a micro-batch of the batch with zero loss (and zero router-loss scale), so they add
-  nothing to any gradient.
+  nothing to any gradient. When each rank trains on its own data-parallel slice of a rollout batch, the ranks'
+  micro-batch counts depend on their slices: `owed_in_group(...)` agrees on the group's largest count (one
+  all-reduce) for the updates and for the no-grad log-prob passes alike.
 """
 
 from __future__ import annotations
@@ -54,3 +56,12 @@ def _padded_forward(forward, hidden_states: torch.Tensor, intermediate_tensors=N
 def lockstep_passes(n_micro_batches: int, mine: int, dp_size: int) -> int:
     """Passes a rank with `mine` of the batch's `n_micro_batches` owes so that every rank runs as many."""
     return math.ceil(n_micro_batches / dp_size) - mine
+
+
+def owed_in_group(mine: int, device: torch.device) -> int:
+    """Passes a rank that ran `mine` micro-batches of its own owes its EP group: the group's most minus `mine`."""
+    from megatron.core import parallel_state as ps
+
+    most = torch.tensor([mine], device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ps.get_expert_model_parallel_group())
+    return int(most.item()) - mine

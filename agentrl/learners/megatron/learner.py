@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from agentrl.algorithms import compute_loss, merge_metrics, sft_loss
+from agentrl.algorithms import compute_loss, merge_metrics, metric_floats, sft_loss
 from agentrl.errors import LearnerError
-from agentrl.learners import fused_logprob, offload
+from agentrl.learners import fused_logprob, offload, router_stats
 from agentrl.learners.base import Learner
 from agentrl.learners.batch import Batch, micro_batches
 from agentrl.learners.megatron import (
@@ -53,6 +53,8 @@ class MegatronLearner(Learner):
     """See the module docstring; built by `Learner.__init__`, with this learner's options (`_build`)."""
 
     kind = "megatron"
+    _tally: router_stats.RouterTally | None = None  # during an update: the policy's routers add to it
+    _no_replay_logprobs: torch.Tensor | None = None  # a step's log-probs without routing replay
 
     def _build(
         self,
@@ -242,10 +244,11 @@ class MegatronLearner(Learner):
 
     # -- forward -----------------------------------------------------------------------------------------
 
-    def _logits(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor:
+    def _logits(self, model: torch.nn.Module, mb: Batch, replay: bool = True) -> torch.Tensor:
         """[R, T, V/tp] vocab-parallel logits (right-padded rows: the causal mask is exact for real tokens);
-        with learner.routing_replay = 'rollout', the policy's (and reference's) MoE layers route as the batch's
-        `routed_experts` record (the rollout's choices; the teacher, another model, routes by itself)."""
+        with learner.routing_replay = 'rollout' and `replay`, the policy's (and reference's) MoE layers route as
+        the batch's `routed_experts` record (the rollout's choices; the teacher, another model, routes by
+        itself). While an update collects router statistics (`_tally`), the policy's routers add to them."""
         mask = None
         if self.attention == "local":
             width = mb.input_ids.shape[1]
@@ -253,15 +256,18 @@ class MegatronLearner(Learner):
         if not unwrap(model).config.num_moe_experts:
             return model(mb.input_ids, mb.position_ids, mask)
         padding = mb.attention_mask == 0  # kept out of the routers' losses and statistics
-        experts = getattr(mb, "routed_experts", None) if self.cfg.routing_replay == "rollout" else None
-        if experts is None or model is self.teacher_model:
-            return model(mb.input_ids, mb.position_ids, mask, padding_mask=padding)
-        with routing_replay.replayed_routing(unwrap(model), self.arch, experts):
+        replaying = replay and self.cfg.routing_replay == "rollout" and model is not self.teacher_model
+        experts = getattr(mb, "routed_experts", None) if replaying else None
+        tally = self._tally if model is self.model else None
+        stats = {}
+        if tally is not None:
+            stats = dict(tokens=mb.attention_mask, agree_positions=router_stats.predicting(mb.loss_mask))
+        with routing_replay.replayed_routing(unwrap(model), self.arch, experts, tally=tally, **stats):
             return model(mb.input_ids, mb.position_ids, mask, padding_mask=padding)
 
-    def _forward(self, model: torch.nn.Module, mb: Batch, *, entropy: bool = False):
+    def _forward(self, model: torch.nn.Module, mb: Batch, *, entropy: bool = False, replay: bool = True):
         """(logprobs, entropy or None), both [R, T] float32; entropy carries a gradient only if its coef != 0."""
-        return self._from_logits(self._logits(model, mb), mb, entropy=entropy)
+        return self._from_logits(self._logits(model, mb, replay), mb, entropy=entropy)
 
     def _from_logits(self, logits: torch.Tensor, mb: Batch, *, entropy: bool = False):
         if fused_logprob.enabled():
@@ -279,18 +285,28 @@ class MegatronLearner(Learner):
         return ops.target_logprobs(logits, mb.input_ids, self.temperature), ent
 
     @torch.no_grad()
-    def _whole_batch(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    def _whole_batch(self, model: torch.nn.Module, batch: Batch, replay: bool = True) -> torch.Tensor:
         _check_batch(batch)
         batch = batch.to(self.device)
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
         mbs = micro_batches(batch, self.cfg.micro_batch_tokens)
         model.eval()
         if self.pp_size == 1:
+            # each rank its own slice under EP: as many passes as the group's most (agreed before the first)
+            owed = (
+                expert_parallel.owed_in_group(len(mbs), self.device)
+                if self._sliced and self.ep_size > 1
+                else 0
+            )
             for mb in mbs:
-                logp, _ = self._forward(model, mb)
+                logp, _ = self._forward(model, mb, replay=replay)
                 out[mb.extra["rows"], : logp.shape[1]] = logp
+            for _ in range(owed):
+                self._forward(model, mbs[-1], replay=replay)
         else:
-            for rows, logp in pipeline.run(self, mbs, self._logprob_payload, forward_only=True, model=model):
+            payload = self._logprob_payload
+            runs = pipeline.run(self, mbs, payload, forward_only=True, model=model, replay=replay)
+            for rows, logp in runs:
                 out[rows, : logp.shape[1]] = logp
             pipeline.broadcast_from_last(out)
         model.train()
@@ -339,36 +355,98 @@ class MegatronLearner(Learner):
         _check_batch(batch)
         return batch.to(self.device)
 
+    def _replays(self) -> bool:
+        return bool(self.arch.num_experts) and self.cfg.routing_replay == "rollout"
+
+    def _before_updates(self, batch: Batch) -> None:
+        super()._before_updates(batch)
+        self._no_replay_logprobs = None
+        if self._replays():
+            # logprob_mismatch_no_replay: one more no-grad forward over the batch per step, whether or not this
+            # rank's slice holds records (every rank of an EP group must run the same forwards)
+            self._no_replay_logprobs = self._whole_batch(self.model, batch, replay=False)
+
+    def _step_metrics(self, batch: Batch) -> dict:
+        """`logprob_mismatch_no_replay` (agentrl.learners.router_stats) from the no-replay forward."""
+        no_replay, self._no_replay_logprobs = self._no_replay_logprobs, None
+        if no_replay is None:
+            return {}
+        return router_stats.mismatch_no_replay(no_replay, batch, self._dp_sum if self._sliced else None)
+
     def _update(self, batch: Batch) -> tuple[dict[str, float], int]:
         self._zero_grad()
         self._scale_moe_losses(batch)
+        tally = None
+        if self.arch.num_experts:
+            tally = router_stats.RouterTally(
+                len(self.arch.moe_layer_indices), self.arch.num_experts, self.device
+            )
+        self._tally = tally  # the policy's routers add this update's micro-batches to it (`_logits`)
+        try:
+            if self.pp_size == 1:
+                parts, mbs = [], self._my_micro_batches(batch)
+                owed = self._owed_passes(batch, len(mbs))  # before any MoE layer's collective
+                for mb in mbs:
+                    logp, ent = self._forward(self.model, mb, entropy=True)
+                    loss, m = compute_loss(self.algo, mb, logp, entropy=ent, as_tensors=True)
+                    loss.backward()  # no host read before it: the metrics stay on the device until the norm's
+                    parts.append((m, mb.loss_mask.sum()))
+            else:
+                parts = pipeline.run(
+                    self, self._my_micro_batches(batch), self._loss_payload, forward_only=False
+                )
+        finally:
+            self._tally = None
         if self.pp_size == 1:
-            parts = []
-            for mb in self._my_micro_batches(batch):
-                logp, ent = self._forward(self.model, mb, entropy=True)
-                loss, m = compute_loss(self.algo, mb, logp, entropy=ent, as_tensors=True)
-                loss.backward()  # no host read before it: the metrics stay on the device until the norm's read
-                parts.append((m, mb.loss_mask.sum()))
-            self._lockstep(batch, len(parts))
+            # the lockstep passes first: an EP rank still owing its group a pass must not wait in the router
+            # metrics' collective meanwhile
+            self._lockstep(batch, owed)
+            moe = self._router_metrics(tally)
             norm = update.grad_norm(self)
-            parts = self._read_metrics(parts)  # with the step's batch metrics: one read
+            # with the step's batch metrics and the router metrics: one read
+            parts = self._read_metrics(parts if moe is None else [*parts, (moe, 1.0)])
+            moe_floats = parts.pop()[0] if moe is not None else {}
         else:
-            parts = pipeline.run(self, self._my_micro_batches(batch), self._loss_payload, forward_only=False)
+            moe = self._router_metrics(tally)
             parts = pipeline.broadcast_from_last(parts)
             norm = update.grad_norm(self)
+            moe_floats = metric_floats([(moe, 1.0)])[0][0] if moe is not None else {}
         metrics = self._sum_over_dp(merge_metrics(parts))
+        metrics.update(moe_floats)  # already summed over the ranks
         metrics.update(self._apply_update(norm, loss=metrics.get("loss", 0.0)))
         return metrics, len(parts)
 
-    def _lockstep(self, batch: Batch, mine: int, router_losses: bool = True) -> None:
-        """Under EP, the forward/backward passes this rank still owes its EP group (expert_parallel.py), on a
-        micro-batch of the batch with zero loss and zero router-loss scale: no gradient changes."""
+    def _router_metrics(self, tally: router_stats.RouterTally | None) -> dict[str, torch.Tensor] | None:
+        """The update's router metrics from its tally summed over the data-parallel ranks (other tokens; under
+        EP too) and the pipeline stages (other layers); MoE models run TP = 1. None for a dense model."""
+        if tally is None:
+            return None
+        from megatron.core import parallel_state as ps
+
+        if self.dp_size > 1:
+            dist.all_reduce(tally.flat, group=ps.get_data_parallel_group())
+        if self.pp_size > 1:
+            dist.all_reduce(tally.flat, group=ps.get_pipeline_model_parallel_group())
+        return tally.metrics(replaying=self.cfg.routing_replay == "rollout")
+
+    def _owed_passes(self, batch: Batch, mine: int) -> int:
+        """The passes this rank will owe its EP group after its `mine` micro-batches of `batch`
+        (expert_parallel.py). On data-parallel slices every rank runs all micro-batches of its own slice, so
+        the group agrees on its most in a collective: call it before the micro-batches (whose MoE layers run
+        collectives of the same group)."""
         if self.ep_size == 1:
+            return 0
+        if self._sliced:
+            return expert_parallel.owed_in_group(mine, self.device)
+        return expert_parallel.lockstep_passes(len(micro_batches(batch, self.cfg.micro_batch_tokens)), mine,
+                                               self.dp_size)  # fmt: skip
+
+    def _lockstep(self, batch: Batch, owed: int, router_losses: bool = True) -> None:
+        """Under EP, the `owed` forward/backward passes (`_owed_passes`), on a micro-batch of the batch with zero
+        loss and zero router-loss scale: no gradient changes."""
+        if owed <= 0:
             return
         mbs = micro_batches(batch, self.cfg.micro_batch_tokens)
-        owed = expert_parallel.lockstep_passes(len(mbs), mine, self.dp_size)
-        if not owed:
-            return
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
         if self._router_losses():
@@ -410,7 +488,7 @@ class MegatronLearner(Learner):
                 loss = sft_loss(self._forward(self.model, mb)[0], mb.loss_mask, batch.total_loss_tokens)
                 loss.backward()
                 losses.append(loss.detach())
-            self._lockstep(batch, len(mbs), router_losses=False)
+            self._lockstep(batch, self._owed_passes(batch, len(mbs)), router_losses=False)
             norm = update.grad_norm(self)
             # a data-parallel rank may hold no micro-batch of a small batch (the warm-up's): it adds nothing
             total = float(torch.stack(losses).sum()) if losses else 0.0

@@ -24,9 +24,11 @@ def run(
     loss_fn: Callable[[Batch, torch.Tensor], tuple],
     forward_only: bool,
     model: torch.nn.Module | None = None,
+    replay: bool = True,
 ) -> list:
     """Run the schedule over `mbs` through `model` (default the learner's policy; the reference and the teacher
-    pass their own); returns the payloads of `loss_fn` (last stage) or [] (other stages)."""
+    pass their own; `replay` = False: its routers choose by themselves, see `learner._logits`); returns the
+    payloads of `loss_fn` (last stage) or [] (other stages)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not mbs:
@@ -34,7 +36,7 @@ def run(
 
     def step_func(data_iterator, model):
         mb = next(data_iterator)
-        return learner._logits(model, mb), lambda output: loss_fn(mb, output)
+        return learner._logits(model, mb, replay), lambda output: loss_fn(mb, output)
 
     return get_forward_backward_func()(
         forward_step_func=step_func,
