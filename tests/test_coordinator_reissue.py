@@ -12,7 +12,8 @@ import aiohttp
 import pytest
 import torch
 
-from agentrl.actors.coordinator import Coordinator, Slot
+from agentrl.actors.cluster import Slot
+from agentrl.actors.coordinator import Coordinator
 from agentrl.actors.queue import QueueActor
 from agentrl.actors.rollout import RolloutWorker
 from agentrl.config import load_config
@@ -41,9 +42,10 @@ def coordinator(tmp_path, model, url):
     }
     cfg = load_config(None, over)
     queue = QueueActor(cfg, str(tmp_path / "run"), serve_http=False)
-    worker = RolloutWorker(cfg, model, queue, engines=[SGLangEngine(url, retries=0)])
+    worker = RolloutWorker(cfg, model, Handle(queue), engines=[SGLangEngine(url, retries=0)])
     coord = Coordinator(cfg, str(tmp_path / "run"), model)
-    coord.queue, coord.workers = Handle(queue), [Slot("rollout", 0, Handle(worker))]
+    coord.cluster.queue = Slot("queue", 0, Handle(queue))
+    coord.cluster.workers = [Slot("rollout", 0, Handle(worker))]
     coord.reissue_backoff_s = 0.01
     return coord, queue, worker
 
