@@ -1,8 +1,9 @@
-"""The supervisor's queue recovery over real Ray: the queue actor's process is killed; the driver's calls have the
-supervisor replace it once on the same run dir and HTTP port (however many calls saw it die) and are retried
-there; a rollout worker's put waits for the successor the supervisor hands it and is retried; the groups in flight
-are reserved again; nothing acknowledged before the kill is lost (WAL replay); a spent restart budget ends in one
-clear error. Also the table's rules that need no Ray, and the typed client against the queue's declared API."""
+"""The supervisor's queue recovery over real Ray: the queue actor's process is killed; the driver's calls have
+the supervisor replace it once on the same run dir and HTTP port (however many calls saw it die) and are
+retried there; a rollout worker's put waits for the successor the supervisor hands it and is retried; the
+groups in flight are reserved again; nothing acknowledged before the kill is lost (WAL replay); a spent
+restart budget ends in one clear error. Also the table's rules that need no Ray, and the typed client
+against the queue's declared API."""
 
 from __future__ import annotations
 
@@ -84,11 +85,9 @@ async def test_every_actor_has_its_own_restart_budget_and_the_colocated_host_non
         Slot("engine", 0, None),
         Slot("queue", 0, None),
     ]
-    assert [sup.lives(s).budget for s in slots] == [2, 2, 2, 2]
-    sup.lives(slots[0]).generation = 2  # rollout actor 0 spent its budget; the others did not
-    with pytest.raises(
-        AgentRLError, match=r"^rollout actor 0 died and cannot be restarted \(restarts: 2 of"
-    ):
+    assert [sup.row(s).budget for s in slots] == [2, 2, 2, 2]
+    sup.row(slots[0]).generation = 2  # rollout actor 0 spent its budget; the others did not
+    with pytest.raises(AgentRLError, match=r"^rollout actor 0 died and cannot be restarted \(restarts: 2 of"):
         await sup.replace(slots[0], 2)
     assert [sup.generation(s) for s in slots] == [2, 0, 0, 0] and sup.restarts() == 2
     with pytest.raises(

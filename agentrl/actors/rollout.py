@@ -14,10 +14,10 @@ episode cut by a weight update is continued by the generator and, if it still en
 start; with "keep" the engine continues it with the new weights and the per-token versions record the switch.
 An engine failure fails the group with one line naming the engine, the request and the cause (the coordinator
 re-issues it). If the queue actor dies, a put (or release) waits until the driver's supervisor hands the worker
-the restarted queue (`set_queue`) and is retried there (agentrl.actors.queue_client). The worker either owns its engines (embedded
-engines in this process: the cheapest placement on CPU) or reaches engine actors through `RemoteEngine`
-handles; either way an `EngineRouter` sends each episode to the least-loaded engine and keeps all its turns
-there.
+the restarted queue (`set_queue`) and is retried there (agentrl.actors.queue_client). The worker either owns its
+engines (embedded engines in this process: the cheapest placement on CPU) or reaches engine actors through
+`RemoteEngine` handles; either way an `EngineRouter` sends each episode to the least-loaded engine and keeps
+all its turns there.
 Plain class: agentrl.actors.remote makes it a Ray actor.
 """
 

@@ -43,8 +43,8 @@ RESERVE_TIMEOUT_S = 5.0  # a restarted queue's re-reservation of a group in flig
 
 
 @dataclass
-class Lives:
-    """One row of the supervisor's table."""
+class Row:
+    """One row of the supervisor's table: an actor's generation and restart budget."""
 
     generation: int = 0  # times the actor was replaced; a death seen under an older generation is handled
     budget: int = 0  # times it may be replaced
@@ -85,20 +85,20 @@ class Supervisor:
         self.publisher: Publisher | None = None  # once the actors run (Coordinator.start)
         self.queue = SupervisedQueue(self)
         self.reserved: dict[str, int] = {}  # key -> trajectories reserved, per group in flight
-        self.table: dict[tuple[str, int], Lives] = {}  # (kind, index) -> its row
+        self.table: dict[tuple[str, int], Row] = {}  # (kind, index) -> its row
         self._replacing = asyncio.Lock()  # one replacement at a time: each sees the others' new handles
         self._publishing = asyncio.Lock()  # a publish and a resend never interleave
 
     # -- the table ---------------------------------------------------------------------------------------
 
-    def lives(self, slot: Slot) -> Lives:
+    def row(self, slot: Slot) -> Row:
         key = (slot.kind, slot.index)
         if key not in self.table:  # the colocated host holds the learner: never replaced
-            self.table[key] = Lives(budget=0 if slot.kind == "colocated" else self.cfg.run.max_restarts)
+            self.table[key] = Row(budget=0 if slot.kind == "colocated" else self.cfg.run.max_restarts)
         return self.table[key]
 
     def generation(self, slot: Slot) -> int:
-        return self.lives(slot).generation
+        return self.row(slot).generation
 
     def restarts(self) -> int:
         """Replacements so far, of every actor."""
@@ -110,7 +110,7 @@ class Supervisor:
         """Replace `slot`'s dead actor, unless it was replaced since `generation` (the generation the caller
         saw when its call failed), and bring the new one up to date (see the module docstring)."""
         async with self._replacing:
-            row = self.lives(slot)
+            row = self.row(slot)
             if row.generation != generation:
                 return  # another caller replaced it already
             name = "the queue actor" if slot.kind == "queue" else f"{slot.kind} actor {slot.index}"

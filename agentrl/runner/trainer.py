@@ -9,8 +9,8 @@ and only then are the steps it holds committed to the ledger (runner/state.py: w
 exact). Sync and async are this same loop: sync runs with a staleness window of one batch, so generation
 of batch v+1 starts only once v+1 is published.
 
-The queue actor alone dying is recovered in-run (agentrl.actors.supervisor, behind the coordinator's `queue`): the
-WAL is replayed, with the ids the learner holds (`RunState.held_ids`) reclaimed rather than committed early.
+The queue actor alone dying is recovered in-run (agentrl.actors.supervisor, behind the coordinator's `queue`):
+the WAL is replayed, with the ids the learner holds (`RunState.held_ids`) reclaimed rather than committed early.
 """
 
 from __future__ import annotations
