@@ -1,8 +1,8 @@
 """The coordinator's re-issue of a failed rollout group, without Ray: real asyncio, a real rollout worker and
 queue in this process, engines over loopback HTTP; only Ray's actor handle (`handle.method.remote(...)`) is
 stood in for. A persistent engine error ends in one error line naming the engine, the request and the cause
-after backed-off re-issues, each holding the task's admission in the queue; the failure of a re-used request
-id (one SGLang 0.5.12 still holds) is outlived by the re-issue, whose request ids are new."""
+after backed-off re-issues, each with the task's admission still reserved in the queue; the failure of a
+re-used request id (one SGLang 0.5.12 still holds) is outlived by the re-issue, whose request ids are new."""
 
 import asyncio
 import logging
@@ -78,7 +78,7 @@ async def test_a_persistent_engine_error_ends_in_one_line_after_backed_off_reiss
     ]  # fmt: skip
     assert all("ClientConnectorError" in m and "\n" not in m for m in logs)
     assert coord.reissued == 3 and coord.issues == {5: 4} and queue.tickets == {}
-    assert reserved == [["t5"]] * 4  # each re-issue holds the task's admission again (the worker returned it)
+    assert reserved == [["t5"]] * 4  # the failed attempts kept the task's admission for the re-issues
     await worker.engines[0].close()
     await queue.close()
 

@@ -18,7 +18,7 @@ each issue of a task gets its own `attempt` number, so engine request ids are ne
 for all its trajectories: n_samples_per_prompt per policy seat (self-play: 2). A group that fails (dead worker,
 or an engine error naming engine, request and cause) is re-issued after an exponential backoff
 (`REISSUE_BACKOFF_S` doubling up to `REISSUE_BACKOFF_MAX_S`; each re-issue is logged with the attempt count and
-the last error, and first reserves the task's admission again, which the failed attempt returned); after `run.max_restarts` re-issues the run ends with one error line naming the task, the
+the last error; the task keeps its admission meanwhile); after `run.max_restarts` re-issues the run ends with one error line naming the task, the
 attempts and the last error. The driver calls the queue through `queue`, the supervisor's typed client (a dead
 queue actor is replaced and the call retried); the learner ranks' pulls of their slices (`train`) go to the
 actor of the moment and are repeated on its successor. `shutdown()` closes the queue (WAL flushed) and kills
@@ -128,9 +128,6 @@ class Coordinator:
                         task_index, attempt, attempts, last, delay_s,
                     )  # fmt: skip
                     await asyncio.sleep(delay_s)
-                    # The failed attempt's worker returned the task's reservation (a dead one did not: then this
-                    # is a no-op): the re-issue waits for room in the staleness window like any group.
-                    await self.queue.reserve(self.task_trajectories, key)
                 issue = self.issues.get(task_index, 0)
                 self.issues[task_index] = issue + 1
                 slot = min(self.cluster.workers, key=lambda s: s.in_flight)

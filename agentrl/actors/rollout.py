@@ -13,7 +13,7 @@ re-issue and `...r<n>` on its n-th re-run here (an engine may still hold the ids
 episode cut by a weight update is continued by the generator and, if it still ends aborted, re-run from the
 start; with "keep" the engine continues it with the new weights and the per-token versions record the switch.
 An engine failure fails the group with one line naming the engine, the request and the cause (the coordinator
-re-issues it). If the queue actor dies, a put (or release) waits until the driver's supervisor hands the worker
+re-issues it; the task's admission stays reserved for the re-issue). If the queue actor dies, a put (or release) waits until the driver's supervisor hands the worker
 the restarted queue (`set_queue`) and is retried there (agentrl.actors.queue_client). The worker either owns its
 engines (embedded engines in this process: the cheapest placement on CPU) or reaches engine actors through
 `RemoteEngine` handles; either way an `EngineRouter` sends each episode to the least-loaded engine and keeps
@@ -159,10 +159,13 @@ class RolloutWorker:
             put = await self._put(kept, gid)
         else:
             put = {"accepted": 0, "duplicates": 0, "dropped": 0}
-            await self.queue.release(gid)
             infra = [e for e in results if isinstance(e, BaseException) and _infrastructure(e)]
-            if infra:  # an engine failed or died: the driver checks the engines and re-issues the whole group
+            if (
+                infra
+            ):  # an engine failed or died: the driver checks the engines and re-issues the whole group,
+                # which keeps the task's admission (released, it would let another group start per failure)
                 raise EngineError(describe_error(infra[0]))
+            await self.queue.release(gid)
             if len(errors) == n:  # a bug in the env or generator, not bad luck: stop the run with it
                 raise AgentRLError(f"every episode of task {task_index} failed; first: {errors[0]}")
         return {
