@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from agentrl.actors.cluster import Slot
 from agentrl.actors.coordinator import Coordinator
 from agentrl.actors.learner_group import LearnerGroup
 from agentrl.actors.queue import QueueActor
@@ -128,10 +129,29 @@ def config(args: argparse.Namespace, run_dir: str) -> Any:
 async def step(coord: Coordinator, size: int, version: int) -> tuple[list[str], dict[str, Any]]:
     """The driver's data path of one learner step, as the Trainer runs it with this agentrl: (ids, metrics)."""
     if SLICED:
-        sampled = await coord.queue_call("sample", size, version, 60.0, coord.data_slices())
+        sampled = await coord.queue.sample(size, version, 60.0, coord.data_slices())
         return sampled.ids, (await coord.train(sampled))[1]
-    sampled = await coord.queue_call("sample_batch", size, version, 60.0)
+    sampled = await coord.queue_call(
+        "sample_batch", size, version, 60.0
+    )  # the agentrl before the sliced path
     return sampled.ids, (await coord.train(sampled.trajectories))[1]
+
+
+async def commit(coord: Coordinator, step: int, ids: list[str]) -> None:
+    """Commit a step (frees the queue's copies, as a checkpoint's commit does)."""
+    if SLICED:
+        await coord.queue.commit(step, ids)
+    else:
+        await coord.queue_call("commit", step, ids)
+
+
+def install(coord: Coordinator, queue: Any, learner: Any) -> None:
+    """Hand the coordinator the queue actor and the learner, as `Coordinator.start` would."""
+    if SLICED:
+        coord.cluster.queue = Slot("queue", 0, queue)
+    else:
+        coord.queue = queue
+    coord.cluster.learner = learner
 
 
 async def one_run(args: argparse.Namespace, counter: ByteCounter) -> dict[str, float]:
@@ -140,8 +160,7 @@ async def one_run(args: argparse.Namespace, counter: ByteCounter) -> dict[str, f
     coord = Coordinator(cfg, run_dir, model_path="")
     queue = spawn(QueueActor, cfg=cfg, run_dir=run_dir, serve_http=False)
     ranks = [ray.remote(StandInRank).options(num_cpus=0).remote(r, args.ranks) for r in range(args.ranks)]
-    coord.queue = queue
-    coord.cluster.learner = LearnerGroup(ranks)
+    install(coord, queue, LearnerGroup(ranks))
     await asyncio.gather(*(r.learner_version.remote() for r in ranks))
     steps: list[dict[str, float]] = []
     try:
@@ -154,9 +173,7 @@ async def one_run(args: argparse.Namespace, counter: ByteCounter) -> dict[str, f
             assert len(ids) == args.trajectories and metrics["n_trajectories"] > 0
             if s:
                 steps.append({"driver_bytes": counter.take(), "driver_cpu_s": cpu, "step_overhead_s": wall})
-            await coord.queue_call(
-                "commit", s, ids
-            )  # frees the queue's copies, as a checkpoint's commit does
+            await commit(coord, s, ids)
     finally:
         for actor in [queue, *ranks]:
             ray.kill(actor)

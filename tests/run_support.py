@@ -103,3 +103,19 @@ def letters_reward(response: str, task: dict) -> float:
     """A dense reward even a random tiny model earns in part (the share of letters in its reply), so the
     samples of a group differ and every step has a gradient."""
     return sum(ch.isalpha() for ch in response) / max(1, len(response))
+
+
+async def kill_actor(actor) -> None:
+    """Kill a Ray actor's process and wait until Ray says it is dead (`ray.kill` only asks)."""
+    import asyncio
+
+    import ray
+
+    ray.kill(actor, no_restart=True)
+    for _ in range(200):
+        try:
+            await actor.__ray_ready__.remote()
+        except ray.exceptions.RayActorError:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the actor outlived ray.kill")

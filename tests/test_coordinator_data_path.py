@@ -15,10 +15,11 @@ from agentrl.actors.colocated import ColocatedHost
 from agentrl.actors.coordinator import Coordinator
 from agentrl.actors.learner import LearnerWorker
 from agentrl.actors.queue import QueueActor
-from agentrl.actors.queue_handle import QueueHandle
+from agentrl.actors.queue_client import WorkerQueue
 from agentrl.actors.remote import spawn
 from agentrl.config import load_config
 from agentrl.tokenizer import load_tokenizer
+from tests.run_support import Handle
 
 
 @pytest.fixture(scope="module")
@@ -48,23 +49,23 @@ async def test_a_queue_killed_between_sample_and_training_is_restarted_and_the_l
     run_dir.mkdir()
     held: list[str] = []
     coord = Coordinator(cfg, str(run_dir), str(tiny), held_ids=lambda: held)
-    coord.queue = coord.cluster._spawn_queue()
+    await coord.cluster.start_queue()
     coord.cluster.learner = spawn(LearnerWorker, cfg=cfg, model_path=str(tiny))
     trajectories = batch(len(load_tokenizer(tiny)))
     try:
-        await coord.queue_call("put", trajectories)
-        sampled = await coord.queue_call("sample", 8, 0, 10.0, coord.data_slices())
+        await coord.queue.put(trajectories)
+        sampled = await coord.queue.sample(8, 0, 10.0, coord.data_slices())
         assert sorted(sampled.ids) == sorted(t.id for t in trajectories)
         assert sampled.metrics["n_trajectories"] == 8 and sampled.metrics["reward_mean"] == 0.5
         held[:] = sampled.ids  # what the Trainer's RunState holds while it trains
-        ray.kill(coord.queue)
+        ray.kill(coord.cluster.queue.handle)
         version, metrics = await coord.train(sampled)
-        assert coord.queue_generation == 1  # restarted once, by the failed pull
+        assert coord.supervisor.generation(coord.cluster.queue) == 1  # restarted once, by the failed pull
         assert version == 1 and metrics["train/tokens"] == sum(4 + 3 + i for i in range(8))
         with pytest.raises(TimeoutError):  # the batch was reclaimed for the learner, not queued again
-            await coord.queue_call("sample", 1, 1, 0.5, 1)
-        await coord.queue_call("commit", 1, sampled.ids)
-        assert await coord.queue_call("pending_ids") == []
+            await coord.queue.sample(1, 1, 0.5, 1)
+        await coord.queue.commit(1, sampled.ids)
+        assert await coord.queue.pending_ids() == []
     finally:
         await coord.shutdown()
 
@@ -80,7 +81,7 @@ async def test_a_colocated_host_trains_on_what_it_put_and_fetches_only_what_it_d
     serve = queue.sampled
     queue.sampled = lambda ids: served.append(list(ids)) or serve(ids)
     host = ColocatedHost.__new__(ColocatedHost)  # its data path alone: no learner or engines are built
-    host.cfg, host.held, host.queue = cfg, {}, QueueHandle(queue)
+    host.cfg, host.held, host.queue = cfg, {}, WorkerQueue(Handle(queue))
     host.learner = types_ns(policy_version=lambda: 0)
     own, external = batch(100, 8)[:4], batch(100, 8)[4:]
     await host._put(own, "")

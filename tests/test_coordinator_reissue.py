@@ -1,8 +1,8 @@
 """The coordinator's re-issue of a failed rollout group, without Ray: real asyncio, a real rollout worker and
 queue in this process, engines over loopback HTTP; only Ray's actor handle (`handle.method.remote(...)`) is
 stood in for. A persistent engine error ends in one error line naming the engine, the request and the cause
-after backed-off re-issues; the failure of a re-used request id (one SGLang 0.5.12 still holds) is outlived by the
-re-issue, whose request ids are new."""
+after backed-off re-issues, each with the task's admission still reserved in the queue; the failure of a
+re-used request id (one SGLang 0.5.12 still holds) is outlived by the re-issue, whose request ids are new."""
 
 import asyncio
 import logging
@@ -12,7 +12,8 @@ import aiohttp
 import pytest
 import torch
 
-from agentrl.actors.coordinator import Coordinator, Slot
+from agentrl.actors.cluster import Slot
+from agentrl.actors.coordinator import Coordinator
 from agentrl.actors.queue import QueueActor
 from agentrl.actors.rollout import RolloutWorker
 from agentrl.config import load_config
@@ -41,9 +42,10 @@ def coordinator(tmp_path, model, url):
     }
     cfg = load_config(None, over)
     queue = QueueActor(cfg, str(tmp_path / "run"), serve_http=False)
-    worker = RolloutWorker(cfg, model, queue, engines=[SGLangEngine(url, retries=0)])
+    worker = RolloutWorker(cfg, model, Handle(queue), engines=[SGLangEngine(url, retries=0)])
     coord = Coordinator(cfg, str(tmp_path / "run"), model)
-    coord.queue, coord.workers = Handle(queue), [Slot("rollout", 0, Handle(worker))]
+    coord.cluster.queue = Slot("queue", 0, Handle(queue))
+    coord.cluster.workers = [Slot("rollout", 0, Handle(worker))]
     coord.reissue_backoff_s = 0.01
     return coord, queue, worker
 
@@ -56,6 +58,14 @@ async def test_a_persistent_engine_error_ends_in_one_line_after_backed_off_reiss
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     coord, queue, worker = coordinator(tmp_path, model, url)
     caplog.set_level(logging.WARNING, "agentrl.actors.coordinator")
+    reserved: list[list[str]] = []  # the queue's reservations as each attempt starts
+    run = worker.run_group
+
+    async def attempt(task_index, task, issue):
+        reserved.append(sorted(queue.tickets))
+        return await run(task_index, task, issue)
+
+    worker.run_group = attempt
     with pytest.raises(AgentRLError) as info:
         await coord.run_group(5, TASK)
     message = str(info.value)
@@ -68,6 +78,7 @@ async def test_a_persistent_engine_error_ends_in_one_line_after_backed_off_reiss
     ]  # fmt: skip
     assert all("ClientConnectorError" in m and "\n" not in m for m in logs)
     assert coord.reissued == 3 and coord.issues == {5: 4} and queue.tickets == {}
+    assert reserved == [["t5"]] * 4  # the failed attempts kept the task's admission for the re-issues
     await worker.engines[0].close()
     await queue.close()
 

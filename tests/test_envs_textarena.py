@@ -189,7 +189,8 @@ def test_hf_model_opponent(tiny, tok):
 def self_play_run(tmp_path, tiny, script, mode="async"):
     """A coordinator, an in-process queue and a rollout worker playing TicTacToe self-play: 2 games a task,
     batches of 2 groups, one batch of staleness."""
-    from agentrl.actors.coordinator import Coordinator, Slot
+    from agentrl.actors.cluster import Slot
+    from agentrl.actors.coordinator import Coordinator
     from agentrl.actors.queue import QueueActor
     from agentrl.actors.rollout import RolloutWorker
     from agentrl.config import load_config
@@ -207,8 +208,9 @@ def self_play_run(tmp_path, tiny, script, mode="async"):
     cfg = prepare(load_config(None, over))
     coord = Coordinator(cfg, str(tmp_path / "run"), str(tiny))
     queue = QueueActor(cfg, str(tmp_path / "run"), serve_http=False)
-    worker = RolloutWorker(cfg, str(tiny), queue, engines=[HFEngine(tiny, script=script)])
-    coord.queue, coord.workers = Handle(queue), [Slot("rollout", 0, Handle(worker))]
+    worker = RolloutWorker(cfg, str(tiny), Handle(queue), engines=[HFEngine(tiny, script=script)])
+    coord.cluster.queue = Slot("queue", 0, Handle(queue))
+    coord.cluster.workers = [Slot("rollout", 0, Handle(worker))]
     return coord, queue
 
 

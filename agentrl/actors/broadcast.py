@@ -10,7 +10,8 @@ Paths (`learner.publish`, "auto" picks by placement and engine kind):
 - `disk`: the learner writes a Hugging Face directory; engines load it (SGLang `update_weights_from_disk`).
   Under LoRA it writes the PEFT adapter directory alone (`AdapterSource`; SGLang `/load_lora_adapter`).
 Every publish has a timeout (`run.publish_timeout_s`) and fails with `WeightSyncError` naming the path and
-the engine. After a publish, every engine host and the queue know the new `policy_version`.
+the engine. The supervisor (agentrl.actors.supervisor) publishes through `Publisher`, then tells the queue the
+new `policy_version`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from agentrl.actors.common import within
 from agentrl.config import Config
 from agentrl.engines.base import AdapterSource, DiskSource, DistributedSource, Engine, TensorSource
 from agentrl.errors import WeightSyncError
+from agentrl.runlayout import PUBLISHED_DIR
 
 PATHS = ("tensor", "object_store", "nccl", "disk")
 
@@ -101,73 +103,61 @@ async def _guard(awaitable: Any, path: str, target: str, version: int, timeout_s
 class Publisher:
     """Driver-side publisher: pulls version `v` out of the learner actor and pushes it to engine hosts.
 
-    `targets` are Ray actor handles with `update_weights(version, payload)` (rollout workers owning engines,
-    or engine actors). The queue is told the version through `set_policy_version` when it has one.
+    The hosts are Ray actor handles with `update_weights(version, payload)` (rollout workers owning engines, or
+    engine actors), named at each publish: the supervisor (agentrl.actors.supervisor) hands over the hosts of
+    the moment, tells the queue the version, and never lets a publish and a `resend` interleave.
     """
 
-    def __init__(self, cfg: Config, learner: Any, targets: list[Any], queue: Any = None, run_dir: str = ""):
+    def __init__(self, cfg: Config, learner: Any, run_dir: str = ""):
         self.cfg = cfg
         self.path = choose_path(cfg)
         self.learner = learner
-        self.targets = list(targets)
-        self.queue = queue
         self.run_dir = run_dir
         self.timeout_s = cfg.run.publish_timeout_s
-        self.last_payload: Any = None
+        self.last_payload: Any = None  # kept for `resend`
         self.version = -1
-        self.last_publish_s = 0.0
-        # A publish and a catch-up of a restarted host never interleave: a catch-up that started during a
-        # publish would otherwise be able to land after it and leave that host one version behind.
-        self._lock = asyncio.Lock()
 
-    async def publish(self, version: int) -> float:
-        """Publish `version` to every target; returns seconds taken. Raises WeightSyncError."""
-        async with self._lock:
-            t0 = time.perf_counter()
-            payload = await self._payload(version)
-            jobs = [
-                _guard(
-                    t.update_weights.remote(version, payload),
-                    self.path,
-                    f"engine host {i}",
-                    version,
-                    self.timeout_s,
-                )
-                for i, t in enumerate(self.targets)
-            ]
-            if self.path == "nccl":
-                jobs.append(
-                    _guard(
-                        self.learner.broadcast_weights.remote(), self.path, "learner", version, self.timeout_s
-                    )
-                )
-            await asyncio.gather(*jobs)
-            self.last_payload, self.version = payload, version
-            if self.queue is not None:
-                await self.queue.set_policy_version.remote(version)
-            self.last_publish_s = time.perf_counter() - t0
-            return self.last_publish_s
+    async def publish(self, version: int, hosts: list[Any]) -> float:
+        """Publish `version` to every host; returns seconds taken. Raises WeightSyncError."""
+        t0 = time.perf_counter()
+        payload = await self._payload(version)
+        jobs = [
+            _guard(
+                h.update_weights.remote(version, payload),
+                self.path,
+                f"engine host {i}",
+                version,
+                self.timeout_s,
+            )
+            for i, h in enumerate(hosts)
+        ]
+        if self.path == "nccl":
+            jobs.append(
+                _guard(self.learner.broadcast_weights.remote(), self.path, "learner", version, self.timeout_s)
+            )
+        await asyncio.gather(*jobs)
+        self.last_payload, self.version = payload, version
+        return time.perf_counter() - t0
 
-    async def catch_up(self, target: Any) -> None:
-        """Load the latest published version into a (re)started engine host (after a publish in progress)."""
-        async with self._lock:
-            if self.version < 0:
-                return
-            payload = self.last_payload
-            if self.path == "nccl":  # a restarted engine left the group: fall back to a full copy
-                payload = await self.learner.weights_payload.remote()
-            await _guard(target.update_weights.remote(self.version, payload), self.path, "restarted host",
-                         self.version, self.timeout_s)  # fmt: skip
+    async def resend(self, host: Any) -> None:
+        """Load the last published version (if any) into one host that started after it was published."""
+        if self.version < 0:
+            return
+        payload = self.last_payload
+        if self.path == "nccl":  # a new host is not in the broadcast group: a full copy
+            payload = await self.learner.weights_payload.remote()
+        await _guard(host.update_weights.remote(self.version, payload), self.path, "restarted host",
+                     self.version, self.timeout_s)  # fmt: skip
 
     async def _payload(self, version: int) -> Any:
         if self.path == "tensor":  # the target holds the learner: it copies in-process
             return None
         if self.path == "disk" and self.cfg.learner.lora.enabled:  # the adapter alone, as a PEFT directory
-            path = f"{self.run_dir}/published/lora_v{version}"
+            path = f"{self.run_dir}/{PUBLISHED_DIR}/lora_v{version}"
             return await _guard(self.learner.save_adapter.remote(path), "disk", "learner", version,
                                 self.timeout_s)  # fmt: skip
         if self.path == "disk":
-            path = f"{self.run_dir}/published/v{version}"
+            path = f"{self.run_dir}/{PUBLISHED_DIR}/v{version}"
             return await _guard(self.learner.save_hf.remote(path), "disk", "learner", version, self.timeout_s)
         if self.path == "nccl":
             return await self.learner.distributed_source.remote()

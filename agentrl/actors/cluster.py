@@ -1,18 +1,17 @@
-"""Cluster: the one owner of where actors run, how they start and restart, and the queue actor's recovery.
+"""Cluster: the one owner of where actors run and how they start, and of the learner's checkpoints.
 
 The coordinator asks it for actors and gets handles back; nothing else places, spawns or kills an actor.
 - `start()`: the queue actor on the driver's node (it writes the run directory, WAL and ledger there), then
   the learner (one actor, or a `LearnerGroup` of ranks), engines and rollout workers where
-  `agentrl.actors.placement` says (one host, or several nodes by resources). Actors are spawned by class with
-  keyword arguments (`Slot.kwargs`), so a restart hands the new actor the current queue and engines by name.
-- `replace(slot, generation)`: kill and respawn a dead rollout worker or engine once per death, within
-  `run.max_restarts` per worker; the coordinator's `on_replaced` then loads the latest weights into it.
-- queue recovery: the `QueueHandle` calls `_respawn_queue` when the queue actor dies: recreated on the same
-  run dir (its WAL replays the uncommitted trajectories), the ids the learner holds reclaimed (`held_ids`),
-  the groups in flight re-reserved (`in_flight`), every worker handed the new actor, `queue_url` rewritten.
+  `agentrl.actors.placement` says (one host, or several nodes by resources). Every actor but the learner is a
+  `Slot`: spawned by class with keyword arguments, so it can be started again in its place.
+- `respawn(slot)`: kill the slot's actor and start a new one of the same class with the same options; a rollout
+  worker gets the queue and engines of the moment, a queue actor its predecessor's HTTP port. When and how
+  often that happens, and what the new actor is told, is the supervisor's (agentrl.actors.supervisor).
 - checkpoints: `save_learner` / `load_learner` go through the learner's own disk when it shares the driver's
   node, else as bytes through Ray (`agentrl.actors.transfer`), so a learner on another node needs no shared
-  file system. `runs/NAME/placement.json` says on which node each actor runs.
+  file system. `runs/NAME/placement.json` says on which node each actor runs (rewritten after a respawn),
+  `runs/NAME/queue_url` where external agents submit.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,17 +26,18 @@ from typing import Any
 from agentrl.actors.common import within
 from agentrl.actors.learner_group import LearnerGroup
 from agentrl.actors.placement import Placement
-from agentrl.actors.queue_handle import QueueHandle
 from agentrl.config import Config
-from agentrl.errors import AgentRLError, ConfigError
+from agentrl.errors import ConfigError
+from agentrl.runlayout import PLACEMENT_FILE, QUEUE_URL_FILE
 
 log = logging.getLogger(__name__)
-PLACEMENT_FILE = "placement.json"
 
 
-@dataclass
+@dataclass(eq=False)
 class Slot:
-    """A supervised actor and how to recreate it: its class, keyword arguments and Ray options."""
+    """An actor that can be started again in its place: its kind ("queue", "rollout", "engine" or
+    "colocated"), index among its kind, handle, keyword arguments and Ray options; `in_flight` counts the
+    groups the coordinator has running on it."""
 
     kind: str
     index: int
@@ -46,71 +45,69 @@ class Slot:
     kwargs: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     in_flight: int = 0
-    generation: int = 0
 
 
 def actor_types() -> dict[str, type]:
     from agentrl.actors.colocated import ColocatedHost
     from agentrl.actors.engine import EngineActor
+    from agentrl.actors.queue import QueueActor
     from agentrl.actors.rollout import RolloutWorker
 
-    return {"rollout": RolloutWorker, "engine": EngineActor, "colocated": ColocatedHost}
+    return {"queue": QueueActor, "rollout": RolloutWorker, "engine": EngineActor, "colocated": ColocatedHost}
+
+
+ROLES = {
+    "queue": "queue",
+    "rollout": "workers",
+    "colocated": "workers",
+    "engine": "engines",
+}  # placement.json
 
 
 class Cluster:
-    def __init__(self, cfg: Config, run_dir: str, model_path: str, *,
-                 policy_version: Callable[[], int] = lambda: 0, held_ids: Callable[[], list[str]] = list,
-                 in_flight: Callable[[], list[tuple[str, int]]] = list):  # fmt: skip
-        """`policy_version`: the last published version (a restarted queue starts there); `held_ids`: the ids
-        the learner holds and the queue has not committed; `in_flight`: (key, trajectories) reserved per group
-        in flight."""
+    def __init__(self, cfg: Config, run_dir: str, model_path: str, policy_version: int = 0):
+        """`policy_version`: the version the queue actor starts at (a resumed run's)."""
         self.cfg = cfg
         self.run_dir = run_dir
         self.model_path = model_path
-        self._policy_version, self._held_ids, self._in_flight = policy_version, held_ids, in_flight
-        self.queue_handle = QueueHandle(
-            None, restart=self._respawn_queue, max_restarts=cfg.run.max_restarts,
-            give_up_hint=f"; `agentrl run --resume {run_dir}` continues from the last checkpoint",
-        )  # fmt: skip
+        self.policy_version = policy_version
+        self.queue: Slot | None = None
         self.queue_url = ""
         self.learner: Any = None
         self.workers: list[Slot] = []
         self.engines: list[Slot] = []
         self.groups: list[Any] = []  # placement groups
-        self.restarts = 0  # actor and queue restarts together
         self.nodes: dict[str, Any] = {}  # role -> where() of each actor (placement.json)
-        self._lock = asyncio.Lock()
 
     # -- start -------------------------------------------------------------------------------------------
 
-    async def start(self) -> list[Any]:
-        """Start every actor (see the module docstring); returns the engine hosts weights are published to."""
+    async def start(self) -> None:
+        """Start every actor (see the module docstring)."""
         from agentrl.actors import placement
 
         placement.check(self.cfg)  # before the queue starts: a config error leaves nothing behind
-        self.queue_handle.actor = self._spawn_queue()
-        self.queue_url = await self.queue_handle.actor.start.remote()
-        self._write_queue_url()
+        await self.start_queue()
         layout = await placement.place(self.cfg)
         self.groups = layout.groups
-        targets = await asyncio.to_thread(self._spawn_all, layout)
+        await asyncio.to_thread(self._spawn_all, layout)
         await self.learner.learner_version.remote()  # fail fast if the learner cannot build
         await self._locate()
-        return targets
 
-    def _spawn_queue(self) -> Any:
+    async def start_queue(self) -> None:
+        """The queue actor, on the driver's node, serving HTTP (`queue_url`)."""
         from agentrl.actors import placement
-        from agentrl.actors.queue import QueueActor
-        from agentrl.actors.remote import spawn
 
-        return spawn(QueueActor, options=placement.queue_options(), cfg=self.cfg, run_dir=self.run_dir,
-                     policy_version=self._policy_version(), tokenizer_path=self.model_path)  # fmt: skip
+        self.queue = self._slot("queue", 0, placement.queue_options(), cfg=self.cfg, run_dir=self.run_dir,
+                                policy_version=self.policy_version, tokenizer_path=self.model_path)  # fmt: skip
+        self.queue_url = await self.queue.handle.start.remote()
+        self._write_queue_url()
 
-    def _spawn_all(self, layout: Placement) -> list[Any]:
+    def _spawn_all(self, layout: Placement) -> None:
         """Learner, engines, workers (blocking: a learner of several ranks rendezvouses first)."""
         from agentrl.actors.learner_group import spawn_learner
 
-        c, queue, path = self.cfg, self.queue_handle.actor, self.model_path
+        assert self.queue is not None
+        c, queue, path = self.cfg, self.queue.handle, self.model_path
         if c.run.placement == "colocated":
             if c.rollout.num_workers != 1:
                 raise ConfigError(
@@ -118,7 +115,7 @@ class Cluster:
                 )
             host = self._slot("colocated", 0, layout.learner[0], cfg=c, model_path=path, queue=queue)
             self.learner, self.workers = host.handle, [host]
-            return [s.handle for s in self.engine_hosts()]
+            return
         self.learner = spawn_learner(c, path, lambda rank: layout.learner[rank])
         self.engines = [
             self._slot("engine", i, options, cfg=c, model_path=path, index=i)
@@ -131,7 +128,6 @@ class Cluster:
             )
             for i, options in enumerate(layout.workers)
         ]
-        return [s.handle for s in self.engine_hosts()]
 
     def _slot(self, kind: str, index: int, options: dict[str, Any], /, **kwargs: Any) -> Slot:
         from agentrl.actors.remote import spawn
@@ -155,7 +151,8 @@ class Cluster:
         """Ask every actor for its node; written to placement.json."""
         import ray
 
-        roles = {"queue": [self.queue_handle.actor], "learner": self.learner_handles(),
+        assert self.queue is not None
+        roles = {"queue": [self.queue.handle], "learner": self.learner_handles(),
                  "engines": [s.handle for s in self.engines], "workers": [s.handle for s in self.workers]}  # fmt: skip
         self.nodes = {"driver": {"node_id": ray.get_runtime_context().get_node_id(),
                                  "ip": ray.util.get_node_ip_address()}}  # fmt: skip
@@ -212,73 +209,41 @@ class Cluster:
 
         return await self.learner.load_archive.remote(pack_dir(path))
 
-    # -- supervision -------------------------------------------------------------------------------------
+    # -- starting an actor again ------------------------------------------------------------------------
 
-    @property
-    def queue_restarts(self) -> int:
-        return self.queue_handle.restarts
-
-    async def replace(self, slot: Slot, generation: int,
-                      on_replaced: Callable[[Slot, Any], Awaitable[None]]) -> None:  # fmt: skip
-        """Kill and recreate `slot` (once per death: `generation`), then `on_replaced(slot, old_handle)`."""
+    async def respawn(self, slot: Slot, **changed: Any) -> Any:
+        """Kill `slot`'s actor and start a new one in its place: same class and options, the same keyword
+        arguments but `changed` (a rollout worker also gets the queue and engines of the moment). A queue actor
+        is started on its predecessor's port (HTTP clients that retry reconnect) and `queue_url` rewritten.
+        Returns the new handle; the caller puts it into the slot once the actor is ready for its callers."""
         from agentrl.actors.remote import spawn
 
-        async with self._lock:
-            if slot.generation != generation:
-                return  # someone already replaced it
-            actor_restarts = self.restarts - self.queue_restarts  # the queue has its own budget
-            if slot.kind == "colocated" or actor_restarts >= self.cfg.run.max_restarts * max(
-                1, len(self.workers)
-            ):
-                raise AgentRLError(
-                    f"{slot.kind} actor {slot.index} died and cannot be restarted (restarts: {self.restarts})"
-                )
-            _kill(slot.handle)
-            old = slot.handle
-            if slot.kind == "rollout" and self.engines:  # the engines now (some may have been replaced)
+        _kill(slot.handle)
+        slot.kwargs.update(changed)
+        if slot.kind == "rollout":
+            assert self.queue is not None
+            slot.kwargs["queue"] = self.queue.handle
+            if self.engines:  # the engines now (some may have been replaced)
                 slot.kwargs["engines"] = [e.handle for e in self.engines]
-            slot.handle = spawn(actor_types()[slot.kind], options=slot.options, **slot.kwargs)
-            slot.generation += 1
-            self.restarts += 1
-            log.warning("restarted %s actor %d (restart %d)", slot.kind, slot.index, self.restarts)
-            await on_replaced(slot, old)
-            if self.nodes:
-                role = "engines" if slot.kind == "engine" else "workers"
-                self.nodes[role][slot.index] = await slot.handle.where.remote()
-                self._write_placement()
-
-    async def _respawn_queue(self, dead: Any) -> Any:
-        """Recreate the dead queue actor on the same run dir for this run; see the module docstring."""
-        _kill(dead)
-        queue = self._spawn_queue()
-        old_port = int(self.queue_url.rsplit(":", 1)[1]) if self.queue_url else None
-        url = await queue.start.remote(old_port)
-        reclaimed = await queue.reclaim.remote(self._held_ids())
-        in_flight = self._in_flight()
-        jobs = [within(queue.reserve.remote(n, key), 5.0) for key, n in in_flight]
-        failed = [r for r in await asyncio.gather(*jobs, return_exceptions=True) if isinstance(r, Exception)]
-        if failed:  # their puts go unreserved (retried while the window is full)
-            log.warning("queue restart: %d in-flight groups not re-reserved: %r", len(failed), failed[0])
-        for slot in self.workers:  # a later restart of the worker gets the new queue
-            slot.kwargs["queue"] = queue
-        await asyncio.gather(
-            *(w.handle.set_queue.remote(queue) for w in self.workers), return_exceptions=True
-        )
-        self.queue_url = url
-        self.restarts += 1
-        self._write_queue_url()
-        log.warning("queue restart: %d held ids reclaimed, %d groups in flight", reclaimed, len(in_flight))
-        return queue
+        handle = spawn(actor_types()[slot.kind], options=slot.options, **slot.kwargs)
+        if slot.kind == "queue":
+            old_port = int(self.queue_url.rsplit(":", 1)[1]) if self.queue_url else None
+            self.queue_url = await handle.start.remote(old_port)
+            self._write_queue_url()
+        if self.nodes:
+            self.nodes[ROLES[slot.kind]][slot.index] = await handle.where.remote()
+            self._write_placement()
+        return handle
 
     def _write_queue_url(self) -> None:
         if self.queue_url:
-            (Path(self.run_dir) / "queue_url").write_text(self.queue_url + "\n")
+            (Path(self.run_dir) / QUEUE_URL_FILE).write_text(self.queue_url + "\n")
 
     # -- shutdown ----------------------------------------------------------------------------------------
 
     async def shutdown(self) -> None:
         """Close the queue (WAL flushed) and every actor, kill them all, remove the placement groups."""
-        queue = self.queue_handle.actor
+        queue = self.queue.handle if self.queue is not None else None
         if queue is not None:
             try:
                 await within(queue.close.remote(), 10)

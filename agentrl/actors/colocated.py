@@ -68,9 +68,7 @@ class ColocatedHost(RolloutWorker):
         """The trajectories of `ids`: held here, or fetched from the queue; the rest of `held` that the queue
         has dropped as too stale is forgotten."""
         missing = [tid for tid in ids if tid not in self.held]
-        fetched = (
-            dict(zip(missing, await self._queue_call("sampled", missing), strict=True)) if missing else {}
-        )
+        fetched = dict(zip(missing, await self.queue.sampled(missing), strict=True)) if missing else {}
         out = [self.held.pop(tid) if tid in self.held else fetched[tid] for tid in ids]
         oldest = self.learner.policy_version() - self.cfg.effective_max_staleness
         for tid in [tid for tid, t in self.held.items() if min_version(t) < oldest]:

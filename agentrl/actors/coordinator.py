@@ -1,4 +1,5 @@
-"""Coordinator: dispatches rollout groups, supervises them, publishes, shuts down; the Cluster places.
+"""Coordinator: dispatches rollout groups and re-issues failed ones, trains on ids, shuts down; the Cluster
+places actors, the Supervisor restarts them and publishes.
 
 Placements (`run.placement`, actors started by agentrl.actors.cluster where agentrl.actors.placement says):
 - `colocated`: one `ColocatedHost` process holds learner, engines and rollout worker (publish = tensor copy);
@@ -10,18 +11,18 @@ Placements (`run.placement`, actors started by agentrl.actors.cluster where agen
   rollout worker (CPU), on one host or over `run.nodes` Ray nodes by resources; engine actors are separate and
   workers reach them by handle (least-loaded, episode-sticky routing). `run.ray_address` joins an existing
   cluster.
-Supervision: a rollout worker (or engine) that dies is replaced (by the Cluster), loaded with the latest
-published version, and the groups it had in flight are re-issued under the same trajectory ids (the queue's
-idempotency makes re-issue safe; each issue of a task gets its own `attempt` number, so engine request ids are
-new). A task reserves admission for all its trajectories: n_samples_per_prompt per policy seat (self-play: 2).
-A group that fails (dead worker, or an engine error naming engine, request and cause) is re-issued after an
-exponential backoff (`REISSUE_BACKOFF_S` doubling up to `REISSUE_BACKOFF_MAX_S`; each re-issue is logged with
-the attempt count and the last error); after `run.max_restarts` re-issues the run ends with one error line
-naming the task, the attempts and the last error. Every queue call of the driver goes through the Cluster's
-`QueueHandle` (agentrl.actors.queue_handle), whose recovery of a dead queue actor the Cluster owns: it
-re-reserves the groups this coordinator has in flight (`reserved`); the learner ranks' pulls of their slices
-(`train`) go to the actor of the moment and are repeated on its successor. `shutdown()` closes the queue (WAL
-flushed) and kills every actor.
+Supervision is the Supervisor's (agentrl.actors.supervisor): a rollout worker, engine or queue actor that dies
+is replaced and brought up to date there. The coordinator notices a death where it calls: the groups a dead
+worker had in flight are re-issued under the same trajectory ids (the queue's idempotency makes re-issue safe;
+each issue of a task gets its own `attempt` number, so engine request ids are new). A task reserves admission
+for all its trajectories: n_samples_per_prompt per policy seat (self-play: 2). A group that fails (dead worker,
+or an engine error naming engine, request and cause) is re-issued after an exponential backoff
+(`REISSUE_BACKOFF_S` doubling up to `REISSUE_BACKOFF_MAX_S`; each re-issue is logged with the attempt count and
+the last error; the task keeps its admission meanwhile); after `run.max_restarts` re-issues the run ends with one error line naming the task, the
+attempts and the last error. The driver calls the queue through `queue`, the supervisor's typed client (a dead
+queue actor is replaced and the call retried); the learner ranks' pulls of their slices (`train`) go to the
+actor of the moment and are repeated on its successor. `shutdown()` closes the queue (WAL flushed) and kills
+every actor.
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ from collections.abc import Callable
 from typing import Any
 
 from agentrl.actors.broadcast import Publisher, choose_path
-from agentrl.actors.cluster import Cluster, Slot
-from agentrl.actors.common import within
+from agentrl.actors.cluster import Cluster
 from agentrl.actors.learner_group import LearnerGroup
 from agentrl.actors.queue import Sampled
+from agentrl.actors.supervisor import Supervisor
 from agentrl.config import Config
 from agentrl.engines.base import describe_error
 from agentrl.envs.registry import env_factory
-from agentrl.errors import AgentRLError, ConfigError, EngineError, WeightSyncError
+from agentrl.errors import AgentRLError, ConfigError, EngineError
 from agentrl.queue.admission import partial_reservation_slack
 
 log = logging.getLogger(__name__)
@@ -54,14 +55,10 @@ class Coordinator:
         them)."""
         self.cfg = cfg
         self.run_dir = run_dir
-        self.policy_version = policy_version
-        self.cluster = Cluster(
-            cfg, run_dir, model_path, policy_version=lambda: self.policy_version, held_ids=held_ids,
-            in_flight=lambda: [(key, self.task_trajectories) for key in sorted(self.reserved)],
-        )  # fmt: skip
-        self.publisher: Publisher | None = None
+        self.cluster = Cluster(cfg, run_dir, model_path, policy_version)
+        self.supervisor = Supervisor(cfg, run_dir, self.cluster, policy_version, held_ids)
+        self.queue = self.supervisor.queue  # the queue actor's methods, typed; see the module docstring
         self.reissued = 0
-        self.reserved: set[str] = set()
         self.reissue_backoff_s, self.reissue_backoff_max_s = REISSUE_BACKOFF_S, REISSUE_BACKOFF_MAX_S
         self.issues: dict[int, int] = {}  # task index -> times issued (the next attempt number)
         # The admission one task reserves: all its trajectories, n per policy seat (self-play: a group per seat).
@@ -71,121 +68,54 @@ class Coordinator:
             _check_window_slack(cfg, self.task_trajectories)
         self.evaluations = 0
 
-    # -- the Cluster's handles ---------------------------------------------------------------------------
-
-    @property
-    def queue(self) -> Any:
-        """The queue actor now (after a restart, its successor)."""
-        return self.cluster.queue_handle.actor
-
-    @queue.setter
-    def queue(self, actor: Any) -> None:
-        self.cluster.queue_handle.actor = actor
-
-    @property
-    def learner(self) -> Any:
-        return self.cluster.learner
-
-    @property
-    def workers(self) -> list[Slot]:
-        return self.cluster.workers
-
-    @workers.setter
-    def workers(self, slots: list[Slot]) -> None:
-        self.cluster.workers = slots
-
-    @property
-    def engines(self) -> list[Slot]:
-        return self.cluster.engines
-
-    @property
-    def queue_url(self) -> str:
-        return self.cluster.queue_url
-
-    @property
-    def restarts(self) -> int:
-        return self.cluster.restarts
-
-    @property
-    def queue_generation(self) -> int:
-        return self.cluster.queue_handle.generation
-
     # -- start -------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Start every actor (the Cluster), then the publisher; `disk` is refused across nodes."""
-        c = self.cfg
-        targets = await self.cluster.start()
+        c, cluster = self.cfg, self.cluster
+        await cluster.start()
         path = choose_path(c)
-        if path == "disk" and (apart := self.cluster.hosts_apart_from_learner()):
+        if path == "disk" and (apart := cluster.hosts_apart_from_learner()):
             raise ConfigError(
                 f"learner.publish = 'disk' writes each version into the learner's file system, which "
-                f"{', '.join(apart)} cannot read (the learner runs on {self.cluster.learner_ip()}); place the "
+                f"{', '.join(apart)} cannot read (the learner runs on {cluster.learner_ip()}); place the "
                 "engines on the learner's node or set learner.publish = 'object_store' or 'nccl'"
             )
-        self.publisher = Publisher(c, self.learner, targets, None, self.run_dir)  # the queue: see publish()
+        self.supervisor.publisher = Publisher(c, cluster.learner, self.run_dir)
         if path == "nccl":
-            await self._init_nccl(targets)
+            await self._init_nccl([s.handle for s in cluster.engine_hosts()])
 
     async def _init_nccl(self, targets: list[Any]) -> None:
+        learner = self.cluster.learner
         addr = self.cluster.learner_ip()  # rank 0 of the learner hosts the group
         port = 29_500 + (hash(self.run_dir) % 1000)
         world = 1 + len(targets)
-        jobs = [self.learner.init_weight_group.remote(addr, port, world, "agentrl-weights")]
+        jobs = [learner.init_weight_group.remote(addr, port, world, "agentrl-weights")]
         jobs += [
             t.init_weight_group.remote(addr, port, world, i + 1, "agentrl-weights")
             for i, t in enumerate(targets)
         ]
         await asyncio.gather(*jobs)
 
-    # -- supervision -------------------------------------------------------------------------------------
-
-    async def _replace(self, slot: Slot, generation: int) -> None:
-        """Have the Cluster recreate `slot` (once per death), then load the latest published weights into it."""
-        await self.cluster.replace(slot, generation, self._on_replaced)
-
-    async def _on_replaced(self, slot: Slot, old: Any) -> None:
-        assert self.publisher is not None
-        if any(t is old for t in self.publisher.targets):  # an engine host (a worker owning none loads none)
-            self.publisher.targets = [slot.handle if t is old else t for t in self.publisher.targets]
-            await self.publisher.catch_up(slot.handle)
-        if slot.kind == "engine":  # a worker that died too (same node) is replaced with the new engines
-            await asyncio.gather(
-                *(w.handle.replace_engine.remote(slot.index, slot.handle) for w in self.workers),
-                return_exceptions=True,
-            )
-
-    async def queue_call(self, name: str, *args: Any) -> Any:
-        """Call the queue actor's `name`; its death is recovered by the QueueHandle (then the Cluster)."""
-        return await self.cluster.queue_handle.call(name, *args)
-
-    async def check_engines(self, timeout_s: float = 60.0, slots: list[Slot] | None = None) -> int:
-        """Ping every engine actor (or `slots`); replace the ones that do not answer; returns how many."""
-        replaced = 0
-        for slot in self.engines if slots is None else slots:
-            generation = slot.generation
-            try:
-                await within(slot.handle.health.remote(), timeout_s)
-            except Exception:
-                await self._replace(slot, generation)
-                replaced += 1
-        return replaced
+    # -- rollout -----------------------------------------------------------------------------------------
 
     async def admit(self, task_index: int) -> None:
         """Wait until the queue's staleness window admits the task's trajectories and reserve them (the queue's
         reservation is the only bound on rollouts in flight); a task admitted already is not reserved twice."""
         key = f"t{task_index}"
-        if key not in self.reserved:
-            await self.queue_call("reserve", self.task_trajectories, key)
-            self.reserved.add(key)
+        if key not in self.supervisor.reserved:
+            await self.queue.reserve(self.task_trajectories, key)
+            self.supervisor.reserved[key] = self.task_trajectories  # a restarted queue re-reserves it
 
     async def run_group(self, task_index: int, task: dict[str, Any]) -> dict[str, Any]:
         """Admit (unless the dispatcher did), run the group on the least-busy worker; on a worker/engine death,
-        recover and re-issue. Returns the worker's summary."""
+        have it replaced and re-issue. Returns the worker's summary."""
         from ray.exceptions import RayActorError
 
         key = f"t{task_index}"
-        queue_generation = self.queue_generation
+        sup = self.supervisor
+        assert self.cluster.queue is not None
+        queue_generation = sup.generation(self.cluster.queue)
         await self.admit(task_index)
         attempts, last = self.cfg.run.max_restarts + 1, ""
         try:
@@ -200,37 +130,41 @@ class Coordinator:
                     await asyncio.sleep(delay_s)
                 issue = self.issues.get(task_index, 0)
                 self.issues[task_index] = issue + 1
-                slot = min(self.workers, key=lambda s: s.in_flight)
-                generation = slot.generation
+                slot = min(self.cluster.workers, key=lambda s: s.in_flight)
+                generation = sup.generation(slot)
                 slot.in_flight += 1
                 try:
                     return await slot.handle.run_group.remote(task_index, task, issue)
                 except RayActorError as exc:
                     last = f"{slot.kind} actor {slot.index} died ({describe_error(exc)})"
-                    await self._replace(slot, generation)
+                    await sup.replace(slot, generation)
                 except EngineError as exc:
                     last = describe_error(exc)
-                    await self.check_engines()
+                    await sup.check_engines()
                 finally:
                     slot.in_flight -= 1
-            await self.queue_call("release", key)
+            await self.queue.release(key)
             raise AgentRLError(f"task {task_index}: rollout failed {attempts} times; last error: {last}")
         finally:
-            self.reserved.discard(key)
-            if self.queue_generation != queue_generation:  # a restarted queue may have re-reserved it
-                await self.queue_call("release", key)
+            sup.reserved.pop(key, None)
+            if (
+                sup.generation(self.cluster.queue) != queue_generation
+            ):  # a restarted queue may have re-reserved it
+                await self.queue.release(key)
 
     async def evaluate(self, tasks: list[dict[str, Any]], n: int = 1, sampling: dict[str, Any] | None = None,
                        env: tuple[str, dict[str, Any], str] | None = None) -> list[dict[str, Any]]:  # fmt: skip
         """The samples of an eval set (RolloutWorker.evaluate; agentrl.runner.evaluation scores them)."""
         self.evaluations += 1
-        return await self.workers[0].handle.evaluate.remote(tasks, self.evaluations - 1, n, sampling, env)
+        return await self.cluster.workers[0].handle.evaluate.remote(
+            tasks, self.evaluations - 1, n, sampling, env
+        )
 
     # -- learner -----------------------------------------------------------------------------------------
 
     async def warmup(self) -> dict[str, Any]:
         """The learner's supervised warm-up (`warmup.steps`); its stats (loss first/last, seconds)."""
-        return await self.learner.warmup.remote()
+        return await self.cluster.learner.warmup.remote()
 
     def data_slices(self) -> int:
         """Slices each batch is cut into: one per learner data-parallel rank (a colocated host: one)."""
@@ -240,50 +174,30 @@ class Coordinator:
         """(the policy_version the learner produced, its metrics); the caller publishes that version. Only ids
         pass through here: each learner rank pulls its own slice from the queue actor (`_fetch`), a colocated
         host takes the trajectories it put from its own memory."""
+        learner = self.cluster.learner
         if self.cfg.run.placement == "colocated":
-            return await self.learner.train.remote(sampled.ids)
+            return await learner.train.remote(sampled.ids)
         await self._fetch(sampled.slice_ids)
-        return await self.learner.train.remote()
+        return await learner.train.remote()
 
     async def _fetch(self, slice_ids: list[list[str]]) -> None:
-        """Have each learner rank pull its slice; a queue actor that died meanwhile is restarted (by the
-        QueueHandle, reclaiming the ids the learner holds) and the pull retried on its successor. Nothing has
+        """Have each learner rank pull its slice; a queue actor that died meanwhile is replaced (by the
+        supervisor, reclaiming the ids the learner holds) and the pull retried on its successor. Nothing has
         trained yet when a pull fails: the ranks enter the step's collectives only in `train()`."""
+        learner, queue = self.cluster.learner, self.cluster.queue
+        assert queue is not None
         while True:
-            generation = self.queue_generation
+            generation = self.supervisor.generation(queue)
             try:
-                if isinstance(self.learner, LearnerGroup):
-                    await self.learner.fetch.remote(self.queue, slice_ids)
+                if isinstance(learner, LearnerGroup):
+                    await learner.fetch.remote(queue.handle, slice_ids)
                 else:
-                    await self.learner.fetch.remote(self.queue, slice_ids[0])
+                    await learner.fetch.remote(queue.handle, slice_ids[0])
                 return
             except Exception:
-                await self.queue_call("status")  # recovers a dead queue actor (once per death)
-                if self.queue_generation == generation:
+                await self.queue.status()  # replaces a dead queue actor (once per death)
+                if self.supervisor.generation(queue) == generation:
                     raise
-
-    async def publish(self, version: int) -> float:
-        """Publish `version` to every engine host, then tell the queue. A host that died (its node lost, say)
-        fails the publish: it is replaced (loaded with the last version) and the publish retried once. The
-        replacement may already have happened while the publish ran (a group on the dead worker noticed
-        first), so a host whose generation moved counts as replaced even if it now answers."""
-        assert self.publisher is not None
-        # a colocated host holds the learner too: it is not replaced, so its failure is not retried
-        hosts = [slot for slot in self.cluster.engine_hosts() if slot.kind != "colocated"]
-        generations = [slot.generation for slot in hosts]
-        try:
-            seconds = await self.publisher.publish(version)
-        except WeightSyncError as exc:
-            replaced = await self.check_engines(slots=hosts)
-            if not replaced and generations == [slot.generation for slot in hosts]:
-                raise
-            log.warning(
-                "publish of policy_version %d failed (%s); retrying on the replaced hosts", version, exc
-            )
-            seconds = await self.publisher.publish(version)
-        self.policy_version = version
-        await self.queue_call("set_policy_version", version)
-        return seconds
 
     # -- shutdown ----------------------------------------------------------------------------------------
 

@@ -13,11 +13,11 @@ re-issue and `...r<n>` on its n-th re-run here (an engine may still hold the ids
 episode cut by a weight update is continued by the generator and, if it still ends aborted, re-run from the
 start; with "keep" the engine continues it with the new weights and the per-token versions record the switch.
 An engine failure fails the group with one line naming the engine, the request and the cause (the coordinator
-re-issues it). If the queue actor dies, a put (or release) waits for the restarted queue (agentrl.actors.cluster)
-(`set_queue`) and is retried there (agentrl.actors.queue_handle). The worker either owns its engines (embedded
-engines in this process: the cheapest placement on CPU) or reaches engine actors through `RemoteEngine`
-handles; either way an `EngineRouter` sends each episode to the least-loaded engine and keeps all its turns
-there.
+re-issues it; the task's admission stays reserved for the re-issue). If the queue actor dies, a put (or release) waits until the driver's supervisor hands the worker
+the restarted queue (`set_queue`) and is retried there (agentrl.actors.queue_client). The worker either owns its
+engines (embedded engines in this process: the cheapest placement on CPU) or reaches engine actors through
+`RemoteEngine` handles; either way an `EngineRouter` sends each episode to the least-loaded engine and keeps
+all its turns there.
 Plain class: agentrl.actors.remote makes it a Ray actor.
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 
 import msgspec
 
-from agentrl.actors.queue_handle import QueueHandle, actor_died
+from agentrl.actors.queue_client import WorkerQueue, actor_died
 from agentrl.actors.router import EngineRouter, RemoteEngine
 from agentrl.config import Config
 from agentrl.engines.base import Engine, SamplingParams, describe_error
@@ -61,7 +61,7 @@ class RolloutWorker:
         self.cfg = cfg
         self.worker_id = worker_id
         self.id_prefix = id_prefix
-        self.queue = QueueHandle(queue)
+        self.queue = WorkerQueue(queue)  # outlives the queue actor: see WorkerQueue
         self.local_engines = engines is None
         if engines is None:
             self.engines = make_engines(cfg, model_path)
@@ -160,10 +160,13 @@ class RolloutWorker:
             put = await self._put(kept, gid)
         else:
             put = {"accepted": 0, "duplicates": 0, "dropped": 0}
-            await self._queue_call("release", gid)
             infra = [e for e in results if isinstance(e, BaseException) and _infrastructure(e)]
-            if infra:  # an engine failed or died: the driver checks the engines and re-issues the whole group
+            if (
+                infra
+            ):  # an engine failed or died: the driver checks the engines and re-issues the whole group,
+                # which keeps the task's admission (released, it would let another group start per failure)
                 raise EngineError(describe_error(infra[0]))
+            await self.queue.release(gid)
             if len(errors) == n:  # a bug in the env or generator, not bad luck: stop the run with it
                 raise AgentRLError(f"every episode of task {task_index} failed; first: {errors[0]}")
         return {
@@ -181,15 +184,12 @@ class RolloutWorker:
     async def _put(self, trajs: list[Trajectory], key: str) -> dict[str, int]:
         while True:
             try:
-                return await self._queue_call("put", trajs, key)
+                return await self.queue.put(trajs, key)
             except QueueFull as exc:
                 await asyncio.sleep(max(0.01, exc.retry_after_s))
 
-    async def _queue_call(self, name: str, *args: Any) -> Any:
-        return await self.queue.call(name, *args)  # outlives the queue actor: see QueueHandle
-
     async def set_queue(self, queue: Any) -> None:
-        """Put into a restarted queue actor from now on (the Cluster calls this)."""
+        """Put into a restarted queue actor from now on (the driver's supervisor calls this)."""
         self.queue.replace(queue)
 
     async def evaluate(

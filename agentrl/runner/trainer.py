@@ -9,8 +9,8 @@ and only then are the steps it holds committed to the ledger (runner/state.py: w
 exact). Sync and async are this same loop: sync runs with a staleness window of one batch, so generation
 of batch v+1 starts only once v+1 is published.
 
-The queue actor alone dying is recovered in-run (agentrl.actors.queue_handle, through the coordinator): the
-WAL is replayed, with the ids the learner holds (`RunState.held_ids`) reclaimed rather than committed early.
+The queue actor alone dying is recovered in-run (agentrl.actors.supervisor, behind the coordinator's `queue`):
+the WAL is replayed, with the ids the learner holds (`RunState.held_ids`) reclaimed rather than committed early.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class Trainer:
         wait_s = time.perf_counter() - t0
         self.state.training_ids = sampled.ids
         version, learned = await self.coord.train(sampled)
-        publish_s = await self.coord.publish(version)
+        publish_s = await self.coord.supervisor.publish(version)
         self.state.trained(version, sampled.ids)
         metrics = {**sampled.metrics, **learned, "policy_version": self.state.policy_version}
         self.rundir.log_logprobs(self.state.step, metrics.pop("logprob_sample", []))
@@ -128,8 +128,8 @@ class Trainer:
         slices = self.coord.data_slices()
         while True:
             try:
-                return await self.coord.queue_call(
-                    "sample", self.cfg.batch_trajectories, self.state.policy_version, SAMPLE_SLICE_S, slices
+                return await self.coord.queue.sample(
+                    self.cfg.batch_trajectories, self.state.policy_version, SAMPLE_SLICE_S, slices
                 )
             except TimeoutError:
                 if self.rollouts.finished():
@@ -137,11 +137,11 @@ class Trainer:
 
     async def _metrics(self, train: dict[str, Any], wait_s: float, publish_s: float) -> dict[str, Any]:
         now = time.perf_counter()
-        status = await self.coord.queue_call("status")
+        status = await self.coord.queue.status()
         times = StepTimes(wait_s, publish_s, step_s=now - self.last_end, wall_s=self.state.wall_s())
         counts = {
             "groups_done": self.rollouts.groups_done,
-            "restarts": self.coord.restarts,
+            "restarts": self.coord.supervisor.restarts(),
             "reissued": self.coord.reissued,
         }
         metrics = step_metrics(train, self.state.step, times, status, self.rollouts.take_rewards(), counts)
@@ -166,7 +166,7 @@ class Trainer:
         """Publish the checkpoint, then commit the first `covered` pending steps (those it holds)."""
         await finish()
         for step, ids in self.state.pending[:covered]:
-            await self.coord.queue_call("commit", step, ids)
+            await self.coord.queue.commit(step, ids)
         del self.state.pending[:covered]
 
     async def _checkpointed(self) -> None:
@@ -190,7 +190,7 @@ class Trainer:
             await self._resume(*ckpt)
         elif self.cfg.warmup.steps > 0:
             await self._warmup()
-        await self.coord.publish(self.state.policy_version)
+        await self.coord.supervisor.publish(self.state.policy_version)
         if ckpt is None:
             await self._checkpoint()
         if self.state.step == 0 and self.evaluation.due(0):
@@ -206,14 +206,16 @@ class Trainer:
         )  # fmt: skip
         self.progress.note(f"starting actors ({self.cfg.run.placement})")
         await self.coord.start()
-        if self.coord.queue_url:  # (the coordinator writes runs/NAME/queue_url, again after a queue restart)
-            self.progress.note(f"external agents: POST {self.coord.queue_url}/v1/trajectories", keep=True)
+        if (
+            url := self.coord.cluster.queue_url
+        ):  # (the cluster writes runs/NAME/queue_url, again on a restart)
+            self.progress.note(f"external agents: POST {url}/v1/trajectories", keep=True)
 
     async def _resume(self, path: Path, saved: dict[str, Any]) -> None:
         """Load the learner of checkpoint `path`, roll its pending commits forward, restore the rollouts."""
         await self.coord.cluster.load_learner(str(path / LEARNER_DIR))
         for step, ids in saved.get("pending_commits", []):  # roll forward what the checkpoint trained on
-            await self.coord.queue_call("commit", int(step), list(ids))
+            await self.coord.queue.commit(int(step), list(ids))
         self.rollouts.load_state_dict(saved)
         self.rundir.truncate_metrics(self.state.step)
         self.progress.note(f"resumed at step {self.state.step} (policy_version {self.state.policy_version})")
