@@ -158,6 +158,11 @@ def test_a_run_that_learned_or_was_too_short_to_judge_prints_no_warning(tmp_path
     assert summary["learned"] is True and "not_learned" not in summary and "NOT LEARNED" not in text
     summary, text = _summary_of(tmp_path, "short", rising[:5] + [{"reward_mean": 0.0}] * 5)
     assert "learned" not in summary and "NOT LEARNED" not in text
+    falling = [{"reward_mean": 0.3 - 0.004 * i, "train/logprob_mismatch": 0.01 * (1 + i // 10)}
+               for i in range(30)]  # fmt: skip
+    summary, text = _summary_of(tmp_path, "falling", falling)
+    assert len(summary["not_learned"]) == 1
+    assert "the train reward fell (0.282 -> 0.202; train/logprob_mismatch 0.010 -> 0.030)" in text
     flat_without_signs = [{"reward_mean": 0.3, "train/clip_frac": 0.5} for _ in range(30)]
     summary, text = _summary_of(tmp_path, "clipped", flat_without_signs)
     assert summary["not_learned"] == [summary["not_learned"][0]] and "clip fraction 0.50" in text

@@ -9,7 +9,9 @@ explain a stall, each with the numbers it saw and the settings that act on it:
 - entropy collapse: the policy's entropy on its sampled tokens fell to a fraction of its start, so it samples
   the same answers and groups stop differing; entropy blow-up is the opposite (updates too large);
 - clip fraction: many tokens' ratios were clipped, so the updates are larger than the clip range allows;
-- dropped tokens: the off-policy correction dropped many tokens (behaviour and learner disagree).
+- dropped tokens: the off-policy correction dropped many tokens (behaviour and learner disagree);
+- the reward fell: the updates moved the policy away from what it could do (measured on the quickstart: too
+  large a step erases what the warm-up taught, and groups then go all-zero).
 
 Runs shorter than `MIN_STEPS` steps are not judged.
 """
@@ -53,6 +55,18 @@ def diagnose(steps: list[dict[str, Any]]) -> dict[str, Any]:
     if learned:
         return out
     signs = []
+    if end <= start - MIN_GAIN:
+        mismatch = _values(steps, "train/logprob_mismatch")
+        grew = ""
+        if len(mismatch) >= MIN_STEPS:
+            grew = (
+                f"; train/logprob_mismatch {fmean(mismatch[:WINDOW]):.3f} -> {fmean(mismatch[-WINDOW:]):.3f}"
+            )
+        signs.append(
+            f"the train reward fell ({start:.3f} -> {end:.3f}{grew}): the updates threw the policy off what it "
+            "could do before RL; a lower learner.lr, or learner.minibatches = 2 (the clip bounds the second "
+            "update)"
+        )
     zero_var = _values(steps, "zero_variance_group_frac")
     if zero_var and fmean(zero_var) >= ZERO_VARIANCE_HIGH:
         signs.append(
