@@ -213,7 +213,7 @@ def offload_round_trip(model_dir) -> dict:
         (x - y).abs().max().item() for (_, x), (_, y) in zip(moved.weights(), twin.weights(), strict=True)
     )
     out["kept_copies"] = len(moved._offloader.kept)
-    moved.reset_optimizer()  # the moments' storages go; the next offload drops their CPU copies
+    moved.reset_optimizer()  # the first moment zeroed in place: the next offload reuses the same CPU copies
     moved.train_step(make_batch(300, seed=8))
     moved.offload()
     moved.onload()

@@ -59,7 +59,7 @@ def test_ddp_distributed_optimizer_and_resume():
         == [{"state_freed": True, "weights_kept": True, "weights_freed": True, "restored": True}] * 2
     )
     assert off["weight_diff"] == 0.0 and off["kept_copies"] > 2
-    assert off["kept_after_reset"] == off["kept_copies"]  # new moments, old copies dropped: no growth
+    assert off["kept_after_reset"] == off["kept_copies"]  # moments zeroed in place after a reset: no growth
     # two host reads a step whatever the micro-batches (the gradient norm; every metric in one copy after it)
     # and none from the optimizer's step to the next forward (the split is planned from the built lengths)
     reads = out["host_reads"]

@@ -141,9 +141,11 @@ def test_sft_step_and_entropy_op(models):
     want = -(hf_logprobs(path, batch) * batch.loss_mask).sum() / batch.total_loss_tokens
     assert abs(first - float(want)) <= 1e-4
     assert learner.sft_step(batch)["loss"] < first and learner.policy_version == 0  # versions count RL steps
-    learner.reset_optimizer()  # after a warm-up: no Adam moments carried into RL
-    assert learner.optimizer_steps == 0 and not learner.optimizer.state
-    assert learner.sft_step(batch)["loss"] < first and learner.optimizer_steps == 1
+    learner.reset_optimizer()  # after a warm-up: no momentum carried into RL, the second moment kept
+    moments = [st for st in learner.optimizer.state.values() if "exp_avg" in st]
+    assert learner.optimizer_steps == 2 and moments
+    assert all(not st["exp_avg"].any() and st["exp_avg_sq"].any() for st in moments)
+    assert learner.sft_step(batch)["loss"] < first and learner.optimizer_steps == 3
     logits = torch.randn(2, 5, 300)
     logp = torch.log_softmax(logits[:, :-1], -1)
     want_ent = torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))

@@ -44,3 +44,12 @@ def test_batch_metrics_are_the_rollout_numbers_of_the_step():
     assert (m["staleness_mean"], m["staleness_max"]) == (pytest.approx(1 / 3), 1)
     assert (m["n_trajectories"], m["response_tokens"], m["response_len_mean"]) == (3, 12, 4.0)
     assert m["tool_call_error_rate"] == 0.5  # of the two trajectories from a proxy session
+    assert m["zero_variance_group_frac"] == 0.5  # group b's one reward agrees with itself; a's two differ
+
+
+def test_zero_variance_groups_are_those_whose_rewards_all_agree():
+    same = [traj(i, "a", 2, reward=0.2) for i in range(3)]
+    differ = [traj(3, "b", 2, reward=0.2), traj(4, "b", 2, reward=1.0)]
+    zeros = [traj(5 + i, "c", 2, reward=0.0) for i in range(2)]
+    assert batch_metrics(same + differ + zeros, learner_version=0)["zero_variance_group_frac"] == 2 / 3
+    assert batch_metrics(differ, learner_version=0)["zero_variance_group_frac"] == 0.0

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from agentrl.config import load_config
 from agentrl.runner.progress import Progress
 from agentrl.runner.rundir import RunDir
@@ -120,3 +122,47 @@ def test_the_resume_line_says_the_token_comes_back_when_the_run_dir_cannot_bring
     assert "s3cret" not in summary("--queue.token", "s3cret")
     assert needs not in summary("--queue.token", "s3cret", "--queue.token-file", "/tok")
     assert needs not in summary()
+
+
+def _summary_of(tmp_path, name: str, rows: list[dict]) -> tuple[dict, str]:
+    from agentrl.runner.progress import format_summary
+
+    cfg = load_config(None, ["--run.root", str(tmp_path), "--run.name", name, "--run.steps", str(len(rows)),
+                             "--run.tensorboard", "false"])  # fmt: skip
+    rd = RunDir(cfg)
+    for i, row in enumerate(rows, start=1):
+        rd.log({"step": i, "wall_s": float(i), "policy_version": i, **row})
+    summary = rd.summary("steps")
+    rd.close()
+    return summary, format_summary(summary)
+
+
+def test_a_run_that_did_not_learn_says_so_and_what_to_look_at(tmp_path):
+    """Flat train reward, most groups of equal rewards, entropy falling to a tenth: the summary (summary.json's
+    dict and the printed block) says the run did not learn and names those two signs, not the clip."""
+    stalled = [{"reward_mean": 0.1 + 0.01 * (i % 3), "zero_variance_group_frac": 0.875,
+                "train/entropy": 0.4 * 0.92**i, "train/clip_frac": 0.01} for i in range(40)]  # fmt: skip
+    summary, text = _summary_of(tmp_path, "stalled", stalled)
+    assert summary["learned"] is False
+    assert summary["reward_start"] == pytest.approx(0.109) and summary["reward_end"] == pytest.approx(0.109)
+    signs = "\n".join(summary["not_learned"])
+    assert "zero-variance groups: 88%" in signs and "entropy collapse" in signs and "clip" not in signs
+    assert "NOT LEARNED: train reward 0.109 over the first steps -> 0.109 over the last" in text
+    assert "rollout.n_samples_per_prompt" in text and "entropy collapse: 0.283 -> 0.023 nats" in text
+
+
+def test_a_run_that_learned_or_was_too_short_to_judge_prints_no_warning(tmp_path):
+    rising = [{"reward_mean": 0.1 + 0.02 * i, "zero_variance_group_frac": 0.9, "train/entropy": 0.01}
+              for i in range(40)]  # fmt: skip
+    summary, text = _summary_of(tmp_path, "rising", rising)
+    assert summary["learned"] is True and "not_learned" not in summary and "NOT LEARNED" not in text
+    summary, text = _summary_of(tmp_path, "short", rising[:5] + [{"reward_mean": 0.0}] * 5)
+    assert "learned" not in summary and "NOT LEARNED" not in text
+    falling = [{"reward_mean": 0.3 - 0.004 * i, "train/logprob_mismatch": 0.01 * (1 + i // 10)}
+               for i in range(30)]  # fmt: skip
+    summary, text = _summary_of(tmp_path, "falling", falling)
+    assert len(summary["not_learned"]) == 1
+    assert "the train reward fell (0.282 -> 0.202; train/logprob_mismatch 0.010 -> 0.030)" in text
+    flat_without_signs = [{"reward_mean": 0.3, "train/clip_frac": 0.5} for _ in range(30)]
+    summary, text = _summary_of(tmp_path, "clipped", flat_without_signs)
+    assert summary["not_learned"] == [summary["not_learned"][0]] and "clip fraction 0.50" in text

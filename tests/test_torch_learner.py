@@ -292,6 +292,21 @@ def test_the_warmup_leaves_no_momentum_for_rl_steps_without_gradient(model_dir, 
     assert _moved(learner, before)
 
 
+def test_the_warmup_stops_at_its_loss_target_or_after_its_steps(model_dir):
+    """warmup.stop_loss ends the warm-up once the mean loss of its last 5 steps reaches it (a target every
+    step meets: it stops after 5); a target no step meets runs all warmup.steps."""
+    from agentrl.actors.warmup import run_warmup
+    from agentrl.config import load_config
+    from agentrl.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    for stop_loss, want_steps in ((1e3, 5), (1e-6, 7)):
+        warmup = {"steps": 7, "batch_size": 2, "stop_loss": stop_loss}
+        cfg = load_config(None, {"env": {"name": "calculator"}, "warmup": warmup})
+        learner = TorchLearner(model_dir, LearnerSection(lr=1e-3))
+        assert run_warmup(cfg, learner, tok, learner.pad_id)["warmup_steps"] == want_steps
+
+
 def made_by_agentrl() -> bool:
     """Whether the read being counted was made by agentrl's code, directly or through torch (not by
     transformers' own checks, nor by a test's code)."""

@@ -381,3 +381,12 @@ class WarmupSection(_Section):
     lr: Annotated[float, doc("warm-up learning rate", gt=0)] = 1e-3
     time_limit_s: Annotated[float, doc("stop warm-up after this many seconds; 0 = no limit", ge=0)] = 0.0
     seed: Annotated[int, doc("seed of the demonstrations", ge=0)] = 12345
+    stop_loss: Annotated[
+        float,
+        doc(
+            "stop the warm-up once the mean SFT loss of its last 5 steps is at or below this (steps is then "
+            "the most it runs): it ends at a state of the model, not at a step count whose state varies "
+            "with the floating-point order of the machine; 0 = run all the steps",
+            ge=0,
+        ),
+    ] = 0.0

@@ -42,6 +42,18 @@ from agentrl.learners.batch import Batch, mini_batches
 log = logging.getLogger(__name__)
 
 
+def forget_momentum(optimizer: torch.optim.Optimizer) -> None:
+    """Zero Adam's first moment (`exp_avg`) in place, keeping the second moment and the step count: the
+    hand-off from the warm-up to RL. Clearing both (a fresh Adam) makes the first RL updates m / sqrt(v) =
+    sign(g), a step of size lr on every weight whatever the gradient, so a few noisy RL steps erase what the
+    warm-up taught (measured on the quickstart: greedy eval 0.71 -> 0.17 in 10 steps, success 19% -> 0%);
+    with the second moment kept, each update is scaled by the gradient's size against what the weights have
+    seen. Kept momentum would instead move the weights through RL steps without gradient."""
+    for state in optimizer.state.values():
+        if "exp_avg" in state:
+            state["exp_avg"].zero_()
+
+
 class Learner(abc.ABC):
     step: int = 0
     policy_version: int = 0

@@ -51,7 +51,7 @@ from agentrl.learners import (
     routing_replay,
     torch_checkpoint,
 )
-from agentrl.learners.base import Learner
+from agentrl.learners.base import Learner, forget_momentum
 from agentrl.learners.batch import Batch, micro_batches
 from agentrl.learners.teacher import teacher_path
 from agentrl.learners.token_ops import token_entropy, token_logprobs
@@ -421,9 +421,10 @@ class TorchLearner(Learner):
         return metrics
 
     def reset_optimizer(self) -> None:
-        """Forget the optimizer's moments (Adam re-creates them at the next step): after the warm-up, whose
-        SFT momentum would otherwise keep moving the weights through RL steps that carry no gradient."""
-        self.optimizer.state.clear()
+        """After the warm-up: forget Adam's first moment (the SFT momentum would otherwise keep moving the
+        weights through RL steps that carry no gradient), keep its second moment and step count (fresh ones
+        make the first RL updates sign steps of size lr on every weight; agentrl.learners.base.forget_momentum)."""
+        forget_momentum(self.optimizer)
 
     def _optimizer_step(self, lr: float | None = None, *, loss: float) -> dict[str, float]:
         """Clip and step; `loss` (merged over ranks) and the global grad norm feed the non-finite guard."""

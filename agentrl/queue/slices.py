@@ -17,6 +17,8 @@ from typing import Any
 
 from agentrl.types import Trajectory, min_version, n_response
 
+ZERO_VARIANCE_EPS = 1e-6  # rewards closer than this count as equal (as rollout.dynamic_sampling counts them)
+
 
 def _tokens(traj: Trajectory) -> int:
     return (len(traj.prompt_ids) + len(traj.response_ids)) // 4  # 4-byte token ids (agentrl.types)
@@ -65,11 +67,23 @@ def routing_replay_metrics(trajectories: list[Trajectory], routing_replay: str) 
     return {"train/routing_replay_missing": float(sum(t.routed_experts is None for t in trajectories))}
 
 
+def zero_variance_group_frac(trajectories: list[Trajectory]) -> float:
+    """The share of the batch's groups (trajectories sharing `group_id`) whose rewards all agree: under a
+    group-relative advantage (grpo, rloo, dr_grpo) they get advantage 0 and teach nothing. A run whose batches
+    are mostly such groups (every sample wrong, or every one right) has no signal to learn from."""
+    groups: dict[str, list[float]] = {}
+    for traj in trajectories:
+        groups.setdefault(traj.group_id or traj.id, []).append(float(traj.reward))
+    if not groups:
+        return math.nan
+    return sum(max(r) - min(r) <= ZERO_VARIANCE_EPS for r in groups.values()) / len(groups)
+
+
 def batch_metrics(
     trajectories: list[Trajectory], learner_version: int, routing_replay: str = "off"
 ) -> dict[str, Any]:
-    """Rewards, staleness (learner version minus each trajectory's oldest token version), lengths,
-    `tool_call_metrics` and `routing_replay_metrics` of the batch."""
+    """Rewards, staleness (learner version minus each trajectory's oldest token version), lengths, the share
+    of zero-variance groups, `tool_call_metrics` and `routing_replay_metrics` of the batch."""
     n = len(trajectories)
     rewards = [float(t.reward) for t in trajectories]
     staleness = [learner_version - min_version(t) for t in trajectories]
@@ -79,6 +93,7 @@ def batch_metrics(
         "reward_mean": mean,
         "reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / n) if n else math.nan,
         "success_rate": sum(r >= 0.999 for r in rewards) / n if n else math.nan,
+        "zero_variance_group_frac": zero_variance_group_frac(trajectories),
         "staleness_mean": sum(staleness) / n if n else math.nan,
         "staleness_max": max(staleness, default=0),
         "n_trajectories": n,

@@ -133,7 +133,8 @@ class Progress:
 
 def format_summary(s: dict[str, Any]) -> str:
     """The block printed when a run ends (and when a finished run is started again): steps, wall time,
-    rewards, evals, where the files are, how to export and how to train further."""
+    rewards, evals, what to look at when the run did not learn (agentrl.runner.diagnosis), where the files
+    are, how to export and how to train further."""
     from agentrl.runner.rundir import shown
 
     run_dir = shown(s.get("run_dir", "runs/NAME"))
@@ -151,6 +152,16 @@ def format_summary(s: dict[str, Any]) -> str:
             f"  eval    {s['eval_first']:.3f} {first} -> {s['eval_last']:.3f} at step {s['eval_last_step']}"
             f" (best {s['eval_best']:.3f}, step {s['eval_best_step']})"
         )
+    if s.get("learned") is False:
+        lines.append(
+            f"  NOT LEARNED: train reward {s['reward_start']:.3f} over the first steps -> "
+            f"{s['reward_end']:.3f} over the last; look at:"
+        )
+        signs = s.get("not_learned") or [
+            "the reward itself: no zero-variance groups, entropy collapse, clipping or dropped tokens were "
+            "seen (metrics.jsonl: zero_variance_group_frac, train/entropy, train/clip_frac)"
+        ]
+        lines.extend(f"    - {sign}" for sign in signs)
     checkpoint = s.get("checkpoint", "")
     if checkpoint:
         lines.append(f"  files   metrics.jsonl, events/, checkpoints/{checkpoint.rsplit('/', 1)[-1]}")

@@ -40,6 +40,7 @@ from agentrl.runlayout import (
 )
 from agentrl.runlock import DirLock
 from agentrl.runner.claim import claim
+from agentrl.runner.diagnosis import diagnose
 from agentrl.runner.loggers import open_loggers, scalars
 
 LOGPROBS_MAX_BYTES = 64 << 20
@@ -200,7 +201,8 @@ class RunDir:
         return final
 
     def summary(self, stopped_by: str) -> dict[str, Any]:
-        """The run so far, from metrics.jsonl (all of it, across resumes): steps, wall time, rewards, evals.
+        """The run so far, from metrics.jsonl (all of it, across resumes): steps, wall time, rewards, evals,
+        and whether it learned (agentrl.runner.diagnosis: `learned`, and `not_learned` naming what to look at).
         `stopped_by`: a key of STOPPED."""
         rows = self.read_metrics()
         steps = [r for r in rows if "phase" not in r]
@@ -223,6 +225,7 @@ class RunDir:
         if rewards:
             best = max(rewards)
             out.update(reward_last=rewards[-1][0], reward_best=best[0], reward_best_step=best[1])
+        out.update(diagnose(steps))
         if evals:
             best_eval = max(evals, key=lambda r: r["eval_reward_mean"])
             out.update(

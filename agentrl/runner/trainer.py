@@ -226,7 +226,7 @@ class Trainer:
         )
         stats = await self.coord.warmup()
         self.progress.note(
-            f"warm-up done in {stats['warmup_s']:.0f}s, "
+            f"warm-up done: {stats['warmup_steps']} steps in {stats['warmup_s']:.0f}s, "
             f"loss {stats['warmup_loss_first']:.2f} -> {stats['warmup_loss_last']:.2f}"
         )
         self.rundir.log({"step": 0, "phase": "warmup", **stats})

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from agentrl.algorithms import compute_loss, merge_metrics, metric_floats, sft_loss
 from agentrl.errors import LearnerError
 from agentrl.learners import fused_logprob, offload, router_stats
-from agentrl.learners.base import Learner
+from agentrl.learners.base import Learner, forget_momentum
 from agentrl.learners.batch import Batch, micro_batches
 from agentrl.learners.megatron import (
     checkpoint,
@@ -467,11 +467,10 @@ class MegatronLearner(Learner):
         return loss, pipeline.one(self.device), float(loss.detach())
 
     def reset_optimizer(self) -> None:
-        """Forget the Adam moments (see TorchLearner.reset_optimizer); the checkpoint then has no optimizer
-        state to save until the next step, as before the first."""
+        """Forget Adam's first moment, keep its second moment and step count (see
+        agentrl.learners.base.forget_momentum)."""
         for opt in checkpoint._torch_optimizers(self):
-            opt.state.clear()
-        self.optimizer_steps = 0
+            forget_momentum(opt)
 
     def sft_step(self, batch: Batch, lr: float | None = None) -> dict[str, float]:
         """Supervised cross-entropy on the batch's loss tokens (one optimizer step); `lr` overrides for this step."""
