@@ -39,7 +39,9 @@ def make_learner(cfg: Config, model_path: str):
         return MegatronLearner(model_path, cfg.learner, cfg.algorithm, compile=cfg.learner.compile, **common)
     from agentrl.learners.torch_learner import TorchLearner
 
-    return TorchLearner(model_path, cfg.learner, cfg.algorithm, **common)
+    return TorchLearner(
+        model_path, cfg.learner, cfg.algorithm, true_on_policy=cfg.run.true_on_policy, **common
+    )
 
 
 class LearnerWorker:

@@ -43,6 +43,7 @@ class EmbeddedEngine(BatchingEngine):
         compile: bool | None = None,
         decode_steps: int | None = None,
         sampler: str = "auto",
+        true_on_policy: bool = False,
     ):
         """`cuda_graphs` (default: on for CUDA) replays decode steps from graphs captured per batch bucket;
         `attention`: "auto" (Triton decode kernel on CUDA if available), "sdpa" or "triton"; `compile`
@@ -50,7 +51,9 @@ class EmbeddedEngine(BatchingEngine):
         `decode_steps`: decode steps per scheduler iteration (one host sync for all; new requests and weight
         updates wait for the iteration, rows that finish early waste the rest of it); None or 0: 8 on CUDA
         (1.13x the throughput of 1 on an H200, docs/benchmarks/gpu.md), 1 on CPU (host work is cheap there);
-        `sampler`: "auto" (one fused Triton kernel per step on CUDA, engines/triton_sampling.py), "torch", "triton"."""
+        `sampler`: "auto" (one fused Triton kernel per step on CUDA, engines/triton_sampling.py), "torch", "triton";
+        `true_on_policy`: prefill and decode through agentrl.invariant's batch-invariant ops, so a sampled token's
+        log-prob is exactly the torch learner's (docs/true_on_policy.md; dense models, fp32 on CPU)."""
         if decode_steps is not None and decode_steps < 0:
             raise EngineError(f"engine decode_steps must be >= 1 (0: automatic), got {decode_steps}")
         self.model_path = str(model_path)
@@ -58,6 +61,8 @@ class EmbeddedEngine(BatchingEngine):
             self.model_path, device, dtype, max_batch_size, max_seq_len, seed, cuda_graphs, attention, compile,
             sampler,
         )  # fmt: skip
+        if true_on_policy:
+            runner.model.set_invariant()
         self.spec, self.device, self.dtype_name = runner.spec, runner.device, dtype
         super().__init__(
             runner, max_batch_size=max_batch_size, max_prefill_tokens=max_prefill_tokens,
@@ -66,12 +71,14 @@ class EmbeddedEngine(BatchingEngine):
         self._adapter = AdapterMerger(runner.model.params)
 
     @classmethod
-    def from_config(cls, cfg: Any, model_path: str, seed: int = 0, policy_version: int = 0) -> EmbeddedEngine:
-        """Build from an `EngineSection` (agentrl.config)."""
+    def from_config(cls, cfg: Any, model_path: str, seed: int = 0, policy_version: int = 0,
+                    true_on_policy: bool = False) -> EmbeddedEngine:  # fmt: skip
+        """Build from an `EngineSection` (agentrl.config); `true_on_policy` is run.true_on_policy."""
         return cls(
             model_path, device=cfg.device, dtype=cfg.dtype, max_batch_size=cfg.max_batch_size,
             max_seq_len=cfg.max_seq_len, max_prefill_tokens=cfg.max_prefill_tokens,
             policy_version=policy_version, seed=seed, decode_steps=cfg.decode_steps, sampler=cfg.sampler,
+            true_on_policy=true_on_policy,
         )  # fmt: skip
 
     # -- Engine API ----------------------------------------------------------------------------------------------

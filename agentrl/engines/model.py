@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from agentrl import invariant
 from agentrl.engines.layers import (
     grouped_mm_works,
     layer_in,
@@ -91,6 +92,8 @@ class CausalLM:
         self._cos = self._sin = torch.empty(0)
         self._layer_in, self._layer_out, self.compiled = layer_in, layer_out, False
         self.compiled_prefill = True  # prefill through the compiled halves too (when compiled)
+        # run.true_on_policy: prefill and decode through agentrl.invariant's batch-invariant ops (set_invariant)
+        self.invariant = False
 
     # -- weights -------------------------------------------------------------------------------------------------
 
@@ -182,11 +185,27 @@ class CausalLM:
             return
         n = max(max_len, 2 * self._rope_len, 256)
         dim = self.spec.rotary_dim or self.spec.head_dim
-        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float().to(self.device) / dim
-        inv_freq = 1.0 / (self.spec.rope_theta**exponents)
-        freqs = torch.outer(torch.arange(n, device=self.device, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos, self._sin, self._rope_len = emb.cos(), emb.sin(), n
+        self._cos, self._sin = invariant.rope_tables(self.spec.rope_theta, dim, n, self.device)
+        self._rope_len = n
+
+    def set_invariant(self) -> None:
+        """Serve through agentrl.invariant's batch-invariant ops (run.true_on_policy): a token's logits no longer
+        depend on what else the batch holds. Dense models in fp32 on CPU only (their GPU kernels are not
+        written yet: docs/true_on_policy.md)."""
+        from agentrl.errors import EngineError
+
+        if self.spec.moe is not None:
+            raise EngineError(
+                f"run.true_on_policy: the {self.spec.arch} model is an MoE model; dense models only"
+            )
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            raise EngineError(
+                f"run.true_on_policy needs engine.device = 'cpu' and engine.dtype = 'float32' (got "
+                f"{self.device.type}, {self.dtype}): the GPU batch-invariant kernels are not written yet"
+            )
+        if self.compiled:
+            raise EngineError("run.true_on_policy runs the engine eagerly: engine compile must be off")
+        self.invariant = True
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._cos[positions].to(self.dtype), self._sin[positions].to(self.dtype)
@@ -246,6 +265,8 @@ class CausalLM:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model dtype, as transformers computes them; samplers read them as fp32 (an fp32 copy
         here would cost a write and a read of [B, vocab] fp32 per step)."""
+        if self.invariant:
+            return invariant.linear(invariant.rms_norm(hidden, self.norm, self.spec.rms_eps), self.lm_head)
         return F.linear(rms_norm(hidden, self.norm, self.spec.rms_eps), self.lm_head)
 
     @torch.inference_mode()
@@ -262,6 +283,10 @@ class CausalLM:
         cos, sin = self._rope(positions)
         packed = Packed.from_lengths(lengths, self.device)
         x = F.embedding(tokens, self.embed)  # [S, hidden]
+        if self.invariant:
+            x = self._invariant_prefill(x, cos, sin, positions, token_slots, packed, cache)
+            last = torch.tensor([b - 1 for _, b in packed.spans], device=self.device)
+            return self.logits(x[last])
         with _prefill_backends(self.device):
             x = self._prefill_layers(x, cos, sin, positions, token_slots, packed, cache, record)
         last = torch.tensor([b - 1 for _, b in packed.spans], device=self.device)
@@ -277,6 +302,30 @@ class CausalLM:
             cache.v[i][token_slots, :, positions] = v
             attn = packed_causal_attention(q, k, v, packed)
             x = self._out(layer, x, attn.reshape(-1, self.q_dim), fused=self.compiled_prefill, record=record)
+        return x
+
+    def _invariant_prefill(self, x, cos, sin, positions, token_slots, packed: Packed, cache) -> torch.Tensor:
+        s = self.spec
+
+        def on_kv(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            cache.k[i][token_slots, :, positions] = k
+            cache.v[i][token_slots, :, positions] = v
+
+        return invariant.packed_forward(
+            self.layers, x, cos, sin, packed.spans, s.heads, s.kv_heads, s.head_dim, s.rms_eps, on_kv=on_kv
+        )
+
+    def _invariant_decode(self, x, cos, sin, positions, cache, max_len: int) -> torch.Tensor:
+        s, b = self.spec, x.shape[0]
+        rows = torch.arange(b, device=self.device)
+        for i, layer in enumerate(self.layers):
+            q, k, v = invariant.layer_in(layer, x, cos, sin, s.heads, s.kv_heads, s.head_dim, s.rms_eps)
+            cache.k[i][rows, :, positions] = k
+            cache.v[i][rows, :, positions] = v
+            attn = invariant.decode_attention(
+                q, cache.k[i][:b, :, :max_len], cache.v[i][:b, :, :max_len], positions
+            )
+            x = invariant.layer_out(layer, x, attn.reshape(b, self.q_dim), s.rms_eps)
         return x
 
     @torch.inference_mode()
@@ -300,6 +349,10 @@ class CausalLM:
         groups = s.heads // s.kv_heads
         self.ensure_rope(max_len)
         cos, sin = self._rope(positions)
+        if self.invariant:
+            return self.logits(
+                self._invariant_decode(F.embedding(tokens, self.embed), cos, sin, positions, cache, max_len)
+            )
         if attention == "triton":
             from agentrl.engines.triton_attention import decode_attention
         else:
