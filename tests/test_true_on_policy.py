@@ -14,6 +14,7 @@ from agentrl.engines.tiny import make_tiny_model
 from agentrl.errors import ConfigError, EngineError, LearnerError
 from agentrl.learners.batch import build_batch
 from agentrl.learners.torch_learner import TorchLearner
+from tests.run_support import read_jsonl, tiny_config
 
 TEMPERATURE = 0.7
 # (prompt length, new tokens, seconds after the first request it arrives): prompts of different lengths,
@@ -139,3 +140,18 @@ def test_unsupported_settings_are_refused(megatron_model, tmp_path):
         TorchLearner(
             str(model_dir), LearnerSection(kind="torch", gradient_checkpointing=True), true_on_policy=True
         )
+
+
+@pytest.mark.slow
+def test_a_run_has_no_logprob_mismatch(ray_session, tmp_path, run_model):
+    """`agentrl run` (real Ray, embedded engine, torch learner, warm-up then RL): mismatch exactly 0 each step."""
+    from agentrl.runner.loop import run
+
+    path = tiny_config(
+        tmp_path, run_model, run={"steps": 2, "eval_every": 0, "checkpoint_every": 0, "true_on_policy": True},
+        rollout={"max_turns": 1, "temperature": 0.8},
+    )  # fmt: skip
+    summary = run(load_config(path, []))
+    assert summary["ok"] and summary["steps"] == 2
+    metrics = [m for m in read_jsonl(tmp_path / "t" / "metrics.jsonl") if "phase" not in m]
+    assert [m["train/logprob_mismatch"] for m in metrics] == [0.0, 0.0]
