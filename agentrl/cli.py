@@ -32,6 +32,7 @@ COMMANDS = [
     ),
     ("export", "agentrl.learners.cli", "write a Hugging Face directory from a learner checkpoint"),
     ("envs", "agentrl.envs.cli", "list the registered agent environments"),
+    ("diagnose", "agentrl.runner.diagnose_cli", "diagnose an engine against a learner (mismatch: log-probs)"),
     ("plot", "agentrl.runner.plot", "write PNGs of runs' curves (several runs overlaid)"),
     (
         "dashboard",

@@ -34,8 +34,10 @@ from agentrl.engines.layers import (
 )
 from agentrl.engines.model_spec import KVCache, ModelSpec
 from agentrl.engines.prefill_attention import Packed, packed_causal_attention
-from agentrl.errors import WeightSyncError
+from agentrl.errors import EngineError, WeightSyncError
 
+# what `trace` records per layer, in forward order (Hugging Face module names)
+TRACE_OPS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp", "output")
 # Inductor options of the compiled layer halves (bench/engine_bench.py's `_fp32_casts` variants clear them).
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
 
@@ -192,8 +194,6 @@ class CausalLM:
         """Serve through agentrl.invariant's batch-invariant ops (run.true_on_policy): a token's logits no longer
         depend on what else the batch holds. Dense models in fp32 on CPU only (their GPU kernels are not
         written yet: docs/true_on_policy.md)."""
-        from agentrl.errors import EngineError
-
         if self.spec.moe is not None:
             raise EngineError(
                 f"run.true_on_policy: the {self.spec.arch} model is an MoE model; dense models only"
@@ -327,6 +327,39 @@ class CausalLM:
             )
             x = invariant.layer_out(layer, x, attn.reshape(b, self.q_dim), s.rms_eps)
         return x
+
+    @torch.inference_mode()
+    def trace(self, tokens: torch.Tensor) -> dict[tuple[int, str], torch.Tensor]:
+        """One sequence [S] at positions 0..S-1 (no cache, dense models): each layer's outputs at Hugging Face's
+        module boundaries, {(layer, op): [S, hidden]} with op in `TRACE_OPS` (input_layernorm, self_attn after
+        o_proj, post_attention_layernorm, mlp, the layer's output), computed with the ops this engine serves
+        with (agentrl.invariant's when `invariant`): what `agentrl diagnose mismatch` compares."""
+        s, inv = self.spec, self.invariant
+        linear = invariant.linear if inv else F.linear
+        norm = invariant.rms_norm if inv else rms_norm
+        silu = invariant.silu if inv else F.silu
+        n = tokens.shape[0]
+        self.ensure_rope(n)
+        cos, sin = self._rope(torch.arange(n, device=self.device))
+        x = F.embedding(tokens, self.embed)
+        out: dict[tuple[int, str], torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if "experts_gate_up" in layer:
+                raise EngineError(f"trace: layer {i} is an MoE layer; dense layers only")
+            out[i, "input_layernorm"] = norm(x, layer["ln1"], s.rms_eps)
+            if inv:
+                q, k, v = invariant.layer_in(layer, x, cos, sin, s.heads, s.kv_heads, s.head_dim, s.rms_eps)
+                attn = invariant.causal_attention(q, k, v)
+            else:
+                q, k, v = self._qkv(layer, x, cos, sin)
+                attn = packed_causal_attention(q, k, v, Packed.from_lengths([n], self.device))
+            out[i, "self_attn"] = linear(attn.reshape(n, -1), layer["o"])
+            x = x + out[i, "self_attn"]
+            h = out[i, "post_attention_layernorm"] = norm(x, layer["ln2"], s.rms_eps)
+            gate, up = linear(h, layer["gate_up"], layer.get("gate_up_b")).chunk(2, dim=-1)
+            out[i, "mlp"] = mlp = linear(silu(gate) * up, layer["down"], layer.get("down_b"))
+            x = out[i, "output"] = x + mlp
+        return out
 
     @torch.inference_mode()
     def decode(
