@@ -130,6 +130,14 @@ class RunSection(_Section):
             "bit (train/logprob_mismatch is 0); dense models in float32 on CPU (docs/true_on_policy.md)"
         ),
     ] = False
+    deterministic: Annotated[
+        bool,
+        doc(
+            "two runs of the same config and seeds write the same metrics (all but times and throughputs): each "
+            "request samples from its own seeded generator, the learner orders each batch canonically; needs "
+            "run.true_on_policy, one engine and one rollout worker, at staleness 0 (docs/true_on_policy.md)"
+        ),
+    ] = False
     max_restarts: Annotated[int, doc("restarts of a crashed actor before the run fails", ge=0)] = 3
     publish_timeout_s: Annotated[float, doc("seconds a weight publish may take", gt=0)] = 120.0
     wandb_project: Annotated[
@@ -149,6 +157,21 @@ class RunSection(_Section):
             self._check_offload(cfg)
         if cfg is not None and self.true_on_policy:
             self._check_true_on_policy(cfg)
+        if cfg is not None and self.deterministic:
+            for ok, need in (
+                (
+                    self.true_on_policy,
+                    "run.true_on_policy = true (a token's logits must not depend on its batch)",
+                ),
+                (cfg.engine.num_engines == 1, f"engine.num_engines = 1, got {cfg.engine.num_engines}"),
+                (cfg.rollout.num_workers == 1, f"rollout.num_workers = 1, got {cfg.rollout.num_workers}"),
+                (
+                    cfg.effective_max_staleness == 0,
+                    "run.mode = 'sync' or queue.max_staleness = 0 (each step's batch is then fixed)",
+                ),
+            ):
+                if not ok:
+                    raise ConfigError(f"run.deterministic = true needs {need}")
         if cfg is not None and self.placement == "colocated" and cfg.learner.ranks > 1:
             raise ConfigError(
                 f"run.placement = 'colocated' runs one learner process, but learner ranks = {cfg.learner.ranks} "

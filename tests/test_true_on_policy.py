@@ -155,3 +155,31 @@ def test_a_run_has_no_logprob_mismatch(ray_session, tmp_path, run_model):
     assert summary["ok"] and summary["steps"] == 2
     metrics = [m for m in read_jsonl(tmp_path / "t" / "metrics.jsonl") if "phase" not in m]
     assert [m["train/logprob_mismatch"] for m in metrics] == [0.0, 0.0]
+
+
+def _untimed(metrics: dict) -> dict:
+    """A metrics row without the values that measure time or throughput."""
+    timed = ("_s", "time", "per_s", "tok_s", "throughput", "utilization", "wait")
+    return {k: v for k, v in metrics.items() if not any(t in k for t in timed)}
+
+
+@pytest.mark.slow
+def test_deterministic_runs_write_the_same_metrics(ray_session, tmp_path, run_model):
+    """run.deterministic: two runs of one config (the whole batch in flight at once, so which requests share
+    an engine batch differs between them) write the same metrics.jsonl, times and throughputs aside."""
+    from agentrl.runner.loop import run
+
+    rows = []
+    for name in ("first", "second"):
+        root = tmp_path / name
+        root.mkdir()
+        path = tiny_config(
+            root, run_model, run={"steps": 2, "eval_every": 0, "checkpoint_every": 0, "true_on_policy": True,
+                                  "deterministic": True},
+            rollout={"max_turns": 2, "temperature": 1.0, "concurrency": 8},
+        )  # fmt: skip
+        assert run(load_config(path, []))["ok"]
+        rows.append([_untimed(m) for m in read_jsonl(root / "t" / "metrics.jsonl")])
+    assert len(rows[0]) >= 2 and rows[0] == rows[1]
+    with pytest.raises(ConfigError, match=r"run\.true_on_policy"):
+        load_config(None, {"run": {"deterministic": True}})

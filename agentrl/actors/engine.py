@@ -21,7 +21,11 @@ def make_engine(cfg: Config, model_path: str, index: int = 0) -> Engine:
         from agentrl.engines.embedded import EmbeddedEngine
 
         return EmbeddedEngine.from_config(
-            e, model_path, seed=cfg.run.seed + 1000 * index, true_on_policy=cfg.run.true_on_policy
+            e,
+            model_path,
+            seed=cfg.run.seed + 1000 * index,
+            true_on_policy=cfg.run.true_on_policy,
+            deterministic=cfg.run.deterministic,
         )
     from agentrl.engines.sglang import SGLangEngine
 

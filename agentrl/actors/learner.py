@@ -101,6 +101,12 @@ class LearnerWorker:
             if trajectories is None:
                 raise RuntimeError("LearnerWorker.train() without trajectories needs a fetch() first")
         t0 = time.perf_counter()
+        if (
+            self.cfg.run.deterministic
+        ):  # arrival order varies between runs; which sample id got which tokens too
+            trajectories = sorted(
+                trajectories, key=lambda t: (t.group_id, t.prompt_ids, t.response_ids, t.id)
+            )
         replay = self.cfg.learner.routing_replay == "rollout"
         batch = build_batch(trajectories, self.pad_id, self.cfg.learner.device, routed_experts=replay)
         stats = self.learner.train_step(batch, sliced=True)
