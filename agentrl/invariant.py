@@ -20,10 +20,11 @@ How each op holds it on CPU (fp32, MKL; tests/test_true_on_policy.py checks ever
   padded length.
 - elementwise: +, *, /, exp, rsqrt, cos, sin give the same bits on torch's vector path and its scalar tail;
   `silu`'s and `sigmoid`'s kernels do not (their tails use another exp), so `silu` is written as x / (1 + exp(-x)).
-- attention (`attention`): scores q.k per fixed key block of `KEY_BLOCK` (a matmul whose N varies gives
-  different bits), masked to keys <= the query's position, softmax over the row, then probabilities @ values,
-  whose reduction over keys is sequential: keys past the query's position (a decode reads its slot up to a
-  rounded length, a prefill its prompt, the learner its sequence) add exact zeros.
+- attention (`attention`): keys padded to a multiple of `KEY_BLOCK` (a scores matmul whose N is not such a
+  multiple takes MKL's edge kernels and gives other bits; over multiples the entries agree), masked to keys <=
+  the query's position, softmax over the row, then probabilities @ values, whose reduction over keys adds the
+  keys past the query's position (a decode reads its slot up to a rounded length, a prefill its prompt, the
+  learner its sequence, all padded) as exact zeros. Sequences run batched, each padded to its length's multiple.
 GPU (bf16, CUDA graphs) needs kernels of its own: docs/true_on_policy.md lists them.
 """
 
@@ -120,23 +121,23 @@ def layer_out(
     return x + linear(silu(gate) * up, layer["down"], layer.get("down_b"))
 
 
+def _ceil(n: int, multiple: int) -> int:
+    return max(multiple, -(-n // multiple) * multiple)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """q [B, G, Q, D] (G query heads per kv head), k/v [B, L, D] (one kv head's keys at positions 0..L-1),
     positions [B, Q] (query q reads keys <= its position) -> [B, G, Q, D]. Keys past every query's position
     may hold anything finite; L need not be a multiple of KEY_BLOCK."""
     b, g, nq, d = q.shape
     keys = k.shape[1]
-    padded = -(-keys // KEY_BLOCK) * KEY_BLOCK
+    padded = _ceil(keys, KEY_BLOCK)
     if padded != keys:
         k, v = F.pad(k, (0, 0, 0, padded - keys)), F.pad(v, (0, 0, 0, padded - keys))
-    blocks = padded // KEY_BLOCK
     m = g * nq
-    rows = max(ROW_TILE, -(-m // ROW_TILE) * ROW_TILE)
+    rows = _ceil(m, ROW_TILE)
     qp = F.pad(q.reshape(b, m, d), (0, 0, 0, rows - m))  # [B, rows, D]
-    qb = qp[:, None].expand(b, blocks, rows, d).reshape(b * blocks, rows, d)
-    kb = k.reshape(b, blocks, KEY_BLOCK, d).transpose(-1, -2).reshape(b * blocks, d, KEY_BLOCK)
-    scores = torch.bmm(qb, kb.contiguous()).view(b, blocks, rows, KEY_BLOCK)
-    scores = scores[:, :, :m].permute(0, 2, 1, 3).reshape(b, m, padded) * (1.0 / math.sqrt(d))
+    scores = torch.bmm(qp, k.transpose(1, 2).contiguous())[:, :m] * (1.0 / math.sqrt(d))
     pos = positions[:, None, :].expand(b, g, nq).reshape(b, m, 1)
     masked = torch.arange(padded, device=q.device)[None, None, :] > pos
     probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1)
@@ -146,13 +147,39 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """One sequence's causal self-attention at positions 0..S-1: q [S, H, D], k/v [S, KV, D] -> [S, H, D]."""
+    return packed_attention(q, k, v, [(0, q.shape[0])])
+
+
+def packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]]
+) -> torch.Tensor:
+    """Causal self-attention within each sequence of a packed batch (span [a, b) at positions 0..b-a-1): q [S, H,
+    D], k/v [S, KV, D] -> [S, H, D]. Sequences whose lengths round up to the same multiple of KEY_BLOCK run in one
+    call, each padded to that length (its padding queries are dropped, its padding keys are never read)."""
     s, heads, d = q.shape
     kv = k.shape[1]
     g = heads // kv
-    qh = q.reshape(s, kv, g, d).permute(1, 2, 0, 3)  # [KV, G, S, D]
-    pos = torch.arange(s, device=q.device)[None, :].expand(kv, s)
-    out = attention(qh, k.transpose(0, 1), v.transpose(0, 1), pos)  # [KV, G, S, D]
-    return out.permute(2, 0, 1, 3).reshape(s, heads, d)
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for a, b in spans:
+        groups.setdefault(_ceil(b - a, KEY_BLOCK), []).append((a, b))
+    parts, order = [], []
+    for length, members in groups.items():
+        t = torch.arange(length, device=q.device)
+        starts = torch.tensor([a for a, _ in members], device=q.device)
+        ends = torch.tensor([b for _, b in members], device=q.device)
+        index = torch.minimum(starts[:, None] + t[None, :], ends[:, None] - 1)  # [n, length], padding repeats
+        n = len(members)
+        qh = q[index].reshape(n, length, kv, g, d).permute(0, 2, 3, 1, 4).reshape(n * kv, g, length, d)
+        kh = k[index].permute(0, 2, 1, 3).reshape(n * kv, length, d)
+        vh = v[index].permute(0, 2, 1, 3).reshape(n * kv, length, d)
+        pos = t[None, :].expand(n * kv, length)
+        out = attention(qh, kh, vh, pos).reshape(n, kv, g, length, d).permute(0, 3, 1, 2, 4)
+        valid = t[None, :] < (ends - starts)[:, None]
+        parts.append(out.reshape(n, length, heads, d)[valid])
+        order.append(index[valid])
+    flat = torch.cat(parts)
+    where = torch.cat(order)
+    return flat[torch.argsort(where)] if len(parts) > 1 or where.numel() != s else flat
 
 
 def decode_attention(
@@ -179,7 +206,7 @@ def packed_forward(layers: list[dict[str, torch.Tensor]], x: torch.Tensor, cos: 
         q, k, v = layer_in(layer, x, cos, sin, heads, kv_heads, head_dim, eps)
         if on_kv is not None:
             on_kv(i, k, v)
-        attn = torch.cat([causal_attention(q[a:b], k[a:b], v[a:b]) for a, b in spans])
+        attn = packed_attention(q, k, v, spans)
         if on_layer is not None:
             on_layer(i, "attention", attn)
         x = layer_out(layer, x, attn.reshape(x.shape[0], -1), eps)
