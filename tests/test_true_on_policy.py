@@ -28,13 +28,15 @@ def model_dir(request, megatron_model):
     return megatron_model(request.param)
 
 
-def serve(model_dir, true_on_policy: bool) -> list[tuple[list[int], list[float], types.Trajectory]]:
+def serve(model_dir, true_on_policy: bool, deterministic: bool = False, max_batch_size: int = 4,
+          delays_s: list[float] | None = None) -> list[tuple[list[int], list[float], types.Trajectory]]:  # fmt: skip
     """The workload through one engine: each request's prompt, the engine's log-probs of its sampled tokens and
-    its trajectory."""
+    its trajectory (`delays_s`: each request's arrival instead of the workload's)."""
     torch.set_num_threads(2)
     engine = EmbeddedEngine(
-        str(model_dir), max_batch_size=4, max_seq_len=128, seed=1, true_on_policy=true_on_policy
-    )
+        str(model_dir), max_batch_size=max_batch_size, max_seq_len=128, seed=1, true_on_policy=true_on_policy,
+        deterministic=deterministic,
+    )  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 300, (n,), generator=gen).tolist() for n, _, _ in WORKLOAD]
 
@@ -92,6 +94,19 @@ def test_engine_logprobs_equal_learner_forward_bit_for_bit(model_dir):
     assert any(not torch.equal(lp, torch.tensor(e)) for (_, e, _), lp in zip(normal, learner, strict=True))
 
 
+def test_deterministic_engine_samples_whatever_the_batching(megatron_model):
+    """run.deterministic's engine: the same requests, served in batches of 4 and arriving as the workload says, or
+    in batches of 2 arriving in reverse order, sample the same tokens; without it they do not."""
+    model = megatron_model("qwen2")
+    reverse = [0.02 * (len(WORKLOAD) - i) for i in range(len(WORKLOAD))]
+    for deterministic in (True, False):
+        first, second = (
+            [t.response_ids for _, _, t in serve(model, True, deterministic, size, delays)]
+            for size, delays in ((4, None), (2, reverse))
+        )
+        assert (first == second) is deterministic
+
+
 def test_ops_do_not_depend_on_the_batch():
     """Each op's row equals the row computed alone, for other row counts, positions and thread counts."""
     gen = torch.Generator().manual_seed(0)
@@ -142,21 +157,6 @@ def test_unsupported_settings_are_refused(megatron_model, tmp_path):
         )
 
 
-@pytest.mark.slow
-def test_a_run_has_no_logprob_mismatch(ray_session, tmp_path, run_model):
-    """`agentrl run` (real Ray, embedded engine, torch learner, warm-up then RL): mismatch exactly 0 each step."""
-    from agentrl.runner.loop import run
-
-    path = tiny_config(
-        tmp_path, run_model, run={"steps": 2, "eval_every": 0, "checkpoint_every": 0, "true_on_policy": True},
-        rollout={"max_turns": 1, "temperature": 0.8},
-    )  # fmt: skip
-    summary = run(load_config(path, []))
-    assert summary["ok"] and summary["steps"] == 2
-    metrics = [m for m in read_jsonl(tmp_path / "t" / "metrics.jsonl") if "phase" not in m]
-    assert [m["train/logprob_mismatch"] for m in metrics] == [0.0, 0.0]
-
-
 def _untimed(metrics: dict) -> dict:
     """A metrics row without the values that measure time or throughput."""
     timed = ("_s", "time", "per_s", "tok_s", "throughput", "utilization", "wait")
@@ -164,9 +164,12 @@ def _untimed(metrics: dict) -> dict:
 
 
 @pytest.mark.slow
-def test_deterministic_runs_write_the_same_metrics(ray_session, tmp_path, run_model):
-    """run.deterministic: two runs of one config (the whole batch in flight at once, so which requests share
-    an engine batch differs between them) write the same metrics.jsonl, times and throughputs aside."""
+def test_runs_have_no_mismatch_and_replay(ray_session, tmp_path, run_model):
+    """`agentrl run` (real Ray, warm-up, then RL with a weight publish after each step) with run.true_on_policy:
+    train/logprob_mismatch is exactly 0 at every step. With run.deterministic two runs of one config (eight
+    episodes in flight, each started after a random delay, so which requests share an engine batch differs
+    between them; without run.deterministic such runs sample different tokens: the engine test below) write
+    the same metrics.jsonl, times and throughputs aside."""
     from agentrl.runner.loop import run
 
     rows = []
@@ -176,10 +179,13 @@ def test_deterministic_runs_write_the_same_metrics(ray_session, tmp_path, run_mo
         path = tiny_config(
             root, run_model, run={"steps": 2, "eval_every": 0, "checkpoint_every": 0, "true_on_policy": True,
                                   "deterministic": True},
-            rollout={"max_turns": 2, "temperature": 1.0, "concurrency": 8},
+            rollout={"max_turns": 2, "temperature": 1.0, "concurrency": 8,
+                     "generator": "tests.jitter_support:jittered_generate"},
         )  # fmt: skip
         assert run(load_config(path, []))["ok"]
         rows.append([_untimed(m) for m in read_jsonl(root / "t" / "metrics.jsonl")])
-    assert len(rows[0]) >= 2 and rows[0] == rows[1]
+    steps = [m for m in rows[0] if "phase" not in m]
+    assert [m["train/logprob_mismatch"] for m in steps] == [0.0, 0.0]
+    assert rows[0] == rows[1]
     with pytest.raises(ConfigError, match=r"run\.true_on_policy"):
         load_config(None, {"run": {"deterministic": True}})
