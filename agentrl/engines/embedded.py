@@ -58,8 +58,8 @@ class EmbeddedEngine(BatchingEngine):
         `sampler`: "auto" (one fused Triton kernel per step on CUDA, engines/triton_sampling.py), "torch", "triton";
         `true_on_policy`: prefill and decode through agentrl.invariant's batch-invariant ops, so a sampled token's
         log-prob is exactly the torch learner's (docs/true_on_policy.md; dense models, fp32 on CPU);
-        `deterministic`: a request without a seed gets one derived from the engine's seed, its prompt tokens and
-        how many requests with that prompt came before (run.deterministic), so it samples the same tokens
+        `deterministic`: a request without a seed gets one derived from the engine's seed, the policy version,
+        its prompt tokens and how many requests with that prompt came before at that version (run.deterministic), so it samples the same tokens
         whatever it is batched with (with `true_on_policy`: its logits do not depend on the batch either)."""
         if decode_steps is not None and decode_steps < 0:
             raise EngineError(f"engine decode_steps must be >= 1 (0: automatic), got {decode_steps}")
@@ -77,7 +77,8 @@ class EmbeddedEngine(BatchingEngine):
         )  # fmt: skip
         self._adapter = AdapterMerger(runner.model.params)
         self._seed, self.deterministic = seed, deterministic
-        self._prompt_counts: dict[bytes, int] = {}  # deterministic: requests seen per prompt (its digest)
+        # deterministic: requests seen per prompt (its digest) at the current policy version
+        self._prompt_counts: dict[bytes, int] = {}
 
     @classmethod
     def from_config(cls, cfg: Any, model_path: str, seed: int = 0, policy_version: int = 0,
@@ -192,6 +193,8 @@ class EmbeddedEngine(BatchingEngine):
                 raise
             except Exception as exc:
                 raise WeightSyncError(f"weight update to version {version} failed: {exc}") from exc
+            if version != self._version:
+                self._prompt_counts.clear()
             self._version = version
 
     def _load(self, source: WeightSource) -> None:
