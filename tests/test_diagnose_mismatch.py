@@ -43,3 +43,13 @@ def test_command_prints_the_tables(megatron_model, capsys):
         "First divergence: no layer." in out
     )  # one sequence alone: the engine computes what transformers does
     assert main(["diagnose", "mismatch", "--model", model, "--engine", "nowhere"]) == 2
+
+
+def test_names_a_perturbed_router(megatron_model):
+    model = str(megatron_model("qwen3_moe"))
+    engine = EmbeddedEngine(model, max_seq_len=64)
+    with torch.no_grad():  # layer 1's router, 2% off: its logits diverge before its experts' output does
+        engine.model.params["model.layers.1.mlp.gate.weight"].mul_(1.02)
+    report = compare(model, engine, prompts=2, prompt_len=8, new_tokens=4)
+    assert report.first == (1, "router")
+    assert {(layer, op) for layer, op, _, _ in report.layers} >= {(0, "router"), (1, "router"), (1, "mlp")}

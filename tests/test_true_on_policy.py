@@ -10,7 +10,6 @@ from agentrl import invariant, types
 from agentrl.config import LearnerSection, load_config
 from agentrl.engines.base import SamplingParams
 from agentrl.engines.embedded import EmbeddedEngine
-from agentrl.engines.tiny import make_tiny_model
 from agentrl.errors import ConfigError, EngineError, LearnerError
 from agentrl.learners.batch import build_batch
 from agentrl.learners.torch_learner import TorchLearner
@@ -137,7 +136,7 @@ def test_ops_do_not_depend_on_the_batch():
         assert torch.equal(invariant.causal_attention(q[: p + 1], k[: p + 1], v[: p + 1]), full[: p + 1])
 
 
-def test_unsupported_settings_are_refused(megatron_model, tmp_path):
+def test_unsupported_settings_are_refused(megatron_model):
     for overrides, field in (
         ({"engine": {"kind": "sglang", "external_urls": ["http://x"]}}, "engine.kind"),
         ({"learner": {"kind": "megatron"}}, "learner.kind"),
@@ -146,7 +145,7 @@ def test_unsupported_settings_are_refused(megatron_model, tmp_path):
     ):
         with pytest.raises(ConfigError, match=field):
             load_config(None, {"run": {"true_on_policy": True}, **overrides})
-    moe = make_tiny_model(tmp_path / "moe", "qwen3_moe", hidden=64, layers=1)
+    moe = megatron_model("qwen3_moe")
     with pytest.raises(EngineError, match="MoE"):
         EmbeddedEngine(str(moe), max_seq_len=64, true_on_policy=True)
     with pytest.raises(LearnerError, match="dense"):

@@ -37,7 +37,7 @@ from agentrl.engines.prefill_attention import Packed, packed_causal_attention
 from agentrl.errors import EngineError, WeightSyncError
 
 # what `trace` records per layer, in forward order (Hugging Face module names)
-TRACE_OPS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp", "output")
+TRACE_OPS = ("input_layernorm", "self_attn", "post_attention_layernorm", "router", "mlp", "output")
 # Inductor options of the compiled layer halves (bench/engine_bench.py's `_fp32_casts` variants clear them).
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
 
@@ -228,10 +228,12 @@ class CausalLM:
     def _moe_out(self, layer: dict[str, torch.Tensor], x: torch.Tensor, attn: torch.Tensor,
                  record: list[torch.Tensor] | None) -> torch.Tensor:  # fmt: skip
         """Post-attention half of an MoE layer; appends the layer's expert ids [T, k] to `record` when given."""
-        moe = self.spec.moe
         x = x + F.linear(attn, layer["o"])
-        h = rms_norm(x, layer["ln2"], self.spec.rms_eps)
-        weights, ids = route(h, layer["router"], layer.get("e_bias"), moe)
+        return x + self._moe_mlp(layer, rms_norm(x, layer["ln2"], self.spec.rms_eps), record)
+
+    def _moe_mlp(self, layer: dict[str, torch.Tensor], h: torch.Tensor, record: list[torch.Tensor] | None):
+        """An MoE layer's MLP (router, routed experts, shared expert) of its normed input h [T, hidden]."""
+        weights, ids = route(h, layer["router"], layer.get("e_bias"), self.spec.moe)
         y = routed_experts(
             h, ids, weights, layer["experts_gate_up"], layer["experts_down"], self.grouped_experts
         )
@@ -239,7 +241,7 @@ class CausalLM:
             y = y + swiglu(h, layer["shared_gate_up"], layer["shared_down"])
         if record is not None:
             record.append(ids)
-        return x + y
+        return y
 
     def compile_decode(self, enable: bool = True) -> None:
         """Decode through torch.compile'd layer halves (CUDA): inductor fuses the norms, RoPE, SwiGLU and
@@ -330,10 +332,11 @@ class CausalLM:
 
     @torch.inference_mode()
     def trace(self, tokens: torch.Tensor) -> dict[tuple[int, str], torch.Tensor]:
-        """One sequence [S] at positions 0..S-1 (no cache, dense models): each layer's outputs at Hugging Face's
-        module boundaries, {(layer, op): [S, hidden]} with op in `TRACE_OPS` (input_layernorm, self_attn after
-        o_proj, post_attention_layernorm, mlp, the layer's output), computed with the ops this engine serves
-        with (agentrl.invariant's when `invariant`): what `agentrl diagnose mismatch` compares."""
+        """One sequence [S] at positions 0..S-1 (no cache): each layer's outputs at Hugging Face's module
+        boundaries, {(layer, op): [S, hidden]} with op in `TRACE_OPS` (input_layernorm, self_attn after o_proj,
+        post_attention_layernorm, an MoE layer's router logits [S, experts], mlp, the layer's output), computed
+        with the ops this engine serves with (agentrl.invariant's when `invariant`): what `agentrl diagnose
+        mismatch` compares."""
         s, inv = self.spec, self.invariant
         linear = invariant.linear if inv else F.linear
         norm = invariant.rms_norm if inv else rms_norm
@@ -344,8 +347,6 @@ class CausalLM:
         x = F.embedding(tokens, self.embed)
         out: dict[tuple[int, str], torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            if "experts_gate_up" in layer:
-                raise EngineError(f"trace: layer {i} is an MoE layer; dense layers only")
             out[i, "input_layernorm"] = norm(x, layer["ln1"], s.rms_eps)
             if inv:
                 q, k, v = invariant.layer_in(layer, x, cos, sin, s.heads, s.kv_heads, s.head_dim, s.rms_eps)
@@ -356,8 +357,16 @@ class CausalLM:
             out[i, "self_attn"] = linear(attn.reshape(n, -1), layer["o"])
             x = x + out[i, "self_attn"]
             h = out[i, "post_attention_layernorm"] = norm(x, layer["ln2"], s.rms_eps)
-            gate, up = linear(h, layer["gate_up"], layer.get("gate_up_b")).chunk(2, dim=-1)
-            out[i, "mlp"] = mlp = linear(silu(gate) * up, layer["down"], layer.get("down_b"))
+            if "experts_gate_up" in layer:  # the router's logits (GLM-4.5: in fp32, as `route` computes them)
+                fp32 = s.moe.router == "sigmoid"
+                out[i, "router"] = (
+                    F.linear(h.float(), layer["router"].float()) if fp32 else F.linear(h, layer["router"])
+                )
+                mlp = self._moe_mlp(layer, h, None)
+            else:
+                gate, up = linear(h, layer["gate_up"], layer.get("gate_up_b")).chunk(2, dim=-1)
+                mlp = linear(silu(gate) * up, layer["down"], layer.get("down_b"))
+            out[i, "mlp"] = mlp
             x = out[i, "output"] = x + mlp
         return out
 

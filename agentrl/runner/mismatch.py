@@ -3,7 +3,8 @@
 The engine samples continuations of seeded random prompts (its reported log-probs); the learner's forward (the
 Hugging Face model the torch learner trains) scores the same token sequences. With the embedded engine both
 sides then run each sequence once more recording every layer's outputs at Hugging Face's module boundaries
-(the engine's `CausalLM.trace`, forward hooks on the learner's modules), and the first (layer, op) whose output
+(the engine's `CausalLM.trace`, forward hooks on the learner's modules; an MoE layer's router logits too), and
+the first (layer, op) whose output
 differs by more than `rel_tol` (max |Δ| over max |learner|) is where the two diverge. An SGLang engine (a URL)
 is compared on log-probs only: its `return_hidden_states` gives the last layer's hidden state alone, which
 cannot say which layer diverged.
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-OPS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp", "output")
+OPS = ("input_layernorm", "self_attn", "post_attention_layernorm", "router", "mlp", "output")
 
 
 @dataclass
@@ -57,10 +58,17 @@ def learner_trace(model, tokens: list[int]) -> tuple[torch.Tensor, dict[tuple[in
     handles = []
     for i, layer in enumerate(model.model.layers):
         for op in OPS:
-            module = layer if op == "output" else getattr(layer, op)
+            # an MoE block's router is `mlp.gate` (returning logits [tokens, experts], weights, ids); a dense MLP
+            # has none
+            module = layer if op == "output" else layer.mlp if op == "router" else getattr(layer, op)
+            if op == "router":
+                module = getattr(module, "gate", None)
+                if module is None:
+                    continue
 
             def hook(_m, _inp, res, key=(i, op)):
-                out[key] = (res[0] if isinstance(res, tuple) else res)[0].detach()
+                value = res[0] if isinstance(res, tuple) else res
+                out[key] = (value if key[1] == "router" else value[0]).detach()
 
             handles.append(module.register_forward_hook(hook))
     try:
@@ -103,7 +111,7 @@ def compare(model_dir: str, engine, *, prompts: int = 4, prompt_len: int = 16, n
         diffs.append((learner - engine_lp).abs())
         if trace is not None:
             for key, value in trace(torch.tensor(seq, device=engine.device)).items():
-                ref = hidden[key]
+                ref = hidden[key].reshape(value.shape)
                 diff = float((value.float().cpu() - ref.float()).abs().max())
                 scale = float(ref.float().abs().max()) or 1.0
                 old = layer_diff.get(key, (0.0, 0.0))
