@@ -156,7 +156,7 @@ def packed_attention(
     """Causal self-attention within each sequence of a packed batch (span [a, b) at positions 0..b-a-1): q [S, H,
     D], k/v [S, KV, D] -> [S, H, D]. Sequences whose lengths round up to the same multiple of KEY_BLOCK run in one
     call, each padded to that length (its padding queries are dropped, its padding keys are never read)."""
-    s, heads, d = q.shape
+    heads, d = q.shape[1:]
     kv = k.shape[1]
     g = heads // kv
     groups: dict[int, list[tuple[int, int]]] = {}
@@ -177,9 +177,8 @@ def packed_attention(
         valid = t[None, :] < (ends - starts)[:, None]
         parts.append(out.reshape(n, length, heads, d)[valid])
         order.append(index[valid])
-    flat = torch.cat(parts)
-    where = torch.cat(order)
-    return flat[torch.argsort(where)] if len(parts) > 1 or where.numel() != s else flat
+    # back from length groups to the packed order (spans cover every token)
+    return torch.cat(parts)[torch.argsort(torch.cat(order))]
 
 
 def decode_attention(

@@ -66,11 +66,13 @@ def learner_logprobs(model_dir, served, pack_tokens: int) -> list[torch.Tensor]:
     """The learner's log-probs of each trajectory's response tokens (one thread: the engine used two)."""
     torch.set_num_threads(1)
     learner = TorchLearner(
-        str(model_dir), LearnerSection(kind="torch", micro_batch_tokens=150), temperature=TEMPERATURE,
+        str(model_dir), LearnerSection(kind="torch", micro_batch_tokens=150, reference_model=True),
+        temperature=TEMPERATURE,
         true_on_policy=True,
     )  # fmt: skip
     batch = build_batch([t for _, _, t in served], pad_id=learner.pad_id, pack_tokens=pack_tokens)
     logp = learner.compute_logprobs(batch)
+    assert torch.equal(learner.compute_ref_logprobs(batch), logp)  # the KL to the reference is exactly 0
     out = []
     for i, (prompt, _, _) in enumerate(served):
         row, cols = (batch.seq_index == i).nonzero(as_tuple=True)

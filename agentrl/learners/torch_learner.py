@@ -21,6 +21,8 @@ replicated frozen copies; a value head (advantage = "gae") is not supported with
 the reference model is the base with the adapter disabled; `published_weights()` is the adapter alone,
 `weights()` the merged full weights; checkpoints hold the PEFT adapter and its optimizer state, plus the path
 of the base model (`lora_base` in learner.json). Not combined with FSDP.
+`run.true_on_policy` (agentrl.learners.invariant_forward): the policy's and the reference's forwards run the
+embedded engine's batch-invariant ops, so log-probs before the first update are the engine's bit for bit.
 MoE models (Qwen3-MoE, GLM-4.5 MoE; agentrl.learners.routing_replay): with `learner.routing_replay = "rollout"`
 every forward of the policy and the reference routes the batch's recorded positions to the engine's experts (the
 training forward keeps the replay open over its backward, which gradient checkpointing routes again);
@@ -250,8 +252,8 @@ class TorchLearner(Learner):
     def _forward(self, model, mb: Batch, *, entropy: bool = False, values: bool = False):
         """(logprobs, entropy or None, values or None) of one micro-batch, all [R, T] float32."""
         mb = mb.to(self.device)
-        if self.invariant_shape is not None and model is self.model:
-            return self._invariant_forward(mb, entropy=entropy, values=values)
+        if self.invariant_shape is not None and model in (self.model, self.ref_model):
+            return self._invariant_forward(model, mb, entropy=entropy, values=values)
         with self._autocast(model):
             out = model(
                 input_ids=mb.input_ids,
@@ -271,11 +273,10 @@ class TorchLearner(Learner):
             vals = F.pad(self.value_head(hidden[:, :-1]).squeeze(-1), (1, 0))
         return logp, ent, vals
 
-    def _invariant_forward(self, mb: Batch, *, entropy: bool, values: bool):
-        """`_forward` of the policy under run.true_on_policy (agentrl.learners.invariant_forward)."""
-        logits, hidden = invariant_forward.forward(
-            self.model, self.invariant_shape, mb.input_ids, mb.seq_index
-        )
+    def _invariant_forward(self, model, mb: Batch, *, entropy: bool, values: bool):
+        """`_forward` of the policy or the reference under run.true_on_policy (agentrl.learners.invariant_forward;
+        the reference too, so the KL to it is exactly 0 before the first update)."""
+        logits, hidden = invariant_forward.forward(model, self.invariant_shape, mb.input_ids, mb.seq_index)
         logp = token_logprobs(logits, mb.input_ids, self.temperature)
         ent = None
         if entropy:
