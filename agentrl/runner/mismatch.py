@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-OPS = ("input_layernorm", "self_attn", "post_attention_layernorm", "router", "mlp", "output")
+from agentrl.engines.model import TRACE_OPS as OPS  # the ops both sides record, in forward order
 
 
 @dataclass
