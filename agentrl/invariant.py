@@ -7,7 +7,7 @@ many keys its attention reads past its own position, or how many CPU threads tor
 backward is autograd of these ops) call the same functions, so the engine's reported log-prob of a sampled
 token is exactly the learner's before its first update.
 
-How each op holds it on CPU (fp32, MKL; tests/test_true_on_policy.py checks every claim):
+How each op holds it on CPU (fp32, MKL; torch 2.13's CPU build; tests/test_true_on_policy.py checks it):
 - matmul (`linear`): MKL's sgemm picks its kernel by the row count M (a vector kernel for M = 1, small-matrix
   kernels for a few rows), so rows are padded to a multiple of `ROW_TILE` (never fewer) in a fresh aligned
   buffer; above that the per-element reduction over K runs in one fixed order whatever M or the threads. The
