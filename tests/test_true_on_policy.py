@@ -27,8 +27,11 @@ def model_dir(request, megatron_model):
     return megatron_model(request.param)
 
 
+Served = list[tuple[list[int], list[float], types.Trajectory]]
+
+
 def serve(model_dir, true_on_policy: bool, deterministic: bool = False, max_batch_size: int = 4,
-          delays_s: list[float] | None = None) -> list[tuple[list[int], list[float], types.Trajectory]]:  # fmt: skip
+          delays_s: list[float] | None = None) -> Served:  # fmt: skip
     """The workload through one engine: each request's prompt, the engine's log-probs of its sampled tokens and
     its trajectory (`delays_s`: each request's arrival instead of the workload's)."""
     torch.set_num_threads(2)

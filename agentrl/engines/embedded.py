@@ -59,8 +59,9 @@ class EmbeddedEngine(BatchingEngine):
         `true_on_policy`: prefill and decode through agentrl.invariant's batch-invariant ops, so a sampled token's
         log-prob is exactly the torch learner's (docs/true_on_policy.md; dense models, fp32 on CPU);
         `deterministic`: a request without a seed gets one derived from the engine's seed, the policy version,
-        its prompt tokens and how many requests with that prompt came before at that version (run.deterministic), so it samples the same tokens
-        whatever it is batched with (with `true_on_policy`: its logits do not depend on the batch either)."""
+        its prompt tokens and how many requests with that prompt came before at that version (run.deterministic),
+        so it samples the same tokens whatever it is batched with (with `true_on_policy` its logits do not depend
+        on the batch either)."""
         if decode_steps is not None and decode_steps < 0:
             raise EngineError(f"engine decode_steps must be >= 1 (0: automatic), got {decode_steps}")
         self.model_path = str(model_path)

@@ -26,8 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--temperature", type=float, default=1.0, help="sampling temperature (log-probs of logits / T)"
     )
-    p.add_argument("--rel-tol", type=float, default=1e-4,
-                   help="a layer output diverges when max |diff| / max |learner output| exceeds this")  # fmt: skip
+    p.add_argument(
+        "--rel-tol", type=float, default=1e-4,
+        help="a layer output diverges when max |diff| / max |learner output| exceeds this",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
 
 
@@ -48,7 +50,9 @@ def main(args: argparse.Namespace) -> int:
         engine = SGLangEngine(args.engine, model_path=args.model)
     else:
         raise ConfigError(f"--engine must be 'embedded' or an http(s) URL, got {args.engine!r}")
-    report = compare(args.model, engine, prompts=args.prompts, prompt_len=args.prompt_len,
-                     new_tokens=args.new_tokens, temperature=args.temperature, rel_tol=args.rel_tol, seed=args.seed)  # fmt: skip
+    report = compare(
+        args.model, engine, prompts=args.prompts, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+        temperature=args.temperature, rel_tol=args.rel_tol, seed=args.seed,
+    )  # fmt: skip
     print(report.markdown())
     return 0
