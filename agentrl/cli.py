@@ -33,6 +33,7 @@ COMMANDS = [
         "agentrl.generator_plugins",
         "run a trajectory generator of generators/ against a live run or serve-queue (--list: what is there)",
     ),
+    ("diagnose", "agentrl.runner.diagnose_cli", "diagnose an engine against a learner (mismatch: log-probs)"),
     ("plot", "agentrl.runner.plot", "write PNGs of runs' curves (several runs overlaid)"),
     (
         "dashboard",

@@ -22,7 +22,13 @@ def make_engine(cfg: Config, model_path: str, index: int = 0) -> Engine:
     if e.kind == "embedded":
         from agentrl.engines.embedded import EmbeddedEngine
 
-        return EmbeddedEngine.from_config(e, model_path, seed=cfg.run.seed + 1000 * index)
+        return EmbeddedEngine.from_config(
+            e,
+            model_path,
+            seed=cfg.run.seed + 1000 * index,
+            true_on_policy=cfg.run.true_on_policy,
+            deterministic=cfg.run.deterministic,
+        )
     from agentrl.engines.sglang import SGLangEngine
 
     timeouts = {"request_timeout_s": e.request_timeout_s, "update_timeout_s": e.update_timeout_s}

@@ -39,7 +39,9 @@ def make_learner(cfg: Config, model_path: str):
         return MegatronLearner(model_path, cfg.learner, cfg.algorithm, compile=cfg.learner.compile, **common)
     from agentrl.learners.torch_learner import TorchLearner
 
-    return TorchLearner(model_path, cfg.learner, cfg.algorithm, **common)
+    return TorchLearner(
+        model_path, cfg.learner, cfg.algorithm, true_on_policy=cfg.run.true_on_policy, **common
+    )
 
 
 class LearnerWorker:
@@ -101,6 +103,12 @@ class LearnerWorker:
             if trajectories is None:
                 raise RuntimeError("LearnerWorker.train() without trajectories needs a fetch() first")
         t0 = time.perf_counter()
+        if (
+            self.cfg.run.deterministic
+        ):  # arrival order varies between runs; which sample id got which tokens too
+            trajectories = sorted(
+                trajectories, key=lambda t: (t.group_id, t.prompt_ids, t.response_ids, t.id)
+            )
         replay = self.cfg.learner.routing_replay == "rollout"
         batch = build_batch(trajectories, self.pad_id, self.cfg.learner.device, routed_experts=replay,
                             images=self.learner.takes_images)  # fmt: skip

@@ -118,6 +118,22 @@ class RunSection(_Section):
         ),
     ] = False
     torch_threads: Annotated[int, doc("torch CPU threads per actor", ge=1)] = 1
+    true_on_policy: Annotated[
+        bool,
+        doc(
+            "the embedded engine and the torch learner run the same batch-invariant ops, so every sampled "
+            "token's log-prob as the engine reports it equals the learner's before its first update, bit for "
+            "bit (train/logprob_mismatch is 0); dense models in float32 on CPU (docs/true_on_policy.md)"
+        ),
+    ] = False
+    deterministic: Annotated[
+        bool,
+        doc(
+            "two runs of the same config and seeds write the same metrics (all but times and throughputs): each "
+            "request samples from its own seeded generator, the learner orders each batch canonically; needs "
+            "run.true_on_policy, one engine and one rollout worker, at staleness 0 (docs/true_on_policy.md)"
+        ),
+    ] = False
     max_restarts: Annotated[int, doc("restarts of a crashed actor before the run fails", ge=0)] = 3
     publish_timeout_s: Annotated[float, doc("seconds a weight publish may take", gt=0)] = 120.0
     wandb_project: Annotated[
@@ -135,6 +151,23 @@ class RunSection(_Section):
     def validate(self, cfg: Config | None = None) -> None:
         if cfg is not None and self.offload:
             self._check_offload(cfg)
+        if cfg is not None and self.true_on_policy:
+            self._check_true_on_policy(cfg)
+        if cfg is not None and self.deterministic:
+            for ok, need in (
+                (
+                    self.true_on_policy,
+                    "run.true_on_policy = true (a token's logits must not depend on its batch)",
+                ),
+                (cfg.engine.num_engines == 1, f"engine.num_engines = 1, got {cfg.engine.num_engines}"),
+                (cfg.rollout.num_workers == 1, f"rollout.num_workers = 1, got {cfg.rollout.num_workers}"),
+                (
+                    cfg.effective_max_staleness == 0,
+                    "run.mode = 'sync' or queue.max_staleness = 0 (each step's batch is then fixed)",
+                ),
+            ):
+                if not ok:
+                    raise ConfigError(f"run.deterministic = true needs {need}")
         if cfg is not None and self.placement == "colocated" and cfg.learner.ranks > 1:
             raise ConfigError(
                 f"run.placement = 'colocated' runs one learner process, but learner ranks = {cfg.learner.ranks} "
@@ -145,6 +178,32 @@ class RunSection(_Section):
                 f"rollout.prompts_per_step = {cfg.rollout.prompts_per_step} is less than learner.data_parallel = "
                 f"{cfg.learner.data_parallel}: each data-parallel rank trains on whole groups of its own"
             )
+
+    @staticmethod
+    def _check_true_on_policy(cfg: Config) -> None:
+        """The pairs and settings whose forwards agentrl.invariant covers (the learner checks the model)."""
+        for ok, need in (
+            (cfg.engine.kind == "embedded", f"engine.kind = 'embedded', got '{cfg.engine.kind}'"),
+            (cfg.learner.kind == "torch", f"learner.kind = 'torch', got '{cfg.learner.kind}'"),
+            (
+                cfg.engine.device == "cpu",
+                f"engine.device = 'cpu' (GPU kernels not written yet), got '{cfg.engine.device}'",
+            ),
+            (
+                cfg.learner.device == "cpu",
+                f"learner.device = 'cpu' (GPU kernels not written yet), got '{cfg.learner.device}'",
+            ),
+            (cfg.engine.dtype == "float32", f"engine.dtype = 'float32', got '{cfg.engine.dtype}'"),
+            (cfg.learner.dtype == "float32", f"learner.dtype = 'float32', got '{cfg.learner.dtype}'"),
+            (not cfg.learner.fsdp, "learner.fsdp = false"),
+            (
+                not cfg.learner.lora.enabled,
+                "learner.lora.rank = 0 (the engine merges adapters in another order)",
+            ),
+            (not cfg.learner.gradient_checkpointing, "learner.gradient_checkpointing = false"),
+        ):
+            if not ok:
+                raise ConfigError(f"run.true_on_policy = true needs {need}")
 
     @staticmethod
     def _check_offload(cfg: Config) -> None:

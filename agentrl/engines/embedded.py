@@ -11,9 +11,12 @@ the new version while the KV cache of running requests is kept (as SGLang does).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import uuid
 from typing import Any
 
+import msgspec
+import numpy as np
 import torch
 
 from agentrl.engines.adapter import AdapterMerger, adapter_items
@@ -45,6 +48,8 @@ class EmbeddedEngine(BatchingEngine):
         compile: bool | None = None,
         decode_steps: int | None = None,
         sampler: str = "auto",
+        true_on_policy: bool = False,
+        deterministic: bool = False,
     ):
         """`cuda_graphs` (default: on for CUDA) replays decode steps from graphs captured per batch bucket;
         `attention`: "auto" (Triton decode kernel on CUDA if available), "sdpa" or "triton"; `compile`
@@ -52,7 +57,13 @@ class EmbeddedEngine(BatchingEngine):
         `decode_steps`: decode steps per scheduler iteration (one host sync for all; new requests and weight
         updates wait for the iteration, rows that finish early waste the rest of it); None or 0: 8 on CUDA
         (1.13x the throughput of 1 on an H200, docs/benchmarks/gpu.md), 1 on CPU (host work is cheap there);
-        `sampler`: "auto" (one fused Triton kernel per step on CUDA, engines/triton_sampling.py), "torch", "triton"."""
+        `sampler`: "auto" (one fused Triton kernel per step on CUDA, engines/triton_sampling.py), "torch", "triton";
+        `true_on_policy`: prefill and decode through agentrl.invariant's batch-invariant ops, so a sampled token's
+        log-prob is exactly the torch learner's (docs/true_on_policy.md; dense models, fp32 on CPU);
+        `deterministic`: a request without a seed gets one derived from the engine's seed, the policy version,
+        its prompt tokens and how many requests with that prompt came before at that version (run.deterministic),
+        so it samples the same tokens whatever it is batched with (with `true_on_policy` its logits do not depend
+        on the batch either)."""
         if decode_steps is not None and decode_steps < 0:
             raise EngineError(f"engine decode_steps must be >= 1 (0: automatic), got {decode_steps}")
         self.model_path = str(model_path)
@@ -60,6 +71,8 @@ class EmbeddedEngine(BatchingEngine):
             self.model_path, device, dtype, max_batch_size, max_seq_len, seed, cuda_graphs, attention, compile,
             sampler,
         )  # fmt: skip
+        if true_on_policy:
+            runner.model.set_invariant()
         self.spec, self.device, self.dtype_name = runner.spec, runner.device, dtype
         self.vision = VisionSpec.from_dir(self.model_path) if self.spec.vision is not None else None
         super().__init__(
@@ -67,14 +80,19 @@ class EmbeddedEngine(BatchingEngine):
             decode_steps=decode_steps or (8 if self.device.type == "cuda" else 1), policy_version=policy_version,
         )  # fmt: skip
         self._adapter = AdapterMerger(runner.model.params)
+        self._seed, self.deterministic = seed, deterministic
+        # deterministic: requests seen per prompt (its digest) at the current policy version
+        self._prompt_counts: dict[bytes, int] = {}
 
     @classmethod
-    def from_config(cls, cfg: Any, model_path: str, seed: int = 0, policy_version: int = 0) -> EmbeddedEngine:
-        """Build from an `EngineSection` (agentrl.config)."""
+    def from_config(cls, cfg: Any, model_path: str, seed: int = 0, policy_version: int = 0,
+                    true_on_policy: bool = False, deterministic: bool = False) -> EmbeddedEngine:  # fmt: skip
+        """Build from an `EngineSection` (agentrl.config); `true_on_policy` and `deterministic` are run's."""
         return cls(
             model_path, device=cfg.device, dtype=cfg.dtype, max_batch_size=cfg.max_batch_size,
             max_seq_len=cfg.max_seq_len, max_prefill_tokens=cfg.max_prefill_tokens,
             policy_version=policy_version, seed=seed, decode_steps=cfg.decode_steps, sampler=cfg.sampler,
+            true_on_policy=true_on_policy, deterministic=deterministic,
         )  # fmt: skip
 
     # -- Engine API ----------------------------------------------------------------------------------------------
@@ -162,6 +180,8 @@ class EmbeddedEngine(BatchingEngine):
         rid = request_id or uuid.uuid4().hex
         if rid in self._by_rid:
             raise InvalidRequest("rid", f"request id {rid!r} is already running")
+        if self.deterministic and sampling.seed is None:
+            sampling = msgspec.structs.replace(sampling, seed=self._derived_seed(input_ids))
         stop = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop.update(self.spec.eos_token_ids)
@@ -181,6 +201,17 @@ class EmbeddedEngine(BatchingEngine):
             await self.abort(rid)
             raise
 
+    def _derived_seed(self, input_ids: list[int]) -> int:
+        """The seed of the n-th request with these prompt tokens (n from 0): the same in every run that sends
+        the same requests, in whatever order requests with different prompts arrive."""
+        digest = hashlib.blake2b(np.asarray(input_ids, dtype=np.int64).tobytes(), digest_size=16).digest()
+        n = self._prompt_counts.get(digest, 0)
+        self._prompt_counts[digest] = n + 1
+        key = hashlib.blake2b(
+            digest + self._seed.to_bytes(8, "little") + n.to_bytes(8, "little"), digest_size=8
+        )
+        return int.from_bytes(key.digest(), "little") & (2**63 - 1)
+
     async def update_weights(self, version: int, source: WeightSource) -> None:
         self._ensure_loop()
         async with self._lock:
@@ -191,6 +222,8 @@ class EmbeddedEngine(BatchingEngine):
                 raise
             except Exception as exc:
                 raise WeightSyncError(f"weight update to version {version} failed: {exc}") from exc
+            if version != self._version:
+                self._prompt_counts.clear()
             self._version = version
 
     def _load(self, source: WeightSource) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from agentrl import invariant
 from agentrl.engines.layers import (
     grouped_mm_works,
     layer_in,
@@ -37,8 +38,10 @@ from agentrl.engines.layers import (
 )
 from agentrl.engines.model_spec import KVCache, ModelSpec
 from agentrl.engines.prefill_attention import Packed, packed_causal_attention
-from agentrl.errors import WeightSyncError
+from agentrl.errors import EngineError, WeightSyncError
 
+# what `trace` records per layer, in forward order (Hugging Face module names)
+TRACE_OPS = ("input_layernorm", "self_attn", "post_attention_layernorm", "router", "mlp", "output")
 # Inductor options of the compiled layer halves (bench/engine_bench.py's `_fp32_casts` variants clear them).
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
 
@@ -110,6 +113,8 @@ class CausalLM:
         self._cos = self._sin = torch.empty(0)
         self._layer_in, self._layer_out, self.compiled = layer_in, layer_out, False
         self.compiled_prefill = True  # prefill through the compiled halves too (when compiled)
+        # run.true_on_policy: prefill and decode through agentrl.invariant's batch-invariant ops (set_invariant)
+        self.invariant = False
 
     # -- weights -------------------------------------------------------------------------------------------------
 
@@ -201,11 +206,8 @@ class CausalLM:
             return
         n = max(max_len, 2 * self._rope_len, 256)
         dim = self.spec.rotary_dim or self.spec.head_dim
-        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float().to(self.device) / dim
-        inv_freq = 1.0 / (self.spec.rope_theta**exponents)
-        freqs = torch.outer(torch.arange(n, device=self.device, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos, self._sin, self._rope_len = emb.cos(), emb.sin(), n
+        self._cos, self._sin = invariant.rope_tables(self.spec.rope_theta, dim, n, self.device)
+        self._rope_len = n
         if (
             self.spec.mrope_section
         ):  # which axis (time, height, width) each rotary column reads its position from
@@ -218,6 +220,23 @@ class CausalLM:
         cos = self._cos[positions][self._mrope_axis, :, cols].T  # [S, dim]
         sin = self._sin[positions][self._mrope_axis, :, cols].T
         return cos.to(self.dtype), sin.to(self.dtype)
+
+    def set_invariant(self) -> None:
+        """Serve through agentrl.invariant's batch-invariant ops (run.true_on_policy): a token's logits no longer
+        depend on what else the batch holds. Dense models in fp32 on CPU only (their GPU kernels are not
+        written yet: docs/true_on_policy.md)."""
+        if self.spec.moe is not None:
+            raise EngineError(
+                f"run.true_on_policy: the {self.spec.arch} model is an MoE model; dense models only"
+            )
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            raise EngineError(
+                f"run.true_on_policy needs engine.device = 'cpu' and engine.dtype = 'float32' (got "
+                f"{self.device.type}, {self.dtype}): the GPU batch-invariant kernels are not written yet"
+            )
+        if self.compiled:
+            raise EngineError("run.true_on_policy runs the engine eagerly: engine compile must be off")
+        self.invariant = True
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._cos[positions].to(self.dtype), self._sin[positions].to(self.dtype)
@@ -240,10 +259,12 @@ class CausalLM:
     def _moe_out(self, layer: dict[str, torch.Tensor], x: torch.Tensor, attn: torch.Tensor,
                  record: list[torch.Tensor] | None) -> torch.Tensor:  # fmt: skip
         """Post-attention half of an MoE layer; appends the layer's expert ids [T, k] to `record` when given."""
-        moe = self.spec.moe
         x = x + F.linear(attn, layer["o"])
-        h = rms_norm(x, layer["ln2"], self.spec.rms_eps)
-        weights, ids = route(h, layer["router"], layer.get("e_bias"), moe)
+        return x + self._moe_mlp(layer, rms_norm(x, layer["ln2"], self.spec.rms_eps), record)
+
+    def _moe_mlp(self, layer: dict[str, torch.Tensor], h: torch.Tensor, record: list[torch.Tensor] | None):
+        """An MoE layer's MLP (router, routed experts, shared expert) of its normed input h [T, hidden]."""
+        weights, ids = route(h, layer["router"], layer.get("e_bias"), self.spec.moe)
         y = routed_experts(
             h, ids, weights, layer["experts_gate_up"], layer["experts_down"], self.grouped_experts
         )
@@ -251,7 +272,7 @@ class CausalLM:
             y = y + swiglu(h, layer["shared_gate_up"], layer["shared_down"])
         if record is not None:
             record.append(ids)
-        return x + y
+        return y
 
     def compile_decode(self, enable: bool = True) -> None:
         """Decode through torch.compile'd layer halves (CUDA): inductor fuses the norms, RoPE, SwiGLU and
@@ -277,6 +298,8 @@ class CausalLM:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model dtype, as transformers computes them; samplers read them as fp32 (an fp32 copy
         here would cost a write and a read of [B, vocab] fp32 per step)."""
+        if self.invariant:
+            return invariant.linear(invariant.rms_norm(hidden, self.norm, self.spec.rms_eps), self.lm_head)
         return F.linear(rms_norm(hidden, self.norm, self.spec.rms_eps), self.lm_head)
 
     @torch.inference_mode()
@@ -302,6 +325,10 @@ class CausalLM:
         x = F.embedding(tokens, self.embed)  # [S, hidden]
         if image_rows is not None:
             x[image_rows[0]] = image_rows[1].to(x.dtype)
+        if self.invariant:
+            x = self._invariant_prefill(x, cos, sin, positions, token_slots, packed, cache)
+            last = torch.tensor([b - 1 for _, b in packed.spans], device=self.device)
+            return self.logits(x[last])
         with _prefill_backends(self.device):
             x = self._prefill_layers(x, cos, sin, positions, token_slots, packed, cache, record)
         last = torch.tensor([b - 1 for _, b in packed.spans], device=self.device)
@@ -318,6 +345,70 @@ class CausalLM:
             attn = packed_causal_attention(q, k, v, packed)
             x = self._out(layer, x, attn.reshape(-1, self.q_dim), fused=self.compiled_prefill, record=record)
         return x
+
+    def _invariant_prefill(self, x, cos, sin, positions, token_slots, packed: Packed, cache) -> torch.Tensor:
+        s = self.spec
+
+        def on_kv(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            cache.k[i][token_slots, :, positions] = k
+            cache.v[i][token_slots, :, positions] = v
+
+        return invariant.packed_forward(
+            self.layers, x, cos, sin, packed.spans, s.heads, s.kv_heads, s.head_dim, s.rms_eps, on_kv=on_kv
+        )
+
+    def _invariant_decode(self, x, cos, sin, positions, cache, max_len: int) -> torch.Tensor:
+        s, b = self.spec, x.shape[0]
+        rows = torch.arange(b, device=self.device)
+        for i, layer in enumerate(self.layers):
+            q, k, v = invariant.layer_in(layer, x, cos, sin, s.heads, s.kv_heads, s.head_dim, s.rms_eps)
+            cache.k[i][rows, :, positions] = k
+            cache.v[i][rows, :, positions] = v
+            attn = invariant.decode_attention(
+                q, cache.k[i][:b, :, :max_len], cache.v[i][:b, :, :max_len], positions
+            )
+            x = invariant.layer_out(layer, x, attn.reshape(b, self.q_dim), s.rms_eps)
+        return x
+
+    @torch.inference_mode()
+    def trace(self, tokens: torch.Tensor) -> dict[tuple[int, str], torch.Tensor]:
+        """One sequence [S] at positions 0..S-1 (no cache): each layer's outputs at Hugging Face's module
+        boundaries, {(layer, op): [S, hidden]} with op in `TRACE_OPS` (input_layernorm, self_attn after o_proj,
+        post_attention_layernorm, an MoE layer's router logits [S, experts], mlp, the layer's output), computed
+        with the ops this engine serves with (agentrl.invariant's when `invariant`): what `agentrl diagnose
+        mismatch` compares."""
+        s, inv = self.spec, self.invariant
+        linear = invariant.linear if inv else F.linear
+        norm = invariant.rms_norm if inv else rms_norm
+        silu = invariant.silu if inv else F.silu
+        n = tokens.shape[0]
+        self.ensure_rope(n)
+        cos, sin = self._rope(torch.arange(n, device=self.device))
+        x = F.embedding(tokens, self.embed)
+        out: dict[tuple[int, str], torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            out[i, "input_layernorm"] = norm(x, layer["ln1"], s.rms_eps)
+            if inv:
+                q, k, v = invariant.layer_in(layer, x, cos, sin, s.heads, s.kv_heads, s.head_dim, s.rms_eps)
+                attn = invariant.causal_attention(q, k, v)
+            else:
+                q, k, v = self._qkv(layer, x, cos, sin)
+                attn = packed_causal_attention(q, k, v, Packed.from_lengths([n], self.device))
+            out[i, "self_attn"] = linear(attn.reshape(n, -1), layer["o"])
+            x = x + out[i, "self_attn"]
+            h = out[i, "post_attention_layernorm"] = norm(x, layer["ln2"], s.rms_eps)
+            if "experts_gate_up" in layer:  # the router's logits (GLM-4.5: in fp32, as `route` computes them)
+                fp32 = s.moe.router == "sigmoid"
+                out[i, "router"] = (
+                    F.linear(h.float(), layer["router"].float()) if fp32 else F.linear(h, layer["router"])
+                )
+                mlp = self._moe_mlp(layer, h, None)
+            else:
+                gate, up = linear(h, layer["gate_up"], layer.get("gate_up_b")).chunk(2, dim=-1)
+                mlp = linear(silu(gate) * up, layer["down"], layer.get("down_b"))
+            out[i, "mlp"] = mlp
+            x = out[i, "output"] = x + mlp
+        return out
 
     @torch.inference_mode()
     def decode(
@@ -346,6 +437,10 @@ class CausalLM:
         else:  # host read of the largest position: VLM rows decode without CUDA graphs
             self.ensure_rope(max(max_len, int(rope_positions.max()) + 1))
             cos, sin = self._rope(rope_positions)
+        if self.invariant:
+            return self.logits(
+                self._invariant_decode(F.embedding(tokens, self.embed), cos, sin, positions, cache, max_len)
+            )
         if attention == "triton":
             from agentrl.engines.triton_attention import decode_attention
         else:

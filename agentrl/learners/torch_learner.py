@@ -21,6 +21,8 @@ replicated frozen copies; a value head (advantage = "gae") is not supported with
 the reference model is the base with the adapter disabled; `published_weights()` is the adapter alone,
 `weights()` the merged full weights; checkpoints hold the PEFT adapter and its optimizer state, plus the path
 of the base model (`lora_base` in learner.json). Not combined with FSDP.
+`run.true_on_policy` (agentrl.learners.invariant_forward): the policy's and the reference's forwards run the
+embedded engine's batch-invariant ops, so log-probs before the first update are the engine's bit for bit.
 MoE models (Qwen3-MoE, GLM-4.5 MoE; agentrl.learners.routing_replay): with `learner.routing_replay = "rollout"`
 every forward of the policy and the reference routes the batch's recorded positions to the engine's experts (the
 training forward keeps the replay open over its backward, which gradient checkpointing routes again);
@@ -45,6 +47,7 @@ from agentrl.learners import (
     checkpoint,
     fsdp,
     hf_io,
+    invariant_forward,
     lora,
     offload,
     router_stats,
@@ -63,8 +66,13 @@ class TorchLearner(Learner):
 
     kind = "torch"
 
-    def _build(self, model_path: str | Path, seed: int) -> None:
+    def _build(self, model_path: str | Path, seed: int, true_on_policy: bool = False) -> None:
+        """`true_on_policy` (run.true_on_policy): the policy's forward runs agentrl.invariant's batch-invariant
+        ops (agentrl.learners.invariant_forward), the embedded engine's own, so its log-probs before the first
+        update are the engine's bit for bit."""
         self.model_path = Path(model_path)
+        if true_on_policy:
+            self._check_true_on_policy()
         self._offload_store: dict = {}  # CPU copies kept between offloads (agentrl.learners.offload)
         if (
             self.cfg.lora.enabled
@@ -86,6 +94,7 @@ class TorchLearner(Learner):
         torch.manual_seed(seed)
         self.model = self._policy_model()
         self.ref_model, self.teacher_model = self._frozen_models()
+        self.invariant_shape = invariant_forward.check(self.model) if true_on_policy else None
         self.routers = routing_replay.hook(self.model, needed_by=self._moe_setting())
         self.ref_routers = None
         if self.routers is not None and self.ref_model not in (None, self.model):
@@ -112,6 +121,20 @@ class TorchLearner(Learner):
         meta = self.model_path / checkpoint.METADATA_FILE
         if meta.is_file() and (self.model_path / torch_checkpoint.STATE_FILE).is_file():
             self.load(str(self.model_path))
+
+    def _check_true_on_policy(self) -> None:
+        for bad, what in (
+            (self.cfg.fsdp, "learner.fsdp = true"),
+            (self.cfg.lora.enabled, "learner.lora.rank > 0"),
+            (self.cfg.gradient_checkpointing, "learner.gradient_checkpointing = true"),
+            (self.cfg.dtype != "float32", f"learner.dtype = '{self.cfg.dtype}'"),
+            (
+                not self.cfg.device.startswith("cpu"),
+                f"learner.device = '{self.cfg.device}' (CPU only so far)",
+            ),
+        ):
+            if bad:
+                raise LearnerError(f"run.true_on_policy does not support {what}")
 
     def _load_hf(self, dtype: torch.dtype, *, on_device: bool = True, path: Path | None = None):
         """A Hugging Face causal LM from `path` (default: the base weights) without a KV cache, moved to this
@@ -241,6 +264,8 @@ class TorchLearner(Learner):
     def _forward(self, model, mb: Batch, *, entropy: bool = False, values: bool = False):
         """(logprobs, entropy or None, values or None) of one micro-batch, all [R, T] float32."""
         mb = mb.to(self.device)
+        if self.invariant_shape is not None and model in (self.model, self.ref_model):
+            return self._invariant_forward(model, mb, entropy=entropy, values=values)
         with self._autocast(model):
             out = model(
                 input_ids=mb.input_ids,
@@ -284,6 +309,20 @@ class TorchLearner(Learner):
             "image_grid_thw": torch.tensor(grids, dtype=torch.int64, device=self.device),
             "mm_token_type_ids": (mb.input_ids == self.vision.image_token_id).int(),
         }
+
+    def _invariant_forward(self, model, mb: Batch, *, entropy: bool, values: bool):
+        """`_forward` of the policy or the reference under run.true_on_policy (agentrl.learners.invariant_forward;
+        the reference too, so the KL to it is exactly 0 before the first update)."""
+        logits, hidden = invariant_forward.forward(model, self.invariant_shape, mb.input_ids, mb.seq_index)
+        logp = token_logprobs(logits, mb.input_ids, self.temperature)
+        ent = None
+        if entropy:
+            with torch.set_grad_enabled(torch.is_grad_enabled() and self.algo.entropy_coef != 0.0):
+                ent = token_entropy(logits, self.temperature)
+        vals = None
+        if values:
+            vals = F.pad(self.value_head(hidden[:, :-1]).squeeze(-1), (1, 0))
+        return logp, ent, vals
 
     def _whole_batch(self, model, batch: Batch, *, values: bool = False, replay: bool = True) -> torch.Tensor:
         batch = batch.to(self.device)

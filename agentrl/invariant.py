@@ -1,0 +1,214 @@
+"""Batch-invariant ops: the forward that both ends of `run.true_on_policy` run (docs/true_on_policy.md).
+
+Invariant: the value these functions compute for one token (one row) depends on that row's inputs and the
+weights alone, bit for bit: not on how many other rows share the call, where the row sits among them, how
+many keys its attention reads past its own position, or how many CPU threads torch uses. The embedded engine
+(prefill of packed prompts, decode of a continuous batch) and the torch learner (its training forward, whose
+backward is autograd of these ops) call the same functions, so the engine's reported log-prob of a sampled
+token is exactly the learner's before its first update.
+
+How each op holds it on CPU (fp32, MKL; torch 2.13's CPU build; tests/test_true_on_policy.py checks it):
+- matmul (`linear`): MKL's sgemm picks its kernel by the row count M (a vector kernel for M = 1, small-matrix
+  kernels for a few rows), so rows are padded to a multiple of `ROW_TILE` (never fewer) in a fresh aligned
+  buffer; above that the per-element reduction over K runs in one fixed order whatever M or the threads. The
+  bias is added after the product (addmm would fold it into the reduction). Weight shapes (N, K) are the same on
+  both sides: the learner concatenates q/k/v and gate/up as the engine stores them.
+- reductions (`rms_norm`'s mean): rows padded as above, so a reduction never collapses to one output (torch
+  splits a single-output reduction over threads).
+- softmax / log-softmax: torch's last-dim kernels reduce each row on its own in vector lanes indexed from the
+  row's start, so trailing masked (-inf) entries add exact zeros: a row gives the same result whatever its
+  padded length.
+- elementwise: +, *, /, exp, rsqrt, cos, sin give the same bits on torch's vector path and its scalar tail;
+  `silu`'s and `sigmoid`'s kernels do not (their tails use another exp), so `silu` is written as x / (1 + exp(-x)).
+- attention (`attention`): keys padded to a multiple of `KEY_BLOCK` (a scores matmul whose N is not such a
+  multiple takes MKL's edge kernels and gives other bits; over multiples the entries agree), masked to keys <=
+  the query's position, softmax over the row, then probabilities @ values, whose reduction over keys adds the
+  keys past the query's position (a decode reads its slot up to a rounded length, a prefill its prompt, the
+  learner its sequence, all padded) as exact zeros. Sequences run batched, each padded to its length's multiple.
+GPU (bf16, CUDA graphs) needs kernels of its own: docs/true_on_policy.md lists them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+ROW_TILE = 16  # rows of every matmul and reduction are padded to a multiple of this
+KEY_BLOCK = 32  # attention scores are computed per block of this many keys
+
+
+def _pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> a fresh contiguous [M', K] with M' the next multiple of ROW_TILE (>= ROW_TILE), zero rows
+    appended (differentiable: the gradient of the padding is dropped)."""
+    m = x.shape[0]
+    rows = max(ROW_TILE, -(-m // ROW_TILE) * ROW_TILE)
+    if rows == m:
+        return x.clone(memory_format=torch.contiguous_format)
+    return F.pad(x, (0, 0, 0, rows - m))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T (+ bias [N]) with a row-independent reduction order."""
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
+    out = F.linear(_pad_rows(flat), weight)[: flat.shape[0]]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*lead, weight.shape[0])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm (fp32 statistics, weight applied in x's dtype) over the last dim, row-invariant."""
+    dtype, shape = x.dtype, x.shape
+    flat = x.reshape(-1, shape[-1]).float()
+    m = flat.shape[0]
+    ms = _pad_rows(flat).pow(2).mean(-1, keepdim=True)[:m]
+    normed = flat * torch.rsqrt(ms + eps)
+    return weight * normed.to(dtype).reshape(shape)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return x / (1 + torch.exp(-x))
+
+
+def rope_tables(theta: float, dim: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin [n, dim] of positions < n (transformers' default RoPE); a position's row does not depend on n."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float().to(device) / dim
+    inv_freq = 1.0 / (theta**exponents)
+    freqs = torch.outer(torch.arange(n, device=device, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rot = cos.shape[-1]
+    if rot != x.shape[-1]:  # partial rotary: the rest of each head passes through unrotated
+        return torch.cat((rotate(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def layer_in(layer: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             heads: int, kv_heads: int, head_dim: int, eps: float):  # fmt: skip
+    """Pre-attention half of a dense layer (the engine's fused buffers: `ln1`, `qkv`, optional `qkv_b`,
+    `q_norm`, `k_norm`): x [S, hidden] -> q [S, heads, D], k/v [S, kv_heads, D], RoPE'd."""
+    h = rms_norm(x, layer["ln1"], eps)
+    q, k, v = linear(h, layer["qkv"], layer.get("qkv_b")).split(
+        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1
+    )
+    s = x.shape[0]
+    q, k, v = (
+        q.reshape(s, heads, head_dim),
+        k.reshape(s, kv_heads, head_dim),
+        v.reshape(s, kv_heads, head_dim),
+    )
+    if layer.get("q_norm") is not None:
+        q, k = rms_norm(q, layer["q_norm"], eps), rms_norm(k, layer["k_norm"], eps)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+
+def layer_out(
+    layer: dict[str, torch.Tensor], x: torch.Tensor, attn: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Post-attention half of a dense layer (`o`, `ln2`, `gate_up`, `down`, optional biases): output projection
+    + residual, SwiGLU MLP + residual."""
+    x = x + linear(attn, layer["o"])
+    gate, up = linear(rms_norm(x, layer["ln2"], eps), layer["gate_up"], layer.get("gate_up_b")).chunk(2, -1)
+    return x + linear(silu(gate) * up, layer["down"], layer.get("down_b"))
+
+
+def _ceil(n: int, multiple: int) -> int:
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """q [B, G, Q, D] (G query heads per kv head), k/v [B, L, D] (one kv head's keys at positions 0..L-1),
+    positions [B, Q] (query q reads keys <= its position) -> [B, G, Q, D]. Keys past every query's position
+    may hold anything finite; L need not be a multiple of KEY_BLOCK."""
+    b, g, nq, d = q.shape
+    keys = k.shape[1]
+    padded = _ceil(keys, KEY_BLOCK)
+    if padded != keys:
+        k, v = F.pad(k, (0, 0, 0, padded - keys)), F.pad(v, (0, 0, 0, padded - keys))
+    m = g * nq
+    rows = _ceil(m, ROW_TILE)
+    qp = F.pad(q.reshape(b, m, d), (0, 0, 0, rows - m))  # [B, rows, D]
+    scores = torch.bmm(qp, k.transpose(1, 2).contiguous())[:, :m] * (1.0 / math.sqrt(d))
+    pos = positions[:, None, :].expand(b, g, nq).reshape(b, m, 1)
+    masked = torch.arange(padded, device=q.device)[None, None, :] > pos
+    probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1)
+    out = torch.bmm(F.pad(probs, (0, 0, 0, rows - m)), v.contiguous())[:, :m]
+    return out.reshape(b, g, nq, d)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One sequence's causal self-attention at positions 0..S-1: q [S, H, D], k/v [S, KV, D] -> [S, H, D]."""
+    return packed_attention(q, k, v, [(0, q.shape[0])])
+
+
+def packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]]
+) -> torch.Tensor:
+    """Causal self-attention within each sequence of a packed batch (span [a, b) at positions 0..b-a-1): q [S, H,
+    D], k/v [S, KV, D] -> [S, H, D]. Sequences whose lengths round up to the same multiple of KEY_BLOCK run in one
+    call, each padded to that length (its padding queries are dropped, its padding keys are never read)."""
+    heads, d = q.shape[1:]
+    kv = k.shape[1]
+    g = heads // kv
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for a, b in spans:
+        groups.setdefault(_ceil(b - a, KEY_BLOCK), []).append((a, b))
+    parts, order = [], []
+    for length, members in groups.items():
+        t = torch.arange(length, device=q.device)
+        starts = torch.tensor([a for a, _ in members], device=q.device)
+        ends = torch.tensor([b for _, b in members], device=q.device)
+        index = torch.minimum(starts[:, None] + t[None, :], ends[:, None] - 1)  # [n, length], padding repeats
+        n = len(members)
+        qh = q[index].reshape(n, length, kv, g, d).permute(0, 2, 3, 1, 4).reshape(n * kv, g, length, d)
+        kh = k[index].permute(0, 2, 1, 3).reshape(n * kv, length, d)
+        vh = v[index].permute(0, 2, 1, 3).reshape(n * kv, length, d)
+        pos = t[None, :].expand(n * kv, length)
+        out = attention(qh, kh, vh, pos).reshape(n, kv, g, length, d).permute(0, 3, 1, 2, 4)
+        valid = t[None, :] < (ends - starts)[:, None]
+        parts.append(out.reshape(n, length, heads, d)[valid])
+        order.append(index[valid])
+    # back from length groups to the packed order (spans cover every token)
+    return torch.cat(parts)[torch.argsort(torch.cat(order))]
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """One new token per row over its cached keys: q [B, H, D], k/v [B, KV, L, D] (positions <= the row's own
+    are filled), positions [B] -> [B, H, D]."""
+    b, heads, d = q.shape
+    kv, length = k.shape[1], k.shape[2]
+    g = heads // kv
+    qh = q.reshape(b * kv, g, 1, d)
+    pos = positions.repeat_interleave(kv)[:, None]
+    out = attention(qh, k.reshape(b * kv, length, d), v.reshape(b * kv, length, d), pos)
+    return out.reshape(b, heads, d)
+
+
+def packed_forward(layers: list[dict[str, torch.Tensor]], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   spans: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, eps: float,
+                   on_kv=None, on_layer=None) -> torch.Tensor:  # fmt: skip
+    """Whole sequences packed back to back (`spans` [a, b), each at positions 0..b-a-1; cos/sin per token):
+    hidden states [S, hidden] after every layer. `on_kv(i, k, v)` sees each layer's keys and values (the
+    engine's cache writes); `on_layer(i, name, tensor)` each layer's intermediate outputs (the mismatch finder)."""
+    for i, layer in enumerate(layers):
+        q, k, v = layer_in(layer, x, cos, sin, heads, kv_heads, head_dim, eps)
+        if on_kv is not None:
+            on_kv(i, k, v)
+        attn = packed_attention(q, k, v, spans)
+        if on_layer is not None:
+            on_layer(i, "attention", attn)
+        x = layer_out(layer, x, attn.reshape(x.shape[0], -1), eps)
+        if on_layer is not None:
+            on_layer(i, "output", x)
+    return x

@@ -1,0 +1,119 @@
+"""The torch learner's forward under `run.true_on_policy`: a Hugging Face dense causal LM (Qwen2, Qwen3, Llama)
+run through agentrl.invariant's batch-invariant ops, the same functions the embedded engine serves with.
+
+The model's parameters are read as they are each call (q/k/v and gate/up concatenated into the engine's fused
+layout, so every matmul has the engine's weight shape), so the backward is autograd of these ops and the
+optimizer updates the Hugging Face model as usual. Every sequence of a batch (a right-padded row, or a segment
+of a packed row) is laid out back to back exactly as the engine's prefill packs prompts, at positions 0..n-1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from agentrl import invariant
+from agentrl.errors import LearnerError
+
+DENSE = ("qwen2", "qwen3", "llama")
+
+
+@dataclass(frozen=True)
+class Shape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    rope_theta: float
+
+
+def check(model) -> Shape:
+    """The model's attention shape; LearnerError when the model cannot run true on-policy."""
+    cfg = model.config.to_dict()
+    arch = cfg.get("model_type", "")
+    if arch not in DENSE:
+        raise LearnerError(f"run.true_on_policy supports dense {', '.join(DENSE)} models, not {arch!r}")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if (
+        rope.get("rope_type", rope.get("type", "default")) != "default"
+        or rope.get("partial_rotary_factor", 1.0) != 1
+    ):
+        raise LearnerError("run.true_on_policy supports the default RoPE only")
+    heads = cfg["num_attention_heads"]
+    return Shape(
+        heads=heads,
+        kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+    )
+
+
+def _cat(*tensors: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensors[0] is None else torch.cat(tensors)
+
+
+def fused_layers(model) -> list[dict[str, torch.Tensor]]:
+    """Each decoder layer's weights in the engine's fused layout (agentrl.engines.model), autograd-connected."""
+    out = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        fused = {
+            "ln1": layer.input_layernorm.weight,
+            "ln2": layer.post_attention_layernorm.weight,
+            "qkv": torch.cat((attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)),
+            "o": attn.o_proj.weight,
+            "gate_up": torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)),
+            "down": mlp.down_proj.weight,
+        }
+        if attn.q_proj.bias is not None:
+            fused["qkv_b"] = _cat(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)
+        if getattr(attn, "q_norm", None) is not None:
+            fused["q_norm"], fused["k_norm"] = attn.q_norm.weight, attn.k_norm.weight
+        if mlp.gate_proj.bias is not None:
+            fused["gate_up_b"] = torch.cat((mlp.gate_proj.bias, mlp.up_proj.bias))
+            fused["down_b"] = mlp.down_proj.bias
+        out.append(fused)
+    return out
+
+
+def sequences(seq_index: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(row, start, end) of every sequence in a [R, T] `seq_index` (-1 on padding), in row order."""
+    out = []
+    for r, row in enumerate(seq_index.tolist()):
+        t = 0
+        while t < len(row):
+            if row[t] < 0:
+                t += 1
+                continue
+            end = t
+            while end < len(row) and row[end] == row[t]:
+                end += 1
+            out.append((r, t, end))
+            t = end
+    return out
+
+
+def forward(model, shape: Shape, input_ids: torch.Tensor, seq_index: torch.Tensor, on_layer=None):
+    """(logits [R, T, V] fp32, last hidden state [R, T, hidden]) of a batch; padding positions get the logits
+    of a zero hidden state (never read: their log-probs are masked)."""
+    spans_rc = sequences(seq_index)
+    device = input_ids.device
+    flat_ids = torch.cat([input_ids[r, a:b] for r, a, b in spans_rc])
+    positions = torch.cat([torch.arange(b - a, device=device) for _, a, b in spans_rc])
+    cos, sin = invariant.rope_tables(shape.rope_theta, shape.head_dim, int(positions.max()) + 1, device)
+    cos, sin = cos[positions], sin[positions]
+    ends = torch.tensor([b - a for _, a, b in spans_rc]).cumsum(0).tolist()
+    spans = list(zip([0, *ends[:-1]], ends, strict=True))
+    x = F.embedding(flat_ids, model.model.embed_tokens.weight)
+    x = invariant.packed_forward(
+        fused_layers(model), x, cos, sin, spans, shape.heads, shape.kv_heads, shape.head_dim, shape.eps,
+        on_layer=on_layer,
+    )  # fmt: skip
+    rows = torch.tensor([r for r, a, b in spans_rc for _ in range(b - a)], device=device)
+    cols = torch.cat([torch.arange(a, b, device=device) for _, a, b in spans_rc])
+    hidden = x.new_zeros(*input_ids.shape, x.shape[-1]).index_put((rows, cols), x)
+    normed = invariant.rms_norm(hidden, model.model.norm.weight, shape.eps)
+    return invariant.linear(normed, model.lm_head.weight), hidden
