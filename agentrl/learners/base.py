@@ -37,6 +37,7 @@ import torch
 from agentrl.algorithms import check, merge_updates, metric_floats, prepare_batch
 from agentrl.config.learning import AlgorithmSection, LearnerSection
 from agentrl.errors import LearnerError
+from agentrl.learners import router_stats
 from agentrl.learners.batch import Batch, mini_batches
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class Learner(abc.ABC):
     kind: str = "torch"  # learner.kind of the section a learner built without one gets
     takes_images: bool = False  # trains a vision-language model: batches may hold pictures (Batch.images)
     _sliced: bool = False  # during a train_step on this rank's data-parallel slice (see the module docstring)
+    _no_replay_logprobs: torch.Tensor | None = None  # a step's log-probs without routing replay (MoE)
 
     def __init__(
         self,
@@ -132,8 +134,14 @@ class Learner(abc.ABC):
             batch.teacher_logprobs = self.compute_teacher_logprobs(batch)
 
     def _step_metrics(self, batch: Batch) -> dict[str, Any]:
-        """The learner's own metrics of the prepared batch, 0-d device tensors read with `prepare_batch`'s."""
-        return {}
+        """The learner's own metrics of the prepared batch, 0-d device tensors read with `prepare_batch`'s:
+        `logprob_mismatch_no_replay` (agentrl.learners.router_stats) when a routing-replay learner ran its
+        no-replay forward (`_no_replay_logprobs`) on the batch."""
+        no_replay, self._no_replay_logprobs = self._no_replay_logprobs, None
+        if no_replay is None:
+            return {}
+        # this rank's slice of the batch: the mean is over every rank's tokens
+        return router_stats.mismatch_no_replay(no_replay, batch, self._dp_sum if self._sliced else None)
 
     def data_rank(self) -> tuple[int, int]:
         """(this rank's data-parallel rank, the data-parallel size): which slice of a rollout batch it trains on."""

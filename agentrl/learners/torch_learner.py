@@ -389,14 +389,6 @@ class TorchLearner(Learner):
             # the same forwards (one whose data-parallel slice has no record would leave the others waiting).
             self._no_replay_logprobs = self._whole_batch(self.model, batch, replay=False)
 
-    def _step_metrics(self, batch: Batch) -> dict:
-        """`logprob_mismatch_no_replay` (agentrl.learners.router_stats) from the no-replay forward."""
-        no_replay, self._no_replay_logprobs = self._no_replay_logprobs, None
-        if no_replay is None:
-            return {}
-        # this rank's slice of the batch: the mean is over every rank's tokens
-        return router_stats.mismatch_no_replay(no_replay, batch, self._dp_sum if self._sliced else None)
-
     def _router_metrics(self, stats: list) -> dict:
         """One update's router metrics (agentrl.learners.router_stats) from its micro-batches' `Routing`s,
         summed over ranks under FSDP."""

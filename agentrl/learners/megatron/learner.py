@@ -54,7 +54,6 @@ class MegatronLearner(Learner):
 
     kind = "megatron"
     _tally: router_stats.RouterTally | None = None  # during an update: the policy's routers add to it
-    _no_replay_logprobs: torch.Tensor | None = None  # a step's log-probs without routing replay
 
     def _build(
         self,
@@ -365,13 +364,6 @@ class MegatronLearner(Learner):
             # logprob_mismatch_no_replay: one more no-grad forward over the batch per step, whether or not this
             # rank's slice holds records (every rank of an EP group must run the same forwards)
             self._no_replay_logprobs = self._whole_batch(self.model, batch, replay=False)
-
-    def _step_metrics(self, batch: Batch) -> dict:
-        """`logprob_mismatch_no_replay` (agentrl.learners.router_stats) from the no-replay forward."""
-        no_replay, self._no_replay_logprobs = self._no_replay_logprobs, None
-        if no_replay is None:
-            return {}
-        return router_stats.mismatch_no_replay(no_replay, batch, self._dp_sum if self._sliced else None)
 
     def _update(self, batch: Batch) -> tuple[dict[str, float], int]:
         self._zero_grad()
