@@ -119,6 +119,28 @@ async def test_openai_image_url_parts_are_recorded_once_with_their_spans(vlm, ti
     assert one.usage.prompt_tokens == len(tokens(traj.prompt_ids))  # the image tokens are counted
 
 
+async def test_responses_input_image_parts(vlm, tiny_vlm):
+    engine, tok = vlm
+    async with Live(engine, tok) as live:
+        client = live.client("resp")
+        parts = [
+            {"type": "input_text", "text": "Which colour?"},
+            {"type": "input_image", "image_url": data_url(BLUE)},
+        ]
+        out = await client.responses.create(model="m", input=[{"role": "user", "content": parts}],
+                                            max_output_tokens=3)  # fmt: skip
+        parts[1]["image_url"] = "https://example.com/cat.png"
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.responses.create(model="m", input=[{"role": "user", "content": parts}])
+        assert err.value.body["param"] == "input[0].content[1].image_url"
+        (traj,) = await live.close("resp")
+    conversation = [
+        {"role": "user", "content": [{"type": "text", "text": "Which colour?"}, {"type": "image"}]},
+        {"role": "assistant", "content": out.output_text},
+    ]
+    assert_pictures(tok, tiny_vlm, engine, traj, conversation, [BLUE])
+
+
 async def test_anthropic_base64_image_blocks(vlm, tiny_vlm):
     engine, tok = vlm
     async with Live(engine, tok) as live:

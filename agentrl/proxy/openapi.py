@@ -101,7 +101,12 @@ def _item(kind: str | None, required: list[str], props: dict[str, Any]) -> dict[
 
 
 def _responses_request(
-    components: dict[str, Any], sampling: Any, policy: str, structured_output: bool, reasoning_channel: bool
+    components: dict[str, Any],
+    sampling: Any,
+    policy: str,
+    structured_output: bool,
+    reasoning_channel: bool,
+    vision: bool = False,
 ) -> None:
     """ResponsesRequest's loose dicts (`input` items, `tools`, `text`) completed with what
     agentrl/proxy/responses_schema.py reads and refuses."""
@@ -111,6 +116,14 @@ def _responses_request(
     text = {"type": "string"}
     parts = {"type": "array", "items": _item(None, ["type", "text"], {
         "type": {"enum": ["input_text", "output_text"]}, "text": text})}  # fmt: skip
+    if vision:  # a user message's pictures
+        picture = _item("input_image", ["type", "image_url"], {
+            "image_url": {"type": "string", "pattern": _DATA_URL, "description": IMAGE_RULE},
+            "detail": {"enum": ["auto", "low", "high"]}})  # fmt: skip
+        parts["items"] = {
+            "anyOf": [parts["items"], picture],
+            "description": "input_image: user messages only",
+        }
     content = {"anyOf": [text, parts]}
     message = {**_item(None, ["role"], {"type": {"const": "message"}, "role": {"enum": list(RESPONSES_ROLES)},
                "content": content}), "description": "`developer` is rendered as `system`"}  # fmt: skip
@@ -176,12 +189,14 @@ IMAGE_RULE = (
 )
 
 
+_DATA_URL = "^data:image/({});base64,".format("|".join(m.removeprefix("image/") for m in MEDIA_TYPES))
+
+
 def _image_parts(components: dict[str, Any], vision: bool) -> None:
     """OpenAI image parts: a base64 data URL for a vision-language model; none for a text-only one."""
     if vision:
-        media = "|".join(m.removeprefix("image/") for m in MEDIA_TYPES)
         components["ImageUrl"]["properties"]["url"] = {
-            "type": "string", "pattern": f"^data:image/({media});base64,", "description": IMAGE_RULE
+            "type": "string", "pattern": _DATA_URL, "description": IMAGE_RULE
         }  # fmt: skip
         return
     content = components["ChatMessage"]["properties"]["content"]
@@ -288,7 +303,7 @@ def _components(
             "const": "text",
             "description": "the engine has no structured output",
         }
-    _responses_request(components, sampling, policy, structured_output, reasoning_channel)
+    _responses_request(components, sampling, policy, structured_output, reasoning_channel, vision)
     _anthropic_requests(components, sampling, policy, structured_output, vision)
     components["AnthropicError"] = {
         "type": "object",
