@@ -104,6 +104,7 @@ async def test_openai_image_url_parts_are_recorded_once_with_their_spans(vlm, ti
         two = await client.chat.completions.create(model="m", messages=history, max_tokens=3, seed=2)
         (traj,) = await live.close("see")
     assert traj.metadata["segments"] == 1 and traj.metadata["turns"] == 2  # the pictured turn continued
+    assert traj.metadata["template_exact"]  # the template's rendering, placeholders expanded
     conversation = [
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many shapes?"}]},
         {"role": "assistant", "content": reply},
