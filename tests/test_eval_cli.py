@@ -22,11 +22,13 @@ def model(tmp_path):
 
 @pytest.fixture
 def run_dir(tmp_path):
-    """A run directory's shape: config.toml and checkpoints step_3 and step_5 (latest)."""
+    """A run directory's shape: config.toml, complete checkpoints step_3 and step_5 (the latest) and an
+    unfinished step_7 (no state.json), which the latest-checkpoint rule skips."""
     path = tmp_path / "runs" / "r"
-    for step in (3, 5):
+    for step in (3, 5, 7):
         (path / "checkpoints" / f"step_{step}" / "learner").mkdir(parents=True)
-    (path / "checkpoints" / "latest").write_text("step_5\n")
+        if step != 7:
+            (path / "checkpoints" / f"step_{step}" / "state.json").write_text(f'{{"step": {step}}}')
     (path / "config.toml").write_text('[env]\nname = "calculator"\n')
     return str(path)
 

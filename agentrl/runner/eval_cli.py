@@ -106,15 +106,17 @@ def resolve_target(target: str, step: int | None) -> tuple[str, Path | None, Pat
         raise ConfigError(f"MODEL_OR_RUN {target}: no such file or directory")
     if (path / "config.toml").is_file() and (path / "checkpoints").is_dir():
         root = path / "checkpoints"
+        from agentrl.runlayout import complete_checkpoints
+
+        complete = {n: ckpt for n, ckpt, _ in complete_checkpoints(path)}  # the one rule of a complete save
         if step is None:
-            latest = root / "latest"
-            if not latest.is_file():
+            if not complete:
                 raise ConfigError(f"MODEL_OR_RUN {target}: the run has no complete checkpoint yet")
-            ckpt = root / latest.read_text().strip()
+            ckpt = complete[max(complete)]
         else:
-            ckpt = root / f"step_{step}"
-            if not (ckpt / "learner").is_dir():
-                have = sorted(p.name for p in root.glob("step_*") if (p / "learner").is_dir())
+            ckpt = complete.get(step, root / f"step_{step}")
+            if step not in complete:
+                have = [complete[n].name for n in sorted(complete)]
                 raise ConfigError(
                     f"--step {step}: {target} has no checkpoint of step {step} (it has: {', '.join(have) or 'none'})"
                 )
