@@ -8,10 +8,13 @@ node), added where classes become Ray actors (agentrl.actors.remote).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agentrl.engines.base import GenerateOutput, SamplingParams
 from agentrl.types import Image, Trajectory
+
+if TYPE_CHECKING:
+    from agentrl.actors.engine import HttpRoute
 
 
 class QueueAPI(Protocol):
@@ -79,6 +82,9 @@ class RolloutAPI(Protocol):
 
 class EngineAPI(Protocol):
     """agentrl.actors.engine.EngineActor: one engine served to the rollout workers."""
+
+    def url(self) -> str | None: ...
+    async def http_route(self) -> HttpRoute: ...  # where rollout workers send generation themselves
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
                        images: list[Image] | None = None) -> GenerateOutput: ...  # fmt: skip

@@ -5,10 +5,19 @@ SGLang clients (each either to a server launched here by `SGLangServer` or to on
 `engine.external_urls`). `EngineActor` wraps one of them with plain async methods (agentrl.actors.remote makes
 it a Ray actor); payloads arriving from the learner are turned into `WeightSource`s by
 agentrl.actors.broadcast.
+
+An engine actor whose engine is an HTTP client (SGLang, or `serve-engine` behind the same routes) names its
+server in `http_route()`: rollout workers send generation there themselves (agentrl.actors.router.RemoteEngine)
+and only control (pause, resume, weights, cache) comes to the actor, so its client is the one owner of the
+server's pause state and weight versions. Where a request's state lives in the actor's client, the route is
+withheld and generation stays on Ray: an in-process engine (embedded), a LoRA run (the adapter each request
+names, and when a retired one may be unloaded, follow the client's own count of requests per adapter), and
+`engine.update_mode = "wait"` (the drain waits for the client's own requests in flight).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from agentrl.actors.images import ImageStore
@@ -53,6 +62,27 @@ def make_engines(cfg: Config, model_path: str, count: int | None = None) -> list
     return [make_engine(cfg, model_path, i) for i in range(max(1, n))]
 
 
+@dataclass(frozen=True)
+class HttpRoute:
+    """What a rollout worker needs to send generate and abort to an engine actor's server itself: its `url`
+    (None: generation goes through the actor, `why` says why), the Ray node the actor runs on (a loopback URL
+    reaches the server from that node only), the actor's policy version (the stamp for a reply the server
+    sends without a weight version: one before any update reached it) and the bearer token its client sends."""
+
+    url: str | None
+    why: str = ""
+    node_id: str = ""
+    policy_version: int = 0
+    api_key: str = ""
+
+
+def this_node() -> str:
+    """The Ray node of this process ("" outside Ray)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+
+
 class EngineActor:
     """One engine behind Ray: the `Engine` methods, plus weight updates from broadcast payloads."""
 
@@ -65,8 +95,34 @@ class EngineActor:
         self.engine = make_engine(cfg, model_path, index)
         self.images = ImageStore()  # pictures sent once, then referred to by hash (agentrl.actors.images)
 
+    def url(self) -> str | None:
+        """The engine's HTTP server, or None for an engine in this process."""
+        from agentrl.engines.sglang import SGLangEngine
+
+        return self.engine.url if isinstance(self.engine, SGLangEngine) else None
+
+    async def http_route(self) -> HttpRoute:
+        """Where rollout workers send generation themselves, or why they go through this actor (see the
+        module docstring). A server must name its `weight_version` (/get_model_info): SGLang stamps a reply
+        with it, and a worker's client has no other way to learn which version produced the reply."""
+        from agentrl.engines.sglang import SGLangEngine
+
+        engine = self.engine
+        if not isinstance(engine, SGLangEngine):
+            return HttpRoute(None, "the engine runs in the engine actor's process")
+        if self.cfg.learner.lora.enabled:
+            return HttpRoute(None, "LoRA: the engine actor's client names each request's adapter")
+        if self.cfg.effective_update_mode == "wait":
+            return HttpRoute(
+                None, "engine.update_mode = 'wait' drains the requests the engine actor's client counts"
+            )
+        if "weight_version" not in await engine.model_info():
+            return HttpRoute(None, f"{engine.url} names no weight_version in /get_model_info")
+        return HttpRoute(engine.url, "", this_node(), engine.policy_version, engine.api_key)
+
     async def generate(self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
                        images: list[Image] | None = None) -> GenerateOutput:  # fmt: skip
+        """A request through Ray (the workers' path when `http_route` names no URL)."""
         images = self.images.unpack(images)
         return await self.engine.generate(input_ids, sampling, request_id, **image_kwargs(images))
 

@@ -16,8 +16,10 @@ An engine failure fails the group with one line naming the engine, the request a
 re-issues it; the task's admission stays reserved for the re-issue). If the queue actor dies, a put (or release) waits until the driver's supervisor hands the worker
 the restarted queue (`set_queue`) and is retried there (agentrl.actors.queue_client). The worker either owns its
 engines (embedded engines in this process: the cheapest placement on CPU) or reaches engine actors through
-`RemoteEngine` handles; either way an `EngineRouter` sends each episode to the least-loaded engine and keeps
-all its turns there.
+`RemoteEngine` handles, which send generation over HTTP straight to an actor's SGLang or serve-engine server
+with a client of this worker's own (agentrl.actors.router); either way an `EngineRouter` sends each episode to
+the least-loaded engine and keeps all its turns there. When the supervisor replaces an engine actor
+(`replace_engine`), the next request asks the new actor for its server.
 Plain class: agentrl.actors.remote makes it a Ray actor.
 """
 
@@ -59,16 +61,16 @@ class RolloutWorker:
         from agentrl.tokenizer import load_tokenizer
 
         self.cfg = cfg
+        self.model_path = model_path
         self.worker_id = worker_id
+        self._retiring: set[asyncio.Task] = set()  # clients of replaced engine actors, closing
         self.id_prefix = id_prefix
         self.queue = WorkerQueue(queue)  # outlives the queue actor: see WorkerQueue
         self.local_engines = engines is None
         if engines is None:
             self.engines = make_engines(cfg, model_path)
         else:  # engine actors elsewhere: Ray handles become RemoteEngines
-            self.engines = [
-                e if isinstance(e, Engine) else RemoteEngine(e, f"engine-{i}") for i, e in enumerate(engines)
-            ]
+            self.engines = [e if isinstance(e, Engine) else self._remote(i, e) for i, e in enumerate(engines)]
         self.router = EngineRouter(self.engines)
         self.tokenizer = load_tokenizer(model_path)
         self.make_env = env_factory(cfg.env.name, cfg.env.kwargs, cfg.env.reward)
@@ -261,10 +263,23 @@ class RolloutWorker:
         self.policy_version = version
         return version
 
+    def _remote(self, index: int, handle: Any) -> RemoteEngine:
+        """Engine actor `index`: generation over HTTP to its server when it names one (`RemoteEngine`), with
+        this worker's own client."""
+        e = self.cfg.engine
+        return RemoteEngine(handle, f"engine-{index}", model_path=self.model_path,
+                            request_timeout_s=e.request_timeout_s, update_timeout_s=e.update_timeout_s)  # fmt: skip
+
     async def replace_engine(self, index: int, handle: Any) -> None:
-        """Route to a restarted engine actor from now on."""
-        self.engines[index] = RemoteEngine(handle, f"engine-{index}")
+        """Route to a restarted engine actor from now on: its server, asked of the new actor on the next
+        request; the client of the old one is closed once its requests have returned."""
+        old = self.engines[index]
+        self.engines[index] = self._remote(index, handle)
         self.router.replace(index, self.engines[index])
+        if isinstance(old, RemoteEngine):
+            task = asyncio.ensure_future(old.retire(self.cfg.engine.request_timeout_s))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
 
     async def init_weight_group(
         self, address: str, port: int, world_size: int, rank: int, group_name: str
@@ -282,8 +297,11 @@ class RolloutWorker:
         }
 
     async def close(self) -> None:
-        if self.local_engines:
-            for engine in self.engines:
+        """Close the engines this worker owns, or its HTTP clients of engine actors' servers."""
+        for task in list(self._retiring):
+            task.cancel()
+        for engine in self.engines:
+            if self.local_engines or isinstance(engine, RemoteEngine):  # a caller's engine is the caller's
                 await engine.close()
 
 

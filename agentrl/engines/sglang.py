@@ -18,6 +18,7 @@ config.json (`model_path`, else the path /get_model_info names) to keep the MoE 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -260,6 +261,12 @@ class SGLangEngine(Engine):
                         f"{self.url}: pause('abort'): {self._in_flight} requests still running after "
                         f"{self.request_timeout_s:.0f}s"
                     ) from None
+
+    async def drained(self, timeout_s: float) -> None:
+        """Until none of this client's requests is in flight, or `timeout_s` has passed."""
+        if self._drained is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._drained.wait(), timeout_s)
 
     async def resume(self) -> None:
         self._ensure()
