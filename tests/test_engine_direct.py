@@ -24,6 +24,7 @@ from agentrl.engines.base import DiskSource, SamplingParams
 from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.server import EngineServer
 from agentrl.engines.tiny import make_tiny_model
+from agentrl.net import free_port
 from tests.run_support import Handle, kill_actor
 
 torch.set_num_threads(1)
@@ -189,6 +190,38 @@ async def test_request_state_of_the_actors_client_keeps_generation_on_the_actor(
             await actor.close()
     assert route.url is None and why in route.why
     assert await engine.http_client() is None and calls["generate"] == 1 and len(out.output_ids) == 8
+
+
+SGLANG_INFO = {"model_path": "/m", "weight_version": "default", "is_generation": True}  # SGLang 0.5's answer
+
+
+@pytest.mark.parametrize(
+    ("info", "mode", "why"),
+    [(SGLANG_INFO, "keep", ""),
+     (SGLANG_INFO, "abort", "'abort' on SGLang"),
+     ({"model_path": "/m"}, "keep", "names no weight_version")],
+)  # fmt: skip
+async def test_the_route_follows_what_the_server_says_of_itself(tmp_path, run_model, info, mode, why):
+    """Only the actor's /get_model_info is asked: a stand-in answers it as SGLang does."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_get("/get_model_info", lambda request: web.json_response(info))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    url = f"http://127.0.0.1:{port}"
+    actor = EngineActor(config(tmp_path, url, update_mode=mode), run_model)
+    try:
+        route = await actor.http_route()
+    finally:
+        await actor.close()
+        await runner.cleanup()
+    if why:
+        assert route.url is None and why in route.why
+    else:
+        assert (route.url, route.why, route.policy_version) == (url, "", 0)
 
 
 def test_a_loopback_server_is_reached_directly_from_its_own_node_only():

@@ -165,7 +165,11 @@ async def test_a_picture_crosses_to_an_engine_actor_once(tiny_vlm):
         sent.append([i.data for i in kw.get("images") or []])
         return actor.generate(*args, **kw)
 
-    engine = RemoteEngine(SimpleNamespace(generate=SimpleNamespace(remote=remote)))
+    # an embedded engine serves no HTTP: the actor names no server, and pictures go over "Ray"
+    handle = SimpleNamespace(
+        generate=SimpleNamespace(remote=remote), http_route=SimpleNamespace(remote=actor.http_route)
+    )
+    engine = RemoteEngine(handle)
     red = png("red", (60, 90))
     ids, _ = prompt(tiny_vlm, [Message("user", [ImagePart(red), TextPart("Count.")])])
     greedy = SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)

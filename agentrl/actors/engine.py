@@ -11,8 +11,12 @@ server in `http_route()`: rollout workers send generation there themselves (agen
 and only control (pause, resume, weights, cache) comes to the actor, so its client is the one owner of the
 server's pause state and weight versions. Where a request's state lives in the actor's client, the route is
 withheld and generation stays on Ray: an in-process engine (embedded), a LoRA run (the adapter each request
-names, and when a retired one may be unloaded, follow the client's own count of requests per adapter), and
-`engine.update_mode = "wait"` (the drain waits for the client's own requests in flight).
+names, and when a retired one may be unloaded, follow the client's own count of requests per adapter),
+`engine.update_mode = "wait"` (the drain waits for the client's own requests in flight), and `"abort"` on real
+SGLang: its own pause("abort") aborts everything and holds new requests, which is correct for requests from
+anyone, but then polls its request lock once a second (about 1 s per publish, docs/benchmarks/gpu.md §5.3)
+where the actor's client, draining the requests it sent itself first, takes tens of milliseconds.
+serve-engine's pause("abort") returns as soon as its engine has stopped, so its abort mode goes direct.
 """
 
 from __future__ import annotations
@@ -60,6 +64,9 @@ def make_engine(cfg: Config, model_path: str, index: int = 0) -> Engine:
 def make_engines(cfg: Config, model_path: str, count: int | None = None) -> list[Engine]:
     n = cfg.engine.num_engines if count is None else count
     return [make_engine(cfg, model_path, i) for i in range(max(1, n))]
+
+
+SERVE_ENGINE = "agentrl-embedded"  # /get_model_info's `engine` from serve-engine (agentrl.engines.server)
 
 
 @dataclass(frozen=True)
@@ -116,8 +123,12 @@ class EngineActor:
             return HttpRoute(
                 None, "engine.update_mode = 'wait' drains the requests the engine actor's client counts"
             )
-        if "weight_version" not in await engine.model_info():
+        info = await engine.model_info()
+        if "weight_version" not in info:
             return HttpRoute(None, f"{engine.url} names no weight_version in /get_model_info")
+        if self.cfg.effective_update_mode == "abort" and info.get("engine") != SERVE_ENGINE:
+            return HttpRoute(None, "engine.update_mode = 'abort' on SGLang: the engine actor's client drains the "
+                             "requests it sent before SGLang's pause, which alone polls once a second")  # fmt: skip
         return HttpRoute(engine.url, "", this_node(), engine.policy_version, engine.api_key)
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
