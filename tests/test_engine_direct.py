@@ -25,7 +25,7 @@ from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.server import EngineServer
 from agentrl.engines.tiny import make_tiny_model
 from agentrl.net import free_port
-from tests.run_support import Handle, kill_actor
+from tests.run_support import Handle
 
 torch.set_num_threads(1)
 LONG = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
@@ -235,34 +235,38 @@ def test_a_loopback_server_is_reached_directly_from_its_own_node_only():
 
 async def test_a_replaced_engine_actor_gets_the_worker_a_client_of_its_own_server(ray_session, tmp_path,
                                                                                  run_model):  # fmt: skip
-    """The supervisor replaces a killed engine actor (Cluster.respawn with the slot's arguments); the
+    """The supervisor replaces engine actor 0 (Cluster.respawn with the slot's arguments: a real Ray actor); the
     replacement's server is at another URL (as a launched SGLang server gets a new port: here the slot's
-    config names the second server), and the worker's next request goes there over HTTP."""
-    from agentrl.actors.remote import spawn
-
+    config names the second server), and the worker's next request goes there over HTTP. A request running
+    on the old server when the replacement arrives ends in full; then the old client is closed. The first
+    actor lives in this process (its handle stood in for) so that only the replacement pays a Ray start."""
     async with Served(run_model) as first, Served(run_model) as second:
         cfg = config(tmp_path, first.url)
         (tmp_path / "run").mkdir()
         coord = Coordinator(cfg, str(tmp_path / "run"), run_model)
         kwargs = {"cfg": cfg, "model_path": run_model, "index": 0}
-        slot = Slot("engine", 0, spawn(EngineActor, **kwargs), dict(kwargs))
+        actor = EngineActor(**kwargs)
+        slot = Slot("engine", 0, Handle(actor), dict(kwargs))
         coord.cluster.engines = [slot]
         queue = QueueActor(cfg, str(tmp_path / "run"), serve_http=False)
         worker = RolloutWorker(cfg, run_model, Handle(queue), engines=[slot.handle])
         coord.cluster.workers = [Slot("rollout", 0, Handle(worker))]
         try:
-            await worker.router.named[0].generate([5, 6], SHORT)
+            running = asyncio.create_task(worker.router.named[0].generate([5, 6], LONG))
+            await first.until_running(1)
             old = worker.engines[0]
-            assert (await old.http_client()).url == first.url and first.requests == 1
-            await kill_actor(slot.handle)
+            assert (await old.http_client()).url == first.url
             slot.kwargs["cfg"] = config(tmp_path, second.url)
             await coord.supervisor.replace(slot, 0)
+            assert slot.handle is not None and not isinstance(slot.handle, Handle)  # a Ray actor now
             out = await worker.router.named[0].generate([5, 6], SHORT)
             assert len(out.output_ids) == 8 and second.requests == 1 and first.requests == 1
             assert (await worker.engines[0].http_client()).url == second.url
+            assert len((await running).output_ids) == 400  # not cut by the replacement
             await asyncio.gather(*worker._retiring)
-            assert old._route is None  # the old client closed once its requests had returned
+            assert old._route is None  # the old client closed once its request had returned
         finally:
             await worker.close()
             await queue.close()
+            await actor.close()
             await coord.cluster.shutdown()
