@@ -3,9 +3,11 @@
 client (what `RemoteEngine` does when the actor names its server, agentrl.actors.engine.HttpRoute).
 
     python bench/engine_path.py [--requests 200] [--concurrency 16] [--repeats 3]
+    python bench/engine_path.py --server sglang     # a GPU with SGLang: bash bench/gpu/engine_path.sh
 
-A local `agentrl serve-engine` (a subprocess, one thread) serves a tiny random model on CPU; a real engine
-actor (Ray, local) is its `engine.external_urls` client; this process plays the rollout worker with two
+A local `agentrl serve-engine` (a subprocess, one thread) serves a tiny random model on CPU (`--server sglang`:
+real SGLang, launched by agentrl's `SGLangServer`, serves the Qwen3-0.6B architecture with random weights on the
+GPU, the flags of bench/engine_bench.py); a real engine actor (Ray, local) is its `engine.external_urls` client; this process plays the rollout worker with two
 `RemoteEngine`s over the same actor handle, one sending over Ray, one over HTTP. Each request is 8 prompt
 tokens and one new token, so the time is mostly the path, not the model. Per path and repeat: the median
 latency of `--requests` requests sent one after another, and the requests per second with `--concurrency`
@@ -44,6 +46,19 @@ def serve(model: Path) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("serve-engine did not start")
 
 
+def launch_sglang(workdir: Path) -> tuple[object, str, Path]:
+    """Real SGLang on the GPU (the engine bench's model and flags)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from engine_bench import SGLANG_FLAGS, build_model
+
+    from agentrl.engines.sglang_launcher import SGLangServer
+
+    model = build_model("qwen3-0.6b", workdir, "bfloat16", "cuda")
+    server = SGLangServer(str(model), args={**SGLANG_FLAGS, "mem_fraction_static": 0.5},
+                          log_path=str(workdir / "sglang.log"), startup_timeout_s=600, restart_on_crash=False)  # fmt: skip
+    return server, server.start(), model
+
+
 async def sequential(engine, n: int) -> float:
     """Median seconds per request, one at a time."""
     times = []
@@ -80,8 +95,12 @@ async def main(args: argparse.Namespace) -> dict:
     from agentrl.config import load_config
     from agentrl.engines.tiny import make_tiny_model
 
-    model = make_tiny_model(Path(tempfile.mkdtemp()) / "m", hidden=32, layers=1, heads=2, kv_heads=1)
-    proc, url = serve(model)
+    if args.server == "sglang":
+        server, url, model = await asyncio.to_thread(launch_sglang, Path(args.workdir))
+        proc = None
+    else:
+        model = make_tiny_model(Path(tempfile.mkdtemp()) / "m", hidden=32, layers=1, heads=2, kv_heads=1)
+        proc, url = serve(model)
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     try:
         cfg = load_config(None, {"engine": {"kind": "sglang", "external_urls": [url], "update_mode": "keep"}})
@@ -103,10 +122,13 @@ async def main(args: argparse.Namespace) -> dict:
             await engine.close()
     finally:
         ray.shutdown()
-        proc.terminate()
-        proc.wait(10)
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)
+        else:
+            server.stop()
     return {
-        "requests": args.requests, "concurrency": args.concurrency, "repeats": args.repeats,
+        "server": args.server, "requests": args.requests, "concurrency": args.concurrency, "repeats": args.repeats,
         "latency_ms": {p: summary(v) for p, v in latency.items()},
         "requests_per_s": {p: summary(v) for p, v in rate.items()},
         "overhead_ms": summary([a - d for a, d in zip(latency["actor"], latency["direct"], strict=True)]),
@@ -118,4 +140,8 @@ if __name__ == "__main__":
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--server", choices=("serve-engine", "sglang"), default="serve-engine")
+    ap.add_argument(
+        "--workdir", default="/tmp/agentrl_engine_path", help="--server sglang: the model's directory"
+    )
     print(json.dumps(asyncio.run(main(ap.parse_args())), indent=1))
