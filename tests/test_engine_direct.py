@@ -3,8 +3,9 @@ embedded engine behind SGLang's routes), a real `EngineActor` whose client contr
 `RemoteEngine`. Generation and aborts go worker -> HTTP (the actor's `generate` and `abort` are never called);
 a weight publish through the actor (keep: versions switch inside a running reply; abort: running replies come
 back cut, new ones wait for the resume) is seen by the worker's requests; the cases whose request state lives
-in the actor's client stay on Ray. The restart test runs over real Ray: the supervisor replaces the engine
-actor, and the worker's next request goes to the new actor's server."""
+in the actor's client (LoRA, update mode `wait`, an in-process engine) or whose publish would be slower
+(`abort` on real SGLang, told by what the server says of itself) stay on Ray. The restart test runs the real
+supervisor, which starts a Ray actor in place of engine actor 0; the worker's next request goes to its server."""
 
 from __future__ import annotations
 
