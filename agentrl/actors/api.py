@@ -83,7 +83,6 @@ class RolloutAPI(Protocol):
 class EngineAPI(Protocol):
     """agentrl.actors.engine.EngineActor: one engine served to the rollout workers."""
 
-    def url(self) -> str | None: ...
     async def http_route(self) -> HttpRoute: ...  # where rollout workers send generation themselves
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None,

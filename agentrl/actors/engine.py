@@ -102,12 +102,6 @@ class EngineActor:
         self.engine = make_engine(cfg, model_path, index)
         self.images = ImageStore()  # pictures sent once, then referred to by hash (agentrl.actors.images)
 
-    def url(self) -> str | None:
-        """The engine's HTTP server, or None for an engine in this process."""
-        from agentrl.engines.sglang import SGLangEngine
-
-        return self.engine.url if isinstance(self.engine, SGLangEngine) else None
-
     async def http_route(self) -> HttpRoute:
         """Where rollout workers send generation themselves, or why they go through this actor (see the
         module docstring). A server must name its `weight_version` (/get_model_info): SGLang stamps a reply
