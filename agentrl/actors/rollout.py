@@ -298,8 +298,10 @@ class RolloutWorker:
 
     async def close(self) -> None:
         """Close the engines this worker owns, or its HTTP clients of engine actors' servers."""
-        for task in list(self._retiring):
+        retiring = list(self._retiring)
+        for task in retiring:
             task.cancel()
+        await asyncio.gather(*retiring, return_exceptions=True)
         for engine in self.engines:
             if self.local_engines or isinstance(engine, RemoteEngine):  # a caller's engine is the caller's
                 await engine.close()

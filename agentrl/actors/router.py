@@ -166,10 +166,12 @@ class RemoteEngine(Engine):
     async def retire(self, timeout_s: float) -> None:
         """Close the client once its requests have returned (at most `timeout_s`): an engine actor was
         replaced, and requests still running on the old server end as they would have."""
-        client = self._connected()
-        if client is not None:
-            await client.drained(timeout_s)
-        await self.close()
+        try:
+            client = self._connected()
+            if client is not None:
+                await client.drained(timeout_s)
+        finally:  # cancelled too (the worker closing): the session is closed
+            await self.close()
 
 
 class ForwardingEngine(Engine):
