@@ -316,9 +316,12 @@ def expert_parallel_worker(rank: int, world: int, model_dir: str, port: int, out
 
     out: dict = {}
     ep = gpu_path_learner(model_dir, expert_parallel=2, **moe)
-    out["local_experts"] = sorted(
+    from agentrl.learners.megatron import convert
+    from agentrl.learners.megatron.model import unwrap
+
+    out["local_experts"] = sorted(  # global expert numbers of this rank's routed experts (grouped: views)
         n.split("local_experts.")[1].split(".")[0]
-        for n, _ in ep.model.named_parameters()
+        for n in convert.global_params(unwrap(ep.model))
         if "local_experts" in n
     )
     out["published_vs_hf"] = max_diff(dict(ep.weights()), hf)
