@@ -15,16 +15,18 @@
 #   bash bench/gpu/moe_checks.sh r3       # carry .sgl .gpu, nvidia-h200-x2, after `install`: `agentrl run --async`
 #                                         # Megatron (EP = 2 over both GPUs, bf16) + SGLang on a Qwen3-30B-A3B-shaped
 #                                         # random model of LAYERS (default 4) layers: PAIRS (default 2) pairs of
-#                                         # runs of STEPS (default 20) steps, learner.routing_replay = "rollout"
+#                                         # runs of STEPS (default 16) steps, learner.routing_replay = "rollout"
 #                                         # then "off" (bench/gpu/moe_r3.toml; the reward and why it measures R3:
 #                                         # bench/gpu/moe_r3.py). Per run a line as it ends; then per run and per
 #                                         # setting medians (step, publish, router agreement, mismatch with and
 #                                         # without replay, reward) and the pairs at matched steps
 #                                         # -> $OUT/moe_r3_summary.{txt,json}. A pair that would end after
-#                                         # R3_BUDGET_S (default 540) s is skipped; each run stops at its time
-#                                         # limit (R3_TIMEOUT_S, default 200, minus 40 s); ~8-9 min
+#                                         # R3_BUDGET_S (default 560) s is skipped; each run stops at its time
+#                                         # limit (R3_TIMEOUT_S, default 200, minus 40 s); ~8-9 min. A later
+#                                         # call of the same hold with PAIR_START=3 adds pairs 3.., and the
+#                                         # summary takes every pair of the hold
 #   bash bench/gpu/moe_checks.sh r3glm    # the same on a GLM-4.5-Air-shaped model (1 dense + 2 MoE layers, 128
-#                                         # experts + 1 shared, hidden 4096), PAIRS default 1, STEPS 20; ~5-6 min
+#                                         # experts + 1 shared, hidden 4096), PAIRS default 1; ~5-6 min
 #                                         # (`r3 r3glm` in one call: R3_BUDGET_S counts from the call's start)
 #   bash bench/gpu/moe_checks.sh mfu      # carry .gpu, nvidia-h200-x2 (one H200: EP = 1): the Megatron MoE
 #                                         # learner's MFU (active parameters) against transformers + AdamW on one
@@ -50,12 +52,13 @@ r3_runs() {  # ARCH LAYERS PAIRS TAG: the model, then PAIRS x (rollout, off) run
     > "$out/${tag}_model.log" 2>&1
   echo "$tag model rc=$? ($((SECONDS - started)) s)"; tail -2 "$out/${tag}_model.log" | cut -c1-400
   # the workload, placement and SGLang's GPU and memory are in the config; the steps, model and GPU flags here
-  local r3=(--model.path "$model" --run.steps "${STEPS:-20}" "${MEGATRON_GPU[@]}" "${SGLANG_GPU[@]}")
-  local run_s=0 t0 budget=${R3_BUDGET_S:-540}
-  for pair in $(seq 1 "$pairs"); do
+  local r3=(--model.path "$model" --run.steps "${STEPS:-16}" "${MEGATRON_GPU[@]}" "${SGLANG_GPU[@]}")
+  local run_s=0 t0 budget=${R3_BUDGET_S:-560} first=${PAIR_START:-1}
+  for pair in $(seq "$first" $((first + pairs - 1))); do
     # a pair starts only if two runs as long as the last one still end within the budget
     if [ $((SECONDS - started + 2 * run_s)) -gt "$budget" ]; then
-      echo "$tag pairs $pair..$pairs skipped: $((SECONDS - started)) s passed, runs take ~$run_s s (R3_BUDGET_S=$budget)"
+      echo "$tag pairs $pair..$((first + pairs - 1)) skipped: $((SECONDS - started)) s passed, runs take ~$run_s s" \
+        "(R3_BUDGET_S=$budget)"
       break
     fi
     for mode in rollout off; do
@@ -64,12 +67,13 @@ r3_runs() {  # ARCH LAYERS PAIRS TAG: the model, then PAIRS x (rollout, off) run
       agentrl_run bench/gpu/moe_r3.toml "$name" "${R3_TIMEOUT_S:-200}" "${r3[@]}" --learner.routing-replay "$mode"
       run_s=$((SECONDS - t0))
       rm -rf "runs/$name/checkpoints"  # tens of GB of weights and Adam state: the disk is 128 GiB
-      python3 bench/gpu/moe_r3.py summary "runs/$name" 2>/dev/null | head -1 | cut -c1-900
+      python3 bench/gpu/moe_r3.py summary --brief "runs/$name" 2>&1 | tail -1 | cut -c1-600
       echo "  ($((SECONDS - started)) s)"
-      dirs+=("runs/$name")
     done
   done
-  [ ${#dirs[@]} -gt 0 ] || return 1
+  # every run of this part in this hold (an earlier call's pairs too: PAIR_START numbers the new ones)
+  for name in runs/"${tag}"_rollout_* runs/"${tag}"_off_*; do [ -f "$name/metrics.jsonl" ] && dirs+=("$name"); done
+  [ ${#dirs[@]} -gt 0 ] || { echo "$tag: no run made a step" >&2; return 1; }
   python3 bench/gpu/moe_r3.py summary "${dirs[@]}" --out "$out/${tag}_summary.json" > "$out/${tag}_summary.txt" 2>&1
   echo "$tag summary rc=$?"; grep -v '^{"run"' "$out/${tag}_summary.txt" | cut -c1-1200
 }

@@ -121,8 +121,16 @@ def summary(run_dir: Path) -> dict[str, Any]:
         values = [float(r[key]) for r in rows if r.get(key) is not None]
         out[name] = spread(values)
     if rows:  # step 1: the learner and the engine hold the same weights (staleness 0)
-        out["step1"] = {name: rows[0].get(key) for name, key in METRICS.items() if rows[0].get(key) is not None}
+        out["step1"] = {
+            name: rows[0].get(key) for name, key in METRICS.items() if rows[0].get(key) is not None
+        }
     return out
+
+
+def brief(s: dict[str, Any]) -> dict[str, Any]:
+    """The run's medians alone (a progress line)."""
+    medians = {name: s[name].get("median") for name in METRICS}
+    return {"run": s["run"], "steps": s["steps"], **{k: v for k, v in medians.items() if v is not None}}
 
 
 def _median(values: list[float]) -> float | None:
@@ -206,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("summary", help="per run and per setting: JSON lines and markdown rows")
     s.add_argument("run_dir", nargs="+")
     s.add_argument("--out", default="", help="also write everything as one JSON file")
+    s.add_argument("--brief", action="store_true", help="one short line of medians per run, nothing else")
     args = p.parse_args(argv)
     if args.command == "model":
         write_model(Path(args.dir).resolve(), args.arch, args.layers, args.device)
@@ -221,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         summaries.append(summary(Path(d)))
         dirs.append(Path(d))
-        print(json.dumps(summaries[-1]))
+        print(json.dumps(brief(summaries[-1]) if args.brief else summaries[-1]))
+    if args.brief:
+        return 0 if summaries else 1
     settings, pairs = across_runs(summaries), matched(dirs)
     for row in settings + pairs:
         print(json.dumps(row))

@@ -10,8 +10,8 @@ SequentialMLP's names, so the HF converter, the checkpoints and the publish see 
 whichever layout runs (agentrl.learners.megatron.convert).
 
 `gmm(x, w, tokens_per_expert)` multiplies each expert's contiguous block of rows of `x` (tokens sorted by expert,
-as megatron's token dispatchers hand them over) by that expert's `w[e]`: `torch._grouped_mm` (one kernel for all
-experts; bf16 on Hopper GPUs, fp32 and bf16 on the CPU), with torch's own autograd; where that kernel cannot take
+as megatron's token dispatchers hand them over) by that expert's `w[e]`: `torch.nn.functional.grouped_mm` (one
+kernel for all experts; bf16 on Hopper GPUs, fp32 and bf16 on the CPU), with torch's own autograd; where that kernel cannot take
 the operands (fp32 on a GPU, rows not 16-byte aligned) a matmul per expert computes the same.
 
 Why a subclass and not megatron's GroupedMLP as is: GroupedMLP asserts bf16 (the CPU tests run fp32) and calls
@@ -31,12 +31,20 @@ WEIGHT1, WEIGHT2 = "weight1", "weight2"
 FC1, FC2 = "linear_fc1.weight", "linear_fc2.weight"
 
 
+# whether this GPU has grouped_mm kernels (Hopper sm90, Blackwell sm100): read once when the first grouped
+# experts are built, outside any compiled region (a plain global is a constant to torch.compile, a device
+# query may not be)
+_CUDA_GROUPED_MM = False
+# torch.nn.functional.grouped_mm (what the embedded engine calls), else the private op of older torch
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
 def _grouped_mm_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether torch._grouped_mm runs these operands (else the per-expert matmuls)."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+    """Whether grouped_mm runs these operands (else the per-expert matmuls)."""
+    if _GROUPED_MM is None or x.dtype != w.dtype:
         return False
     if x.is_cuda:
-        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0):
+        if x.dtype != torch.bfloat16 or not _CUDA_GROUPED_MM:
             return False
     elif x.dtype not in (torch.float32, torch.bfloat16):
         return False
@@ -53,7 +61,7 @@ def gmm(
         w = w.transpose(1, 2)
     if _grouped_mm_takes(x, w):
         ends = torch.cumsum(tokens_per_expert.to(device=x.device, dtype=torch.int32), 0, dtype=torch.int32)
-        return torch._grouped_mm(x, w, offs=ends)
+        return _GROUPED_MM(x, w, offs=ends)
     sizes = tokens_per_expert.tolist()
     return torch.cat([rows @ w[e] for e, rows in enumerate(torch.split(x, sizes))])
 
@@ -85,6 +93,8 @@ _GROUPED: type | None = None
 def _build_class() -> type:
     from megatron.core.transformer.moe.experts import GroupedMLP
 
+    global _CUDA_GROUPED_MM
+    _CUDA_GROUPED_MM = torch.cuda.is_available() and torch.cuda.get_device_capability() in ((9, 0), (10, 0))
     install_ops()
 
     class GroupedExperts(GroupedMLP):
