@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Do the mixture-of-experts paths give the right numbers on a GPU, and does an MoE run learn there?
 #   bash bench/gpu/moe_checks.sh tests    # carry .whl: the `gpu` tests of the MoE paths (embedded engine in bf16
-#                                         # with CUDA graphs and recorded experts; the Megatron learner's MoE models)
+#                                         # with CUDA graphs and recorded experts; the Megatron learner's MoE models,
+#                                         # its grouped experts' grouped_mm kernels against sequential experts)
 #   bash bench/gpu/moe_checks.sh sglang   # carry .sgl .gpu: real SGLang serving a Qwen3-30B-A3B-shaped and a
 #                                         # GLM-4.5-Air-shaped model with fewer layers: routed experts, router
 #                                         # agreement, mismatch with and without replay, expert hot reload
