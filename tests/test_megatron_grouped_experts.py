@@ -115,3 +115,18 @@ def test_a_checkpoint_resumes_only_in_its_experts_layout(tmp_path):
     )
     with pytest.raises(LearnerError, match=r"learner\.moe_experts = 'grouped'"):
         other.load(tmp_path / "ckpt")
+
+
+def test_experts_without_tokens_keep_weights_and_probs_in_the_graph(tmp_path):
+    """An EP rank whose experts get no token still runs the backward of the dispatcher's collectives for the
+    tokens and their routing weights (else it would skip a collective the other ranks wait in)."""
+    path = make_tiny_model(tmp_path / "moe", "qwen3_moe", seed=2, hidden=64, vocab_size=VOCAB)
+    model = _built(path, "grouped")
+    experts = next(m.mlp.experts for m in model.decoder.layers if hasattr(m.mlp, "experts"))
+    x = torch.zeros(0, 64, requires_grad=True)
+    probs = torch.zeros(0, requires_grad=True)
+    out, _ = experts(x, torch.zeros(experts.num_local_experts, dtype=torch.long), probs)
+    assert out.shape == (0, 64)
+    out.sum().backward()
+    assert x.grad is not None and probs.grad is not None
+    assert experts.weight1.grad.abs().max().item() == experts.weight2.grad.abs().max().item() == 0.0

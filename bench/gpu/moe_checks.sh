@@ -25,7 +25,7 @@
 #                                         # R3_BUDGET_S (default 560) s is skipped; each run stops at its time
 #                                         # limit (R3_TIMEOUT_S, default 200, minus 40 s); ~8-9 min. A later
 #                                         # call of the same hold with PAIR_START=3 adds pairs 3.., and the
-#                                         # summary takes every pair of the hold
+#                                         # summary takes every pair of the hold; R3_ARGS adds overrides
 #   bash bench/gpu/moe_checks.sh r3glm    # the same on a GLM-4.5-Air-shaped model (1 dense + 2 MoE layers, 128
 #                                         # experts + 1 shared, hidden 4096), PAIRS default 1; ~5-6 min
 #                                         # (`r3 r3glm` in one call: R3_BUDGET_S counts from the call's start)
@@ -65,7 +65,9 @@ r3_runs() {  # ARCH LAYERS PAIRS TAG: the model, then PAIRS x (rollout, off) run
     for mode in rollout off; do
       name=${tag}_${mode}_$pair
       t0=$SECONDS
-      agentrl_run bench/gpu/moe_r3.toml "$name" "${R3_TIMEOUT_S:-200}" "${r3[@]}" --learner.routing-replay "$mode"
+      # shellcheck disable=SC2086  # R3_ARGS: more overrides, word-split (e.g. --learner.moe-experts sequential)
+      agentrl_run bench/gpu/moe_r3.toml "$name" "${R3_TIMEOUT_S:-200}" "${r3[@]}" ${R3_ARGS:-} \
+        --learner.routing-replay "$mode"
       run_s=$((SECONDS - t0))
       rm -rf "runs/$name/checkpoints"  # tens of GB of weights and Adam state: the disk is 128 GiB
       python3 bench/gpu/moe_r3.py summary --brief "runs/$name" 2>&1 | tail -1 | cut -c1-600

@@ -108,14 +108,19 @@ def _build_class() -> type:
         def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
             x, e = permuted_local_hidden_states, self.num_local_experts
             h = self.config.hidden_size
+            if x.shape[0] == 0:
+                # no token for these experts: the weights AND the probs still join the graph, so that this
+                # rank's backward runs the dispatcher's collectives for them as the other EP ranks' do
+                gate, up = (x @ self.weight1.view(h, -1)).chunk(2, dim=-1)
+                return self._act(gate, up, permuted_probs, x.dtype) @ self.weight2, None
             w1, w2 = self.weight1.view(e, h, -1), self.weight2.view(e, -1, h)
-            if x.shape[0] == 0:  # no token for these experts: the weights still join the graph (zero grads)
-                y = x @ self.weight1.view(h, -1)
-                return y[:, : self.weight2.shape[0]] @ self.weight2, None
             gate, up = gmm(x, w1, tokens_per_expert).chunk(2, dim=-1)
+            return gmm(self._act(gate, up, permuted_probs, x.dtype), w2, tokens_per_expert), None
+
+        @staticmethod
+        def _act(gate, up, probs, dtype):
             # as megatron's MLP with per-token probs: act(fc1) * probs in the probs' dtype, then the model's
-            act = (F.silu(gate) * up * permuted_probs.unsqueeze(-1)).to(x.dtype)
-            return gmm(act, w2, tokens_per_expert), None
+            return (F.silu(gate) * up * probs.unsqueeze(-1)).to(dtype)
 
     return GroupedExperts
 
@@ -125,11 +130,13 @@ def is_grouped(module: torch.nn.Module) -> bool:
     return all(hasattr(module, n) for n in (WEIGHT1, WEIGHT2, "num_local_experts"))
 
 
-def expert_views(prefix: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def expert_views(prefix: str, module: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
     """{`prefix`local_experts.{e}.linear_fc1.weight / linear_fc2.weight: view} of a grouped experts module:
-    views of its weight1 / weight2 shaped as SequentialMLP's parameters (writing a view writes the weights)."""
+    views of its weight1 / weight2 (`grads`: of their gradients) shaped as SequentialMLP's parameters (writing a
+    view writes the weights)."""
     e, h = module.num_local_experts, module.config.hidden_size
-    w1, w2 = module.weight1.view(e, h, -1), module.weight2.view(e, -1, h)
+    w1, w2 = (module.weight1.grad, module.weight2.grad) if grads else (module.weight1, module.weight2)
+    w1, w2 = w1.view(e, h, -1), w2.view(e, -1, h)
     out = {}
     for i in range(e):
         out[f"{prefix}local_experts.{i}.{FC1}"] = w1[i].t()
