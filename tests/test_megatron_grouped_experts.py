@@ -130,3 +130,22 @@ def test_experts_without_tokens_keep_weights_and_probs_in_the_graph(tmp_path):
     out.sum().backward()
     assert x.grad is not None and probs.grad is not None
     assert experts.weight1.grad.abs().max().item() == experts.weight2.grad.abs().max().item() == 0.0
+
+
+def test_dispatchers_the_placement_cannot_run_are_refused_by_name():
+    from agentrl.config.learning import LearnerSection
+    from agentrl.errors import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"learner\.moe_token_dispatcher = 'alltoall' needs learner\.device"
+    ):
+        LearnerSection(kind="megatron", device="cpu", moe_token_dispatcher="alltoall").validate()
+    with pytest.raises(ConfigError, match=r"'allgather' with learner\.pipeline_parallel > 1"):
+        LearnerSection(
+            kind="megatron",
+            device="cuda",
+            pipeline_parallel=2,
+            data_parallel=1,
+            moe_token_dispatcher="allgather",
+        ).validate()
+    LearnerSection(kind="megatron", device="cuda", moe_token_dispatcher="alltoall").validate()

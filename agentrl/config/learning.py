@@ -127,7 +127,7 @@ class LearnerSection(_Section):
         Literal["grouped", "sequential"],
         doc(
             "megatron, MoE models: how the routed experts compute. 'grouped': one grouped matmul over all "
-            "local experts per projection (torch._grouped_mm: bf16 on Hopper GPUs, fp32/bf16 on the CPU; a "
+            "local experts per projection (torch's grouped_mm: bf16 on Hopper GPUs, fp32/bf16 on the CPU; a "
             "matmul per expert where it cannot run); 'sequential': megatron-core's SequentialMLP, a loop of "
             "one small MLP per expert. Same maths, same checkpoint names; resuming the optimizer needs the "
             "layout it was saved with (docs/moe.md)"
@@ -138,8 +138,9 @@ class LearnerSection(_Section):
         doc(
             "megatron, MoE models: how tokens reach their experts' ranks. 'allgather': every EP rank gathers "
             "the group's tokens and keeps those of its experts (runs on CPU over gloo and on GPU); 'alltoall': "
-            "each token goes only to the rank of its experts (GPU only; what pipeline parallelism needs). "
-            "'auto': alltoall under pipeline parallelism, allgather otherwise (docs/moe.md)"
+            "each token goes, once per chosen expert, only to the ranks of its experts (GPU only; what "
+            "pipeline parallelism needs; pays when expert_parallel is large against top-k). 'auto': alltoall "
+            "under pipeline parallelism, allgather otherwise (docs/moe.md)"
         ),
     ] = "auto"
     routing_replay: Annotated[
