@@ -215,3 +215,34 @@ def test_moe_r3_summary_medians_and_rows(tmp_path):
         in table
     )
     assert len(json.loads((tmp_path / "s.json").read_text())["settings"]) == 2
+
+
+def test_moe_mfu_table_names_each_cell_and_its_failure(tmp_path):
+    """bench/gpu/moe_mfu.py: a row per cell with its experts, dispatcher and mode read from the variant name,
+    the throughput against HF's, and a failed or skipped cell's reason in its row."""
+    hf = {"results": {"hf": {"step_s": 0.25, "step_s_blocks": [0.24, 0.25, 0.26], "tokens_per_s": 64000.0,
+                             "mfu": 0.226, "peak_mem_gib": 57.4, "warmup_s": 3.0}}}  # fmt: skip
+    mega = {"world": 2, "ep": 2, "batch": 8, "seq": 2048, "n_params": 10, "n_params_total": 20, "steps": 4,
+            "repeats": 3, "results": {
+                "megatron_a2a": {"step_s": 0.2, "step_s_blocks": [0.19, 0.2, 0.22], "tokens_per_s": 80000.0,
+                                 "mfu": 0.14, "peak_mem_gib": 40.0, "warmup_s": 5.0},
+                "megatron_compile_seq": {"error": "skipped: past --budget-s 270"}}}  # fmt: skip
+    for name, doc in (("hf", hf), ("mega", mega)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    proc = subprocess.run([sys.executable, "bench/gpu/moe_mfu.py", str(tmp_path / "hf.json"), str(tmp_path / "mega.json"),
+                           "--out", str(tmp_path / "out.json")], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    cells = {c["cell"]: c for c in json.loads((tmp_path / "out.json").read_text())["cells"]}
+    a2a = cells["megatron_a2a"]
+    assert (a2a["experts"], a2a["dispatcher"], a2a["mode"], a2a["gpus"]) == (
+        "grouped",
+        "alltoall",
+        "eager",
+        2,
+    )
+    assert a2a["throughput_vs_hf"] == 1.25 and (a2a["step_s_min"], a2a["step_s_max"]) == (0.19, 0.22)
+    failed = cells["megatron_compile_seq"]
+    assert (failed["experts"], failed["mode"]) == ("sequential", "compile") and "budget" in failed["error"]
+    assert "| megatron_a2a | 2 (2) | grouped | alltoall | eager | 0.200 [0.190-0.220] | 80,000 | 14.0% |" in (
+        proc.stdout
+    )
