@@ -10,9 +10,10 @@ SequentialMLP's names, so the HF converter, the checkpoints and the publish see 
 whichever layout runs (agentrl.learners.megatron.convert).
 
 `gmm(x, w, tokens_per_expert)` multiplies each expert's contiguous block of rows of `x` (tokens sorted by expert,
-as megatron's token dispatchers hand them over) by that expert's `w[e]`: `torch.nn.functional.grouped_mm` (one
-kernel for all experts; bf16 on Hopper GPUs, fp32 and bf16 on the CPU), with torch's own autograd; where that kernel cannot take
-the operands (fp32 on a GPU, rows not 16-byte aligned) a matmul per expert computes the same.
+as megatron's token dispatchers hand them over) by that expert's `w[e]`: `torch.nn.functional.grouped_mm`
+(one kernel for all experts; bf16 on Hopper GPUs, fp32 and bf16 on the CPU), with torch's own autograd; where
+that kernel cannot take the operands (fp32 on a GPU, rows not 16-byte aligned, non-bf16 under torch.compile)
+a matmul per expert computes the same.
 
 Why a subclass and not megatron's GroupedMLP as is: GroupedMLP asserts bf16 (the CPU tests run fp32) and calls
 `grouped_gemm.ops.gmm` from a package that needs CUDA to build; the subclass keeps GroupedMLP's parameters and
@@ -25,6 +26,8 @@ import types
 
 import torch
 import torch.nn.functional as F
+
+from agentrl.errors import LearnerError
 
 # megatron-core's GroupedMLP names, and SequentialMLP's per-expert names the converter uses for both layouts
 WEIGHT1, WEIGHT2 = "weight1", "weight2"
@@ -104,7 +107,9 @@ def _build_class() -> type:
 
         def __init__(self, num_local_experts, config, pg_collection=None):
             if config.activation_func is not F.silu or not config.gated_linear_unit:
-                raise ValueError("GroupedExperts computes SwiGLU experts only (gated_linear_unit, silu)")
+                raise LearnerError(
+                    "learner.moe_experts = 'grouped' computes SwiGLU experts only; use 'sequential'"
+                )
             super().__init__(num_local_experts, config, pg_collection=pg_collection)
 
         def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
