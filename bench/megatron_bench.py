@@ -5,6 +5,9 @@ TP = 2:    torchrun --nproc_per_node 2 bench/megatron_bench.py --tp 2 --variants
 DP = 2:    torchrun --nproc_per_node 2 bench/megatron_bench.py --variants megatron
 MoE, EP=2: python bench/megatron_bench.py --model qwen3-30b-a3b-4l --variants hf   (the one-GPU baseline), then
            torchrun --nproc_per_node 2 bench/megatron_bench.py --model qwen3-30b-a3b-4l --ep 2 --variants megatron
+           (MoE variant suffixes: `_seq` megatron's SequentialMLP experts instead of the grouped matmul
+           (learner.moe_experts), `_a2a` the alltoall token dispatcher instead of allgather
+           (learner.moe_token_dispatcher): megatron_seq, megatron_a2a, megatron_compile_a2a, ...)
 CPU smoke: python bench/megatron_bench.py --device cpu --tiny   (--tiny --model qwen3-30b-a3b-4l: a tiny MoE)
 
 Random-init weights (written once as an HF directory), bf16 on GPU. A step is one optimizer step over the whole
@@ -76,6 +79,12 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch-tokens", type=int, default=0, help="default: the whole per-DP-rank batch")
     p.add_argument("--steps", type=int, default=0, help="timed steps (default 8; tiny 3)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed blocks of --steps steps per variant: step_s is the median of the blocks' medians "
+                        "(step_s_blocks lists them)")  # fmt: skip
+    p.add_argument("--budget-s", type=float, default=0.0,
+                   help="skip the variants left once this many seconds have passed (0 = no limit): a run cut "
+                        "short by its caller's timeout still ends cleanly with the results it has")  # fmt: skip
     p.add_argument("--hf-chunks", type=int, default=1, help="gradient-accumulation chunks of the HF baseline")
     p.add_argument("--attention", default="sdpa", choices=["sdpa", "local"])
     p.add_argument("--model-dir", default="", help="where the random HF model is written (default /tmp/...)")
@@ -219,15 +228,20 @@ def timed(step, args) -> dict:
     warmup_s = time.perf_counter() - t0  # with torch.compile: the compile at start
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        out = step()  # reads its loss: the host waits for the step's GPU work
-        sync(args.device)
-        times.append(time.perf_counter() - t0)
+    times, blocks = [], []
+    for _ in range(max(1, getattr(args, "repeats", 1))):
+        block = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            out = step()  # reads its loss: the host waits for the step's GPU work
+            sync(args.device)
+            block.append(time.perf_counter() - t0)
+        times += block
+        blocks.append(statistics.median(block))
     mem = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
-    return {"step_s": statistics.median(times), "step_times_s": [round(t, 4) for t in times],
-            "warmup_s": round(warmup_s, 2), "peak_mem_gib": round(mem, 2), "last": out}  # fmt: skip
+    return {"step_s": statistics.median(blocks), "step_s_blocks": [round(t, 4) for t in blocks],
+            "step_times_s": [round(t, 4) for t in times], "warmup_s": round(warmup_s, 2),
+            "peak_mem_gib": round(mem, 2), "last": out}  # fmt: skip
 
 
 def profile_step(step) -> None:
@@ -303,10 +317,13 @@ def learner_section(args, kind: str, world: int):
     mbt = args.micro_batch_tokens or -(-args.batch // dp) * args.seq
     args.micro_batch_tokens = mbt
     mega = kind == "megatron"
+    variant = getattr(args, "variant", "")
+    moe = dict(moe_experts="sequential" if "_seq" in variant else "grouped",
+               moe_token_dispatcher="alltoall" if "_a2a" in variant else "auto") if mega else {}  # fmt: skip
     return LearnerSection(
         kind=kind, device=args.device, dtype=args.dtype, lr=1e-5, grad_clip=1.0, micro_batch_tokens=mbt,
         tensor_parallel=args.tp if mega else 1, pipeline_parallel=args.pp if mega else 1,
-        data_parallel=dp if mega else 1, expert_parallel=args.ep if mega else 1,
+        data_parallel=dp if mega else 1, expert_parallel=args.ep if mega else 1, **moe,
     )  # fmt: skip
 
 
@@ -379,13 +396,24 @@ def run_variant(runner, args, path: Path, world: int, single: bool) -> dict:
         args.micro_batch_tokens, args.hf_chunks = saved
 
 
+def out_of_budget(started: float, args) -> bool:
+    """Rank 0's clock decides for every rank (they must run the same variants)."""
+    import torch.distributed as dist
+
+    over = torch.tensor([float(time.monotonic() - started > args.budget_s)], device=args.device)
+    if dist.is_initialized():
+        dist.broadcast(over, src=0)
+    return bool(over.item())
+
+
 def write_summary(args, results: dict, world: int, rank: int, flops: dict) -> None:
     for name in ("megatron", "megatron_compile"):
         if "error" not in results.get("hf", {"error": 1}) and "error" not in results.get(name, {"error": 1}):
             results[f"speedup_{name}_vs_hf"] = results["hf"]["step_s"] / results[name]["step_s"]
     summary = {"world": world, "tp": args.tp, "pp": args.pp, "batch": args.batch, "seq": args.seq,
                "dims": args.dims, "n_params": n_params(args.dims), "n_params_total": n_params_total(args.dims),
-               "ep": args.ep, "flops_per_token": flops, "results": results}  # fmt: skip
+               "ep": args.ep, "steps": args.steps, "repeats": args.repeats, "flops_per_token": flops,
+               "results": results}  # fmt: skip
     if args.out and rank == 0:
         Path(args.out).write_text(json.dumps(summary, indent=2, default=str) + "\n")
 
@@ -415,16 +443,24 @@ def main(argv=None) -> int:
         "megatron_default": run_megatron_default,
         "torch_learner": run_torch_learner,
     }  # fmt: skip
+    started = time.monotonic()
     for name in [v.strip() for v in args.variants.split(",") if v.strip()]:
         single = not name.startswith("megatron")
         args.variant = name
+        if args.budget_s and out_of_budget(started, args):
+            results[name] = {"error": f"skipped: past --budget-s {args.budget_s:g}"}
+            log(f"[{name}] skipped: {time.monotonic() - started:.0f} s passed, --budget-s {args.budget_s:g}")
+            continue
         os.environ["AGENTRL_FUSED_LOGPROBS"] = "0" if "_unfused" in name else "1"
         if single and world > 1:
             log(f"[{name}] skipped: single-GPU baseline (run it without torchrun)")
             continue
         try:
+            base = name
+            for suffix in ("_unfused", "_fallback", "_graphs", "_seq", "_a2a"):
+                base = base.replace(suffix, "")
             res = run_variant(
-                runners[name.replace("_unfused", "").replace("_fallback", "").replace("_graphs", "")],
+                runners[base],
                 args,
                 path,
                 world,

@@ -65,6 +65,18 @@ def fake_cuda_streams() -> None:
     torch.cuda.current_stream = lambda *args, **kwargs: default
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
     torch.Tensor.record_stream = lambda self, stream: None
+    # the dispatcher turns its split sizes into numpy arrays only when it copies them off a GPU; the collectives
+    # take sizes, not tensors (under EP > 1 the all-to-all has splits)
+    from megatron.core.transformer.moe import token_dispatcher
+
+    to_cpu = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def host_sizes(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.numpy()
+        return to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = host_sizes
 
 
 def gpu_path_class():
@@ -298,12 +310,13 @@ if __name__ == "__main__":
 
 
 def expert_parallel_worker(rank: int, world: int, model_dir: str, port: int, out_dir: str) -> None:
-    """One of 2 gloo ranks on the GPU path: EP = 2 (each rank holds half the experts) against DP = 2 without
-    EP on the same batches, a checkpoint and its resume, and the published weights against the HF files and
-    the checkpoint's own HF conversion."""
+    """One of 2 gloo ranks on the GPU path: EP = 2 (each rank holds half the experts, grouped) against DP = 2
+    without EP (sequential experts) and EP = 2 with the alltoall dispatcher on the same batches, a checkpoint
+    and its resume, and the published weights against the HF files and the checkpoint's own HF conversion."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     fake_cuda()
+    fake_cuda_streams()  # the alltoall dispatcher's side stream
     from agentrl.learners.megatron import checkpoint
     from tests.megatron_helpers import hf_state, make_batch
 
@@ -316,9 +329,12 @@ def expert_parallel_worker(rank: int, world: int, model_dir: str, port: int, out
 
     out: dict = {}
     ep = gpu_path_learner(model_dir, expert_parallel=2, **moe)
-    out["local_experts"] = sorted(
+    from agentrl.learners.megatron import convert
+    from agentrl.learners.megatron.model import unwrap
+
+    out["local_experts"] = sorted(  # global expert numbers of this rank's routed experts (grouped: views)
         n.split("local_experts.")[1].split(".")[0]
-        for n, _ in ep.model.named_parameters()
+        for n in convert.global_params(unwrap(ep.model))
         if "local_experts" in n
     )
     out["published_vs_hf"] = max_diff(dict(ep.weights()), hf)
@@ -338,12 +354,23 @@ def expert_parallel_worker(rank: int, world: int, model_dir: str, port: int, out
     out["resumed_weight_diff"] = max_diff(dict(resumed.weights()), dict(ep.weights()))
     # a warm-up batch of one micro-batch: rank 1 holds none, and still steps in lockstep with rank 0
     out["sft_one_micro_batch"] = ep.sft_step(make_batch(300, n=1, seed=5))["loss"]
-    dp = gpu_path_learner(model_dir, expert_parallel=1, **moe)  # the same 2 ranks, every expert on each
+    # the same 2 ranks, every expert on each, as megatron's SequentialMLP
+    dp = gpu_path_learner(model_dir, expert_parallel=1, moe_experts="sequential", **moe)
     dp_steps = [dp.train_step(make_batch(300, seed=step)) for step in range(2)]
     out["steps"] = [
         {k: [a[k], b[k]] for k in ("loss", "grad_norm", "updates", "expert_load_max_over_mean")}
         for a, b in zip(steps, dp_steps, strict=True)
     ]
+    a2a = gpu_path_learner(model_dir, expert_parallel=2, moe_token_dispatcher="alltoall", **moe)
+    out["a2a_dispatchers"] = sorted(
+        {type(m.token_dispatcher).__name__ for m in a2a.model.modules() if hasattr(m, "token_dispatcher")}
+    )
+    a2a_steps = [a2a.train_step(make_batch(300, seed=step)) for step in range(2)]
+    out["a2a_steps"] = [
+        {k: [a[k], b[k]] for k in ("loss", "grad_norm", "expert_load_max_over_mean")}
+        for a, b in zip(a2a_steps, dp_steps, strict=True)
+    ]
+    del a2a
     out["ep_vs_dp_weights"] = max_diff(published, dict(dp.weights()))
     # the CPU learner (torch AdamW, gradients reduced by hand: experts over the expert-data-parallel group)
     cpu = gpu_path_learner(model_dir, gpu_path=False, expert_parallel=2, **moe)

@@ -164,12 +164,16 @@ def test_moe_r3_config_takes_the_scripts_flags(tmp_path):
 
 
 def test_moe_r3_summary_medians_and_rows(tmp_path):
-    """bench/gpu/moe_r3.py: the reward, and per run one JSON line of medians over steps and a markdown row (n/a
-    for metrics a run did not report: no router agreement without replay)."""
+    """bench/gpu/moe_r3.py: the rewards, per run one JSON line of medians over steps and a markdown row (n/a
+    for metrics a run did not report: no router agreement without replay), per setting the median over its
+    runs, and the pair compared at matched steps."""
     sys.path.insert(0, str(ROOT / "bench/gpu"))
-    from moe_r3 import digit_share
+    from moe_r3 import counting_score, digit_share
 
     assert digit_share("a1b2", {}) == 0.5 and digit_share("", {}) == 0.0
+    # "1234": all digits, 3 of 3 pairs count up; "19a0": 3 digits of 4, no pair counts up; "90": 9 wraps to 0
+    assert counting_score("1234", {}) == 1.0 and counting_score("19a0", {}) == 0.5 * 0.75 + 0.5 * (0 / 3)
+    assert counting_score("90", {}) == 1.0 and counting_score("", {}) == 0.0
     for name, replay, agreement in (("on", "rollout", [0.9, 0.95, 0.93]), ("off", "off", None)):
         run = tmp_path / name
         run.mkdir()
@@ -180,21 +184,65 @@ def test_moe_r3_summary_medians_and_rows(tmp_path):
         for i in range(3):
             row = {
                 "step": i + 1,
-                "step_s": 1.0 + i,
+                "step_s": 1.0 + i + (0.5 if agreement else 0.0),
                 "publish_s": 0.1 * (i + 1),
-                "train/logprob_mismatch": 0.01,
+                "train/logprob_mismatch": 0.01 if agreement else 0.03,
+                "reward_mean": 0.2 + 0.1 * i,
             }
             if agreement:
-                row.update({"train/router_agreement": agreement[i], "train/logprob_mismatch_no_replay": 0.02})
+                row.update(
+                    {"train/router_agreement": agreement[i], "train/logprob_mismatch_no_replay": 0.025}
+                )
             rows.append(json.dumps(row))
         (run / "metrics.jsonl").write_text("\n".join(rows) + "\n")
-    proc = subprocess.run([sys.executable, "bench/gpu/moe_r3.py", "summary", str(tmp_path / "on"), str(tmp_path / "off")],
-                          cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run([sys.executable, "bench/gpu/moe_r3.py", "summary", str(tmp_path / "on"), str(tmp_path / "off"),
+                           "--out", str(tmp_path / "s.json")], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     on, off = json.loads(lines[0]), json.loads(lines[1])
-    assert on["steps"] == 3 and on["step_s"]["median"] == 2.0 and on["publish_s"]["median"] == 0.2
-    assert on["router_agreement"]["median"] == 0.93 and on["logprob_mismatch_no_replay"]["median"] == 0.02
+    assert on["steps"] == 3 and on["step_s"]["median"] == 2.5 and on["publish_s"]["median"] == 0.2
+    assert on["router_agreement"]["median"] == 0.93 and on["logprob_mismatch_no_replay"]["median"] == 0.025
+    assert on["step1"]["router_agreement"] == 0.9 and on["reward_mean"]["median"] == 0.3
     assert off["routing_replay"] == "off" and off["router_agreement"] == {}
-    assert lines[-2] == "| on | rollout | 3 | 2.00 | 0.20 | 0.930 | 0.0100 | 0.0200 | n/a |"
-    assert lines[-1] == "| off | off | 3 | 2.00 | 0.20 | n/a | 0.0100 | n/a | n/a |"
+    pair = json.loads(next(line for line in lines if '"pair"' in line))
+    assert pair["matched_steps"] == 3 and pair["mismatch_off_minus_rollout"] == 0.02
+    assert pair["step_s_rollout_minus_off"] == 0.5 and pair["rollout_no_replay_minus_replay"] == 0.015
+    table = [line for line in lines if line.startswith("| ")]
+    assert "| on | rollout | 3 | 2.50 | 0.20 | 0.930 | 0.0100 | 0.0250 | 0.300 | n/a | n/a |" in table
+    assert "| off | off | 3 | 2.00 | 0.20 | n/a | 0.0300 | n/a | 0.300 | n/a | n/a |" in table
+    assert (
+        "| ?, median of 1 runs | rollout | 3 | 2.50 | 0.20 | 0.930 | 0.0100 | 0.0250 | 0.300 | n/a | n/a |"
+        in table
+    )
+    assert len(json.loads((tmp_path / "s.json").read_text())["settings"]) == 2
+
+
+def test_moe_mfu_table_names_each_cell_and_its_failure(tmp_path):
+    """bench/gpu/moe_mfu.py: a row per cell with its experts, dispatcher and mode read from the variant name,
+    the throughput against HF's, and a failed or skipped cell's reason in its row."""
+    hf = {"results": {"hf": {"step_s": 0.25, "step_s_blocks": [0.24, 0.25, 0.26], "tokens_per_s": 64000.0,
+                             "mfu": 0.226, "peak_mem_gib": 57.4, "warmup_s": 3.0}}}  # fmt: skip
+    mega = {"world": 2, "ep": 2, "batch": 8, "seq": 2048, "n_params": 10, "n_params_total": 20, "steps": 4,
+            "repeats": 3, "results": {
+                "megatron_a2a": {"step_s": 0.2, "step_s_blocks": [0.19, 0.2, 0.22], "tokens_per_s": 80000.0,
+                                 "mfu": 0.14, "peak_mem_gib": 40.0, "warmup_s": 5.0},
+                "megatron_compile_seq": {"error": "skipped: past --budget-s 270"}}}  # fmt: skip
+    for name, doc in (("hf", hf), ("mega", mega)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    proc = subprocess.run([sys.executable, "bench/gpu/moe_mfu.py", str(tmp_path / "hf.json"), str(tmp_path / "mega.json"),
+                           "--out", str(tmp_path / "out.json")], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    cells = {c["cell"]: c for c in json.loads((tmp_path / "out.json").read_text())["cells"]}
+    a2a = cells["megatron_a2a"]
+    assert (a2a["experts"], a2a["dispatcher"], a2a["mode"], a2a["gpus"]) == (
+        "grouped",
+        "alltoall",
+        "eager",
+        2,
+    )
+    assert a2a["throughput_vs_hf"] == 1.25 and (a2a["step_s_min"], a2a["step_s_max"]) == (0.19, 0.22)
+    failed = cells["megatron_compile_seq"]
+    assert (failed["experts"], failed["mode"]) == ("sequential", "compile") and "budget" in failed["error"]
+    assert "| megatron_a2a | 2 (2) | grouped | alltoall | eager | 0.200 [0.190-0.220] | 80,000 | 14.0% |" in (
+        proc.stdout
+    )

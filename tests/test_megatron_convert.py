@@ -4,7 +4,7 @@ A table of real tiny HF models (random weights, random nonzero biases) whose Meg
 transformers' within 1e-4 (fp32), a table of configs that must be refused, and a check that every config field
 transformers' Llama / Qwen2 / Qwen3 / Qwen3-MoE / GLM-4.5-MoE modeling code reads is classified by
 agentrl.learners.megatron.arch. The tiny MoE models of `agentrl make-tiny-model` give transformers' logits within
-1e-5 and convert HF -> Megatron -> HF bit-exactly.
+1e-5 and convert HF -> Megatron -> HF bit-exactly, with grouped and with sequential experts.
 """
 
 import re
@@ -133,15 +133,18 @@ def test_every_field_the_hf_forward_reads_is_classified():
         assert read <= classified, (model_type, sorted(read - classified))
 
 
+@pytest.mark.parametrize("experts", ["grouped", "sequential"])
 @pytest.mark.parametrize("arch", MOE_ARCHS)
-def test_tiny_moe_models_give_hf_logits_and_convert_back_exactly(tmp_path, arch):
+def test_tiny_moe_models_give_hf_logits_and_convert_back_exactly(tmp_path, arch, experts):
     from megatron.core.transformer.moe.router import TopKRouter
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = make_tiny_model(tmp_path / arch, arch, seed=1, hidden=64, vocab_size=VOCAB, init_std=0.2,
                            tie_embeddings=False)  # fmt: skip
     spec = arch_lib.ArchSpec.from_hf(AutoConfig.from_pretrained(path))
-    model = build_gpt(spec).eval()
+    model = build_gpt(spec, experts=experts).eval()
+    grouped = [n for n, _ in model.named_parameters() if n.endswith("mlp.experts.weight1")]
+    assert bool(grouped) == (experts == "grouped")
     ids = torch.randint(0, spec.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
     want = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(ids).logits.detach()
     with checkpoint.hf_reader(path) as get:

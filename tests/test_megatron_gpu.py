@@ -122,3 +122,38 @@ def test_moe_models_on_gpu_give_hf_logprobs_and_train(arch, tmp_path):
     again.load(str(tmp_path / "ck"))
     probe = make_batch(300, seed=5)
     assert torch.equal(again.compute_logprobs(probe), learner.compute_logprobs(probe))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+def test_moe_grouped_experts_on_gpu_match_sequential_in_bf16(arch, tmp_path, monkeypatch):
+    """learner.moe_experts = "grouped" in bf16 on the GPU runs grouped_mm kernels (not the per-expert loop) and
+    gives megatron's SequentialMLP's log-probs and train-step loss within bf16 rounding."""
+    from agentrl.engines.tiny import make_tiny_model
+    from agentrl.learners.megatron import grouped_experts
+    from agentrl.learners.megatron.learner import MegatronLearner
+
+    calls = []
+    kernel = grouped_experts._GROUPED_MM
+    assert kernel is not None, "this torch has no grouped_mm"
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(grouped_experts, "_GROUPED_MM", counted)
+    path = make_tiny_model(tmp_path / arch, arch, seed=1, hidden=64, vocab_size=300, init_std=0.2)
+    probe = make_batch(300, seed=5)
+    out = {}
+    for experts in ("grouped", "sequential"):
+        section = LearnerSection(kind="megatron", device="cuda", dtype="bfloat16", micro_batch_tokens=48,
+                                 moe_experts=experts)  # fmt: skip
+        learner = MegatronLearner(path, section)
+        logprobs = learner.compute_logprobs(probe).float().cpu()
+        out[experts] = (logprobs, learner.train_step(make_batch(300, seed=1))["loss"])
+        if experts == "grouped":
+            assert calls, "grouped experts did not run grouped_mm on this GPU"
+            calls.clear()
+        del learner
+    assert not calls  # the sequential learner never calls it
+    assert (out["grouped"][0] - out["sequential"][0]).abs().max().item() <= 0.05
+    assert abs(out["grouped"][1] - out["sequential"][1]) <= 0.02 * max(1.0, abs(out["sequential"][1]))

@@ -3,7 +3,8 @@
 Training the tiny Qwen3-MoE and GLM-4.5 MoE models equals the torch learner's (transformers' MoE modules under
 autograd). Expert parallelism on the GPU code path, run on CPU (tests/megatron_fake_cuda.py): two gloo ranks
 each hold half the experts of the tiny GLM-4.5 MoE model (a dense layer, a shared expert, grouped routing with
-a correction bias); training equals data parallelism without EP, a checkpoint resumes bit-exactly, and the
+a correction bias); training, with the allgather or the alltoall token dispatcher, equals data parallelism
+without EP (megatron's sequential experts), a checkpoint resumes bit-exactly, and the
 published weights are the HF model's (before training) and the checkpoint's HF conversion (after); the CPU
 learner under EP = 2 trains as Megatron's optimizer does; PP = 2 (the alltoall dispatcher) trains as the torch
 learner. The router-loss coefficients reach the routers, and settings the learner cannot honour are refused by
@@ -31,7 +32,7 @@ def test_expert_parallel_2_trains_checkpoints_resumes_and_publishes(tmp_path):
                             tie_embeddings=False)  # fmt: skip
     mp.spawn(expert_parallel_worker, args=(2, str(model), free_port(), str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert [r["local_experts"] for r in ranks] == [["0", "0", "1", "1"], ["0", "0", "1", "1"]]
+    assert [r["local_experts"] for r in ranks] == [["0", "0", "1", "1"], ["2", "2", "3", "3"]]
     assert (tmp_path / "ckpt" / "model_tp0_pp0_ep1.pt").exists()
     assert ranks[0]["sft_one_micro_batch"] == ranks[1]["sft_one_micro_batch"] > 0
     # the export of the EP checkpoint loads in transformers and computes what the trained learner did
@@ -49,9 +50,10 @@ def test_expert_parallel_2_trains_checkpoints_resumes_and_publishes(tmp_path):
         assert out["published_vs_hf"] == 0.0  # every expert gathered from its EP rank, under its HF name
         assert out["published_vs_checkpoint_hf"] == 0.0 and out["published_changed"]
         assert out["resumed_losses"][0] == out["resumed_losses"][1] and out["resumed_weight_diff"] == 0.0
-        for step in out["steps"]:
+        for step in out["steps"] + out["a2a_steps"]:  # EP (allgather, alltoall) against DP, sequential
             for key, (ep, dp) in step.items():
                 assert abs(ep - dp) <= 1e-5, (key, ep, dp)
+        assert out["a2a_dispatchers"] == ["MoEAlltoAllTokenDispatcher"]
         assert out["ep_vs_dp_weights"] <= 1e-4  # two Adam steps of lr 1e-3 move weights by up to 2e-3
         for step in out[
             "cpu_steps"

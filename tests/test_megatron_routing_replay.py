@@ -18,6 +18,7 @@ from agentrl.engines.tiny import make_tiny_model
 from agentrl.errors import LearnerError
 from agentrl.learners.megatron import checkpoint, convert
 from agentrl.learners.megatron.arch import ArchSpec
+from agentrl.learners.megatron.grouped_experts import expert_views
 from agentrl.learners.megatron.model import build_gpt
 from agentrl.learners.megatron.parallel import init_parallel
 from agentrl.learners.megatron.routing_replay import moe_routers, replayed_routing
@@ -36,9 +37,9 @@ def models(tmp_path_factory):
     return {arch: make_tiny_model(root / arch, arch, **kw) for arch in ("glm4_moe", "qwen3_moe")}
 
 
-def load(path):
+def load(path, experts: str = "grouped"):
     spec = ArchSpec.from_hf(AutoConfig.from_pretrained(path))
-    model = build_gpt(spec).eval()
+    model = build_gpt(spec, experts=experts).eval()
     with checkpoint.hf_reader(path) as get:
         convert.load_hf(model, spec, get)
     return model, spec
@@ -100,8 +101,9 @@ def test_replayed_experts_reproduce_the_recorded_models_logprobs(models):
         assert (logprobs(model, ids) - own).abs().max().item() == 0.0  # nothing left behind
 
 
-def test_router_gradients_flow_through_the_replayed_experts(models):
-    model, spec = load(models["qwen3_moe"])
+@pytest.mark.parametrize("experts", ["grouped", "sequential"])
+def test_router_gradients_flow_through_the_replayed_experts(models, experts):
+    model, spec = load(models["qwen3_moe"], experts)
     ids = torch.randint(0, spec.vocab_size, (2, 20), generator=torch.Generator().manual_seed(2))
     assert set(own_routing(model, spec, ids)[:, :, 0].flatten().tolist()) == {0, 1, 2, 3}
     record = torch.tensor([0, 1]).expand(2, 20, 2, 2)  # every token to experts 0 and 1, in both layers
@@ -112,7 +114,11 @@ def test_router_gradients_flow_through_the_replayed_experts(models):
         assert router.weight.grad is not None and router.weight.grad[:2].abs().sum() > 0
         assert router.weight.grad[2:].abs().sum() == 0
     for layer in model.decoder.layers:  # only the replayed experts ran
-        grads = [e.linear_fc1.weight.grad for e in layer.mlp.experts.local_experts]
+        if experts == "grouped":
+            views = expert_views("", layer.mlp.experts, grads=True)
+            grads = [views[f"local_experts.{e}.linear_fc1.weight"] for e in range(4)]
+        else:
+            grads = [e.linear_fc1.weight.grad for e in layer.mlp.experts.local_experts]
         assert [g is not None and bool(g.abs().sum() > 0) for g in grads] == [True, True, False, False]
 
 

@@ -123,6 +123,26 @@ class LearnerSection(_Section):
         ),
     ] = 0.0
     moe_z_loss_coeff: Annotated[float, doc("MoE models: router z-loss coefficient (0 = off)", ge=0)] = 0.0
+    moe_experts: Annotated[
+        Literal["grouped", "sequential"],
+        doc(
+            "megatron, MoE models: how the routed experts compute. 'grouped': one grouped matmul over all "
+            "local experts per projection (torch's grouped_mm: bf16 on Hopper GPUs, fp32/bf16 on the CPU; a "
+            "matmul per expert where it cannot run); 'sequential': megatron-core's SequentialMLP, a loop of "
+            "one small MLP per expert. Same maths, same checkpoint names; resuming the optimizer needs the "
+            "layout it was saved with (docs/moe.md)"
+        ),
+    ] = "grouped"
+    moe_token_dispatcher: Annotated[
+        Literal["auto", "allgather", "alltoall"],
+        doc(
+            "megatron, MoE models: how tokens reach their experts' ranks. 'allgather': every EP rank gathers "
+            "the group's tokens and keeps those of its experts (runs on CPU over gloo and on GPU); 'alltoall': "
+            "each token goes, once per chosen expert, only to the ranks of its experts (GPU only; what "
+            "pipeline parallelism needs; pays when expert_parallel is large against top-k). 'auto': alltoall "
+            "under pipeline parallelism, allgather otherwise (docs/moe.md)"
+        ),
+    ] = "auto"
     routing_replay: Annotated[
         Literal["off", "rollout"],
         doc(
@@ -157,6 +177,15 @@ class LearnerSection(_Section):
             raise ConfigError(
                 f"learner.expert_parallel = {self.expert_parallel} must divide learner.data_parallel = "
                 f"{self.data_parallel} (each group of expert_parallel data-parallel ranks shares out the experts)"
+            )
+        if self.moe_token_dispatcher == "alltoall" and self.device == "cpu":
+            raise ConfigError(
+                "learner.moe_token_dispatcher = 'alltoall' needs learner.device = 'cuda' (use 'allgather')"
+            )
+        if self.moe_token_dispatcher == "allgather" and self.pipeline_parallel > 1:
+            raise ConfigError(
+                "learner.moe_token_dispatcher = 'allgather' with learner.pipeline_parallel > 1: megatron's "
+                "allgather dispatcher refuses the pipeline's variable sequence lengths (use 'auto' or 'alltoall')"
             )
         if self.kind == "megatron" and self.device == "cpu" and self.tensor_parallel > 1:
             raise ConfigError("learner.tensor_parallel > 1 needs learner.device = 'cuda' (CPU runs TP=PP=1)")

@@ -2,9 +2,10 @@
 
 Layout of a checkpoint directory (learner.json follows agentrl.learners.checkpoint):
   learner.json                  {"kind": "megatron", step, policy_version, "hf_config_dir": "hf", tensor_parallel,
-                                 pipeline_parallel, expert_parallel, dtype, model_path}
+                                 pipeline_parallel, expert_parallel, dtype, model_path; MoE: moe_experts}
   hf/                           the source model's config + tokenizer files (no weights)
-  model_tp{t}_pp{p}.pt          {global Megatron name: tensor} for TP rank t / PP rank p (written by DP rank 0)
+  model_tp{t}_pp{p}.pt          {global Megatron name: tensor} for TP rank t / PP rank p (written by DP rank 0);
+                                routed experts by their per-expert names in either layout (convert.global_params)
   model_tp{t}_pp{p}_ep{e}.pt    with learner.expert_parallel > 1: the same for EP rank e (with its experts)
                                 (written by the first DP rank of each EP rank; the other weights in every one)
   optim_rank{r}.pt              optimizer of global rank r: its torch optimizer's state_dict and the (fp32 main)
@@ -141,6 +142,8 @@ def begin_save(learner: MegatronLearner, path: Path) -> Callable[[], None]:
             dtype=learner.cfg.dtype, model_path=learner.model_path, temperature=learner.temperature,
             optimizer_steps=learner.optimizer_steps, world_size=dist.get_world_size(), **extra,
         )  # fmt: skip
+        if learner.arch.num_experts:  # the optimizer's parameters follow the experts' layout
+            meta["moe_experts"] = learner.cfg.moe_experts
     step, version, lora_cfg, model_path = (
         learner.step,
         learner.policy_version,
@@ -199,6 +202,14 @@ def load(learner: MegatronLearner, path: Path) -> None:
         return
     import torch.distributed as dist
 
+    # a checkpoint without the key was written with sequential experts
+    saved_experts = meta.get("moe_experts", "sequential")
+    if learner.arch.num_experts and saved_experts != learner.cfg.moe_experts:
+        raise LearnerError(
+            f"{path}: its optimizer state holds the experts as learner.moe_experts = '{saved_experts}', this run "
+            f"has '{learner.cfg.moe_experts}'; resume with learner.moe_experts = '{saved_experts}' (the weights "
+            "alone load in either layout: `agentrl export` and start from the HF directory)"
+        )
     if meta.get("world_size", 1) != dist.get_world_size():
         raise LearnerError(
             f"{path}: optimizer saved by {meta.get('world_size')} ranks, this run has {dist.get_world_size()}"

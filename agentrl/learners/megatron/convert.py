@@ -14,7 +14,8 @@ Layout (per transformer layer, HF names under `model.layers.{i}.`):
   gate/up/down become `mlp.experts.local_experts.{e}.linear_fc1` (GLU) / `linear_fc2`, the shared expert
   `mlp.shared_experts.linear_fc1` / `linear_fc2`; the pre-MLP norm is never fused into a MoE layer.
   Global names number experts globally: expert-parallel rank r holds experts r*n .. r*n+n-1 (n = experts / EP)
-  as its local_experts 0..n-1.
+  as its local_experts 0..n-1. Grouped experts (megatron's GroupedMLP layout: weight1 / weight2 over the local
+  experts, agentrl.learners.megatron.grouped_experts) go by the same per-expert names, as views.
 `load_hf` refuses an HF checkpoint holding a tensor no group maps (nothing is dropped silently).
 
 A `Group` maps one Megatron parameter (global layer numbering: `decoder.layers.{i}.`) to its HF tensors.
@@ -30,6 +31,7 @@ import torch
 
 from agentrl.errors import LearnerError
 from agentrl.learners.megatron.arch import ArchSpec
+from agentrl.learners.megatron.grouped_experts import expert_views, is_grouped
 
 REPLICATED, ROW, COL, QKV, GLU = "replicated", "dim0", "dim1", "qkv", "glu"
 
@@ -216,9 +218,17 @@ def is_te_model(model: torch.nn.Module) -> bool:
 
 def global_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """{global name: tensor} of this rank's parameters and the routers' `expert_bias` buffers (weights of the
-    model the optimizer does not step: GLM's correction bias)."""
+    model the optimizer does not step: GLM's correction bias). Grouped experts (weight1 / weight2) appear as
+    per-expert views under SequentialMLP's names: the same names and tensors in either layout, and writing a
+    view writes the grouped weight."""
     to_global = local_to_global(model)
-    out: dict[str, torch.Tensor] = {to_global(n): p for n, p in model.named_parameters()}
+    grouped = {n + ".": m for n, m in model.named_modules() if n.endswith("mlp.experts") and is_grouped(m)}
+    out: dict[str, torch.Tensor] = {}
+    for n, p in model.named_parameters():
+        if n.rpartition(".")[0] + "." not in grouped:
+            out[to_global(n)] = p
+    for prefix, module in grouped.items():  # GroupedMLP's weight1 / weight2 as per-expert views
+        out |= {to_global(n): v for n, v in expert_views(prefix, module).items()}
     out |= {to_global(n): b for n, b in model.named_buffers() if n.endswith("router.expert_bias")}
     return out
 
@@ -311,7 +321,8 @@ def iter_hf(model: torch.nn.Module, arch: ArchSpec) -> Iterator[tuple[str, torch
             tensors = tensors if tensors is not None else empty(group)
             for t in tensors:
                 dist.broadcast(t.contiguous(), src=dist.get_global_rank(src, owner), group=src)
-        yield from zip(group.hf, tensors, strict=True)
+        # grouped experts' views are transposed: the publish paths and safetensors want row-major tensors
+        yield from zip(group.hf, (t if t.is_contiguous() else t.contiguous() for t in tensors), strict=True)
 
 
 def _owners(params: dict[str, torch.Tensor], pp_size: int) -> dict[str, int]:

@@ -155,13 +155,13 @@ class MegatronLearner(Learner):
         model = build_gpt(
             arch, dtype=self.dtype, device=str(self.device), attention=self.attention, fused=self.fused,
             calculate_per_token_loss=True, use_te=False if self.lora is not None else None,
-            **self._pipeline_config(), **self._moe_loss_config(arch),
+            experts=self.cfg.moe_experts, **self._pipeline_config(), **self._moe_loss_config(arch),
         )  # fmt: skip
         convert.check_hf_names(arch, checkpoint.weight_map(path))
         with checkpoint.hf_reader(path) as get_hf:
             convert.load_hf(model, arch, lambda n: _as_model_dtype(n, get_hf(n), self.dtype), self.tp_rank,
                             self.tp_size)  # fmt: skip
-        if self.ep_size > 1:
+        if self.ep_size > 1 and self.moe_token_dispatcher() == "allgather":  # alltoall takes unequal counts
             expert_parallel.pad_tokens(model)
         return model
 
@@ -206,12 +206,21 @@ class MegatronLearner(Learner):
         arch = ArchSpec.from_hf(AutoConfig.from_pretrained(path))
         return self._load_model(path, arch).eval().requires_grad_(False)
 
+    def moe_token_dispatcher(self) -> str:
+        """learner.moe_token_dispatcher resolved: 'auto' is alltoall under pipeline parallelism (megatron's
+        allgather dispatcher refuses variable lengths), allgather otherwise."""
+        chosen = self.cfg.moe_token_dispatcher
+        if chosen == "auto":
+            return "alltoall" if self.cfg.pipeline_parallel > 1 else "allgather"
+        return chosen
+
     def _pipeline_config(self) -> dict:
-        """Micro-batches differ in rows and width: pipeline stages exchange shapes before activations."""
-        if self.cfg.pipeline_parallel == 1:
-            return {}
-        # megatron's allgather token dispatcher (model.py) refuses variable lengths; dense models: a no-op
-        return {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
+        """Micro-batches differ in rows and width: pipeline stages exchange shapes before activations; the MoE
+        token dispatcher (dense models: a no-op)."""
+        out = {"moe_token_dispatcher_type": self.moe_token_dispatcher()}
+        if self.cfg.pipeline_parallel > 1:
+            out["variable_seq_lengths"] = True
+        return out
 
     def _make_optimizer(self):
         lc = self.cfg

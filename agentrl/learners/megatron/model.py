@@ -9,11 +9,13 @@ is replaced by `SDPAttention` (torch scaled_dot_product_attention, causal; flash
 attention="local" asks for Megatron's own DotProductAttention. Batches are right-padded, so a causal mask
 alone is exact for every real token and RoPE positions are 0..T-1.
 Mixtures of experts (Qwen3-MoE, GLM-4.5-MoE): a per-layer block spec (dense layers where the HF model has
-them), Megatron's TopKRouter configured from the ArchSpec's router fields, SequentialMLP experts (one MLP per
-expert: no grouped GEMM, which needs Transformer Engine or the grouped_gemm package) and the "allgather" token
-dispatcher (plain collectives: it runs on CPU over gloo as on GPU over NCCL; "alltoall" opens CUDA streams),
-except under pipeline parallelism, whose variable sequence lengths megatron's allgather dispatcher refuses:
-there the learner asks for "alltoall" (GPU only, as PP is).
+them), Megatron's TopKRouter configured from the ArchSpec's router fields, and the routed experts as
+`experts="grouped"` (learner.moe_experts: megatron's GroupedMLP layout computed by agentrl's grouped matmul,
+agentrl.learners.megatron.grouped_experts; no Transformer Engine or grouped_gemm package needed) or
+"sequential" (megatron's SequentialMLP: one MLP per expert, a Python loop of small matmuls). The token
+dispatcher is the config's `moe_token_dispatcher_type` (learner.moe_token_dispatcher; default "allgather":
+plain collectives, it runs on CPU over gloo as on GPU over NCCL; "alltoall" opens CUDA streams and is what
+pipeline parallelism needs, whose variable sequence lengths megatron's allgather dispatcher refuses).
 GLM's correction bias is the router's `expert_bias` buffer with an update rate of 0: it keeps the value the
 engines route with (Megatron would otherwise move it toward balanced loads after every step).
 """
@@ -98,7 +100,6 @@ def moe_config(arch: ArchSpec) -> dict:
         moe_shared_expert_intermediate_size=arch.shared_expert_intermediate_size or None,
         moe_router_load_balancing_type="aux_loss",
         moe_token_dispatcher_type="allgather",
-        moe_grouped_gemm=False,
     )
 
 
@@ -149,32 +150,46 @@ def _with_bias(linear: type) -> type:
     return Biased
 
 
-def layer_spec(arch: ArchSpec, attention: str = "sdpa", use_te: bool | None = None, moe: bool = False):
-    """One transformer layer's spec; `moe`: its MLP is the mixture of experts."""
+EXPERTS = ("grouped", "sequential")
+
+
+def layer_spec(arch: ArchSpec, attention: str = "sdpa", use_te: bool | None = None, moe: bool = False,
+               experts: str = "grouped"):  # fmt: skip
+    """One transformer layer's spec; `moe`: its MLP is the mixture of experts, its routed experts `experts`
+    ("grouped" or "sequential", module docstring)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    if experts not in EXPERTS:
+        raise LearnerError(f"learner.moe_experts = {experts!r}: choose one of {', '.join(EXPERTS)}")
     if use_te is None:
         use_te = have_transformer_engine()
-    experts = arch.num_experts if moe else None
+    n_experts = arch.num_experts if moe else None
     if use_te:
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=experts, qk_layernorm=arch.qk_norm
+            num_experts=n_experts, qk_layernorm=arch.qk_norm
         )
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(
-            num_experts=experts, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
+            num_experts=n_experts, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
         )
         if attention == "sdpa":
             spec.submodules.self_attention.submodules.core_attention = SDPAttention
         elif attention != "local":
             raise LearnerError(f"attention {attention!r}: choose 'sdpa' or 'local'")
+    if moe and experts == "grouped":  # with or without Transformer Engine: the converter knows this layout
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        from agentrl.learners.megatron.grouped_experts import grouped_experts_class
+
+        spec.submodules.mlp.submodules.experts = ModuleSpec(module=grouped_experts_class())
     if arch.proj_bias:
         attn = spec.submodules.self_attention.submodules
         attn.linear_proj = _with_bias(attn.linear_proj)
     return spec
 
 
-def block_spec(arch: ArchSpec, config, attention: str = "sdpa", use_te: bool | None = None):
+def block_spec(arch: ArchSpec, config, attention: str = "sdpa", use_te: bool | None = None,
+               experts: str = "grouped"):  # fmt: skip
     """The layer spec (dense) or this pipeline stage's block spec (MoE: dense and MoE layers as in HF)."""
     if not arch.num_experts:
         return layer_spec(arch, attention, use_te)
@@ -187,13 +202,15 @@ def block_spec(arch: ArchSpec, config, attention: str = "sdpa", use_te: bool | N
 
     offset = get_transformer_layer_offset(config)
     local = arch.moe_layers[offset : offset + get_num_layers_to_build(config)]
-    specs = {moe: layer_spec(arch, attention, use_te, moe=moe) for moe in set(local)}
+    specs = {moe: layer_spec(arch, attention, use_te, moe=moe, experts=experts) for moe in set(local)}
     return TransformerBlockSubmodules(layer_specs=[specs[moe] for moe in local], layer_norm=LayerNormImpl)
 
 
 def build_gpt(arch: ArchSpec, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-              attention: str = "sdpa", use_te: bool | None = None, fused: bool = False, **config_extra):  # fmt: skip
-    """A GPTModel for this pipeline stage (parallel_state must be initialised), on `device`."""
+              attention: str = "sdpa", use_te: bool | None = None, fused: bool = False,
+              experts: str = "grouped", **config_extra):  # fmt: skip
+    """A GPTModel for this pipeline stage (parallel_state must be initialised), on `device`; a mixture of
+    experts' routed experts `experts` ("grouped" or "sequential", module docstring)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -213,7 +230,7 @@ def build_gpt(arch: ArchSpec, *, dtype: torch.dtype = torch.float32, device: str
     with building:
         model = GPTModel(
             config=config,
-            transformer_layer_spec=block_spec(arch, config, attention, use_te),
+            transformer_layer_spec=block_spec(arch, config, attention, use_te, experts),
             vocab_size=arch.vocab_size,
             max_sequence_length=arch.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(),
