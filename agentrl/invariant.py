@@ -45,6 +45,16 @@ ROW_TILE = 16  # rows of every matmul and reduction are padded to a multiple of 
 KEY_BLOCK = 32  # attention scores are computed per block of this many keys
 
 
+# Run the Triton kernels on CPU tensors too (under TRITON_INTERPRET=1): how tests/invariant_triton_checks.py drives
+# the engine and the learner through the GPU path on a CPU.
+KERNELS_ON_CPU = False
+
+
+def uses_kernels(x: torch.Tensor) -> bool:
+    """Whether the ops run agentrl.invariant_triton's kernels on `x` (CUDA tensors), else the CPU path."""
+    return x.is_cuda or KERNELS_ON_CPU
+
+
 def _kernels():
     from agentrl import invariant_triton  # triton, CUDA only: imported on first use
 
@@ -92,7 +102,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x [..., K] @ weight[N, K].T (+ bias [N]) with a row-independent reduction order."""
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
-    if flat.is_cuda:
+    if uses_kernels(flat):
         out = _kernel_op(_kernels().matmul, F.linear, flat, weight)
     else:
         out = F.linear(_pad_rows(flat), weight)[: flat.shape[0]]
@@ -104,7 +114,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm (fp32 statistics, weight applied in x's dtype) over the last dim, row-invariant."""
     dtype, shape = x.dtype, x.shape
-    if x.is_cuda:
+    if uses_kernels(x):
         flat = x.reshape(-1, shape[-1])
         return _kernel_op(
             lambda a, w: _kernels().rms_norm(a, w, eps),
@@ -128,7 +138,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torc
     """`log_softmax(logits / T)[token]` per row: logits [N, V] (read as fp32), tokens [N], temperature [N] (a
     row with T <= 0 is greedy: T = 1) -> [N] fp32. The engine's reported log-prob and, on CUDA, the learner's.
     On CPU torch's last-dim kernel (each row on its own); on CUDA one Triton program per row."""
-    if logits.is_cuda:
+    if uses_kernels(logits):
         return _kernel_op(
             lambda x: _kernels().token_logprobs(x, tokens, temperature),
             lambda x: _reference_token_logprobs(x, tokens, temperature),
@@ -229,7 +239,7 @@ def packed_attention(
     """Causal self-attention within each sequence of a packed batch (span [a, b) at positions 0..b-a-1): q [S, H,
     D], k/v [S, KV, D] -> [S, H, D]. Sequences whose lengths round up to the same multiple of KEY_BLOCK run in one
     call, each padded to that length (its padding queries are dropped, its padding keys are never read)."""
-    if q.is_cuda:
+    if uses_kernels(q):
         return _cuda_packed_attention(q, k, v, spans)
     heads, d = q.shape[1:]
     kv = k.shape[1]
@@ -288,7 +298,7 @@ def decode_attention(
     """One new token per row over its cached keys: q [B, H, D], k/v [B, KV, L, D] (positions <= the row's own
     are filled), positions [B] -> [B, H, D]."""
     b, heads, d = q.shape
-    if q.is_cuda:  # each row reads its slot up to its position (device tensors only: CUDA-graph safe)
+    if uses_kernels(q):  # each row reads its slot up to its position (device tensors only: CUDA-graph safe)
         rows = torch.arange(b, device=q.device)
         ones = torch.ones(b, dtype=torch.int64, device=q.device)
         return _kernels().attention(q, k, v, rows, ones, positions.to(torch.int64), rows, 1)

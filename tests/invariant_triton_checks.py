@@ -1,9 +1,14 @@
 """The checks of tests/test_invariant_triton.py, run in a process of their own with TRITON_INTERPRET=1 (Triton
 reads the flag when it is imported): `python -m tests.invariant_triton_checks` runs them all."""
 
+import asyncio
+import sys
+import tempfile
+
 import torch
 import torch.nn.functional as F
 
+from agentrl import invariant, types
 from agentrl import invariant_triton as kernels
 
 
@@ -74,8 +79,63 @@ def test_attention_prefill_equals_decode_over_a_stale_slot():
         assert torch.equal(one[0], packed[p])
 
 
+def test_engine_equals_learner_through_the_kernels():
+    """The GPU path end to end on CPU (fp32, the kernels interpreted): a Qwen3 engine (q/k norms, 4 heads over 2
+    kv heads) serves five requests through 3 slots, prompts prefilled together and while others decode; every
+    reported log-prob equals the torch learner's, padded and packed, and its training forward (autograd on,
+    backward through the reference ops) gives the same values."""
+    from agentrl.config.learning import LearnerSection
+    from agentrl.engines.base import SamplingParams
+    from agentrl.engines.embedded import EmbeddedEngine
+    from agentrl.engines.tiny import make_tiny_model
+    from agentrl.learners.batch import build_batch
+    from agentrl.learners.torch_learner import TorchLearner
+
+    invariant.KERNELS_ON_CPU = True
+    work = [(3, 9, 0.0), (40, 5, 0.0), (70, 7, 0.0), (9, 8, 0.3), (20, 4, 0.3)]
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(make_tiny_model(tmp, "qwen3", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
+                                    vocab_size=300, init_std=0.2))  # fmt: skip
+        engine = EmbeddedEngine(model, max_batch_size=3, max_seq_len=128, seed=1, true_on_policy=True)
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(5, 300, (n,), generator=gen).tolist() for n, _, _ in work]
+
+        async def one(prompt, new_tokens, delay_s):
+            await asyncio.sleep(delay_s)
+            sampling = SamplingParams(temperature=0.7, max_new_tokens=new_tokens, ignore_eos=True)
+            return await engine.generate(prompt, sampling)
+
+        async def main():
+            try:
+                return await asyncio.gather(
+                    *(one(p, n, d) for p, (_, n, d) in zip(prompts, work, strict=True))
+                )
+            finally:
+                await engine.close()
+
+        outs = asyncio.run(main())
+        trajs = [types.normalize(types.Trajectory(id=f"t{i}", prompt_ids=p, response_ids=o.output_ids,
+                                                  logprobs=o.logprobs, versions=o.versions))
+                 for i, (p, o) in enumerate(zip(prompts, outs, strict=True))]  # fmt: skip
+        learner = TorchLearner(model, LearnerSection(kind="torch", micro_batch_tokens=150), temperature=0.7,
+                               true_on_policy=True)  # fmt: skip
+        for pack_tokens in (0, 100):
+            batch = build_batch(trajs, pad_id=learner.pad_id, pack_tokens=pack_tokens)
+            logp = learner.compute_logprobs(batch)
+            for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+                row, cols = (batch.seq_index == i).nonzero(as_tuple=True)
+                mine, engine_lp = logp[row, cols][len(p) :], torch.tensor(o.logprobs)
+                assert torch.equal(mine, engine_lp), (pack_tokens, i, (mine - engine_lp).abs().max())
+        with torch.enable_grad():
+            train_logp, _, _ = learner._forward(learner.model, batch)
+            train_logp.sum().backward()
+        assert torch.equal(train_logp.detach() * batch.attention_mask, logp)
+        assert all(p.grad is not None for p in learner.model.parameters())
+
+
 if __name__ == "__main__":
+    only = sys.argv[1:]
     for name, check in list(globals().items()):
-        if name.startswith("test_"):
+        if name.startswith("test_") and (not only or name in only):
             check()
-            print("ok", name)
+            print("ok", name, flush=True)

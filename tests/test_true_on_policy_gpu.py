@@ -100,7 +100,11 @@ def _workload(n: int) -> list[tuple[int, int, float]]:
     ]  # fmt: skip
 
 
-def serve(model_dir, true_on_policy: bool, n: int = 40) -> list[types.Trajectory]:
+Served = list[tuple[list[int], list[float], types.Trajectory]]
+
+
+def serve(model_dir, true_on_policy: bool, n: int = 40) -> Served:
+    """Each request's prompt, the engine's log-probs of its sampled tokens and its trajectory."""
     engine = EmbeddedEngine(
         str(model_dir), device="cuda", dtype="bfloat16", max_batch_size=SLOTS, max_seq_len=512, seed=3,
         true_on_policy=true_on_policy,
@@ -122,10 +126,11 @@ def serve(model_dir, true_on_policy: bool, n: int = 40) -> list[types.Trajectory
             await engine.close()
 
     outs = asyncio.run(main())
-    assert [len(o.output_ids) for o in outs] == [n for _, n, _ in work]
+    assert [len(o.output_ids) for o in outs] == [new for _, new, _ in work]
     return [
-        types.normalize(types.Trajectory(id=f"t{i}", group_id=f"g{i // 4}", prompt_ids=p, response_ids=o.output_ids,
-                                         logprobs=o.logprobs, versions=o.versions, reward=float(i % 2)))
+        (p, o.logprobs, types.normalize(types.Trajectory(
+            id=f"t{i}", group_id=f"g{i // 4}", prompt_ids=p, response_ids=o.output_ids, logprobs=o.logprobs,
+            versions=o.versions, reward=float(i % 2))))
         for i, (p, o) in enumerate(zip(prompts, outs, strict=True))
     ]  # fmt: skip
 
@@ -136,10 +141,10 @@ def _learner(model_dir) -> TorchLearner:
     return TorchLearner(str(model_dir), section, temperature=TEMPERATURE, true_on_policy=True)
 
 
-def _mismatches(learner: TorchLearner, trajs: list[types.Trajectory], pack_tokens: int) -> list[tuple]:
+def _mismatches(learner: TorchLearner, served: Served, pack_tokens: int) -> list[tuple]:
     """(trajectory, tokens that differ, max |delta|) for every trajectory whose learner log-probs are not the
     engine's bit for bit, with the batch laid out padded (0) or packed (`pack_tokens`)."""
-    batch = build_batch(trajs, pad_id=learner.pad_id, pack_tokens=pack_tokens)
+    batch = build_batch([t for _, _, t in served], pad_id=learner.pad_id, pack_tokens=pack_tokens)
     logp = learner.compute_logprobs(batch)
     assert torch.equal(learner.compute_ref_logprobs(batch), logp)  # the KL to the reference is exactly 0
     # the training forward (autograd on: the kernels' forward, the reference ops' backward) gives the same values
@@ -147,15 +152,15 @@ def _mismatches(learner: TorchLearner, trajs: list[types.Trajectory], pack_token
     with torch.enable_grad():
         train_logp, _, _ = learner._forward(learner.model, mb)
         train_logp.sum().backward()
-    assert torch.equal(train_logp.detach(), logp.to(train_logp.device))
+    assert torch.equal(train_logp.detach() * mb.attention_mask, logp.to(train_logp.device))
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in learner.model.parameters()
                if p.requires_grad)  # fmt: skip
     learner.model.zero_grad(set_to_none=True)
     bad = []
-    for i, t in enumerate(trajs):
+    for i, (prompt, reported, _) in enumerate(served):
         row, cols = (batch.seq_index == i).nonzero(as_tuple=True)
-        mine = logp[row, cols][len(t.prompt_ids) :].cpu()
-        engine = torch.tensor(t.logprobs, dtype=torch.float32)
+        mine = logp[row, cols][len(prompt) :].cpu()
+        engine = torch.tensor(reported, dtype=torch.float32)
         if not torch.equal(mine, engine):
             bad.append((i, int((mine != engine).sum()), float((mine - engine).abs().max())))
     return bad
@@ -163,10 +168,10 @@ def _mismatches(learner: TorchLearner, trajs: list[types.Trajectory], pack_token
 
 def test_engine_logprobs_equal_learner_training_forward_bf16_cuda_graphs(model_dir):
     _kernels()
-    trajs = serve(model_dir, true_on_policy=True)
+    served = serve(model_dir, true_on_policy=True)
     learner = _learner(model_dir)
     for pack_tokens in (0, 1024):  # right-padded rows, and sequences packed into shared rows
-        assert _mismatches(learner, trajs, pack_tokens) == [], pack_tokens
+        assert _mismatches(learner, served, pack_tokens) == [], pack_tokens
     # the comparison can fail: the engine's normal path (compiled, cuBLAS, its own attention) differs
     normal = serve(model_dir, true_on_policy=False, n=12)
     assert _mismatches(learner, normal, 0) != []

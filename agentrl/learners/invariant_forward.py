@@ -130,7 +130,7 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     agentrl.invariant.token_logprobs (the engine's per-row kernel: torch's CUDA softmax picks its kernel by the
     shape, and divides by a scalar temperature as a multiply by its reciprocal); on CPU torch's (the engine's
     sampler computes the same per-row kernel there)."""
-    if not logits.is_cuda:
+    if not invariant.uses_kernels(logits):
         return _token_logprobs(logits, input_ids, temperature)
     rows, width, vocab = logits.shape
     flat = logits[:, :-1].reshape(-1, vocab)
