@@ -150,6 +150,59 @@ def learn(model: str, on: bool, trajs: list[types.Trajectory], engine_logprobs: 
     return agreed, rates
 
 
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tile configs the CUDA sweep times against cuBLAS
+MATMUL_CANDIDATES = [(64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3), (128, 128, 64, 8, 3)]
+# (N, K) of the Qwen3-0.6B architecture's matmuls: qkv, o, gate_up, down, lm_head
+MATMUL_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151_936, 1024)]
+
+
+def matmul_sweep() -> list[dict]:
+    """Each candidate tile config of the invariant matmul: its time over one layer's and the lm_head's matmuls
+    against cuBLAS (F.linear) at decode-sized and learner-sized M, and whether its outputs equal the default
+    config's bit for bit (if they do for every M, per-M configs sharing BLOCK_K would stay invariant)."""
+    from agentrl import invariant_triton as kernels
+
+    default = kernels.MATMUL_CONFIG
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weights = [
+        torch.randn(n, k, generator=gen, device="cuda").to(torch.bfloat16) * 0.03 for n, k in MATMUL_SHAPES
+    ]
+    inputs = {m: [torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16) for _, k in MATMUL_SHAPES]
+              for m in (8, 64, 256, 8192)}  # fmt: skip
+
+    def timed(fn, m) -> float:
+        for _ in range(2):
+            fn(m)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            fn(m)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 10
+
+    def run_kernel(m):
+        return [kernels.matmul(x, w) for x, w in zip(inputs[m], weights, strict=True)]
+
+    def run_cublas(m):
+        return [torch.nn.functional.linear(x, w) for x, w in zip(inputs[m], weights, strict=True)]
+
+    reference = {m: run_kernel(m) for m in inputs}
+    rows = []
+    try:
+        for config in MATMUL_CANDIDATES:
+            kernels.MATMUL_CONFIG = config
+            row = {"config": list(config), "bit_equal_to_default": all(
+                torch.equal(a, b) for m in inputs for a, b in zip(run_kernel(m), reference[m], strict=True))}  # fmt: skip
+            for m in inputs:
+                row[f"m{m}_over_cublas"] = round(timed(run_kernel, m) / timed(run_cublas, m), 3)
+            rows.append(row)
+            print(json.dumps({"matmul": row}), file=sys.stderr, flush=True)
+    finally:
+        kernels.MATMUL_CONFIG = default
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
@@ -163,12 +216,19 @@ def main() -> None:
     ap.add_argument(
         "--megatron", action="store_true", help="also score the on-mode trajectories with Megatron"
     )
+    ap.add_argument("--matmul-config", help="CUDA: the invariant matmul's tile config BM,BN,BK,warps,stages")
+    ap.add_argument("--sweep", action="store_true", help="CUDA: time the matmul tile candidates first")
     ap.add_argument("--out", help="also write the JSON result here")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     args.dtype = "bfloat16" if cuda else "float32"
     args.requests = args.requests or (256 if cuda else 32)
     torch.set_num_threads(args.threads)
+    sweep = matmul_sweep() if cuda and args.sweep else None
+    if args.matmul_config:
+        from agentrl import invariant_triton
+
+        invariant_triton.MATMUL_CONFIG = tuple(int(v) for v in args.matmul_config.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         if cuda:
             model = str(build_model("qwen3-0.6b", Path(tmp), args.dtype, args.device))
@@ -182,7 +242,11 @@ def main() -> None:
                                        generator=gen).tolist(), args.new_tokens) for _ in range(args.requests)]  # fmt: skip
             shape = f"Qwen2 hidden {args.hidden}, {args.layers} layers, fp32, {args.threads} threads"
         result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "model": shape,
-                  "requests": len(requests), "repeats": args.repeats}  # fmt: skip
+                  "requests": len(requests), "repeats": args.repeats, "matmul_sweep": sweep}  # fmt: skip
+        if cuda:
+            from agentrl import invariant_triton
+
+            result["matmul_config"] = list(invariant_triton.MATMUL_CONFIG)
         for on in (False, True):
             name = "on" if on else "off"
             rates, trajs, reported = serve(model, on, requests, args)
@@ -209,6 +273,10 @@ def main() -> None:
         a = result[name]["engine_vs_learner_logprobs"]
         print(f"| engine vs learner log-probs ({name}) | {a['bit_equal']:,} of {a['tokens']:,} tokens bit-equal, "
               f"mean abs delta {a['mean_abs']:.2e}, max {a['max_abs']:.2e} | | |")  # fmt: skip
+    for row in sweep or []:
+        print(f"| matmul tile {row['config']} / cuBLAS | " + ", ".join(
+            f"{k[1:].split('_')[0]} rows {v}" for k, v in row.items() if k.endswith("_over_cublas"))
+            + f" | equal to default: {row['bit_equal_to_default']} | |")  # fmt: skip
     if "megatron_vs_engine_on" in result:
         a = result["megatron_vs_engine_on"]
         print(f"| Megatron learner vs the engine (on) | {json.dumps(a)} | | |")

@@ -12,8 +12,10 @@ through the cast.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -86,18 +88,12 @@ def fused_layers(model, dtype: torch.dtype = torch.float32) -> list[dict[str, to
 
 def sequences(seq_index: torch.Tensor) -> list[tuple[int, int, int]]:
     """(row, start, end) of every sequence in a [R, T] `seq_index` (-1 on padding), in row order."""
+    grid = seq_index.cpu().numpy()
     out = []
-    for r, row in enumerate(seq_index.tolist()):
-        t = 0
-        while t < len(row):
-            if row[t] < 0:
-                t += 1
-                continue
-            end = t
-            while end < len(row) and row[end] == row[t]:
-                end += 1
-            out.append((r, t, end))
-            t = end
+    for r, row in enumerate(grid):
+        # a sequence is a maximal run of one id >= 0: its bounds are where the id changes
+        edges = np.flatnonzero(np.diff(row, prepend=-2, append=-2) != 0)
+        out.extend((r, int(a), int(b)) for a, b in itertools.pairwise(edges) if row[a] >= 0)
     return out
 
 
