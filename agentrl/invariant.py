@@ -29,9 +29,9 @@ How each op holds it on CPU (fp32, MKL; torch 2.13's CPU build; tests/test_true_
 On CUDA (bf16 or fp32, CUDA graphs) the matmul, RMSNorm, attention and the token log-prob run
 agentrl.invariant_triton's kernels, whose reduction order is fixed by construction (no padding needed); the
 elementwise ops (RoPE, SiLU, residual adds, bias) are torch's, which compute each element alone. Where autograd
-needs it (the learner), a kernel's backward is autograd of a differentiable reference of the same op (cuBLAS
-matmul, SDPA, torch's RMSNorm and log-softmax): the forward values are the kernels', the gradients the
-reference's, which agree with them to rounding.
+needs it (the learner), the matmul's backward is the two cuBLAS products and every other kernel's is autograd
+of a differentiable reference of the same op recomputed from its inputs (SDPA per sequence, torch's RMSNorm
+and log-softmax): the forward values are the kernels', the gradients agree with theirs to rounding.
 """
 
 from __future__ import annotations
@@ -81,6 +81,22 @@ class _ReferenceGrad(torch.autograd.Function):
         return (None, None, *(next(grads) if t.requires_grad else None for t in inputs))
 
 
+class _KernelLinear(torch.autograd.Function):
+    """x @ weight.T by the invariant matmul; its backward the two cuBLAS products (no forward recomputed)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return _kernels().matmul(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad.mm(weight) if ctx.needs_input_grad[0] else None
+        grad_w = grad.t().mm(x) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
+
+
 def _kernel_op(kernel, reference, *tensors: torch.Tensor) -> torch.Tensor:
     """`kernel(*tensors)`, differentiable through `reference` when autograd needs it."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
@@ -103,7 +119,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     if uses_kernels(flat):
-        out = _kernel_op(_kernels().matmul, F.linear, flat, weight)
+        if torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad):
+            out = _KernelLinear.apply(flat, weight)
+        else:
+            out = _kernels().matmul(flat, weight)
     else:
         out = F.linear(_pad_rows(flat), weight)[: flat.shape[0]]
     if bias is not None:

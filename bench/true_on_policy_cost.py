@@ -123,8 +123,14 @@ def megatron_agreement(model: str, trajs, engine_logprobs, requests, args) -> di
     except ImportError as exc:
         return {"error": f"megatron-core not installed: {exc}"}
     section = LearnerSection(kind="megatron", device=args.device, dtype=args.dtype)
-    learner = MegatronLearner(model, section, temperature=TEMPERATURE)
-    out, _ = agreement(learner, trajs, engine_logprobs, requests)
+    try:
+        learner = MegatronLearner(model, section, temperature=TEMPERATURE)
+        out, _ = agreement(learner, trajs, engine_logprobs, requests)
+    except Exception as exc:  # the measurement is an extra: it must not cost the run's other results
+        import traceback
+
+        traceback.print_exc()
+        return {"error": repr(exc)[:500]}
     learner = None
     _free(args.device)
     return out
@@ -224,7 +230,15 @@ def main() -> None:
     args.dtype = "bfloat16" if cuda else "float32"
     args.requests = args.requests or (256 if cuda else 32)
     torch.set_num_threads(args.threads)
-    sweep = matmul_sweep() if cuda and args.sweep else None
+    sweep = None
+    if cuda and args.sweep:
+        try:
+            sweep = matmul_sweep()
+        except Exception as exc:  # an extra too: the on/off measurement goes on without it
+            import traceback
+
+            traceback.print_exc()
+            sweep = [{"error": repr(exc)[:500]}]
     if args.matmul_config:
         from agentrl import invariant_triton
 
@@ -273,7 +287,7 @@ def main() -> None:
         a = result[name]["engine_vs_learner_logprobs"]
         print(f"| engine vs learner log-probs ({name}) | {a['bit_equal']:,} of {a['tokens']:,} tokens bit-equal, "
               f"mean abs delta {a['mean_abs']:.2e}, max {a['max_abs']:.2e} | | |")  # fmt: skip
-    for row in sweep or []:
+    for row in [r for r in sweep or [] if "config" in r]:
         print(f"| matmul tile {row['config']} / cuBLAS | " + ", ".join(
             f"{k[1:].split('_')[0]} rows {v}" for k, v in row.items() if k.endswith("_over_cublas"))
             + f" | equal to default: {row['bit_equal_to_default']} | |")  # fmt: skip
