@@ -18,9 +18,9 @@ for part in $parts; do
         --out "$out/true_on_policy_cost.json" > /tmp/true_on_policy_cost.log 2>&1
       echo "cost rc=$?"; grep -v '^{"device"' /tmp/true_on_policy_cost.log | tail -25
       cp /tmp/true_on_policy_cost.log "$out/" ;;
-    run-on | run-off)  # train/logprob_mismatch per step of a quickstart run with the mode on (or off)
+    run-on | run-off)  # train/logprob_mismatch per step of a sync quickstart run (async adds policy lag to it)
       mode=${part#run-}
-      quickstart_run "true_on_policy_$mode" "${RUN_TIMEOUT_S:-280}" "${GPU_PAIR[@]}" --run.steps "${STEPS:-100}" \
+      quickstart_run "true_on_policy_$mode" "${RUN_TIMEOUT_S:-280}" "${GPU_PAIR[@]}" --run.mode sync --run.steps "${STEPS:-100}" \
         --run.true-on-policy "$([ "$mode" = on ] && echo true || echo false)"
       python3 - "$out/true_on_policy_$mode.metrics.jsonl" <<'PY'
 import json, sys
