@@ -148,9 +148,16 @@ def test_unsupported_settings_are_refused(megatron_model):
         ({"learner": {"kind": "megatron"}}, "learner.kind"),
         ({"engine": {"dtype": "bfloat16"}}, "engine.dtype"),
         ({"learner": {"lora": {"rank": 4}}}, "learner.lora.rank"),
+        ({"engine": {"device": "cuda", "dtype": "bfloat16"}}, "engine.device and learner.device"),
+        ({"engine": {"device": "cuda", "dtype": "bfloat16"}, "learner": {"device": "cuda"}}, "engine.dtype"),
     ):
         with pytest.raises(ConfigError, match=field):
             load_config(None, {"run": {"true_on_policy": True}, **overrides})
+    # the GPU pair in bf16 (agentrl.invariant_triton's kernels) is accepted
+    gpu = {"device": "cuda", "dtype": "bfloat16"}
+    assert load_config(
+        None, {"run": {"true_on_policy": True}, "engine": gpu, "learner": gpu}
+    ).run.true_on_policy
     moe = megatron_model("qwen3_moe")
     with pytest.raises(EngineError, match="MoE"):
         EmbeddedEngine(str(moe), max_seq_len=64, true_on_policy=True)
