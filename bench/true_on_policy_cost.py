@@ -176,32 +176,40 @@ def matmul_sweep() -> list[dict]:
     inputs = {m: [torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16) for _, k in MATMUL_SHAPES]
               for m in (8, 64, 256, 8192)}  # fmt: skip
 
-    def timed(fn, m) -> float:
+    def timed(fn, m, shapes) -> float:
         for _ in range(2):
-            fn(m)
+            fn(m, shapes)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(10):
-            fn(m)
+            fn(m, shapes)
         end.record()
         torch.cuda.synchronize()
         return start.elapsed_time(end) / 10
 
-    def run_kernel(m):
-        return [kernels.matmul(x, w) for x, w in zip(inputs[m], weights, strict=True)]
+    def run_kernel(m, shapes):
+        return [kernels.matmul(inputs[m][i], weights[i]) for i in shapes]
 
-    def run_cublas(m):
-        return [torch.nn.functional.linear(x, w) for x, w in zip(inputs[m], weights, strict=True)]
+    def run_cublas(m, shapes):
+        return [torch.nn.functional.linear(inputs[m][i], weights[i]) for i in shapes]
 
-    reference = {m: run_kernel(m) for m in inputs}
+    every = range(len(MATMUL_SHAPES))
+    reference = {m: run_kernel(m, every) for m in inputs}
     rows = []
     try:
         for config in MATMUL_CANDIDATES:
             kernels.MATMUL_CONFIG = config
             row = {"config": list(config), "bit_equal_to_default": all(
-                torch.equal(a, b) for m in inputs for a, b in zip(run_kernel(m), reference[m], strict=True))}  # fmt: skip
+                torch.equal(a, b) for m in inputs for a, b in zip(run_kernel(m, every), reference[m], strict=True))}  # fmt: skip
             for m in inputs:
-                row[f"m{m}_over_cublas"] = round(timed(run_kernel, m) / timed(run_cublas, m), 3)
+                row[f"m{m}_over_cublas"] = round(timed(run_kernel, m, every) / timed(run_cublas, m, every), 3)
+            # per weight shape (N x K): a tile config may follow the weight's shape, never M
+            row["by_shape_over_cublas"] = {
+                f"{n}x{k}": {
+                    m: round(timed(run_kernel, m, [i]) / timed(run_cublas, m, [i]), 3) for m in inputs
+                }
+                for i, (n, k) in enumerate(MATMUL_SHAPES)
+            }
             rows.append(row)
             print(json.dumps({"matmul": row}), file=sys.stderr, flush=True)
     finally:
@@ -289,7 +297,7 @@ def main() -> None:
               f"mean abs delta {a['mean_abs']:.2e}, max {a['max_abs']:.2e} | | |")  # fmt: skip
     for row in [r for r in sweep or [] if "config" in r]:
         print(f"| matmul tile {row['config']} / cuBLAS | " + ", ".join(
-            f"{k[1:].split('_')[0]} rows {v}" for k, v in row.items() if k.endswith("_over_cublas"))
+            f"{k[1:].split('_')[0]} rows {v}" for k, v in row.items() if k.startswith("m"))
             + f" | equal to default: {row['bit_equal_to_default']} | |")  # fmt: skip
     if "megatron_vs_engine_on" in result:
         a = result["megatron_vs_engine_on"]
