@@ -22,9 +22,11 @@ How each op holds it on CPU (fp32, MKL; torch 2.13's CPU build; tests/test_true_
   `silu`'s and `sigmoid`'s kernels do not (their tails use another exp), so `silu` is written as x / (1 + exp(-x)).
 - attention (`attention`): keys padded to a multiple of `KEY_BLOCK` (a scores matmul whose N is not such a
   multiple takes MKL's edge kernels and gives other bits; over multiples the entries agree), masked to keys <=
-  the query's position, softmax over the row, then probabilities @ values, whose reduction over keys adds the
-  keys past the query's position (a decode reads its slot up to a rounded length, a prefill its prompt, the
-  learner its sequence, all padded) as exact zeros. Sequences run batched, each padded to its length's multiple.
+  the query's position, softmax over the row, then probabilities @ values one block of KEY_BLOCK keys at a
+  time with the blocks' products added in key order (one product over all keys lets MKL split its reduction by
+  the key count), so the keys past the query's position (a decode reads its slot up to a rounded length, a
+  prefill its prompt, the learner its sequence, all padded) add exact zeros. Sequences run batched, each padded
+  to its length's multiple.
 
 On CUDA (bf16 or fp32, CUDA graphs) the matmul, RMSNorm, attention and the token log-prob run
 agentrl.invariant_triton's kernels, whose reduction order is fixed by construction (no padding needed); the
@@ -243,8 +245,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     pos = positions[:, None, :].expand(b, g, nq).reshape(b, m, 1)
     masked = torch.arange(padded, device=q.device)[None, None, :] > pos
     probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1)
-    out = torch.bmm(F.pad(probs, (0, 0, 0, rows - m)), v.contiguous())[:, :m]
-    return out.reshape(b, g, nq, d)
+    probs, v = F.pad(probs, (0, 0, 0, rows - m)), v.contiguous()
+    # probabilities @ values one block of KEY_BLOCK keys at a time, the blocks added in key order: one bmm over
+    # all keys lets MKL split its reduction by the key count (a decode's slot and a prefill's prompt differ)
+    out = torch.bmm(probs[:, :, :KEY_BLOCK], v[:, :KEY_BLOCK])
+    for start in range(KEY_BLOCK, padded, KEY_BLOCK):
+        out = out + torch.bmm(probs[:, :, start : start + KEY_BLOCK], v[:, start : start + KEY_BLOCK])
+    return out[:, :m].reshape(b, g, nq, d)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
