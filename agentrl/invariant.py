@@ -248,9 +248,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     probs, v = F.pad(probs, (0, 0, 0, rows - m)), v.contiguous()
     # probabilities @ values one block of KEY_BLOCK keys at a time, the blocks added in key order: one bmm over
     # all keys lets MKL split its reduction by the key count (a decode's slot and a prefill's prompt differ)
-    out = torch.bmm(probs[:, :, :KEY_BLOCK], v[:, :KEY_BLOCK])
-    for start in range(KEY_BLOCK, padded, KEY_BLOCK):
-        out = out + torch.bmm(probs[:, :, start : start + KEY_BLOCK], v[:, start : start + KEY_BLOCK])
+    blocks = padded // KEY_BLOCK
+    parts = torch.matmul(  # [B, blocks, rows, D]: every block's product in one batched call
+        probs.view(b, rows, blocks, KEY_BLOCK).transpose(1, 2), v.view(b, blocks, KEY_BLOCK, d)
+    )
+    out = parts[:, 0]
+    for i in range(1, blocks):
+        out = out + parts[:, i]
     return out[:, :m].reshape(b, g, nq, d)
 
 
