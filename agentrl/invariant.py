@@ -22,10 +22,18 @@ How each op holds it on CPU (fp32, MKL; torch 2.13's CPU build; tests/test_true_
   `silu`'s and `sigmoid`'s kernels do not (their tails use another exp), so `silu` is written as x / (1 + exp(-x)).
 - attention (`attention`): keys padded to a multiple of `KEY_BLOCK` (a scores matmul whose N is not such a
   multiple takes MKL's edge kernels and gives other bits; over multiples the entries agree), masked to keys <=
-  the query's position, softmax over the row, then probabilities @ values, whose reduction over keys adds the
-  keys past the query's position (a decode reads its slot up to a rounded length, a prefill its prompt, the
-  learner its sequence, all padded) as exact zeros. Sequences run batched, each padded to its length's multiple.
-GPU (bf16, CUDA graphs) needs kernels of its own: docs/true_on_policy.md lists them.
+  the query's position, softmax over the row, then probabilities @ values one block of KEY_BLOCK keys at a
+  time with the blocks' products added in key order (one product over all keys lets MKL split its reduction by
+  the key count), so the keys past the query's position (a decode reads its slot up to a rounded length, a
+  prefill its prompt, the learner its sequence, all padded) add exact zeros. Sequences run batched, each padded
+  to its length's multiple.
+
+On CUDA (bf16 or fp32, CUDA graphs) the matmul, RMSNorm, attention and the token log-prob run
+agentrl.invariant_triton's kernels, whose reduction order is fixed by construction (no padding needed); the
+elementwise ops (RoPE, SiLU, residual adds, bias) are torch's, which compute each element alone. Where autograd
+needs it (the learner), the matmul's backward is the two cuBLAS products and every other kernel's is autograd
+of a differentiable reference of the same op recomputed from its inputs (SDPA per sequence, torch's RMSNorm
+and log-softmax): the forward values are the kernels', the gradients agree with theirs to rounding.
 """
 
 from __future__ import annotations
@@ -37,6 +45,65 @@ import torch.nn.functional as F
 
 ROW_TILE = 16  # rows of every matmul and reduction are padded to a multiple of this
 KEY_BLOCK = 32  # attention scores are computed per block of this many keys
+
+
+# Run the Triton kernels on CPU tensors too (under TRITON_INTERPRET=1): how tests/invariant_triton_checks.py drives
+# the engine and the learner through the GPU path on a CPU.
+KERNELS_ON_CPU = False
+
+
+def uses_kernels(x: torch.Tensor) -> bool:
+    """Whether the ops run agentrl.invariant_triton's kernels on `x` (CUDA tensors), else the CPU path."""
+    return x.is_cuda or KERNELS_ON_CPU
+
+
+def _kernels():
+    from agentrl import invariant_triton  # triton, CUDA only: imported on first use
+
+    return invariant_triton
+
+
+class _ReferenceGrad(torch.autograd.Function):
+    """Forward: `kernel(*tensors)`; backward: autograd of `reference(*tensors)` (the same op in torch)."""
+
+    @staticmethod
+    def forward(ctx, kernel, reference, *tensors):
+        ctx.reference = reference
+        ctx.save_for_backward(*tensors)
+        return kernel(*tensors)
+
+    @staticmethod
+    def backward(ctx, grad):
+        needs = ctx.needs_input_grad[2:]
+        inputs = [t.detach().requires_grad_(n) for t, n in zip(ctx.saved_tensors, needs, strict=True)]
+        with torch.enable_grad():
+            out = ctx.reference(*inputs)
+        wrt = [t for t in inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wrt, grad, allow_unused=True))
+        return (None, None, *(next(grads) if t.requires_grad else None for t in inputs))
+
+
+class _KernelLinear(torch.autograd.Function):
+    """x @ weight.T by the invariant matmul; its backward the two cuBLAS products (no forward recomputed)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return _kernels().matmul(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad.mm(weight) if ctx.needs_input_grad[0] else None
+        grad_w = grad.t().mm(x) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
+
+
+def _kernel_op(kernel, reference, *tensors: torch.Tensor) -> torch.Tensor:
+    """`kernel(*tensors)`, differentiable through `reference` when autograd needs it."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _ReferenceGrad.apply(kernel, reference, *tensors)
+    return kernel(*tensors)
 
 
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:
@@ -53,7 +120,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x [..., K] @ weight[N, K].T (+ bias [N]) with a row-independent reduction order."""
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
-    out = F.linear(_pad_rows(flat), weight)[: flat.shape[0]]
+    if uses_kernels(flat):
+        if torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad):
+            out = _KernelLinear.apply(flat, weight)
+        else:
+            out = _kernels().matmul(flat, weight)
+    else:
+        out = F.linear(_pad_rows(flat), weight)[: flat.shape[0]]
     if bias is not None:
         out = out + bias
     return out.reshape(*lead, weight.shape[0])
@@ -62,11 +135,42 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm (fp32 statistics, weight applied in x's dtype) over the last dim, row-invariant."""
     dtype, shape = x.dtype, x.shape
+    if uses_kernels(x):
+        flat = x.reshape(-1, shape[-1])
+        return _kernel_op(
+            lambda a, w: _kernels().rms_norm(a, w, eps),
+            lambda a, w: _reference_rms_norm(a, w, eps),
+            flat,
+            weight,
+        ).reshape(shape)
     flat = x.reshape(-1, shape[-1]).float()
     m = flat.shape[0]
     ms = _pad_rows(flat).pow(2).mean(-1, keepdim=True)[:m]
     normed = flat * torch.rsqrt(ms + eps)
     return weight * normed.to(dtype).reshape(shape)
+
+
+def _reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    return weight.to(x.dtype) * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """`log_softmax(logits / T)[token]` per row: logits [N, V] (read as fp32), tokens [N], temperature [N] (a
+    row with T <= 0 is greedy: T = 1) -> [N] fp32. The engine's reported log-prob and, on CUDA, the learner's.
+    On CPU torch's last-dim kernel (each row on its own); on CUDA one Triton program per row."""
+    if uses_kernels(logits):
+        return _kernel_op(
+            lambda x: _kernels().token_logprobs(x, tokens, temperature),
+            lambda x: _reference_token_logprobs(x, tokens, temperature),
+            logits,
+        )
+    return _reference_token_logprobs(logits, tokens, temperature)
+
+
+def _reference_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor):
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
+    return torch.log_softmax(logits.float() / t[:, None], dim=-1).gather(1, tokens[:, None])[:, 0]
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
@@ -141,8 +245,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     pos = positions[:, None, :].expand(b, g, nq).reshape(b, m, 1)
     masked = torch.arange(padded, device=q.device)[None, None, :] > pos
     probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1)
-    out = torch.bmm(F.pad(probs, (0, 0, 0, rows - m)), v.contiguous())[:, :m]
-    return out.reshape(b, g, nq, d)
+    probs, v = F.pad(probs, (0, 0, 0, rows - m)), v.contiguous()
+    # probabilities @ values one block of KEY_BLOCK keys at a time, the blocks added in key order: one bmm over
+    # all keys lets MKL split its reduction by the key count (a decode's slot and a prefill's prompt differ)
+    blocks = padded // KEY_BLOCK
+    parts = torch.matmul(  # [B, blocks, rows, D]: every block's product in one batched call
+        probs.view(b, rows, blocks, KEY_BLOCK).transpose(1, 2), v.view(b, blocks, KEY_BLOCK, d)
+    )
+    out = parts[:, 0]
+    for i in range(1, blocks):
+        out = out + parts[:, i]
+    return out[:, :m].reshape(b, g, nq, d)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -156,6 +269,8 @@ def packed_attention(
     """Causal self-attention within each sequence of a packed batch (span [a, b) at positions 0..b-a-1): q [S, H,
     D], k/v [S, KV, D] -> [S, H, D]. Sequences whose lengths round up to the same multiple of KEY_BLOCK run in one
     call, each padded to that length (its padding queries are dropped, its padding keys are never read)."""
+    if uses_kernels(q):
+        return _cuda_packed_attention(q, k, v, spans)
     heads, d = q.shape[1:]
     kv = k.shape[1]
     g = heads // kv
@@ -181,12 +296,42 @@ def packed_attention(
     return torch.cat(parts)[torch.argsort(torch.cat(order))]
 
 
+def _cuda_packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]]
+) -> torch.Tensor:
+    """packed_attention on CUDA: the Triton kernel over every sequence at once (backward: SDPA per sequence)."""
+    starts = [a for a, _ in spans]
+    lengths = [b - a for a, b in spans]
+    table = torch.tensor([starts, lengths, [0] * len(spans)], dtype=torch.int64).to(
+        q.device, non_blocking=True
+    )
+    longest = max(lengths)
+
+    def kernel(q, k, v):
+        return _kernels().attention(q, k, v, table[0], table[1], table[2], table[0], longest)
+
+    def reference(q, k, v):
+        g = q.shape[1] // k.shape[1]
+        parts = []
+        for a, b in spans:
+            qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
+            ks, vs = ks.repeat_interleave(g, 0), vs.repeat_interleave(g, 0)
+            parts.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
+        return torch.cat(parts)  # spans are back to back from 0 (prefill's and the learner's packing)
+
+    return _kernel_op(kernel, reference, q, k, v)
+
+
 def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
     """One new token per row over its cached keys: q [B, H, D], k/v [B, KV, L, D] (positions <= the row's own
     are filled), positions [B] -> [B, H, D]."""
     b, heads, d = q.shape
+    if uses_kernels(q):  # each row reads its slot up to its position (device tensors only: CUDA-graph safe)
+        rows = torch.arange(b, device=q.device)
+        ones = torch.ones(b, dtype=torch.int64, device=q.device)
+        return _kernels().attention(q, k, v, rows, ones, positions.to(torch.int64), rows, 1)
     kv, length = k.shape[1], k.shape[2]
     g = heads // kv
     qh = q.reshape(b * kv, g, 1, d)

@@ -129,17 +129,22 @@ def test_ops_do_not_depend_on_the_batch():
             assert torch.equal(invariant.linear(x[a : a + n], w, b), alone[a : a + n])
             assert torch.equal(invariant.rms_norm(x[a : a + n], norm_w, 1e-6), alone_norm[a : a + n])
     torch.set_num_threads(2)
-    # attention: a decode row over its slot (keys past its position hold stale values) equals that token's
-    # row of a causal prefill of the whole sequence
-    q, k, v = (torch.randn(45, 4, 16, generator=gen) for _ in range(3))
-    k, v = k[:, :2], v[:, :2]
-    full = invariant.causal_attention(q, k, v)
-    slot_k = torch.cat([k, torch.randn(19, 2, 16, generator=gen)]).transpose(0, 1)[None]
-    slot_v = torch.cat([v, torch.randn(19, 2, 16, generator=gen)]).transpose(0, 1)[None]
-    for p in (0, 7, 31, 44):
-        one = invariant.decode_attention(q[p][None], slot_k, slot_v, torch.tensor([p]))
-        assert torch.equal(one[0], full[p])
-        assert torch.equal(invariant.causal_attention(q[: p + 1], k[: p + 1], v[: p + 1]), full[: p + 1])
+    # attention: a decode row over its slot (keys past its position hold stale values; the slot read up to the
+    # engine's rounded length, or whole) equals that token's row of a causal prefill of the whole sequence
+    for length, dim, positions in ((45, 16, (0, 7, 31, 44)), (300, 64, (200, 299))):
+        q, k, v = (torch.randn(length, 4, dim, generator=gen) for _ in range(3))
+        k, v = k[:, :2], v[:, :2]
+        full = invariant.causal_attention(q, k, v)
+        slot_k = torch.cat([k, torch.randn(19, 2, dim, generator=gen)]).transpose(0, 1)[None]
+        slot_v = torch.cat([v, torch.randn(19, 2, dim, generator=gen)]).transpose(0, 1)[None]
+        for p in positions:
+            rounded = -(-(p + 1) // 32) * 32
+            for read in (rounded, slot_k.shape[2]):
+                one = invariant.decode_attention(
+                    q[p][None], slot_k[:, :, :read], slot_v[:, :, :read], torch.tensor([p])
+                )
+                assert torch.equal(one[0], full[p]), (length, p, read)
+            assert torch.equal(invariant.causal_attention(q[: p + 1], k[: p + 1], v[: p + 1]), full[: p + 1])
 
 
 def test_unsupported_settings_are_refused(megatron_model):
@@ -148,9 +153,16 @@ def test_unsupported_settings_are_refused(megatron_model):
         ({"learner": {"kind": "megatron"}}, "learner.kind"),
         ({"engine": {"dtype": "bfloat16"}}, "engine.dtype"),
         ({"learner": {"lora": {"rank": 4}}}, "learner.lora.rank"),
+        ({"engine": {"device": "cuda", "dtype": "bfloat16"}}, "engine.device and learner.device"),
+        ({"engine": {"device": "cuda", "dtype": "bfloat16"}, "learner": {"device": "cuda"}}, "engine.dtype"),
     ):
         with pytest.raises(ConfigError, match=field):
             load_config(None, {"run": {"true_on_policy": True}, **overrides})
+    # the GPU pair in bf16 (agentrl.invariant_triton's kernels) is accepted
+    gpu = {"device": "cuda", "dtype": "bfloat16"}
+    assert load_config(
+        None, {"run": {"true_on_policy": True}, "engine": gpu, "learner": gpu}
+    ).run.true_on_policy
     moe = megatron_model("qwen3_moe")
     with pytest.raises(EngineError, match="MoE"):
         EmbeddedEngine(str(moe), max_seq_len=64, true_on_policy=True)

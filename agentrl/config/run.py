@@ -123,7 +123,7 @@ class RunSection(_Section):
         doc(
             "the embedded engine and the torch learner run the same batch-invariant ops, so every sampled "
             "token's log-prob as the engine reports it equals the learner's before its first update, bit for "
-            "bit (train/logprob_mismatch is 0); dense models in float32 on CPU (docs/true_on_policy.md)"
+            "bit (train/logprob_mismatch is 0); dense models, float32 on CPU, bfloat16 on CUDA (docs/true_on_policy.md)"
         ),
     ] = False
     deterministic: Annotated[
@@ -186,15 +186,19 @@ class RunSection(_Section):
             (cfg.engine.kind == "embedded", f"engine.kind = 'embedded', got '{cfg.engine.kind}'"),
             (cfg.learner.kind == "torch", f"learner.kind = 'torch', got '{cfg.learner.kind}'"),
             (
-                cfg.engine.device == "cpu",
-                f"engine.device = 'cpu' (GPU kernels not written yet), got '{cfg.engine.device}'",
+                cfg.engine.device.split(":")[0] == cfg.learner.device.split(":")[0],
+                f"engine.device and learner.device of one kind, got '{cfg.engine.device}' and "
+                f"'{cfg.learner.device}'",
             ),
             (
-                cfg.learner.device == "cpu",
-                f"learner.device = 'cpu' (GPU kernels not written yet), got '{cfg.learner.device}'",
+                cfg.engine.dtype == cfg.learner.dtype,
+                f"engine.dtype = learner.dtype, got '{cfg.engine.dtype}' and '{cfg.learner.dtype}'",
             ),
-            (cfg.engine.dtype == "float32", f"engine.dtype = 'float32', got '{cfg.engine.dtype}'"),
-            (cfg.learner.dtype == "float32", f"learner.dtype = 'float32', got '{cfg.learner.dtype}'"),
+            (
+                cfg.engine.dtype in (("float32",) if cfg.engine.device == "cpu" else ("float32", "bfloat16")),
+                f"engine.dtype = 'float32' on CPU, 'bfloat16' or 'float32' on CUDA, got '{cfg.engine.dtype}' on "
+                f"'{cfg.engine.device}'",
+            ),
             (not cfg.learner.fsdp, "learner.fsdp = false"),
             (
                 not cfg.learner.lora.enabled,

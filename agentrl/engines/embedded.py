@@ -59,7 +59,8 @@ class EmbeddedEngine(BatchingEngine):
         (1.13x the throughput of 1 on an H200, docs/benchmarks/gpu.md), 1 on CPU (host work is cheap there);
         `sampler`: "auto" (one fused Triton kernel per step on CUDA, engines/triton_sampling.py), "torch", "triton";
         `true_on_policy`: prefill and decode through agentrl.invariant's batch-invariant ops, so a sampled token's
-        log-prob is exactly the torch learner's (docs/true_on_policy.md; dense models, fp32 on CPU);
+        log-prob is exactly the torch learner's (docs/true_on_policy.md; dense models, fp32 on CPU, bf16 on CUDA;
+        compile off, CUDA graphs as set);
         `deterministic`: a request without a seed gets one derived from the engine's seed, the policy version,
         its prompt tokens and how many requests with that prompt came before at that version (run.deterministic),
         so it samples the same tokens whatever it is batched with (with `true_on_policy` its logits do not depend
@@ -67,6 +68,9 @@ class EmbeddedEngine(BatchingEngine):
         if decode_steps is not None and decode_steps < 0:
             raise EngineError(f"engine decode_steps must be >= 1 (0: automatic), got {decode_steps}")
         self.model_path = str(model_path)
+        # inductor picks its reductions by shape: under true_on_policy the decode step runs eagerly
+        if true_on_policy and compile is None:
+            compile = False
         runner = ModelRunner(
             self.model_path, device, dtype, max_batch_size, max_seq_len, seed, cuda_graphs, attention, compile,
             sampler,

@@ -223,17 +223,26 @@ class CausalLM:
 
     def set_invariant(self) -> None:
         """Serve through agentrl.invariant's batch-invariant ops (run.true_on_policy): a token's logits no longer
-        depend on what else the batch holds. Dense models in fp32 on CPU only (their GPU kernels are not
-        written yet: docs/true_on_policy.md)."""
-        if self.spec.moe is not None:
+        depend on what else the batch holds. Dense models; fp32 on CPU, bf16 or fp32 on CUDA (Triton kernels,
+        agentrl.invariant_triton; CUDA graphs replay them as they are)."""
+        if self.spec.moe is not None or self.spec.vision is not None:
+            kind = "an MoE" if self.spec.moe is not None else "a vision-language"
             raise EngineError(
-                f"run.true_on_policy: the {self.spec.arch} model is an MoE model; dense models only"
+                f"run.true_on_policy: the {self.spec.arch} model is {kind} model; dense text models only"
             )
-        if self.device.type != "cpu" or self.dtype != torch.float32:
+        allowed = (torch.float32,) if self.device.type == "cpu" else (torch.float32, torch.bfloat16)
+        if self.device.type not in ("cpu", "cuda") or self.dtype not in allowed:
             raise EngineError(
-                f"run.true_on_policy needs engine.device = 'cpu' and engine.dtype = 'float32' (got "
-                f"{self.device.type}, {self.dtype}): the GPU batch-invariant kernels are not written yet"
+                f"run.true_on_policy needs engine.dtype = 'float32' on CPU, 'bfloat16' or 'float32' on CUDA (got "
+                f"{self.device.type}, {self.dtype})"
             )
+        if self.device.type == "cuda":
+            try:
+                import triton  # noqa: F401
+            except ImportError:
+                raise EngineError(
+                    "run.true_on_policy on CUDA needs triton (its batch-invariant kernels)"
+                ) from None
         if self.compiled:
             raise EngineError("run.true_on_policy runs the engine eagerly: engine compile must be off")
         self.invariant = True

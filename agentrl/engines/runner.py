@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from agentrl import invariant
 from agentrl.engines.base import DiskSource, DistributedSource, SamplingParams, TensorSource, WeightSource
 from agentrl.engines.model import CausalLM
 from agentrl.engines.model_spec import KVCache, ModelSpec
@@ -250,6 +251,14 @@ class ModelRunner:
         dtype = torch.uint8 if self.spec.moe.expert_dtype == "uint8" else torch.int16
         return torch.stack(record, dim=1).to(dtype).cpu().numpy()
 
+    def _sample(self, logits: torch.Tensor, params: BatchSampling, gens, positions: torch.Tensor):
+        """`sample`; under run.true_on_policy the reported log-probs are agentrl.invariant.token_logprobs's (the
+        learner's kernel; the fused sampler's own reduction order is another one)."""
+        tokens, logps = sample(logits, params, gens, self.generator, positions)
+        if self.model.invariant:
+            logps = invariant.token_logprobs(logits, tokens, params.temperature)
+        return tokens, logps
+
     def prefill(self, batch: list[Request], slot0: int, moves: list) -> StepOut:
         """Prompts into the cache and each row's first token: the same [steps][row] shape as `decode` (1 step)."""
         self._apply_moves(moves)
@@ -265,7 +274,7 @@ class ModelRunner:
         logits = self.model.prefill(packed[0], packed[1], packed[2], lengths, self.cache, record, rope, rows)
         params, gens = self._batch_sampling(batch)
         at = torch.tensor([n - 1 for n in lengths], device=self.device)  # each prompt's last position
-        sampled, logps = sample(logits, params, gens, self.generator, at)
+        sampled, logps = self._sample(logits, params, gens, at)
         k = self._top_k(batch)
         out = self._to_host([sampled], [logps], batch, [top_logprobs(logits, params, k)] if k else [])
         routes = None
@@ -321,7 +330,7 @@ class ModelRunner:
                 out_routes.append(torch.stack(record, dim=1))
             if k:  # before sampling: a graph's logits buffer is only valid until the next replay
                 out_tops.append(top_logprobs(logits, params, k))
-            tokens, logps = sample(logits, params, gens, self.generator, pos)
+            tokens, logps = self._sample(logits, params, gens, pos)
             out_tokens.append(tokens)
             out_logps.append(logps)
             pos = pos + 1

@@ -5,17 +5,23 @@ The model's parameters are read as they are each call (q/k/v and gate/up concate
 layout, so every matmul has the engine's weight shape), so the backward is autograd of these ops and the
 optimizer updates the Hugging Face model as usual. Every sequence of a batch (a right-padded row, or a segment
 of a packed row) is laid out back to back exactly as the engine's prefill packs prompts, at positions 0..n-1.
+In bf16 (`learner.dtype = 'bfloat16'` on CUDA) every weight is cast to bf16 as the engine holds it (the cast a
+weight publish makes) and the forward runs in bf16 as the engine's does; the fp32 parameters get the gradients
+through the cast.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from agentrl import invariant
 from agentrl.errors import LearnerError
+from agentrl.learners.token_ops import token_logprobs as _token_logprobs
 
 DENSE = ("qwen2", "qwen3", "llama")
 
@@ -55,8 +61,9 @@ def _cat(*tensors: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensors[0] is None else torch.cat(tensors)
 
 
-def fused_layers(model) -> list[dict[str, torch.Tensor]]:
-    """Each decoder layer's weights in the engine's fused layout (agentrl.engines.model), autograd-connected."""
+def fused_layers(model, dtype: torch.dtype = torch.float32) -> list[dict[str, torch.Tensor]]:
+    """Each decoder layer's weights in the engine's fused layout (agentrl.engines.model) and `dtype`,
+    autograd-connected."""
     out = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -75,45 +82,54 @@ def fused_layers(model) -> list[dict[str, torch.Tensor]]:
         if mlp.gate_proj.bias is not None:
             fused["gate_up_b"] = torch.cat((mlp.gate_proj.bias, mlp.up_proj.bias))
             fused["down_b"] = mlp.down_proj.bias
-        out.append(fused)
+        out.append({name: t.to(dtype) for name, t in fused.items()})
     return out
 
 
 def sequences(seq_index: torch.Tensor) -> list[tuple[int, int, int]]:
     """(row, start, end) of every sequence in a [R, T] `seq_index` (-1 on padding), in row order."""
+    grid = seq_index.cpu().numpy()
     out = []
-    for r, row in enumerate(seq_index.tolist()):
-        t = 0
-        while t < len(row):
-            if row[t] < 0:
-                t += 1
-                continue
-            end = t
-            while end < len(row) and row[end] == row[t]:
-                end += 1
-            out.append((r, t, end))
-            t = end
+    for r, row in enumerate(grid):
+        # a sequence is a maximal run of one id >= 0: its bounds are where the id changes
+        edges = np.flatnonzero(np.diff(row, prepend=-2, append=-2) != 0)
+        out.extend((r, int(a), int(b)) for a, b in itertools.pairwise(edges) if row[a] >= 0)
     return out
 
 
-def forward(model, shape: Shape, input_ids: torch.Tensor, seq_index: torch.Tensor, on_layer=None):
-    """(logits [R, T, V] fp32, last hidden state [R, T, hidden]) of a batch; padding positions get the logits
-    of a zero hidden state (never read: their log-probs are masked)."""
+def forward(model, shape: Shape, input_ids: torch.Tensor, seq_index: torch.Tensor, on_layer=None,
+            dtype: torch.dtype = torch.float32):  # fmt: skip
+    """(logits [R, T, V], last hidden state [R, T, hidden]), both in `dtype` (the engine's), of a batch; padding
+    positions get the logits of a zero hidden state (never read: their log-probs are masked)."""
     spans_rc = sequences(seq_index)
     device = input_ids.device
     flat_ids = torch.cat([input_ids[r, a:b] for r, a, b in spans_rc])
     positions = torch.cat([torch.arange(b - a, device=device) for _, a, b in spans_rc])
     cos, sin = invariant.rope_tables(shape.rope_theta, shape.head_dim, int(positions.max()) + 1, device)
-    cos, sin = cos[positions], sin[positions]
+    cos, sin = cos[positions].to(dtype), sin[positions].to(dtype)
     ends = torch.tensor([b - a for _, a, b in spans_rc]).cumsum(0).tolist()
     spans = list(zip([0, *ends[:-1]], ends, strict=True))
-    x = F.embedding(flat_ids, model.model.embed_tokens.weight)
+    x = F.embedding(flat_ids, model.model.embed_tokens.weight.to(dtype))
     x = invariant.packed_forward(
-        fused_layers(model), x, cos, sin, spans, shape.heads, shape.kv_heads, shape.head_dim, shape.eps,
+        fused_layers(model, dtype), x, cos, sin, spans, shape.heads, shape.kv_heads, shape.head_dim, shape.eps,
         on_layer=on_layer,
     )  # fmt: skip
     rows = torch.tensor([r for r, a, b in spans_rc for _ in range(b - a)], device=device)
     cols = torch.cat([torch.arange(a, b, device=device) for _, a, b in spans_rc])
     hidden = x.new_zeros(*input_ids.shape, x.shape[-1]).index_put((rows, cols), x)
-    normed = invariant.rms_norm(hidden, model.model.norm.weight, shape.eps)
-    return invariant.linear(normed, model.lm_head.weight), hidden
+    normed = invariant.rms_norm(hidden, model.model.norm.weight.to(dtype), shape.eps)
+    return invariant.linear(normed, model.lm_head.weight.to(dtype)), hidden
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[R, T] target-aligned log-probs of `forward`'s logits; column 0 is 0. On CUDA through
+    agentrl.invariant.token_logprobs (the engine's per-row kernel: torch's CUDA softmax picks its kernel by the
+    shape, and divides by a scalar temperature as a multiply by its reciprocal); on CPU torch's (the engine's
+    sampler computes the same per-row kernel there)."""
+    if not invariant.uses_kernels(logits):
+        return _token_logprobs(logits, input_ids, temperature)
+    rows, width, vocab = logits.shape
+    flat = logits[:, :-1].reshape(-1, vocab)
+    temps = torch.full((flat.shape[0],), float(temperature), device=logits.device)
+    logp = invariant.token_logprobs(flat, input_ids[:, 1:].reshape(-1), temps)
+    return F.pad(logp.view(rows, width - 1), (1, 0))

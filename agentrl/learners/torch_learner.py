@@ -127,10 +127,11 @@ class TorchLearner(Learner):
             (self.cfg.fsdp, "learner.fsdp = true"),
             (self.cfg.lora.enabled, "learner.lora.rank > 0"),
             (self.cfg.gradient_checkpointing, "learner.gradient_checkpointing = true"),
-            (self.cfg.dtype != "float32", f"learner.dtype = '{self.cfg.dtype}'"),
             (
-                not self.cfg.device.startswith("cpu"),
-                f"learner.device = '{self.cfg.device}' (CPU only so far)",
+                self.cfg.dtype
+                not in (("float32",) if self.cfg.device.startswith("cpu") else ("float32", "bfloat16")),
+                f"learner.dtype = '{self.cfg.dtype}' on {self.cfg.device} (float32 on CPU; float32 or bfloat16 on "
+                "CUDA)",
             ),
         ):
             if bad:
@@ -313,15 +314,18 @@ class TorchLearner(Learner):
     def _invariant_forward(self, model, mb: Batch, *, entropy: bool, values: bool):
         """`_forward` of the policy or the reference under run.true_on_policy (agentrl.learners.invariant_forward;
         the reference too, so the KL to it is exactly 0 before the first update)."""
-        logits, hidden = invariant_forward.forward(model, self.invariant_shape, mb.input_ids, mb.seq_index)
-        logp = token_logprobs(logits, mb.input_ids, self.temperature)
+        dtype = self._autocast_dtype() or torch.float32  # the engine's: bf16 weights and activations
+        logits, hidden = invariant_forward.forward(
+            model, self.invariant_shape, mb.input_ids, mb.seq_index, dtype=dtype
+        )
+        logp = invariant_forward.token_logprobs(logits, mb.input_ids, self.temperature)
         ent = None
         if entropy:
             with torch.set_grad_enabled(torch.is_grad_enabled() and self.algo.entropy_coef != 0.0):
                 ent = token_entropy(logits, self.temperature)
         vals = None
         if values:
-            vals = F.pad(self.value_head(hidden[:, :-1]).squeeze(-1), (1, 0))
+            vals = F.pad(self.value_head(hidden[:, :-1].float()).squeeze(-1), (1, 0))
         return logp, ent, vals
 
     def _whole_batch(self, model, batch: Batch, *, values: bool = False, replay: bool = True) -> torch.Tensor:

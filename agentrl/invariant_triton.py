@@ -1,0 +1,229 @@
+"""Batch-invariant Triton kernels: agentrl.invariant's ops on CUDA (docs/true_on_policy.md, "On the GPU").
+
+Invariant: a row's result depends on that row's inputs and the weights alone, bit for bit, because every kernel
+reduces in an order fixed by its compile-time constants, never by the number of rows, the batch composition,
+the sequence lengths or which other rows share a program:
+
+- `matmul`: one tile config for every M (`MATMUL_CONFIG`; no split-K, no autotuning); each program owns one
+  BLOCK_M x BLOCK_N output tile and walks K in BLOCK_K steps from 0, accumulating in fp32 with `tl.dot` (a
+  row's entry is the same MMA sequence whichever tile row it sits in); one rounding to the output dtype. M is
+  not specialized on (`do_not_specialize`), so M = 1 and M = 4096 run one compiled kernel.
+- `rms_norm`: one program per row, the whole row in one block (BLOCK = next power of two of the width), fp32
+  sum of squares by `tl.sum` (a tree fixed by BLOCK and the warp count, both fixed by the width).
+- `token_logprobs`: one program per row; `log_softmax(logits / T)` at one token: the row's maximum and its
+  sum of exponentials accumulate per lane over fixed vocabulary blocks in order, then reduce by a fixed tree.
+- `attention`: one kernel for prefill, decode and the learner's full-sequence forward. A program takes
+  BLOCK_M (query, head-of-the-group) rows of one sequence and one kv head, and walks the keys from position 0
+  in blocks of BLOCK_N (online softmax, fp32). A row's blocks up to its own position are the same blocks in
+  the same order whatever the program; blocks past it (a prefill program's later rows, a decode slot's stale
+  tail) are masked to -inf, which leaves the running max, sum and output unchanged exactly (scale 1, adds 0).
+  No split-KV: one program reduces all of a row's keys.
+
+Under TRITON_INTERPRET=1 the kernels also run on CPU tensors (tests/test_invariant_triton.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of every matmul: one config whatever the shape
+MATMUL_CONFIG = (64, 64, 64, 4, 3)
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of every attention call: prefill, decode and the learner
+ATTENTION_CONFIG = (64, 64, 4, 2)
+LOGPROB_BLOCK = 1024  # vocabulary entries per step of `token_logprobs`
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """x with unit stride on its last dim and a 16-byte aligned start (Triton specializes on alignment)."""
+    if x.stride(-1) != 1 or x.data_ptr() % 16:
+        x = x.contiguous() if x.stride(-1) != 1 else x.clone()
+    return x
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PRECISION: tl.constexpr):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + rn.to(tl.int64)[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        b = tl.load(w_rows + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T -> [M, N] in x's dtype (fp32 accumulation; fp32 inputs without TF32)."""
+    x, weight = _aligned(x), _aligned(weight)
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m == 0:
+        return out
+    bm, bn, bk, warps, stages = MATMUL_CONFIG
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _matmul_kernel[grid](
+        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit(do_not_specialize=["eps", "inv_n"])
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, stride_x, stride_o, eps, inv_n, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    ms = tl.sum(x * x, axis=0) * inv_n
+    # transformers' order: x * rsqrt(mean + eps) rounded to the input dtype, then weight * that (one rounding)
+    normed = (x * (1.0 / tl.sqrt_rn(ms + eps))).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = w.to(tl.float32) * normed.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Rows of x [M, N] RMS-normalized (fp32 statistics), times weight [N]; x's dtype."""
+    x = _aligned(x)
+    m, n = x.shape
+    out = torch.empty_like(x)
+    if m == 0:
+        return out
+    block = triton.next_power_of_2(n)
+    warps = min(16, max(1, block // 256))
+    _rms_norm_kernel[(m,)](x, weight.to(x.dtype).contiguous(), out, n, x.stride(0), out.stride(0), eps, 1.0 / n,
+                           BLOCK=block, num_warps=warps)  # fmt: skip
+    return out
+
+
+@triton.jit
+def _token_logprob_kernel(logits_ptr, tokens_ptr, temps_ptr, out_ptr, V, stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.load(temps_ptr + row)
+    t = tl.where(t > 0, t, 1.0)  # greedy rows: the distribution at T = 1
+    base = logits_ptr + row * stride
+    cols = tl.arange(0, BLOCK)
+    top = tl.full([BLOCK], float("-inf"), tl.float32)
+    for v0 in range(0, V, BLOCK):
+        x = tl.load(base + v0 + cols, mask=v0 + cols < V, other=float("-inf")).to(tl.float32)
+        top = tl.maximum(top, tl.div_rn(x, t))
+    m = tl.max(top, axis=0)
+    total = tl.zeros([BLOCK], tl.float32)
+    for v0 in range(0, V, BLOCK):
+        x = tl.load(base + v0 + cols, mask=v0 + cols < V, other=float("-inf")).to(tl.float32)
+        total += tl.exp(tl.div_rn(x, t) - m)
+    lse = m + tl.log(tl.sum(total, axis=0))
+    token = tl.load(tokens_ptr + row)
+    tl.store(out_ptr + row, tl.div_rn(tl.load(base + token).to(tl.float32), t) - lse)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] (any float dtype, read as fp32), tokens [N], temperature [N] fp32 (<= 0: 1) -> [N] fp32:
+    `log_softmax(logits / T)[token]` per row."""
+    logits = _aligned(logits)
+    n, vocab = logits.shape
+    out = torch.empty(n, device=logits.device, dtype=torch.float32)
+    if n == 0:
+        return out
+    _token_logprob_kernel[(n,)](
+        logits, tokens.contiguous(), temperature.float().contiguous(), out, vocab, logits.stride(0),
+        BLOCK=LOGPROB_BLOCK, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, q_start_ptr, q_len_ptr, q_pos_ptr, kv_index_ptr,
+                      stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kp, stride_kh, stride_vb,
+                      stride_vp, stride_vh, scale_log2, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    blk = tl.program_id(2)
+    q_len = tl.load(q_len_ptr + seq)
+    if blk * BLOCK_M < q_len * G:
+        q_start = tl.load(q_start_ptr + seq)
+        pos0 = tl.load(q_pos_ptr + seq)
+        kv_index = tl.load(kv_index_ptr + seq).to(tl.int64)
+        rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len * G
+        qi = rows // G
+        head = kvh * G + rows % G
+        pos = pos0 + qi
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        q_off = (q_start + qi).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        seq_last = pos0 + q_len - 1  # keys past it are never read
+        last = tl.minimum(pos0 + (blk * BLOCK_M + BLOCK_M - 1) // G, seq_last)  # this program's last position
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        k_head = k_ptr + kv_index * stride_kb + kvh * stride_kh
+        v_head = v_ptr + kv_index * stride_vb + kvh * stride_vh
+        for start in range(0, last + 1, BLOCK_N):
+            kpos = start + tl.arange(0, BLOCK_N)
+            load_ok = (kpos <= seq_last)[:, None] & d_ok[None, :]
+            k = tl.load(k_head + kpos.to(tl.int64)[:, None] * stride_kp + d[None, :], mask=load_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_head + kpos.to(tl.int64)[:, None] * stride_vp + d[None, :], mask=load_ok, other=0.0)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        o_off = (q_start + qi).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
+              q_pos: torch.Tensor, kv_index: torch.Tensor, max_q_len: int) -> torch.Tensor:  # fmt: skip
+    """Causal attention of packed queries over their sequences' keys, one kernel for every caller.
+
+    q [T, H, D]; sequence j's queries are q[q_start[j] : q_start[j] + q_len[j]] at positions q_pos[j],
+    q_pos[j] + 1, ..., each reading keys 0..its position. k/v are either packed [S, KV, D] (sequence j's key at
+    position p is row kv_index[j] + p) or a cache [slots, KV, L, D] (slot kv_index[j], position p). The
+    per-sequence tensors are int64 on q's device (a decode's come from device tensors: CUDA-graph safe);
+    `max_q_len` (host int) bounds q_len for the grid. Returns [T, H, D] in q's dtype."""
+    tokens, heads, d = q.shape
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("invariant attention needs unit stride on the head dim")
+    if k.dim() == 3:  # packed: a sequence's base row and its positions advance along the same dim
+        kb, kp, kh = k.stride(0), k.stride(0), k.stride(1)
+        vb, vp, vh = v.stride(0), v.stride(0), v.stride(1)
+    else:  # cache [slots, KV, L, D]
+        kb, kp, kh = k.stride(0), k.stride(2), k.stride(1)
+        vb, vp, vh = v.stride(0), v.stride(2), v.stride(1)
+    kv = k.shape[1]
+    g = heads // kv
+    out = torch.empty(tokens, heads, d, device=q.device, dtype=q.dtype)
+    if tokens == 0:
+        return out
+    bm, bn, warps, stages = ATTENTION_CONFIG
+    grid = (q_start.shape[0], kv, triton.cdiv(max_q_len * g, bm))
+    _attention_kernel[grid](
+        q, k, v, out, q_start, q_len, q_pos, kv_index,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), kb, kp, kh, vb, vp, vh,
+        (1.0 / math.sqrt(d)) * math.log2(math.e),
+        G=g, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=bm, BLOCK_N=bn,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out

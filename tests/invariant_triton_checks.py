@@ -1,0 +1,141 @@
+"""The checks of tests/test_invariant_triton.py, run in a process of their own with TRITON_INTERPRET=1 (Triton
+reads the flag when it is imported): `python -m tests.invariant_triton_checks` runs them all."""
+
+import asyncio
+import sys
+import tempfile
+
+import torch
+import torch.nn.functional as F
+
+from agentrl import invariant, types
+from agentrl import invariant_triton as kernels
+
+
+def _gen():
+    return torch.Generator().manual_seed(0)
+
+
+def test_matmul_and_rms_norm_rows_do_not_depend_on_the_call():
+    gen = _gen()
+    x, w = torch.randn(70, 96, generator=gen), torch.randn(80, 96, generator=gen)
+    norm_w = torch.randn(96, generator=gen)
+    out = kernels.matmul(x, w)
+    torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-4)
+    normed = kernels.rms_norm(x, norm_w, 1e-6)
+    torch.testing.assert_close(normed, norm_w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    for a, n in ((0, 1), (5, 2), (17, 33), (63, 7)):  # other row counts and offsets (a row crosses tiles)
+        assert torch.equal(kernels.matmul(x[a : a + n], w), out[a : a + n])
+        assert torch.equal(kernels.rms_norm(x[a : a + n], norm_w, 1e-6), normed[a : a + n])
+
+
+def test_token_logprobs():
+    gen = _gen()
+    logits = torch.randn(6, 2500, generator=gen) * 4  # more than two vocabulary blocks, a partial last one
+    tokens = torch.randint(0, 2500, (6,), generator=gen)
+    temps = torch.tensor([0.7, 1.0, 0.0, 1.3, 0.5, 2.0])
+    out = kernels.token_logprobs(logits, tokens, temps)
+    t = torch.where(temps > 0, temps, 1.0)
+    ref = torch.log_softmax(logits / t[:, None], -1).gather(1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for a, n in ((0, 1), (2, 3)):
+        assert torch.equal(kernels.token_logprobs(logits[a : a + n], tokens[a : a + n], temps[a : a + n]),
+                           out[a : a + n])  # fmt: skip
+
+
+def _causal_reference(q, k, v):
+    g = q.shape[1] // k.shape[1]
+    qs, ks, vs = (
+        q.transpose(0, 1),
+        k.transpose(0, 1).repeat_interleave(g, 0),
+        v.transpose(0, 1).repeat_interleave(g, 0),
+    )
+    return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1)
+
+
+def test_attention_prefill_equals_decode_over_a_stale_slot():
+    """Two sequences packed (70 and 9 tokens, 4 heads over 2 kv heads): each equals causal SDPA; a decode row
+    over a cache slot (positions past it hold other values) equals the prefill's row for that token bit for bit,
+    and so does each sequence prefilled alone."""
+    gen = _gen()
+    lengths = [70, 9]
+    q, k, v = (torch.randn(sum(lengths), n, 16, generator=gen) for n in (4, 2, 2))
+    starts = torch.tensor([0, 70])
+    table = (starts, torch.tensor(lengths), torch.zeros(2, dtype=torch.int64))
+    packed = kernels.attention(q, k, v, *table, starts, max(lengths))
+    for a, n in zip(starts.tolist(), lengths, strict=True):
+        s = slice(a, a + n)
+        torch.testing.assert_close(packed[s], _causal_reference(q[s], k[s], v[s]), rtol=1e-4, atol=1e-5)
+        alone = kernels.attention(q[s], k[s], v[s], torch.tensor([0]), torch.tensor([n]), torch.tensor([0]),
+                                  torch.tensor([0]), n)  # fmt: skip
+        assert torch.equal(alone, packed[s])
+    # a cache [slots, KV, L, D] of 3 slots: the first sequence in slot 1, stale values past its tokens
+    cache_k, cache_v = (torch.randn(3, 2, 128, 16, generator=gen) for _ in range(2))
+    cache_k[1, :, :70], cache_v[1, :, :70] = k[:70].transpose(0, 1), v[:70].transpose(0, 1)
+    for p in (0, 31, 63, 64, 69):
+        rows = torch.tensor([1])
+        one = kernels.attention(q[p : p + 1], cache_k, cache_v, torch.tensor([0]), torch.tensor([1]),
+                                torch.tensor([p]), rows, 1)  # fmt: skip
+        assert torch.equal(one[0], packed[p])
+
+
+def test_engine_equals_learner_through_the_kernels():
+    """The GPU path end to end on CPU (fp32, the kernels interpreted): a Qwen3 engine (q/k norms, 4 heads over 2
+    kv heads) serves five requests through 3 slots, prompts prefilled together and while others decode; every
+    reported log-prob equals the torch learner's, padded and packed, and its training forward (autograd on,
+    backward through the reference ops) gives the same values."""
+    from agentrl.config.learning import LearnerSection
+    from agentrl.engines.base import SamplingParams
+    from agentrl.engines.embedded import EmbeddedEngine
+    from agentrl.engines.tiny import make_tiny_model
+    from agentrl.learners.batch import build_batch
+    from agentrl.learners.torch_learner import TorchLearner
+
+    invariant.KERNELS_ON_CPU = True
+    work = [(3, 9, 0.0), (40, 5, 0.0), (70, 7, 0.0), (9, 8, 0.3), (20, 4, 0.3)]
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(make_tiny_model(tmp, "qwen3", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
+                                    vocab_size=300, init_std=0.2))  # fmt: skip
+        engine = EmbeddedEngine(model, max_batch_size=3, max_seq_len=128, seed=1, true_on_policy=True)
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(5, 300, (n,), generator=gen).tolist() for n, _, _ in work]
+
+        async def one(prompt, new_tokens, delay_s):
+            await asyncio.sleep(delay_s)
+            sampling = SamplingParams(temperature=0.7, max_new_tokens=new_tokens, ignore_eos=True)
+            return await engine.generate(prompt, sampling)
+
+        async def main():
+            try:
+                return await asyncio.gather(
+                    *(one(p, n, d) for p, (_, n, d) in zip(prompts, work, strict=True))
+                )
+            finally:
+                await engine.close()
+
+        outs = asyncio.run(main())
+        trajs = [types.normalize(types.Trajectory(id=f"t{i}", prompt_ids=p, response_ids=o.output_ids,
+                                                  logprobs=o.logprobs, versions=o.versions))
+                 for i, (p, o) in enumerate(zip(prompts, outs, strict=True))]  # fmt: skip
+        learner = TorchLearner(model, LearnerSection(kind="torch", micro_batch_tokens=150), temperature=0.7,
+                               true_on_policy=True)  # fmt: skip
+        for pack_tokens in (0, 100):
+            batch = build_batch(trajs, pad_id=learner.pad_id, pack_tokens=pack_tokens)
+            logp = learner.compute_logprobs(batch)
+            for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+                row, cols = (batch.seq_index == i).nonzero(as_tuple=True)
+                mine, engine_lp = logp[row, cols][len(p) :], torch.tensor(o.logprobs)
+                assert torch.equal(mine, engine_lp), (pack_tokens, i, (mine - engine_lp).abs().max())
+        with torch.enable_grad():
+            train_logp, _, _ = learner._forward(learner.model, batch)
+            train_logp.sum().backward()
+        assert torch.equal(train_logp.detach() * batch.attention_mask, logp)
+        assert all(p.grad is not None for p in learner.model.parameters())
+
+
+if __name__ == "__main__":
+    only = sys.argv[1:]
+    for name, check in list(globals().items()):
+        if name.startswith("test_") and (not only or name in only):
+            check()
+            print("ok", name, flush=True)
