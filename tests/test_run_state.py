@@ -16,7 +16,7 @@ from agentrl.data import task_source
 from agentrl.envs.registry import make_env
 from agentrl.queue import ReplayQueue
 from agentrl.runner.dispatch import Dispatcher
-from agentrl.runner.metrics import StepTimes, step_metrics
+from agentrl.runner.metrics import StepTimes, run_totals, step_metrics
 from agentrl.runner.rundir import RunDir
 from agentrl.runner.state import RunState, pick_checkpoint
 
@@ -34,12 +34,17 @@ def test_ids_are_held_from_training_until_committed_and_a_checkpoint_restores_th
     state.training_ids = ["c"]
     assert (state.step, state.policy_version, state.pending) == (1, 1, [(1, ["a", "b"])])
     assert state.held_ids() == ["a", "b", "c"]
-    saved = json.loads(json.dumps({**state.to_json({"task_index": 3}), "step": state.step}))
+    totals = {"staleness": {"0": 16}, "dropped_stale": 2, "restarts": 1, "reissued": 0}
+    saved = json.loads(json.dumps({**state.to_json({"task_index": 3}, totals), "step": state.step}))
     assert saved["pending_commits"] == [[1, ["a", "b"]]] and saved["task_index"] == 3
     resumed = RunState()
     resumed.restore(saved)
     assert (resumed.step, resumed.policy_version) == (1, 1)
     assert resumed.wall_s() >= saved["wall_s"]
+    # the resumed process's queue counts from zero: the run's totals go on from the checkpoint's
+    now = run_totals({"staleness": {"0": 8, "1": 8}, "counts": {"dropped_stale": 1}}, {"restarts": 0,
+                     "reissued": 2}, resumed.totals_before)  # fmt: skip
+    assert now == {"staleness": {"0": 24, "1": 8}, "dropped_stale": 3, "restarts": 1, "reissued": 2}
 
 
 def test_resume_picks_the_newest_checkpoint_and_warns_of_ledger_steps_past_it(tmp_path, caplog):
@@ -70,6 +75,9 @@ class _Admitting:
         self.n = cfg.rollout.n_samples_per_prompt
         self.tickets: dict[int, object] = {}
         self.most_reserved = 0
+
+    async def held_group(self, index: int) -> None:
+        return None  # the queue holds no group from before
 
     async def admit(self, index: int) -> None:
         self.tickets[index] = await self.queue.reserve(self.n)
@@ -125,7 +133,7 @@ def test_the_dispatcher_bounds_groups_in_flight_and_a_resume_reissues_them_first
         await resumed.stop()
         # the four of the checkpoint again, then the next new task
         assert again.started[:5] == [0, 1, 2, 3, 4]
-        assert resumed.groups_done >= 5 and resumed.take_rewards()[:2] == [1.0, 0.0]
+        assert resumed.take_rewards()[:2] == [1.0, 0.0] and resumed.groups_done >= 5
         assert resumed.take_rewards() == []
 
     asyncio.run(scenario())
