@@ -21,7 +21,7 @@ from tests.run_support import read_jsonl, tiny_config
 
 pytestmark = pytest.mark.slow
 
-STEPS = 6
+STEPS = 12  # a step takes ~0.1-0.3 s: the kill, at most 0.4 s after the step-2 checkpoint, comes well before the end
 
 
 def _env() -> dict[str, str]:
@@ -38,17 +38,21 @@ def _config(root: Path, model: str, mode: str) -> Path:
         rollout={"max_turns": 2, "temperature": 1.0, "concurrency": 8,
                  "generator": "tests.jitter_support:jittered_generate"},
         env={"name": "calculator", "reward": "tests.run_support:letters_reward"},  # every step has a gradient
-        warmup={"steps": 1},
+        warmup={"steps": 0},
     )  # fmt: skip
 
 
-def _run(args: list[str], log: Path) -> None:
+def _start(args: list[str], log: Path) -> subprocess.Popen:
+    """`agentrl run ARGS` in a session of its own (its process group: the driver and the Ray it starts)."""
     with open(log, "w") as err:
-        out = subprocess.run(
+        return subprocess.Popen(
             [sys.executable, "-m", "agentrl.cli", "run", *args], env=_env(), stdout=subprocess.DEVNULL,
-            stderr=err, timeout=300,
+            stderr=err, start_new_session=True,
         )  # fmt: skip
-    assert out.returncode == 0, log.read_text()[-3000:]
+
+
+def _finish(proc: subprocess.Popen, log: Path) -> None:
+    assert proc.wait(300) == 0, log.read_text()[-3000:]
 
 
 # Ray's dashboard and runtime-env agents notice their raylet's death within seconds, then try to flush their logs
@@ -79,25 +83,18 @@ def _rows(run: Path) -> list[dict]:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_killed_and_resumed_run_replays_the_uninterrupted_one(tmp_path, run_model, mode):
-    whole = _config(tmp_path / "whole", run_model, mode)
-    _run([str(whole)], tmp_path / "whole.log")
-    expected = _rows(tmp_path / "whole" / "t")
-    assert [m["step"] for m in expected if "phase" not in m] == list(range(1, STEPS + 1))
-
-    cfg = _config(tmp_path / "killed", run_model, mode)
+    # the uninterrupted run and the one to kill run side by side (each with its own Ray)
+    whole = _start([str(_config(tmp_path / "whole", run_model, mode))], tmp_path / "whole.log")
+    proc = _start([str(_config(tmp_path / "killed", run_model, mode))], tmp_path / "first.log")
     run = tmp_path / "killed" / "t"
-    with open(tmp_path / "first.log", "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "agentrl.cli", "run", str(cfg)], env=_env(), stdout=subprocess.DEVNULL,
-            stderr=log, start_new_session=True,
-        )  # fmt: skip
+    started = [whole, proc]
     try:
         deadline = time.time() + 200
         while (ckpt := latest_checkpoint(run)) is None or int(ckpt[1]["step"]) < 2:
             assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
             assert time.time() < deadline, "the first run wrote no checkpoint past step 0"
             time.sleep(0.05)
-        time.sleep(random.uniform(0.0, 1.0))
+        time.sleep(random.uniform(0.0, 0.4))
         os.kill(proc.pid, signal.SIGKILL)  # the driver only: what it started must not outlive it
         proc.wait(60)
         deadline = time.time() + 60
@@ -107,15 +104,19 @@ def test_killed_and_resumed_run_replays_the_uninterrupted_one(tmp_path, run_mode
             time.sleep(0.2)
         resumed_from = int(latest_checkpoint(run)[1]["step"])
         assert resumed_from < STEPS, "the run finished before it was killed"
-        _run(["--resume", str(run)], tmp_path / "resume.log")  # beside the agents still lingering
+        resume = _start(["--resume", str(run)], tmp_path / "resume.log")  # beside the agents still lingering
+        started.append(resume)
+        _finish(whole, tmp_path / "whole.log")
+        _finish(resume, tmp_path / "resume.log")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the lingering agents
-        except ProcessLookupError:
-            pass
+        for p in started:  # what is left of each process group (the killed run's lingering agents, a failure)
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+    expected = _rows(tmp_path / "whole" / "t")
+    assert [m["step"] for m in expected if "phase" not in m] == list(range(1, STEPS + 1))
     rows = _rows(run)
     assert [m["step"] for m in rows if "phase" not in m] == list(range(1, STEPS + 1))
     assert rows == expected, f"resumed from step {resumed_from}"

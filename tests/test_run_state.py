@@ -139,6 +139,68 @@ def test_the_dispatcher_bounds_groups_in_flight_and_a_resume_reissues_them_first
     asyncio.run(scenario())
 
 
+class _Held(_Groups):
+    """A queue that holds the whole groups of some tasks (its WAL kept them across a restart)."""
+
+    def __init__(self, cfg, held: dict[int, list[float]]):
+        super().__init__(cfg)
+        self.held = held
+
+    async def held_group(self, index):
+        return self.held.get(index)
+
+
+def _spin(n: int = 50):
+    async def spin():
+        for _ in range(n):
+            await asyncio.sleep(0)
+
+    return spin()
+
+
+def test_groups_the_queue_holds_are_taken_not_run_and_counted_in_task_order():
+    cfg = config("/nonexistent", "--rollout.prompts-per-step", "2")
+    env = make_env(cfg.env.name, cfg.env.kwargs)
+
+    async def scenario():
+        coord = _Held(cfg, {1: [0.5, 0.5], 3: [0.25, 0.25]})
+        coord.release.set()
+        dispatcher = Dispatcher(cfg, task_source(env, cfg.data, seed=0))
+        dispatcher.start(coord)
+        await _spin()
+        await dispatcher.stop()
+        assert coord.started[:3] == [0, 2, 4]  # 1 and 3 never run
+        # a step's line under run.deterministic: the tasks below the window's bound, in task order
+        assert dispatcher.take_rewards(below=2) == [1.0, 0.0, 0.5, 0.5] and dispatcher.groups_done == 2
+        assert dispatcher.take_rewards(below=4) == [1.0, 0.0, 0.25, 0.25] and dispatcher.groups_done == 4
+
+    asyncio.run(scenario())
+
+
+def test_deterministic_runs_start_a_batch_once_the_one_before_has_finished():
+    """Async at staleness 1 admits two batches at version 0; run.deterministic starts the second batch's groups
+    only once the first batch's have all finished (so each batch samples with one version, in task order)."""
+    env_args = ["--run.mode", "async", "--queue.max-staleness", "1", "--rollout.prompts-per-step", "2"]
+    for deterministic, first_started in ((False, [0, 1, 2, 3]), (True, [0, 1])):
+        cfg = config("/nonexistent", *env_args, "--run.true-on-policy", "true", "--run.deterministic",
+                     str(deterministic).lower())  # fmt: skip
+        env = make_env(cfg.env.name, cfg.env.kwargs)
+
+        async def scenario(cfg=cfg, env=env, first_started=first_started):
+            coord = _Held(cfg, {})
+            dispatcher = Dispatcher(cfg, task_source(env, cfg.data, seed=0))
+            dispatcher.start(coord)
+            await _spin()
+            assert coord.started == first_started
+            coord.release.set()
+            await _spin()
+            assert coord.started[:4] == [0, 1, 2, 3]
+            await dispatcher.settled(4)
+            await dispatcher.stop()
+
+        asyncio.run(scenario())
+
+
 class _Worker(_Admitting):
     """A rollout worker as the dispatcher sees it: `run_group` runs each of a group's episodes under one
     semaphore of `concurrency` slots (as RolloutWorker does); sample 0 of every group is the long tail (it
