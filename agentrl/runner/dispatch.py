@@ -9,8 +9,9 @@ the next ones back until the next version is published) and async runs as many a
 later group's episodes take the slots a group's short samples free while its longest sample still runs. The task
 cursor, the tasks in flight (admitted, or waiting for admission) and the rollout counts since the last learner
 step are part of each checkpoint, so a resumed run re-issues exactly the tasks that were not trained on and
-reports what the uninterrupted run would (a re-issued group the queue kept from before the kill is taken from
-there, not generated again: agentrl.actors.rollout).
+reports what the uninterrupted run would (a group the queue kept from before the kill is taken from there, not
+generated again: `Coordinator.held_group`). Under run.deterministic a batch's groups start only once the
+previous batch's have finished, and `settled` lets the driver wait for the tasks a version admitted.
 """
 
 from __future__ import annotations
@@ -32,9 +33,8 @@ class Dispatcher:
         self.task_index = 0
         self.inflight: dict[int, dict[str, Any]] = {}
         self.reissue: list[tuple[int, dict[str, Any]]] = []  # from a checkpoint: in flight when it was taken
-        self.finished_groups: dict[
-            int, list[float]
-        ] = {}  # task index -> rewards, not taken by a step's line yet
+        # task index -> rewards of the groups finished and not taken by a step's line yet
+        self.finished_groups: dict[int, list[float]] = {}
         self.groups_done = 0  # groups taken by the steps' lines so far (`take_rewards`)
         self.changed = asyncio.Event()  # a task left `inflight`, or the cursor moved: `settled` looks again
         # dynamic sampling, since the learner's last batch (`take_rewards`): tasks finished, and of those the
