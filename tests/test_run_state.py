@@ -11,9 +11,12 @@ import logging
 import math
 import re
 
+import pytest
+
 from agentrl.config import load_config
 from agentrl.data import task_source
 from agentrl.envs.registry import make_env
+from agentrl.errors import ConfigError
 from agentrl.queue import ReplayQueue
 from agentrl.runner.dispatch import Dispatcher
 from agentrl.runner.metrics import StepTimes, run_totals, step_metrics
@@ -331,3 +334,10 @@ def test_dynamic_sampling_stops_a_run_whose_groups_all_agree_at_max_oversample()
     assert _dispatch(cfg, _AgreeingGroups(cfg, informative_from=4)).failure is None
     plain = config("/nonexistent", "--rollout.prompts-per-step", "2", "--rollout.max-oversample", "1")
     assert _dispatch(plain, _AgreeingGroups(plain)).failure is None
+
+
+def test_deterministic_runs_refuse_dynamic_sampling():
+    """A dropped group lets another task into the window, so which tasks form a batch would depend on timing."""
+    with pytest.raises(ConfigError, match=r"rollout\.dynamic_sampling = false"):
+        config("/nonexistent", "--run.true-on-policy", "true", "--run.deterministic", "true",
+               "--rollout.dynamic-sampling", "true")  # fmt: skip
