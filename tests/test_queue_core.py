@@ -42,6 +42,18 @@ async def test_put_sample_commit_roundtrip_normalizes():
     assert q.pending_ids() == [] and q.committed_steps() == [1] and q.last_committed_step == 1
 
 
+async def test_held_rewards_answer_for_uncommitted_trajectories_only():
+    """What a producer asks before generating a group again: queued, waiting for its group or sampled count as
+    held; committed ones and unknown ids do not."""
+    q = ReplayQueue(cfg(group_size=2))
+    await q.put([traj("a", "g", reward=0.5), traj("b", "g", reward=1.0), traj("c", "h", reward=0.25)])
+    assert q.held_rewards(["a", "b", "c", "x"]) == {"a": 0.5, "b": 1.0, "c": 0.25}  # c waits for its group
+    batch = await q.sample_batch(2, learner_version=0)
+    assert q.held_rewards(batch.ids) == {"a": 0.5, "b": 1.0}  # sampled, not committed yet
+    await q.commit(1, batch.ids)
+    assert q.held_rewards(["a", "b", "c"]) == {"c": 0.25}
+
+
 async def test_unversioned_trajectory_stamped_with_current_version():
     q = ReplayQueue(cfg(max_staleness=5))
     q.set_policy_version(3)

@@ -11,12 +11,15 @@ import logging
 import math
 import re
 
+import pytest
+
 from agentrl.config import load_config
 from agentrl.data import task_source
 from agentrl.envs.registry import make_env
+from agentrl.errors import ConfigError
 from agentrl.queue import ReplayQueue
 from agentrl.runner.dispatch import Dispatcher
-from agentrl.runner.metrics import StepTimes, step_metrics
+from agentrl.runner.metrics import StepTimes, run_totals, step_metrics
 from agentrl.runner.rundir import RunDir
 from agentrl.runner.state import RunState, pick_checkpoint
 
@@ -34,12 +37,17 @@ def test_ids_are_held_from_training_until_committed_and_a_checkpoint_restores_th
     state.training_ids = ["c"]
     assert (state.step, state.policy_version, state.pending) == (1, 1, [(1, ["a", "b"])])
     assert state.held_ids() == ["a", "b", "c"]
-    saved = json.loads(json.dumps({**state.to_json({"task_index": 3}), "step": state.step}))
+    totals = {"staleness": {"0": 16}, "dropped_stale": 2, "restarts": 1, "reissued": 0}
+    saved = json.loads(json.dumps({**state.to_json({"task_index": 3}, totals), "step": state.step}))
     assert saved["pending_commits"] == [[1, ["a", "b"]]] and saved["task_index"] == 3
     resumed = RunState()
     resumed.restore(saved)
     assert (resumed.step, resumed.policy_version) == (1, 1)
     assert resumed.wall_s() >= saved["wall_s"]
+    # the resumed process's queue counts from zero: the run's totals go on from the checkpoint's
+    now = run_totals({"staleness": {"0": 8, "1": 8}, "counts": {"dropped_stale": 1}}, {"restarts": 0,
+                     "reissued": 2}, resumed.totals_before)  # fmt: skip
+    assert now == {"staleness": {"0": 24, "1": 8}, "dropped_stale": 3, "restarts": 1, "reissued": 2}
 
 
 def test_resume_picks_the_newest_checkpoint_and_warns_of_ledger_steps_past_it(tmp_path, caplog):
@@ -70,6 +78,9 @@ class _Admitting:
         self.n = cfg.rollout.n_samples_per_prompt
         self.tickets: dict[int, object] = {}
         self.most_reserved = 0
+
+    async def held_group(self, index: int) -> None:
+        return None  # the queue holds no group from before
 
     async def admit(self, index: int) -> None:
         self.tickets[index] = await self.queue.reserve(self.n)
@@ -125,10 +136,72 @@ def test_the_dispatcher_bounds_groups_in_flight_and_a_resume_reissues_them_first
         await resumed.stop()
         # the four of the checkpoint again, then the next new task
         assert again.started[:5] == [0, 1, 2, 3, 4]
-        assert resumed.groups_done >= 5 and resumed.take_rewards()[:2] == [1.0, 0.0]
+        assert resumed.take_rewards()[:2] == [1.0, 0.0] and resumed.groups_done >= 5
         assert resumed.take_rewards() == []
 
     asyncio.run(scenario())
+
+
+class _Held(_Groups):
+    """A queue that holds the whole groups of some tasks (its WAL kept them across a restart)."""
+
+    def __init__(self, cfg, held: dict[int, list[float]]):
+        super().__init__(cfg)
+        self.held = held
+
+    async def held_group(self, index):
+        return self.held.get(index)
+
+
+def _spin(n: int = 50):
+    async def spin():
+        for _ in range(n):
+            await asyncio.sleep(0)
+
+    return spin()
+
+
+def test_groups_the_queue_holds_are_taken_not_run_and_counted_in_task_order():
+    cfg = config("/nonexistent", "--rollout.prompts-per-step", "2")
+    env = make_env(cfg.env.name, cfg.env.kwargs)
+
+    async def scenario():
+        coord = _Held(cfg, {1: [0.5, 0.5], 3: [0.25, 0.25]})
+        coord.release.set()
+        dispatcher = Dispatcher(cfg, task_source(env, cfg.data, seed=0))
+        dispatcher.start(coord)
+        await _spin()
+        await dispatcher.stop()
+        assert coord.started[:3] == [0, 2, 4]  # 1 and 3 never run
+        # a step's line under run.deterministic: the tasks below the window's bound, in task order
+        assert dispatcher.take_rewards(below=2) == [1.0, 0.0, 0.5, 0.5] and dispatcher.groups_done == 2
+        assert dispatcher.take_rewards(below=4) == [1.0, 0.0, 0.25, 0.25] and dispatcher.groups_done == 4
+
+    asyncio.run(scenario())
+
+
+def test_deterministic_runs_start_a_batch_once_the_one_before_has_finished():
+    """Async at staleness 1 admits two batches at version 0; run.deterministic starts the second batch's groups
+    only once the first batch's have all finished (so each batch samples with one version, in task order)."""
+    env_args = ["--run.mode", "async", "--queue.max-staleness", "1", "--rollout.prompts-per-step", "2"]
+    for deterministic, first_started in ((False, [0, 1, 2, 3]), (True, [0, 1])):
+        cfg = config("/nonexistent", *env_args, "--run.true-on-policy", "true", "--run.deterministic",
+                     str(deterministic).lower())  # fmt: skip
+        env = make_env(cfg.env.name, cfg.env.kwargs)
+
+        async def scenario(cfg=cfg, env=env, first_started=first_started):
+            coord = _Held(cfg, {})
+            dispatcher = Dispatcher(cfg, task_source(env, cfg.data, seed=0))
+            dispatcher.start(coord)
+            await _spin()
+            assert coord.started == first_started
+            coord.release.set()
+            await _spin()
+            assert coord.started[:4] == [0, 1, 2, 3]
+            await dispatcher.settled(4)
+            await dispatcher.stop()
+
+        asyncio.run(scenario())
 
 
 class _Worker(_Admitting):
@@ -261,3 +334,10 @@ def test_dynamic_sampling_stops_a_run_whose_groups_all_agree_at_max_oversample()
     assert _dispatch(cfg, _AgreeingGroups(cfg, informative_from=4)).failure is None
     plain = config("/nonexistent", "--rollout.prompts-per-step", "2", "--rollout.max-oversample", "1")
     assert _dispatch(plain, _AgreeingGroups(plain)).failure is None
+
+
+def test_deterministic_runs_refuse_dynamic_sampling():
+    """A dropped group lets another task into the window, so which tasks form a batch would depend on timing."""
+    with pytest.raises(ConfigError, match=r"rollout\.dynamic_sampling = false"):
+        config("/nonexistent", "--run.true-on-policy", "true", "--run.deterministic", "true",
+               "--rollout.dynamic-sampling", "true")  # fmt: skip

@@ -14,6 +14,7 @@ from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.errors import ConfigError, EngineError, LearnerError
 from agentrl.learners.batch import build_batch
 from agentrl.learners.torch_learner import TorchLearner
+from agentrl.runner.metrics import untimed
 from tests.run_support import read_jsonl, tiny_config
 
 TEMPERATURE = 0.7
@@ -174,12 +175,6 @@ def test_unsupported_settings_are_refused(megatron_model):
         )
 
 
-def _untimed(metrics: dict) -> dict:
-    """A metrics row without the values that measure time or throughput."""
-    timed = ("_s", "time", "per_s", "tok_s", "throughput", "utilization", "wait")
-    return {k: v for k, v in metrics.items() if not any(t in k for t in timed)}
-
-
 @pytest.mark.slow
 def test_runs_have_no_mismatch_and_replay(ray_session, tmp_path, run_model):
     """`agentrl run` (real Ray, warm-up, then RL with a weight publish after each step) with run.true_on_policy:
@@ -200,7 +195,7 @@ def test_runs_have_no_mismatch_and_replay(ray_session, tmp_path, run_model):
                      "generator": "tests.jitter_support:jittered_generate"},
         )  # fmt: skip
         assert run(load_config(path, []))["ok"]
-        rows.append([_untimed(m) for m in read_jsonl(root / "t" / "metrics.jsonl")])
+        rows.append([untimed(m) for m in read_jsonl(root / "t" / "metrics.jsonl")])
     steps = [m for m in rows[0] if "phase" not in m]
     assert [m["train/logprob_mismatch"] for m in steps] == [0.0, 0.0]
     assert rows[0] == rows[1]

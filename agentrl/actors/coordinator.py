@@ -41,7 +41,7 @@ from agentrl.config import Config
 from agentrl.engines.base import describe_error
 from agentrl.envs.registry import env_factory
 from agentrl.errors import AgentRLError, ConfigError, EngineError
-from agentrl.queue.admission import partial_reservation_slack
+from agentrl.queue.admission import partial_reservation_slack, tasks_admitted
 
 log = logging.getLogger(__name__)
 REISSUE_BACKOFF_S = 1.0  # wait before the first re-issue of a failed group; doubles per re-issue
@@ -106,6 +106,24 @@ class Coordinator:
         if key not in self.supervisor.reserved:
             await self.queue.reserve(self.task_trajectories, key)
             self.supervisor.reserved[key] = self.task_trajectories  # a restarted queue re-reserves it
+
+    async def held_group(self, task_index: int) -> list[float] | None:
+        """The rewards of task `task_index`'s group when the queue holds all its trajectories uncommitted, else
+        None. A resumed run dispatches again the tasks that were in flight at its checkpoint and those after it;
+        the queue's log may have kept their groups from before the kill, sampled with the policy version the
+        run would sample them with again, so they are taken as they are rather than generated twice (a
+        multi-seat task is generated again: which seats it delivers varies)."""
+        from agentrl.actors.rollout import group_ids
+
+        if self.task_trajectories != self.cfg.rollout.n_samples_per_prompt:
+            return None
+        ids = group_ids(task_index, self.task_trajectories)
+        held = await self.queue.held_rewards(ids)
+        return [held[tid] for tid in ids] if len(held) == len(ids) else None
+
+    def tasks_admitted(self, policy_version: int) -> int:
+        """The tasks the staleness window admits at `policy_version` (agentrl.queue.admission.tasks_admitted)."""
+        return tasks_admitted(self.cfg.run_queue(), policy_version, self.task_trajectories)
 
     async def run_group(self, task_index: int, task: dict[str, Any]) -> dict[str, Any]:
         """Admit (unless the dispatcher did), run the group on the least-busy worker; on a worker/engine death,

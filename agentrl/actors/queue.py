@@ -147,6 +147,9 @@ class QueueActor:
     def pending_ids(self) -> list[str]:
         return self.queue.pending_ids()
 
+    def held_rewards(self, ids: list[str]) -> dict[str, float]:
+        return self.queue.held_rewards(ids)
+
     def status(self) -> dict[str, Any]:
         return self.queue.status()
 

@@ -71,6 +71,9 @@ class QueueClient:
     async def pending_ids(self) -> list[str]:
         return await self._call(lambda q: q.pending_ids.remote())
 
+    async def held_rewards(self, ids: list[str]) -> dict[str, float]:
+        return await self._call(lambda q: q.held_rewards.remote(ids))
+
     async def status(self) -> dict[str, Any]:
         return await self._call(lambda q: q.status.remote())
 

@@ -46,6 +46,11 @@ log = logging.getLogger(__name__)
 MAX_ABORT_RETRIES = 3
 
 
+def group_ids(task_index: int, n: int, prefix: str = "") -> list[str]:
+    """The trajectory ids of task `task_index`'s group of `n` samples (one policy seat)."""
+    return [f"{prefix}t{task_index}-s{k}" for k in range(n)]
+
+
 class RolloutWorker:
     def __init__(
         self,
@@ -145,7 +150,8 @@ class RolloutWorker:
         t0 = time.perf_counter()
         gid = f"{self.id_prefix}t{task_index}"
         n = self.cfg.rollout.n_samples_per_prompt
-        jobs = [self._episode(task, f"{gid}-s{k}", gid, self.sampling, attempt) for k in range(n)]
+        ids = group_ids(task_index, n, self.id_prefix)
+        jobs = [self._episode(task, tid, gid, self.sampling, attempt) for tid in ids]
         results = await asyncio.gather(*jobs, return_exceptions=True)
         episodes = [r for r in results if isinstance(r, list)]
         errors = [describe_error(e) for e in results if isinstance(e, BaseException)]

@@ -129,9 +129,11 @@ class RunSection(_Section):
     deterministic: Annotated[
         bool,
         doc(
-            "two runs of the same config and seeds write the same metrics (all but times and throughputs): each "
-            "request samples from its own seeded generator, the learner orders each batch canonically; needs "
-            "run.true_on_policy, one engine and one rollout worker, at staleness 0 (docs/true_on_policy.md)"
+            "two runs of the same config and seeds, and a run killed and resumed, write the same metrics (all but "
+            "times and throughputs): each request samples from its own seeded generator, each batch samples "
+            "with one policy version (async: the engines take new weights once the window's groups have "
+            "finished), the learner orders each batch canonically; needs run.true_on_policy, one engine and "
+            "one rollout worker, no dynamic sampling (docs/true_on_policy.md)"
         ),
     ] = False
     max_restarts: Annotated[int, doc("restarts of a crashed actor before the run fails", ge=0)] = 3
@@ -162,8 +164,8 @@ class RunSection(_Section):
                 (cfg.engine.num_engines == 1, f"engine.num_engines = 1, got {cfg.engine.num_engines}"),
                 (cfg.rollout.num_workers == 1, f"rollout.num_workers = 1, got {cfg.rollout.num_workers}"),
                 (
-                    cfg.effective_max_staleness == 0,
-                    "run.mode = 'sync' or queue.max_staleness = 0 (each step's batch is then fixed)",
+                    not cfg.rollout.dynamic_sampling,
+                    "rollout.dynamic_sampling = false (a dropped group lets another task into the batch)",
                 ),
             ):
                 if not ok:

@@ -51,6 +51,25 @@ def partial_reservation_slack(cfg: QueueSection) -> int:
     return cfg.max_staleness * cfg.batch_size
 
 
+def window_size(policy_version: int, max_staleness: int, batch_size: int) -> int:
+    """Most trajectories that may be admitted or in flight at `policy_version` (AReaL)."""
+    return (policy_version + max_staleness + 1) * batch_size
+
+
+def external_room(external_share: float, max_staleness: int, batch_size: int) -> int:
+    """Window slots reservations leave free for unreserved (HTTP) puts: `external_share` of the window span."""
+    return int(external_share * (max_staleness + 1) * batch_size)
+
+
+def tasks_admitted(cfg: QueueSection, policy_version: int, task_trajectories: int) -> int:
+    """How many tasks, each reserving `task_trajectories` and delivering all of them, the window has admitted
+    once the learner is at `policy_version` (`cfg`: the run's queue settings, Config.run_queue)."""
+    window = window_size(policy_version, cfg.max_staleness, cfg.batch_size)
+    return (
+        window - external_room(cfg.external_share, cfg.max_staleness, cfg.batch_size)
+    ) // task_trajectories
+
+
 class Admission:
     """The admission counters of one ReplayQueue and the rules over them."""
 
@@ -65,13 +84,13 @@ class Admission:
     def window(self) -> int:
         """Most trajectories that may be admitted or in flight at the current policy version (AReaL)."""
         q = self.queue
-        return (q.policy_version + q.cfg.max_staleness + 1) * q.batch_size
+        return window_size(q.policy_version, q.cfg.max_staleness, q.batch_size)
 
     @property
     def external_room(self) -> int:
         """Window slots reservations leave free for unreserved (HTTP) puts: `external_share` of the window span."""
         q = self.queue
-        return int(q.cfg.external_share * (q.cfg.max_staleness + 1) * q.batch_size)
+        return external_room(q.cfg.external_share, q.cfg.max_staleness, q.batch_size)
 
     def screen(
         self,

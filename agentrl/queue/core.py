@@ -507,6 +507,11 @@ class ReplayQueue:
     def committed_steps(self) -> list[int]:
         return list(self._committed_steps)
 
+    def held_rewards(self, ids: Iterable[str]) -> dict[str, float]:
+        """The rewards of those of `ids` the queue holds uncommitted (queued, waiting for their group or
+        sampled): a producer asks before generating a group the queue may have from before a restart."""
+        return {tid: self._live[tid].reward for tid in ids if tid in self._live}
+
     @property
     def last_committed_step(self) -> int | None:
         return max(self._committed_steps) if self._committed_steps else None

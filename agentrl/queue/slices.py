@@ -87,11 +87,12 @@ def batch_metrics(
     n = len(trajectories)
     rewards = [float(t.reward) for t in trajectories]
     staleness = [learner_version - min_version(t) for t in trajectories]
-    mean = sum(rewards) / n if n else math.nan
+    # fsum: exactly rounded, so the same whatever order the groups arrived in (run.deterministic)
+    mean = math.fsum(rewards) / n if n else math.nan
     response_tokens = sum(n_response(t) for t in trajectories)
     out: dict[str, Any] = {
         "reward_mean": mean,
-        "reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / n) if n else math.nan,
+        "reward_std": math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / n) if n else math.nan,
         "success_rate": sum(r >= 0.999 for r in rewards) / n if n else math.nan,
         "zero_variance_group_frac": zero_variance_group_frac(trajectories),
         "staleness_mean": sum(staleness) / n if n else math.nan,

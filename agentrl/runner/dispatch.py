@@ -7,8 +7,11 @@ bound on groups in flight, so sync runs keep `prompts_per_step` groups in flight
 the next ones back until the next version is published) and async runs as many as the window admits,
 `(max_staleness + 1) * prompts_per_step`. The workers' `concurrency` bounds the episodes that run at once, so a
 later group's episodes take the slots a group's short samples free while its longest sample still runs. The task
-cursor and the tasks in flight (admitted, or waiting for admission) are part of each checkpoint, so a resumed
-run re-issues exactly the tasks that were not trained on.
+cursor, the tasks in flight (admitted, or waiting for admission) and the rollout counts since the last learner
+step are part of each checkpoint, so a resumed run re-issues exactly the tasks that were not trained on and
+reports what the uninterrupted run would (a group the queue kept from before the kill is taken from there, not
+generated again: `Coordinator.held_group`). Under run.deterministic a batch's groups start only once the
+previous batch's have finished, and `settled` lets the driver wait for the tasks a version admitted.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ class Dispatcher:
         self.task_index = 0
         self.inflight: dict[int, dict[str, Any]] = {}
         self.reissue: list[tuple[int, dict[str, Any]]] = []  # from a checkpoint: in flight when it was taken
-        self.rewards: list[float] = []  # of the groups finished since the last `take_rewards`
-        self.groups_done = 0
+        # task index -> rewards of the groups finished and not taken by a step's line yet
+        self.finished_groups: dict[int, list[float]] = {}
+        self.groups_done = 0  # groups taken by the steps' lines so far (`take_rewards`)
+        self.changed = asyncio.Event()  # a task left `inflight`, or the cursor moved: `settled` looks again
         # dynamic sampling, since the learner's last batch (`take_rewards`): tasks finished, and of those the
         # ones whose every group was dropped (all rewards agreed); rollout.max_oversample caps the first
         self.finished_since_step = self.dropped_since_step = 0
@@ -63,10 +68,26 @@ class Dispatcher:
             return True
         return False
 
-    def take_rewards(self) -> list[float]:
-        rewards, self.rewards = self.rewards, []
+    def take_rewards(self, below: int | None = None) -> list[float]:
+        """The rewards of the groups finished since the last call, in task order (only those of tasks before
+        task `below` when given: run.deterministic's step line counts the tasks of its versions, whenever they
+        finished); `groups_done` counts them."""
+        taken = sorted(i for i in self.finished_groups if below is None or i < below)
+        self.groups_done += len(taken)
         self.finished_since_step = self.dropped_since_step = 0
-        return rewards
+        return [r for i in taken for r in self.finished_groups.pop(i)]
+
+    def _settled(self, tasks: int) -> bool:
+        started = self.task_index >= tasks or (self.task is not None and self.task.done())
+        return started and all(i >= tasks for i in self.inflight) and all(i >= tasks for i, _ in self.reissue)
+
+    async def settled(self, tasks: int) -> None:
+        """Until each of the first `tasks` tasks has finished (or the data ran out); raises a rollout failure."""
+        while not self._settled(tasks):
+            if self.finished():
+                return
+            self.changed.clear()
+            await self.changed.wait()
 
     def _count_dropped(self, summary: dict[str, Any]) -> None:
         """With rollout.dynamic_sampling, stop the run once more than max_oversample x prompts_per_step tasks
@@ -92,12 +113,18 @@ class Dispatcher:
             "task_index": self.task_index,
             "data_cursor": self.tasks.state_dict(),
             "inflight": sorted(self.inflight.items()) + list(self.reissue),
+            "groups_done": self.groups_done,
+            "finished_groups": sorted(self.finished_groups.items()),
+            "since_step": [self.finished_since_step, self.dropped_since_step],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.task_index = int(state["task_index"])
         self.tasks.load_state_dict(state["data_cursor"])
         self.reissue = [(int(i), t) for i, t in state["inflight"]]
+        self.groups_done = int(state.get("groups_done", 0))
+        self.finished_groups = {int(i): [float(r) for r in rs] for i, rs in state.get("finished_groups", [])}
+        self.finished_since_step, self.dropped_since_step = state.get("since_step", [0, 0])
 
     def _next_task(self) -> tuple[int, dict[str, Any]] | None:
         if self.reissue:
@@ -106,6 +133,7 @@ class Dispatcher:
         if not batch:
             return None
         index, self.task_index = self.task_index, self.task_index + 1
+        self.changed.set()
         return index, batch[0]
 
     async def _run(self) -> None:
@@ -114,6 +142,11 @@ class Dispatcher:
             while (nxt := self._next_task()) is not None:
                 index, task = nxt
                 self.inflight[index] = task  # checkpointed from here: its cursor has moved past it
+                if (held := await self.coord.held_group(index)) is not None:
+                    self._finished(index, {"rewards": held})  # the queue kept it from before a restart
+                    continue
+                if self.cfg.run.deterministic:  # a batch's groups all finish before the next batch's start
+                    await self.settled(index - index % self.cfg.rollout.prompts_per_step)
                 await self.coord.admit(index)  # waits while the queue's staleness window is full
                 job = asyncio.create_task(self._group(index, task))
                 running.add(job)
@@ -122,13 +155,11 @@ class Dispatcher:
         finally:
             for job in running:
                 job.cancel()
+            self.changed.set()
 
     async def _group(self, index: int, task: dict[str, Any]) -> None:
         try:
-            summary = await self.coord.run_group(index, task)
-            self.rewards.extend(summary["rewards"])
-            self.groups_done += 1
-            self._count_dropped(summary)
+            self._finished(index, await self.coord.run_group(index, task))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # surfaced by the supervisor's restart budget
@@ -136,3 +167,10 @@ class Dispatcher:
             self.failure = exc
         finally:
             self.inflight.pop(index, None)
+            self.changed.set()
+
+    def _finished(self, index: int, summary: dict[str, Any]) -> None:
+        self.finished_groups[index] = list(summary["rewards"])
+        self.inflight.pop(index, None)
+        self.changed.set()
+        self._count_dropped(summary)

@@ -33,6 +33,8 @@ class RunState:
     pending: list[tuple[int, list[str]]] = field(default_factory=list)  # (step, ids): trained, not committed
     training_ids: list[str] = field(default_factory=list)  # the batch being trained (not in `pending` yet)
     wall_offset_s: float = 0.0  # wall time of the run before this process (resumed runs)
+    # the run's totals at the checkpoint resumed (agentrl.runner.metrics.run_totals); this process adds its own
+    totals_before: dict[str, Any] = field(default_factory=dict)
     started_at: float = field(default_factory=time.perf_counter)
 
     def held_ids(self) -> list[str]:
@@ -49,13 +51,15 @@ class RunState:
         self.pending.append((self.step, ids))
         self.training_ids = []
 
-    def to_json(self, rollouts: dict[str, Any]) -> dict[str, Any]:
-        """state.json of a checkpoint (`rollouts`: the dispatcher's task cursor and in-flight tasks)."""
+    def to_json(self, rollouts: dict[str, Any], totals: dict[str, Any]) -> dict[str, Any]:
+        """state.json of a checkpoint (`rollouts`: the dispatcher's task cursor, in-flight tasks and counts;
+        `totals`: the run's totals so far, agentrl.runner.metrics.run_totals)."""
         return {
             "policy_version": self.policy_version,
             **rollouts,
             "pending_commits": self.pending,
             "wall_s": self.wall_s(),
+            "totals": totals,
         }
 
     def restore(self, saved: dict[str, Any]) -> None:
@@ -63,6 +67,7 @@ class RunState:
         by the caller, in the queue)."""
         self.step, self.policy_version = int(saved["step"]), int(saved["policy_version"])
         self.wall_offset_s = float(saved.get("wall_s", 0.0))
+        self.totals_before = dict(saved.get("totals", {}))
 
 
 def pick_checkpoint(rundir: RunDir) -> tuple[Path, dict[str, Any]] | None:

@@ -27,7 +27,7 @@ from agentrl.runlayout import LEARNER_DIR
 from agentrl.runner.dispatch import Dispatcher
 from agentrl.runner.evaluation import Evaluation
 from agentrl.runner.live_dashboard import start_dashboard
-from agentrl.runner.metrics import StepTimes, step_metrics
+from agentrl.runner.metrics import StepTimes, run_totals, step_metrics
 from agentrl.runner.progress import Progress
 from agentrl.runner.rundir import RunDir
 from agentrl.runner.state import RunState, pick_checkpoint, write_checkpoint
@@ -110,11 +110,13 @@ class Trainer:
         wait_s = time.perf_counter() - t0
         self.state.training_ids = sampled.ids
         version, learned = await self.coord.train(sampled)
+        rewards = await self._rollout_rewards()
+        groups_done = self.rollouts.groups_done
         publish_s = await self.coord.supervisor.publish(version)
         self.state.trained(version, sampled.ids)
         metrics = {**sampled.metrics, **learned, "policy_version": self.state.policy_version}
         self.rundir.log_logprobs(self.state.step, metrics.pop("logprob_sample", []))
-        metrics = await self._metrics(metrics, wait_s, publish_s)
+        metrics = await self._metrics(metrics, wait_s, publish_s, rewards, groups_done)
         if self.evaluation.due(self.state.step):
             metrics.update(await self.evaluation.run(self.coord, self.state.step))
         self.rundir.log(metrics)
@@ -135,18 +137,33 @@ class Trainer:
                 if self.rollouts.finished():
                     return None  # the data ran out (data.epochs) and less than a batch is left
 
-    async def _metrics(self, train: dict[str, Any], wait_s: float, publish_s: float) -> dict[str, Any]:
+    async def _rollout_rewards(self) -> list[float]:
+        """The rewards of the groups finished since the last step, taken before the new version's publish.
+        Under run.deterministic the engines take new weights only once every group the window admitted at the
+        learner's version has finished (no group samples with two versions; async at staleness s then samples
+        batch b with version b - s exactly), and the step's line counts exactly those groups."""
+        if not self.cfg.run.deterministic:
+            return self.rollouts.take_rewards()
+        tasks = self.coord.tasks_admitted(self.state.policy_version)
+        await self.rollouts.settled(tasks)
+        return self.rollouts.take_rewards(below=tasks)
+
+    async def _metrics(self, train: dict[str, Any], wait_s: float, publish_s: float, rewards: list[float],
+                       groups_done: int) -> dict[str, Any]:  # fmt: skip
         now = time.perf_counter()
         status = await self.coord.queue.status()
+        totals = self._totals(status)
+        status.update(totals)
         times = StepTimes(wait_s, publish_s, step_s=now - self.last_end, wall_s=self.state.wall_s())
-        counts = {
-            "groups_done": self.rollouts.groups_done,
-            "restarts": self.coord.supervisor.restarts(),
-            "reissued": self.coord.reissued,
-        }
-        metrics = step_metrics(train, self.state.step, times, status, self.rollouts.take_rewards(), counts)
+        counts = {"groups_done": groups_done, "restarts": totals["restarts"], "reissued": totals["reissued"]}
+        metrics = step_metrics(train, self.state.step, times, status, rewards, counts)
         self.last_end = time.perf_counter()
         return metrics
+
+    def _totals(self, queue_status: dict[str, Any]) -> dict[str, Any]:
+        """The run's totals so far, across resumes (agentrl.runner.metrics.run_totals)."""
+        counts = {"restarts": self.coord.supervisor.restarts(), "reissued": self.coord.reissued}
+        return run_totals(queue_status, counts, self.state.totals_before)
 
     async def _checkpoint(self, wait: bool = True) -> None:
         """Checkpoint the steps trained so far, then commit them to the ledger (their trajectories leave the WAL
@@ -154,7 +171,9 @@ class Trainer:
         steps train and the commit follows once they are written; a checkpoint first waits for the one before."""
         await self._checkpointed()
         # a copy: the pending steps and the rollouts' cursor move on while a background write runs
-        state = copy.deepcopy(self.state.to_json(self.rollouts.state_dict()))
+        rollouts = self.rollouts.state_dict()
+        totals = self._totals(await self.coord.queue.status())
+        state = copy.deepcopy(self.state.to_json(rollouts, totals))
         covered = len(self.state.pending)
         background = self.cfg.run.checkpoint_background and not wait
         finish = await write_checkpoint(self.rundir, self.coord.cluster, self.state.step, state, background)
