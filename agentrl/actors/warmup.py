@@ -7,8 +7,9 @@ ends is a state of the model, not a step count (the same step count leaves diffe
 vector width changes the floating-point order): `warmup.stop_eval` ends it once the run's greedy eval reaches a
 reward (the trainer publishes the weights and evaluates them every `warmup.eval_every` steps: the task success RL
 starts from), `warmup.stop_loss` once the SFT loss is low enough (a cruder state: the same loss was measured to
-leave greedy evals from 0.26 to 0.93 on different vector widths). Tasks come from `warmup.seed` (agentrl.data.warmup_source): env tasks from a seed range apart from
-training and evaluation, or, with `data.path`, the dataset's rows in a `warmup.seed` order. Afterwards the optimizer's
+leave greedy evals from 0.26 to 0.93 on different vector widths). Tasks come from `warmup.seed`
+(agentrl.data.warmup_source): env tasks from a seed range apart from training and evaluation, or, with
+`data.path`, the dataset's rows in a `warmup.seed` order. Afterwards (at its end: `Warmup.end`) the optimizer's
 first moment is zeroed and its second kept (`reset_optimizer`, agentrl.learners.base.forget_momentum): Adam
 would otherwise coast on the SFT momentum through every RL step whose advantages are all zero (measured: a
 warmed-up calculator_tools model went from 34% to 100% malformed tool calls in 8 such steps), and fresh second
