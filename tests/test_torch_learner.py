@@ -307,6 +307,33 @@ def test_the_warmup_stops_at_its_loss_target_or_after_its_steps(model_dir):
         assert run_warmup(cfg, learner, tok, learner.pad_id)["warmup_steps"] == want_steps
 
 
+def test_the_warmup_in_chunks_is_the_warmup_in_one_call(model_dir):
+    """Chunks (warmup.stop_eval evaluates between them) go on where the last stopped: the same demonstrations,
+    the same weights as one call; the warm-up ends (and the optimizer is reset) only when its steps run out or
+    `end()` is called."""
+    from agentrl.actors.warmup import Warmup
+    from agentrl.config import load_config
+    from agentrl.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    cfg = load_config(None, {"env": {"name": "calculator"}, "warmup": {"steps": 5, "batch_size": 2}})
+    whole = TorchLearner(model_dir, LearnerSection(lr=1e-3))
+    assert Warmup(cfg, whole, tok, whole.pad_id).advance()["warmup_ended"]
+    chunked = TorchLearner(model_dir, LearnerSection(lr=1e-3))
+    warmup = Warmup(cfg, chunked, tok, chunked.pad_id)
+    assert [warmup.advance(2)["warmup_steps"], warmup.advance(2)["warmup_steps"]] == [2, 4]
+    assert not warmup.ended
+    last = warmup.advance(2)
+    assert (last["warmup_steps"], last["warmup_ended"]) == (5, True)
+    after = _snapshot(chunked)
+    assert all(torch.equal(t, after[name]) for name, t in _snapshot(whole).items())
+    ended = Warmup(cfg, chunked, tok, chunked.pad_id)
+    ended.advance(1)
+    assert (
+        ended.end()["warmup_ended"] and ended.advance(3)["warmup_steps"] == 1
+    )  # an ended warm-up stays ended
+
+
 def made_by_agentrl() -> bool:
     """Whether the read being counted was made by agentrl's code, directly or through torch (not by
     transformers' own checks, nor by a test's code)."""

@@ -84,10 +84,15 @@ class ColocatedHost(RolloutWorker):
         version, metrics = await asyncio.to_thread(self.learner.train, trajectories)
         return version, {**metrics, **self.handoff.train_metrics()}
 
-    async def warmup(self) -> dict[str, Any]:
+    async def warmup(self, steps: int = 0) -> dict[str, Any]:
         if self.handoff is not None:
             await self.handoff.to_training()
-        return await asyncio.to_thread(self.learner.warmup)
+        return await asyncio.to_thread(self.learner.warmup, steps)
+
+    async def warmup_end(self) -> dict[str, Any]:
+        if self.handoff is not None:  # the optimizer's state is reset where it lives while training
+            await self.handoff.to_training()
+        return await asyncio.to_thread(self.learner.warmup_end)
 
     async def learner_version(self) -> int:
         return self.learner.policy_version()

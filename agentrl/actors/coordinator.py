@@ -180,9 +180,14 @@ class Coordinator:
 
     # -- learner -----------------------------------------------------------------------------------------
 
-    async def warmup(self) -> dict[str, Any]:
-        """The learner's supervised warm-up (`warmup.steps`); its stats (loss first/last, seconds)."""
-        return await self.cluster.learner.warmup.remote()
+    async def warmup(self, steps: int = 0) -> dict[str, Any]:
+        """Up to `steps` more steps of the learner's supervised warm-up (0: to its end); its stats (loss
+        first/last, seconds, `warmup_ended`)."""
+        return await self.cluster.learner.warmup.remote(steps)
+
+    async def warmup_end(self) -> dict[str, Any]:
+        """End the learner's warm-up where it is; its final stats."""
+        return await self.cluster.learner.warmup_end.remote()
 
     def data_slices(self) -> int:
         """Slices each batch is cut into: one per learner data-parallel rank (a colocated host: one)."""

@@ -2,8 +2,8 @@
 
 `fetch(queue, ids)` pulls this rank's slice of the next batch from the queue actor (agentrl.actors.queue) and
 `train()` builds a `Batch` of it, takes learner.minibatches x learner.epochs optimizer updates (the learner's
-`policy_version` becomes v+1 once, after the last) and returns the learner's metrics. `warmup()` runs the
-supervised phase on env demonstrations (loss on assistant tokens only, tokenized exactly as the multi-turn
+`policy_version` becomes v+1 once, after the last) and returns the learner's metrics. `warmup(steps)` runs the
+supervised phase on env demonstrations, a chunk of steps per call (`warmup_end()` ends it early) (loss on assistant tokens only, tokenized exactly as the multi-turn
 generator does). `weights_payload()` /`save_hf()` /
 `distributed_source()` feed agentrl.actors.broadcast; all but `save_hf()` (full weights) send the learner's
 `published_weights()` (the adapter alone under LoRA), logged with their size; the learners name MoE experts one
@@ -65,6 +65,7 @@ class LearnerWorker:
         self._slice: list[Trajectory] | None = None  # pulled by `fetch`, trained on by the next `train()`
         self._writer: Any = None  # the thread of background checkpoint saves (`save`), made on first use
         self._saving: Any = None  # its Future while a save is being written
+        self._warmup: Any = None  # the warm-up in progress (agentrl.actors.warmup.Warmup), made by warmup()
 
     @property
     def pad_id(self) -> int:
@@ -123,11 +124,21 @@ class LearnerWorker:
         """(data-parallel rank, data-parallel size): which slice of each rollout batch this rank trains on."""
         return self.learner.data_rank()
 
-    def warmup(self) -> dict[str, Any]:
-        """Supervised warm-up on env demonstrations for `warmup.steps` steps (or `warmup.time_limit_s`)."""
-        from agentrl.actors.warmup import run_warmup
+    def warmup(self, steps: int = 0) -> dict[str, Any]:
+        """Supervised warm-up on env demonstrations (agentrl.actors.warmup): up to `steps` more SFT steps (0:
+        until `warmup.steps`, `warmup.time_limit_s` or `warmup.stop_loss` ends it); its stats, with
+        `warmup_ended` once it is over (the optimizer then reset for RL)."""
+        from agentrl.actors.warmup import Warmup
 
-        return run_warmup(self.cfg, self.learner, self.tokenizer, self.pad_id)
+        if self._warmup is None:
+            self._warmup = Warmup(self.cfg, self.learner, self.tokenizer, self.pad_id)
+        return self._warmup.advance(steps)
+
+    def warmup_end(self) -> dict[str, Any]:
+        """End the warm-up where it is (`warmup.stop_eval` reached); its final stats."""
+        if self._warmup is None:
+            raise RuntimeError("LearnerWorker.warmup_end() before any warmup()")
+        return self._warmup.end()
 
     # -- weights and checkpoints -------------------------------------------------------------------------
 

@@ -415,7 +415,20 @@ class WarmupSection(_Section):
         doc(
             "stop the warm-up once the mean SFT loss of its last 5 steps is at or below this (steps is then "
             "the most it runs): it ends at a state of the model, not at a step count whose state varies "
-            "with the floating-point order of the machine; 0 = run all the steps",
+            "with the floating-point order of the machine, but the same loss can mean very different task "
+            "success there (stop_eval measures that); 0 = no loss stop",
             ge=0,
         ),
     ] = 0.0
+    stop_eval: Annotated[
+        float,
+        doc(
+            "stop the warm-up once the run's greedy eval (run.eval_prompts prompts, as before RL) reaches this "
+            "mean reward, taken every eval_every SFT steps on the weights published to the engines: RL then "
+            "starts from a measured task success, whatever the machine's floating-point order; the eval "
+            "before RL is the last of these; steps, time_limit_s and stop_loss still end it if they come "
+            "first; 0 = off",
+            ge=0,
+        ),
+    ] = 0.0
+    eval_every: Annotated[int, doc("SFT steps between the warm-up's evals when stop_eval is set", ge=1)] = 10

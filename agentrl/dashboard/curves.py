@@ -72,7 +72,7 @@ def points(rows: list[dict], key: str, x: str = "step") -> list[tuple[float, flo
     out = []
     for row in rows:
         value = row.get(key)
-        if row.get("phase") == "warmup" or not _finite(value):
+        if str(row.get("phase", "")).startswith("warmup") or not _finite(value):
             continue
         out.append((float(row.get(X_AXES[x], 0.0)), float(value)))
     return out

@@ -207,16 +207,31 @@ class Evaluation:
     def __init__(self, cfg: Config):
         self.sets = run_sets(cfg)
         self.tasks = {s.name: s.tasks(cfg.data) for s in self.sets}
+        # the run's own set, which warmup.stop_eval measures even without run.eval_every (its tasks then drawn
+        # on first use: a run without evals needs no eval data)
+        self.own, self.data = default_set(cfg), cfg.data
 
     def due(self, step: int) -> bool:
         """Whether any set is evaluated at step `step` (step 0: before RL)."""
         return any(s.due(step) for s in self.sets)
 
-    async def run(self, coord: Any, step: int) -> dict[str, float]:
-        """The metrics of every set due at `step`, for the policy the engines serve now."""
+    async def run(self, coord: Any, step: int, own: dict[str, float] | None = None) -> dict[str, float]:
+        """The metrics of every set due at `step`, for the policy the engines serve now. `own`: the run's own
+        set's metrics, already taken on these weights (the warm-up's last eval), used rather than sampled
+        again."""
         metrics: dict[str, float] = {}
         for s in self.sets:
             if s.due(step):
+                if s.name == DEFAULT_EVAL and own is not None:
+                    metrics.update(own)
+                    continue
                 result, _ = await evaluate_set(coord.evaluate, s, self.tasks[s.name])
                 metrics.update(result.metrics())
         return metrics
+
+    async def run_own(self, coord: Any) -> dict[str, float]:
+        """The run's own set's metrics for the policy the engines serve now (warmup.stop_eval)."""
+        if DEFAULT_EVAL not in self.tasks:
+            self.tasks[DEFAULT_EVAL] = self.own.tasks(self.data)
+        result, _ = await evaluate_set(coord.evaluate, self.own, self.tasks[DEFAULT_EVAL])
+        return result.metrics()

@@ -207,13 +207,14 @@ class Trainer:
         await self._start_actors()
         if ckpt is not None:
             await self._resume(*ckpt)
-        elif self.cfg.warmup.steps > 0:
-            await self._warmup()
+        warm_eval = None  # the run's own eval of the warmed-up weights, when the warm-up took it
+        if ckpt is None and self.cfg.warmup.steps > 0:
+            warm_eval = await self._warmup()
         await self.coord.supervisor.publish(self.state.policy_version)
         if ckpt is None:
             await self._checkpoint()
         if self.state.step == 0 and self.evaluation.due(0):
-            await self._eval_before_rl()
+            await self._eval_before_rl(warm_eval)
         self.rollouts.start(self.coord)
 
     async def _start_actors(self) -> None:
@@ -239,19 +240,45 @@ class Trainer:
         self.rundir.truncate_metrics(self.state.step)
         self.progress.note(f"resumed at step {self.state.step} (policy_version {self.state.policy_version})")
 
-    async def _warmup(self) -> None:
-        self.progress.note(
-            f"warm-up: {self.cfg.warmup.steps} SFT steps on {self.cfg.env.name} demonstrations"
-        )
-        stats = await self.coord.warmup()
+    async def _warmup(self) -> dict[str, float] | None:
+        """The supervised warm-up. With warmup.stop_eval it runs in chunks of warmup.eval_every steps, each
+        followed by a publish of the weights (policy_version stays 0) and the run's own greedy eval, logged as
+        a `warmup_eval` line, and ends at the first eval that reaches stop_eval. Returns the eval of the final
+        weights when the last chunk took it (the eval before RL, not sampled again), else None."""
+        w = self.cfg.warmup
+        self.progress.note(f"warm-up: up to {w.steps} SFT steps on {self.cfg.env.name} demonstrations")
+        last: dict[str, float] | None = None
+        if not w.stop_eval:
+            stats = await self.coord.warmup()
+        else:
+            while True:
+                stats = await self.coord.warmup(w.eval_every)
+                await self.coord.supervisor.publish(self.state.policy_version)
+                last = await self.evaluation.run_own(self.coord)
+                self.rundir.log({"step": 0, "phase": "warmup_eval", "warmup_steps": stats["warmup_steps"],
+                                 "warmup_loss": stats["warmup_loss_last"], "warmup_s": stats["warmup_s"],
+                                 **{f"warmup_{k}": v for k, v in last.items()}})  # fmt: skip
+                self.progress.note(
+                    f"warm-up: step {stats['warmup_steps']}, loss {stats['warmup_loss_last']:.3f}, "
+                    f"eval {last['eval_reward_mean']:.3f}",
+                    keep=True,
+                )
+                if last["eval_reward_mean"] >= w.stop_eval:
+                    stats = await self.coord.warmup_end()
+                    break
+                if stats["warmup_ended"]:
+                    break
         self.progress.note(
             f"warm-up done: {stats['warmup_steps']} steps in {stats['warmup_s']:.0f}s, "
             f"loss {stats['warmup_loss_first']:.2f} -> {stats['warmup_loss_last']:.2f}"
         )
-        self.rundir.log({"step": 0, "phase": "warmup", **stats})
+        self.rundir.log(
+            {"step": 0, "phase": "warmup", **{k: v for k, v in stats.items() if k != "warmup_ended"}}
+        )
+        return last
 
-    async def _eval_before_rl(self) -> None:
-        first = await self.evaluation.run(self.coord, 0)
+    async def _eval_before_rl(self, own: dict[str, float] | None = None) -> None:
+        first = await self.evaluation.run(self.coord, 0, own)
         self.rundir.log({"step": 0, "phase": "eval", "policy_version": self.state.policy_version, **first})
         rewards = [f"{k.removesuffix('/mean_reward').removeprefix('eval/')} {v:.3f}" for k, v in first.items()
                    if k.endswith("/mean_reward")]  # fmt: skip
