@@ -10,9 +10,11 @@
 #   bash bench/gpu/quickstart_matrix.sh loaded     # the same cells with 2 burners spinning on each run's 2 cores;
 #                                                  # seeds 0-4 x native,avx2, torch_threads 1 (10 runs, two rounds
 #                                                  # of TIME_LIMIT_S 240)
-#   bash bench/gpu/quickstart_matrix.sh lowstart   # RL from a lower start: warmup.stop_loss 0.25 (eval before RL
-#                                                  # ~0.33 here) and 0.3, seeds 0-4, native (10 runs, two rounds of
-#                                                  # TIME_LIMIT_S 240)
+#   bash bench/gpu/quickstart_matrix.sh lowstart   # RL from lower starts: warmup.stop_loss (STOP_LOSSES, 0.25,0.3:
+#                                                  # eval before RL ~0.33 and lower) x algorithm.credit (CREDITS,
+#                                                  # trajectory,turn) x seeds 0-4, native (20 runs, three rounds of
+#                                                  # TIME_LIMIT_S 165; STOP_LOSSES=0.25 then 0.3 with
+#                                                  # TIME_LIMIT_S=240 judge a longer window in two calls)
 # One part per call. Every part takes SEEDS (0-4), CAPS, THREADS, K (7), CORES (2), TIME_LIMIT_S and EXTRA (more
 # `agentrl run` overrides, e.g. EXTRA="--learner.minibatches 1"); a run counts toward the goal when its 5-step
 # mean train reward reaches 0.7 within min(300, TIME_LIMIT_S) s of its start and does not fall below 0.3 after.
@@ -26,8 +28,9 @@ case $part in
     more=(--load quiet) ;;
   loaded) seeds=${SEEDS:-0-4} caps=${CAPS:-native,avx2} threads=${THREADS:-1} limit=${TIME_LIMIT_S:-240}
     more=(--load loaded --burners 2) ;;
-  lowstart) seeds=${SEEDS:-0-4} caps=${CAPS:-native} threads=${THREADS:-1} limit=${TIME_LIMIT_S:-240}
-    more=(--load quiet --vary warmup.stop-loss=0.25,0.3) ;;
+  lowstart) seeds=${SEEDS:-0-4} caps=${CAPS:-native} threads=${THREADS:-1} limit=${TIME_LIMIT_S:-165}
+    more=(--load quiet --vary "warmup.stop-loss=${STOP_LOSSES:-0.25,0.3}"
+      --vary "algorithm.credit=${CREDITS:-trajectory,turn}") ;;
   *) echo "quickstart_matrix.sh: name a part: quiet | loaded | lowstart" >&2; exit 2 ;;
 esac
 gpu_install ray 2>&1 | tail -1
@@ -47,7 +50,7 @@ echo "quickstart_seeds $part rc=$?"; tail -3 "$out/$part.log" | grep -v '^{"capa
 python3 - "$out/$part/seeds.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-keys = ("warmup.stop-loss", "capability", "torch_threads", "load", "seed", "eval_before_rl", "steps",
+keys = ("warmup.stop-loss", "algorithm.credit", "capability", "torch_threads", "load", "seed", "eval_before_rl", "steps",
         "steps_to_0.7", "s_to_0.7", "final_reward", "final_eval", "collapsed", "goal", "learned", "rc")
 for r in rows:
     print(" ".join(f"{k}={r[k]}" for k in keys if k in r), r.get("error", "")[-200:].replace("\n", " | "))
