@@ -17,7 +17,7 @@ stands for a C-core machine: its own local Ray (`--run.ray-num-cpus C`, its own 
 
     python bench/quickstart_seeds.py --seeds 0-4 [--capability native,avx2] [--threads 1,2] \\
         [--load quiet,loaded] [--vary warmup.stop-loss=0.25,0.3] [--parallel 7 --cores-per-run 2] \\
-        [--config examples/quickstart_moe.toml] [--kill-after-s S] [--label NAME] \\
+        [--config examples/quickstart_moe.toml] [--kill-after-s S] [--label NAME] [--resume-for-s S] \\
         [--out DIR | FILE.json] [-- --learner.lr 3e-4 ...]
 
 `--out DIR` writes DIR/seeds.json (the summary and every row), DIR/seeds.md (markdown rows), DIR/seeds.jsonl
@@ -151,7 +151,7 @@ def out_paths(out: str) -> tuple[Path, Path, Path, Path | None]:
     return path / "seeds.json", path / "seeds.md", path / "seeds.jsonl", path / "runs"
 
 
-def main() -> None:
+def parse() -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="examples/quickstart.toml")
     ap.add_argument("--seeds", type=seeds, default=seeds("0-4"))
@@ -171,19 +171,27 @@ def main() -> None:
         "--goal-s", type=float, default=300.0, help="seconds (since the run's start) to reach 0.7"
     )
     ap.add_argument("--parallel", type=int, default=1, help="runs at once, each pinned to its own cores")
-    ap.add_argument(
-        "--cores-per-run", type=int, default=0, help="cores of each run (0: all, one run at a time)"
-    )
+    ap.add_argument("--cores-per-run", type=int, default=0, help="cores of each run (0: all, one at a time)")
     ap.add_argument(
         "--kill-after-s", type=float, default=0, help="kill a run still going after this (0: never)"
     )
+    ap.add_argument(
+        "--resume-for-s",
+        type=float,
+        default=0,
+        help="continue each cell's run that its time limit stopped (agentrl run --resume) this long",
+    )
     ap.add_argument("--label", default="", help="a name for this matrix in the run names (default: none)")
     ap.add_argument("--root", default="runs/seeds")
-    ap.add_argument("--out")
+    ap.add_argument("--out")  # fmt: skip
     args, extra = ap.parse_known_args()
-    extra = [a for a in extra if a != "--"]
     if args.cores_per_run == 0 and args.parallel > 1:
         raise SystemExit("--parallel K needs --cores-per-run C (K x C cores of this machine)")
+    return args, [a for a in extra if a != "--"]
+
+
+def main() -> None:
+    args, extra = parse()
     slots: queue.Queue[list[int] | None] = queue.Queue()
     for cores in core_slots(args.parallel, args.cores_per_run) if args.cores_per_run else [None]:
         slots.put(cores)
@@ -193,33 +201,24 @@ def main() -> None:
     lock = threading.Lock()
     stem = Path(args.config).stem + (f"-{args.label}" if args.label else "")
 
-    def one(cell: tuple) -> dict:
-        cap, threads, load, seed, *values = cell
-        vary = {key: value for (key, _), value in zip(args.vary, values, strict=True)}
-        tag = "".join(f"-{key.rsplit('.', 1)[-1]}{value}" for key, value in vary.items())
-        name = f"{stem}{tag}-{cap}-t{threads}-{load}-seed{seed}"
-        cmd = [sys.executable, "-m", "agentrl.cli", "run", args.config, "--run.seed", str(seed),
-               "--run.root", args.root, "--run.name", name, "--run.overwrite", "true", "--run.progress", "false",
-               "--run.torch-threads", threads, *extra]  # fmt: skip
-        for key, value in vary.items():
-            cmd += [f"--{key}", value]
+    def launch(cmd: list[str], cap: str, load: str) -> dict:
+        """Runs `cmd` on free cores (with burners when `loaded`): its rc, wall time, cores and stderr."""
         env = dict(os.environ)
         env.pop("ATEN_CPU_CAPABILITY", None)
         if cap != "native":
             env["ATEN_CPU_CAPABILITY"] = cap
         cores = slots.get()
+        burn = [sys.executable, "-c", BURN]
+        burners = []
         try:
             if cores is not None:
                 # a C-core machine of its own: Ray counts C CPUs and keeps its files (sockets, session) apart
                 cmd = pinned([*cmd, "--run.ray-num-cpus", str(len(cores))], cores)
+                burn = pinned(burn, cores)
                 env["RAY_TMPDIR"] = f"/tmp/qs{cores[0]}"
                 Path(env["RAY_TMPDIR"]).mkdir(exist_ok=True)
-            burn = [sys.executable, "-c", BURN]
-            burners = []
             if load == "loaded":
-                burners = [
-                    subprocess.Popen(pinned(burn, cores) if cores else burn) for _ in range(args.burners)
-                ]
+                burners = [subprocess.Popen(burn) for _ in range(args.burners)]
             t0 = time.perf_counter()
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True, start_new_session=True)  # fmt: skip
@@ -228,16 +227,41 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 _, stderr = proc.communicate()
-            finally:
-                for b in burners:
-                    b.kill()
-                    b.wait()
         finally:
+            for b in burners:
+                b.kill()
+                b.wait()
             slots.put(cores)
-        row = {**vary, "capability": cap, "torch_threads": int(threads), "load": load, "seed": seed,
-               "cores": ",".join(map(str, cores)) if cores else "all", "rc": proc.returncode,
-               "wall_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+        return {"cores": ",".join(map(str, cores)) if cores else "all", "rc": proc.returncode,
+                "wall_s": round(time.perf_counter() - t0, 1), "stderr": stderr}  # fmt: skip
+
+    def one(cell: tuple) -> dict:
+        cap, threads, load, seed, *values = cell
+        vary = {key: value for (key, _), value in zip(args.vary, values, strict=True)}
+        tag = "".join(f"-{key.rsplit('.', 1)[-1]}{value}" for key, value in vary.items())
+        name = f"{stem}{tag}-{cap}-t{threads}-{load}-seed{seed}"
         rundir = ROOT / args.root / name
+        cmd = [sys.executable, "-m", "agentrl.cli", "run", args.config, "--run.seed", str(seed),
+               "--run.root", args.root, "--run.name", name, "--run.overwrite", "true", "--run.progress", "false",
+               "--run.torch-threads", threads, *extra,
+               *(arg for key, value in vary.items() for arg in (f"--{key}", value))]  # fmt: skip
+        if args.resume_for_s:
+            # continue a run its time limit stopped (the limit counts the run's whole wall time: move it on by
+            # --resume-for-s); a run that finished or failed is only read
+            done = (
+                json.loads((rundir / "summary.json").read_text())
+                if (rundir / "summary.json").exists()
+                else {}
+            )
+            cmd = None
+            if done.get("stopped_by") == "time_limit":
+                cmd = [sys.executable, "-m", "agentrl.cli", "run", "--resume", str(rundir), "--run.overwrite",
+                       "false", "--run.progress", "false", "--run.time-limit-s",
+                       str(done["wall_s"] + args.resume_for_s)]  # fmt: skip
+        row = {**vary, "capability": cap, "torch_threads": int(threads), "load": load, "seed": seed}
+        if cmd is not None:
+            row.update(launch(cmd, cap, load))
+        stderr = row.pop("stderr", "")
         metrics = rundir / "metrics.jsonl"
         row.update(summarise(metrics, args.goal_s) if metrics.exists() else {"error": stderr[-500:]})
         row.update(verdict(rundir / "summary.json"))
@@ -254,11 +278,10 @@ def main() -> None:
                             shutil.copy(rundir / f, keep / f)
         return row
 
-    dims = [args.capability, args.threads, args.load, args.seeds, *(values for _, values in args.vary)]
-    cells = list(itertools.product(*dims))
-    if (
-        args.parallel > 1
-    ):  # runs side by side would each make the config's tiny model in the same folder at once
+    cells = list(itertools.product(args.capability, args.threads, args.load, args.seeds,
+                                   *(values for _, values in args.vary)))  # fmt: skip
+    if args.parallel > 1 and not args.resume_for_s:
+        # runs side by side would each make the config's tiny model in the same folder at once
         subprocess.run([sys.executable, "-c", MAKE_MODEL, args.config, *extra], cwd=ROOT, check=True)
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         table = list(pool.map(one, cells))

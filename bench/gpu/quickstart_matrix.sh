@@ -15,6 +15,11 @@
 #                                                  # trajectory,turn) x seeds 0-4, native (20 runs, three rounds of
 #                                                  # TIME_LIMIT_S 165; STOP_LOSSES=0.25 then 0.3 with
 #                                                  # TIME_LIMIT_S=240 judge a longer window in two calls)
+#   bash bench/gpu/quickstart_matrix.sh guess      # examples/guess_number.toml: seeds 0-2 x algorithm.credit
+#                                                  # trajectory,turn (6 runs at once, TIME_LIMIT_S 520);
+#   bash bench/gpu/quickstart_matrix.sh guess-more # in the next calls of the same hold: continue the runs their
+#                                                  # limit stopped, 520 s more each, until all reach 200 steps;
+#                                                  # prints bench/guess_number_curve.py's table (median change)
 # One part per call. Every part takes SEEDS (0-4), CAPS, THREADS, K (7), CORES (2), TIME_LIMIT_S and EXTRA (more
 # `agentrl run` overrides, e.g. EXTRA="--learner.minibatches 1"); a run counts toward the goal when its 5-step
 # mean train reward reaches 0.7 within min(300, TIME_LIMIT_S) s of its start and does not fall below 0.3 after.
@@ -31,7 +36,10 @@ case $part in
   lowstart) seeds=${SEEDS:-0-4} caps=${CAPS:-native} threads=${THREADS:-1} limit=${TIME_LIMIT_S:-165}
     more=(--load quiet --vary "warmup.stop-loss=${STOP_LOSSES:-0.25,0.3}"
       --vary "algorithm.credit=${CREDITS:-trajectory,turn}") ;;
-  *) echo "quickstart_matrix.sh: name a part: quiet | loaded | lowstart" >&2; exit 2 ;;
+  guess | guess-more) seeds=${SEEDS:-0-2} caps=native threads=1 limit=${TIME_LIMIT_S:-520}
+    more=(--config examples/guess_number.toml --vary "algorithm.credit=${CREDITS:-trajectory,turn}")
+    [ "$part" = guess-more ] && more+=(--resume-for-s "$limit") ;;
+  *) echo "quickstart_matrix.sh: name a part: quiet | loaded | lowstart | guess | guess-more" >&2; exit 2 ;;
 esac
 gpu_install ray 2>&1 | tail -1
 export PYTHONPATH=/tmp/site:$PWD
@@ -44,7 +52,7 @@ goal=$((limit < 300 ? limit : 300))
 # shellcheck disable=SC2086  # EXTRA is a list of overrides
 python3 bench/quickstart_seeds.py --seeds "$seeds" --capability "$caps" --threads "$threads" "${more[@]}" \
   --parallel "${K:-7}" --cores-per-run "${CORES:-2}" --goal-s "$goal" --kill-after-s $((limit + 60)) \
-  --label "$part" --root "runs/qs-$part" --out "$out/$part" -- --run.time-limit-s "$limit" ${EXTRA:-} \
+  --label "${part%-more}" --root "runs/qs-${part%-more}" --out "$out/$part" -- --run.time-limit-s "$limit" ${EXTRA:-} \
   > "$out/$part.log" 2>&1
 echo "quickstart_seeds $part rc=$?"; tail -3 "$out/$part.log" | grep -v '^{"capability' | cut -c1-400
 python3 - "$out/$part/seeds.jsonl" <<'PY'
@@ -57,3 +65,9 @@ for r in rows:
 print(f"{sum(bool(r.get('goal')) for r in rows)} of {len(rows)} reached the goal;",
       f"{sum(bool(r.get('collapsed')) for r in rows)} collapsed")
 PY
+if [ "${part%-more}" = guess ]; then
+  for credit in $(echo "${CREDITS:-trajectory,turn}" | tr , ' '); do
+    echo "algorithm.credit = $credit:"
+    python3 bench/guess_number_curve.py runs/qs-guess/guess_number-guess-credit"$credit"-*/metrics.jsonl | tail -6
+  done
+fi
