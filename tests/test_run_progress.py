@@ -151,6 +151,17 @@ def test_a_run_that_did_not_learn_says_so_and_what_to_look_at(tmp_path):
     assert "rollout.n_samples_per_prompt" in text and "entropy collapse: 0.283 -> 0.023 nats" in text
 
 
+def test_a_stall_held_up_by_a_partial_reward_points_at_turn_credit(tmp_path):
+    """The quickstart from a low start: the reward held by the tool bonus while the success rate halved."""
+    held = [{"reward_mean": 0.15 - 0.0002 * i, "success_rate": 0.08 - 0.001 * i} for i in range(40)]
+    summary, text = _summary_of(tmp_path, "held", held)
+    assert summary["learned"] is False
+    assert "success_rate fell (0.075 -> 0.045) while the train reward held (0.149 -> 0.143)" in text
+    assert "algorithm.credit = 'turn'" in text
+    rising = [{"reward_mean": 0.1 + 0.01 * i, "success_rate": 0.08 - 0.001 * i} for i in range(40)]
+    assert "not_learned" not in _summary_of(tmp_path, "rising", rising)[0]
+
+
 def test_a_run_that_learned_or_was_too_short_to_judge_prints_no_warning(tmp_path):
     rising = [{"reward_mean": 0.1 + 0.02 * i, "zero_variance_group_frac": 0.9, "train/entropy": 0.01}
               for i in range(40)]  # fmt: skip

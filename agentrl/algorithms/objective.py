@@ -17,6 +17,7 @@ on a masked token cannot turn into inf * 0 = NaN; ratios come from agentrl.algor
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -129,10 +130,32 @@ def _sequence_advantages(cfg: AlgorithmSection, batch: Batch, kl_tokens: torch.T
         rewards = rewards - cfg.kl_coef * per_seq
     estimate = SEQUENCE_ESTIMATORS[cfg.advantage]
     if cfg.advantage == "grpo":
-        seq_adv = estimate(rewards, batch.group_index, batch.n_groups, cfg.norm_eps)
-    else:
-        seq_adv = estimate(rewards, batch.group_index, batch.n_groups)
+        estimate = functools.partial(estimate, eps=cfg.norm_eps)
+    if cfg.credit == "turn":
+        return _turn_advantages(estimate, batch)
+    seq_adv = estimate(rewards, batch.group_index, batch.n_groups)
     return adv_lib.to_tokens(seq_adv, seq, batch.loss_mask)
+
+
+def _turn_advantages(estimate: Callable[..., torch.Tensor], batch: Batch) -> torch.Tensor:
+    """algorithm.credit = "turn": the estimator over (sequence, assistant turn) pairs: the return from the turn on
+    (`batch.turn_returns`), grouped by (group, turn), so a turn's baseline is the group's samples that reached
+    it; turn 0 gets exactly the trajectory-level estimate."""
+    if batch.turn_returns is None or batch.turn_index is None:
+        raise LearnerError("algorithm.credit = 'turn' needs batch.turn_returns and batch.turn_index")
+    mask = batch.loss_mask > 0
+    n_turns = batch.turn_returns.shape[1]
+    seq, turn = batch.seq_index.clamp(min=0), batch.turn_index.clamp(min=0, max=n_turns - 1)
+    pair_of_token = seq * n_turns + turn
+    pairs, inverse = torch.unique(pair_of_token[mask], return_inverse=True)
+    pair_seq, pair_turn = pairs // n_turns, pairs % n_turns
+    subgroups, sub_index = torch.unique(
+        batch.group_index[pair_seq] * n_turns + pair_turn, return_inverse=True
+    )
+    pair_adv = estimate(batch.turn_returns[pair_seq, pair_turn], sub_index, int(subgroups.numel()))
+    out = torch.zeros_like(batch.loss_mask)
+    out[mask] = pair_adv.to(out.dtype)[inverse]
+    return out
 
 
 def _token_advantages(

@@ -309,6 +309,16 @@ class AlgorithmSection(_Section):
             "weighs the same), token_mean otherwise (AlgorithmSection.effective_loss_agg)"
         ),
     ] = "auto"
+    credit: Annotated[
+        Literal["trajectory", "turn"],
+        doc(
+            "which reward a multi-turn trajectory's tokens are credited with (per-sequence estimators: grpo, "
+            "dr_grpo, rloo): trajectory = its whole reward on every turn; turn = each assistant turn's tokens "
+            "the return from that turn on (the reward minus the env's rewards of the earlier turns), its "
+            "baseline the group's samples that reached the same turn, so a reward earned on one turn (a tool "
+            "bonus) does not reinforce the turns after it (docs/algorithms.md)"
+        ),
+    ] = "trajectory"
     off_policy: Annotated[
         Literal["none", "tis", "seq_tis", "decoupled"],
         doc(
@@ -401,6 +411,15 @@ class AlgorithmSection(_Section):
             )
         if self.estimator.teacher and self.teacher_coef <= 0:
             raise ConfigError(f"algorithm.advantage = '{self.advantage}' needs algorithm.teacher_coef > 0")
+        if self.credit == "turn" and self.estimator.level != "sequence":
+            raise ConfigError(
+                f"algorithm.credit = 'turn' needs a per-sequence estimator (grpo, dr_grpo, rloo), got "
+                f"algorithm.advantage = '{self.advantage}'"
+            )
+        if self.credit == "turn" and self.kl_coef > 0 and self.kl_mode == "reward":
+            raise ConfigError(
+                "algorithm.credit = 'turn' with algorithm.kl_mode = 'reward': set kl_mode = 'loss'"
+            )
 
 
 class WarmupSection(_Section):

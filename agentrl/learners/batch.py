@@ -78,6 +78,10 @@ class Batch:
     turn_index: torch.Tensor | None = (
         None  # [R, T] int64: assistant turn (0..) of each loss token, -1 elsewhere
     )
+    # [N, K] float32: the return of sequence i from its assistant turn k on = its reward minus the env's rewards
+    # for the turns before k (`Trajectory.turn_rewards`; the whole reward for every turn without them); K = the
+    # batch's most turns. Per sequence, like `rewards` (algorithm.credit = "turn")
+    turn_returns: torch.Tensor | None = None
     # [R, T, layers, topk] int16 (learner.routing_replay = "rollout"): the experts the engine's router chose at the
     # forward position of token t (the position that reads `input_ids[:, t]`, in every MoE layer), -1 where there
     # is no record (padding, trajectories without one, a sequence's last token); None when not replaying. int16
@@ -228,6 +232,7 @@ def build_batch(
         seq_index=t(grid(-1, np.int64, flat.seq_of)),
         turn_index=t(grid(-1, np.int64, flat.turns)),
         rewards=t(np.array([tr.reward for tr in trajectories], dtype=np.float32)),
+        turn_returns=t(_turn_returns(trajectories, int(flat.turns.max(initial=-1)) + 1)),
         group_index=t(group_index),
         has_rollout_logprobs=t(has_lp),
         trajectory_ids=[tr.id for tr in trajectories],
@@ -240,6 +245,18 @@ def build_batch(
         routed_experts=_routed_experts(trajectories, s_len, grid, t) if routed_experts else None,
         images=_images(trajectories) if shown is not None else None,
     )
+
+
+def _turn_returns(trajectories: Sequence[types.Trajectory], n_turns: int) -> np.ndarray:
+    """[N, n_turns]: reward minus the env's rewards of the earlier turns (env step k follows assistant turn k)."""
+    out = np.zeros((len(trajectories), max(n_turns, 1)), dtype=np.float64)
+    for i, tr in enumerate(trajectories):
+        earlier = np.zeros(out.shape[1])
+        given = np.asarray((tr.turn_rewards or [])[: out.shape[1] - 1], dtype=np.float64)
+        earlier[1 : 1 + len(given)] = np.cumsum(given)
+        earlier[1 + len(given) :] = earlier[len(given)]
+        out[i] = tr.reward - earlier
+    return out.astype(np.float32)
 
 
 def _images(trajectories: Sequence[types.Trajectory]) -> list[list[tuple[types.Image, tuple[int, int, int]]]]:

@@ -11,7 +11,10 @@ explain a stall, each with the numbers it saw and the settings that act on it:
 - clip fraction: many tokens' ratios were clipped, so the updates are larger than the clip range allows;
 - dropped tokens: the off-policy correction dropped many tokens (behaviour and learner disagree);
 - the reward fell: the updates moved the policy away from what it could do (measured on the quickstart: too
-  large a step erases what the warm-up taught, and groups then go all-zero).
+  large a step erases what the warm-up taught, and groups then go all-zero);
+- the success rate fell while the reward held: a partial reward (a tool bonus earned on one turn) is what the
+  updates reinforce, along with the failing turns after it (measured on the quickstart from a low start: the
+  tool bonus held the reward while success went 8% -> 4%; `algorithm.credit = "turn"` fixed it).
 
 Runs shorter than `MIN_STEPS` steps are not judged.
 """
@@ -31,6 +34,7 @@ ENTROPY_COLLAPSE = 0.3  # entropy at the end below this share of the start's
 ENTROPY_BLOWUP = 3.0  # entropy at the end above this multiple of the start's
 CLIP_HIGH = 0.2  # mean clip fraction past which the updates are too large
 DROPPED_HIGH = 0.1  # mean share of loss tokens dropped by the off-policy correction
+SUCCESS_FALL = 0.75  # success rate at the end below this share of the start's (with the reward held)
 
 
 def _values(steps: list[dict[str, Any]], key: str) -> list[float]:
@@ -67,6 +71,15 @@ def diagnose(steps: list[dict[str, Any]]) -> dict[str, Any]:
             "could do before RL; a lower learner.lr, or learner.minibatches = 2 (the clip bounds the second "
             "update)"
         )
+    success = _values(steps, "success_rate")
+    if len(success) >= MIN_STEPS and end > start - MIN_GAIN:
+        s0, s1 = fmean(success[:WINDOW]), fmean(success[-WINDOW:])
+        if s0 > 0 and s1 < SUCCESS_FALL * s0:
+            signs.append(
+                f"success_rate fell ({s0:.3f} -> {s1:.3f}) while the train reward held ({start:.3f} -> "
+                f"{end:.3f}): a partial reward (e.g. a tool bonus) is learned, and with it the failing turns "
+                "after it; algorithm.credit = 'turn' credits each turn with its own return"
+            )
     zero_var = _values(steps, "zero_variance_group_frac")
     if zero_var and fmean(zero_var) >= ZERO_VARIANCE_HIGH:
         signs.append(

@@ -68,6 +68,9 @@ def init_ray(cfg: Config) -> bool:
     if address and address != "local":
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     else:  # a cluster of its own, even where `ray start` left one on this machine (join that: --run.ray-address auto)
+        # Ray starts its workers (every actor of the run) at niceness 15: beside any other busy process on the
+        # machine they would get a few percent of a core and the run would crawl; `ray job submit` sets 0 too
+        os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(
             address="local",
             num_cpus=cfg.run.ray_num_cpus or os.cpu_count() or 2,
