@@ -14,7 +14,7 @@ explain a stall, each with the numbers it saw and the settings that act on it:
   large a step erases what the warm-up taught, and groups then go all-zero);
 - the success rate fell while the reward held: a partial reward (a tool bonus earned on one turn) is what the
   updates reinforce, along with the failing turns after it (measured on the quickstart from a low start: the
-  tool bonus held the reward while success went 8% -> 4%; `algorithm.credit = "turn"` fixed it).
+  tool bonus held the reward while success went 8% -> 5%; `algorithm.credit = "turn"` fixed it).
 
 Runs shorter than `MIN_STEPS` steps are not judged.
 """
