@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import statistics
 import sys
@@ -30,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_bench import build_model, make_requests
+from engine_bench import _free, _sync, build_model, make_requests
 
 from agentrl import types
 from agentrl.config.learning import LearnerSection
@@ -41,17 +40,6 @@ from agentrl.learners.batch import build_batch
 from agentrl.learners.torch_learner import TorchLearner
 
 TEMPERATURE = 1.0
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _free(device: str) -> None:
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
 
 
 def serve(
