@@ -8,6 +8,7 @@ are honoured is agentrl/proxy/openai_params.py's rule.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Annotated, Any, Literal
 
@@ -26,9 +27,20 @@ class _Strict(msgspec.Struct, forbid_unknown_fields=True):
     pass
 
 
-class ContentPart(_Strict):
+class ContentPart(_Strict, tag_field="type", tag="text"):
     text: str
-    type: Literal["text"] = "text"  # images and audio cannot reach a text model's tokens
+
+
+class ImageUrl(_Strict):
+    url: str  # a data URL (`data:image/png;base64,...`); http(s) URLs are refused: the proxy fetches nothing
+    # no token depends on it: the model's image processor sizes the picture
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageUrlPart(_Strict, tag_field="type", tag="image_url"):
+    """A picture for a vision-language model (agentrl/proxy/images.py reads it; audio and files are refused)."""
+
+    image_url: ImageUrl
 
 
 class FunctionCall(_Strict):
@@ -47,7 +59,7 @@ class ToolCall(_Strict):
 
 class ChatMessage(_Strict):
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart | ImageUrlPart] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
@@ -125,7 +137,7 @@ def message_text(message: ChatMessage) -> str:
         return ""
     if isinstance(message.content, str):
         return message.content
-    return "".join(part.text for part in message.content)
+    return "".join(part.text for part in message.content if isinstance(part, ContentPart))
 
 
 def tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
@@ -148,10 +160,17 @@ def _arguments(text: str) -> Any:
         return text  # not JSON: the template renders the string as given
 
 
-def template_message(message: ChatMessage) -> dict[str, Any]:
-    """A message as the chat template takes it: content as text, tool-call arguments as objects (what
-    Hugging Face templates expect), `tool_call_id` / `name` when given."""
+def template_message(
+    message: ChatMessage, where: str = "messages", max_image_bytes: int = 0
+) -> dict[str, Any]:
+    """A message as the chat template takes it: content as text (with images: a list of text and image parts,
+    agentrl/proxy/images.py; `where` names the message in errors, `max_image_bytes` bounds each picture),
+    tool-call arguments as objects (what Hugging Face templates expect), `tool_call_id` / `name` when given."""
     out: dict[str, Any] = {"role": message.role, "content": message_text(message)}
+    if isinstance(message.content, list) and any(isinstance(p, ImageUrlPart) for p in message.content):
+        from agentrl.proxy.images import template_parts
+
+        out["content"] = template_parts(message.content, f"{where}.content", max_image_bytes)
     if message.tool_calls:
         out["tool_calls"] = [
             {"id": c.id, "type": c.type,
@@ -165,13 +184,19 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
 
 
 def turn_key(message: ChatMessage) -> tuple[Any, ...]:
-    """What must match for a message to be the one recorded: role, text and tool calls (name + arguments as
-    JSON values, so re-serialized arguments still match; call ids are not compared)."""
+    """What must match for a message to be the one recorded: role, text, tool calls (name + arguments as
+    JSON values, so re-serialized arguments still match; call ids are not compared) and pictures (by the
+    digest of their URL)."""
     calls = tuple(
         (c.function.name, json.dumps(_arguments(c.function.arguments), sort_keys=True))
         for c in message.tool_calls or []
     )
-    return (message.role, message_text(message), calls)
+    pictures = tuple(
+        hashlib.sha256(p.image_url.url.encode()).hexdigest()
+        for p in (message.content if isinstance(message.content, list) else [])
+        if isinstance(p, ImageUrlPart)
+    )
+    return (message.role, message_text(message), calls, pictures)
 
 
 def error_body(message: str, param: str = "", kind: str = "invalid_request_error") -> bytes:
