@@ -3,17 +3,19 @@ proxy's one chat request (`openai_schema.ChatRequest`), so both faces share one 
 
 A request field the proxy does not know is refused (400 naming it) rather than ignored; content blocks of
 a type other than `text`, `image` (in a user message, base64 source), `tool_use`, `tool_result` and `thinking`
-(documents, redacted thinking, images by URL) are refused by path (`messages[i].content[j].type`). Accepted as no-ops, since they change no token: `cache_control`
-(top level, on blocks and tools: a caching hint; the proxy keeps every session's tokens anyway),
-`context_management` (edits of the context the server keeps: the proxy keeps none beyond the session's
-record, and the client re-sends the history it wants), `output_config.effort` (steers Claude's thinking
-budget; the run samples with its own settings), and the `anthropic-beta` header.
+(documents, redacted thinking, images by URL) are refused by path (`messages[i].content[j].type`). Accepted
+as no-ops, since they change no token: `cache_control` (top level, on blocks and tools: a caching hint;
+the proxy keeps every session's tokens anyway), `context_management` (edits of the context the server keeps:
+the proxy keeps none beyond the session's record, and the client re-sends the history it wants),
+`output_config.effort` (steers Claude's thinking budget; the run samples with its own settings), and the
+`anthropic-beta` header.
 
 Translation (the chat template then renders it like any OpenAI conversation):
 - `system` (a string or text blocks) -> a leading system message; a message of role `system` in `messages`
   (Claude Code sends them mid-conversation) -> a system message where it stands;
-- a user message's text and image blocks -> one user message (an image as an `image_url` data-URL part); each `tool_result` block -> a `tool` message with
-  `tool_call_id` = its `tool_use_id` (content: its text, prefixed `Error: ` when `is_error`), in block order;
+- a user message's text and image blocks -> one user message (an image as an `image_url` data-URL part);
+  each `tool_result` block -> a `tool` message with `tool_call_id` = its `tool_use_id` (content: its text,
+  prefixed `Error: ` when `is_error`), in block order;
 - an assistant message's text blocks -> its content, its `tool_use` blocks -> `tool_calls` (arguments =
   the `input` as JSON), matched to the recorded reply by name + arguments as the OpenAI face matches them;
   its `thinking` blocks -> the reasoning the reply began with, written back as the template's reasoning
@@ -66,13 +68,6 @@ PARAMS = {
 }
 
 
-class ImageSource(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    type: str  # only "base64": the proxy fetches no URL
-    media_type: str | None = None
-    data: str | None = None
-    url: str | None = None
-
-
 class Block(msgspec.Struct, kw_only=True):
     type: str
     text: str | None = None
@@ -84,7 +79,9 @@ class Block(msgspec.Struct, kw_only=True):
     is_error: bool = False
     thinking: str | None = None  # a thinking block's text (its `signature` is the proxy's own: not checked)
     signature: str | None = None
-    source: ImageSource | None = None  # an image block's picture
+    # an image block's picture ({"type": "base64", "media_type", "data"}): any JSON here, checked by `_image`
+    # only on image blocks (other block types never read it)
+    source: Any = None
     cache_control: dict[str, Any] | None = None  # a caching hint: no token depends on it
 
 
@@ -201,17 +198,18 @@ def _user(blocks: list[Block], where: str) -> list[ChatMessage]:
 def _image(block: Block, where: str) -> ImageUrlPart:
     """An image block as the OpenAI face's data-URL part (agentrl/proxy/images.py reads it)."""
     source = block.source
-    if source is None:
-        raise RequestError(400, "an image block needs a source", f"{where}.source")
-    if source.type != "base64":
-        raise RequestError(400, f"image source type {source.type!r} is not supported: send the picture as "
+    if not isinstance(source, dict):
+        raise RequestError(400, "an image block needs a source object", f"{where}.source")
+    if source.get("type") != "base64":
+        raise RequestError(400, f"image source type {source.get('type')!r} is not supported: send the picture as "
                            "base64 (the proxy fetches no URL)", f"{where}.source.type")  # fmt: skip
-    if source.media_type not in MEDIA_TYPES:
-        raise RequestError(400, f"media_type must be one of {list(MEDIA_TYPES)}, got {source.media_type!r}",
+    media_type, data = source.get("media_type"), source.get("data")
+    if media_type not in MEDIA_TYPES:
+        raise RequestError(400, f"media_type must be one of {list(MEDIA_TYPES)}, got {media_type!r}",
                            f"{where}.source.media_type")  # fmt: skip
-    if not source.data:
-        raise RequestError(400, "a base64 image source needs its data", f"{where}.source.data")
-    return ImageUrlPart(ImageUrl(f"data:{source.media_type};base64,{source.data}"))
+    if not isinstance(data, str) or not data:
+        raise RequestError(400, "a base64 image source needs its data (a string)", f"{where}.source.data")
+    return ImageUrlPart(ImageUrl(f"data:{media_type};base64,{data}"))
 
 
 def check_images(req: CountRequest, vision: bool, max_image_bytes: int, model: str) -> None:

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Any
 
 from agentrl.proxy.openai_params import RequestError
-from agentrl.proxy.openai_schema import ChatMessage, ContentPart, ImageUrlPart
 
 MAX_IMAGE_BYTES = 16 << 20  # as queue.max_image_bytes: the largest picture file a request may hold
 MEDIA_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
@@ -40,25 +38,3 @@ def data_url_bytes(url: str, param: str, max_image_bytes: int = MAX_IMAGE_BYTES)
         raise RequestError(413, f"image of {len(data)} bytes is over the proxy's max_image_bytes = "
                            f"{max_image_bytes}", param)  # fmt: skip
     return data
-
-
-def template_parts(parts: list[ContentPart | ImageUrlPart], where: str, max_image_bytes: int = 0
-                   ) -> list[dict[str, Any]]:  # fmt: skip
-    """A message's parts as the chat template takes them (text and image parts, in order)."""
-    limit = max_image_bytes or MAX_IMAGE_BYTES
-    return [
-        {"type": "text", "text": p.text}
-        if isinstance(p, ContentPart)
-        else {"type": "image", "data": data_url_bytes(p.image_url.url, f"{where}[{j}].image_url.url", limit)}
-        for j, p in enumerate(parts)
-    ]
-
-
-def first_image(messages: list[ChatMessage]) -> str | None:
-    """The path of the first image part of `messages` (None: no pictures)."""
-    for i, m in enumerate(messages):
-        if isinstance(m.content, list):
-            for j, p in enumerate(m.content):
-                if isinstance(p, ImageUrlPart):
-                    return f"messages[{i}].content[{j}]"
-    return None

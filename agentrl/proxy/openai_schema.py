@@ -15,12 +15,15 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from agentrl.engines.wire import integral_floats
+from agentrl.proxy.images import MAX_IMAGE_BYTES, data_url_bytes
 from agentrl.proxy.openai_params import RequestError
 from agentrl.types import validation_field
 
 # a reply's token budget: capped to the context left when larger (openai_params); past a signed 64-bit integer
 # it is no number a client means, and is refused by name
-MaxTokens = Annotated[int, msgspec.Meta(le=2**63 - 1)]
+MAX_TOKENS_LIMIT = 2**63 - 1  # a reply length above it is no int64: refused by name (/openapi.json says so)
+MaxTokens = Annotated[int, msgspec.Meta(le=MAX_TOKENS_LIMIT)]
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]  # an int64, as engines' generators take it
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True):
@@ -112,7 +115,7 @@ class ChatRequest(_Strict, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
     presence_penalty: float | None = None
@@ -168,8 +171,6 @@ def template_message(
     tool-call arguments as objects (what Hugging Face templates expect), `tool_call_id` / `name` when given."""
     out: dict[str, Any] = {"role": message.role, "content": message_text(message)}
     if isinstance(message.content, list) and any(isinstance(p, ImageUrlPart) for p in message.content):
-        from agentrl.proxy.images import template_parts
-
         out["content"] = template_parts(message.content, f"{where}.content", max_image_bytes)
     if message.tool_calls:
         out["tool_calls"] = [
@@ -217,3 +218,25 @@ def decode_request(decoder: msgspec.json.Decoder, body: bytes) -> Any:
         raise RequestError(400, f"invalid request: {exc}", validation_field(exc)) from None
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise RequestError(400, f"request body is not valid JSON: {exc}") from None
+
+
+def template_parts(parts: list[ContentPart | ImageUrlPart], where: str, max_image_bytes: int = 0
+                   ) -> list[dict[str, Any]]:  # fmt: skip
+    """A message's parts as the chat template takes them (text and image parts, in order)."""
+    limit = max_image_bytes or MAX_IMAGE_BYTES
+    return [
+        {"type": "text", "text": p.text}
+        if isinstance(p, ContentPart)
+        else {"type": "image", "data": data_url_bytes(p.image_url.url, f"{where}[{j}].image_url.url", limit)}
+        for j, p in enumerate(parts)
+    ]
+
+
+def first_image(messages: list[ChatMessage]) -> str | None:
+    """The path of the first image part of `messages` (None: no pictures)."""
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list):
+            for j, p in enumerate(m.content):
+                if isinstance(p, ImageUrlPart):
+                    return f"messages[{i}].content[{j}]"
+    return None

@@ -27,7 +27,7 @@ from agentrl import __version__
 from agentrl.proxy.anthropic_schema import THINKING_TYPES, CountRequest, MessagesRequest
 from agentrl.proxy.images import MEDIA_TYPES
 from agentrl.proxy.openai_params import MAX_N, MAX_TOP_LOGPROBS, RESPONSE_FORMATS
-from agentrl.proxy.openai_schema import ChatRequest, RewardRequest
+from agentrl.proxy.openai_schema import MAX_TOKENS_LIMIT, ChatRequest, RewardRequest
 from agentrl.proxy.responses_schema import IGNORED_ITEM_KEYS, INCLUDES, ResponsesRequest
 from agentrl.proxy.responses_schema import ROLES as RESPONSES_ROLES
 from agentrl.types import ROLES
@@ -60,8 +60,11 @@ def _sampling(props: dict[str, Any], sampling: Any, policy: str) -> None:
                        if policy == "refuse" else POLICY_TEXT[policy]}  # fmt: skip
 
 
+TOKENS = {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS_LIMIT}  # a reply length (MaxTokens)
+
+
 def _max_tokens(description: str) -> dict[str, Any]:
-    return {**_nullable({"type": "integer", "minimum": 1}), "description": description}
+    return {**_nullable(TOKENS), "description": description}
 
 
 def _needs_tools(none: list[Any]) -> dict[str, Any]:
@@ -73,7 +76,7 @@ def _needs_tools(none: list[Any]) -> dict[str, Any]:
 def _chat_request(props: dict[str, Any], sampling: Any, policy: str) -> None:
     _sampling(props, sampling, policy)
     for name in ("max_tokens", "max_completion_tokens"):
-        props[name] = {**_nullable({"type": "integer", "minimum": 1}),
+        props[name] = {**_nullable(TOKENS),
                        "description": "capped to the context left (recorded in the trajectory's metadata)"}  # fmt: skip
     props["n"] = {"type": "integer", "minimum": 1, "maximum": MAX_N, "default": 1}
     props["top_logprobs"] = {**_nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}),
@@ -259,7 +262,7 @@ def _anthropic_requests(
     props = components["MessagesRequest"]["properties"]
     props["messages"]["description"] += "; the prompt must fit in max_seq_len tokens"
     _sampling(props, sampling, policy)
-    props["max_tokens"] = {"type": "integer", "minimum": 1, "description": "capped to the context left"}
+    props["max_tokens"] = {**TOKENS, "description": "capped to the context left"}
     props["stop_sequences"] = _nullable({"type": "array", "items": {"type": "string", "minLength": 1}})
     props["top_k"] = {
         "type": "null",

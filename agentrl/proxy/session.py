@@ -53,7 +53,7 @@ from agentrl.engines.base import Engine, GenerateOutput, InvalidRequest, Samplin
 from agentrl.engines.stops import find_stop
 from agentrl.errors import AgentRLError, EnvError
 from agentrl.generator import RolloutContext
-from agentrl.proxy.images import MAX_IMAGE_BYTES, first_image
+from agentrl.proxy.images import MAX_IMAGE_BYTES
 from agentrl.proxy.openai_params import (
     SAMPLING_POLICIES,
     RequestError,
@@ -66,6 +66,7 @@ from agentrl.proxy.openai_schema import (
     ChatRequest,
     FunctionCall,
     ToolCall,
+    first_image,
     template_message,
     turn_key,
 )
