@@ -233,7 +233,8 @@ async def test_errors_name_the_parameter_and_leave_nothing_behind(tiny, tok):
             ({"tool_choice": {"type": "any"}}, "tool_choice"),
             ({"thinking": {"type": "sometimes"}}, "thinking.type"),
             ({"extra_body": {"output_config": {"verbosity": "low"}}}, "output_config.verbosity"),
-            ({"messages": [{"role": "user", "content": [image]}]}, "messages[0].content[0].type"),
+            # an image for a text-only model
+            ({"messages": [{"role": "user", "content": [image]}]}, "messages[0].content[0]"),
             ({"messages": [user(), {"role": "assistant", "content": "It is"}]}, "messages[1].role"),
             ({"extra_body": {"service_tier": "auto"}}, "service_tier"),
             ({"extra_body": {"bogus": 1}}, "bogus"),

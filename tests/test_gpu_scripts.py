@@ -246,3 +246,22 @@ def test_moe_mfu_table_names_each_cell_and_its_failure(tmp_path):
     assert "| megatron_a2a | 2 (2) | grouped | alltoall | eager | 0.200 [0.190-0.220] | 80,000 | 14.0% |" in (
         proc.stdout
     )
+
+
+def test_vlm_bench_smoke_on_cpu(tmp_path):
+    """bench/gpu/vlm_bench.py's CPU smoke: the tiny VLM serves image+text requests twice (each run's tok/s and
+    the median), and the log-prob check scores the sampled responses with the torch learner."""
+    sys.path.insert(0, str(ROOT / "bench/gpu"))
+    try:
+        import vlm_bench
+    finally:
+        sys.path.remove(str(ROOT / "bench/gpu"))
+    out = tmp_path / "vlm.json"
+    result = vlm_bench.main(["--device", "cpu", "--arch", "tiny", "--n", "3", "--prompt-len", "4", "8",
+                             "--output-len", "4", "8", "--no-sglang", "--runs", "2", "--check-logprobs", "2",
+                             "--image-size", "56", "--out", str(out)])  # fmt: skip
+    assert json.loads(out.read_text()) == result
+    assert len(result["embedded"]["runs"]) == 2 and result["embedded"]["tok_s_median"] > 0
+    assert result["image_tokens"] == 4  # 56 px: 4x4 patches, merged 2x2
+    check = result["logprobs_vs_transformers"]
+    assert check["requests"] == 2 and check["max"] <= 1e-4

@@ -134,3 +134,83 @@ def test_a_checkpoint_keeps_the_image_processor(tiny_vlm, tmp_path):
     learner.save(str(tmp_path / "ckpt"))
     again = TorchLearner(tmp_path / "ckpt", LearnerSection())
     assert again.takes_images and again.vision == learner.vision
+
+
+def fsdp_vlm_worker(rank: int, port: int, model: str, tmp: str) -> None:
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(1)
+    trajs = torch.load(f"{tmp}/trajs.pt", weights_only=False)
+    learner = TorchLearner(model, FSDP_VLM(True), AlgorithmSection(advantage="grpo", off_policy="none"))
+    batch = build_batch(trajs, learner.pad_id, images=True)
+    out = {"logprobs": learner.compute_logprobs(batch), "metrics": learner.train_step(batch)}
+    out["weights"] = {k: v.clone() for k, v in learner.weights()}
+    torch.save(out, f"{tmp}/rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def FSDP_VLM(fsdp: bool) -> LearnerSection:  # 64 tokens a micro-batch: each rank gets pictured rows
+    return LearnerSection(lr=1e-2, micro_batch_tokens=64, fsdp=fsdp, vision_tower="trained")
+
+
+def test_fsdp_two_ranks_train_the_vlm_as_one_process(tiny_vlm, tmp_path):
+    """FSDP2 on 2 gloo ranks (each decoder layer and vision block sharded) equals the single-process learner
+    on trajectories with pictures: log-probs, loss, and every updated weight, the vision tower's included."""
+    import torch.multiprocessing as mp
+
+    from agentrl.net import free_port
+
+    engine = EmbeddedEngine(str(tiny_vlm), max_batch_size=4, max_seq_len=256)
+    try:
+        trajs = asyncio.run(sampled(tiny_vlm, engine))
+    finally:
+        asyncio.run(engine.close())
+    torch.save(trajs, tmp_path / "trajs.pt")
+    single = TorchLearner(tiny_vlm, FSDP_VLM(False), AlgorithmSection(advantage="grpo", off_policy="none"))
+    batch = build_batch(trajs, single.pad_id, images=True)
+    logprobs, metrics = single.compute_logprobs(batch), single.train_step(batch)
+    assert metrics["micro_batches"] >= 2
+    mp.spawn(fsdp_vlm_worker, args=(free_port(), str(tiny_vlm), str(tmp_path)), nprocs=2)
+    weights = dict(single.weights())
+    assert any(".visual." in f".{n}" for n in weights)
+    for rank in range(2):
+        out = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert float((out["logprobs"] - logprobs).abs().max()) <= 1e-5
+        assert abs(out["metrics"]["loss"] - metrics["loss"]) <= 1e-5 * max(1.0, abs(metrics["loss"]))
+        assert out["weights"].keys() == weights.keys()
+        assert max(float((out["weights"][k] - weights[k]).abs().max()) for k in weights) <= 1e-5
+
+
+async def test_lora_trains_the_language_model_and_the_engine_merges_it(tiny_vlm):
+    """LoRA on the VLM: adapters only in the language model (the vision tower's `mlp.down_proj` is not
+    adapted), and the published adapter, named as transformers names the language model in memory, merges into
+    the embedded engine, which then gives the learner's log-probs."""
+    from agentrl.config.learning import LoraSection
+
+    engine = EmbeddedEngine(str(tiny_vlm), max_batch_size=4, max_seq_len=256)
+    try:
+        trajs = await sampled(tiny_vlm, engine)
+        lora = LoraSection(rank=4, target_modules=["q_proj", "v_proj", "down_proj"])
+        algo = AlgorithmSection(advantage="grpo", off_policy="none")
+        learner = TorchLearner(
+            tiny_vlm, LearnerSection(lr=1e-2, micro_batch_tokens=256, lora=lora, reference_model=True), algo
+        )
+        trained = [n for n, p in learner.model.named_parameters() if p.requires_grad]
+        assert trained and all(".language_model." in n and ".lora_" in n for n in trained)
+        learner.train_step(build_batch(trajs, learner.pad_id, images=True))
+        adapter = dict(learner.published_weights())
+        assert any(".mlp.down_proj.lora_B" in n for n in adapter)
+        await engine.update_weights(1, TensorSource(adapter))
+        again = await engine.generate(types.tokens(trajs[0].prompt_ids).tolist(),
+                                      SamplingParams(max_new_tokens=4, seed=9, ignore_eos=True), images=trajs[0].images)  # fmt: skip
+    finally:
+        await engine.close()
+    traj = types.normalize(types.Trajectory(
+        id="after", prompt_ids=trajs[0].prompt_ids, response_ids=again.output_ids, logprobs=again.logprobs,
+        images=trajs[0].images, image_spans=trajs[0].image_spans))  # fmt: skip
+    logp = learner.compute_logprobs(build_batch([traj], learner.pad_id, images=True))
+    assert (logp[0, -4:] - torch.tensor(again.logprobs)).abs().max() <= 1e-4
+    before = learner.compute_ref_logprobs(build_batch([traj], learner.pad_id, images=True))
+    assert (logp[0, -4:] - before[0, -4:]).abs().max() > 1e-4  # the adapter changed what the engine serves

@@ -21,6 +21,9 @@ from tests.test_openai_sdk import TOOLS, Live
 
 Q = [{"role": "user", "content": "What is 2+3?"}]
 IMAGE = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+AUDIO = [
+    {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}}]}
+]
 
 
 @pytest.mark.parametrize(
@@ -40,7 +43,8 @@ IMAGE = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url":
         ({"stream_options": {"include_usage": True, "include_obfuscation": True}}, "stream_options.include_obfuscation"),
         ({"extra_body": {"metadata": {"a": "b"}}}, "metadata"),
         ({"extra_body": {"store": True}}, "store"),
-        ({"messages": IMAGE}, "messages[0].content[0].type"),
+        ({"messages": IMAGE}, "messages[0].content[0]"),  # a picture for a text-only model
+        ({"messages": AUDIO}, "messages[0].content[0].type"),
     ],
 )  # fmt: skip
 async def test_unsupported_parameters_are_refused_by_name(tiny, tok, kw, param):

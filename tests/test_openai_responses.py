@@ -159,9 +159,9 @@ async def test_without_a_reasoning_channel_think_is_text_and_reasoning_items_are
         ({"truncation": "auto"}, "truncation"),
         ({"include": ["file_search_call.results"]}, "include[0]"),
         ({"conversation": "conv_1"}, "conversation"),
-        (
+        (  # a picture for a text-only model
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-            "input[0].content[0].type",
+            "input[0].content[0]",
         ),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
         ({"max_output_tokens": 0}, "max_output_tokens"),

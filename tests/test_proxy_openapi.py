@@ -39,10 +39,20 @@ async def test_openapi_states_the_parameter_rules_and_405(tiny, tok):
             ) as resp:
                 assert (resp.status, resp.headers["Allow"]) == (405, "POST")
                 assert (await resp.json())["error"]["param"] == "method"
+            auth = {"Authorization": f"Bearer {TOKEN}"}
+            # numbers past int64 are refused by name, as the schema says
+            hi = [{"role": "user", "content": "hi"}]
+            async with http.post(url + "/v1/sessions/s/chat/completions", headers=auth,
+                                 json={"messages": hi, "seed": 2**63}) as resp:  # fmt: skip
+                assert (resp.status, (await resp.json())["error"]["param"]) == (400, "seed")
+            async with http.post(url + "/v1/sessions/s/v1/messages", headers=auth,
+                                 json={"messages": hi, "max_tokens": 2**63}) as resp:  # fmt: skip
+                assert resp.status == 400 and (await resp.json())["error"]["message"].startswith("max_tokens")
         props = spec["components"]["schemas"]["ChatRequest"]["properties"]
         assert props["temperature"]["anyOf"][0] == {"const": 0.8}  # the run's: others are refused
         assert props["presence_penalty"]["anyOf"][0] == {"const": 0}
         assert props["top_logprobs"]["anyOf"][0]["maximum"] == 20
+        assert props["seed"]["anyOf"][0]["maximum"] == props["max_tokens"]["anyOf"][0]["maximum"] == 2**63 - 1
         assert spec["components"]["schemas"]["ChatRequest"]["additionalProperties"] is False
         assert "/v1/sessions/{sid}/models" in spec["paths"]
         # the Responses and Anthropic faces, their bodies from their request Structs with the server's rules
@@ -66,9 +76,8 @@ async def test_openapi_states_the_parameter_rules_and_405(tiny, tok):
         messages = schemas["MessagesRequest"]["properties"]
         assert messages["temperature"]["anyOf"][0] == {"const": 0.8}
         assert messages["top_k"]["type"] == "null"
-        assert (
-            messages["max_tokens"]["minimum"] == 1 and "max_tokens" in schemas["MessagesRequest"]["required"]
-        )
+        assert "max_tokens" in schemas["MessagesRequest"]["required"]
+        assert (messages["max_tokens"]["minimum"], messages["max_tokens"]["maximum"]) == (1, 2**63 - 1)
         assert schemas["ToolChoice"]["properties"]["type"]["enum"] == ["auto", "any", "tool", "none"]
         assert "max_tokens" not in schemas["CountRequest"]["properties"]
         error = spec["paths"]["/v1/messages"]["post"]["responses"]["400"]["content"]["application/json"][

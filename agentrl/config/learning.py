@@ -78,7 +78,8 @@ class LearnerSection(_Section):
         Literal["trained", "frozen"],
         doc(
             "vision-language models (torch learner): train the vision tower (patch embedding, blocks, merger) "
-            "with the language model, or keep it frozen"
+            "with the language model, or keep it frozen; under learner.lora it stays frozen (adapters go on the "
+            "language model only)"
         ),
     ] = "trained"
     fsdp: Annotated[bool, doc("torch: FSDP2 over learner.data_parallel ranks (a process per GPU)")] = False

@@ -9,7 +9,8 @@ serves the same app for a finished run.
 Endpoints (all GET, JSON unless said): `/` the page; `/static/NAME`; `/api/metrics?since=STEP` (metrics.jsonl
 rows after STEP, for incremental polling); `/api/curves` (the curves drawn, agentrl.dashboard.curves); `/api/config` (config.toml, parsed and as text); `/api/status`
 (running / finished / stopped, the driver's pid, the summary, the last row); `/api/trajectories?step=&id=&group=
-&min_reward=&max_reward=&min_staleness=&min_mismatch=&limit=` (agentrl.dashboard.viewer). Loopback by default;
+&min_reward=&max_reward=&min_staleness=&min_mismatch=&limit=` (agentrl.dashboard.viewer);
+`/api/images/{id}/{sha256}` (a picture of a trajectory, its file bytes with their content type). Loopback by default;
 with a token every request must carry `Authorization: Bearer TOKEN` or `?token=TOKEN` (the page forwards it).
 """
 
@@ -29,7 +30,7 @@ from aiohttp import web
 from agentrl.config.text import tomllib
 from agentrl.dashboard import runfiles
 from agentrl.dashboard.curves import run_curves
-from agentrl.dashboard.viewer import Query, Viewer
+from agentrl.dashboard.viewer import Query, Viewer, image_type
 from agentrl.errors import ConfigError
 from agentrl.net import is_loopback, lacks_token, serve
 from agentrl.runlayout import CONFIG_FILE, RUN_LOCK, SUMMARY_FILE
@@ -75,6 +76,7 @@ class Dashboard:
         app.router.add_get("/api/config", self._config)
         app.router.add_get("/api/status", self._status)
         app.router.add_get("/api/trajectories", self._trajectories)
+        app.router.add_get("/api/images/{id}/{sha256}", self._image)
         return app
 
     @web.middleware
@@ -125,12 +127,24 @@ class Dashboard:
     async def _status(self, request: web.Request) -> web.Response:
         return _json(status(self.run_dir, self._tail.read()))
 
-    async def _trajectories(self, request: web.Request) -> web.Response:
-        query = _query(request)
+    async def _viewer_of_run(self) -> Viewer:
         if self._viewer is None:
             decode = await asyncio.to_thread(_decoder, self.run_dir)
             self._viewer = Viewer(self.run_dir, decode)
-        return _json(await asyncio.to_thread(self._viewer.query, query))
+        return self._viewer
+
+    async def _trajectories(self, request: web.Request) -> web.Response:
+        query = _query(request)
+        viewer = await self._viewer_of_run()
+        return _json(await asyncio.to_thread(viewer.query, query))
+
+    async def _image(self, request: web.Request) -> web.Response:
+        tid, sha = request.match_info["id"], request.match_info["sha256"]
+        data = await asyncio.to_thread((await self._viewer_of_run()).image, tid, sha)
+        if data is None:
+            return _json({"error": f"trajectory {tid!r} holds no picture {sha!r}"}, status=404)
+        return web.Response(body=data, content_type=image_type(data),
+                            headers={"Cache-Control": "private, max-age=86400"})  # fmt: skip
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Listen; returns the page's URL (with `?token=` when there is a token). Off loopback a token is
@@ -198,8 +212,8 @@ def _decoder(run_dir: Path):
     return lambda ids: tokenizer.decode(ids) if isinstance(ids, list) else one(ids)
 
 
-def _json(data: Any) -> web.Response:
-    return web.Response(text=_dumps(data), content_type="application/json")
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(text=_dumps(data), status=status, content_type="application/json")
 
 
 def _dumps(data: Any) -> str:

@@ -1,6 +1,9 @@
 """The trajectory viewer's data: which trajectories a step trained on, and each one laid out per turn and per
 token (text, loss mask, policy version, rollout log-prob, the learner's log-prob and advantage where the
 learner sampled it), with the rollout-vs-learner mismatch per turn, and the filters the page offers.
+Pictures (a vision-language model's trajectories) are placed where their span starts: the prompt is laid out
+as parts (text, picture, text, ...), a response token that opens a picture's span carries it; each picture
+is served from the trajectory's own bytes by `Viewer.image` (the dashboard's `/api/images/{id}/{sha256}`).
 
 Sources: the queue's WAL (the trajectories), the ledger (which step consumed which ids), metrics.jsonl (the
 policy version each step trained at) and learner_logprobs.jsonl (`agentrl.learners.base`'s sample).
@@ -11,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 
@@ -18,6 +22,13 @@ from agentrl import types
 from agentrl.dashboard import runfiles
 from agentrl.runlayout import WAL_FILE
 
+# the picture file types a trajectory may hold, by their first bytes (what the page's <img> is told it gets)
+IMAGE_TYPES = {
+    b"\x89PNG": "image/png",
+    b"\xff\xd8\xff": "image/jpeg",
+    b"GIF8": "image/gif",
+    b"RIFF": "image/webp",
+}
 MISMATCH_HIGHLIGHT = 0.1  # |rollout - learner| log-prob above which a token / turn is highlighted
 QUEUED = -1  # the "step" of trajectories in the log no step has trained yet
 
@@ -59,6 +70,11 @@ def layout(traj: types.Trajectory, learner: dict[str, Any] | None, trained_at: i
         if advantages is not None and i < len(advantages):
             tok["adv"] = round(float(advantages[i]), 5)
         tokens.append(tok)
+    prompt = types.tokens(traj.prompt_ids).tolist()
+    pictures = [_picture(traj, s) for s in traj.image_spans or []]
+    for picture in pictures:
+        if picture["start"] >= len(prompt) and picture["start"] - len(prompt) < n:
+            tokens[picture["start"] - len(prompt)]["image"] = picture
     turns = _turns(tokens)
     gaps = [t["mismatch"] for t in turns if t["mismatch"] is not None]
     adv = [t["adv"] for t in tokens if "adv" in t and t["mask"]]
@@ -74,11 +90,39 @@ def layout(traj: types.Trajectory, learner: dict[str, Any] | None, trained_at: i
         "versions": traj.versions,
         "mismatch": max(gaps) if gaps else None,
         "sampled_by_learner": learner is not None,
-        "prompt": decode(types.tokens(traj.prompt_ids).tolist()),
-        "messages": [{"role": m.role, "content": m.content} for m in traj.messages or []],
+        "prompt": decode(prompt),
+        "prompt_parts": _prompt_parts(prompt, [p for p in pictures if p["start"] < len(prompt)], decode),
+        "images": pictures,
+        "messages": [{"role": m.role, "content": types.message_text(m.content)} for m in traj.messages or []],
         "metadata": traj.metadata,
         "turns": turns,
     }
+
+
+def _picture(traj: types.Trajectory, span: types.ImageSpan) -> dict[str, Any]:
+    return {"url": f"api/images/{quote(traj.id, safe='')}/{span.sha256}", "sha256": span.sha256,
+            "start": span.start, "length": span.length, "grid_thw": list(span.grid_thw)}  # fmt: skip
+
+
+def _prompt_parts(prompt: list[int], pictures: list[dict[str, Any]], decode) -> list[dict[str, Any]]:
+    """The prompt as text and pictures in token order (a picture in place of its span's tokens)."""
+    parts: list[dict[str, Any]] = []
+    at = 0
+    for picture in pictures:
+        if picture["start"] > at:
+            parts.append({"text": decode(prompt[at : picture["start"]])})
+        parts.append({"image": picture})
+        at = picture["start"] + picture["length"]
+    if at < len(prompt) or not parts:
+        parts.append({"text": decode(prompt[at:])})
+    return parts
+
+
+def image_type(data: bytes) -> str:
+    """The content type of a picture file (its magic bytes); application/octet-stream when unknown."""
+    return next(
+        (kind for magic, kind in IMAGE_TYPES.items() if data.startswith(magic)), "application/octet-stream"
+    )
 
 
 def _turns(tokens: list[dict]) -> list[dict]:
@@ -114,6 +158,11 @@ class Viewer:
         if key != self._wal_key:
             self._wal, self._wal_key = runfiles.wal_trajectories(self.run_dir), key
         return self._wal
+
+    def image(self, trajectory_id: str, sha256: str) -> bytes | None:
+        """The bytes of picture `sha256` of trajectory `trajectory_id` (None: no such trajectory or picture)."""
+        traj = self._trajectories().get(trajectory_id)
+        return next((i.data for i in (traj.images or []) if i.sha256 == sha256), None) if traj else None
 
     def query(self, q: Query) -> dict[str, Any]:
         wal = self._trajectories()

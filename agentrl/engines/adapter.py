@@ -80,9 +80,20 @@ def adapter_items(source: WeightSource, groups: dict[str, Any], device: torch.de
 class AdapterMerger:
     """Keeps the base of every adapted weight and merges each new adapter version into `params`."""
 
-    def __init__(self, params: dict[str, torch.Tensor]):
+    def __init__(
+        self,
+        params: dict[str, torch.Tensor],
+        aliases: dict[str, tuple[torch.Tensor, list[str]]] | None = None,
+    ):
         self.params = params  # hf_name -> the served tensor (views into fused tensors are written in place)
         self.base: dict[str, torch.Tensor] = {}
+        # another name of one served weight (a vision-language model's in-memory `model.language_model.*`, what
+        # a learner's adapter is named by): its adapter merges into that weight
+        self.renames = {
+            alias: names[0]
+            for alias, (tensor, names) in (aliases or {}).items()
+            if len(names) == 1 and params.get(names[0]) is tensor
+        }
 
     def apply(self, items: list[tuple[str, torch.Tensor]]) -> int:
         """Merge one adapter version; returns the number of weights rewritten."""
@@ -108,7 +119,8 @@ class AdapterMerger:
         halves: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in items:
             suffix = LORA_A if name.endswith(LORA_A) else LORA_B
-            halves.setdefault(name.removesuffix(suffix) + ".weight", {})[suffix] = tensor
+            weight = name.removesuffix(suffix) + ".weight"
+            halves.setdefault(self.renames.get(weight, weight), {})[suffix] = tensor
         pairs = {}
         for name, half in halves.items():
             dst = self.params.get(name)

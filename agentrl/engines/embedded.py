@@ -83,7 +83,7 @@ class EmbeddedEngine(BatchingEngine):
             runner, max_batch_size=max_batch_size, max_prefill_tokens=max_prefill_tokens,
             decode_steps=decode_steps or (8 if self.device.type == "cuda" else 1), policy_version=policy_version,
         )  # fmt: skip
-        self._adapter = AdapterMerger(runner.model.params)
+        self._adapter = AdapterMerger(runner.model.params, runner.model.aliases)
         self._seed, self.deterministic = seed, deterministic
         # deterministic: requests seen per prompt (its digest) at the current policy version
         self._prompt_counts: dict[bytes, int] = {}

@@ -7,6 +7,9 @@ own env instance when the env sets `SUPPORTS_CONCURRENT_SESSIONS`).
 
 Text in, text out: the observation's `observation_field` (else the observation's fields as JSON) is the
 user message; the model's reply goes into the action's `action_field`. Rewards and `done` are OpenEnv's.
+Pictures pass through: each field named in `image_fields` (a screenshot as a height x width x channels
+array of 0-255, as BrowserGym's; a base64 image file or data URL; an empty field: no picture) becomes an
+image part of the user message, before its text (agentrl/envs/pictures.py), and is left out of the JSON.
 
 Failure is never a hang: every client call is bounded by `message_timeout_s` (connecting by
 `connect_timeout_s`, a server start by `startup_timeout_s`); a timeout, a refused or dropped connection, a
@@ -30,11 +33,12 @@ from typing import Any
 import aiohttp
 
 from agentrl.envs.base import AgentEnv, StepResult
+from agentrl.envs.pictures import content, image_file
 from agentrl.envs.registry import pip_hint, register_env, require_extra
 from agentrl.errors import EnvError
 from agentrl.net import free_port
 from agentrl.plugins import load_object
-from agentrl.types import Message
+from agentrl.types import ImagePart, Message, TextPart
 
 
 def _openenv() -> Any:
@@ -134,6 +138,7 @@ class OpenEnvEnv(AgentEnv):
         client: str = "",
         action_field: str = "message",
         observation_field: str = "",
+        image_fields: list[str] | None = None,
         system_prompt: str = "",
         reset_kwargs: dict[str, Any] | None = None,
         max_turns: int = 8,
@@ -143,7 +148,8 @@ class OpenEnvEnv(AgentEnv):
         startup_timeout_s: float = 60.0,
     ):
         super().__init__(app=app, url=url, client=client, action_field=action_field,
-                         observation_field=observation_field, system_prompt=system_prompt,
+                         observation_field=observation_field, image_fields=image_fields,
+                         system_prompt=system_prompt,
                          reset_kwargs=reset_kwargs, max_turns=max_turns, cwd=cwd,
                          message_timeout_s=message_timeout_s, connect_timeout_s=connect_timeout_s,
                          startup_timeout_s=startup_timeout_s)  # fmt: skip
@@ -159,6 +165,10 @@ class OpenEnvEnv(AgentEnv):
                            ("startup_timeout_s", startup_timeout_s), ("max_turns", max_turns)):  # fmt: skip
             if not value > 0:
                 raise EnvError(f"env.kwargs.{key} = {value}: must be > 0")
+        if image_fields is not None and (
+            not isinstance(image_fields, list) or not all(isinstance(f, str) and f for f in image_fields)
+        ):
+            raise EnvError(f"env.kwargs.image_fields = {image_fields!r}: a list of observation field names")
         if not action_field:
             raise EnvError("env.kwargs.action_field: name the action field that takes the model's reply")
         core = _openenv()
@@ -206,16 +216,25 @@ class OpenEnvEnv(AgentEnv):
             await self.close()
             raise await self._failure(call, exc) from exc
 
-    def _text(self, observation: Any) -> str:
+    def _content(self, observation: Any) -> str | list[TextPart | ImagePart]:
+        """The user message of an observation: its text, after the pictures of its `image_fields`."""
         fields = observation if isinstance(observation, dict) else observation.model_dump(
             exclude={"reward", "done", "metadata"}
         )  # fmt: skip
+        pictures = []
+        for name in self.kwargs["image_fields"] or []:
+            if name not in fields:
+                raise EnvError(f"env.kwargs.image_fields: '{name}' is not a field of the observation "
+                               f"(it has {sorted(fields)})")  # fmt: skip
+            value = fields.pop(name)
+            if value is not None and not (hasattr(value, "__len__") and len(value) == 0):
+                pictures.append(image_file(value, f"openenv observation field '{name}'"))
         key = self.kwargs["observation_field"]
         if not key:
-            return json.dumps(fields, ensure_ascii=False, default=str)
+            return content(json.dumps(fields, ensure_ascii=False, default=str), pictures)
         if key not in fields:
             raise EnvError(f"env.kwargs.observation_field = '{key}': the observation has {sorted(fields)}")
-        return str(fields[key])
+        return content(str(fields[key]), pictures)
 
     async def reset(self, task: dict[str, Any]) -> list[Message]:
         await self.close()
@@ -226,7 +245,7 @@ class OpenEnvEnv(AgentEnv):
         result = await self._call("connect", self.session.connect())
         result = await self._call("reset", self.session.reset(**kwargs))
         system = [Message("system", self.kwargs["system_prompt"])] if self.kwargs["system_prompt"] else []
-        return [*system, Message("user", self._text(result.observation))]
+        return [*system, Message("user", self._content(result.observation))]
 
     async def step(self, action: str) -> StepResult:
         if self.session is None:
@@ -238,7 +257,7 @@ class OpenEnvEnv(AgentEnv):
         reward = float(result.reward or 0.0)
         if result.done:
             return StepResult(reward=reward, done=True)
-        return StepResult(messages=[Message("user", self._text(result.observation))], reward=reward)
+        return StepResult(messages=[Message("user", self._content(result.observation))], reward=reward)
 
     def _typed_action(self, payload: dict[str, Any]) -> Any:
         """A typed client's Action class, from its generic parameter (EnvClient[Action, Obs, State])."""

@@ -11,6 +11,11 @@ Seeding: batch `s` of `sample_tasks(s, n)` is entries 0..n-1 of the dataset crea
 the very tasks an uninterrupted run would have drawn) and 2**20 consecutive batches never share an entry.
 With `size > 0` the tasks come from one fixed pool of `size` entries instead (batch s starts at s * n).
 
+Pictures pass through: an entry with `images` (a list of pictures, the key Hugging Face vision datasets use:
+image files, base64 strings, Pillow images or pixel arrays; agentrl/envs/pictures.py) is asked as one user
+message holding those pictures before the question, for a vision-language model. The task and the entry the
+scorer sees carry them as image files.
+
 Answer extraction: the last `<answer>...</answer>` (reasoning-gym's `extract_answer`, the format its system
 prompts ask for); with `fallback` (default) a reply without tags is scored as a whole, stripped.
 """
@@ -27,6 +32,7 @@ from reasoning_gym.factory import DATASETS
 from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
 
 from agentrl.envs.base import AgentEnv, StepResult
+from agentrl.envs.pictures import content, image_file
 from agentrl.envs.registry import register_env
 from agentrl.errors import EnvError
 from agentrl.types import Message
@@ -129,11 +135,14 @@ class ReasoningGymEnv(AgentEnv):
 
     @staticmethod
     def _task(entry: dict[str, Any]) -> dict[str, Any]:
+        if entry.get("images"):  # as files: a task crosses processes and is logged
+            files = [image_file(p, f"reasoning-gym entry images[{i}]") for i, p in enumerate(entry["images"])]
+            entry = {**entry, "images": files}
         return {"question": entry["question"], "answer": entry["answer"], "entry": entry}
 
     def _opening(self, task: dict[str, Any]) -> list[Message]:
         system = [Message("system", self.system_prompt)] if self.system_prompt else []
-        return [*system, Message("user", task["question"])]
+        return [*system, Message("user", content(task["question"], task["entry"].get("images") or []))]
 
     def demonstration(self, task: dict[str, Any]) -> list[Message]:
         if task["answer"] is None:

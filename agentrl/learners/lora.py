@@ -33,8 +33,13 @@ def _peft():
     return peft
 
 
-def wrap(model: torch.nn.Module, lora: LoraSection) -> Any:
-    """The model with a fresh adapter (B = 0: the wrapped model computes exactly what the base does)."""
+VISION_TOWER = r".*\bvisual\..*"  # a vision-language model's vision tower modules (Qwen2.5-VL, Qwen3-VL)
+
+
+def wrap(model: torch.nn.Module, lora: LoraSection, language_only: bool = False) -> Any:
+    """The model with a fresh adapter (B = 0: the wrapped model computes exactly what the base does).
+    `language_only` (a vision-language model): no adapter in the vision tower, whose `mlp.*_proj` names
+    the targets would match too; it stays as loaded (engines merge adapters into the language model)."""
     peft = _peft()
     targets = lora.target_modules
     config = peft.LoraConfig(
@@ -42,6 +47,7 @@ def wrap(model: torch.nn.Module, lora: LoraSection) -> Any:
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules="all-linear" if targets == ["all-linear"] else list(targets),
+        exclude_modules=VISION_TOWER if language_only else None,
         bias="none",
         task_type="CAUSAL_LM",
     )

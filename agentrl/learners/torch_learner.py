@@ -33,6 +33,7 @@ training forward keeps the replay open over its backward, which gradient checkpo
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -91,6 +92,7 @@ class TorchLearner(Learner):
         )  # a vision-language model (agentrl.vision), else None
         self.takes_images = self.vision is not None
         self._pixels: dict[str, tuple[torch.Tensor, tuple[int, int, int]]] = {}
+        self._blank: tuple[torch.Tensor, tuple[int, int, int]] | None = None  # `_idle_vision`'s picture
         torch.manual_seed(seed)
         self.model = self._policy_model()
         self.ref_model, self.teacher_model = self._frozen_models()
@@ -161,7 +163,7 @@ class TorchLearner(Learner):
         if self.world is not None:  # shards move to the device; the full model never lands there
             self.world.shard(model, self._autocast_dtype() is not None)
         if self.lora is not None:
-            model = lora.wrap(model, self.lora)
+            model = lora.wrap(model, self.lora, language_only=self.vision is not None)
         return model
 
     def _frozen_models(self) -> tuple:
@@ -267,15 +269,23 @@ class TorchLearner(Learner):
         mb = mb.to(self.device)
         if self.invariant_shape is not None and model in (self.model, self.ref_model):
             return self._invariant_forward(model, mb, entropy=entropy, values=values)
+        positions = self._positions(mb)
         with self._autocast(model):
             out = model(
                 input_ids=mb.input_ids,
                 attention_mask=None if mb.packed else mb.attention_mask,
                 output_hidden_states=values,
                 use_cache=False,
-                **self._positions(mb),
+                **positions,
             )
         logp = token_logprobs(out.logits, mb.input_ids, self.temperature)
+        if (
+            self.world is not None
+            and self.vision is not None
+            and model is self.model
+            and "pixel_values" not in positions
+        ):
+            logp = logp + 0.0 * self._idle_vision(model)
         ent = None
         if entropy:
             with torch.set_grad_enabled(torch.is_grad_enabled() and self.algo.entropy_coef != 0.0):
@@ -285,6 +295,26 @@ class TorchLearner(Learner):
             hidden = out.hidden_states[-1].float()
             vals = F.pad(self.value_head(hidden[:, :-1]).squeeze(-1), (1, 0))
         return logp, ent, vals
+
+    def _idle_vision(self, model) -> torch.Tensor:
+        """The sum of the vision tower's output on a blank picture. Under FSDP every rank must reduce-scatter the
+        same gradients: a micro-batch without pictures still runs the vision tower (in the root's group,
+        agentrl.learners.fsdp), adding this times 0 to its log-probs, so a trained tower gets (zero) gradients
+        on every rank."""
+        if self._blank is None:
+            from PIL import Image
+
+            buf = io.BytesIO()
+            Image.new("RGB", (1, 1), "white").save(buf, "PNG")
+            values, grid = image_pixels(self.base_path, buf.getvalue())
+            self._blank = (torch.from_numpy(values), grid)
+        values, grid = self._blank
+        with self._autocast(model):
+            out = model.model.get_image_features(
+                pixel_values=values.to(self.device),
+                image_grid_thw=torch.tensor([grid], dtype=torch.int64, device=self.device),
+            )
+        return sum(t.float().sum() for t in _tensors(out))
 
     def _positions(self, mb: Batch) -> dict:
         """The forward's position inputs: `position_ids`; a VLM's rows with pictures: the pixels, their grids and
@@ -531,6 +561,18 @@ class TorchLearner(Learner):
 
     def load(self, path: str) -> None:
         torch_checkpoint.load(self, path)
+
+
+def _tensors(out) -> Iterator[torch.Tensor]:
+    """Every tensor of a model output (a tensor, a tuple or list of them, or a ModelOutput)."""
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for item in out:
+            yield from _tensors(item)
+    elif hasattr(out, "values"):
+        for item in out.values():
+            yield from _tensors(item)
 
 
 @contextlib.contextmanager

@@ -30,6 +30,7 @@ from agentrl.proxy.anthropic_schema import (
     REASONING_OPEN,
     CountRequest,
     chat_request,
+    check_images,
     count_decoder,
     error_body,
     messages_decoder,
@@ -64,6 +65,8 @@ class MessagesFace:
         try:
             req = decode_request(messages_decoder, await self.proxy._body(request))
             chat = chat_request(req)
+            check_images(req, self.proxy.chat.vision is not None, self.proxy.max_image_bytes,
+                         req.model or self.proxy.model_name)  # fmt: skip
             sid = request.match_info.get("sid") or request.headers.get("X-Session-Id") or chat.user
             if not sid:
                 raise RequestError(400, "no session: use /v1/sessions/{id}/v1/messages, X-Session-Id or "
@@ -87,10 +90,14 @@ class MessagesFace:
         try:
             req: CountRequest = decode_request(count_decoder, await self.proxy._body(request))
             chat = chat_request(req)
+            check_images(req, self.proxy.chat.vision is not None, self.proxy.max_image_bytes,
+                         req.model or self.proxy.model_name)  # fmt: skip
             plan = self.proxy.tool_plan(chat)  # validates tools / tool_choice as a real request would
             turns = [template_message(m) for m in chat.messages]
             try:
-                prompt = self.proxy.chat.prompt_ids(turns, tools=plan.tools)
+                prompt, _ = self.proxy.chat.place_images(
+                    self.proxy.chat.prompt_ids(turns, tools=plan.tools), turns
+                )
             except EnvError as exc:
                 raise RequestError(400, str(exc), "messages") from None
         except RequestError as exc:

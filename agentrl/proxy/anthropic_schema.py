@@ -2,18 +2,20 @@
 proxy's one chat request (`openai_schema.ChatRequest`), so both faces share one session recording.
 
 A request field the proxy does not know is refused (400 naming it) rather than ignored; content blocks of
-a type other than `text`, `tool_use`, `tool_result` and `thinking` (images, documents, redacted thinking) are
-refused by path (`messages[i].content[j].type`). Accepted as no-ops, since they change no token: `cache_control`
-(top level, on blocks and tools: a caching hint; the proxy keeps every session's tokens anyway),
-`context_management` (edits of the context the server keeps: the proxy keeps none beyond the session's
-record, and the client re-sends the history it wants), `output_config.effort` (steers Claude's thinking
-budget; the run samples with its own settings), and the `anthropic-beta` header.
+a type other than `text`, `image` (in a user message, base64 source), `tool_use`, `tool_result` and `thinking`
+(documents, redacted thinking, images by URL) are refused by path (`messages[i].content[j].type`). Accepted
+as no-ops, since they change no token: `cache_control` (top level, on blocks and tools: a caching hint;
+the proxy keeps every session's tokens anyway), `context_management` (edits of the context the server keeps:
+the proxy keeps none beyond the session's record, and the client re-sends the history it wants),
+`output_config.effort` (steers Claude's thinking budget; the run samples with its own settings), and the
+`anthropic-beta` header.
 
 Translation (the chat template then renders it like any OpenAI conversation):
 - `system` (a string or text blocks) -> a leading system message; a message of role `system` in `messages`
   (Claude Code sends them mid-conversation) -> a system message where it stands;
-- a user message's text blocks -> one user message; each `tool_result` block -> a `tool` message with
-  `tool_call_id` = its `tool_use_id` (content: its text, prefixed `Error: ` when `is_error`), in block order;
+- a user message's text and image blocks -> one user message (an image as an `image_url` data-URL part);
+  each `tool_result` block -> a `tool` message with `tool_call_id` = its `tool_use_id` (content: its text,
+  prefixed `Error: ` when `is_error`), in block order;
 - an assistant message's text blocks -> its content, its `tool_use` blocks -> `tool_calls` (arguments =
   the `input` as JSON), matched to the recorded reply by name + arguments as the OpenAI face matches them;
   its `thinking` blocks -> the reasoning the reply began with, written back as the template's reasoning
@@ -34,6 +36,7 @@ from typing import Any
 
 import msgspec
 
+from agentrl.proxy.images import MEDIA_TYPES, data_url_bytes
 from agentrl.proxy.openai_params import RequestError
 from agentrl.proxy.openai_schema import (
     ChatMessage,
@@ -41,6 +44,8 @@ from agentrl.proxy.openai_schema import (
     ContentPart,
     FunctionCall,
     FunctionDef,
+    ImageUrl,
+    ImageUrlPart,
     MaxTokens,
     NamedFunction,
     NamedToolChoice,
@@ -74,6 +79,9 @@ class Block(msgspec.Struct, kw_only=True):
     is_error: bool = False
     thinking: str | None = None  # a thinking block's text (its `signature` is the proxy's own: not checked)
     signature: str | None = None
+    # an image block's picture ({"type": "base64", "media_type", "data"}): any JSON here, checked by `_image`
+    # only on image blocks (other block types never read it)
+    source: Any = None
     cache_control: dict[str, Any] | None = None  # a caching hint: no token depends on it
 
 
@@ -164,10 +172,12 @@ def _parts_text(parts: list[ContentPart] | str) -> str:
 
 def _user(blocks: list[Block], where: str) -> list[ChatMessage]:
     out: list[ChatMessage] = []
-    text: list[ContentPart] = []
+    text: list[ContentPart | ImageUrlPart] = []
     for j, block in enumerate(blocks):
         if block.type == "text":
             text.append(ContentPart(text=block.text or ""))
+        elif block.type == "image":
+            text.append(_image(block, f"{where}[{j}]"))
         elif block.type == "tool_result":
             if not block.tool_use_id:
                 raise RequestError(400, "tool_result needs a tool_use_id", f"{where}[{j}].tool_use_id")
@@ -179,10 +189,41 @@ def _user(blocks: list[Block], where: str) -> list[ChatMessage]:
             out.append(ChatMessage("tool", content, tool_call_id=block.tool_use_id))
         else:
             raise RequestError(400, f"a user message cannot hold a {block.type!r} block here (supported: "
-                               "text, tool_result)", f"{where}[{j}].type")  # fmt: skip
+                               "text, image, tool_result)", f"{where}[{j}].type")  # fmt: skip
     if text or not out:
         out.append(ChatMessage("user", text))
     return out
+
+
+def _image(block: Block, where: str) -> ImageUrlPart:
+    """An image block as the OpenAI face's data-URL part (agentrl/proxy/images.py reads it)."""
+    source = block.source
+    if not isinstance(source, dict):
+        raise RequestError(400, "an image block needs a source object", f"{where}.source")
+    if source.get("type") != "base64":
+        raise RequestError(400, f"image source type {source.get('type')!r} is not supported: send the picture as "
+                           "base64 (the proxy fetches no URL)", f"{where}.source.type")  # fmt: skip
+    media_type, data = source.get("media_type"), source.get("data")
+    if media_type not in MEDIA_TYPES:
+        raise RequestError(400, f"media_type must be one of {list(MEDIA_TYPES)}, got {media_type!r}",
+                           f"{where}.source.media_type")  # fmt: skip
+    if not isinstance(data, str) or not data:
+        raise RequestError(400, "a base64 image source needs its data (a string)", f"{where}.source.data")
+    return ImageUrlPart(ImageUrl(f"data:{media_type};base64,{data}"))
+
+
+def check_images(req: CountRequest, vision: bool, max_image_bytes: int, model: str) -> None:
+    """Refuse, by the Anthropic path, any image block a text-only model is sent and any picture over
+    `max_image_bytes` (413) or not readable (what the shared session would refuse by its OpenAI path)."""
+    for i, message in enumerate(req.messages):
+        for j, block in enumerate(message.content if isinstance(message.content, list) else []):
+            if block.type != "image":
+                continue
+            where = f"messages[{i}].content[{j}]"
+            if not vision:
+                raise RequestError(400, f"model {model!r} is text-only (no image processor): image blocks need "
+                                   "a vision-language model", where)  # fmt: skip
+            data_url_bytes(_image(block, where).image_url.url, f"{where}.source.data", max_image_bytes)
 
 
 def _assistant(blocks: list[Block], where: str) -> ChatMessage:

@@ -93,7 +93,9 @@ class ResponsesFace:
                     400, "no session: use /v1/sessions/{id}/responses, X-Session-Id or user", "user"
                 )
             history = self._history(sid, req.previous_response_id)
-            chat, conversation = chat_request(req, history, self.heads, self.reasoning_channel)
+            chat, conversation = chat_request(req, history, self.heads, self.reasoning_channel,
+                                              vision=self.proxy.chat.vision is not None,
+                                              max_image_bytes=self.proxy.max_image_bytes)  # fmt: skip
             (choice,) = await self.proxy.complete(sid, chat, request.headers.get(EPISODE_HEADER, ""))
         except RequestError as exc:
             return _error(exc)

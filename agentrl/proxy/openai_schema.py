@@ -8,27 +8,42 @@ are honoured is agentrl/proxy/openai_params.py's rule.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Annotated, Any, Literal
 
 import msgspec
 
 from agentrl.engines.wire import integral_floats
+from agentrl.proxy.images import MAX_IMAGE_BYTES, data_url_bytes
 from agentrl.proxy.openai_params import RequestError
 from agentrl.types import validation_field
 
 # a reply's token budget: capped to the context left when larger (openai_params); past a signed 64-bit integer
 # it is no number a client means, and is refused by name
-MaxTokens = Annotated[int, msgspec.Meta(le=2**63 - 1)]
+MAX_TOKENS_LIMIT = 2**63 - 1  # a reply length above it is no int64: refused by name (/openapi.json says so)
+MaxTokens = Annotated[int, msgspec.Meta(le=MAX_TOKENS_LIMIT)]
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]  # an int64, as engines' generators take it
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True):
     pass
 
 
-class ContentPart(_Strict):
+class ContentPart(_Strict, tag_field="type", tag="text"):
     text: str
-    type: Literal["text"] = "text"  # images and audio cannot reach a text model's tokens
+
+
+class ImageUrl(_Strict):
+    url: str  # a data URL (`data:image/png;base64,...`); http(s) URLs are refused: the proxy fetches nothing
+    # no token depends on it: the model's image processor sizes the picture
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageUrlPart(_Strict, tag_field="type", tag="image_url"):
+    """A picture for a vision-language model (agentrl/proxy/images.py reads it; audio and files are refused)."""
+
+    image_url: ImageUrl
 
 
 class FunctionCall(_Strict):
@@ -47,7 +62,7 @@ class ToolCall(_Strict):
 
 class ChatMessage(_Strict):
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart | ImageUrlPart] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
@@ -100,7 +115,7 @@ class ChatRequest(_Strict, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
     presence_penalty: float | None = None
@@ -125,7 +140,7 @@ def message_text(message: ChatMessage) -> str:
         return ""
     if isinstance(message.content, str):
         return message.content
-    return "".join(part.text for part in message.content)
+    return "".join(part.text for part in message.content if isinstance(part, ContentPart))
 
 
 def tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
@@ -148,10 +163,15 @@ def _arguments(text: str) -> Any:
         return text  # not JSON: the template renders the string as given
 
 
-def template_message(message: ChatMessage) -> dict[str, Any]:
-    """A message as the chat template takes it: content as text, tool-call arguments as objects (what
-    Hugging Face templates expect), `tool_call_id` / `name` when given."""
+def template_message(
+    message: ChatMessage, where: str = "messages", max_image_bytes: int = 0
+) -> dict[str, Any]:
+    """A message as the chat template takes it: content as text (with images: a list of text and image parts,
+    agentrl/proxy/images.py; `where` names the message in errors, `max_image_bytes` bounds each picture),
+    tool-call arguments as objects (what Hugging Face templates expect), `tool_call_id` / `name` when given."""
     out: dict[str, Any] = {"role": message.role, "content": message_text(message)}
+    if isinstance(message.content, list) and any(isinstance(p, ImageUrlPart) for p in message.content):
+        out["content"] = template_parts(message.content, f"{where}.content", max_image_bytes)
     if message.tool_calls:
         out["tool_calls"] = [
             {"id": c.id, "type": c.type,
@@ -165,13 +185,19 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
 
 
 def turn_key(message: ChatMessage) -> tuple[Any, ...]:
-    """What must match for a message to be the one recorded: role, text and tool calls (name + arguments as
-    JSON values, so re-serialized arguments still match; call ids are not compared)."""
+    """What must match for a message to be the one recorded: role, text, tool calls (name + arguments as
+    JSON values, so re-serialized arguments still match; call ids are not compared) and pictures (by the
+    digest of their URL)."""
     calls = tuple(
         (c.function.name, json.dumps(_arguments(c.function.arguments), sort_keys=True))
         for c in message.tool_calls or []
     )
-    return (message.role, message_text(message), calls)
+    pictures = tuple(
+        hashlib.sha256(p.image_url.url.encode()).hexdigest()
+        for p in (message.content if isinstance(message.content, list) else [])
+        if isinstance(p, ImageUrlPart)
+    )
+    return (message.role, message_text(message), calls, pictures)
 
 
 def error_body(message: str, param: str = "", kind: str = "invalid_request_error") -> bytes:
@@ -192,3 +218,25 @@ def decode_request(decoder: msgspec.json.Decoder, body: bytes) -> Any:
         raise RequestError(400, f"invalid request: {exc}", validation_field(exc)) from None
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise RequestError(400, f"request body is not valid JSON: {exc}") from None
+
+
+def template_parts(parts: list[ContentPart | ImageUrlPart], where: str, max_image_bytes: int = 0
+                   ) -> list[dict[str, Any]]:  # fmt: skip
+    """A message's parts as the chat template takes them (text and image parts, in order)."""
+    limit = max_image_bytes or MAX_IMAGE_BYTES
+    return [
+        {"type": "text", "text": p.text}
+        if isinstance(p, ContentPart)
+        else {"type": "image", "data": data_url_bytes(p.image_url.url, f"{where}[{j}].image_url.url", limit)}
+        for j, p in enumerate(parts)
+    ]
+
+
+def first_image(messages: list[ChatMessage]) -> str | None:
+    """The path of the first image part of `messages` (None: no pictures)."""
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list):
+            for j, p in enumerate(m.content):
+                if isinstance(p, ImageUrlPart):
+                    return f"messages[{i}].content[{j}]"
+    return None

@@ -6,7 +6,9 @@ Request bodies are generated from the request Structs (agentrl/proxy/openai_sche
 responses_schema.py, anthropic_schema.py) and completed with the value rules the server enforces (read from
 the modules that enforce them where they are constants, e.g. agentrl/proxy/openai_params.py) and the
 serving proxy's state: the run's temperature / top_p when per-request sampling is refused, whether its
-engines serve structured output, whether its chat template has a reasoning channel.
+engines serve structured output, whether its chat template has a reasoning channel, whether its model
+takes pictures (OpenAI `image_url` parts with a base64 data URL, Anthropic `image` blocks with a base64
+source; a text-only model's document has no image part, and the server refuses one by name).
 Rules that depend on the tokenizer (the prompt must fit in `max_seq_len` tokens) or cross fields
 beyond JSON Schema (a named tool_choice among the tools, unique tool names, an Anthropic conversation that
 does not end with the assistant) are stated in descriptions; the server answers them with a 400 naming the
@@ -23,8 +25,9 @@ import msgspec
 
 from agentrl import __version__
 from agentrl.proxy.anthropic_schema import THINKING_TYPES, CountRequest, MessagesRequest
+from agentrl.proxy.images import MEDIA_TYPES
 from agentrl.proxy.openai_params import MAX_N, MAX_TOP_LOGPROBS, RESPONSE_FORMATS
-from agentrl.proxy.openai_schema import ChatRequest, RewardRequest
+from agentrl.proxy.openai_schema import MAX_TOKENS_LIMIT, ChatRequest, RewardRequest
 from agentrl.proxy.responses_schema import IGNORED_ITEM_KEYS, INCLUDES, ResponsesRequest
 from agentrl.proxy.responses_schema import ROLES as RESPONSES_ROLES
 from agentrl.types import ROLES
@@ -57,8 +60,11 @@ def _sampling(props: dict[str, Any], sampling: Any, policy: str) -> None:
                        if policy == "refuse" else POLICY_TEXT[policy]}  # fmt: skip
 
 
+TOKENS = {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS_LIMIT}  # a reply length (MaxTokens)
+
+
 def _max_tokens(description: str) -> dict[str, Any]:
-    return {**_nullable({"type": "integer", "minimum": 1}), "description": description}
+    return {**_nullable(TOKENS), "description": description}
 
 
 def _needs_tools(none: list[Any]) -> dict[str, Any]:
@@ -70,7 +76,7 @@ def _needs_tools(none: list[Any]) -> dict[str, Any]:
 def _chat_request(props: dict[str, Any], sampling: Any, policy: str) -> None:
     _sampling(props, sampling, policy)
     for name in ("max_tokens", "max_completion_tokens"):
-        props[name] = {**_nullable({"type": "integer", "minimum": 1}),
+        props[name] = {**_nullable(TOKENS),
                        "description": "capped to the context left (recorded in the trajectory's metadata)"}  # fmt: skip
     props["n"] = {"type": "integer", "minimum": 1, "maximum": MAX_N, "default": 1}
     props["top_logprobs"] = {**_nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}),
@@ -98,7 +104,12 @@ def _item(kind: str | None, required: list[str], props: dict[str, Any]) -> dict[
 
 
 def _responses_request(
-    components: dict[str, Any], sampling: Any, policy: str, structured_output: bool, reasoning_channel: bool
+    components: dict[str, Any],
+    sampling: Any,
+    policy: str,
+    structured_output: bool,
+    reasoning_channel: bool,
+    vision: bool = False,
 ) -> None:
     """ResponsesRequest's loose dicts (`input` items, `tools`, `text`) completed with what
     agentrl/proxy/responses_schema.py reads and refuses."""
@@ -108,6 +119,14 @@ def _responses_request(
     text = {"type": "string"}
     parts = {"type": "array", "items": _item(None, ["type", "text"], {
         "type": {"enum": ["input_text", "output_text"]}, "text": text})}  # fmt: skip
+    if vision:  # a user message's pictures
+        picture = _item("input_image", ["type", "image_url"], {
+            "image_url": {"type": "string", "pattern": _DATA_URL, "description": IMAGE_RULE},
+            "detail": {"enum": ["auto", "low", "high"]}})  # fmt: skip
+        parts["items"] = {
+            "anyOf": [parts["items"], picture],
+            "description": "input_image: user messages only",
+        }
     content = {"anyOf": [text, parts]}
     message = {**_item(None, ["role"], {"type": {"const": "message"}, "role": {"enum": list(RESPONSES_ROLES)},
                "content": content}), "description": "`developer` is rendered as `system`"}  # fmt: skip
@@ -167,8 +186,31 @@ def _block(kind: str, base: dict[str, Any], needs: str = "", **rules: Any) -> di
             "properties": {**base["properties"], "type": {"const": kind}, **rules}}  # fmt: skip
 
 
+IMAGE_RULE = (
+    f"a picture file ({', '.join(MEDIA_TYPES)}) of at most the proxy's max_image_bytes (413 above); http(s) URLs "
+    "are not fetched (400)"
+)
+
+
+_DATA_URL = "^data:image/({});base64,".format("|".join(m.removeprefix("image/") for m in MEDIA_TYPES))
+
+
+def _image_parts(components: dict[str, Any], vision: bool) -> None:
+    """OpenAI image parts: a base64 data URL for a vision-language model; none for a text-only one."""
+    if vision:
+        components["ImageUrl"]["properties"]["url"] = {
+            "type": "string", "pattern": _DATA_URL, "description": IMAGE_RULE
+        }  # fmt: skip
+        return
+    content = components["ChatMessage"]["properties"]["content"]
+    content["anyOf"][1]["items"] = _ref("ContentPart")
+    content["description"] = "text only: the model takes no pictures (an image part is refused by name)"
+    for name in ("ImageUrlPart", "ImageUrl"):
+        components.pop(name)
+
+
 def _anthropic_requests(
-    components: dict[str, Any], sampling: Any, policy: str, structured_output: bool
+    components: dict[str, Any], sampling: Any, policy: str, structured_output: bool, vision: bool = False
 ) -> None:
     """The Anthropic request Structs completed with what agentrl/proxy/anthropic_schema.py refuses: block
     types by role, tool and tool_choice kinds, thinking types, top_k."""
@@ -177,9 +219,14 @@ def _anthropic_requests(
     text_ref = _ref("TextBlock")
     text_content = {"anyOf": [{"type": "string"}, {"type": "array", "items": text_ref}]}
     named = {"type": "string", "minLength": 1}
+    image = {"type": "object", "required": ["type", "media_type", "data"], "description": IMAGE_RULE,
+             "properties": {"type": {"const": "base64"}, "media_type": {"enum": list(MEDIA_TYPES)},
+                            "data": {"type": "string", "contentEncoding": "base64"}}}  # fmt: skip
+    components["ImageSource"] = image
+    images = [_block("image", block, "source", source=_ref("ImageSource"))] if vision else []
     by_role = {
-        "user": [text_ref, _block("tool_result", block, "tool_use_id", tool_use_id=named,
-                                  content=_nullable(text_content))],
+        "user": [text_ref, *images, _block("tool_result", block, "tool_use_id", tool_use_id=named,
+                                           content=_nullable(text_content))],
         "assistant": [text_ref, _block("tool_use", block, "name", name=named), _block("thinking", block)],
         "system": [text_ref],
     }  # fmt: skip
@@ -215,7 +262,7 @@ def _anthropic_requests(
     props = components["MessagesRequest"]["properties"]
     props["messages"]["description"] += "; the prompt must fit in max_seq_len tokens"
     _sampling(props, sampling, policy)
-    props["max_tokens"] = {"type": "integer", "minimum": 1, "description": "capped to the context left"}
+    props["max_tokens"] = {**TOKENS, "description": "capped to the context left"}
     props["stop_sequences"] = _nullable({"type": "array", "items": {"type": "string", "minLength": 1}})
     props["top_k"] = {
         "type": "null",
@@ -233,7 +280,7 @@ def _anthropic_requests(
 
 
 def _components(
-    sampling: Any, policy: str, structured_output: bool, reasoning_channel: bool
+    sampling: Any, policy: str, structured_output: bool, reasoning_channel: bool, vision: bool = False
 ) -> dict[str, Any]:
     """The request Structs' schemas, completed with the value rules (module docstring), and the error body."""
     _, components = msgspec.json.schema_components(
@@ -248,6 +295,7 @@ def _components(
         "tool_choice": _needs_tools([{"enum": ["none", None]}]),
     }  # fmt: skip
     components["ChatMessage"]["properties"]["role"] = {"enum": list(ROLES)}
+    _image_parts(components, vision)
     formats = components["ResponseFormat"]
     if structured_output:  # the engines take a JSON schema (SGLang's structured output)
         formats["properties"]["type"] = {"enum": list(RESPONSE_FORMATS)}
@@ -258,8 +306,8 @@ def _components(
             "const": "text",
             "description": "the engine has no structured output",
         }
-    _responses_request(components, sampling, policy, structured_output, reasoning_channel)
-    _anthropic_requests(components, sampling, policy, structured_output)
+    _responses_request(components, sampling, policy, structured_output, reasoning_channel, vision)
+    _anthropic_requests(components, sampling, policy, structured_output, vision)
     components["AnthropicError"] = {
         "type": "object",
         "required": ["type", "error"],
@@ -359,9 +407,15 @@ def _paths() -> dict[str, Any]:
 
 
 def openapi_spec(
-    *, sampling: Any, policy: str, structured_output: bool, reasoning_channel: bool = False
+    *,
+    sampling: Any,
+    policy: str,
+    structured_output: bool,
+    reasoning_channel: bool = False,
+    vision: bool = False,
 ) -> dict[str, Any]:
-    """`reasoning_channel`: the chat template has one (`</think>`), so Responses `reasoning` items are taken."""
+    """`reasoning_channel`: the chat template has one (`</think>`), so Responses `reasoning` items are taken;
+    `vision`: the model is a vision-language model, so requests may hold pictures."""
     return {
         "openapi": "3.1.0",
         "info": {
@@ -369,7 +423,7 @@ def openapi_spec(
             "version": __version__,
         },
         "components": {
-            "schemas": _components(sampling, policy, structured_output, reasoning_channel),
+            "schemas": _components(sampling, policy, structured_output, reasoning_channel, vision),
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
         "security": [{"bearer": []}],

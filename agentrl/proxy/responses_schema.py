@@ -22,8 +22,10 @@ Top-level fields (docs/agents.md has the table); an unknown one is refused (400 
 Input items, in order (an item's other keys than those read are refused by path, except `id`, `status`,
 `annotations` and `logprobs`, which change no token):
 - `message` (with or without `type`): roles `user`, `system`, `developer` (rendered as `system`: chat
-  templates know no developer role) and `assistant`; content a string or parts `input_text` / `output_text`
-  (images, files, audio and refusals are refused by path);
+  templates know no developer role) and `assistant`; content a string or parts `input_text` / `output_text`,
+  and for a vision-language model `input_image` parts in a user message (`image_url` a base64 data URL, as the
+  chat face's `image_url` part: agentrl/proxy/images.py; files, audio, refusals, `file_id` and http(s) URLs
+  are refused by path);
 - `function_call` (`call_id`, `name`, `arguments`): a tool call of the assistant turn it follows;
 - `function_call_output` (`call_id`, `output`: a string or text parts): a `tool` message;
 - `reasoning` (for a model whose chat template has a reasoning channel, `</think>`; refused otherwise): the
@@ -41,12 +43,16 @@ from typing import Any
 
 import msgspec
 
+from agentrl.proxy.images import MAX_IMAGE_BYTES, data_url_bytes
 from agentrl.proxy.openai_params import RequestError
 from agentrl.proxy.openai_schema import (
     ChatMessage,
     ChatRequest,
+    ContentPart,
     FunctionCall,
     FunctionDef,
+    ImageUrl,
+    ImageUrlPart,
     MaxTokens,
     NamedFunction,
     NamedToolChoice,
@@ -223,8 +229,10 @@ def _parts_text(content: Any, where: str, kinds: tuple[str, ...]) -> str:
 class _Turns:
     """Items -> chat messages, gathering consecutive assistant items into one assistant turn."""
 
-    def __init__(self, heads: dict[str, str], reasoning_channel: bool):
+    def __init__(self, heads: dict[str, str], reasoning_channel: bool, vision: bool = False,
+                 max_image_bytes: int = MAX_IMAGE_BYTES):  # fmt: skip
         self.heads, self.reasoning_channel, self.out = heads, reasoning_channel, []
+        self.vision, self.max_image_bytes = vision, max_image_bytes
         self.head: str | None = None  # the open assistant turn's reasoning
         self.text: str | None = None
         self.calls: list[ToolCall] | None = None
@@ -262,7 +270,16 @@ class _Turns:
             raise RequestError(400, f"role must be one of {list(ROLES)}, got {item.get('role')!r}",
                                f"{where}.role")  # fmt: skip
         kinds = ("output_text", "input_text") if role == "assistant" else ("input_text", "output_text")
-        text = _parts_text(item.get("content", ""), f"{where}.content", kinds)
+        content = item.get("content", "")
+        if (
+            role == "user"
+            and isinstance(content, list)
+            and any(isinstance(p, dict) and p.get("type") == "input_image" for p in content)
+        ):
+            self.flush()
+            self.out.append(ChatMessage(role, self._pictured(content, f"{where}.content")))
+            return
+        text = _parts_text(content, f"{where}.content", kinds)
         if role != "assistant":
             self.flush()
             self.out.append(ChatMessage(role, text))
@@ -270,6 +287,23 @@ class _Turns:
         if self.text is not None or self.calls is not None:
             self.flush()  # a second message, or one after calls: the next turn
         self.text = text
+
+    def _pictured(self, content: list[Any], where: str) -> list[ContentPart | ImageUrlPart]:
+        """A user message's text and `input_image` parts as the chat face's parts."""
+        parts: list[ContentPart | ImageUrlPart] = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "input_image"):
+                parts.append(ContentPart(_parts_text([part], where, ("input_text", "output_text"))))
+                continue
+            at = f"{where}[{j}]"
+            _check_keys(part, ("type", "image_url", "detail"), at)
+            if not self.vision:
+                raise RequestError(400, "the model is text-only (no image processor): input_image parts need a "
+                                   "vision-language model", at)  # fmt: skip
+            url = _string(part, "image_url", at)
+            data_url_bytes(url, f"{at}.image_url", self.max_image_bytes)
+            parts.append(ImageUrlPart(ImageUrl(url)))
+        return parts
 
     def function_call(self, item: dict[str, Any], where: str) -> None:
         _check_keys(item, ("type", "call_id", "name", "arguments"), where)
@@ -285,12 +319,13 @@ class _Turns:
 
 
 def input_messages(
-    items: str | list[dict[str, Any]], heads: dict[str, str], reasoning_channel: bool
+    items: str | list[dict[str, Any]], heads: dict[str, str], reasoning_channel: bool, **pictures: Any
 ) -> list[ChatMessage]:
-    """The request's `input` as chat messages (module docstring); RequestError names the item at fault."""
+    """The request's `input` as chat messages (module docstring); RequestError names the item at fault.
+    `pictures`: `vision` (the model takes pictures) and `max_image_bytes`."""
     if isinstance(items, str):
         return [ChatMessage("user", items)]
-    turns = _Turns(heads, reasoning_channel)
+    turns = _Turns(heads, reasoning_channel, **pictures)
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message")
@@ -310,13 +345,17 @@ def input_messages(
 
 
 def chat_request(
-    req: ResponsesRequest, history: list[ChatMessage], heads: dict[str, str], reasoning_channel: bool
+    req: ResponsesRequest,
+    history: list[ChatMessage],
+    heads: dict[str, str],
+    reasoning_channel: bool,
+    **pictures: Any,
 ) -> tuple[ChatRequest, list[ChatMessage]]:
     """The proxy's chat request for a Responses one whose earlier conversation is `history` (that of
     `previous_response_id`, without its instructions; [] for none), and the conversation without the
     instructions (what a later `previous_response_id` continues)."""
     _refuse_unsupported(req)
-    conversation = [*history, *input_messages(req.input, heads, reasoning_channel)]
+    conversation = [*history, *input_messages(req.input, heads, reasoning_channel, **pictures)]
     messages = [ChatMessage("system", req.instructions), *conversation] if req.instructions else conversation
     if not conversation:
         raise RequestError(400, "input must hold at least one item", "input")

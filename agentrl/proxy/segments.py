@@ -125,7 +125,7 @@ def template_exact(chat: ChatTokens, seg: Segment, tools: list[dict[str, Any]] |
     glue after the last reply, which a trajectory does not hold)."""
     recorded = seg.log.prompt_ids + seg.log.response_ids
     try:
-        ids = chat.encode(chat.render(seg.turns, tools=tools))
+        ids, _ = chat.place_images(chat.encode(chat.render(seg.turns, tools=tools)), seg.turns)
     except EnvError:
         return False
     tail = chat.after_eot if seg.last_reply and seg.last_reply[-1] == chat.eot_id else chat.suffix

@@ -228,7 +228,7 @@ class OpenAIProxy(ProxySessions, FrontDoor):
         structured = all(getattr(engine, "structured_output", False) for engine in self.engines)
         reasoning = request.app[RESPONSES_FACE].reasoning_channel  # Responses `reasoning` items are taken
         spec = openapi_spec(sampling=self.sampling, policy=self.sampling_policy, structured_output=structured,
-                            reasoning_channel=reasoning)  # fmt: skip
+                            reasoning_channel=reasoning, vision=self.chat.vision is not None)  # fmt: skip
         return self._json(spec)
 
     async def _health(self, request: web.Request) -> web.Response:

@@ -22,6 +22,9 @@ Invariants:
   `sid.1`, `sid.2`, ...; metadata `segment`, `segments`, `history_rewritten`, `template_exact`). Side
   requests (a title or summary call) are dropped, or with `keep_side_requests` closed into `sid.side0`, ...
   (`metadata.side_request`).
+- Pictures (agentrl/proxy/images.py): image parts are expanded into the model's image tokens (agentrl.chat's
+  `place_images`) and stored once per trajectory (`images`, `image_spans`); every engine request carries the
+  pictures of its input. A text-only model refuses them (400 naming the first part).
 - Turns of one session are served one at a time (the session's lock), on the engine chosen when the session
   opened (the least loaded by turns in flight); sessions idle past `session_timeout_s` are dropped when a new
   one opens.
@@ -50,6 +53,7 @@ from agentrl.engines.base import Engine, GenerateOutput, InvalidRequest, Samplin
 from agentrl.engines.stops import find_stop
 from agentrl.errors import AgentRLError, EnvError
 from agentrl.generator import RolloutContext
+from agentrl.proxy.images import MAX_IMAGE_BYTES
 from agentrl.proxy.openai_params import (
     SAMPLING_POLICIES,
     RequestError,
@@ -62,6 +66,7 @@ from agentrl.proxy.openai_schema import (
     ChatRequest,
     FunctionCall,
     ToolCall,
+    first_image,
     template_message,
     turn_key,
 )
@@ -71,7 +76,7 @@ from agentrl.proxy.segments import template_exact as renders_exactly
 from agentrl.proxy.tool_parsers import parser_for
 from agentrl.proxy.tools import ToolPlan, one_call_sampling, tool_plan
 from agentrl.turns import TokenLog, generate_turn
-from agentrl.types import Trajectory
+from agentrl.types import Trajectory, message_images
 
 EPISODE_HEADER = "X-AgentRL-Episode"  # names the episode a request's new session belongs to (`open_episode`)
 
@@ -122,6 +127,7 @@ class ProxySessions:
         tool_parser: str = "",
         sampling_policy: str = "refuse",
         keep_side_requests: bool = False,
+        max_image_bytes: int = MAX_IMAGE_BYTES,
     ):
         if not engines:
             raise AgentRLError("OpenAIProxy needs at least one engine")
@@ -131,6 +137,7 @@ class ProxySessions:
             )
         self.sampling_policy = sampling_policy
         self.keep_side_requests = keep_side_requests
+        self.max_image_bytes = max_image_bytes
         self.engines, self.tokenizer = engines, tokenizer
         self.chat = chat_tokens(tokenizer)
         self.sampling = sampling or SamplingParams()
@@ -172,21 +179,25 @@ class ProxySessions:
                 session.segments.append(seg)
             n = seg.boundaries[-1].n_messages
             mark = len(seg.log.response_ids)
-            delta = self.chat.delta_ids(turns[n:], seg.last_reply, tools=plan.tools)
+            delta, spans = self.chat.place_images(
+                self.chat.delta_ids(turns[n:], seg.last_reply, tools=plan.tools), turns[n:]
+            )
             if len(seg.log) + len(delta) >= self.max_seq_len:
                 if seg is not found[0]:
                     session.segments.pop()
                 raise RequestError(
                     400, f"conversation exceeds max_seq_len = {self.max_seq_len} tokens", "messages"
                 )
-            seg.log.add_env(delta, self.engines[session.engine_index].policy_version)
+            seg.log.add_env(delta, self.engines[session.engine_index].policy_version, spans,
+                            message_images(turns[n:]))  # fmt: skip
             return seg, (mark if seg is found[0] else None)
-        prompt = self.chat.prompt_ids(turns, tools=plan.tools)
+        prompt, spans = self.chat.place_images(self.chat.prompt_ids(turns, tools=plan.tools), turns)
         if len(prompt) >= self.max_seq_len:
             raise RequestError(
                 400, f"prompt of {len(prompt)} tokens exceeds max_seq_len = {self.max_seq_len}", "messages"
             )
         seg = Segment(TokenLog(prompt), tools=plan.key)
+        seg.log.add_images(0, spans, message_images(turns))
         session.segments.append(seg)
         return seg, None
 
@@ -219,8 +230,14 @@ class ProxySessions:
         base = known.sampling if known is not None and known.sampling is not None else self.sampling
         sampling = turn_sampling(req, base, self.chat, self.max_seq_len, self.sampling_policy)
         plan = self.tool_plan(req)
+        pictured = first_image(req.messages)
+        if pictured is not None and self.chat.vision is None:
+            raise RequestError(400, f"model {self.model_name!r} is text-only (no image processor): image parts "
+                               "need a vision-language model", pictured)  # fmt: skip
         keys = [turn_key(m) for m in req.messages]
-        turns = [template_message(m) for m in req.messages]
+        turns = [
+            template_message(m, f"messages[{i}]", self.max_image_bytes) for i, m in enumerate(req.messages)
+        ]
         asked = requested_sampling(req, base) if self.sampling_policy == "override" else None
         session = self._session(sid)
         try:
@@ -466,9 +483,10 @@ class _TopRecorder:
     def policy_version(self) -> int:
         return self.engine.policy_version
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None
-                       ) -> GenerateOutput:  # fmt: skip
-        out = await self.engine.generate(input_ids, sampling, request_id=request_id)
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
+                       **images: Any) -> GenerateOutput:  # fmt: skip
+        """`images`: the input's pictures (`engine_images`), only when it has any."""
+        out = await self.engine.generate(input_ids, sampling, request_id=request_id, **images)
         if sampling.top_logprobs:
             if out.top_logprobs is None or len(out.top_logprobs) != len(out.output_ids):
                 raise AgentRLError("the engine did not return top_logprobs for every token")

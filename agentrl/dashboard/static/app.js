@@ -180,6 +180,13 @@ async function loadTrajectories(params) {
   }));
 }
 
+// a trajectory's picture, where its tokens start (an <img> sends no header: the token goes in the query)
+function picture(p) {
+  const src = p.url + (TOKEN ? "?token=" + encodeURIComponent(TOKEN) : "");
+  return el("img", { class: "pic", src, alt: `picture ${p.sha256.slice(0, 12)}`,
+    title: `picture ${p.sha256.slice(0, 12)} · ${p.length} tokens from position ${p.start} · grid ${p.grid_thw.join("x")}` });
+}
+
 function openTrajectory(i) {
   const t = state.trajectories[i];
   document.querySelectorAll(".traj").forEach(e => e.classList.toggle("sel", e.dataset.i === String(i)));
@@ -189,7 +196,7 @@ function openTrajectory(i) {
     el("div", { class: "meta", text: `group ${t.group_id} · env ${t.env} · status ${t.status} · reward ${fmt(t.reward)}` +
       ` · advantage ${fmt(t.advantage)} · staleness ${t.staleness ?? "–"} · versions ${JSON.stringify(t.versions)}` +
       (t.sampled_by_learner ? "" : " · no learner log-probs (not in the learner's sample)") }),
-    el("pre", { text: t.prompt }));
+    el("pre", {}, ...(t.prompt_parts || [{ text: t.prompt }]).map(p => p.image ? picture(p.image) : p.text)));
   let k2 = 0; // assistant turns seen: index into turn_rewards
   const turns = t.turns.map(turn => {
     const box = el("div", { class: "turn " + turn.role + (turn.highlight ? " hot" : "") },
@@ -197,6 +204,7 @@ function openTrajectory(i) {
         (turn.mismatch != null ? ` · mismatch ${fmt(turn.mismatch)}` : "") +
         (t.turn_rewards && turn.role === "assistant" && k2 < t.turn_rewards.length ? ` · turn reward ${fmt(t.turn_rewards[k2++])}` : "") }));
     for (const tok of turn.tokens) {
+      if (tok.image) box.append(picture(tok.image));
       const gap = tok.lp != null && tok.llp != null ? Math.abs(tok.lp - tok.llp) : null;
       const span = el("span", { class: "tok m" + tok.mask + (tok.mask && gap != null && gap > HOT ? " hot" : ""),
         title: `token ${tok.id} · version ${tok.v} · rollout lp ${fmt(tok.lp)} · learner lp ${fmt(tok.llp)}` +

@@ -1,0 +1,252 @@
+"""Vision-language serving: the embedded engine against real SGLang on image+text requests, and the embedded
+engine's log-probs against transformers' (the torch learner's forward) on the same pictures.
+
+    python3 bench/gpu/vlm_bench.py --out $OUT/vlm_bench.json                  # CUDA + SGLang installed
+    python3 bench/gpu/vlm_bench.py --device cpu --arch tiny --n 8 --prompt-len 8 16 --output-len 8 16 \
+        --no-sglang --runs 2 --check-logprobs 2                                # CPU smoke
+
+Workload: `--n` requests (default 256), each one user turn holding one random-noise picture (`--image-size`
+pixels square: 224 -> 64 image tokens on Qwen2.5-VL) and a question, followed by U[prompt-len] random text
+tokens; each asks U[output-len] new tokens with eos ignored. `--arch qwen2.5-vl-3b` is Qwen2.5-VL-3B's
+architecture with random weights (the tiny model's tokenizer and image processor, so the image tokens are
+the same ids). Each engine serves the whole set `--runs` times; the JSON gives every run's tok/s, the median,
+and the embedded / SGLang ratio of the medians. `--check-logprobs K`: K requests' sampled tokens scored by the
+torch learner (transformers' Qwen2.5-VL forward, pixels from the same processor), max and mean |Δ|.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from agentrl import types
+from agentrl.chat import chat_tokens
+from agentrl.engines.base import SamplingParams
+from agentrl.engines.tiny import make_tiny_model
+from agentrl.tokenizer import load_tokenizer
+
+# Qwen2.5-VL-3B-Instruct's config.json, weights random
+QWEN25_VL_3B = {
+    "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
+    "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 128000,
+    "tie_word_embeddings": True, "vocab_size": 151936,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                      "out_hidden_size": 2048, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                      "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "in_chans": 3,
+                      "hidden_act": "silu", "tokens_per_second": 2},
+}  # fmt: skip
+SGLANG_FLAGS = {"attention_backend": "triton", "sampling_backend": "pytorch", "grammar_backend": "none",
+                "disable_piecewise_cuda_graph": True, "skip_server_warmup": True,
+                "mem_fraction_static": 0.6}  # fmt: skip
+
+
+def build_model(arch: str, root: Path, device: str) -> Path:
+    tiny = make_tiny_model(root / "tiny", arch="qwen2_5_vl", seed=0, init_std=0.1)
+    if arch == "tiny":
+        return tiny
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    cfg = AutoConfig.from_pretrained(tiny)
+    text = cfg.text_config if hasattr(cfg, "text_config") else cfg
+    for key, value in QWEN25_VL_3B.items():
+        if key == "vision_config":
+            for k, v in value.items():
+                setattr(cfg.vision_config, k, v)
+        else:
+            setattr(text, key, value)
+            setattr(cfg, key, value)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForImageTextToText.from_config(cfg, dtype=torch.bfloat16)
+    out = root / arch
+    model.save_pretrained(out)
+    for f in tiny.iterdir():  # tokenizer, chat template, image processor: the tiny model's
+        if f.suffix in (".json", ".jinja", ".txt") and f.name not in (
+            "config.json",
+            "generation_config.json",
+        ):
+            (out / f.name).write_bytes(f.read_bytes())
+    del model
+    return out
+
+
+def picture(rng: random.Random, size: int) -> bytes:
+    from PIL import Image
+
+    pixels = Image.frombytes("RGB", (size, size), bytes(rng.getrandbits(8) for _ in range(size * size * 3)))
+    buf = io.BytesIO()
+    pixels.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def make_requests(path: Path, args) -> list[tuple[list[int], list[types.Image], int]]:
+    """(prompt ids with the picture's tokens placed, [the picture], new tokens) per request; the pictures'
+    spans by request index in `SPANS` (the log-prob check places them)."""
+    rng = random.Random(args.seed)
+    SPANS.clear()
+    tok = load_tokenizer(path)
+    chat = chat_tokens(tok)
+    specials = set(tok.all_special_ids)
+    text_ids = [i for i in range(len(tok)) if i not in specials][:4000]
+    out = []
+    for _ in range(args.n):
+        data = picture(rng, args.image_size)
+        opening = [types.Message("user", [types.ImagePart(data), types.TextPart("Describe the picture.")])]
+        ids, spans = chat.place_images(chat.prompt_ids(opening), opening)
+        SPANS.append(spans)
+        ids = ids + [rng.choice(text_ids) for _ in range(rng.randint(*args.prompt_len))]
+        out.append((ids, [types.image(data)], rng.randint(*args.output_len)))
+    return out
+
+
+SPANS: list[list[types.ImageSpan]] = []
+
+
+async def serve(engine, requests) -> tuple[int, float, list]:
+    params = [SamplingParams(temperature=1.0, max_new_tokens=m, ignore_eos=True) for _, _, m in requests]
+    start = time.perf_counter()
+    outs = await asyncio.gather(
+        *(engine.generate(ids, p, images=imgs) for (ids, imgs, _), p in zip(requests, params, strict=True))
+    )
+    return sum(len(o.output_ids) for o in outs), time.perf_counter() - start, outs
+
+
+def summary(runs: list[dict]) -> dict:
+    return {"runs": runs, "tok_s_median": round(statistics.median(r["tok_s"] for r in runs), 1)}
+
+
+def embedded(path: Path, requests, args) -> tuple[dict, list]:
+    from agentrl.engines.embedded import EmbeddedEngine
+
+    cuda = args.device.startswith("cuda")
+    engine = EmbeddedEngine(str(path), device=args.device, dtype=args.dtype, max_batch_size=len(requests),
+                            max_seq_len=max(len(i) + m for i, _, m in requests) + 1, cuda_graphs=cuda,
+                            attention="triton" if cuda else "sdpa", compile=cuda, decode_steps=8 if cuda else 1)  # fmt: skip
+
+    async def go():
+        runs, outs = [], []
+        try:
+            await serve(engine, [(i, imgs, 4) for i, imgs, _ in requests[:8]])  # warm-up
+            for _ in range(args.runs):
+                tokens, seconds, outs = await serve(engine, requests)
+                runs.append(
+                    {"tokens": tokens, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1)}
+                )
+                print(json.dumps({"embedded_run": runs[-1]}), file=sys.stderr, flush=True)
+            return runs, outs
+        finally:
+            await engine.close()
+
+    runs, outs = asyncio.run(go())
+    return summary(runs), outs
+
+
+def sglang(path: Path, requests, args) -> dict:
+    from agentrl.engines.sglang import SGLangEngine
+    from agentrl.engines.sglang_launcher import SGLangServer
+
+    server = SGLangServer(str(path), args=SGLANG_FLAGS, log_path=args.sglang_log, startup_timeout_s=900,
+                          restart_on_crash=False)  # fmt: skip
+    start = time.perf_counter()
+    server.start()
+    startup_s = round(time.perf_counter() - start, 1)
+
+    async def go():
+        engine = SGLangEngine(server.url, request_timeout_s=1800)
+        runs = []
+        try:
+            await serve(engine, [(i, imgs, 4) for i, imgs, _ in requests[:8]])
+            for _ in range(args.runs):
+                await engine.flush_cache()  # no run is served cached prompts
+                tokens, seconds, _ = await serve(engine, requests)
+                runs.append(
+                    {"tokens": tokens, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1)}
+                )
+                print(json.dumps({"sglang_run": runs[-1]}), file=sys.stderr, flush=True)
+            return runs
+        finally:
+            await engine.close()
+
+    try:
+        runs = asyncio.run(go())
+    finally:
+        server.stop()
+    return {**summary(runs), "startup_s": startup_s, "flags": SGLANG_FLAGS}
+
+
+def logprob_check(path: Path, requests, outs, args) -> dict:
+    """The torch learner's log-probs of K sampled responses (fp32, transformers' forward) against the engine's."""
+    import torch
+
+    from agentrl.config.learning import LearnerSection
+    from agentrl.learners.batch import build_batch
+    from agentrl.learners.torch_learner import TorchLearner
+
+    learner = TorchLearner(path, LearnerSection(micro_batch_tokens=4096, device=args.device))
+    deltas = []
+    for k, ((ids, imgs, _), out) in enumerate(zip(requests[: args.check_logprobs], outs, strict=False)):
+        traj = types.normalize(types.Trajectory(
+            id=f"r{k}", prompt_ids=ids, response_ids=out.output_ids, logprobs=out.logprobs, images=imgs,
+            image_spans=SPANS[k]))  # fmt: skip
+        logp = learner.compute_logprobs(build_batch([traj], learner.pad_id, images=True))
+        got = logp[0, len(ids) : len(ids) + len(out.output_ids)]
+        deltas.append((got - torch.tensor(out.logprobs)).abs())
+    every = torch.cat(deltas)
+    return {
+        "requests": len(deltas),
+        "max": round(float(every.max()), 5),
+        "mean": round(float(every.mean()), 5),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", choices=["tiny", "qwen2.5-vl-3b"], default="qwen2.5-vl-3b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default=None, help="engine dtype (default: bf16 on CUDA, fp32 on CPU)")
+    ap.add_argument("--n", type=int, default=256)
+    ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=[100, 1024])
+    ap.add_argument("--output-len", type=int, nargs=2, default=[100, 1024])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--no-sglang", action="store_true", help="embedded engine only (CPU smoke)")
+    ap.add_argument("--sglang-log", default="/tmp/sglang_vlm_server.log")
+    ap.add_argument("--check-logprobs", type=int, default=0, metavar="K")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_model(args.arch, Path(tmp), args.device)
+        requests = make_requests(path, args)
+        result: dict = {"arch": args.arch, "n": args.n, "image_size": args.image_size,
+                        "image_tokens": SPANS[0][0].length, "prompt_len": args.prompt_len,
+                        "output_len": args.output_len}  # fmt: skip
+        result["embedded"], outs = embedded(path, requests, args)
+        if args.check_logprobs:
+            result["logprobs_vs_transformers"] = logprob_check(path, requests, outs, args)
+        if not args.no_sglang:
+            result["sglang"] = sglang(path, requests, args)
+            result["embedded_vs_sglang"] = round(
+                result["embedded"]["tok_s_median"] / result["sglang"]["tok_s_median"], 3
+            )
+    print(json.dumps(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Vision-language serving on one GPU: the embedded engine against real SGLang on 256 image+text requests (one
+# 224x224 random picture = 64 image tokens, then U[100,1024] text tokens; outputs U[100,1024]) on a random
+# Qwen2.5-VL-3B architecture, each engine 3 runs (medians compared; goal >= 0.9x), and the embedded engine's
+# log-probs of 8 sampled responses against transformers' (the torch learner's forward). nvidia-h200, carry
+# .sgl .gpu, ~10 min.
+#   bash bench/gpu/vlm_checks.sh [tests] [bench] [vlm_bench.py args]
+#       tests: the CPU-sized VLM tests on the GPU machine (engine log-probs vs transformers, learner, proxy)
+#       bench: bench/gpu/vlm_bench.py -> $OUT/vlm_bench.json (RUNS=3, CHECK_LOGPROBS=8)
+#   CPU smoke of the bench: python bench/gpu/vlm_bench.py --device cpu --arch tiny --n 4 --prompt-len 8 16 \
+#       --output-len 8 16 --no-sglang --runs 2 --check-logprobs 2 --image-size 56
+source bench/gpu/common.sh
+gpu_setup megatron sglang
+parts=()
+while [ $# -gt 0 ]; do case $1 in tests | bench) parts+=("$1"); shift ;; *) break ;; esac; done
+[ ${#parts[@]} -eq 0 ] && parts=(tests bench)
+for part in "${parts[@]}"; do
+  case $part in
+    tests) gpu_pytest vlm_tests tests/test_engine_vlm.py tests/test_learner_vlm.py tests/test_proxy_images.py ;;
+    bench)
+      timeout "${VLM_BENCH_TIMEOUT_S:-540}" python3 bench/gpu/vlm_bench.py --arch qwen2.5-vl-3b --n 256 \
+        --runs "${RUNS:-3}" --check-logprobs "${CHECK_LOGPROBS:-8}" --sglang-log "$out/sglang_vlm_server.log" \
+        --out "$out/vlm_bench.json" "$@" > /tmp/vlm_bench.log 2>&1
+      echo "vlm_bench rc=$?"; grep '^{' /tmp/vlm_bench.log | cut -c1-3000; tail -5 /tmp/vlm_bench.log
+      cp /tmp/vlm_bench.log "$out/vlm_bench.log" ;;
+  esac
+done
