@@ -35,7 +35,8 @@ def test_a_tiny_moe_run_learns_by_rl_from_a_low_start(ray_session, tmp_path: Pat
             rollout={"n_samples_per_prompt": 8, "prompts_per_step": 8, "max_new_tokens": 16, "max_turns": 3,
                      "concurrency": 64},
             warmup={"steps": 300, "stop_loss": 0.2, "batch_size": 32, "lr": 3e-3},
-            learner={"lr": 5e-4, "routing_replay": "rollout"},
+            learner={"lr": 5e-4, "routing_replay": "rollout", "minibatches": 2},
+            algorithm={"credit": "turn"},
             queue={"max_staleness": 1},
             engine={"max_batch_size": 64, "max_seq_len": 256},
         )
