@@ -46,6 +46,22 @@ def visual(learner) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in learner.model.named_parameters() if ".visual." in f".{n}"}
 
 
+async def generate_again(engine, traj):
+    """The engine's 4 seeded tokens after `traj`'s prompt and pictures (once new weights are loaded)."""
+    sampling = SamplingParams(max_new_tokens=4, seed=9, ignore_eos=True)
+    return await engine.generate(types.tokens(traj.prompt_ids).tolist(), sampling, images=traj.images)
+
+
+def learner_agrees(learner, prompt, again):
+    """The trajectory of `again` and the learner's log-probs of it, which equal the engine's within 1e-4."""
+    traj = types.normalize(types.Trajectory(
+        id="after", prompt_ids=prompt.prompt_ids, response_ids=again.output_ids, logprobs=again.logprobs,
+        images=prompt.images, image_spans=prompt.image_spans))  # fmt: skip
+    logp = learner.compute_logprobs(build_batch([traj], learner.pad_id, images=True))
+    assert (logp[0, -4:] - torch.tensor(again.logprobs)).abs().max() <= 1e-4
+    return traj, logp
+
+
 async def test_learner_matches_the_engine_and_trains_the_vlm(tiny_vlm):
     engine = EmbeddedEngine(str(tiny_vlm), max_batch_size=4, max_seq_len=256)
     try:
@@ -70,15 +86,10 @@ async def test_learner_matches_the_engine_and_trains_the_vlm(tiny_vlm):
 
         # the published weights load into the engine, which then agrees with the learner again
         await engine.update_weights(1, TensorSource(dict(learner.weights())))
-        again = await engine.generate(types.tokens(trajs[0].prompt_ids).tolist(),
-                                      SamplingParams(max_new_tokens=4, seed=9, ignore_eos=True), images=trajs[0].images)  # fmt: skip
+        again = await generate_again(engine, trajs[0])
     finally:
         await engine.close()
-    traj = types.normalize(types.Trajectory(
-        id="after", prompt_ids=trajs[0].prompt_ids, response_ids=again.output_ids, logprobs=again.logprobs,
-        images=trajs[0].images, image_spans=trajs[0].image_spans))  # fmt: skip
-    logp = learner.compute_logprobs(build_batch([traj], learner.pad_id, images=True))
-    assert (logp[0, -4:] - torch.tensor(again.logprobs)).abs().max() <= 1e-4
+    learner_agrees(learner, trajs[0], again)
 
     trained = TorchLearner(tiny_vlm, LearnerSection(lr=1e-2, micro_batch_tokens=256), algo)
     before = visual(trained)
@@ -203,14 +214,9 @@ async def test_lora_trains_the_language_model_and_the_engine_merges_it(tiny_vlm)
         adapter = dict(learner.published_weights())
         assert any(".mlp.down_proj.lora_B" in n for n in adapter)
         await engine.update_weights(1, TensorSource(adapter))
-        again = await engine.generate(types.tokens(trajs[0].prompt_ids).tolist(),
-                                      SamplingParams(max_new_tokens=4, seed=9, ignore_eos=True), images=trajs[0].images)  # fmt: skip
+        again = await generate_again(engine, trajs[0])
     finally:
         await engine.close()
-    traj = types.normalize(types.Trajectory(
-        id="after", prompt_ids=trajs[0].prompt_ids, response_ids=again.output_ids, logprobs=again.logprobs,
-        images=trajs[0].images, image_spans=trajs[0].image_spans))  # fmt: skip
-    logp = learner.compute_logprobs(build_batch([traj], learner.pad_id, images=True))
-    assert (logp[0, -4:] - torch.tensor(again.logprobs)).abs().max() <= 1e-4
+    traj, logp = learner_agrees(learner, trajs[0], again)
     before = learner.compute_ref_logprobs(build_batch([traj], learner.pad_id, images=True))
     assert (logp[0, -4:] - before[0, -4:]).abs().max() > 1e-4  # the adapter changed what the engine serves
