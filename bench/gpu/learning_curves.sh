@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Does the GPU stack learn, not only run? The README's main job (examples/quickstart.toml: its own warm-up, RL
+# settings and 200 steps) on one GPU with the torch learner + embedded engine and with Megatron + real SGLang,
+# 3 seeds each (bench/quickstart_seeds.py: each run pinned to cores of its own, 3 runs of a stack at once), and the
+# CPU reference (same seeds, the quickstart as typed, CUDA hidden, 2 cores per run); the GPU stacks run colocated. Runs go on in the background (setsid) across the calls
+# of one hold, so a later call can start the next stack while they finish:
+#   bash bench/gpu/learning_curves.sh start torch-embedded [cpu]   # carry .whl (Ray): installs, launches, returns
+#   bash bench/gpu/learning_curves.sh start megatron-sglang        # a later call, carry .sgl .gpu
+#   bash bench/gpu/learning_curves.sh wait [SECONDS]               # until every launched stack has finished (or
+#                                                                  # SECONDS, default 540), then copies the tables
+#                                                                  # and each run's metrics.jsonl to $OUT/STACK
+# Each stack takes CORES (a taskset list; defaults below keep the stacks apart on a 16-core host) and
+# TIME_LIMIT_S (each run's own limit, 420); SEEDS (0-2) and PARALLEL (3) for a smoke run:
+#   CORES=0-1 PARALLEL=1 SEEDS=0 TIME_LIMIT_S=60 bash bench/gpu/learning_curves.sh start cpu; ... wait 200
+# The curves: `agentrl plot $OUT/*/runs/*` (docs/benchmarks/gpu.md).
+source bench/gpu/common.sh
+export RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1
+bg=/tmp/learning_curves; mkdir -p "$bg"
+part=${1:-}; shift || true
+case $part in
+  start)
+    [ $# -gt 0 ] || { echo "learning_curves.sh start: name a stack (torch-embedded | megatron-sglang | cpu)" >&2; exit 2; }
+    for stack in "$@"; do
+      case $stack in
+        torch-embedded) gpu_setup megatron; cores=${CORES:-0-5}; per=2
+          flags=(--run.placement colocated --engine.device cuda --engine.dtype bfloat16 --learner.device cuda
+            --learner.dtype bfloat16) ;;
+        megatron-sglang) gpu_setup megatron sglang; cores=${CORES:-8-13}; per=2
+          flags=(--run.placement colocated "${MEGATRON_GPU[@]}" "${SGLANG_GPU[@]}" --sglang-mem-fraction-static 0.12) ;;
+        cpu) gpu_setup megatron; cores=${CORES:-10-15}; per=2; flags=() ;;
+        *) echo "learning_curves.sh: unknown stack '$stack' (torch-embedded | megatron-sglang | cpu)" >&2; exit 2 ;;
+      esac
+      python3 -c "import ray, msgspec" || { echo "no Ray here: first call carries .whl" >&2; exit 1; }
+      hide=(); [ "$stack" = cpu ] && hide=(env CUDA_VISIBLE_DEVICES=)
+      # setsid: the runs outlive this call (they end with the hold at the latest)
+      setsid "${hide[@]}" taskset -c "$cores" python3 bench/quickstart_seeds.py --seeds "${SEEDS:-0-2}" --parallel "${PARALLEL:-3}" \
+        --cores-per-run "$per" --goal-s 300 --kill-after-s $((${TIME_LIMIT_S:-420} + 90)) --label "$stack" \
+        --root "runs/lc-$stack" --out "$bg/$stack" -- --model.path "runs/tiny-model-$stack" \
+        --run.time-limit-s "${TIME_LIMIT_S:-420}" "${flags[@]}" \
+        > "$bg/$stack.log" 2>&1 < /dev/null &
+      echo "$stack: started on cores $cores (pid $!), log $bg/$stack.log"
+    done ;;
+  wait)
+    deadline=$((SECONDS + ${1:-540}))
+    while pgrep -f "bench/quickstart_seeds.py" > /dev/null && [ $SECONDS -lt $deadline ]; do sleep 10; done
+    pgrep -f "bench/quickstart_seeds.py" > /dev/null && echo "still running after ${1:-540} s: copying what is there"
+    for log in "$bg"/*.log; do
+      [ -e "$log" ] || continue
+      stack=$(basename "$log" .log)
+      mkdir -p "$out/$stack"; cp "$log" "$out/$stack/"
+      cp -r "$bg/$stack/." "$out/$stack/" 2>/dev/null
+      # runs still going: their metrics so far
+      for run in runs/lc-"$stack"/*/; do
+        [ -f "$run/metrics.jsonl" ] || continue
+        mkdir -p "$out/$stack/runs/$(basename "$run")"
+        cp -n "$run/metrics.jsonl" "$out/$stack/runs/$(basename "$run")/" 2>/dev/null
+      done
+      echo "== $stack"; grep '^{' "$log" | cut -c1-400
+    done ;;
+  *) echo "learning_curves.sh: name a part: start STACK... | wait [SECONDS]" >&2; exit 2 ;;
+esac
