@@ -1,34 +1,41 @@
 #!/usr/bin/env bash
 # Does the GPU stack learn, not only run? The README's main job (examples/quickstart.toml: its own warm-up, RL
-# settings and 200 steps) on one GPU with the torch learner + embedded engine and with Megatron + real SGLang,
-# 3 seeds each (bench/quickstart_seeds.py: each run pinned to cores of its own, 3 runs of a stack at once), and the
-# CPU reference (same seeds, the quickstart as typed, CUDA hidden, 2 cores per run); the GPU stacks run colocated. Runs go on in the background (setsid) across the calls
-# of one hold, so a later call can start the next stack while they finish:
+# settings and 200 steps) on one GPU with the torch learner + embedded engine (float32 as a user gets it, bfloat16,
+# bfloat16 colocated) and with Megatron + real SGLang, 3 seeds each (bench/quickstart_seeds.py: each run pinned to
+# cores of its own, 3 runs of a stack at once), and the CPU reference (same seeds, the quickstart as typed, CUDA
+# hidden, 2 cores per run). Runs go on in the background (setsid) across the calls of one hold, so a later call can
+# start the next stack while they finish:
 #   bash bench/gpu/learning_curves.sh start torch-embedded [cpu]   # carry .whl (Ray): installs, launches, returns
 #   bash bench/gpu/learning_curves.sh start megatron-sglang        # a later call, carry .sgl .gpu
 #   bash bench/gpu/learning_curves.sh wait [SECONDS]               # until every launched stack has finished (or
-#                                                                  # SECONDS, default 540), then copies the tables
-#                                                                  # and each run's metrics.jsonl to $OUT/STACK
+#                                                                  # SECONDS, default 540), then the tables and each
+#                                                                  # run's metrics.jsonl -> $OUT/learning_curves.tgz
 # Each stack takes CORES (a taskset list; defaults below keep the stacks apart on a 16-core host) and
 # TIME_LIMIT_S (each run's own limit, 420); SEEDS (0-2) and PARALLEL (3) for a smoke run:
 #   CORES=0-1 PARALLEL=1 SEEDS=0 TIME_LIMIT_S=60 bash bench/gpu/learning_curves.sh start cpu; ... wait 200
-# The curves: `agentrl plot $OUT/*/runs/*` (docs/benchmarks/gpu.md).
+# The curves: `agentrl plot cpu=cpu/runs/... --smooth 10`, one NAME= per stack (docs/benchmarks/gpu.md).
 source bench/gpu/common.sh
 export RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1
 bg=/tmp/learning_curves; mkdir -p "$bg"
 part=${1:-}; shift || true
 case $part in
   start)
-    [ $# -gt 0 ] || { echo "learning_curves.sh start: name a stack (torch-embedded | megatron-sglang | cpu)" >&2; exit 2; }
+    [ $# -gt 0 ] || { echo "learning_curves.sh start: name a stack (torch-embedded[-bf16] | torch-embedded-colocated-bf16 | megatron-sglang | cpu)" >&2; exit 2; }
     for stack in "$@"; do
       case $stack in
-        torch-embedded) gpu_setup megatron; cores=${CORES:-0-5}; per=2
-          flags=(--run.placement colocated --engine.device cuda --engine.dtype bfloat16 --learner.device cuda
-            --learner.dtype bfloat16) ;;
-        megatron-sglang) gpu_setup megatron sglang; cores=${CORES:-8-13}; per=2
+        torch-embedded)  # what a user gets with the devices named: the quickstart's placement (split), float32
+          gpu_setup megatron; cores=${CORES:-0-5}; per=2; flags=(--engine.device cuda --learner.device cuda) ;;
+        torch-embedded-bf16)  # the same in bfloat16 (the learner autocasts, float32 master weights)
+          gpu_setup megatron; cores=${CORES:-6-11}; per=2; flags=(--engine.device cuda --learner.device cuda
+            --engine.dtype bfloat16 --learner.dtype bfloat16) ;;
+        torch-embedded-colocated-bf16)  # learner and engine in one process
+          gpu_setup megatron; cores=${CORES:-0-5}; per=2; flags=(--run.placement colocated --engine.device cuda
+            --engine.dtype bfloat16 --learner.device cuda --learner.dtype bfloat16) ;;
+        megatron-sglang)  # Megatron (bf16) + real SGLang in one process group on the GPU
+          gpu_setup megatron sglang; cores=${CORES:-8-13}; per=2
           flags=(--run.placement colocated "${MEGATRON_GPU[@]}" "${SGLANG_GPU[@]}" --sglang-mem-fraction-static 0.12) ;;
         cpu) gpu_setup megatron; cores=${CORES:-10-15}; per=2; flags=() ;;
-        *) echo "learning_curves.sh: unknown stack '$stack' (torch-embedded | megatron-sglang | cpu)" >&2; exit 2 ;;
+        *) echo "learning_curves.sh: unknown stack '$stack' (torch-embedded[-bf16] | torch-embedded-colocated-bf16 | megatron-sglang | cpu)" >&2; exit 2 ;;
       esac
       python3 -c "import ray, msgspec" || { echo "no Ray here: first call carries .whl" >&2; exit 1; }
       hide=(); [ "$stack" = cpu ] && hide=(env CUDA_VISIBLE_DEVICES=)
@@ -44,18 +51,13 @@ case $part in
     deadline=$((SECONDS + ${1:-540}))
     while pgrep -f "bench/quickstart_seeds.py" > /dev/null && [ $SECONDS -lt $deadline ]; do sleep 10; done
     pgrep -f "bench/quickstart_seeds.py" > /dev/null && echo "still running after ${1:-540} s: copying what is there"
+    for run in runs/lc-*/*/; do  # runs still going: their metrics so far
+      [ -f "$run/metrics.jsonl" ] && mkdir -p "$bg/partial/${run%/}" && cp "$run/metrics.jsonl" "$bg/partial/${run%/}/"
+    done
+    # one archive: a call brings back only a few files (the tables, logs and every run's metrics.jsonl)
+    tar czf "$out/learning_curves.tgz" -C "$bg" . 2>/dev/null
     for log in "$bg"/*.log; do
-      [ -e "$log" ] || continue
-      stack=$(basename "$log" .log)
-      mkdir -p "$out/$stack"; cp "$log" "$out/$stack/"
-      cp -r "$bg/$stack/." "$out/$stack/" 2>/dev/null
-      # runs still going: their metrics so far
-      for run in runs/lc-"$stack"/*/; do
-        [ -f "$run/metrics.jsonl" ] || continue
-        mkdir -p "$out/$stack/runs/$(basename "$run")"
-        cp -n "$run/metrics.jsonl" "$out/$stack/runs/$(basename "$run")/" 2>/dev/null
-      done
-      echo "== $stack"; grep '^{' "$log" | cut -c1-400
+      [ -e "$log" ] && { echo "== $(basename "$log" .log)"; grep '^{' "$log" | cut -c1-400; }
     done ;;
   *) echo "learning_curves.sh: name a part: start STACK... | wait [SECONDS]" >&2; exit 2 ;;
 esac
