@@ -81,7 +81,16 @@ def test_plot_groups_seeds_of_one_setting_and_smooths(run_dir, tmp_path, capsys)
     plt.Figure.savefig = keep_legend
     try:
         out = tmp_path / "plots"
-        argv = ["plot", f"cpu={seeds[0]}", f"cpu={seeds[1]}", f"gpu={seeds[2]}", "--smooth", "3", "--out", str(out)]
+        argv = [
+            "plot",
+            f"cpu={seeds[0]}",
+            f"cpu={seeds[1]}",
+            f"gpu={seeds[2]}",
+            "--smooth",
+            "3",
+            "--out",
+            str(out),
+        ]
         assert main(argv) == 0
     finally:
         plt.Figure.savefig = real_savefig
