@@ -151,9 +151,9 @@ def throughput(tokens: int, seconds: float) -> dict:
 
 async def timed_runs(engine, serve, requests, warm, runs: int, label: str, flush_cache: bool = False):
     """`runs` passes of `serve(engine, requests) -> (output tokens, seconds, outputs)` after one pass over
-    `warm`; each pass's throughput goes to stderr as it ends (a long GPU run shows its progress). `flush_cache`:
-    SGLang's radix cache is emptied before every pass, so that a repeated pass is not served cached prompts.
-    Returns every pass's throughput and the last pass's outputs."""
+    `warm`; each pass's throughput goes to stderr as it ends (a long GPU run shows its progress).
+    `flush_cache`: SGLang's radix cache is emptied before every pass, so that a repeated pass is not served
+    cached prompts. Returns every pass's throughput and the last pass's outputs."""
     await serve(engine, warm)
     out, outputs = [], []
     for _ in range(runs):
@@ -208,9 +208,9 @@ def bench_embedded(path: Path, requests, args, variant: str = "eager") -> dict:
     cache_gb = engine.cache.nbytes() / 2**30
     engine = None
     _free(args.device)
-    out = {**throughput(tokens, elapsed), "steps": steps, "kv_cache_gib": round(cache_gb, 2), "cuda_graphs": graphs,
-           "attention": attention, "compile": compiled, "decode_steps_per_iteration": per_iteration,
-           "sampler": sampler}  # fmt: skip
+    out = {**throughput(tokens, elapsed), "steps": steps, "kv_cache_gib": round(cache_gb, 2),
+           "cuda_graphs": graphs, "attention": attention, "compile": compiled,
+           "decode_steps_per_iteration": per_iteration, "sampler": sampler}  # fmt: skip
     out["time_split"] = split  # seconds in prefill / decode steps, and host work between them
     if check is not None:
         out["logprob_vs_hf"] = check
