@@ -14,10 +14,10 @@ from agentrl.engines.base import GenerateOutput, SamplingParams
 def serve_workload(
     engine, workload: list[tuple[int, int, float]], temperature: float, vocab_size: int = 300
 ) -> list[tuple[list[int], GenerateOutput, types.Trajectory]]:
-    """Each (prompt length, new tokens, arrival seconds) of `workload` is one request: seeded random prompt ids
-    in [5, vocab_size) (the same prompts at every call), new tokens sampled at `temperature` with eos ignored,
-    sent that many seconds after the first request. The engine is closed after. Returns each request's prompt,
-    output and normalized trajectory, in workload order."""
+    """Each (prompt length, new tokens, arrival seconds) of `workload` is one request: seeded random prompt
+    ids in [5, vocab_size) (the same prompts at every call), new tokens sampled at `temperature` with eos
+    ignored, sent that many seconds after the first request. The engine is closed after. Returns each
+    request's prompt, output and normalized trajectory, in workload order."""
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, vocab_size, (n,), generator=gen).tolist() for n, _, _ in workload]
 
