@@ -4,7 +4,7 @@ background (the default)? The Megatron learner of a Qwen3-1.7B-shaped random mod
     python bench/checkpoint_stall.py --model qwen3-1.7b --steps 12 --every 4 --repeats 3
     python bench/checkpoint_stall.py --device cpu --tiny            # CPU smoke
 
-One LearnerWorker (what `agentrl run` uses) trains, for every run, `--steps` steps of megatron_bench.py's batch, checkpointing
+One LearnerWorker (what `agentrl run` uses) trains, for every run, `--steps` steps of learner_workload.py's batch, checkpointing
 every `--every` steps into a temporary directory, once per mode, `--repeats` times in alternating order. Reported
 per mode (medians over repeats, min-max in brackets): `stall_s`, the time the step that checkpoints spends in
 `save` (the whole write, or the copy to host memory); `step_s`, the median step time of the steps after a
@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import megatron_bench as mb  # bench/ is on sys.path when run as a script
+import learner_workload as workload  # bench/ is on sys.path when run as a script
 
 
 def make_worker(args, path: Path):
@@ -49,14 +49,14 @@ def make_worker(args, path: Path):
 
 
 def run_mode(args, worker, background: bool) -> dict:
-    batch = mb.make_batch(args, args.device)
+    batch = workload.make_batch(args, args.device)
     stalls, writes, after, others, size = [], [], [], [], 0
     with tempfile.TemporaryDirectory(dir=args.ckpt_root) as root:
         pending: tuple[float, Path] | None = None
         for step in range(1, args.steps + 1):
             t0 = time.perf_counter()
             worker.learner.train_step(batch)
-            mb.sync(args.device)
+            workload.sync(args.device)
             (after if step > args.every and (step - 1) % args.every == 0 else others).append(
                 time.perf_counter() - t0
             )
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--model", default="qwen3-1.7b", choices=sorted(mb.MODELS))
+    p.add_argument("--model", default="qwen3-1.7b", choices=sorted(workload.MODELS))
     p.add_argument("--batch", type=int, default=0)
     p.add_argument("--seq", type=int, default=0)
     p.add_argument("--steps", type=int, default=12)
@@ -101,12 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-dir", default="")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
-    args = mb.fill_defaults(args, steps=(args.steps, args.steps))
+    args = workload.fill_defaults(args, steps=(args.steps, args.steps))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
-    path = mb.ensure_model_dir(args)
+    path = workload.ensure_model_dir(args)
     worker = make_worker(args, path)
     runs: dict[str, list[dict]] = {"sync": [], "background": []}
     for i in range(args.repeats):

@@ -118,7 +118,8 @@ def make_requests(n: int, prompt_len: tuple[int, int], output_len: tuple[int, in
     ]
 
 
-async def run_engine(engine, requests, seeded: bool = True) -> tuple[int, float]:
+async def run_engine(engine, requests, seeded: bool = True) -> tuple[int, float, list]:
+    """Every request at once; (output tokens, seconds, outputs)."""
     params = [
         SamplingParams(temperature=1.0, max_new_tokens=m, ignore_eos=True, seed=i if seeded else None)
         for i, (_, m) in enumerate(requests)
@@ -131,7 +132,37 @@ async def run_engine(engine, requests, seeded: bool = True) -> tuple[int, float]
     assert all(len(o.output_ids) == m for o, (_, m) in zip(outs, requests, strict=True)), (
         "eos was not ignored"
     )
-    return sum(len(o.output_ids) for o in outs), elapsed
+    return sum(len(o.output_ids) for o in outs), elapsed, outs
+
+
+async def run_unseeded(engine, requests) -> tuple[int, float, list]:
+    """`run_engine` without per-request seeds (SGLang's client takes none)."""
+    return await run_engine(engine, requests, seeded=False)
+
+
+def warm_requests(requests) -> list:
+    """A few short requests served before the timed runs (compilation and allocation stay out of them)."""
+    return [(p[:8], 4) for p, _ in requests[:8]]
+
+
+def throughput(tokens: int, seconds: float) -> dict:
+    return {"tokens": tokens, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1)}
+
+
+async def timed_runs(engine, serve, requests, warm, runs: int, label: str, flush_cache: bool = False):
+    """`runs` passes of `serve(engine, requests) -> (output tokens, seconds, outputs)` after one pass over
+    `warm`; each pass's throughput goes to stderr as it ends (a long GPU run shows its progress).
+    `flush_cache`: SGLang's radix cache is emptied before every pass, so that a repeated pass is not served
+    cached prompts. Returns every pass's throughput and the last pass's outputs."""
+    await serve(engine, warm)
+    out, outputs = [], []
+    for _ in range(runs):
+        if flush_cache:
+            await engine.flush_cache()
+        tokens, seconds, outputs = await serve(engine, requests)
+        out.append(throughput(tokens, seconds))
+        print(json.dumps({label: out[-1]}), file=sys.stderr, flush=True)
+    return out, outputs
 
 
 DEFAULT_COMPILE_OPTIONS = dict(model_mod.COMPILE_OPTIONS)
@@ -159,13 +190,12 @@ def bench_embedded(path: Path, requests, args, variant: str = "eager") -> dict:
         max_seq_len=max_len + 1, max_prefill_tokens=args.max_prefill_tokens, cuda_graphs=graphs, attention=attention,
         compile=compiled, decode_steps=per_iteration, sampler=sampler,
     )  # fmt: skip
-    warm = [(p[:8], 4) for p, _ in requests[: min(8, len(requests))]]
 
     async def go():
-        await run_engine(engine, warm)
+        await run_engine(engine, warm_requests(requests))
         _sync(args.device)
         steps0, stats0 = engine.steps, dict(engine.stats)
-        tokens, elapsed = await run_engine(engine, requests, seeded=args.seeded)
+        tokens, elapsed, _ = await run_engine(engine, requests, seeded=args.seeded)
         _sync(args.device)
         steps = engine.steps - steps0
         split = {k: round(v - stats0[k], 3) for k, v in engine.stats.items()}
@@ -178,8 +208,8 @@ def bench_embedded(path: Path, requests, args, variant: str = "eager") -> dict:
     cache_gb = engine.cache.nbytes() / 2**30
     engine = None
     _free(args.device)
-    out = {"tokens": tokens, "seconds": round(elapsed, 3), "tok_s": round(tokens / elapsed, 1), "steps": steps,
-           "kv_cache_gib": round(cache_gb, 2), "cuda_graphs": graphs, "attention": attention, "compile": compiled,
+    out = {**throughput(tokens, elapsed), "steps": steps, "kv_cache_gib": round(cache_gb, 2),
+           "cuda_graphs": graphs, "attention": attention, "compile": compiled,
            "decode_steps_per_iteration": per_iteration, "sampler": sampler}  # fmt: skip
     out["time_split"] = split  # seconds in prefill / decode steps, and host work between them
     if check is not None:
@@ -268,31 +298,40 @@ SGLANG_FLAGS = {
 }  # fmt: skip
 
 
-def bench_sglang(path: Path, requests, args) -> dict:
-    """Real SGLang (launched by agentrl's SGLangServer, driven by its SGLangEngine client) on the same requests."""
+def sglang_runs(path: Path, requests, serve, warm, runs: int, flags: dict, log_path: str) -> dict:
+    """Real SGLang (launched by agentrl's SGLangServer, driven by its SGLangEngine client) serving `requests`
+    `runs` times on ONE server, with `timed_runs`' warm-up, cache flush and `serve`.
+    Returns {"runs": [throughput per pass], "startup_s", "flags"}."""
     from agentrl.engines.sglang import SGLangEngine
     from agentrl.engines.sglang_launcher import SGLangServer
 
-    server = SGLangServer(str(path), args=SGLANG_FLAGS, log_path=args.sglang_log,
-                          startup_timeout_s=900, restart_on_crash=False)  # fmt: skip
+    server = SGLangServer(
+        str(path), args=flags, log_path=log_path, startup_timeout_s=900, restart_on_crash=False
+    )
     start = time.perf_counter()
     server.start()
-    startup_s = time.perf_counter() - start
+    startup_s = round(time.perf_counter() - start, 1)
 
-    async def go():
+    async def go() -> list[dict]:
         engine = SGLangEngine(server.url, request_timeout_s=1800)
         try:
-            await run_engine(engine, [(p[:8], 4) for p, _ in requests[:8]], seeded=False)
-            return await run_engine(engine, requests, seeded=False)
+            passes, _ = await timed_runs(engine, serve, requests, warm, runs, "sglang_run", flush_cache=True)
+            return passes
         finally:
             await engine.close()
 
     try:
-        tokens, elapsed = asyncio.run(go())
+        return {"runs": asyncio.run(go()), "startup_s": startup_s, "flags": flags}
     finally:
         server.stop()
-    return {"tokens": tokens, "seconds": round(elapsed, 3), "tok_s": round(tokens / elapsed, 1),
-            "startup_s": round(startup_s, 1), "flags": SGLANG_FLAGS}  # fmt: skip
+
+
+def bench_sglang(path: Path, requests, args) -> dict:
+    """One SGLang pass over the same requests as the embedded variants."""
+    result = sglang_runs(
+        path, requests, run_unseeded, warm_requests(requests), 1, SGLANG_FLAGS, args.sglang_log
+    )
+    return {**result.pop("runs")[0], **result}
 
 
 def _sync(device: str) -> None:

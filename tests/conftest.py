@@ -1,5 +1,6 @@
 """Fixtures shared across test modules: the two tiny local models (each made once per session), the tokenizer, the
-Megatron tests' models and CPU parallel state, and a local Ray session that restores the environment it changes.
+tiny VLM's engine, the Megatron tests' models and CPU parallel state, and a local Ray session that restores the
+environment it changes.
 
 The models are read-only to the tests: a test that writes into a model directory makes its own."""
 
@@ -32,6 +33,19 @@ def tiny_vlm(tmp_path_factory) -> Path:
     from agentrl.engines.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("vlm") / "m", arch="qwen2_5_vl", seed=0, init_std=0.1)
+
+
+@pytest.fixture
+async def vlm(tiny_vlm):
+    """The tiny VLM served by the embedded engine (2 slots of 512 tokens; `engine.seen`: each request's input
+    ids and pictures) and its tokenizer, as `(engine, tokenizer)`; the engine is closed after the test."""
+    from tests.sdk_support import Seeing
+
+    engine = Seeing(str(tiny_vlm), max_batch_size=2, max_seq_len=512)
+    try:
+        yield engine, load_tokenizer(tiny_vlm)
+    finally:
+        await engine.close()
 
 
 @pytest.fixture(scope="session")

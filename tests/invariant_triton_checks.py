@@ -1,15 +1,15 @@
 """The checks of tests/test_invariant_triton.py, run in a process of their own with TRITON_INTERPRET=1 (Triton
 reads the flag when it is imported): `python -m tests.invariant_triton_checks` runs them all."""
 
-import asyncio
 import sys
 import tempfile
 
 import torch
 import torch.nn.functional as F
 
-from agentrl import invariant, types
+from agentrl import invariant
 from agentrl import invariant_triton as kernels
+from tests.workload_support import serve_workload
 
 
 def _gen():
@@ -85,7 +85,6 @@ def test_engine_equals_learner_through_the_kernels():
     reported log-prob equals the torch learner's, padded and packed, and its training forward (autograd on,
     backward through the reference ops) gives the same values."""
     from agentrl.config.learning import LearnerSection
-    from agentrl.engines.base import SamplingParams
     from agentrl.engines.embedded import EmbeddedEngine
     from agentrl.engines.tiny import make_tiny_model
     from agentrl.learners.batch import build_batch
@@ -97,32 +96,13 @@ def test_engine_equals_learner_through_the_kernels():
         model = str(make_tiny_model(tmp, "qwen3", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
                                     vocab_size=300, init_std=0.2))  # fmt: skip
         engine = EmbeddedEngine(model, max_batch_size=3, max_seq_len=128, seed=1, true_on_policy=True)
-        gen = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(5, 300, (n,), generator=gen).tolist() for n, _, _ in work]
-
-        async def one(prompt, new_tokens, delay_s):
-            await asyncio.sleep(delay_s)
-            sampling = SamplingParams(temperature=0.7, max_new_tokens=new_tokens, ignore_eos=True)
-            return await engine.generate(prompt, sampling)
-
-        async def main():
-            try:
-                return await asyncio.gather(
-                    *(one(p, n, d) for p, (_, n, d) in zip(prompts, work, strict=True))
-                )
-            finally:
-                await engine.close()
-
-        outs = asyncio.run(main())
-        trajs = [types.normalize(types.Trajectory(id=f"t{i}", prompt_ids=p, response_ids=o.output_ids,
-                                                  logprobs=o.logprobs, versions=o.versions))
-                 for i, (p, o) in enumerate(zip(prompts, outs, strict=True))]  # fmt: skip
+        served = serve_workload(engine, work, 0.7)
         learner = TorchLearner(model, LearnerSection(kind="torch", micro_batch_tokens=150), temperature=0.7,
                                true_on_policy=True)  # fmt: skip
         for pack_tokens in (0, 100):
-            batch = build_batch(trajs, pad_id=learner.pad_id, pack_tokens=pack_tokens)
+            batch = build_batch([t for _, _, t in served], pad_id=learner.pad_id, pack_tokens=pack_tokens)
             logp = learner.compute_logprobs(batch)
-            for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+            for i, (p, o, _) in enumerate(served):
                 row, cols = (batch.seq_index == i).nonzero(as_tuple=True)
                 mine, engine_lp = logp[row, cols][len(p) :], torch.tensor(o.logprobs)
                 assert torch.equal(mine, engine_lp), (pack_tokens, i, (mine - engine_lp).abs().max())

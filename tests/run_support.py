@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def make_model(root: Path) -> str:
     from agentrl.engines.tiny import make_tiny_model
@@ -42,6 +44,30 @@ def tiny_config(root: Path, model: str, **sections) -> Path:
     path = root / "cfg.toml"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def write_rows(path: Path, n: int, offset: int = 0) -> str:
+    """`n` prompts `Spell {i}.` (from `offset` on) as a data file; returns its path."""
+    path.write_text(
+        "".join(json.dumps({"prompt": f"Spell {i + offset}.", "answer": "x"}) + "\n" for i in range(n))
+    )
+    return str(path)
+
+
+def eval_run_config(root: Path, model: str, reward: str, rollout: dict, warmup: dict) -> tuple[Path, str]:
+    """A one-step sync run of the `math` env scored by `reward` (a dense one: every sample counts), trained on
+    two prompts and taking its greedy eval of three held-out ones at every step. Returns the config's path and
+    the held-out data file's."""
+    train, held_out = write_rows(root / "train.jsonl", 2), write_rows(root / "eval.jsonl", 3, 100)
+    path = tiny_config(
+        root, model,
+        run={"steps": 1, "eval_every": 1, "eval_prompts": 3, "mode": "sync", "import_path": [str(ROOT)]},
+        env={"name": "math", "reward": reward},
+        data={"path": train, "eval_path": held_out, "shuffle": False},
+        rollout={"n_samples_per_prompt": 2, "max_turns": 1, **rollout},
+        warmup=warmup,
+    )  # fmt: skip
+    return path, held_out
 
 
 def read_jsonl(path: Path) -> list[dict]:

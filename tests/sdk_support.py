@@ -7,6 +7,7 @@ import openai
 
 from agentrl.chat import chat_tokens
 from agentrl.engines.base import SamplingParams
+from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.tiny import CHAT_TEMPLATE
 from agentrl.proxy.server import OpenAIProxy
 from agentrl.types import mask, tokens
@@ -33,6 +34,19 @@ REASONING_TEMPLATE = (
     "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + content }}",
 )
+
+
+class Seeing(EmbeddedEngine):
+    """The embedded engine, keeping what each request gave it: `seen` holds each request's input ids and
+    pictures, in arrival order (what the proxy sent on)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.seen: list[tuple[list[int], list]] = []
+
+    async def generate(self, input_ids, sampling, request_id=None, images=None, **kw):
+        self.seen.append((list(input_ids), list(images or [])))
+        return await super().generate(input_ids, sampling, request_id=request_id, images=images, **kw)
 
 
 class Live:

@@ -14,13 +14,11 @@ import textwrap
 import pytest
 
 from agentrl.engines.base import SamplingParams
-from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.envs import env_factory, make_env
 from agentrl.envs.pictures import image_file
 from agentrl.errors import EnvError
 from agentrl.generator import RolloutContext
 from agentrl.generators.multi_turn import run_episode
-from agentrl.tokenizer import load_tokenizer
 from agentrl.types import ImagePart, TextPart, normalize, tokens
 from tests.test_envs_shapes import Scripted
 
@@ -54,15 +52,6 @@ def test_each_form_of_a_picture_becomes_one_image_file():
                       ([1, 2, 3], "shape"), (solid((300, 0, 0)), "0..255"), (3.5, "shape")):  # fmt: skip
         with pytest.raises(EnvError, match=f"obs.screen.*{says}"):
             image_file(bad, "obs.screen")
-
-
-@pytest.fixture
-async def vlm(tiny_vlm):
-    engine = EmbeddedEngine(str(tiny_vlm), max_batch_size=2, max_seq_len=512)
-    try:
-        yield engine, load_tokenizer(tiny_vlm)
-    finally:
-        await engine.close()
 
 
 def assert_placed(traj, tokenizer, files: list[bytes]) -> None:

@@ -10,23 +10,14 @@ a user types it, must print the numbers the run logged for step 1 and write ever
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from agentrl.cli import main as cli_main
-from tests.run_support import read_jsonl, tiny_config
+from tests.run_support import eval_run_config, read_jsonl
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def write_rows(path: Path, n: int, offset: int = 0) -> str:
-    path.write_text(
-        "".join(json.dumps({"prompt": f"Spell {i + offset}.", "answer": "x"}) + "\n" for i in range(n))
-    )
-    return str(path)
 
 
 def test_eval_of_a_step_equals_agentrl_eval_of_its_checkpoint(ray_session, tmp_path, run_model, capsys):
@@ -35,15 +26,9 @@ def test_eval_of_a_step_equals_agentrl_eval_of_its_checkpoint(ray_session, tmp_p
     from agentrl.config import load_config
     from agentrl.runner.loop import run
 
-    train, held_out = write_rows(tmp_path / "train.jsonl", 2), write_rows(tmp_path / "eval.jsonl", 3, 100)
-    path = tiny_config(
-        tmp_path, run_model,
-        run={"steps": 1, "eval_every": 1, "eval_prompts": 3, "mode": "sync", "import_path": [str(ROOT)]},
-        env={"name": "math", "reward": "tests.run_support:letters_reward"},
-        data={"path": train, "eval_path": held_out, "shuffle": False},
-        rollout={"n_samples_per_prompt": 2, "prompts_per_step": 2, "max_new_tokens": 8, "max_turns": 1},
-        warmup={"steps": 1, "batch_size": 4},
-    )  # fmt: skip
+    path, held_out = eval_run_config(tmp_path, run_model, "tests.run_support:letters_reward",
+                                     rollout={"prompts_per_step": 2, "max_new_tokens": 8},
+                                     warmup={"steps": 1, "batch_size": 4})  # fmt: skip
     with path.open("a") as f:
         f.write(f'[[eval]]\nname = "sampled"\ndata = "{held_out}"\nn = 3\ntemperature = 1.0\nseed = 5\n')
     summary = run(load_config(path))

@@ -19,11 +19,10 @@ import aiohttp
 import anthropic
 import openai
 
-from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.tokenizer import load_tokenizer
 from agentrl.types import image, tokens
 from agentrl.vision import image_pixels
-from tests.sdk_support import Live
+from tests.sdk_support import Live, Seeing
 
 
 def png(color: str, size: tuple[int, int]) -> bytes:
@@ -39,27 +38,6 @@ RED, BLUE = png("red", (60, 90)), png("blue", (112, 56))
 
 def data_url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
-
-
-class Seeing(EmbeddedEngine):
-    """The embedded engine, keeping what each request gave it."""
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.seen: list[tuple[list[int], list]] = []
-
-    async def generate(self, input_ids, sampling, request_id=None, images=None, **kw):
-        self.seen.append((list(input_ids), list(images or [])))
-        return await super().generate(input_ids, sampling, request_id=request_id, images=images, **kw)
-
-
-@pytest.fixture
-async def vlm(tiny_vlm):
-    engine = Seeing(str(tiny_vlm), max_batch_size=2, max_seq_len=256)
-    try:
-        yield engine, load_tokenizer(tiny_vlm)
-    finally:
-        await engine.close()
 
 
 def assert_pictures(tok, model_dir, engine, traj, conversation, pictures):

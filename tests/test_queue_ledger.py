@@ -123,7 +123,7 @@ async def test_compaction_waits_for_a_ledger_line_still_being_written(tmp_path, 
     real = wal_mod.WriteAheadLog.ledger
 
     def slow_ledger(self, record):
-        if self is q._wal and record.step == 1:  # (not the reopened copy's ledger repair)
+        if self is q._journal.wal and record.step == 1:  # (not the reopened copy's ledger repair)
             writing.set()
             assert release.wait(30)
         real(self, record)

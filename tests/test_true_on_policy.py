@@ -1,21 +1,19 @@
 """run.true_on_policy: the embedded engine's reported log-prob of every sampled token equals, bit for bit, the
 torch learner's training forward before its first update, whatever the engine batched meanwhile."""
 
-import asyncio
-
 import pytest
 import torch
 
 from agentrl import invariant, types
 from agentrl.config import load_config
 from agentrl.config.learning import LearnerSection
-from agentrl.engines.base import SamplingParams
 from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.errors import ConfigError, EngineError, LearnerError
 from agentrl.learners.batch import build_batch
 from agentrl.learners.torch_learner import TorchLearner
 from agentrl.runner.metrics import untimed
 from tests.run_support import read_jsonl, tiny_config
+from tests.workload_support import serve_workload
 
 TEMPERATURE = 0.7
 # (prompt length, new tokens, seconds after the first request it arrives): prompts of different lengths,
@@ -41,30 +39,10 @@ def serve(model_dir, true_on_policy: bool, deterministic: bool = False, max_batc
         str(model_dir), max_batch_size=max_batch_size, max_seq_len=128, seed=1, true_on_policy=true_on_policy,
         deterministic=deterministic,
     )  # fmt: skip
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(5, 300, (n,), generator=gen).tolist() for n, _, _ in WORKLOAD]
-
-    async def one(prompt, new_tokens, delay_s):
-        await asyncio.sleep(delay_s)
-        sampling = SamplingParams(temperature=TEMPERATURE, max_new_tokens=new_tokens, ignore_eos=True)
-        return prompt, await engine.generate(prompt, sampling)
-
-    async def main():
-        try:
-            return await asyncio.gather(
-                *(one(p, n, d) for p, (_, n, d) in zip(prompts, WORKLOAD, strict=True))
-            )
-        finally:
-            await engine.close()
-
-    outs = asyncio.run(main())
-    out = []
-    for i, (p, o) in enumerate(outs):
-        traj = types.Trajectory(
-            id=f"t{i}", prompt_ids=p, response_ids=o.output_ids, logprobs=o.logprobs, versions=o.versions
-        )
-        out.append((p, o.logprobs, types.normalize(traj)))
-    return out
+    workload = (
+        WORKLOAD if delays_s is None else [(n, m, d) for (n, m, _), d in zip(WORKLOAD, delays_s, strict=True)]
+    )
+    return [(p, o.logprobs, t) for p, o, t in serve_workload(engine, workload, TEMPERATURE)]
 
 
 def learner_logprobs(model_dir, served, pack_tokens: int) -> list[torch.Tensor]:

@@ -6,19 +6,17 @@ Skipped without CUDA or triton."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from agentrl import invariant, types
 from agentrl.config.learning import LearnerSection
-from agentrl.engines.base import SamplingParams
 from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.tiny import make_tiny_model
 from agentrl.learners.batch import build_batch
 from agentrl.learners.torch_learner import TorchLearner
+from tests.workload_support import serve_workload
 
 pytestmark = [
     pytest.mark.gpu,
@@ -111,29 +109,10 @@ def serve(model_dir, true_on_policy: bool, n: int = 40) -> Served:
         true_on_policy=true_on_policy,
     )  # fmt: skip
     assert (engine.runner.graphs is not None) == (DEVICE == "cuda")  # CUDA graphs on
-    gen = torch.Generator().manual_seed(0)
     work = _workload(n)
-    prompts = [torch.randint(5, 600, (length,), generator=gen).tolist() for length, _, _ in work]
-
-    async def one(prompt, new_tokens, delay_s):
-        await asyncio.sleep(delay_s)
-        sampling = SamplingParams(temperature=TEMPERATURE, max_new_tokens=new_tokens, ignore_eos=True)
-        return await engine.generate(prompt, sampling)
-
-    async def main():
-        try:
-            return await asyncio.gather(*(one(p, n, d) for p, (_, n, d) in zip(prompts, work, strict=True)))
-        finally:
-            await engine.close()
-
-    outs = asyncio.run(main())
-    assert [len(o.output_ids) for o in outs] == [new for _, new, _ in work]
-    return [
-        (p, o.logprobs, types.normalize(types.Trajectory(
-            id=f"t{i}", group_id=f"g{i // 4}", prompt_ids=p, response_ids=o.output_ids, logprobs=o.logprobs,
-            versions=o.versions, reward=float(i % 2))))
-        for i, (p, o) in enumerate(zip(prompts, outs, strict=True))
-    ]  # fmt: skip
+    served = serve_workload(engine, work, TEMPERATURE, vocab_size=600)
+    assert [len(o.output_ids) for _, o, _ in served] == [new for _, new, _ in work]
+    return [(p, o.logprobs, t) for p, o, t in served]
 
 
 def _learner(model_dir) -> TorchLearner:

@@ -10,15 +10,11 @@ metrics.jsonl, and the eval before RL is the last of them.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.run_support import read_jsonl, tiny_config
-from tests.test_eval_run import write_rows
+from tests.run_support import eval_run_config, read_jsonl
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def smoothed_letters(response: str, task: dict) -> float:
@@ -36,13 +32,9 @@ def test_the_warmup_stops_at_the_first_eval_reaching_stop_eval(ray_session, tmp_
     from agentrl.runner.loop import run
 
     eval_every = want_steps[0]
-    train, held_out = write_rows(tmp_path / "train.jsonl", 2), write_rows(tmp_path / "eval.jsonl", 3, 100)
-    path = tiny_config(
-        tmp_path, run_model,
-        run={"steps": 1, "eval_every": 1, "eval_prompts": 3, "mode": "sync", "import_path": [str(ROOT)]},
-        env={"name": "math", "reward": "tests.test_warmup_eval:smoothed_letters"},
-        data={"path": train, "eval_path": held_out, "shuffle": False},
-        rollout={"n_samples_per_prompt": 2, "prompts_per_step": 1, "max_new_tokens": 6, "max_turns": 1},
+    path, _ = eval_run_config(
+        tmp_path, run_model, "tests.test_warmup_eval:smoothed_letters",
+        rollout={"prompts_per_step": 1, "max_new_tokens": 6},
         warmup={"steps": 4, "batch_size": 2, "stop_eval": stop_eval, "eval_every": eval_every},
     )  # fmt: skip
     summary = run(load_config(path))

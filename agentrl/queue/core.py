@@ -15,14 +15,7 @@ Invariants:
   raises `QueueFull` and nothing of it is accepted.
 - FIFO: groups are handed out in the order they became complete. Waiting uses asyncio Events, never polling.
 
-Durability (the write-ahead log, wal.py; its records and recovery in walformat.py and recovery.py):
-- `_append` returns once the record is durable (group commit, see wal.py); until then the trajectories of
-  a put are in `_unsynced`, so a compaction meanwhile keeps them, and a duplicate of one of them is
-  answered only once they are durable too (`_await_originals`).
-- A commit record leaves the log (compaction keeps only a snapshot) only once its ledger line is written:
-  the reopen's ledger repair re-appends lines only for the commit records the log still holds. So no
-  compaction while a commit waits for its fsync (the snapshot would miss it) or its ledger line, nor while
-  a ledger line that failed is owed; an owed line is written before the next commit's (step order).
+Durability: what is logged and when it is acknowledged is journal.py's (the write-ahead log itself: wal.py).
 Pure asyncio; no torch or ray.
 """
 
@@ -38,32 +31,16 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config.serving import QueueSection
-from agentrl.errors import QueueClosed, StorageError
+from agentrl.errors import QueueClosed
 from agentrl.queue import wal as wal_mod
 from agentrl.queue.admission import Admission
+from agentrl.queue.journal import Journal
 from agentrl.queue.metrics import QueueMetrics
 from agentrl.queue.primitives import Hold, PutResult, SampledBatch, Ticket, _Group, _Signal
 from agentrl.runlock import Fence
 from agentrl.types import Trajectory, min_version, nbytes
 
 log = logging.getLogger(__name__)
-
-
-async def _to_the_end(coro: Any) -> Any:
-    """Await `coro`; if the caller is cancelled meanwhile, still wait for it to finish, then re-raise the
-    cancel: a worker thread outlives its caller, and what it wrote must be known before going on."""
-    task = asyncio.ensure_future(coro)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        while not task.done():
-            try:
-                await asyncio.wait([task])
-            except asyncio.CancelledError:
-                pass
-        if not task.cancelled():
-            task.exception()  # retrieved: the cancel is what the caller gets
-        raise
 
 
 class ReplayQueue:
@@ -97,15 +74,10 @@ class ReplayQueue:
         self._n_queued = 0
         self._n_ready = 0
         self._bytes = 0
-        self._commits_since_compact = 0
         self._ready_signal = _Signal()
         self._wanted: list[int] = []  # sizes the waiting sample_batch calls need
         self._untimed: list[_Group] = []
-        # The log's state (the module docstring's "Durability").
-        self._wal: wal_mod.WriteAheadLog | None = None
-        self._unsynced: dict[str, Trajectory] = {}  # logged, waiting for the fsync that acknowledges them
-        self._committing = 0  # commits between their log append and their ledger line
-        self._ledger_owed: list[wal_mod.CommitRecord] = []  # logged commits whose ledger line failed
+        self._journal: Journal | None = None
         self.wal_repairs: dict[str, Any] = {}
         self._open_log(run_dir, fence, lock_wait_s)
 
@@ -135,9 +107,9 @@ class ReplayQueue:
         )
         n, new_bytes = len(fresh), sum(nbytes(t) for t in fresh)
         with self._admission.holding(n, new_bytes, ticket, self._n_queued, self._bytes) as hold:
-            if fresh and self._wal is not None:
+            if fresh and self._journal is not None:
                 try:
-                    await self._log_put(fresh, indices, raw, now)
+                    await self._journal.put(fresh, indices, raw, self.policy_version, now)
                 except asyncio.CancelledError:
                     self._accept(hold, fresh, ungrouped)  # it is in the log: hold what a replay brings back
                     raise
@@ -146,27 +118,9 @@ class ReplayQueue:
         self.metrics.inc("duplicates", duplicates)
         self.metrics.inc("dropped_late", late)
         self._schedule_timers()
-        if duplicates:  # "duplicate" acknowledges too: only once the original is durable
-            await self._await_originals()
+        if duplicates and self._journal is not None:  # "duplicate" acknowledges once the original is durable
+            await self._journal.await_originals()
         return PutResult(accepted=n, duplicates=duplicates, dropped=late)
-
-    async def _log_put(
-        self, fresh: list[Trajectory], indices: list[int], raw: tuple[str, Any] | None, now: float
-    ) -> None:
-        """Append the put's record and wait until it is durable; until then its ids count as known."""
-        self._unsynced.update((t.id, t) for t in fresh)  # a compaction meanwhile must keep them
-        try:
-            if raw is not None:
-                meta = wal_mod.BodyMeta(raw[0], indices, self.policy_version, now)
-                await self._append(wal_mod.RawPut(meta, raw[1]))
-            else:
-                await self._append(wal_mod.PutRecord(fresh))
-        except StorageError:
-            self.metrics.inc("storage_errors")
-            raise
-        finally:
-            for traj in fresh:
-                self._unsynced.pop(traj.id, None)
 
     def _accept(self, hold: Hold, fresh: list[Trajectory], ungrouped: set[str]) -> None:
         """The one place a put changes the queue's state: after its record is in the log."""
@@ -246,14 +200,8 @@ class ReplayQueue:
             self._bytes -= nbytes(traj)
         self._admission.discard(len(ids))
         self.metrics.inc(counter, len(ids))
-        if self._wal is not None and ids:
-            try:  # never acknowledged to anyone: if lost, the ids come back and are dropped again
-                self._wal.append(wal_mod.DropRecord(ids, counter))
-            except QueueClosed:
-                pass
-            except StorageError:
-                self.metrics.inc("storage_errors")
-                log.warning("queue log: cannot record %d dropped trajectories", len(ids))
+        if self._journal is not None and ids:
+            self._journal.drop(ids, counter)
 
     def _purge_stale(self) -> None:
         if self.cfg.stale_policy == "keep":
@@ -364,19 +312,11 @@ class ReplayQueue:
         if step in self._committed_steps:
             return
         versions = {tid: self._live[tid].versions for tid in ids if tid in self._live}
-        if self._wal is None:
+        if self._journal is None:
             self._apply_commit(step, versions)
             return
         record = wal_mod.CommitRecord(step, ids, versions)
-        self._committing += 1  # until the ledger line is written: compaction waits (see `compact`)
-        try:
-            await self._append(record)
-            self._apply_commit(step, versions)
-            await self._log_ledger(record)  # a line that fails stays owed (the commit is durable already)
-        finally:
-            self._committing -= 1
-        self._commits_since_compact += 1
-        if 0 < self.cfg.compact_every <= self._commits_since_compact:
+        if await self._journal.commit(record, lambda: self._apply_commit(step, versions)):
             self.compact()
 
     def _apply_commit(self, step: int, versions: dict[str, Any]) -> None:
@@ -414,13 +354,13 @@ class ReplayQueue:
     def _open_log(self, run_dir: str | Path | None, fence: Fence | None, lock_wait_s: float) -> None:
         """Open the write-ahead log in `run_dir` (none without one, or with `queue.wal = false`) and rebuild the
         queue from it."""
-        if not run_dir or not self.cfg.wal:
+        self._journal = Journal.open(run_dir, self.cfg, self.metrics, fence, lock_wait_s)
+        if self._journal is None:
             return
-        self._wal = wal_mod.WriteAheadLog(run_dir, fsync=self.cfg.fsync, lock_wait_s=lock_wait_s, fence=fence)
         try:
-            self._recover(self._wal.replay())
+            self._recover(self._journal.replay())
         except BaseException:
-            self._wal.close()  # the lock too: nothing holds the directory after a failed open
+            self._journal.close()  # the lock too: nothing holds the directory after a failed open
             raise
 
     def _recover(self, state: wal_mod.WalState) -> None:
@@ -441,60 +381,18 @@ class ReplayQueue:
         if state.uncommitted or state.cut_bytes:
             log.info("queue recovered %d uncommitted trajectories", len(state.uncommitted))
 
-    async def _append(self, record: wal_mod.Record | wal_mod.RawPut) -> None:
-        """Log `record` and wait until it is durable (group commit; at once with `fsync = false`)."""
-        assert self._wal is not None
-        await self._wal.sync(self._wal.append(record))
-
-    async def _await_originals(self) -> None:
-        """A put answered "duplicate" while the original put waits for its fsync waits for it too (and fails
-        with it: then nothing was stored)."""
-        if self._unsynced and self._wal is not None:
-            await self._wal.sync(self._wal.written_seq)
-
-    async def _log_ledger(self, record: wal_mod.CommitRecord) -> None:
-        """Write the ledger lines owed by earlier failures, then `record`'s (a thread with fsync). One that
-        cannot be written stays owed (logged, counted): compaction waits for it, the next commit retries it."""
-        assert self._wal is not None
-        records, self._ledger_owed = [*self._ledger_owed, record], []
-        written = 0
-
-        def write() -> None:
-            nonlocal written
-            for r in records:
-                self._wal.ledger(r)
-                written += 1
-
-        try:
-            if self.cfg.fsync:
-                await _to_the_end(asyncio.to_thread(write))
-            else:
-                write()
-        except StorageError:
-            self.metrics.inc("storage_errors")
-            log.warning("ledger: cannot record step %s (retried at the next commit; compaction waits for it, "
-                        "the reopen repairs it)", " ".join(str(r.step) for r in records[written:]))  # fmt: skip
-        finally:  # (QueueClosed goes to the caller: the fence's owner is gone)
-            self._ledger_owed[:0] = records[written:]
-
     def compact(self) -> None:
         """Rewrite the log as the known-id set plus the uncommitted trajectories (atomic rename). Deferred
-        (the next commit tries again) while a commit's ledger line is in flight or owed: the rewrite drops
-        commit records, which a missing ledger line is repaired from."""
-        if self._wal is None or self._committing or self._ledger_owed:
+        (the next commit tries again) while the journal may not compact (journal.py)."""
+        if self._journal is None or not self._journal.may_compact:
             return
-        known = list(self._known.difference(self._live, self._unsynced))
+        known = list(self._known.difference(self._live, self._journal.unsynced))
         snapshot = wal_mod.SnapshotRecord(known, self._committed_steps, self._n_committed)
-        try:
-            self._wal.compact(snapshot, [*self._live.values(), *self._unsynced.values()])
-            self._commits_since_compact = 0
-        except StorageError:
-            self.metrics.inc("storage_errors")
-            log.warning("queue log compaction failed; keeping the old log", exc_info=True)
+        self._journal.compact(snapshot, self._live.values())
 
     def fenced(self) -> bool:
         """True once the fence's owner is gone (the log is closed then, the queue draining)."""
-        if self._wal is None or not self._wal.fenced():
+        if self._journal is None or not self._journal.fenced():
             return False
         self.drain()
         return True
@@ -518,7 +416,9 @@ class ReplayQueue:
 
     def is_known(self, trajectory_id: str) -> bool:
         """Accepted, or in a put waiting for the log (a second copy meanwhile is a duplicate)."""
-        return trajectory_id in self._known or trajectory_id in self._unsynced
+        return trajectory_id in self._known or (
+            self._journal is not None and trajectory_id in self._journal.unsynced
+        )
 
     def __len__(self) -> int:
         return self._n_queued
@@ -540,8 +440,8 @@ class ReplayQueue:
             "known_ids": len(self._known),
             "last_committed_step": self.last_committed_step,
             "committed_total": self._n_committed,
-            "wal_bytes": self._wal.size_bytes if self._wal is not None else None,
-            "wal_fsyncs": self._wal.fsyncs if self._wal is not None else None,  # group commits
+            "wal_bytes": self._journal.wal.size_bytes if self._journal is not None else None,
+            "wal_fsyncs": self._journal.wal.fsyncs if self._journal is not None else None,  # group commits
             "wal_repairs": self.wal_repairs or None,  # damage skipped, tail cut, ledger reconciled on open
             "draining": self.closed,
             **self.metrics.as_dict(),
@@ -558,5 +458,5 @@ class ReplayQueue:
 
     def close(self) -> None:
         self.drain()
-        if self._wal is not None:
-            self._wal.close()
+        if self._journal is not None:
+            self._journal.close()

@@ -15,12 +15,10 @@ other. Prints one JSON line (also `--out`).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -44,36 +42,9 @@ def embedded_runs(path: Path, requests, args, variant: str) -> dict:
 
 
 def sglang_runs(path: Path, requests, args) -> dict:
-    from agentrl.engines.sglang import SGLangEngine
-    from agentrl.engines.sglang_launcher import SGLangServer
-
-    server = SGLangServer(str(path), args=eb.SGLANG_FLAGS, log_path=args.sglang_log,
-                          startup_timeout_s=900, restart_on_crash=False)  # fmt: skip
-    start = time.perf_counter()
-    server.start()
-    startup_s = round(time.perf_counter() - start, 1)
-
-    async def go() -> list[dict]:
-        engine = SGLangEngine(server.url, request_timeout_s=1800)
-        runs = []
-        try:
-            await eb.run_engine(engine, [(p[:8], 4) for p, _ in requests[:8]], seeded=False)
-            for _ in range(args.runs):
-                await engine.flush_cache()  # a repeated run must not be served cached prompts
-                tokens, elapsed = await eb.run_engine(engine, requests, seeded=False)
-                runs.append(
-                    {"tokens": tokens, "seconds": round(elapsed, 3), "tok_s": round(tokens / elapsed, 1)}
-                )
-                print(json.dumps({"sglang_run": runs[-1]}), file=sys.stderr, flush=True)
-            return runs
-        finally:
-            await engine.close()
-
-    try:
-        runs = asyncio.run(go())
-    finally:
-        server.stop()
-    return {**split_runs(runs), "startup_s": startup_s, "flags": eb.SGLANG_FLAGS}
+    result = eb.sglang_runs(path, requests, eb.run_unseeded, eb.warm_requests(requests), args.runs,
+                            eb.SGLANG_FLAGS, args.sglang_log)  # fmt: skip
+    return {**split_runs(result.pop("runs")), **result}
 
 
 def ratios(embedded: dict, sglang: dict) -> dict:

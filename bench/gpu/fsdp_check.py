@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 import torch.distributed as dist
 
-from bench.megatron_bench import ensure_model_dir, fill_defaults, make_batch, sync
+from bench.learner_workload import ensure_model_dir, fill_defaults, make_batch, sync
 
 
 def parse_args(argv=None):

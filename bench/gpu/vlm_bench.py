@@ -28,6 +28,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import engine_bench as eb  # (bench/engine_bench.py owns the timed runs and the SGLang server's lifetime)
 
 from agentrl import types
 from agentrl.chat import chat_tokens
@@ -127,6 +130,10 @@ def summary(runs: list[dict]) -> dict:
     return {"runs": runs, "tok_s_median": round(statistics.median(r["tok_s"] for r in runs), 1)}
 
 
+def warm_requests(requests) -> list:
+    return [(i, imgs, 4) for i, imgs, _ in requests[:8]]
+
+
 def embedded(path: Path, requests, args) -> tuple[dict, list]:
     from agentrl.engines.embedded import EmbeddedEngine
 
@@ -136,16 +143,10 @@ def embedded(path: Path, requests, args) -> tuple[dict, list]:
                             attention="triton" if cuda else "sdpa", compile=cuda, decode_steps=8 if cuda else 1)  # fmt: skip
 
     async def go():
-        runs, outs = [], []
         try:
-            await serve(engine, [(i, imgs, 4) for i, imgs, _ in requests[:8]])  # warm-up
-            for _ in range(args.runs):
-                tokens, seconds, outs = await serve(engine, requests)
-                runs.append(
-                    {"tokens": tokens, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1)}
-                )
-                print(json.dumps({"embedded_run": runs[-1]}), file=sys.stderr, flush=True)
-            return runs, outs
+            return await eb.timed_runs(
+                engine, serve, requests, warm_requests(requests), args.runs, "embedded_run"
+            )
         finally:
             await engine.close()
 
@@ -154,36 +155,9 @@ def embedded(path: Path, requests, args) -> tuple[dict, list]:
 
 
 def sglang(path: Path, requests, args) -> dict:
-    from agentrl.engines.sglang import SGLangEngine
-    from agentrl.engines.sglang_launcher import SGLangServer
-
-    server = SGLangServer(str(path), args=SGLANG_FLAGS, log_path=args.sglang_log, startup_timeout_s=900,
-                          restart_on_crash=False)  # fmt: skip
-    start = time.perf_counter()
-    server.start()
-    startup_s = round(time.perf_counter() - start, 1)
-
-    async def go():
-        engine = SGLangEngine(server.url, request_timeout_s=1800)
-        runs = []
-        try:
-            await serve(engine, [(i, imgs, 4) for i, imgs, _ in requests[:8]])
-            for _ in range(args.runs):
-                await engine.flush_cache()  # no run is served cached prompts
-                tokens, seconds, _ = await serve(engine, requests)
-                runs.append(
-                    {"tokens": tokens, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1)}
-                )
-                print(json.dumps({"sglang_run": runs[-1]}), file=sys.stderr, flush=True)
-            return runs
-        finally:
-            await engine.close()
-
-    try:
-        runs = asyncio.run(go())
-    finally:
-        server.stop()
-    return {**summary(runs), "startup_s": startup_s, "flags": SGLANG_FLAGS}
+    result = eb.sglang_runs(path, requests, serve, warm_requests(requests), args.runs, SGLANG_FLAGS,
+                            args.sglang_log)  # fmt: skip
+    return {**summary(result.pop("runs")), **result}
 
 
 def logprob_check(path: Path, requests, outs, args) -> dict:
