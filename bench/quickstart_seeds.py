@@ -114,7 +114,11 @@ def verdict(summary_path: Path) -> dict:
 def model_overrides(extra: list[str]) -> list[str]:
     """The `--model.KEY VALUE` pairs of `agentrl run` overrides: all the model's maker reads (the others may be
     `agentrl run`'s own flags, such as `--sglang-...`, that the config loader does not take)."""
-    return [a for i, a in enumerate(extra) if a.startswith("--model.") or (i and extra[i - 1].startswith("--model."))]
+    return [
+        a
+        for i, a in enumerate(extra)
+        if a.startswith("--model.") or (i and extra[i - 1].startswith("--model."))
+    ]
 
 
 def core_slots(parallel: int, per_run: int) -> list[list[int]]:
@@ -288,7 +292,9 @@ def main() -> None:
                                    *(values for _, values in args.vary)))  # fmt: skip
     if args.parallel > 1 and not args.resume_for_s:
         # runs side by side would each make the config's tiny model in the same folder at once
-        subprocess.run([sys.executable, "-c", MAKE_MODEL, args.config, *model_overrides(extra)], cwd=ROOT, check=True)
+        subprocess.run(
+            [sys.executable, "-c", MAKE_MODEL, args.config, *model_overrides(extra)], cwd=ROOT, check=True
+        )
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         table = list(pool.map(one, cells))
     ok = sum(1 for r in table if r.get("goal"))
