@@ -4,16 +4,18 @@ Invariant: a row's result depends on that row's inputs and the weights alone, bi
 reduces in an order fixed by its compile-time constants, never by the number of rows, the batch composition,
 the sequence lengths or which other rows share a program:
 
-- `matmul`: one tile config for every M (`MATMUL_CONFIG`; no split-K, no autotuning); each program owns one
-  BLOCK_M x BLOCK_N output tile and walks K in BLOCK_K steps from 0, accumulating in fp32 with `tl.dot` (a
-  row's entry is the same MMA sequence whichever tile row it sits in); one rounding to the output dtype. M is
-  not specialized on (`do_not_specialize`), so M = 1 and M = 4096 run one compiled kernel.
+- `matmul`: the tile config is a function of the weight (its shape N x K, the dtype and the GPU model:
+  `matmul_config`), never of M (no split-K, no autotuning); each program owns one BLOCK_M x BLOCK_N output
+  tile and walks K in BLOCK_K steps from 0, accumulating in fp32 with `tl.dot` (a row's entry is the same MMA
+  sequence whichever tile row it sits in); one rounding to the output dtype. M is not specialized on
+  (`do_not_specialize`), so M = 1 and M = 4096 run one compiled kernel for a given weight.
 - `rms_norm`: one program per row, the whole row in one block (BLOCK = next power of two of the width), fp32
   sum of squares by `tl.sum` (a tree fixed by BLOCK and the warp count, both fixed by the width).
 - `token_logprobs`: one program per row; `log_softmax(logits / T)` at one token: the row's maximum and its
   sum of exponentials accumulate per lane over fixed vocabulary blocks in order, then reduce by a fixed tree.
-- `attention`: one kernel for prefill, decode and the learner's full-sequence forward. A program takes
-  BLOCK_M (query, head-of-the-group) rows of one sequence and one kv head, and walks the keys from position 0
+- `attention`: one kernel and one config (`ATTENTION_CONFIG`) for prefill, decode and the learner's
+  full-sequence forward. A program takes BLOCK_M (query, head-of-the-group) rows of one sequence and one kv
+  head (a decode row fills only G of them: BLOCK_M is kept small), and walks the keys from position 0
   in blocks of BLOCK_N (online softmax, fp32). A row's blocks up to its own position are the same blocks in
   the same order whatever the program; blocks past it (a prefill program's later rows, a decode slot's stale
   tail) are masked to -inf, which leaves the running max, sum and output unchanged exactly (scale 1, adds 0).
@@ -24,17 +26,84 @@ Under TRITON_INTERPRET=1 the kernels also run on CPU tensors (tests/test_invaria
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of every matmul: one config whatever the shape
-MATMUL_CONFIG = (64, 64, 64, 4, 3)
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) of every attention call: prefill, decode and the learner
-ATTENTION_CONFIG = (64, 64, 4, 2)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of a matmul whose weight has no entry in MATMUL_TABLE
+MATMUL_DEFAULT = (64, 64, 64, 4, 3)
+# Tile configs by GPU model and weight shape (N, K), for 2-byte dtypes (bf16/fp16; fp32 keeps the default, whose
+# tiles fit its shared memory). A config may follow the weight, which the engine and the learner share, but
+# never M, the row count, which differs between them. Large tiles for the learner's and the prefill's large M;
+# N = 1024 (o, down) keeps BLOCK_N = 64 so a decode of few rows still runs 16 programs. The Qwen3-0.6B
+# shapes; `bench/true_on_policy_cost.py --sweep` times the candidates per shape and prints such a table.
+MATMUL_TABLE: dict[str, dict[tuple[int, int], tuple[int, int, int, int, int]]] = {
+    "NVIDIA H200": {
+        (4096, 1024): (128, 128, 64, 8, 3),  # qkv
+        (1024, 2048): (128, 64, 64, 4, 4),  # o
+        (6144, 1024): (128, 128, 64, 8, 3),  # gate_up
+        (1024, 3072): (128, 64, 64, 4, 4),  # down
+        (151_936, 1024): (128, 256, 64, 8, 3),  # lm_head
+    },
+}
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of every attention call: prefill, decode and the learner. BLOCK_M
+# rows are (query, head of the GQA group) pairs: a decode program has G of them, so 16 (the smallest `tl.dot`
+# tile) wastes the least of a decode's MMA work; prefill programs reload each key block per 16 rows.
+ATTENTION_CONFIG = (16, 64, 4, 2)
 LOGPROB_BLOCK = 1024  # vocabulary entries per step of `token_logprobs`
+
+# Benchmark overrides (bench/true_on_policy_cost.py): AGENTRL_INVARIANT_MATMUL = "BM,BN,BK,warps,stages" runs
+# every matmul with one config, or the path of a JSON table {"NxK": [BM, BN, BK, warps, stages]} replaces
+# MATMUL_TABLE (on every device and dtype); AGENTRL_INVARIANT_ATTENTION = "BM,BN,warps,stages". The engine and
+# the learner must see the same values (one process, or the same environment).
+MATMUL_OVERRIDE: tuple[int, ...] | dict[tuple[int, int], tuple[int, ...]] | None = None
+
+
+def _ints(raw: str, n: int, name: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in raw.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != n:
+        raise ValueError(f"{name} must be {n} comma-separated integers, got {raw!r}")
+    return values
+
+
+def parse_matmul_override(raw: str) -> tuple[int, ...] | dict[tuple[int, int], tuple[int, ...]]:
+    """AGENTRL_INVARIANT_MATMUL's value: one config "BM,BN,BK,warps,stages", or a JSON table file."""
+    if "," in raw and not raw.endswith(".json"):
+        return _ints(raw, 5, "AGENTRL_INVARIANT_MATMUL")
+    with open(raw) as f:
+        table = json.load(f)
+    return {tuple(int(v) for v in key.split("x")): tuple(config) for key, config in table.items()}
+
+
+if os.environ.get("AGENTRL_INVARIANT_MATMUL"):
+    MATMUL_OVERRIDE = parse_matmul_override(os.environ["AGENTRL_INVARIANT_MATMUL"])
+if os.environ.get("AGENTRL_INVARIANT_ATTENTION"):
+    ATTENTION_CONFIG = _ints(os.environ["AGENTRL_INVARIANT_ATTENTION"], 4, "AGENTRL_INVARIANT_ATTENTION")
+
+
+@functools.cache
+def _gpu_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def matmul_config(n: int, k: int, x: torch.Tensor) -> tuple[int, ...]:
+    """The tile config of `x @ weight[n, k].T`: chosen by the weight's shape, x's dtype and the GPU model
+    alone, so the engine's and the learner's calls of one weight share it whatever their row counts."""
+    if isinstance(MATMUL_OVERRIDE, tuple):
+        return MATMUL_OVERRIDE
+    if isinstance(MATMUL_OVERRIDE, dict):
+        return MATMUL_OVERRIDE.get((n, k), MATMUL_DEFAULT)
+    if not x.is_cuda or x.element_size() != 2:
+        return MATMUL_DEFAULT
+    return MATMUL_TABLE.get(_gpu_name(x.device.index or 0), {}).get((n, k), MATMUL_DEFAULT)
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +142,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return out
-    bm, bn, bk, warps, stages = MATMUL_CONFIG
+    bm, bn, bk, warps, stages = matmul_config(n, k, x)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _matmul_kernel[grid](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),

@@ -29,6 +29,23 @@ def test_matmul_and_rms_norm_rows_do_not_depend_on_the_call():
         assert torch.equal(kernels.rms_norm(x[a : a + n], norm_w, 1e-6), normed[a : a + n])
 
 
+def test_matmul_tile_follows_the_weight_shape():
+    """A table entry (here AGENTRL_INVARIANT_MATMUL's dict) sets one weight shape's tile config whatever M: the
+    rows equal torch's product and do not depend on the call; other shapes keep the default config."""
+    gen = _gen()
+    x, w = torch.randn(70, 96, generator=gen), torch.randn(80, 96, generator=gen)
+    kernels.MATMUL_OVERRIDE = {(80, 96): (32, 16, 32, 4, 1)}
+    try:
+        assert kernels.matmul_config(80, 96, x[:1]) == kernels.matmul_config(80, 96, x) == (32, 16, 32, 4, 1)
+        assert kernels.matmul_config(96, 80, x) == kernels.MATMUL_DEFAULT
+        out = kernels.matmul(x, w)
+        torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-4)
+        for a, n in ((0, 1), (5, 2), (17, 33), (63, 7)):
+            assert torch.equal(kernels.matmul(x[a : a + n], w), out[a : a + n])
+    finally:
+        kernels.MATMUL_OVERRIDE = None
+
+
 def test_token_logprobs():
     gen = _gen()
     logits = torch.randn(6, 2500, generator=gen) * 4  # more than two vocabulary blocks, a partial last one
@@ -92,6 +109,8 @@ def test_engine_equals_learner_through_the_kernels():
     from agentrl.learners.torch_learner import TorchLearner
 
     invariant.KERNELS_ON_CPU = True
+    # per weight shape tile configs (a table's: the q/k/v and lm_head weights get their own) and the attention's
+    kernels.MATMUL_OVERRIDE = {(128, 64): (32, 32, 32, 4, 1), (300, 64): (16, 64, 16, 4, 1)}
     work = [(3, 9, 0.0), (40, 5, 0.0), (70, 7, 0.0), (9, 8, 0.3), (20, 4, 0.3)]
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_tiny_model(tmp, "qwen3", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,

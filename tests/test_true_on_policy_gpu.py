@@ -81,6 +81,29 @@ def test_kernels_do_not_depend_on_the_batch():
     torch.testing.assert_close(packed[:300].float(), ref, rtol=2e-2, atol=2e-2)
 
 
+def test_matmul_table_shapes_do_not_depend_on_the_batch():
+    """Every weight shape with a tile config of its own on this GPU (MATMUL_TABLE, or the benchmark's override
+    table): a row equals the row computed in a call of another size, decode-sized to learner-sized."""
+    k = _kernels()
+    table = (
+        k.MATMUL_OVERRIDE
+        if isinstance(k.MATMUL_OVERRIDE, dict)
+        else k.MATMUL_TABLE.get(torch.cuda.get_device_name(), {})
+    )
+    if not table:
+        pytest.skip(
+            f"no matmul table for {torch.cuda.get_device_name()}: every shape runs the default config"
+        )
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for n, width in table:
+        x = torch.randn(520, width, generator=gen, device="cuda").to(torch.bfloat16)
+        w = (torch.randn(n, width, generator=gen, device="cuda") * 0.03).to(torch.bfloat16)
+        full = k.matmul(x, w)
+        torch.testing.assert_close(full[:64].float(), x[:64].float() @ w.float().T, rtol=2e-2, atol=2e-2)
+        for a, m in ((0, 1), (7, 3), (100, 130), (0, 257), (300, 220)):
+            assert torch.equal(k.matmul(x[a : a + m], w), full[a : a + m]), (n, width, a, m)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     # Qwen3 (q/k norms), 8 heads over 2 kv heads of dim 64, 4 layers, vocab 4096 (prompts from the tokenizer's 701)
