@@ -64,7 +64,8 @@ def _kernels():
 
 
 class _ReferenceGrad(torch.autograd.Function):
-    """Forward: `kernel(*tensors)`; backward: autograd of `reference(*tensors)` (the same op in torch)."""
+    """Forward: `kernel(*tensors)` (a tensor or a tuple of them); backward: autograd of `reference(*tensors)`
+    (the same op in torch), recomputed from the saved inputs."""
 
     @staticmethod
     def forward(ctx, kernel, reference, *tensors):
@@ -73,14 +74,31 @@ class _ReferenceGrad(torch.autograd.Function):
         return kernel(*tensors)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         needs = ctx.needs_input_grad[2:]
         inputs = [t.detach().requires_grad_(n) for t, n in zip(ctx.saved_tensors, needs, strict=True)]
         with torch.enable_grad():
             out = ctx.reference(*inputs)
         wrt = [t for t in inputs if t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wrt, grad, allow_unused=True))
-        return (None, None, *(next(grads) if t.requires_grad else None for t in inputs))
+        outs = out if isinstance(out, tuple) else (out,)
+        found = iter(torch.autograd.grad(outs, wrt, grads, allow_unused=True))
+        return (None, None, *(next(found) if t.requires_grad else None for t in inputs))
+
+
+class _KernelLogprobs(torch.autograd.Function):
+    """`token_logprobs` by the per-row kernel; its backward one kernel pass over the logits (the gradient of
+    log_softmax at the token, from the forward's logsumexp; nothing recomputed)."""
+
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature):
+        out, lse = _kernels().token_logprobs(logits, tokens, temperature, with_lse=True)
+        ctx.save_for_backward(logits, tokens, temperature, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, tokens, temperature, lse = ctx.saved_tensors
+        return _kernels().token_logprobs_backward(logits, tokens, temperature, lse, grad), None, None
 
 
 class _KernelLinear(torch.autograd.Function):
@@ -160,11 +178,9 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torc
     row with T <= 0 is greedy: T = 1) -> [N] fp32. The engine's reported log-prob and, on CUDA, the learner's.
     On CPU torch's last-dim kernel (each row on its own); on CUDA one Triton program per row."""
     if uses_kernels(logits):
-        return _kernel_op(
-            lambda x: _kernels().token_logprobs(x, tokens, temperature),
-            lambda x: _reference_token_logprobs(x, tokens, temperature),
-            logits,
-        )
+        if torch.is_grad_enabled() and logits.requires_grad:
+            return _KernelLogprobs.apply(logits, tokens, temperature)
+        return _kernels().token_logprobs(logits, tokens, temperature)
     return _reference_token_logprobs(logits, tokens, temperature)
 
 
@@ -175,6 +191,41 @@ def _reference_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temper
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     return x / (1 + torch.exp(-x))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up of the fused projection gate_up [..., 2I] (gate first) -> [..., I]. On CUDA one
+    elementwise kernel (silu in fp32, rounded as F.silu's output), on CPU `silu` then the product."""
+    if uses_kernels(gate_up):
+        flat = gate_up.reshape(-1, gate_up.shape[-1])
+        out = _kernel_op(lambda a: _kernels().silu_mul(a), _reference_silu_mul, flat)
+        return out.reshape(*gate_up.shape[:-1], out.shape[-1])
+    gate, up = gate_up.chunk(2, -1)
+    return silu(gate) * up
+
+
+def _reference_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.float().chunk(2, -1)
+    return ((gate / (1 + torch.exp(-gate))).to(gate_up.dtype) * up).to(gate_up.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta)): the residual add and the next norm, one kernel on CUDA (the same bits
+    as the two ops)."""
+    if not uses_kernels(x):
+        total = x + delta
+        return total, rms_norm(total, weight, eps)
+    shape = x.shape
+    total, normed = _kernel_op(
+        lambda a, d, w: _kernels().add_rms_norm(a, d, w, eps),
+        lambda a, d, w: (a + d, _reference_rms_norm(a + d, w, eps)),
+        x.reshape(-1, shape[-1]),
+        delta.reshape(-1, shape[-1]),
+        weight,
+    )
+    return total.reshape(shape), normed.reshape(shape)
 
 
 def rope_tables(theta: float, dim: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,10 +251,13 @@ def layer_in(layer: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor,
     """Pre-attention half of a dense layer (the engine's fused buffers: `ln1`, `qkv`, optional `qkv_b`,
     `q_norm`, `k_norm`): x [S, hidden] -> q [S, heads, D], k/v [S, kv_heads, D], RoPE'd."""
     h = rms_norm(x, layer["ln1"], eps)
-    q, k, v = linear(h, layer["qkv"], layer.get("qkv_b")).split(
-        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1
-    )
+    qkv = linear(h, layer["qkv"], layer.get("qkv_b"))
     s = x.shape[0]
+    if uses_kernels(qkv) and cos.shape[-1] == head_dim and head_dim & (head_dim - 1) == 0:
+        # q/k norms and RoPE of every head in one kernel (backward: the torch ops below)
+        q, k = _qk_norm_rope(qkv, layer.get("q_norm"), layer.get("k_norm"), cos, sin, heads, kv_heads, eps)
+        return q, k, qkv[:, (heads + kv_heads) * head_dim :].reshape(s, kv_heads, head_dim)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
     q, k, v = (
         q.reshape(s, heads, head_dim),
         k.reshape(s, kv_heads, head_dim),
@@ -215,14 +269,35 @@ def layer_in(layer: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor,
     return rotate(q, cos, sin), rotate(k, cos, sin), v
 
 
+def _qk_norm_rope(qkv, q_norm, k_norm, cos, sin, heads: int, kv_heads: int, eps: float):
+    """`layer_in`'s q/k norms and RoPE by the fused kernel (qkv [S, (heads + 2 kv_heads) D])."""
+    d = cos.shape[-1]
+
+    def reference(qkv, *norms):
+        s = qkv.shape[0]
+        q = qkv[:, : heads * d].reshape(s, heads, d)
+        k = qkv[:, heads * d : (heads + kv_heads) * d].reshape(s, kv_heads, d)
+        if norms:
+            q, k = _reference_rms_norm(q, norms[0], eps), _reference_rms_norm(k, norms[1], eps)
+        c, sn = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        return rotate(q, c, sn), rotate(k, c, sn)
+
+    def kernel(qkv, *norms):
+        return _kernels().qk_norm_rope(qkv, *(norms or (None, None)), cos, sin, heads, kv_heads, eps)
+
+    norms = () if q_norm is None else (q_norm, k_norm)
+    return _kernel_op(kernel, reference, qkv, *norms)
+
+
 def layer_out(
     layer: dict[str, torch.Tensor], x: torch.Tensor, attn: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """Post-attention half of a dense layer (`o`, `ln2`, `gate_up`, `down`, optional biases): output projection
     + residual, SwiGLU MLP + residual."""
-    x = x + linear(attn, layer["o"])
-    gate, up = linear(rms_norm(x, layer["ln2"], eps), layer["gate_up"], layer.get("gate_up_b")).chunk(2, -1)
-    return x + linear(silu(gate) * up, layer["down"], layer.get("down_b"))
+    x, h = add_rms_norm(x, linear(attn, layer["o"]), layer["ln2"], eps)
+    return x + linear(
+        silu_mul(linear(h, layer["gate_up"], layer.get("gate_up_b"))), layer["down"], layer.get("down_b")
+    )
 
 
 def _ceil(n: int, multiple: int) -> int:
@@ -322,16 +397,23 @@ def _cuda_packed_attention(
     return _kernel_op(kernel, reference, q, k, v)
 
 
+def decode_tables(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`decode_attention`'s per-row tables for a step's positions [B] (built once per step, for every layer):
+    (row ids, ones, positions as int64), device tensors (CUDA-graph safe)."""
+    b = positions.shape[0]
+    rows = torch.arange(b, device=positions.device)
+    return rows, torch.ones(b, dtype=torch.int64, device=positions.device), positions.to(torch.int64)
+
+
 def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, tables=None
 ) -> torch.Tensor:
     """One new token per row over its cached keys: q [B, H, D], k/v [B, KV, L, D] (positions <= the row's own
-    are filled), positions [B] -> [B, H, D]."""
+    are filled), positions [B] -> [B, H, D]. `tables`: `decode_tables(positions)`, if the caller has them."""
     b, heads, d = q.shape
-    if uses_kernels(q):  # each row reads its slot up to its position (device tensors only: CUDA-graph safe)
-        rows = torch.arange(b, device=q.device)
-        ones = torch.ones(b, dtype=torch.int64, device=q.device)
-        return _kernels().attention(q, k, v, rows, ones, positions.to(torch.int64), rows, 1)
+    if uses_kernels(q):  # each row reads its slot up to its position
+        rows, ones, pos = tables if tables is not None else decode_tables(positions)
+        return _kernels().attention(q, k, v, rows, ones, pos, rows, 1)
     kv, length = k.shape[1], k.shape[2]
     g = heads // kv
     qh = q.reshape(b * kv, g, 1, d)

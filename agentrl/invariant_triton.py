@@ -153,11 +153,17 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit(do_not_specialize=["eps", "inv_n"])
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, stride_x, stride_o, eps, inv_n, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, sum_ptr, N, stride_x, stride_d, stride_o, stride_s, eps, inv_n,
+                     BLOCK: tl.constexpr, ADD: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if ADD:  # the residual add first, rounded to the dtype as torch's `x + d` is; the sum is an output too
+        d = tl.load(d_ptr + row * stride_d + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
+    x = x.to(tl.float32)
     ms = tl.sum(x * x, axis=0) * inv_n
     # transformers' order: x * rsqrt(mean + eps) rounded to the input dtype, then weight * that (one rounding)
     normed = (x * (1.0 / tl.sqrt_rn(ms + eps))).to(out_ptr.dtype.element_ty)
@@ -166,22 +172,120 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, stride_x, stride_o, eps, inv_n, B
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Rows of x [M, N] RMS-normalized (fp32 statistics), times weight [N]; x's dtype."""
+def _norm_launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
     x = _aligned(x)
     m, n = x.shape
     out = torch.empty_like(x)
+    total = torch.empty_like(x) if delta is not None else out
     if m == 0:
-        return out
+        return out, total
+    d = _aligned(delta) if delta is not None else x
     block = triton.next_power_of_2(n)
     warps = min(16, max(1, block // 256))
-    _rms_norm_kernel[(m,)](x, weight.to(x.dtype).contiguous(), out, n, x.stride(0), out.stride(0), eps, 1.0 / n,
-                           BLOCK=block, num_warps=warps)  # fmt: skip
-    return out
+    _rms_norm_kernel[(m,)](x, d, weight.to(x.dtype).contiguous(), out, total, n, x.stride(0), d.stride(0),
+                           out.stride(0), total.stride(0), eps, 1.0 / n, BLOCK=block, ADD=delta is not None,
+                           num_warps=warps)  # fmt: skip
+    return out, total
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Rows of x [M, N] RMS-normalized (fp32 statistics), times weight [N]; x's dtype."""
+    return _norm_launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(x + delta, rms_norm(x + delta)) of rows [M, N] in one pass: the same bits as the add then `rms_norm`."""
+    out, total = _norm_launch(x, delta, weight, eps)
+    return total, out
 
 
 @triton.jit
-def _token_logprob_kernel(logits_ptr, tokens_ptr, temps_ptr, out_ptr, V, stride, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, inner, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inner
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inner + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)  # silu, rounded as F.silu's output is
+    tl.store(
+        out_ptr + row * stride_o + cols, (act.to(tl.float32) * up).to(out_ptr.dtype.element_ty), mask=mask
+    )
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [M, 2I] (gate then up) -> silu(gate) * up [M, I], fp32 inside, rounded as torch rounds
+    `F.silu(gate) * up`. Elementwise: a row's values do not depend on the call."""
+    gate_up = _aligned(gate_up)
+    m, width = gate_up.shape
+    inner = width // 2
+    out = torch.empty(m, inner, device=gate_up.device, dtype=gate_up.dtype)
+    if m == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(inner))
+    _silu_mul_kernel[(m, triton.cdiv(inner, block))](gate_up, out, inner, gate_up.stride(0), out.stride(0),
+                                                     BLOCK=block, num_warps=4)  # fmt: skip
+    return out
+
+
+@triton.jit(do_not_specialize=["eps", "inv_d"])
+def _qk_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, stride_x, stride_c, stride_s, eps,
+                    inv_d, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                    NORM: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, D)[None, :]
+    first = d < D // 2
+    partner = tl.where(first, d + D // 2, d - D // 2)  # rotate_half's source column
+    ok = (head < H + KV) & (d < D)
+    base = qkv_ptr + row * stride_x + head * D
+    x = tl.load(base + d, mask=ok, other=0.0).to(tl.float32)
+    xp = tl.load(base + partner, mask=ok, other=0.0).to(tl.float32)
+    dtype = q_ptr.dtype.element_ty
+    if NORM:  # per-head RMSNorm (Qwen3's q_norm / k_norm), transformers' roundings, before RoPE
+        r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) * inv_d + eps)[:, None]
+        is_q = head < H
+        w = tl.where(is_q, tl.load(qw_ptr + d), tl.load(kw_ptr + d)).to(tl.float32)
+        wp = tl.where(is_q, tl.load(qw_ptr + partner), tl.load(kw_ptr + partner)).to(tl.float32)
+        x = (w * (x * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        xp = (wp * (xp * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    rotated = tl.where(first, -xp, xp)
+    c = tl.load(cos_ptr + row * stride_c + d).to(tl.float32)
+    s = tl.load(sin_ptr + row * stride_s + d).to(tl.float32)
+    # torch's `x * cos + rotate_half(x) * sin` in the dtype: each product rounded, then the sum
+    out = ((x * c).to(dtype).to(tl.float32) + (rotated * s).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(q_ptr + row * (H * D) + head * D + d, out, mask=head < H)
+    tl.store(k_ptr + row * (KV * D) + (head - H) * D + d, out, mask=(head >= H) & (head < H + KV))
+
+
+def qk_norm_rope(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor,
+                 sin: torch.Tensor, heads: int, kv_heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The q and k heads of a fused projection qkv [S, (heads + 2 kv_heads) D] (q, k, v), each optionally
+    RMS-normalized over its D (q_norm / k_norm [D], both or neither), then rotated by cos/sin [S, D] (full
+    rotary): q [S, heads, D], k [S, kv_heads, D], contiguous, qkv's dtype. One program per token over all its
+    heads: its reductions are fixed by (heads, kv_heads, D), never by S."""
+    qkv = _aligned(qkv)
+    tokens = qkv.shape[0]
+    d = cos.shape[-1]
+    q = torch.empty(tokens, heads, d, device=qkv.device, dtype=qkv.dtype)
+    k = torch.empty(tokens, kv_heads, d, device=qkv.device, dtype=qkv.dtype)
+    if tokens == 0:
+        return q, k
+    cos, sin = _aligned(cos.to(qkv.dtype)), _aligned(sin.to(qkv.dtype))
+    norm = q_norm is not None
+    qw = q_norm.to(qkv.dtype).contiguous() if norm else cos
+    kw = k_norm.to(qkv.dtype).contiguous() if norm else cos
+    block_h = triton.next_power_of_2(heads + kv_heads)
+    _qk_rope_kernel[(tokens,)](
+        qkv, qw, kw, cos, sin, q, k, qkv.stride(0), cos.stride(0), sin.stride(0), eps, 1.0 / d,
+        H=heads, KV=kv_heads, D=d, BLOCK_H=block_h, NORM=norm, num_warps=4,
+    )  # fmt: skip
+    return q, k
+
+
+@triton.jit
+def _token_logprob_kernel(
+    logits_ptr, tokens_ptr, temps_ptr, out_ptr, lse_ptr, V, stride, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(temps_ptr + row)
     t = tl.where(t > 0, t, 1.0)  # greedy rows: the distribution at T = 1
@@ -199,20 +303,54 @@ def _token_logprob_kernel(logits_ptr, tokens_ptr, temps_ptr, out_ptr, V, stride,
     lse = m + tl.log(tl.sum(total, axis=0))
     token = tl.load(tokens_ptr + row)
     tl.store(out_ptr + row, tl.div_rn(tl.load(base + token).to(tl.float32), t) - lse)
+    tl.store(lse_ptr + row, lse)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor,
+                   with_lse: bool = False):  # fmt: skip
     """logits [N, V] (any float dtype, read as fp32), tokens [N], temperature [N] fp32 (<= 0: 1) -> [N] fp32:
-    `log_softmax(logits / T)[token]` per row."""
+    `log_softmax(logits / T)[token]` per row (and, `with_lse`, each row's logsumexp of logits / T)."""
     logits = _aligned(logits)
     n, vocab = logits.shape
     out = torch.empty(n, device=logits.device, dtype=torch.float32)
-    if n == 0:
-        return out
-    _token_logprob_kernel[(n,)](
-        logits, tokens.contiguous(), temperature.float().contiguous(), out, vocab, logits.stride(0),
-        BLOCK=LOGPROB_BLOCK, num_warps=4,
-    )  # fmt: skip
+    lse = torch.empty(n, device=logits.device, dtype=torch.float32)
+    if n:
+        _token_logprob_kernel[(n,)](
+            logits, tokens.contiguous(), temperature.float().contiguous(), out, lse, vocab, logits.stride(0),
+            BLOCK=LOGPROB_BLOCK, num_warps=4,
+        )  # fmt: skip
+    return (out, lse) if with_lse else out
+
+
+@triton.jit
+def _token_logprob_grad_kernel(logits_ptr, tokens_ptr, temps_ptr, lse_ptr, grad_ptr, out_ptr, V, stride,
+                               stride_o, BLOCK: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < V
+    t = tl.load(temps_ptr + row)
+    t = tl.where(t > 0, t, 1.0)
+    x = tl.load(logits_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
+    p = tl.exp(x / t - tl.load(lse_ptr + row))
+    hit = tl.where(cols == tl.load(tokens_ptr + row), 1.0, 0.0)
+    grad = (hit - p) * (tl.load(grad_ptr + row) / t)
+    tl.store(out_ptr + row * stride_o + cols, grad.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def token_logprobs_backward(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor,
+                            lse: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The gradient of `token_logprobs` with respect to logits [N, V] given the upstream grad [N]:
+    (onehot(token) - softmax(logits / T)) * grad / T per row, in logits' dtype, one pass over the logits.
+    Not batch-invariant by need: nothing compares gradients."""
+    logits = _aligned(logits)
+    n, vocab = logits.shape
+    out = torch.empty_like(logits)
+    if n:
+        block = 4096
+        _token_logprob_grad_kernel[(n, triton.cdiv(vocab, block))](
+            logits, tokens.contiguous(), temperature.float().contiguous(), lse, grad.float().contiguous(), out,
+            vocab, logits.stride(0), out.stride(0), BLOCK=block, num_warps=8,
+        )  # fmt: skip
     return out
 
 

@@ -46,6 +46,64 @@ def test_matmul_tile_follows_the_weight_shape():
         kernels.MATMUL_OVERRIDE = None
 
 
+def test_fused_elementwise_kernels():
+    """silu * up, the residual add with RMSNorm, and the q/k norms with RoPE: each the torch ops' values (the
+    add + norm their bits), a row's result the same in a call of other rows."""
+    gen = _gen()
+    gate_up, x, delta = (
+        torch.randn(9, 96, generator=gen),
+        torch.randn(9, 48, generator=gen),
+        torch.randn(9, 48, generator=gen),
+    )
+    act = kernels.silu_mul(gate_up)
+    torch.testing.assert_close(act, F.silu(gate_up[:, :48]) * gate_up[:, 48:])
+    norm_w = torch.randn(48, generator=gen)
+    total, normed = kernels.add_rms_norm(x, delta, norm_w, 1e-6)
+    assert torch.equal(total, x + delta) and torch.equal(normed, kernels.rms_norm(x + delta, norm_w, 1e-6))
+    heads, kv, d = 4, 2, 16
+    qkv = torch.randn(9, (heads + 2 * kv) * d, generator=gen)
+    cos, sin = invariant.rope_tables(10000.0, d, 9, torch.device("cpu"))
+    qw, kw = torch.randn(d, generator=gen), torch.randn(d, generator=gen)
+    for norms in ((qw, kw), (None, None)):
+        q, k = kernels.qk_norm_rope(qkv, *norms, cos, sin, heads, kv, 1e-6)
+        q_ref, k_ref = (
+            qkv[:, : heads * d].reshape(9, heads, d),
+            qkv[:, heads * d : (heads + kv) * d].reshape(9, kv, d),
+        )
+        if norms[0] is not None:
+            q_ref, k_ref = (
+                invariant._reference_rms_norm(q_ref, qw, 1e-6),
+                invariant._reference_rms_norm(k_ref, kw, 1e-6),
+            )
+        c, s = cos[:, None], sin[:, None]
+        torch.testing.assert_close(q, invariant.rotate(q_ref, c, s), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k, invariant.rotate(k_ref, c, s), rtol=1e-5, atol=1e-5)
+        part = kernels.qk_norm_rope(qkv[3:5], *norms, cos[3:5], sin[3:5], heads, kv, 1e-6)
+        assert torch.equal(part[0], q[3:5]) and torch.equal(part[1], k[3:5])
+    for a, n in ((0, 1), (4, 3)):
+        assert torch.equal(kernels.silu_mul(gate_up[a : a + n]), act[a : a + n])
+        pair = kernels.add_rms_norm(x[a : a + n], delta[a : a + n], norm_w, 1e-6)
+        assert torch.equal(pair[0], total[a : a + n]) and torch.equal(pair[1], normed[a : a + n])
+
+
+def test_token_logprobs_backward():
+    """The log-prob's one-pass gradient equals autograd's of log_softmax(logits / T) at the token."""
+    gen = _gen()
+    logits = (torch.randn(5, 2500, generator=gen) * 3).requires_grad_()
+    tokens = torch.randint(0, 2500, (5,), generator=gen)
+    temps = torch.tensor([0.7, 1.0, 0.0, 1.3, 2.0])
+    upstream = torch.randn(5, generator=gen)
+    invariant.KERNELS_ON_CPU = True
+    try:
+        invariant.token_logprobs(logits, tokens, temps).backward(upstream)
+    finally:
+        invariant.KERNELS_ON_CPU = False
+    ref = logits.detach().clone().requires_grad_()
+    t = torch.where(temps > 0, temps, 1.0)
+    torch.log_softmax(ref / t[:, None], -1).gather(1, tokens[:, None])[:, 0].backward(upstream)
+    torch.testing.assert_close(logits.grad, ref.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_token_logprobs():
     gen = _gen()
     logits = torch.randn(6, 2500, generator=gen) * 4  # more than two vocabulary blocks, a partial last one
