@@ -63,6 +63,11 @@ def _kernels():
     return invariant_triton
 
 
+def _fused(x: torch.Tensor) -> bool:
+    """Whether the kernels' fused elementwise ops run on `x` (agentrl.invariant_triton.FUSED)."""
+    return uses_kernels(x) and _kernels().FUSED
+
+
 class _ReferenceGrad(torch.autograd.Function):
     """Forward: `kernel(*tensors)` (a tensor or a tuple of them); backward: autograd of `reference(*tensors)`
     (the same op in torch), recomputed from the saved inputs."""
@@ -196,7 +201,7 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's silu(gate) * up of the fused projection gate_up [..., 2I] (gate first) -> [..., I]. On CUDA one
     elementwise kernel (silu in fp32, rounded as F.silu's output), on CPU `silu` then the product."""
-    if uses_kernels(gate_up):
+    if _fused(gate_up):
         flat = gate_up.reshape(-1, gate_up.shape[-1])
         out = _kernel_op(lambda a: _kernels().silu_mul(a), _reference_silu_mul, flat)
         return out.reshape(*gate_up.shape[:-1], out.shape[-1])
@@ -214,7 +219,7 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, rms_norm(x + delta)): the residual add and the next norm, one kernel on CUDA (the same bits
     as the two ops)."""
-    if not uses_kernels(x):
+    if not _fused(x):
         total = x + delta
         return total, rms_norm(total, weight, eps)
     shape = x.shape
@@ -253,7 +258,7 @@ def layer_in(layer: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor,
     h = rms_norm(x, layer["ln1"], eps)
     qkv = linear(h, layer["qkv"], layer.get("qkv_b"))
     s = x.shape[0]
-    if uses_kernels(qkv) and cos.shape[-1] == head_dim and head_dim & (head_dim - 1) == 0:
+    if _fused(qkv) and cos.shape[-1] == head_dim and head_dim & (head_dim - 1) == 0:
         # q/k norms and RoPE of every head in one kernel (backward: the torch ops below)
         q, k = _qk_norm_rope(qkv, layer.get("q_norm"), layer.get("k_norm"), cos, sin, heads, kv_heads, eps)
         return q, k, qkv[:, (heads + kv_heads) * head_dim :].reshape(s, kv_heads, head_dim)

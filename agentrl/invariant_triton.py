@@ -59,8 +59,9 @@ LOGPROB_BLOCK = 1024  # vocabulary entries per step of `token_logprobs`
 
 # Benchmark overrides (bench/true_on_policy_cost.py): AGENTRL_INVARIANT_MATMUL = "BM,BN,BK,warps,stages" runs
 # every matmul with one config, or the path of a JSON table {"NxK": [BM, BN, BK, warps, stages]} replaces
-# MATMUL_TABLE (on every device and dtype); AGENTRL_INVARIANT_ATTENTION = "BM,BN,warps,stages". The engine and
-# the learner must see the same values (one process, or the same environment).
+# MATMUL_TABLE (on every device and dtype); AGENTRL_INVARIANT_ATTENTION = "BM,BN,warps,stages";
+# AGENTRL_INVARIANT_FUSED (below). The engine and the learner must see the same values (one process, or the
+# same environment).
 MATMUL_OVERRIDE: tuple[int, ...] | dict[tuple[int, int], tuple[int, ...]] | None = None
 
 
@@ -82,6 +83,10 @@ def parse_matmul_override(raw: str) -> tuple[int, ...] | dict[tuple[int, int], t
         table = json.load(f)
     return {tuple(int(v) for v in key.split("x")): tuple(config) for key, config in table.items()}
 
+
+# The fused elementwise kernels (q/k norms + RoPE, residual add + RMSNorm, SiLU * up); off
+# (AGENTRL_INVARIANT_FUSED=0, a benchmark switch) the layers run them as separate torch ops and norm kernels.
+FUSED = os.environ.get("AGENTRL_INVARIANT_FUSED", "1") != "0"
 
 if os.environ.get("AGENTRL_INVARIANT_MATMUL"):
     MATMUL_OVERRIDE = parse_matmul_override(os.environ["AGENTRL_INVARIANT_MATMUL"])

@@ -212,15 +212,16 @@ def matmul_sweep() -> tuple[list[dict], dict[str, list[int]]]:
     return rows, {shape: config for shape, (_, config) in best.items()}
 
 
-# The configurations `--variants` measures on CUDA: (matmul tiles, attention config). Matmul "table" is
-# agentrl.invariant_triton's MATMUL_TABLE (the code's default), "swept" the table this run's --sweep picked, a
-# tuple one config for every matmul; attention None is the code's ATTENTION_CONFIG.
+# The configurations `--variants` measures on CUDA: (matmul tiles, attention config, fused elementwise
+# kernels). Matmul "table" is agentrl.invariant_triton's MATMUL_TABLE (the code's default), "swept" the table
+# this run's --sweep picked, a tuple one config for every matmul; attention None is the code's ATTENTION_CONFIG.
 VARIANTS = {
-    "default": ("table", None),
-    "swept": ("swept", None),
-    "attn32": ("table", (32, 64, 4, 2)),
-    "attn64": ("table", (64, 64, 4, 2)),
-    "legacy": ((64, 64, 64, 4, 3), (64, 64, 4, 2)),  # one 64x64 tile for every matmul, 64-row attention
+    "default": ("table", None, True),
+    "swept": ("swept", None, True),
+    "unfused": ("table", None, False),
+    "attn64": ("table", (64, 64, 4, 2), True),
+    "attn32": ("table", (32, 64, 4, 2), True),
+    "legacy": ((64, 64, 64, 4, 3), (64, 64, 4, 2), False),  # one 64x64 tile everywhere, 64-row attention
 }
 GOALS = {"engine": 0.85, "learner": 0.90}  # on / off throughput at least
 
@@ -233,9 +234,9 @@ def apply_variant(name: str, swept: dict[str, list[int]] | None) -> dict:
     if not hasattr(apply_variant, "defaults"):
         apply_variant.defaults = (kernels.MATMUL_OVERRIDE, kernels.ATTENTION_CONFIG)
     base_matmul, base_attention = apply_variant.defaults
-    matmul, attention = VARIANTS[name]
+    matmul, attention, fused = VARIANTS[name]
     if matmul == "swept":
-        if swept is None:
+        if not swept:
             raise ValueError("variant 'swept' needs --sweep")
         kernels.MATMUL_OVERRIDE = {
             tuple(int(v) for v in key.split("x")): tuple(c) for key, c in swept.items()
@@ -243,8 +244,9 @@ def apply_variant(name: str, swept: dict[str, list[int]] | None) -> dict:
     else:
         kernels.MATMUL_OVERRIDE = base_matmul if matmul == "table" else matmul
     kernels.ATTENTION_CONFIG = attention or base_attention
+    kernels.FUSED = fused
     return {"matmul": matmul if isinstance(matmul, str) else list(matmul),
-            "attention": list(kernels.ATTENTION_CONFIG)}  # fmt: skip
+            "attention": list(kernels.ATTENTION_CONFIG), "fused": fused}  # fmt: skip
 
 
 def profile_step(model: str, on: bool, trajs, args, top: int = 15) -> list[dict]:
@@ -259,6 +261,7 @@ def profile_step(model: str, on: bool, trajs, args, top: int = 15) -> list[dict]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         learner.train_step(batch)
         _sync(args.device)
+
     def own(e) -> float:  # torch >= 2.4 names it self_device_time_total
         return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
 
@@ -396,40 +399,51 @@ def main() -> None:
             result["on"] = result["variants"][best]
             result["engine_on_over_off"] = result["on"]["engine_on_over_off"]
             result["learner_on_over_off"] = result["on"]["learner_on_over_off"]
-        if cuda and args.profile:
+        report(result, shape, len(requests), args.repeats)
+        write(result, args.out)
+        if cuda and args.profile and not (args.budget_s and time.perf_counter() - began > args.budget_s):
             try:
                 result["profile_off"] = profile_step(model, False, scored[0][:16], args)
-                if best is not None:
-                    apply_variant(best, swept)
-                    result["profile_on"] = profile_step(model, True, scored[0][:16], args)
+                apply_variant(best or names[0], swept)
+                result["profile_on"] = profile_step(model, True, scored[0][:16], args)
             except Exception as exc:
                 import traceback
 
                 traceback.print_exc()
                 result["profile_error"] = repr(exc)[:500]
-    report(result, shape, len(requests), args.repeats)
+            for mode in ("off", "on"):
+                for k in result.get(f"profile_{mode}") or []:
+                    print(
+                        f"profile {mode}: {k['share']:6.1%} {k['ms']:9.2f} ms {k['calls']:6d}x {k['kernel']}"
+                    )
+            write(result, args.out)
+
+
+def write(result: dict, out: str | None) -> None:
     line = json.dumps(result)
-    print(line)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
+    print(line, flush=True)
+    if out:
+        Path(out).write_text(line + "\n")
 
 
 def report(result: dict, shape: str, requests: int, repeats: int) -> None:
-    """The markdown tables: each variant's on / off, the best one's log-prob agreement, the sweep, the profile."""
+    """The markdown table of each variant's on / off, the off mode's log-prob agreement, the best variant, the
+    sweep."""
     off = result["off"]
     print(f"{shape}; {requests} requests; medians of {repeats}")
     print(f"true_on_policy off: engine {off['engine_tok_s']:,.0f} generated tok/s, learner train_step "
           f"{off['learner_tok_s']:,.0f} tok/s")  # fmt: skip
     print(
-        "| variant | matmul | attention | engine tok/s | on / off | learner tok/s | on / off | bit-equal tokens |"
+        "| variant | matmul | attention | fused | engine tok/s | on / off | learner tok/s | on / off | bit-equal |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, v in result["variants"].items():
         if "engine_tok_s" not in v:
-            print(f"| {name} | {v.get('skipped') or v.get('error')} | | | | | | |")
+            print(f"| {name} | {v.get('skipped') or v.get('error')} | | | | | | | |")
             continue
         a = v["engine_vs_learner_logprobs"]
-        print(f"| {name} | {v.get('matmul', '')} | {v.get('attention', '')} | {v['engine_tok_s']:,.0f} | "
+        print(f"| {name} | {v.get('matmul', '')} | {v.get('attention', '')} | {v.get('fused', '')} | "
+              f"{v['engine_tok_s']:,.0f} | "
               f"{v['engine_on_over_off']:.2f} | {v['learner_tok_s']:,.0f} | {v['learner_on_over_off']:.2f} | "
               f"{a['bit_equal']:,} of {a['tokens']:,} |")  # fmt: skip
     a = off["engine_vs_learner_logprobs"]
@@ -450,9 +464,6 @@ def report(result: dict, shape: str, requests: int, repeats: int) -> None:
               f"{{rows: ratio}}: {json.dumps(row['by_shape_over_cublas'])}")  # fmt: skip
     if "megatron_vs_engine_on" in result:
         print(f"Megatron learner vs the engine (on): {json.dumps(result['megatron_vs_engine_on'])}")
-    for mode in ("off", "on"):
-        for k in result.get(f"profile_{mode}") or []:
-            print(f"profile {mode}: {k['share']:6.1%} {k['ms']:9.2f} ms {k['calls']:6d}x {k['kernel']}")
 
 
 if __name__ == "__main__":
