@@ -29,11 +29,13 @@ How each op holds it on CPU (fp32, MKL; torch 2.13's CPU build; tests/test_true_
   to its length's multiple.
 
 On CUDA (bf16 or fp32, CUDA graphs) the matmul, RMSNorm, attention and the token log-prob run
-agentrl.invariant_triton's kernels, whose reduction order is fixed by construction (no padding needed); the
-elementwise ops (RoPE, SiLU, residual adds, bias) are torch's, which compute each element alone. Where autograd
-needs it (the learner), the matmul's backward is the two cuBLAS products and every other kernel's is autograd
-of a differentiable reference of the same op recomputed from its inputs (SDPA per sequence, torch's RMSNorm
-and log-softmax): the forward values are the kernels', the gradients agree with theirs to rounding.
+agentrl.invariant_triton's kernels, whose reduction order is fixed by construction (no padding needed), and so
+do the fused elementwise steps (q/k norms + RoPE, residual add + RMSNorm, SiLU * up); the other elementwise ops
+(bias, the MLP's residual add) are torch's, which compute each element alone. Where autograd needs it (the
+learner), the matmul's backward is the two cuBLAS products, the log-prob's one kernel pass from the forward's
+logsumexp, attention's flash attention's (one varlen call; SDPA per sequence where that is missing), and every
+other kernel's autograd of a differentiable torch reference of the same op recomputed from its inputs: the
+forward values are the kernels', the gradients agree with theirs to rounding.
 """
 
 from __future__ import annotations
@@ -344,13 +346,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 def packed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]]
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]], table=None
 ) -> torch.Tensor:
     """Causal self-attention within each sequence of a packed batch (span [a, b) at positions 0..b-a-1): q [S, H,
     D], k/v [S, KV, D] -> [S, H, D]. Sequences whose lengths round up to the same multiple of KEY_BLOCK run in one
-    call, each padded to that length (its padding queries are dropped, its padding keys are never read)."""
+    call, each padded to that length (its padding queries are dropped, its padding keys are never read). On
+    the kernels `table` is `attention_table(spans)`, if the caller has it."""
     if uses_kernels(q):
-        return _cuda_packed_attention(q, k, v, spans)
+        return _cuda_packed_attention(q, k, v, spans, table)
     heads, d = q.shape[1:]
     kv = k.shape[1]
     g = heads // kv
@@ -376,30 +379,85 @@ def packed_attention(
     return torch.cat(parts)[torch.argsort(torch.cat(order))]
 
 
-def _cuda_packed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]]
-) -> torch.Tensor:
-    """packed_attention on CUDA: the Triton kernel over every sequence at once (backward: SDPA per sequence)."""
+def attention_table(spans: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """[3, n] int64 on `device`: the spans' starts, lengths and first positions (0), what the attention kernel
+    reads for a packed batch (built once per forward, for every layer)."""
     starts = [a for a, _ in spans]
     lengths = [b - a for a, b in spans]
-    table = torch.tensor([starts, lengths, [0] * len(spans)], dtype=torch.int64).to(
-        q.device, non_blocking=True
-    )
-    longest = max(lengths)
+    return torch.tensor([starts, lengths, [0] * len(spans)], dtype=torch.int64).to(device, non_blocking=True)
+
+
+def _cuda_packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]], table=None
+) -> torch.Tensor:
+    """packed_attention on CUDA: the Triton kernel over every sequence at once (backward: flash attention's, one
+    varlen call, or SDPA per sequence where that is not available)."""
+    if table is None:
+        table = attention_table(spans, q.device)
+    longest = max(b - a for a, b in spans)
 
     def kernel(q, k, v):
         return _kernels().attention(q, k, v, table[0], table[1], table[2], table[0], longest)
 
     def reference(q, k, v):
-        g = q.shape[1] // k.shape[1]
-        parts = []
-        for a, b in spans:
-            qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
-            ks, vs = ks.repeat_interleave(g, 0), vs.repeat_interleave(g, 0)
-            parts.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
-        return torch.cat(parts)  # spans are back to back from 0 (prefill's and the learner's packing)
+        if _varlen_works(q, k):
+            from torch.nn.attention.varlen import varlen_attn
+
+            bounds = torch.tensor([0, *(b for _, b in spans)], dtype=torch.int32, device=q.device)
+            return varlen_attn(q, k.contiguous(), v.contiguous(), bounds, bounds, longest, longest,
+                               window_size=(-1, 0), enable_gqa=True)  # fmt: skip
+        return _sdpa_per_sequence(q, k, v, spans)
 
     return _kernel_op(kernel, reference, q, k, v)
+
+
+def _sdpa_per_sequence(q, k, v, spans: list[tuple[int, int]]) -> torch.Tensor:
+    g = q.shape[1] // k.shape[1]
+    parts = []
+    for a, b in spans:
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
+        ks, vs = ks.repeat_interleave(g, 0), vs.repeat_interleave(g, 0)
+        parts.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
+    return torch.cat(parts)  # spans are back to back from 0 (prefill's and the learner's packing)
+
+
+_VARLEN: dict[tuple, bool] = {}
+
+
+def _varlen_works(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether torch's varlen flash attention (causal, GQA, differentiable) runs here and agrees with SDPA per
+    sequence, values and gradients, on a small probe (once per device, dtype and head shape); the learner's
+    attention backward then takes it."""
+    key = (q.device, q.dtype, *q.shape[1:], k.shape[1])
+    if key not in _VARLEN:
+        _VARLEN[key] = False
+        if q.is_cuda:
+            try:
+                _VARLEN[key] = _probe_varlen(q, k.shape[1])
+            except Exception:  # an older torch, another signature, a GPU without flash: SDPA per sequence
+                pass
+    return _VARLEN[key]
+
+
+def _probe_varlen(like: torch.Tensor, kv: int) -> bool:
+    from torch.nn.attention.varlen import varlen_attn
+
+    heads, d = like.shape[1:]
+    gen = torch.Generator(device=like.device).manual_seed(0)
+    spans = [(0, 70), (70, 83)]
+    q, k, v = (torch.randn(83, n, d, generator=gen, device=like.device).to(like.dtype).requires_grad_()
+               for n in (heads, kv, kv))  # fmt: skip
+    bounds = torch.tensor([0, 70, 83], dtype=torch.int32, device=like.device)
+    with torch.enable_grad():
+        out = varlen_attn(q, k, v, bounds, bounds, 70, 70, window_size=(-1, 0), enable_gqa=True)
+        ref = _sdpa_per_sequence(q, k, v, spans)
+        upstream = torch.randn(out.shape, generator=gen, device=like.device).to(like.dtype)
+        got = torch.autograd.grad(out, (q, k, v), upstream)
+        want = torch.autograd.grad(ref, (q, k, v), upstream)
+    tol = dict(rtol=5e-2, atol=5e-2) if like.element_size() == 2 else dict(rtol=1e-3, atol=1e-3)
+    return all(
+        torch.allclose(a.float(), b.float(), **tol) for a, b in zip((out, *got), (ref, *want), strict=True)
+    )
 
 
 def decode_tables(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -433,11 +491,12 @@ def packed_forward(layers: list[dict[str, torch.Tensor]], x: torch.Tensor, cos: 
     """Whole sequences packed back to back (`spans` [a, b), each at positions 0..b-a-1; cos/sin per token):
     hidden states [S, hidden] after every layer. `on_kv(i, k, v)` sees each layer's keys and values (the
     engine's cache writes); `on_layer(i, name, tensor)` each layer's intermediate outputs (the mismatch finder)."""
+    table = attention_table(spans, x.device) if uses_kernels(x) else None
     for i, layer in enumerate(layers):
         q, k, v = layer_in(layer, x, cos, sin, heads, kv_heads, head_dim, eps)
         if on_kv is not None:
             on_kv(i, k, v)
-        attn = packed_attention(q, k, v, spans)
+        attn = packed_attention(q, k, v, spans, table)
         if on_layer is not None:
             on_layer(i, "attention", attn)
         x = layer_out(layer, x, attn.reshape(x.shape[0], -1), eps)

@@ -280,9 +280,13 @@ def measure(model: str, on: bool, requests, args) -> tuple[dict, tuple]:
     rates, trajs, reported = serve(model, on, requests, args)
     keep = args.learner_trajectories or (64 if args.device.startswith("cuda") else len(trajs))
     agreement, learner_rates = learn(model, on, trajs[:keep], reported[:keep], requests[:keep], args)
+    from agentrl import invariant
+
     return {"engine_tok_s": statistics.median(rates), "engine_runs_tok_s": rates,
             "learner_tok_s": statistics.median(learner_rates), "learner_runs_tok_s": learner_rates,
-            "engine_vs_learner_logprobs": agreement}, (trajs[:keep], reported[:keep], requests[:keep])  # fmt: skip
+            "engine_vs_learner_logprobs": agreement,
+            # whether the learner's attention backward ran torch's varlen flash attention (else SDPA per sequence)
+            "varlen_backward": any(invariant._VARLEN.values())}, (trajs[:keep], reported[:keep], requests[:keep])  # fmt: skip
 
 
 def best_variant(variants: dict[str, dict]) -> str | None:
