@@ -33,9 +33,9 @@ agentrl.invariant_triton's kernels, whose reduction order is fixed by constructi
 do the fused elementwise steps (q/k norms + RoPE, residual add + RMSNorm, SiLU * up); the other elementwise ops
 (bias, the MLP's residual add) are torch's, which compute each element alone. Where autograd needs it (the
 learner), the matmul's backward is the two cuBLAS products, the log-prob's one kernel pass from the forward's
-logsumexp, attention's flash attention's (one varlen call; SDPA per sequence where that is missing), and every
-other kernel's autograd of a differentiable torch reference of the same op recomputed from its inputs: the
-forward values are the kernels', the gradients agree with theirs to rounding.
+logsumexp, attention's flash attention's (one varlen call; SDPA per sequence where that is missing), the norms'
+and the fused elementwise ops' one kernel each (closed-form gradients): the forward values are the kernels',
+the gradients agree with theirs to rounding.
 """
 
 from __future__ import annotations
@@ -124,6 +124,58 @@ class _KernelLinear(torch.autograd.Function):
         return grad_x, grad_w
 
 
+class _KernelNorm(torch.autograd.Function):
+    """`rms_norm` by its kernel; the backward one row kernel (agentrl.invariant_triton.rms_norm_backward)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.eps = eps
+        ctx.save_for_backward(x, weight)
+        return _kernels().rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        gx, gw = _kernels().rms_norm_backward(x, weight, grad, ctx.eps)
+        return gx, gw, None
+
+
+class _KernelAddNorm(torch.autograd.Function):
+    """`add_rms_norm` by its kernel: (x + delta, its norm); the backward one row kernel, the residual stream's
+    gradient added to the norm's."""
+
+    @staticmethod
+    def forward(ctx, x, delta, weight, eps):
+        total, normed = _kernels().add_rms_norm(x, delta, weight, eps)
+        ctx.eps = eps
+        ctx.save_for_backward(total, weight)
+        return total, normed
+
+    @staticmethod
+    def backward(ctx, grad_total, grad_normed):
+        total, weight = ctx.saved_tensors
+        gx, gw = _kernels().rms_norm_backward(total, weight, grad_normed, ctx.eps, extra=grad_total)
+        return gx, gx, gw, None
+
+
+class _KernelSiluMul(torch.autograd.Function):
+    """`silu_mul` by its kernel; the backward one elementwise kernel."""
+
+    @staticmethod
+    def forward(ctx, gate_up):
+        ctx.save_for_backward(gate_up)
+        return _kernels().silu_mul(gate_up)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (gate_up,) = ctx.saved_tensors
+        return _kernels().silu_mul_backward(gate_up, grad)
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _kernel_op(kernel, reference, *tensors: torch.Tensor) -> torch.Tensor:
     """`kernel(*tensors)`, differentiable through `reference` when autograd needs it."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
@@ -162,12 +214,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype, shape = x.dtype, x.shape
     if uses_kernels(x):
         flat = x.reshape(-1, shape[-1])
-        return _kernel_op(
-            lambda a, w: _kernels().rms_norm(a, w, eps),
-            lambda a, w: _reference_rms_norm(a, w, eps),
-            flat,
-            weight,
-        ).reshape(shape)
+        if _needs_grad(flat, weight):
+            return _KernelNorm.apply(flat, weight, eps).reshape(shape)
+        return _kernels().rms_norm(flat, weight, eps).reshape(shape)
     flat = x.reshape(-1, shape[-1]).float()
     m = flat.shape[0]
     ms = _pad_rows(flat).pow(2).mean(-1, keepdim=True)[:m]
@@ -205,15 +254,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     elementwise kernel (silu in fp32, rounded as F.silu's output), on CPU `silu` then the product."""
     if _fused(gate_up):
         flat = gate_up.reshape(-1, gate_up.shape[-1])
-        out = _kernel_op(lambda a: _kernels().silu_mul(a), _reference_silu_mul, flat)
+        out = _KernelSiluMul.apply(flat) if _needs_grad(flat) else _kernels().silu_mul(flat)
         return out.reshape(*gate_up.shape[:-1], out.shape[-1])
     gate, up = gate_up.chunk(2, -1)
     return silu(gate) * up
-
-
-def _reference_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.float().chunk(2, -1)
-    return ((gate / (1 + torch.exp(-gate))).to(gate_up.dtype) * up).to(gate_up.dtype)
 
 
 def add_rms_norm(
@@ -225,13 +269,11 @@ def add_rms_norm(
         total = x + delta
         return total, rms_norm(total, weight, eps)
     shape = x.shape
-    total, normed = _kernel_op(
-        lambda a, d, w: _kernels().add_rms_norm(a, d, w, eps),
-        lambda a, d, w: (a + d, _reference_rms_norm(a + d, w, eps)),
-        x.reshape(-1, shape[-1]),
-        delta.reshape(-1, shape[-1]),
-        weight,
-    )
+    flat_x, flat_d = x.reshape(-1, shape[-1]), delta.reshape(-1, shape[-1])
+    if _needs_grad(flat_x, flat_d, weight):
+        total, normed = _KernelAddNorm.apply(flat_x, flat_d, weight, eps)
+    else:
+        total, normed = _kernels().add_rms_norm(flat_x, flat_d, weight, eps)
     return total.reshape(shape), normed.reshape(shape)
 
 
@@ -276,24 +318,32 @@ def layer_in(layer: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor,
     return rotate(q, cos, sin), rotate(k, cos, sin), v
 
 
+class _KernelQkNormRope(torch.autograd.Function):
+    """`qk_norm_rope` of qkv's q and k columns (`qk` [S, (heads + kv_heads) D]) by its kernel; the backward one
+    kernel per token (the transpose of RoPE, then the norm's)."""
+
+    @staticmethod
+    def forward(ctx, qk, q_norm, k_norm, cos, sin, heads, kv_heads, eps):
+        ctx.shape = (heads, kv_heads, eps)
+        ctx.save_for_backward(qk, q_norm, k_norm, cos, sin)
+        return _kernels().qk_norm_rope(qk, q_norm, k_norm, cos, sin, heads, kv_heads, eps)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        qk, q_norm, k_norm, cos, sin = ctx.saved_tensors
+        heads, kv_heads, eps = ctx.shape
+        g_qk, g_qn, g_kn = _kernels().qk_norm_rope_backward(
+            qk, q_norm, k_norm, cos, sin, grad_q, grad_k, heads, kv_heads, eps
+        )
+        return g_qk, g_qn, g_kn, None, None, None, None, None
+
+
 def _qk_norm_rope(qkv, q_norm, k_norm, cos, sin, heads: int, kv_heads: int, eps: float):
     """`layer_in`'s q/k norms and RoPE by the fused kernel (qkv [S, (heads + 2 kv_heads) D])."""
-    d = cos.shape[-1]
-
-    def reference(qkv, *norms):
-        s = qkv.shape[0]
-        q = qkv[:, : heads * d].reshape(s, heads, d)
-        k = qkv[:, heads * d : (heads + kv_heads) * d].reshape(s, kv_heads, d)
-        if norms:
-            q, k = _reference_rms_norm(q, norms[0], eps), _reference_rms_norm(k, norms[1], eps)
-        c, sn = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        return rotate(q, c, sn), rotate(k, c, sn)
-
-    def kernel(qkv, *norms):
-        return _kernels().qk_norm_rope(qkv, *(norms or (None, None)), cos, sin, heads, kv_heads, eps)
-
-    norms = () if q_norm is None else (q_norm, k_norm)
-    return _kernel_op(kernel, reference, qkv, *norms)
+    qk = qkv[:, : (heads + kv_heads) * cos.shape[-1]]
+    if _needs_grad(qk, *(t for t in (q_norm, k_norm) if t is not None)):
+        return _KernelQkNormRope.apply(qk, q_norm, k_norm, cos, sin, heads, kv_heads, eps)
+    return _kernels().qk_norm_rope(qk, q_norm, k_norm, cos, sin, heads, kv_heads, eps)
 
 
 def layer_out(

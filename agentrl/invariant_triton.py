@@ -204,6 +204,73 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     return total, out
 
 
+@triton.jit(do_not_specialize=["eps", "inv_n"])
+def _rms_norm_grad_kernel(x_ptr, w_ptr, g_ptr, extra_ptr, gx_ptr, gw_ptr, N, stride_x, stride_g, stride_e,
+                          stride_gx, eps, inv_n, BLOCK: tl.constexpr, EXTRA: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) * inv_n + eps)
+    wg = w * g
+    gx = r * wg - x * (r * r * r * inv_n) * tl.sum(wg * x, axis=0)
+    if EXTRA:  # a gradient that reaches the norm's input by another way (the residual stream)
+        gx += tl.load(extra_ptr + row * stride_e + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(gx_ptr + row * stride_gx + cols, gx.to(gx_ptr.dtype.element_ty), mask=mask)
+    normed = (x * r).to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(gw_ptr + row * N + cols, g * normed, mask=mask)  # this row's share of the weight's gradient
+
+
+def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, eps: float,
+                      extra: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Gradients of `rms_norm(x, weight)` [M, N] given its output's gradient: (for x, plus `extra` if given,
+    in x's dtype; for the weight, in its dtype). One program per row; the weight's gradient sums the rows' shares
+    in torch. Not batch-invariant by need: nothing compares gradients."""
+    x, grad = _aligned(x), _aligned(grad)
+    m, n = x.shape
+    gx = torch.empty_like(x)
+    shares = torch.empty(m, n, device=x.device, dtype=torch.float32)
+    if m:
+        e = _aligned(extra) if extra is not None else grad
+        block = triton.next_power_of_2(n)
+        _rms_norm_grad_kernel[(m,)](
+            x, weight.to(x.dtype).contiguous(), grad, e, gx, shares, n, x.stride(0), grad.stride(0), e.stride(0),
+            gx.stride(0), eps, 1.0 / n, BLOCK=block, EXTRA=extra is not None, num_warps=min(16, max(1, block // 256)),
+        )  # fmt: skip
+    return gx, shares.sum(0).to(weight.dtype)
+
+
+@triton.jit
+def _silu_mul_grad_kernel(x_ptr, g_ptr, out_ptr, inner, stride_x, stride_g, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inner
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inner + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-gate))
+    act = (gate * sig).to(out_ptr.dtype.element_ty).to(tl.float32)  # the forward's rounded silu
+    grad_gate = g * up * sig * (1.0 + gate * (1.0 - sig))
+    tl.store(out_ptr + row * stride_o + cols, grad_gate.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_o + inner + cols, (g * act).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul_backward(gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient of `silu_mul` for gate_up [M, 2I] given its output's gradient [M, I]: one elementwise pass."""
+    gate_up, grad = _aligned(gate_up), _aligned(grad)
+    m, width = gate_up.shape
+    inner = width // 2
+    out = torch.empty_like(gate_up)
+    if m:
+        block = min(1024, triton.next_power_of_2(inner))
+        _silu_mul_grad_kernel[(m, triton.cdiv(inner, block))](
+            gate_up, grad, out, inner, gate_up.stride(0), grad.stride(0), out.stride(0), BLOCK=block, num_warps=4
+        )  # fmt: skip
+    return out
+
+
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, inner, stride_x, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -285,6 +352,75 @@ def qk_norm_rope(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.T
         H=heads, KV=kv_heads, D=d, BLOCK_H=block_h, NORM=norm, num_warps=4,
     )  # fmt: skip
     return q, k
+
+
+@triton.jit(do_not_specialize=["eps", "inv_d"])
+def _qk_rope_grad_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, gq_ptr, gk_ptr, out_ptr, gw_ptr, stride_x,
+                         stride_c, stride_s, stride_o, eps, inv_d, H: tl.constexpr, KV: tl.constexpr,
+                         D: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, D)[None, :]
+    first = d < D // 2
+    partner = tl.where(first, d + D // 2, d - D // 2)
+    is_q = head < H
+    is_k = (head >= H) & (head < H + KV)
+    ok = (head < H + KV) & (d < D)
+    c = tl.load(cos_ptr + row * stride_c + d).to(tl.float32)
+    sp = tl.load(sin_ptr + row * stride_s + partner).to(tl.float32)
+    q_row = gq_ptr + row * (H * D) + head * D
+    k_row = gk_ptr + row * (KV * D) + (head - H) * D
+    g = tl.load(q_row + d, mask=is_q, other=0.0).to(tl.float32) + tl.load(k_row + d, mask=is_k, other=0.0).to(
+        tl.float32
+    )
+    gp = tl.load(q_row + partner, mask=is_q, other=0.0).to(tl.float32) + tl.load(
+        k_row + partner, mask=is_k, other=0.0
+    ).to(tl.float32)
+    # out = y * cos + rotate_half(y) * sin is linear in y: its transpose
+    gy = g * c + tl.where(first, gp * sp, -gp * sp)
+    if NORM:
+        x = tl.load(qkv_ptr + row * stride_x + head * D + d, mask=ok, other=0.0).to(tl.float32)
+        r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) * inv_d + eps)[:, None]
+        w = tl.where(is_q, tl.load(qw_ptr + d), tl.load(kw_ptr + d)).to(tl.float32)
+        wg = w * gy
+        gx = r * wg - x * (r * r * r * inv_d) * tl.sum(wg * x, axis=1)[:, None]
+        normed = (x * r).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(gw_ptr + row * (BLOCK_H * D) + head * D + d, gy * normed, mask=ok)
+    else:
+        gx = gy
+    tl.store(out_ptr + row * stride_o + head * D + d, gx.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def qk_norm_rope_backward(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                          cos: torch.Tensor, sin: torch.Tensor, grad_q: torch.Tensor, grad_k: torch.Tensor,
+                          heads: int, kv_heads: int, eps: float):  # fmt: skip
+    """Gradients of `qk_norm_rope`: for qkv's q and k columns [S, (heads + kv_heads) D] (qkv's dtype), and for
+    q_norm / k_norm (None without them). One program per token; the norm weights' gradients sum the tokens'
+    shares in torch. Not batch-invariant by need: nothing compares gradients."""
+    qkv = _aligned(qkv)
+    tokens = qkv.shape[0]
+    d = cos.shape[-1]
+    out = torch.empty(tokens, (heads + kv_heads) * d, device=qkv.device, dtype=qkv.dtype)
+    norm = q_norm is not None
+    block_h = triton.next_power_of_2(heads + kv_heads)
+    shares = torch.zeros(tokens if norm else 1, block_h, d, device=qkv.device, dtype=torch.float32)
+    if tokens:
+        cos, sin = _aligned(cos.to(qkv.dtype)), _aligned(sin.to(qkv.dtype))
+        qw = q_norm.to(qkv.dtype).contiguous() if norm else cos
+        kw = k_norm.to(qkv.dtype).contiguous() if norm else cos
+        _qk_rope_grad_kernel[(tokens,)](
+            qkv, qw, kw, cos, sin, grad_q.contiguous(), grad_k.contiguous(), out, shares, qkv.stride(0),
+            cos.stride(0), sin.stride(0), out.stride(0), eps, 1.0 / d, H=heads, KV=kv_heads, D=d, BLOCK_H=block_h,
+            NORM=norm, num_warps=4,
+        )  # fmt: skip
+    if not norm:
+        return out, None, None
+    per_head = shares.sum(0)
+    return (
+        out,
+        per_head[:heads].sum(0).to(q_norm.dtype),
+        per_head[heads : heads + kv_heads].sum(0).to(k_norm.dtype),
+    )
 
 
 @triton.jit

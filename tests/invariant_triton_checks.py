@@ -86,6 +86,80 @@ def test_fused_elementwise_kernels():
         assert torch.equal(pair[0], total[a : a + n]) and torch.equal(pair[1], normed[a : a + n])
 
 
+def test_norm_and_silu_backward():
+    """The one-pass backward kernels of RMSNorm, residual add + RMSNorm and SiLU * up equal autograd's gradients
+    of the torch ops (fp32: the roundings are exact)."""
+    gen = _gen()
+    x, delta, gate_up = (torch.randn(7, n, generator=gen) for n in (48, 48, 64))
+    weight = torch.randn(48, generator=gen)
+    up_total, up_normed, up_act = (torch.randn(7, n, generator=gen) for n in (48, 48, 32))
+
+    def grads(on_kernels: bool):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, delta, weight, gate_up)]
+        a, d, w, gu = leaves
+        invariant.KERNELS_ON_CPU = on_kernels
+        try:
+            if on_kernels:
+                total, normed = invariant.add_rms_norm(a, d, w, 1e-6)
+                act = invariant.silu_mul(gu)
+                alone = invariant.rms_norm(a, w, 1e-6)
+            else:
+                total = a + d
+                normed = invariant._reference_rms_norm(total, w, 1e-6)
+                gate, up = gu.chunk(2, -1)
+                act = F.silu(gate) * up
+                alone = invariant._reference_rms_norm(a, w, 1e-6)
+        finally:
+            invariant.KERNELS_ON_CPU = False
+        loss = (total * up_total).sum() + (normed * up_normed).sum() + (act * up_act).sum() + alone.sum()
+        return torch.autograd.grad(loss, leaves)
+
+    for got, want in zip(grads(True), grads(False), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _qk_grads(qkv, norms, cos, sin, ups, heads: int, kv: int, on_kernels: bool):
+    """Gradients of (q * up_q).sum() + (k * up_k).sum() for qkv and the norm weights: the kernels' or torch's."""
+    tokens, d = qkv.shape[0], cos.shape[-1]
+    leaves = [t.clone().requires_grad_() for t in (qkv, *norms)]
+    weights = tuple(leaves[1:]) or (None, None)
+    invariant.KERNELS_ON_CPU = on_kernels
+    try:
+        if on_kernels:
+            q, k = invariant._qk_norm_rope(leaves[0], *weights, cos, sin, heads, kv, 1e-6)
+        else:
+            q = leaves[0][:, : heads * d].reshape(tokens, heads, d)
+            k = leaves[0][:, heads * d : (heads + kv) * d].reshape(tokens, kv, d)
+            if norms:
+                q, k = (
+                    invariant._reference_rms_norm(q, weights[0], 1e-6),
+                    invariant._reference_rms_norm(k, weights[1], 1e-6),
+                )
+            q, k = (
+                invariant.rotate(q, cos[:, None], sin[:, None]),
+                invariant.rotate(k, cos[:, None], sin[:, None]),
+            )
+    finally:
+        invariant.KERNELS_ON_CPU = False
+    return torch.autograd.grad((q * ups[0]).sum() + (k * ups[1]).sum(), leaves)
+
+
+def test_qk_norm_rope_backward():
+    """The q/k norms + RoPE kernel's backward equals autograd's gradients of the torch ops, with the norms (for
+    qkv and both norm weights) and without."""
+    gen = _gen()
+    heads, kv, d, tokens = 4, 2, 16, 6
+    qkv = torch.randn(tokens, (heads + 2 * kv) * d, generator=gen)
+    cos, sin = invariant.rope_tables(10000.0, d, tokens, torch.device("cpu"))
+    norms = (torch.randn(d, generator=gen), torch.randn(d, generator=gen))
+    ups = (torch.randn(tokens, heads, d, generator=gen), torch.randn(tokens, kv, d, generator=gen))
+    for with_norms in (norms, ()):
+        got = _qk_grads(qkv, with_norms, cos, sin, ups, heads, kv, on_kernels=True)
+        want = _qk_grads(qkv, with_norms, cos, sin, ups, heads, kv, on_kernels=False)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_token_logprobs_backward():
     """The log-prob's one-pass gradient equals autograd's of log_softmax(logits / T) at the token."""
     gen = _gen()
