@@ -120,10 +120,17 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PRECISION: tl.constexpr):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    # which output tile this program computes: GROUP_M row tiles walk the column tiles together (the row tiles'
+    # inputs stay in L2); which program computes a tile changes nothing in how it is computed
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -132,8 +139,12 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
-        a = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        b = tl.load(w_rows + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+        if EVEN_K:  # K a multiple of BLOCK_K (the weight's shape): no K mask
+            a = tl.load(x_rows + kk[None, :], mask=rm[:, None] < M, other=0.0)
+            b = tl.load(w_rows + kk[:, None], mask=rn[None, :] < N, other=0.0)
+        else:
+            a = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+            b = tl.load(w_rows + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
@@ -148,11 +159,11 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if m == 0:
         return out
     bm, bn, bk, warps, stages = matmul_config(n, k, x)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _matmul_kernel[grid](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=warps, num_stages=stages,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, EVEN_K=k % bk == 0,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 

@@ -42,6 +42,12 @@ def test_matmul_tile_follows_the_weight_shape():
         torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-4)
         for a, n in ((0, 1), (5, 2), (17, 33), (63, 7)):
             assert torch.equal(kernels.matmul(x[a : a + n], w), out[a : a + n])
+        # more row tiles than a group of them walks together (8): the second group's tiles are right too
+        kernels.MATMUL_OVERRIDE = {(80, 96): (16, 16, 32, 4, 1)}
+        tall = torch.randn(150, 96, generator=gen)
+        out = kernels.matmul(tall, w)
+        torch.testing.assert_close(out, tall @ w.T, rtol=1e-5, atol=1e-4)
+        assert torch.equal(kernels.matmul(tall[131:140], w), out[131:140])
     finally:
         kernels.MATMUL_OVERRIDE = None
 
