@@ -66,7 +66,8 @@ def _kernels():
 
 
 def _fused(x: torch.Tensor) -> bool:
-    """Whether the kernels' fused elementwise ops run on `x` (agentrl.invariant_triton.FUSED)."""
+    """Whether the kernels' fused elementwise ops (and the closed-form backward kernels) run on `x`
+    (agentrl.invariant_triton.FUSED)."""
     return uses_kernels(x) and _kernels().FUSED
 
 
@@ -214,9 +215,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype, shape = x.dtype, x.shape
     if uses_kernels(x):
         flat = x.reshape(-1, shape[-1])
-        if _needs_grad(flat, weight):
+        if not _needs_grad(flat, weight):
+            return _kernels().rms_norm(flat, weight, eps).reshape(shape)
+        if _kernels().FUSED:
             return _KernelNorm.apply(flat, weight, eps).reshape(shape)
-        return _kernels().rms_norm(flat, weight, eps).reshape(shape)
+        return _kernel_op(
+            lambda a, w: _kernels().rms_norm(a, w, eps),
+            lambda a, w: _reference_rms_norm(a, w, eps),
+            flat,
+            weight,
+        ).reshape(shape)
     flat = x.reshape(-1, shape[-1]).float()
     m = flat.shape[0]
     ms = _pad_rows(flat).pow(2).mean(-1, keepdim=True)[:m]
@@ -234,9 +242,15 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torc
     row with T <= 0 is greedy: T = 1) -> [N] fp32. The engine's reported log-prob and, on CUDA, the learner's.
     On CPU torch's last-dim kernel (each row on its own); on CUDA one Triton program per row."""
     if uses_kernels(logits):
-        if torch.is_grad_enabled() and logits.requires_grad:
+        if not _needs_grad(logits):
+            return _kernels().token_logprobs(logits, tokens, temperature)
+        if _kernels().FUSED:
             return _KernelLogprobs.apply(logits, tokens, temperature)
-        return _kernels().token_logprobs(logits, tokens, temperature)
+        return _kernel_op(
+            lambda x: _kernels().token_logprobs(x, tokens, temperature),
+            lambda x: _reference_token_logprobs(x, tokens, temperature),
+            logits,
+        )
     return _reference_token_logprobs(logits, tokens, temperature)
 
 

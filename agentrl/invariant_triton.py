@@ -84,8 +84,9 @@ def parse_matmul_override(raw: str) -> tuple[int, ...] | dict[tuple[int, int], t
     return {tuple(int(v) for v in key.split("x")): tuple(config) for key, config in table.items()}
 
 
-# The fused elementwise kernels (q/k norms + RoPE, residual add + RMSNorm, SiLU * up); off
-# (AGENTRL_INVARIANT_FUSED=0, a benchmark switch) the layers run them as separate torch ops and norm kernels.
+# The fused elementwise kernels (q/k norms + RoPE, residual add + RMSNorm, SiLU * up) and the closed-form
+# backward kernels (those, RMSNorm's, the token log-prob's); off (AGENTRL_INVARIANT_FUSED=0, a benchmark switch)
+# the layers run separate torch ops and norm kernels, and the backward is autograd of torch references.
 FUSED = os.environ.get("AGENTRL_INVARIANT_FUSED", "1") != "0"
 
 if os.environ.get("AGENTRL_INVARIANT_MATMUL"):
