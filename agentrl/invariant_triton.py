@@ -20,6 +20,12 @@ the sequence lengths or which other rows share a program:
   the same order whatever the program; blocks past it (a prefill program's later rows, a decode slot's stale
   tail) are masked to -inf, which leaves the running max, sum and output unchanged exactly (scale 1, adds 0).
   No split-KV: one program reduces all of a row's keys.
+- the fused steps of a layer: `add_rms_norm` (the residual add, then `rms_norm`'s reduction), `qk_norm_rope`
+  (one program per token over its q and k heads: a per-head reduction fixed by the head count and dim, then
+  RoPE), `silu_mul` (elementwise).
+
+The `*_backward` kernels compute gradients (the learner's backward); nothing compares gradients, so they need
+no invariance.
 
 Under TRITON_INTERPRET=1 the kernels also run on CPU tensors (tests/test_invariant_triton.py).
 """
