@@ -61,6 +61,11 @@ MATMUL_TABLE: dict[str, dict[tuple[int, int], tuple[int, int, int, int, int]]] =
 # rows are (query, head of the GQA group) pairs: a decode program has G of them, so 16 (the smallest `tl.dot`
 # tile) wastes the least of a decode's MMA work; prefill programs reload each key block per 16 rows.
 ATTENTION_CONFIG = (16, 64, 4, 2)
+# An experiment, off (None): BLOCK_M of one-query calls (decodes) when it differs from ATTENTION_CONFIG's. Each
+# row's reduction is the same sequence of key blocks, but a 16-row `tl.dot` and a 64-row one may run different
+# MMA instructions (mma.sync vs wgmma on Hopper), whose bits nothing guarantees equal: the bench's variant
+# `attn64d16` measures whether they are (engine vs learner on every token) and what it would gain.
+ATTENTION_DECODE_BLOCK_M: int | None = None
 LOGPROB_BLOCK = 1024  # vocabulary entries per step of `token_logprobs`
 
 # Benchmark overrides (bench/true_on_policy_cost.py): AGENTRL_INVARIANT_MATMUL = "BM,BN,BK,warps,stages" runs
@@ -584,6 +589,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: torch.
     if tokens == 0:
         return out
     bm, bn, warps, stages = ATTENTION_CONFIG
+    if max_q_len == 1 and ATTENTION_DECODE_BLOCK_M:  # the experiment below: not invariant by construction
+        bm = ATTENTION_DECODE_BLOCK_M
     grid = (q_start.shape[0], kv, triton.cdiv(max_q_len * g, bm))
     _attention_kernel[grid](
         q, k, v, out, q_start, q_len, q_pos, kv_index,

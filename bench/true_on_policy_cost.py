@@ -212,16 +212,28 @@ def matmul_sweep() -> tuple[list[dict], dict[str, list[int]]]:
     return rows, {shape: config for shape, (_, config) in best.items()}
 
 
-# The configurations `--variants` measures on CUDA: (matmul tiles, attention config, fused elementwise
-# kernels). Matmul "table" is agentrl.invariant_triton's MATMUL_TABLE (the code's default), "swept" the table
-# this run's --sweep picked, a tuple one config for every matmul; attention None is the code's ATTENTION_CONFIG.
+# The configurations `--variants` measures on CUDA: (matmul tiles, attention config, fused elementwise and
+# backward kernels, decode attention's BLOCK_M). Matmul "table" is agentrl.invariant_triton's MATMUL_TABLE (the
+# code's default), "swept" the table this run's --sweep picked, a tuple one config for every matmul; attention
+# None is the code's ATTENTION_CONFIG; decode None the same BLOCK_M as every other call.
 VARIANTS = {
-    "default": ("table", None, True),
-    "swept": ("swept", None, True),
-    "unfused": ("table", None, False),
-    "attn64": ("table", (64, 64, 4, 2), True),
-    "attn32": ("table", (32, 64, 4, 2), True),
-    "legacy": ((64, 64, 64, 4, 3), (64, 64, 4, 2), False),  # one 64x64 tile everywhere, 64-row attention
+    "default": ("table", None, True, None),
+    "swept": ("swept", None, True, None),
+    "unfused": ("table", None, False, None),
+    "attn64": ("table", (64, 64, 4, 2), True, None),
+    "attn32": ("table", (32, 64, 4, 2), True, None),
+    "attn64d16": (
+        "table",
+        (64, 64, 4, 2),
+        True,
+        16,
+    ),  # the experiment: are 16- and 64-row programs bit-equal?
+    "legacy": (
+        (64, 64, 64, 4, 3),
+        (64, 64, 4, 2),
+        False,
+        None,
+    ),  # one 64x64 tile everywhere, 64-row attention
 }
 GOALS = {"engine": 0.85, "learner": 0.90}  # on / off throughput at least
 
@@ -234,7 +246,7 @@ def apply_variant(name: str, swept: dict[str, list[int]] | None) -> dict:
     if not hasattr(apply_variant, "defaults"):
         apply_variant.defaults = (kernels.MATMUL_OVERRIDE, kernels.ATTENTION_CONFIG)
     base_matmul, base_attention = apply_variant.defaults
-    matmul, attention, fused = VARIANTS[name]
+    matmul, attention, fused, decode_rows = VARIANTS[name]
     if matmul == "swept":
         if not swept:
             raise ValueError("variant 'swept' needs --sweep")
@@ -245,8 +257,10 @@ def apply_variant(name: str, swept: dict[str, list[int]] | None) -> dict:
         kernels.MATMUL_OVERRIDE = base_matmul if matmul == "table" else matmul
     kernels.ATTENTION_CONFIG = attention or base_attention
     kernels.FUSED = fused
+    kernels.ATTENTION_DECODE_BLOCK_M = decode_rows
     return {"matmul": matmul if isinstance(matmul, str) else list(matmul),
-            "attention": list(kernels.ATTENTION_CONFIG), "fused": fused}  # fmt: skip
+            "attention": list(kernels.ATTENTION_CONFIG) + ([f"decode {decode_rows}"] if decode_rows else []),
+            "fused": fused}  # fmt: skip
 
 
 def profile_step(model: str, on: bool, trajs, args, top: int = 15) -> list[dict]:

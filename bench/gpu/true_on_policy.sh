@@ -4,7 +4,7 @@
 # tokens/s, on vs off)? And does `agentrl run` keep train/logprob_mismatch at 0 every step on the GPU? nvidia-h200,
 # carry .gpu (tests, cost: under 8 min together) and .whl (run: Ray; ~4 min per mode).
 #   bash bench/gpu/true_on_policy.sh [tests] [cost]     # default: both
-#   VARIANTS=default,swept,attn64,unfused (the cost part's on-mode configurations, bench/true_on_policy_cost.py
+#   VARIANTS=default,swept,attn64,attn64d16,unfused (the cost part's on-mode configurations, bench/true_on_policy_cost.py
 #   VARIANTS; each also checks engine vs learner bit for bit on the 256-request workload); it prints a table
 #   per variant and "BEST: <variant>" (the bit-equal one closest to the goals), then the learner's top kernels
 #   off and on; COST_BUDGET_S (default 300) skips the variants that would not fit.
@@ -20,7 +20,7 @@ for part in $parts; do
     cost)  # the GPU engine bench's 256-request workload (Qwen3-0.6B shape), medians of 3: off, then each variant on
       # (the matmul tile sweep first: its table is variant 'swept'); the learner's top kernels off and on
       timeout "${COST_TIMEOUT_S:-380}" python3 bench/true_on_policy_cost.py --device cuda --sweep --profile \
-        --variants "${VARIANTS:-default,swept,attn64,unfused}" --budget-s "${COST_BUDGET_S:-300}" ${MEGATRON:+--megatron} \
+        --variants "${VARIANTS:-default,swept,attn64,attn64d16,unfused}" --budget-s "${COST_BUDGET_S:-300}" ${MEGATRON:+--megatron} \
         --out "$out/true_on_policy_cost.json" > /tmp/true_on_policy_cost.log 2>&1
       echo "cost rc=$?"; grep -E '^\{"(off|default|swept|unfused|attn|legacy|swept_table)' /tmp/true_on_policy_cost.log | cut -c1-600
       grep -v '^{' /tmp/true_on_policy_cost.log | grep -vE 'Warning|warn|Loading|Writing' | tail -60
