@@ -12,7 +12,8 @@ the sequence lengths or which other rows share a program:
 - `rms_norm`: one program per row, the whole row in one block (BLOCK = next power of two of the width), fp32
   sum of squares by `tl.sum` (a tree fixed by BLOCK and the warp count, both fixed by the width).
 - `token_logprobs`: one program per row; `log_softmax(logits / T)` at one token: the row's maximum and its
-  sum of exponentials accumulate per lane over fixed vocabulary blocks in order, then reduce by a fixed tree.
+  sum of exponentials accumulate per lane over fixed vocabulary blocks in order (one pass, the sum rescaled
+  to each new maximum), then reduce by a fixed tree.
 - `attention`: one kernel and one config (`ATTENTION_CONFIG`) for prefill, decode and the learner's
   full-sequence forward. A program takes BLOCK_M (query, head-of-the-group) rows of one sequence and one kv
   head (a decode row fills only G of them: BLOCK_M is kept small), and walks the keys from position 0
@@ -66,7 +67,7 @@ ATTENTION_CONFIG = (16, 64, 4, 2)
 # MMA instructions (mma.sync vs wgmma on Hopper), whose bits nothing guarantees equal: the bench's variant
 # `attn64d16` measures whether they are (engine vs learner on every token) and what it would gain.
 ATTENTION_DECODE_BLOCK_M: int | None = None
-LOGPROB_BLOCK = 1024  # vocabulary entries per step of `token_logprobs`
+LOGPROB_BLOCK = 4096  # vocabulary entries per step of `token_logprobs`
 
 # Benchmark overrides (bench/true_on_policy_cost.py): AGENTRL_INVARIANT_MATMUL = "BM,BN,BK,warps,stages" runs
 # every matmul with one config, or the path of a JSON table {"NxK": [BM, BN, BK, warps, stages]} replaces
@@ -455,16 +456,18 @@ def _token_logprob_kernel(
     t = tl.where(t > 0, t, 1.0)  # greedy rows: the distribution at T = 1
     base = logits_ptr + row * stride
     cols = tl.arange(0, BLOCK)
+    # one pass: each lane keeps its running max and its sum of exponentials rescaled to it (a lane that has
+    # seen only masked entries keeps -inf and 0)
     top = tl.full([BLOCK], float("-inf"), tl.float32)
-    for v0 in range(0, V, BLOCK):
-        x = tl.load(base + v0 + cols, mask=v0 + cols < V, other=float("-inf")).to(tl.float32)
-        top = tl.maximum(top, tl.div_rn(x, t))
-    m = tl.max(top, axis=0)
     total = tl.zeros([BLOCK], tl.float32)
     for v0 in range(0, V, BLOCK):
-        x = tl.load(base + v0 + cols, mask=v0 + cols < V, other=float("-inf")).to(tl.float32)
-        total += tl.exp(tl.div_rn(x, t) - m)
-    lse = m + tl.log(tl.sum(total, axis=0))
+        x = tl.div_rn(tl.load(base + v0 + cols, mask=v0 + cols < V, other=float("-inf")).to(tl.float32), t)
+        new_top = tl.maximum(top, x)
+        seen = new_top > float("-inf")
+        total = tl.where(seen, total * tl.exp(top - new_top) + tl.exp(x - new_top), 0.0)
+        top = new_top
+    m = tl.max(top, axis=0)
+    lse = m + tl.log(tl.sum(tl.where(top > float("-inf"), total * tl.exp(top - m), 0.0), axis=0))
     token = tl.load(tokens_ptr + row)
     tl.store(out_ptr + row, tl.div_rn(tl.load(base + token).to(tl.float32), t) - lse)
     tl.store(lse_ptr + row, lse)
@@ -481,7 +484,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torc
     if n:
         _token_logprob_kernel[(n,)](
             logits, tokens.contiguous(), temperature.float().contiguous(), out, lse, vocab, logits.stride(0),
-            BLOCK=LOGPROB_BLOCK, num_warps=4,
+            BLOCK=LOGPROB_BLOCK, num_warps=8,
         )  # fmt: skip
     return (out, lse) if with_lse else out
 
