@@ -317,7 +317,7 @@ def layer_in(layer: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor,
     qkv = linear(h, layer["qkv"], layer.get("qkv_b"))
     s = x.shape[0]
     if _fused(qkv) and cos.shape[-1] == head_dim and head_dim & (head_dim - 1) == 0:
-        # q/k norms and RoPE of every head in one kernel (backward: the torch ops below)
+        # q/k norms and RoPE of every head in one kernel (and one for the backward)
         q, k = _qk_norm_rope(qkv, layer.get("q_norm"), layer.get("k_norm"), cos, sin, heads, kv_heads, eps)
         return q, k, qkv[:, (heads + kv_heads) * head_dim :].reshape(s, kv_heads, head_dim)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
