@@ -465,11 +465,8 @@ def _cuda_packed_attention(
 
     def reference(q, k, v):
         if _varlen_works(q, k):
-            from torch.nn.attention.varlen import varlen_attn
-
             bounds = torch.tensor([0, *(b for _, b in spans)], dtype=torch.int32, device=q.device)
-            return varlen_attn(q, k.contiguous(), v.contiguous(), bounds, bounds, longest, longest,
-                               window_size=(-1, 0), enable_gqa=True)  # fmt: skip
+            return _varlen(q, k, v, bounds, longest)
         return _sdpa_per_sequence(q, k, v, spans)
 
     return _kernel_op(kernel, reference, q, k, v)
@@ -503,9 +500,24 @@ def _varlen_works(q: torch.Tensor, k: torch.Tensor) -> bool:
     return _VARLEN[key]
 
 
-def _probe_varlen(like: torch.Tensor, kv: int) -> bool:
+def _varlen(q, k, v, bounds: torch.Tensor, longest: int) -> torch.Tensor:
+    """Causal attention of the packed sequences `bounds` (int32 [n + 1]) by torch's varlen flash attention, in
+    the keywords this torch's `varlen_attn` has (causal as a window or a flag; GQA native or by repeated heads)."""
+    import inspect
+
     from torch.nn.attention.varlen import varlen_attn
 
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "enable_gqa" in params:
+        causal["enable_gqa"] = True
+    elif k.shape[1] != q.shape[1]:
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    return varlen_attn(q, k.contiguous(), v.contiguous(), bounds, bounds, longest, longest, **causal)
+
+
+def _probe_varlen(like: torch.Tensor, kv: int) -> bool:
     heads, d = like.shape[1:]
     gen = torch.Generator(device=like.device).manual_seed(0)
     spans = [(0, 70), (70, 83)]
@@ -513,7 +525,7 @@ def _probe_varlen(like: torch.Tensor, kv: int) -> bool:
                for n in (heads, kv, kv))  # fmt: skip
     bounds = torch.tensor([0, 70, 83], dtype=torch.int32, device=like.device)
     with torch.enable_grad():
-        out = varlen_attn(q, k, v, bounds, bounds, 70, 70, window_size=(-1, 0), enable_gqa=True)
+        out = _varlen(q, k, v, bounds, 70)
         ref = _sdpa_per_sequence(q, k, v, spans)
         upstream = torch.randn(out.shape, generator=gen, device=like.device).to(like.dtype)
         got = torch.autograd.grad(out, (q, k, v), upstream)
