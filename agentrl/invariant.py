@@ -29,11 +29,13 @@ How each op holds it on CPU (fp32, MKL; torch 2.13's CPU build; tests/test_true_
   to its length's multiple.
 
 On CUDA (bf16 or fp32, CUDA graphs) the matmul, RMSNorm, attention and the token log-prob run
-agentrl.invariant_triton's kernels, whose reduction order is fixed by construction (no padding needed); the
-elementwise ops (RoPE, SiLU, residual adds, bias) are torch's, which compute each element alone. Where autograd
-needs it (the learner), the matmul's backward is the two cuBLAS products and every other kernel's is autograd
-of a differentiable reference of the same op recomputed from its inputs (SDPA per sequence, torch's RMSNorm
-and log-softmax): the forward values are the kernels', the gradients agree with theirs to rounding.
+agentrl.invariant_triton's kernels, whose reduction order is fixed by construction (no padding needed), and so
+do the fused elementwise steps (q/k norms + RoPE, residual add + RMSNorm, SiLU * up); the other elementwise ops
+(bias, the MLP's residual add) are torch's, which compute each element alone. Where autograd needs it (the
+learner), the matmul's backward is the two cuBLAS products, the log-prob's one kernel pass from the forward's
+logsumexp, attention's flash attention's (one varlen call; SDPA per sequence where that is missing), the norms'
+and the fused elementwise ops' one kernel each (closed-form gradients): the forward values are the kernels',
+the gradients agree with theirs to rounding.
 """
 
 from __future__ import annotations
@@ -63,8 +65,15 @@ def _kernels():
     return invariant_triton
 
 
+def _fused(x: torch.Tensor) -> bool:
+    """Whether the kernels' fused elementwise ops (and the closed-form backward kernels) run on `x`
+    (agentrl.invariant_triton.FUSED)."""
+    return uses_kernels(x) and _kernels().FUSED
+
+
 class _ReferenceGrad(torch.autograd.Function):
-    """Forward: `kernel(*tensors)`; backward: autograd of `reference(*tensors)` (the same op in torch)."""
+    """Forward: `kernel(*tensors)` (a tensor or a tuple of them); backward: autograd of `reference(*tensors)`
+    (the same op in torch), recomputed from the saved inputs."""
 
     @staticmethod
     def forward(ctx, kernel, reference, *tensors):
@@ -73,14 +82,31 @@ class _ReferenceGrad(torch.autograd.Function):
         return kernel(*tensors)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         needs = ctx.needs_input_grad[2:]
         inputs = [t.detach().requires_grad_(n) for t, n in zip(ctx.saved_tensors, needs, strict=True)]
         with torch.enable_grad():
             out = ctx.reference(*inputs)
         wrt = [t for t in inputs if t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wrt, grad, allow_unused=True))
-        return (None, None, *(next(grads) if t.requires_grad else None for t in inputs))
+        outs = out if isinstance(out, tuple) else (out,)
+        found = iter(torch.autograd.grad(outs, wrt, grads, allow_unused=True))
+        return (None, None, *(next(found) if t.requires_grad else None for t in inputs))
+
+
+class _KernelLogprobs(torch.autograd.Function):
+    """`token_logprobs` by the per-row kernel; its backward one kernel pass over the logits (the gradient of
+    log_softmax at the token, from the forward's logsumexp; nothing recomputed)."""
+
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature):
+        out, lse = _kernels().token_logprobs(logits, tokens, temperature, with_lse=True)
+        ctx.save_for_backward(logits, tokens, temperature, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, tokens, temperature, lse = ctx.saved_tensors
+        return _kernels().token_logprobs_backward(logits, tokens, temperature, lse, grad), None, None
 
 
 class _KernelLinear(torch.autograd.Function):
@@ -97,6 +123,58 @@ class _KernelLinear(torch.autograd.Function):
         grad_x = grad.mm(weight) if ctx.needs_input_grad[0] else None
         grad_w = grad.t().mm(x) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w
+
+
+class _KernelNorm(torch.autograd.Function):
+    """`rms_norm` by its kernel; the backward one row kernel (agentrl.invariant_triton.rms_norm_backward)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.eps = eps
+        ctx.save_for_backward(x, weight)
+        return _kernels().rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        gx, gw = _kernels().rms_norm_backward(x, weight, grad, ctx.eps)
+        return gx, gw, None
+
+
+class _KernelAddNorm(torch.autograd.Function):
+    """`add_rms_norm` by its kernel: (x + delta, its norm); the backward one row kernel, the residual stream's
+    gradient added to the norm's."""
+
+    @staticmethod
+    def forward(ctx, x, delta, weight, eps):
+        total, normed = _kernels().add_rms_norm(x, delta, weight, eps)
+        ctx.eps = eps
+        ctx.save_for_backward(total, weight)
+        return total, normed
+
+    @staticmethod
+    def backward(ctx, grad_total, grad_normed):
+        total, weight = ctx.saved_tensors
+        gx, gw = _kernels().rms_norm_backward(total, weight, grad_normed, ctx.eps, extra=grad_total)
+        return gx, gx, gw, None
+
+
+class _KernelSiluMul(torch.autograd.Function):
+    """`silu_mul` by its kernel; the backward one elementwise kernel."""
+
+    @staticmethod
+    def forward(ctx, gate_up):
+        ctx.save_for_backward(gate_up)
+        return _kernels().silu_mul(gate_up)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (gate_up,) = ctx.saved_tensors
+        return _kernels().silu_mul_backward(gate_up, grad)
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _kernel_op(kernel, reference, *tensors: torch.Tensor) -> torch.Tensor:
@@ -137,6 +215,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype, shape = x.dtype, x.shape
     if uses_kernels(x):
         flat = x.reshape(-1, shape[-1])
+        if not _needs_grad(flat, weight):
+            return _kernels().rms_norm(flat, weight, eps).reshape(shape)
+        if _kernels().FUSED:
+            return _KernelNorm.apply(flat, weight, eps).reshape(shape)
         return _kernel_op(
             lambda a, w: _kernels().rms_norm(a, w, eps),
             lambda a, w: _reference_rms_norm(a, w, eps),
@@ -160,6 +242,10 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torc
     row with T <= 0 is greedy: T = 1) -> [N] fp32. The engine's reported log-prob and, on CUDA, the learner's.
     On CPU torch's last-dim kernel (each row on its own); on CUDA one Triton program per row."""
     if uses_kernels(logits):
+        if not _needs_grad(logits):
+            return _kernels().token_logprobs(logits, tokens, temperature)
+        if _kernels().FUSED:
+            return _KernelLogprobs.apply(logits, tokens, temperature)
         return _kernel_op(
             lambda x: _kernels().token_logprobs(x, tokens, temperature),
             lambda x: _reference_token_logprobs(x, tokens, temperature),
@@ -175,6 +261,34 @@ def _reference_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temper
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     return x / (1 + torch.exp(-x))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up of the fused projection gate_up [..., 2I] (gate first) -> [..., I]. On CUDA one
+    elementwise kernel (silu in fp32, rounded as F.silu's output), on CPU `silu` then the product."""
+    if _fused(gate_up):
+        flat = gate_up.reshape(-1, gate_up.shape[-1])
+        out = _KernelSiluMul.apply(flat) if _needs_grad(flat) else _kernels().silu_mul(flat)
+        return out.reshape(*gate_up.shape[:-1], out.shape[-1])
+    gate, up = gate_up.chunk(2, -1)
+    return silu(gate) * up
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta)): the residual add and the next norm, one kernel on CUDA (the same bits
+    as the two ops)."""
+    if not _fused(x):
+        total = x + delta
+        return total, rms_norm(total, weight, eps)
+    shape = x.shape
+    flat_x, flat_d = x.reshape(-1, shape[-1]), delta.reshape(-1, shape[-1])
+    if _needs_grad(flat_x, flat_d, weight):
+        total, normed = _KernelAddNorm.apply(flat_x, flat_d, weight, eps)
+    else:
+        total, normed = _kernels().add_rms_norm(flat_x, flat_d, weight, eps)
+    return total.reshape(shape), normed.reshape(shape)
 
 
 def rope_tables(theta: float, dim: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,10 +314,13 @@ def layer_in(layer: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor,
     """Pre-attention half of a dense layer (the engine's fused buffers: `ln1`, `qkv`, optional `qkv_b`,
     `q_norm`, `k_norm`): x [S, hidden] -> q [S, heads, D], k/v [S, kv_heads, D], RoPE'd."""
     h = rms_norm(x, layer["ln1"], eps)
-    q, k, v = linear(h, layer["qkv"], layer.get("qkv_b")).split(
-        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1
-    )
+    qkv = linear(h, layer["qkv"], layer.get("qkv_b"))
     s = x.shape[0]
+    if _fused(qkv) and cos.shape[-1] == head_dim and head_dim & (head_dim - 1) == 0:
+        # q/k norms and RoPE of every head in one kernel (and one for the backward)
+        q, k = _qk_norm_rope(qkv, layer.get("q_norm"), layer.get("k_norm"), cos, sin, heads, kv_heads, eps)
+        return q, k, qkv[:, (heads + kv_heads) * head_dim :].reshape(s, kv_heads, head_dim)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
     q, k, v = (
         q.reshape(s, heads, head_dim),
         k.reshape(s, kv_heads, head_dim),
@@ -215,14 +332,43 @@ def layer_in(layer: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor,
     return rotate(q, cos, sin), rotate(k, cos, sin), v
 
 
+class _KernelQkNormRope(torch.autograd.Function):
+    """`qk_norm_rope` of qkv's q and k columns (`qk` [S, (heads + kv_heads) D]) by its kernel; the backward one
+    kernel per token (the transpose of RoPE, then the norm's)."""
+
+    @staticmethod
+    def forward(ctx, qk, q_norm, k_norm, cos, sin, heads, kv_heads, eps):
+        ctx.shape = (heads, kv_heads, eps)
+        ctx.save_for_backward(qk, q_norm, k_norm, cos, sin)
+        return _kernels().qk_norm_rope(qk, q_norm, k_norm, cos, sin, heads, kv_heads, eps)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        qk, q_norm, k_norm, cos, sin = ctx.saved_tensors
+        heads, kv_heads, eps = ctx.shape
+        g_qk, g_qn, g_kn = _kernels().qk_norm_rope_backward(
+            qk, q_norm, k_norm, cos, sin, grad_q, grad_k, heads, kv_heads, eps
+        )
+        return g_qk, g_qn, g_kn, None, None, None, None, None
+
+
+def _qk_norm_rope(qkv, q_norm, k_norm, cos, sin, heads: int, kv_heads: int, eps: float):
+    """`layer_in`'s q/k norms and RoPE by the fused kernel (qkv [S, (heads + 2 kv_heads) D])."""
+    qk = qkv[:, : (heads + kv_heads) * cos.shape[-1]]
+    if _needs_grad(qk, *(t for t in (q_norm, k_norm) if t is not None)):
+        return _KernelQkNormRope.apply(qk, q_norm, k_norm, cos, sin, heads, kv_heads, eps)
+    return _kernels().qk_norm_rope(qk, q_norm, k_norm, cos, sin, heads, kv_heads, eps)
+
+
 def layer_out(
     layer: dict[str, torch.Tensor], x: torch.Tensor, attn: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """Post-attention half of a dense layer (`o`, `ln2`, `gate_up`, `down`, optional biases): output projection
     + residual, SwiGLU MLP + residual."""
-    x = x + linear(attn, layer["o"])
-    gate, up = linear(rms_norm(x, layer["ln2"], eps), layer["gate_up"], layer.get("gate_up_b")).chunk(2, -1)
-    return x + linear(silu(gate) * up, layer["down"], layer.get("down_b"))
+    x, h = add_rms_norm(x, linear(attn, layer["o"]), layer["ln2"], eps)
+    return x + linear(
+        silu_mul(linear(h, layer["gate_up"], layer.get("gate_up_b"))), layer["down"], layer.get("down_b")
+    )
 
 
 def _ceil(n: int, multiple: int) -> int:
@@ -264,13 +410,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 def packed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]]
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]], table=None
 ) -> torch.Tensor:
     """Causal self-attention within each sequence of a packed batch (span [a, b) at positions 0..b-a-1): q [S, H,
     D], k/v [S, KV, D] -> [S, H, D]. Sequences whose lengths round up to the same multiple of KEY_BLOCK run in one
-    call, each padded to that length (its padding queries are dropped, its padding keys are never read)."""
+    call, each padded to that length (its padding queries are dropped, its padding keys are never read). On
+    the kernels `table` is `attention_table(spans)`, if the caller has it."""
     if uses_kernels(q):
-        return _cuda_packed_attention(q, k, v, spans)
+        return _cuda_packed_attention(q, k, v, spans, table)
     heads, d = q.shape[1:]
     kv = k.shape[1]
     g = heads // kv
@@ -296,42 +443,116 @@ def packed_attention(
     return torch.cat(parts)[torch.argsort(torch.cat(order))]
 
 
-def _cuda_packed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]]
-) -> torch.Tensor:
-    """packed_attention on CUDA: the Triton kernel over every sequence at once (backward: SDPA per sequence)."""
+def attention_table(spans: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """[3, n] int64 on `device`: the spans' starts, lengths and first positions (0), what the attention kernel
+    reads for a packed batch (built once per forward, for every layer)."""
     starts = [a for a, _ in spans]
     lengths = [b - a for a, b in spans]
-    table = torch.tensor([starts, lengths, [0] * len(spans)], dtype=torch.int64).to(
-        q.device, non_blocking=True
-    )
-    longest = max(lengths)
+    return torch.tensor([starts, lengths, [0] * len(spans)], dtype=torch.int64).to(device, non_blocking=True)
+
+
+def _cuda_packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]], table=None
+) -> torch.Tensor:
+    """packed_attention on CUDA: the Triton kernel over every sequence at once (backward: flash attention's, one
+    varlen call, or SDPA per sequence where that is not available)."""
+    if table is None:
+        table = attention_table(spans, q.device)
+    longest = max(b - a for a, b in spans)
 
     def kernel(q, k, v):
         return _kernels().attention(q, k, v, table[0], table[1], table[2], table[0], longest)
 
     def reference(q, k, v):
-        g = q.shape[1] // k.shape[1]
-        parts = []
-        for a, b in spans:
-            qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
-            ks, vs = ks.repeat_interleave(g, 0), vs.repeat_interleave(g, 0)
-            parts.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
-        return torch.cat(parts)  # spans are back to back from 0 (prefill's and the learner's packing)
+        if _varlen_works(q, k):
+            bounds = torch.tensor([0, *(b for _, b in spans)], dtype=torch.int32, device=q.device)
+            return _varlen(q, k, v, bounds, longest)
+        return _sdpa_per_sequence(q, k, v, spans)
 
     return _kernel_op(kernel, reference, q, k, v)
 
 
+def _sdpa_per_sequence(q, k, v, spans: list[tuple[int, int]]) -> torch.Tensor:
+    g = q.shape[1] // k.shape[1]
+    parts = []
+    for a, b in spans:
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
+        ks, vs = ks.repeat_interleave(g, 0), vs.repeat_interleave(g, 0)
+        parts.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
+    return torch.cat(parts)  # spans are back to back from 0 (prefill's and the learner's packing)
+
+
+_VARLEN: dict[tuple, bool] = {}
+
+
+def _varlen_works(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether torch's varlen flash attention (causal, GQA, differentiable) runs here and agrees with SDPA per
+    sequence, values and gradients, on a small probe (once per device, dtype and head shape); the learner's
+    attention backward then takes it."""
+    key = (q.device, q.dtype, *q.shape[1:], k.shape[1])
+    if key not in _VARLEN:
+        _VARLEN[key] = False
+        if q.is_cuda:
+            try:
+                _VARLEN[key] = _probe_varlen(q, k.shape[1])
+            except Exception:  # an older torch, another signature, a GPU without flash: SDPA per sequence
+                pass
+    return _VARLEN[key]
+
+
+def _varlen(q, k, v, bounds: torch.Tensor, longest: int) -> torch.Tensor:
+    """Causal attention of the packed sequences `bounds` (int32 [n + 1]) by torch's varlen flash attention, in
+    the keywords this torch's `varlen_attn` has (causal as a window or a flag; GQA native or by repeated heads)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "enable_gqa" in params:
+        causal["enable_gqa"] = True
+    elif k.shape[1] != q.shape[1]:
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    return varlen_attn(q, k.contiguous(), v.contiguous(), bounds, bounds, longest, longest, **causal)
+
+
+def _probe_varlen(like: torch.Tensor, kv: int) -> bool:
+    heads, d = like.shape[1:]
+    gen = torch.Generator(device=like.device).manual_seed(0)
+    spans = [(0, 70), (70, 83)]
+    q, k, v = (torch.randn(83, n, d, generator=gen, device=like.device).to(like.dtype).requires_grad_()
+               for n in (heads, kv, kv))  # fmt: skip
+    bounds = torch.tensor([0, 70, 83], dtype=torch.int32, device=like.device)
+    with torch.enable_grad():
+        out = _varlen(q, k, v, bounds, 70)
+        ref = _sdpa_per_sequence(q, k, v, spans)
+        upstream = torch.randn(out.shape, generator=gen, device=like.device).to(like.dtype)
+        got = torch.autograd.grad(out, (q, k, v), upstream)
+        want = torch.autograd.grad(ref, (q, k, v), upstream)
+    tol = dict(rtol=5e-2, atol=5e-2) if like.element_size() == 2 else dict(rtol=1e-3, atol=1e-3)
+    return all(
+        torch.allclose(a.float(), b.float(), **tol) for a, b in zip((out, *got), (ref, *want), strict=True)
+    )
+
+
+def decode_tables(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`decode_attention`'s per-row tables for a step's positions [B] (built once per step, for every layer):
+    (row ids, ones, positions as int64), device tensors (CUDA-graph safe)."""
+    b = positions.shape[0]
+    rows = torch.arange(b, device=positions.device)
+    return rows, torch.ones(b, dtype=torch.int64, device=positions.device), positions.to(torch.int64)
+
+
 def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, tables=None
 ) -> torch.Tensor:
     """One new token per row over its cached keys: q [B, H, D], k/v [B, KV, L, D] (positions <= the row's own
-    are filled), positions [B] -> [B, H, D]."""
+    are filled), positions [B] -> [B, H, D]. `tables`: `decode_tables(positions)`, if the caller has them."""
     b, heads, d = q.shape
-    if uses_kernels(q):  # each row reads its slot up to its position (device tensors only: CUDA-graph safe)
-        rows = torch.arange(b, device=q.device)
-        ones = torch.ones(b, dtype=torch.int64, device=q.device)
-        return _kernels().attention(q, k, v, rows, ones, positions.to(torch.int64), rows, 1)
+    if uses_kernels(q):  # each row reads its slot up to its position
+        rows, ones, pos = tables if tables is not None else decode_tables(positions)
+        return _kernels().attention(q, k, v, rows, ones, pos, rows, 1)
     kv, length = k.shape[1], k.shape[2]
     g = heads // kv
     qh = q.reshape(b * kv, g, 1, d)
@@ -346,11 +567,12 @@ def packed_forward(layers: list[dict[str, torch.Tensor]], x: torch.Tensor, cos: 
     """Whole sequences packed back to back (`spans` [a, b), each at positions 0..b-a-1; cos/sin per token):
     hidden states [S, hidden] after every layer. `on_kv(i, k, v)` sees each layer's keys and values (the
     engine's cache writes); `on_layer(i, name, tensor)` each layer's intermediate outputs (the mismatch finder)."""
+    table = attention_table(spans, x.device) if uses_kernels(x) else None
     for i, layer in enumerate(layers):
         q, k, v = layer_in(layer, x, cos, sin, heads, kv_heads, head_dim, eps)
         if on_kv is not None:
             on_kv(i, k, v)
-        attn = packed_attention(q, k, v, spans)
+        attn = packed_attention(q, k, v, spans, table)
         if on_layer is not None:
             on_layer(i, "attention", attn)
         x = layer_out(layer, x, attn.reshape(x.shape[0], -1), eps)

@@ -29,6 +29,161 @@ def test_matmul_and_rms_norm_rows_do_not_depend_on_the_call():
         assert torch.equal(kernels.rms_norm(x[a : a + n], norm_w, 1e-6), normed[a : a + n])
 
 
+def test_matmul_tile_follows_the_weight_shape():
+    """A table entry (here AGENTRL_INVARIANT_MATMUL's dict) sets one weight shape's tile config whatever M: the
+    rows equal torch's product and do not depend on the call; other shapes keep the default config."""
+    gen = _gen()
+    x, w = torch.randn(70, 96, generator=gen), torch.randn(80, 96, generator=gen)
+    kernels.MATMUL_OVERRIDE = {(80, 96): (32, 16, 32, 4, 1)}
+    try:
+        assert kernels.matmul_config(80, 96, x[:1]) == kernels.matmul_config(80, 96, x) == (32, 16, 32, 4, 1)
+        assert kernels.matmul_config(96, 80, x) == kernels.MATMUL_DEFAULT
+        out = kernels.matmul(x, w)
+        torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-4)
+        for a, n in ((0, 1), (5, 2), (17, 33), (63, 7)):
+            assert torch.equal(kernels.matmul(x[a : a + n], w), out[a : a + n])
+        # more row tiles than a group of them walks together (8): the second group's tiles are right too
+        kernels.MATMUL_OVERRIDE = {(80, 96): (16, 16, 32, 4, 1)}
+        tall = torch.randn(150, 96, generator=gen)
+        out = kernels.matmul(tall, w)
+        torch.testing.assert_close(out, tall @ w.T, rtol=1e-5, atol=1e-4)
+        assert torch.equal(kernels.matmul(tall[131:140], w), out[131:140])
+    finally:
+        kernels.MATMUL_OVERRIDE = None
+
+
+def test_fused_elementwise_kernels():
+    """silu * up, the residual add with RMSNorm, and the q/k norms with RoPE: each the torch ops' values (the
+    add + norm their bits), a row's result the same in a call of other rows."""
+    gen = _gen()
+    gate_up, x, delta = (
+        torch.randn(9, 96, generator=gen),
+        torch.randn(9, 48, generator=gen),
+        torch.randn(9, 48, generator=gen),
+    )
+    act = kernels.silu_mul(gate_up)
+    torch.testing.assert_close(act, F.silu(gate_up[:, :48]) * gate_up[:, 48:])
+    norm_w = torch.randn(48, generator=gen)
+    total, normed = kernels.add_rms_norm(x, delta, norm_w, 1e-6)
+    assert torch.equal(total, x + delta) and torch.equal(normed, kernels.rms_norm(x + delta, norm_w, 1e-6))
+    heads, kv, d = 4, 2, 16
+    qkv = torch.randn(9, (heads + 2 * kv) * d, generator=gen)
+    cos, sin = invariant.rope_tables(10000.0, d, 9, torch.device("cpu"))
+    qw, kw = torch.randn(d, generator=gen), torch.randn(d, generator=gen)
+    for norms in ((qw, kw), (None, None)):
+        q, k = kernels.qk_norm_rope(qkv, *norms, cos, sin, heads, kv, 1e-6)
+        q_ref, k_ref = (
+            qkv[:, : heads * d].reshape(9, heads, d),
+            qkv[:, heads * d : (heads + kv) * d].reshape(9, kv, d),
+        )
+        if norms[0] is not None:
+            q_ref, k_ref = (
+                invariant._reference_rms_norm(q_ref, qw, 1e-6),
+                invariant._reference_rms_norm(k_ref, kw, 1e-6),
+            )
+        c, s = cos[:, None], sin[:, None]
+        torch.testing.assert_close(q, invariant.rotate(q_ref, c, s), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k, invariant.rotate(k_ref, c, s), rtol=1e-5, atol=1e-5)
+        part = kernels.qk_norm_rope(qkv[3:5], *norms, cos[3:5], sin[3:5], heads, kv, 1e-6)
+        assert torch.equal(part[0], q[3:5]) and torch.equal(part[1], k[3:5])
+    for a, n in ((0, 1), (4, 3)):
+        assert torch.equal(kernels.silu_mul(gate_up[a : a + n]), act[a : a + n])
+        pair = kernels.add_rms_norm(x[a : a + n], delta[a : a + n], norm_w, 1e-6)
+        assert torch.equal(pair[0], total[a : a + n]) and torch.equal(pair[1], normed[a : a + n])
+
+
+def test_norm_and_silu_backward():
+    """The one-pass backward kernels of RMSNorm, residual add + RMSNorm and SiLU * up equal autograd's gradients
+    of the torch ops (fp32: the roundings are exact)."""
+    gen = _gen()
+    x, delta, gate_up = (torch.randn(7, n, generator=gen) for n in (48, 48, 64))
+    weight = torch.randn(48, generator=gen)
+    up_total, up_normed, up_act = (torch.randn(7, n, generator=gen) for n in (48, 48, 32))
+
+    def grads(on_kernels: bool):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, delta, weight, gate_up)]
+        a, d, w, gu = leaves
+        invariant.KERNELS_ON_CPU = on_kernels
+        try:
+            if on_kernels:
+                total, normed = invariant.add_rms_norm(a, d, w, 1e-6)
+                act = invariant.silu_mul(gu)
+                alone = invariant.rms_norm(a, w, 1e-6)
+            else:
+                total = a + d
+                normed = invariant._reference_rms_norm(total, w, 1e-6)
+                gate, up = gu.chunk(2, -1)
+                act = F.silu(gate) * up
+                alone = invariant._reference_rms_norm(a, w, 1e-6)
+        finally:
+            invariant.KERNELS_ON_CPU = False
+        loss = (total * up_total).sum() + (normed * up_normed).sum() + (act * up_act).sum() + alone.sum()
+        return torch.autograd.grad(loss, leaves)
+
+    for got, want in zip(grads(True), grads(False), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _qk_grads(qkv, norms, cos, sin, ups, heads: int, kv: int, on_kernels: bool):
+    """Gradients of (q * up_q).sum() + (k * up_k).sum() for qkv and the norm weights: the kernels' or torch's."""
+    tokens, d = qkv.shape[0], cos.shape[-1]
+    leaves = [t.clone().requires_grad_() for t in (qkv, *norms)]
+    weights = tuple(leaves[1:]) or (None, None)
+    invariant.KERNELS_ON_CPU = on_kernels
+    try:
+        if on_kernels:
+            q, k = invariant._qk_norm_rope(leaves[0], *weights, cos, sin, heads, kv, 1e-6)
+        else:
+            q = leaves[0][:, : heads * d].reshape(tokens, heads, d)
+            k = leaves[0][:, heads * d : (heads + kv) * d].reshape(tokens, kv, d)
+            if norms:
+                q, k = (
+                    invariant._reference_rms_norm(q, weights[0], 1e-6),
+                    invariant._reference_rms_norm(k, weights[1], 1e-6),
+                )
+            q, k = (
+                invariant.rotate(q, cos[:, None], sin[:, None]),
+                invariant.rotate(k, cos[:, None], sin[:, None]),
+            )
+    finally:
+        invariant.KERNELS_ON_CPU = False
+    return torch.autograd.grad((q * ups[0]).sum() + (k * ups[1]).sum(), leaves)
+
+
+def test_qk_norm_rope_backward():
+    """The q/k norms + RoPE kernel's backward equals autograd's gradients of the torch ops, with the norms (for
+    qkv and both norm weights) and without."""
+    gen = _gen()
+    heads, kv, d, tokens = 4, 2, 16, 6
+    qkv = torch.randn(tokens, (heads + 2 * kv) * d, generator=gen)
+    cos, sin = invariant.rope_tables(10000.0, d, tokens, torch.device("cpu"))
+    norms = (torch.randn(d, generator=gen), torch.randn(d, generator=gen))
+    ups = (torch.randn(tokens, heads, d, generator=gen), torch.randn(tokens, kv, d, generator=gen))
+    for with_norms in (norms, ()):
+        got = _qk_grads(qkv, with_norms, cos, sin, ups, heads, kv, on_kernels=True)
+        want = _qk_grads(qkv, with_norms, cos, sin, ups, heads, kv, on_kernels=False)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_token_logprobs_backward():
+    """The log-prob's one-pass gradient equals autograd's of log_softmax(logits / T) at the token."""
+    gen = _gen()
+    logits = (torch.randn(5, 2500, generator=gen) * 3).requires_grad_()
+    tokens = torch.randint(0, 2500, (5,), generator=gen)
+    temps = torch.tensor([0.7, 1.0, 0.0, 1.3, 2.0])
+    upstream = torch.randn(5, generator=gen)
+    invariant.KERNELS_ON_CPU = True
+    try:
+        invariant.token_logprobs(logits, tokens, temps).backward(upstream)
+    finally:
+        invariant.KERNELS_ON_CPU = False
+    ref = logits.detach().clone().requires_grad_()
+    t = torch.where(temps > 0, temps, 1.0)
+    torch.log_softmax(ref / t[:, None], -1).gather(1, tokens[:, None])[:, 0].backward(upstream)
+    torch.testing.assert_close(logits.grad, ref.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_token_logprobs():
     gen = _gen()
     logits = torch.randn(6, 2500, generator=gen) * 4  # more than two vocabulary blocks, a partial last one
@@ -91,6 +246,8 @@ def test_engine_equals_learner_through_the_kernels():
     from agentrl.learners.torch_learner import TorchLearner
 
     invariant.KERNELS_ON_CPU = True
+    # per weight shape tile configs (a table's: the q/k/v and lm_head weights get their own) and the attention's
+    kernels.MATMUL_OVERRIDE = {(128, 64): (32, 32, 32, 4, 1), (300, 64): (16, 64, 16, 4, 1)}
     work = [(3, 9, 0.0), (40, 5, 0.0), (70, 7, 0.0), (9, 8, 0.3), (20, 4, 0.3)]
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_tiny_model(tmp, "qwen3", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,

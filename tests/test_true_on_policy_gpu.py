@@ -79,6 +79,56 @@ def test_kernels_do_not_depend_on_the_batch():
     torch.testing.assert_close(packed[:300].float(), ref, rtol=2e-2, atol=2e-2)
 
 
+def test_matmul_table_shapes_do_not_depend_on_the_batch():
+    """Every weight shape with a tile config of its own on this GPU (MATMUL_TABLE, or the benchmark's override
+    table): a row equals the row computed in a call of another size, decode-sized to learner-sized."""
+    k = _kernels()
+    table = (
+        k.MATMUL_OVERRIDE
+        if isinstance(k.MATMUL_OVERRIDE, dict)
+        else k.MATMUL_TABLE.get(torch.cuda.get_device_name(), {})
+    )
+    if not table:
+        pytest.skip(
+            f"no matmul table for {torch.cuda.get_device_name()}: every shape runs the default config"
+        )
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for n, width in table:
+        x = torch.randn(520, width, generator=gen, device="cuda").to(torch.bfloat16)
+        w = (torch.randn(n, width, generator=gen, device="cuda") * 0.03).to(torch.bfloat16)
+        full = k.matmul(x, w)
+        torch.testing.assert_close(full[:64].float(), x[:64].float() @ w.float().T, rtol=2e-2, atol=2e-2)
+        for a, m in ((0, 1), (7, 3), (100, 130), (0, 257), (300, 220)):
+            assert torch.equal(k.matmul(x[a : a + m], w), full[a : a + m]), (n, width, a, m)
+
+
+def test_fused_kernels_do_not_depend_on_the_batch():
+    """The fused layer steps in bf16 (Qwen3-0.6B's shapes): residual add + RMSNorm (the same bits as the two
+    ops), q/k norms + RoPE and SiLU * up close to torch's ops; a row equals the row of a call of another size."""
+    k = _kernels()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
+
+    x, delta, norm_w, gate_up = randn(300, 1024), randn(300, 1024), randn(1024), randn(300, 6144)
+    total, normed = k.add_rms_norm(x, delta, norm_w, 1e-6)
+    assert torch.equal(total, x + delta) and torch.equal(normed, k.rms_norm(x + delta, norm_w, 1e-6))
+    act = k.silu_mul(gate_up)
+    torch.testing.assert_close(act, F.silu(gate_up[:, :3072]) * gate_up[:, 3072:], rtol=2e-2, atol=2e-2)
+    qkv, qw, kw = randn(300, 32 * 128), randn(128), randn(128)
+    cos, sin = (t.to(torch.bfloat16) for t in invariant.rope_tables(1e6, 128, 300, torch.device("cuda")))
+    q, kk = k.qk_norm_rope(qkv, qw, kw, cos, sin, 16, 8, 1e-6)
+    q_ref = invariant._reference_rms_norm(qkv[:, :2048].reshape(300, 16, 128), qw, 1e-6)
+    torch.testing.assert_close(q, invariant.rotate(q_ref, cos[:, None], sin[:, None]), rtol=2e-2, atol=2e-2)
+    for a, n in ((0, 1), (7, 3), (100, 129)):
+        part = k.add_rms_norm(x[a : a + n], delta[a : a + n], norm_w, 1e-6)
+        assert torch.equal(part[1], normed[a : a + n]), (a, n)
+        assert torch.equal(k.silu_mul(gate_up[a : a + n]), act[a : a + n]), (a, n)
+        rows = k.qk_norm_rope(qkv[a : a + n], qw, kw, cos[a : a + n], sin[a : a + n], 16, 8, 1e-6)
+        assert torch.equal(rows[0], q[a : a + n]) and torch.equal(rows[1], kk[a : a + n]), (a, n)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     # Qwen3 (q/k norms), 8 heads over 2 kv heads of dim 64, 4 layers, vocab 4096 (prompts from the tokenizer's 701)

@@ -368,13 +368,14 @@ class CausalLM:
 
     def _invariant_decode(self, x, cos, sin, positions, cache, max_len: int) -> torch.Tensor:
         s, b = self.spec, x.shape[0]
-        rows = torch.arange(b, device=self.device)
+        tables = invariant.decode_tables(positions)
+        rows = tables[0]
         for i, layer in enumerate(self.layers):
             q, k, v = invariant.layer_in(layer, x, cos, sin, s.heads, s.kv_heads, s.head_dim, s.rms_eps)
             cache.k[i][rows, :, positions] = k
             cache.v[i][rows, :, positions] = v
             attn = invariant.decode_attention(
-                q, cache.k[i][:b, :, :max_len], cache.v[i][:b, :, :max_len], positions
+                q, cache.k[i][:b, :, :max_len], cache.v[i][:b, :, :max_len], positions, tables
             )
             x = invariant.layer_out(layer, x, attn.reshape(b, self.q_dim), s.rms_eps)
         return x
@@ -389,7 +390,6 @@ class CausalLM:
         s, inv = self.spec, self.invariant
         linear = invariant.linear if inv else F.linear
         norm = invariant.rms_norm if inv else rms_norm
-        silu = invariant.silu if inv else F.silu
         n = tokens.shape[0]
         self.ensure_rope(n)
         cos, sin = self._rope(torch.arange(n, device=self.device))
@@ -413,8 +413,13 @@ class CausalLM:
                 )
                 mlp = self._moe_mlp(layer, h, None)
             else:
-                gate, up = linear(h, layer["gate_up"], layer.get("gate_up_b")).chunk(2, dim=-1)
-                mlp = linear(silu(gate) * up, layer["down"], layer.get("down_b"))
+                gate_up = linear(h, layer["gate_up"], layer.get("gate_up_b"))
+                if inv:
+                    act = invariant.silu_mul(gate_up)
+                else:
+                    gate, up = gate_up.chunk(2, dim=-1)
+                    act = F.silu(gate) * up
+                mlp = linear(act, layer["down"], layer.get("down_b"))
             out[i, "mlp"] = mlp
             x = out[i, "output"] = x + mlp
         return out

@@ -97,10 +97,34 @@ def sequences(seq_index: torch.Tensor) -> list[tuple[int, int, int]]:
     return out
 
 
+@dataclass(frozen=True)
+class Output:
+    """`forward`'s result: the logits of the batch's real positions only (padding runs neither the lm_head nor
+    the log-prob and entropy passes), where they sit in the [R, T] batch, and the last hidden state."""
+
+    logits: torch.Tensor  # [S, V] in the engine's dtype, the real positions in row order
+    rows: torch.Tensor  # [S] each real position's row ...
+    cols: torch.Tensor  # [S] ... and column
+    hidden: torch.Tensor  # [R, T, hidden] (zeros at padding)
+
+    def full_logits(self) -> torch.Tensor:
+        """[R, T, V] with zeros at padding (what a zero hidden state's logits are: no bias on the lm_head)."""
+        rows, width = self.hidden.shape[:2]
+        full = self.logits.new_zeros(rows, width, self.logits.shape[-1])
+        return full.index_put((self.rows, self.cols), self.logits)
+
+    def at_targets(self, values: torch.Tensor) -> torch.Tensor:
+        """[S] per-position values (of the distribution predicting the next token) -> [R, T] target-aligned:
+        position (r, c)'s value at column c + 1; column 0 and the columns after padding are 0."""
+        rows, width = self.hidden.shape[:2]
+        keep = self.cols + 1 < width
+        out = values.new_zeros(rows, width)
+        return out.index_put((self.rows[keep], self.cols[keep] + 1), values[keep])
+
+
 def forward(model, shape: Shape, input_ids: torch.Tensor, seq_index: torch.Tensor, on_layer=None,
-            dtype: torch.dtype = torch.float32):  # fmt: skip
-    """(logits [R, T, V], last hidden state [R, T, hidden]), both in `dtype` (the engine's), of a batch; padding
-    positions get the logits of a zero hidden state (never read: their log-probs are masked)."""
+            dtype: torch.dtype = torch.float32) -> Output:  # fmt: skip
+    """The batch's logits at its real positions and its last hidden state, in `dtype` (the engine's)."""
     spans_rc = sequences(seq_index)
     device = input_ids.device
     flat_ids = torch.cat([input_ids[r, a:b] for r, a, b in spans_rc])
@@ -117,19 +141,20 @@ def forward(model, shape: Shape, input_ids: torch.Tensor, seq_index: torch.Tenso
     rows = torch.tensor([r for r, a, b in spans_rc for _ in range(b - a)], device=device)
     cols = torch.cat([torch.arange(a, b, device=device) for _, a, b in spans_rc])
     hidden = x.new_zeros(*input_ids.shape, x.shape[-1]).index_put((rows, cols), x)
-    normed = invariant.rms_norm(hidden, model.model.norm.weight.to(dtype), shape.eps)
-    return invariant.linear(normed, model.lm_head.weight.to(dtype)), hidden
+    # the final norm and the lm_head per row (row-invariant): the real positions' rows are what they would be
+    # in the whole [R, T] batch
+    normed = invariant.rms_norm(x, model.model.norm.weight.to(dtype), shape.eps)
+    return Output(invariant.linear(normed, model.lm_head.weight.to(dtype)), rows, cols, hidden)
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+def token_logprobs(out: Output, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
     """[R, T] target-aligned log-probs of `forward`'s logits; column 0 is 0. On CUDA through
     agentrl.invariant.token_logprobs (the engine's per-row kernel: torch's CUDA softmax picks its kernel by the
-    shape, and divides by a scalar temperature as a multiply by its reciprocal); on CPU torch's (the engine's
-    sampler computes the same per-row kernel there)."""
-    if not invariant.uses_kernels(logits):
-        return _token_logprobs(logits, input_ids, temperature)
-    rows, width, vocab = logits.shape
-    flat = logits[:, :-1].reshape(-1, vocab)
-    temps = torch.full((flat.shape[0],), float(temperature), device=logits.device)
-    logp = invariant.token_logprobs(flat, input_ids[:, 1:].reshape(-1), temps)
-    return F.pad(logp.view(rows, width - 1), (1, 0))
+    shape, and divides by a scalar temperature as a multiply by its reciprocal), at the real positions only; on
+    CPU torch's over the whole batch (the engine's sampler computes the same per-row kernel there)."""
+    if not invariant.uses_kernels(out.logits):
+        return _token_logprobs(out.full_logits(), input_ids, temperature)
+    width = input_ids.shape[1]
+    targets = input_ids[out.rows, (out.cols + 1).clamp(max=width - 1)]  # past the row's end: dropped
+    temps = torch.full((out.logits.shape[0],), float(temperature), device=out.logits.device)
+    return out.at_targets(invariant.token_logprobs(out.logits, targets, temps))

@@ -27,16 +27,20 @@ def token_entropy(logits: torch.Tensor, temperature: float, chunk_tokens: int = 
     Without grad it runs in chunks of `chunk_tokens` positions, so it never holds a second [R, T, V] fp32 copy.
     """
     rows, width, vocab = logits.shape
-    flat = logits.reshape(-1, vocab)  # a view: entropy of every position, the last one of each row is dropped
-    if torch.is_grad_enabled():
-        ent = _entropy_chunk(_scaled(flat, temperature))
-    else:
-        chunks = [
-            _entropy_chunk(_scaled(flat[i : i + chunk_tokens], temperature))
-            for i in range(0, len(flat), chunk_tokens)
-        ]
-        ent = torch.cat(chunks)
+    # a view: entropy of every position, the last one of each row is dropped
+    ent = position_entropy(logits.reshape(-1, vocab), temperature, chunk_tokens)
     return F.pad(ent.view(rows, width)[:, :-1], (1, 0))
+
+
+def position_entropy(logits: torch.Tensor, temperature: float, chunk_tokens: int = 4096) -> torch.Tensor:
+    """[N] entropy of each row's distribution, logits [N, V] (without grad in chunks, as `token_entropy`)."""
+    if torch.is_grad_enabled():
+        return _entropy_chunk(_scaled(logits, temperature))
+    chunks = [
+        _entropy_chunk(_scaled(logits[i : i + chunk_tokens], temperature))
+        for i in range(0, len(logits), chunk_tokens)
+    ]
+    return torch.cat(chunks)
 
 
 def _entropy_chunk(x: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,7 @@ from agentrl.learners import (
 from agentrl.learners.base import Learner, forget_momentum
 from agentrl.learners.batch import Batch, micro_batches
 from agentrl.learners.teacher import teacher_path
-from agentrl.learners.token_ops import token_entropy, token_logprobs
+from agentrl.learners.token_ops import position_entropy, token_entropy, token_logprobs
 from agentrl.vision import VisionSpec, image_pixels
 
 
@@ -345,17 +345,15 @@ class TorchLearner(Learner):
         """`_forward` of the policy or the reference under run.true_on_policy (agentrl.learners.invariant_forward;
         the reference too, so the KL to it is exactly 0 before the first update)."""
         dtype = self._autocast_dtype() or torch.float32  # the engine's: bf16 weights and activations
-        logits, hidden = invariant_forward.forward(
-            model, self.invariant_shape, mb.input_ids, mb.seq_index, dtype=dtype
-        )
-        logp = invariant_forward.token_logprobs(logits, mb.input_ids, self.temperature)
+        out = invariant_forward.forward(model, self.invariant_shape, mb.input_ids, mb.seq_index, dtype=dtype)
+        logp = invariant_forward.token_logprobs(out, mb.input_ids, self.temperature)
         ent = None
         if entropy:
             with torch.set_grad_enabled(torch.is_grad_enabled() and self.algo.entropy_coef != 0.0):
-                ent = token_entropy(logits, self.temperature)
+                ent = out.at_targets(position_entropy(out.logits, self.temperature))
         vals = None
         if values:
-            vals = F.pad(self.value_head(hidden[:, :-1].float()).squeeze(-1), (1, 0))
+            vals = F.pad(self.value_head(out.hidden[:, :-1].float()).squeeze(-1), (1, 0))
         return logp, ent, vals
 
     def _whole_batch(self, model, batch: Batch, *, values: bool = False, replay: bool = True) -> torch.Tensor:

@@ -2,8 +2,12 @@
 # Does run.true_on_policy hold on a GPU (bf16, CUDA graphs: the engine's log-prob of every sampled token equals
 # the torch learner's training forward bit for bit), and what does it cost (engine throughput and learner
 # tokens/s, on vs off)? And does `agentrl run` keep train/logprob_mismatch at 0 every step on the GPU? nvidia-h200,
-# carry .gpu (tests, cost: ~8 min together) and .whl (run: Ray; ~4 min per mode).
+# carry .gpu (tests, cost: under 8 min together) and .whl (run: Ray; ~4 min per mode).
 #   bash bench/gpu/true_on_policy.sh [tests] [cost]     # default: both
+#   VARIANTS=default,swept,attn64,attn64d16,unfused (the cost part's on-mode configurations, bench/true_on_policy_cost.py
+#   VARIANTS; each also checks engine vs learner bit for bit on the 256-request workload); it prints a table
+#   per variant and "BEST: <variant>" (the bit-equal one closest to the goals), then the learner's top kernels
+#   off and on; COST_BUDGET_S (default 300) skips the variants that would not fit.
 #   bash bench/gpu/true_on_policy.sh run-on [run-off]   # the quickstart, STEPS (100) RL steps, bf16 on one GPU
 source bench/gpu/common.sh
 gpu_setup megatron ray
@@ -12,11 +16,14 @@ GPU_PAIR=(--engine.device cuda --engine.dtype bfloat16 --learner.device cuda --l
 for part in $parts; do
   case $part in
     tests)  # the kernels' invariance on the GPU and the bitwise engine-vs-learner check
-      PYTEST_TIMEOUT_S=${PYTEST_TIMEOUT_S:-200} gpu_pytest true_on_policy_gpu -rs tests/test_true_on_policy_gpu.py ;;
-    cost)  # the GPU engine bench's 256-request workload (Qwen3-0.6B shape), medians of 3, on and off; Megatron vs the engine
-      timeout "${COST_TIMEOUT_S:-370}" python3 bench/true_on_policy_cost.py --device cuda --megatron \
+      PYTEST_TIMEOUT_S=${PYTEST_TIMEOUT_S:-150} gpu_pytest true_on_policy_gpu -rs tests/test_true_on_policy_gpu.py ;;
+    cost)  # the GPU engine bench's 256-request workload (Qwen3-0.6B shape), medians of 3: off, then each variant on
+      # (the matmul tile sweep first: its table is variant 'swept'); the learner's top kernels off and on
+      timeout "${COST_TIMEOUT_S:-380}" python3 bench/true_on_policy_cost.py --device cuda --sweep --profile \
+        --variants "${VARIANTS:-default,swept,attn64,attn64d16,unfused}" --budget-s "${COST_BUDGET_S:-300}" ${MEGATRON:+--megatron} \
         --out "$out/true_on_policy_cost.json" > /tmp/true_on_policy_cost.log 2>&1
-      echo "cost rc=$?"; grep -v '^{"device"' /tmp/true_on_policy_cost.log | tail -25
+      echo "cost rc=$?"; grep -E '^\{"(off|default|swept|unfused|attn|legacy|swept_table)' /tmp/true_on_policy_cost.log | cut -c1-600
+      grep -v '^{' /tmp/true_on_policy_cost.log | grep -vE 'Warning|warn|Loading|Writing' | tail -60
       cp /tmp/true_on_policy_cost.log "$out/" ;;
     run-on | run-off)  # train/logprob_mismatch per step of a sync quickstart run (async adds policy lag to it)
       mode=${part#run-}
