@@ -136,6 +136,7 @@ def test_each_actor_implements_its_declared_remote_api(api, cls):
     protocol = getattr(apis, api)
     module, name = cls.split(":")
     actor = getattr(importlib.import_module(f"agentrl.actors.{module}"), name)
+
     def parameters(fn):
         # once a class has been made a Ray actor in this process, Ray's tracing hook has added its
         # `_ray_trace_ctx` to the signatures of the plain class's methods too (the functions are shared)
