@@ -156,18 +156,35 @@ async def test_a_keep_publish_through_the_actor_switches_the_versions_of_a_runni
     assert calls == {"generate": 0, "abort": 0}
 
 
-async def test_an_abort_publish_cuts_direct_replies_and_holds_new_ones_until_the_resume(tmp_path, models):
+async def test_an_abort_publish_cuts_direct_replies_and_holds_new_ones_until_the_new_weights(
+    tmp_path, models
+):
+    """The publish is one update request with `abort_all_requests`: the running direct replies come back cut
+    before the weights change, and a request sent while the update runs (held here until the test lets the load
+    go on) waits for it and runs on the new weights."""
     async with Served(models[0]) as served:
         actor = EngineActor(config(tmp_path, served.url, update_mode="abort"), str(models[0]))
         calls = counting(actor)
         engine = RemoteEngine(Handle(actor), model_path=str(models[0]))
         handle = Handle(actor)
+        load, loading = asyncio.Event(), served.engine.update_weights
+
+        async def held_load(*args):
+            await load.wait()
+            return await loading(*args)
+
+        served.engine.update_weights = held_load
         try:
             running = [asyncio.create_task(engine.generate([5, 6 + i], LONG)) for i in range(2)]
             await served.until_running(2)
-            await handle.update_weights.remote(1, DiskSource(str(models[1])))
+            publish = asyncio.create_task(handle.update_weights.remote(1, DiskSource(str(models[1]))))
             cut = await asyncio.gather(*running)
-            fresh = await engine.generate([5, 6], SHORT)
+            during = asyncio.create_task(engine.generate([5, 6], SHORT))
+            await asyncio.sleep(0.2)
+            assert not during.done() and not publish.done()
+            load.set()
+            await publish
+            fresh = await during
 
             by_id = asyncio.create_task(engine.generate([9], LONG, "by-id"))
             await served.until_running(1)
@@ -187,6 +204,7 @@ async def test_an_abort_publish_cuts_direct_replies_and_holds_new_ones_until_the
     assert all(o.versions == [(0, len(o.output_ids))] for o in cut)
     assert fresh.versions == [(1, 8)] and released.versions == [(1, 8)]
     assert aborted.finish_reason == "abort" and len(aborted.output_ids) < 400
+    assert served.server.control == ["update abort_all_requests", "pause abort"]
     assert calls == {"generate": 0, "abort": 0}
 
 
