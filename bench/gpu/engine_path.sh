@@ -18,6 +18,6 @@ if [ "${1:-}" = install ]; then
   exit $?
 fi
 gpu_setup ray sglang
-timeout 330 python3 bench/engine_path.py --server sglang --workdir /tmp/agentrl_engine_path "$@" \
+timeout 300 python3 bench/engine_path.py --server sglang --workdir /tmp/agentrl_engine_path "$@" \
   > "$out/engine_path.log" 2>&1
 echo "engine path rc=$?"; grep '^{"' "$out/engine_path.log" | cut -c1-1200; tail -30 "$out/engine_path.log"
