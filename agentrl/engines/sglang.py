@@ -6,13 +6,14 @@ else every token is stamped with `meta_info.weight_version` (SGLang reports one 
 A weight update while requests run (`update_during_generation`, one source) is one request, so it treats every
 client's requests alike, those of rollout workers sending straight to the server included: `abort` sends
 SGLang's `abort_all_requests`: the server aborts every running request, its update lock waits (woken by each
-request's end, no polling) until they have returned and holds new requests until the new weights are in;
-`wait` sends the update alone, whose lock waits for every running request to finish (serve-engine: pause("wait")
-below, then the update). Pause modes (a bucketed publish, a LoRA adapter) map to SGLang's: abort -> "abort"
-(after this client has aborted and drained its own requests, so SGLang's once-a-second polling finds nothing
-running), keep -> "in_place"; "wait" stops this client sending and waits for its in-flight requests, then
-pauses the server "in_place" (SGLang has no wait mode) or, on serve-engine, with its own "wait", which waits
-for every other client's requests too.
+request's end, no polling) until they have returned and holds new requests until the new weights are in (a
+request SGLang is still preparing when the abort lands, its pictures being processed, is not aborted: the
+update waits for it to finish); `wait` sends the update alone, whose lock waits for every running request to
+finish (serve-engine: pause("wait") below, then the update). Pause modes (a bucketed publish, a LoRA adapter)
+map to SGLang's: abort -> "abort" (after this client has aborted and drained its own requests, so SGLang's
+once-a-second polling finds nothing running), keep -> "in_place"; "wait" stops this client sending and waits
+for its in-flight requests, then pauses the server "in_place" (SGLang has no wait mode) or, on serve-engine,
+with its own "wait", which waits for every other client's requests too.
 Hot reload: /update_weights_from_disk, /update_weights_from_tensor (SGLang's pickled CUDA-IPC payload for
 real SGLang on the same GPU; safetensors bytes for serve-engine), /init_weights_update_group +
 /update_weights_from_distributed (NCCL broadcast from the trainer, rank 0). LoRA versions (an `AdapterSource`)
