@@ -124,8 +124,11 @@ class EngineActor:
             return HttpRoute(None, f"{engine.url} names no weight_version in /get_model_info")
         mode = self.cfg.effective_update_mode
         if mode != "keep" and info.get("engine") != SERVE_ENGINE and self._publishes_in_parts():
-            return HttpRoute(None, f"engine.update_mode = '{mode}' with a bucketed nccl publish on SGLang: the "
-                             "engine actor's client holds its own requests between the parts")  # fmt: skip
+            why = {"abort": "SGLang's abort pause polls once a second while a request the engine actor's "
+                            "client did not drain runs",
+                   "wait": "SGLang has no pause that waits for running requests"}[mode]  # fmt: skip
+            return HttpRoute(None, f"engine.update_mode = '{mode}' with a bucketed nccl publish on SGLang: its "
+                             f"parts need a pause, and {why}")  # fmt: skip
         return HttpRoute(engine.url, "", this_node(), engine.policy_version, engine.api_key)
 
     def _publishes_in_parts(self) -> bool:
