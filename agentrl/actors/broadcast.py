@@ -56,13 +56,16 @@ def as_source(payload: Any) -> TensorSource | DiskSource | DistributedSource | A
 async def load_into_engines(
     engines: list[Engine], version: int, payload: Any, update_mode: str = "keep"
 ) -> None:
-    """Pause each engine (`keep`: in-flight requests resume on the new weights; `abort`: they end with
-    finish_reason 'abort'; `wait`: drain first), load `version`, resume. A list payload (a bucketed `nccl`
-    publish) is loaded part by part, all engines together for each part (a broadcast needs every receiver),
-    with the engines paused throughout, so no step runs on half-updated weights."""
+    """Load `version` into every engine, all at once (a broadcast needs every receiver), running requests
+    treated as `update_mode` says (`keep`: they go on with the new weights; `abort`: they end with
+    finish_reason 'abort'; `wait`: they finish first). One source: each engine's `update_during_generation`
+    (SGLang: one update request that aborts or waits for every client's requests). A list payload (a
+    bucketed `nccl` publish) is loaded part by part with the engines paused throughout, so no step runs on
+    half-updated weights."""
     sources = [as_source(p) for p in payload] if isinstance(payload, list) else [as_source(payload)]
-    if update_mode == "keep" and len(sources) == 1:  # engines swap weights between two decode steps
-        await asyncio.gather(*(engine.update_weights(version, sources[0]) for engine in engines))
+    if len(sources) == 1:
+        mode: Any = update_mode
+        await asyncio.gather(*(e.update_during_generation(version, sources[0], mode) for e in engines))
         return
     await asyncio.gather(*(engine.pause(update_mode) for engine in engines))  # type: ignore[arg-type]
     try:

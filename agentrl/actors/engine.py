@@ -7,16 +7,22 @@ it a Ray actor); payloads arriving from the learner are turned into `WeightSourc
 agentrl.actors.broadcast.
 
 An engine actor whose engine is an HTTP client (SGLang, or `serve-engine` behind the same routes) names its
-server in `http_route()`: rollout workers send generation there themselves (agentrl.actors.router.RemoteEngine)
-and only control (pause, resume, weights, cache) comes to the actor, so its client is the one owner of the
-server's pause state and weight versions. Where a request's state lives in the actor's client, the route is
-withheld and generation stays on Ray: an in-process engine (embedded), a LoRA run (the adapter each request
-names, and when a retired one may be unloaded, follow the client's own count of requests per adapter),
-`engine.update_mode = "wait"` (the drain waits for the client's own requests in flight), and `"abort"` on real
-SGLang: its own pause("abort") aborts everything and holds new requests, which is correct for requests from
-anyone, but then polls its request lock once a second (about 1 s per publish, docs/benchmarks/gpu.md §5.3)
-where the actor's client, draining the requests it sent itself first, takes tens of milliseconds.
-serve-engine's pause("abort") returns as soon as its engine has stopped, so its abort mode goes direct.
+server in `http_route()`: rollout workers send generation there themselves
+(agentrl.actors.router.RemoteEngine) and only control (pause, resume, weights, cache) comes to the actor. A
+publish is then correct only if the server itself treats every client's requests as the update mode says, and
+it does when the publish is one update request (`SGLangEngine.update_during_generation`): `abort` sends
+SGLang's `abort_all_requests` (the server aborts every running request, its update lock waits for them to
+return and holds new requests until the new weights are in: the aborted replies reach the workers, which
+continue or re-run them), `keep` and `wait` send the update alone (SGLang's lock waits for the running
+requests; serve-engine swaps weights between decode steps for `keep` and waits server-side for `wait`). Where
+a request's state lives in the actor's client, the route is withheld and generation stays on Ray: an
+in-process engine (embedded), a LoRA run (the adapter each request names, and when a retired one may be
+unloaded, follow the client's own count of requests per adapter; SGLang's /load_lora_adapter neither aborts
+nor waits), and on real SGLang a bucketed `nccl` publish (`learner.publish_bucket_mb > 0`) in `abort` or
+`wait` mode: its parts are several update requests, each taking SGLang's lock alone, so only a pause keeps
+requests off half-updated weights, and SGLang's own pause("abort") polls its lock once a second (about 1 s per
+publish) where the actor's client, draining the requests it sent itself first, takes tens of milliseconds;
+SGLang has no server-side "wait" pause at all.
 """
 
 from __future__ import annotations
@@ -113,17 +119,23 @@ class EngineActor:
             return HttpRoute(None, "the engine runs in the engine actor's process")
         if self.cfg.learner.lora.enabled:
             return HttpRoute(None, "LoRA: the engine actor's client names each request's adapter")
-        if self.cfg.effective_update_mode == "wait":
-            return HttpRoute(
-                None, "engine.update_mode = 'wait' drains the requests the engine actor's client counts"
-            )
         info = await engine.model_info()
         if "weight_version" not in info:
             return HttpRoute(None, f"{engine.url} names no weight_version in /get_model_info")
-        if self.cfg.effective_update_mode == "abort" and info.get("engine") != SERVE_ENGINE:
-            return HttpRoute(None, "engine.update_mode = 'abort' on SGLang: the engine actor's client drains the "
-                             "requests it sent before SGLang's pause, which alone polls once a second")  # fmt: skip
+        mode = self.cfg.effective_update_mode
+        if mode != "keep" and info.get("engine") != SERVE_ENGINE and self._publishes_in_parts():
+            why = {"abort": "SGLang's abort pause polls once a second while a request the engine actor's "
+                            "client did not drain runs",
+                   "wait": "SGLang has no pause that waits for running requests"}[mode]  # fmt: skip
+            return HttpRoute(None, f"engine.update_mode = '{mode}' with a bucketed nccl publish on SGLang: its "
+                             f"parts need a pause, and {why}")  # fmt: skip
         return HttpRoute(engine.url, "", this_node(), engine.policy_version, engine.api_key)
+
+    def _publishes_in_parts(self) -> bool:
+        """Whether a publish reaches this engine as several update requests (learner.publish_bucket_mb)."""
+        from agentrl.actors.broadcast import choose_path
+
+        return choose_path(self.cfg) == "nccl" and self.cfg.learner.publish_bucket_mb > 0
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
                        images: list[Image] | None = None) -> GenerateOutput:  # fmt: skip

@@ -165,6 +165,20 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def update_weights(self, version: int, source: WeightSource) -> None: ...
 
+    async def update_during_generation(self, version: int, source: WeightSource, mode: PauseMode) -> None:
+        """Load `version` from one source while requests run, treating the running ones as `mode` says (keep:
+        they go on with the new weights; abort: they end with finish_reason 'abort'; wait: they finish first),
+        new ones waiting for the new weights. Here: pause, update, resume; a server that does it in one request
+        for every client's requests (agentrl.engines.sglang) overrides this."""
+        if mode == "keep":  # weights swap between two decode steps
+            await self.update_weights(version, source)
+            return
+        await self.pause(mode)
+        try:
+            await self.update_weights(version, source)
+        finally:
+            await self.resume()
+
     @abc.abstractmethod
     async def flush_cache(self) -> None: ...
 

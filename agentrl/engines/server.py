@@ -17,6 +17,12 @@ request has finished in the engine (for an aborted one: when the abort has compl
 aborted while still queued (no tokens) keeps its id registered, as SGLang 0.5.12 does (its `_handle_abort_req`
 answers without releasing it; fixed upstream after 0.5.12, sglang#24070). Requests that arrive during a pause
 wait before the engine sees them, so an abort (by id or all) does not reach them, as in SGLang.
+A weight update with `abort_all_requests`, sent while not paused, does what SGLang's does (its update takes
+the writer side of the lock every /generate holds as a reader): every request in the engine is aborted, the
+update waits until they have ended, and requests arriving meanwhile wait and run on the new weights. An update
+without it swaps the weights between two decode steps (running requests go on, their tokens stamped per
+version), where SGLang's waits for the running requests to finish; pause("wait") waits for them here, for
+every client.
 """
 
 from __future__ import annotations
@@ -134,8 +140,10 @@ class EngineServer:
         self._runner: web.AppRunner | None = None
         self._rids: set[str] = set()  # registered: arrived, not finished
         self._held: dict[str, None] = {}  # aborted while queued: registered for good (insertion order)
-        self._open = asyncio.Event()  # cleared while paused: new requests wait here, registered
-        self._open.set()
+        # new requests wait here, registered, while paused or while an update that aborted them runs
+        self._paused = False
+        self._updating = 0
+        self._gate = asyncio.Condition()
         self._tokenizer = None
         tok_file = Path(tokenizer_path or engine.model_path) / "tokenizer.json"
         if tok_file.exists():
@@ -233,8 +241,8 @@ class EngineServer:
             raise BadRequest(f"Duplicate request ID detected: {rid}", "rid")
         self._rids.add(rid)
         try:
-            while not self._open.is_set():
-                await self._open.wait()
+            async with self._gate:
+                await self._gate.wait_for(lambda: not self._paused and not self._updating)
             out = await self.engine.generate(req.input_ids, sampling, request_id=rid, images=images or None)
         finally:
             self._rids.discard(rid)
@@ -271,14 +279,15 @@ class EngineServer:
 
     async def pause(self, request: web.Request) -> web.Response:
         req = await _decode(request, wire.PauseRequest)
-        self._open.clear()
+        self._paused = True
         await self.engine.pause(_PAUSE_MODES[req.mode])
         return web.json_response({"success": True, "message": f"paused ({req.mode})"})
 
     async def resume(self, request: web.Request) -> web.Response:
         await _read(request)
         await self.engine.resume()
-        self._open.set()
+        self._paused = False
+        await self._notify()
         return web.json_response({"success": True})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
@@ -287,11 +296,24 @@ class EngineServer:
 
     # -- weights -------------------------------------------------------------------------------------------------
 
+    async def _notify(self) -> None:
+        """Wake the requests waiting at the gate (they go on if it is open now)."""
+        async with self._gate:
+            self._gate.notify_all()
+
     async def _update(self, version: int, source: Any, abort_all: bool) -> web.Response:
         start = time.perf_counter()
-        if abort_all:
-            await self.engine.abort_all()
-        await self.engine.update_weights(version, source)
+        hold = abort_all and not self._paused  # SGLang: the update's writer lock (see the module docstring)
+        if hold:
+            self._updating += 1
+        try:
+            if abort_all:  # returns once the aborted requests have ended in the engine
+                await self.engine.abort_all()
+            await self.engine.update_weights(version, source)
+        finally:
+            if hold:
+                self._updating -= 1
+                await self._notify()
         msg = f"weights updated to version {version} in {time.perf_counter() - start:.3f}s"
         return web.json_response({"success": True, "message": msg, "weight_version": str(version)})
 

@@ -3,9 +3,17 @@
 Every call has a timeout and fails with EngineError (WeightSyncError for weight updates) naming the URL and
 route. Versions: per-token runs from `meta_info.agentrl_versions` when the server sends them (serve-engine),
 else every token is stamped with `meta_info.weight_version` (SGLang reports one version per request).
-Pause modes map to SGLang's: abort -> "abort" (after this client has aborted and drained its own requests,
-so SGLang's once-a-second polling finds nothing running), keep -> "in_place"; "wait" is done client-side (stop
-sending, wait for this client's in-flight requests, then "in_place"), since SGLang has no such mode.
+A weight update while requests run (`update_during_generation`, one source) is one request, so it treats every
+client's requests alike, those of rollout workers sending straight to the server included: `abort` sends
+SGLang's `abort_all_requests`: the server aborts every running request, its update lock waits (woken by each
+request's end, no polling) until they have returned and holds new requests until the new weights are in (a
+request SGLang is still preparing when the abort lands, its pictures being processed, is not aborted: the
+update waits for it to finish); `wait` sends the update alone, whose lock waits for every running request to
+finish (serve-engine: pause("wait") below, then the update). Pause modes (a bucketed publish, a LoRA adapter)
+map to SGLang's: abort -> "abort" (after this client has aborted and drained its own requests, so SGLang's
+once-a-second polling finds nothing running), keep -> "in_place"; "wait" stops this client sending and waits
+for its in-flight requests, then pauses the server "in_place" (SGLang has no wait mode) or, on serve-engine,
+with its own "wait", which waits for every other client's requests too.
 Hot reload: /update_weights_from_disk, /update_weights_from_tensor (SGLang's pickled CUDA-IPC payload for
 real SGLang on the same GPU; safetensors bytes for serve-engine), /init_weights_update_group +
 /update_weights_from_distributed (NCCL broadcast from the trainer, rank 0). LoRA versions (an `AdapterSource`)
@@ -95,6 +103,7 @@ class SGLangEngine(Engine):
         self.model_path = model_path
         self._moe: tuple[MoeSpec | None, int] | None = None  # the served model's MoE layers, once read
         self._text: TextOptions | None = None  # what the server does with text, once asked (text_options)
+        self._serve_engine: bool | None = None  # whether the server is agentrl's serve-engine, once asked
 
     @property
     def policy_version(self) -> int:
@@ -238,7 +247,9 @@ class SGLangEngine(Engine):
                     f"{self.url}: pause('wait'): {self._in_flight} requests still running after "
                     f"{self.request_timeout_s:.0f}s"
                 ) from None
-            await self._call("POST", "/pause_generation", {"mode": "in_place"})
+            # serve-engine then waits for every other client's requests too; SGLang cannot
+            server_mode = "wait" if await self.serve_engine() else "in_place"
+            await self._call("POST", "/pause_generation", {"mode": server_mode}, self.request_timeout_s)
         else:
             raise InvalidRequest("mode", f"must be abort, wait or keep, got {mode!r}")
         self._paused = mode
@@ -331,10 +342,16 @@ class SGLangEngine(Engine):
         }
         await self._call("POST", "/init_weights_update_group", body, self.update_timeout_s, WeightSyncError)
 
+    async def serve_engine(self) -> bool:
+        """Whether the server is agentrl's serve-engine (/get_model_info's `engine`, asked once)."""
+        if self._serve_engine is None:
+            info = await self._call("GET", "/get_model_info", error=WeightSyncError)
+            self._serve_engine = info.get("engine") == "agentrl-embedded"
+        return self._serve_engine
+
     async def _tensor_format(self) -> str:
         if self.tensor_format == "auto":
-            info = await self._call("GET", "/get_model_info", error=WeightSyncError)
-            self.tensor_format = "agentrl" if info.get("engine") == "agentrl-embedded" else "sglang"
+            self.tensor_format = "agentrl" if await self.serve_engine() else "sglang"
         return self.tensor_format
 
     async def _load_adapter(self, version: int, source: AdapterSource) -> None:
@@ -363,15 +380,38 @@ class SGLangEngine(Engine):
         except EngineError as exc:  # the adapter stays loaded (memory), generation is unaffected
             log.warning("%s: could not unload LoRA adapter %s: %s", self.url, name, exc)
 
+    async def update_during_generation(self, version: int, source: WeightSource, mode: PauseMode) -> None:
+        """One update request for `abort` (with `abort_all_requests`) and, on SGLang, `wait` (see the module
+        docstring); it may wait for running requests, so its time limit is a request's and an update's. An
+        adapter (its route aborts and waits for nothing) and `keep` go the base class's way."""
+        if isinstance(source, AdapterSource) or mode == "keep" or self._paused is not None:
+            await super().update_during_generation(version, source, mode)
+        elif mode == "abort":
+            await self._update(version, source, abort_all=True, timeout_s=self._drain_and_update_s)
+        elif mode == "wait" and not await self.serve_engine():
+            await self._update(version, source, timeout_s=self._drain_and_update_s)
+        else:
+            await super().update_during_generation(version, source, mode)
+
+    @property
+    def _drain_and_update_s(self) -> float:
+        return self.request_timeout_s + self.update_timeout_s
+
     async def update_weights(self, version: int, source: WeightSource) -> None:
         if isinstance(source, AdapterSource):
             await self._load_adapter(version, source)
             return
+        await self._update(version, source)
+
+    async def _update(self, version: int, source: TensorSource | DiskSource | DistributedSource,
+                      abort_all: bool = False, timeout_s: float | None = None) -> None:  # fmt: skip
+        """Load full weights by the source's route; `abort_all`: the server first aborts every request."""
         # SGLang refuses to flush while requests sit in the running batch (in-place pause): keep their KV. No
         # flush either while the KV cache is released (the release flushed it; a flush would touch freed memory).
         common = {
             "weight_version": str(version),
             "flush_cache": self._paused != "keep" and not self._kv_released,
+            "abort_all_requests": abort_all,
         }
         if isinstance(source, DiskSource):
             route, body = "/update_weights_from_disk", {"model_path": source.path, **common}
@@ -398,7 +438,7 @@ class SGLangEngine(Engine):
                 body["load_format"] = source.extra["load_format"]
         else:
             raise WeightSyncError(f"unknown weight source {type(source).__name__}")
-        await self._call("POST", route, body, self.update_timeout_s, WeightSyncError)
+        await self._call("POST", route, body, timeout_s or self.update_timeout_s, WeightSyncError)
         self._version = version
 
     async def close(self) -> None:
