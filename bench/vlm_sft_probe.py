@@ -89,12 +89,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 p.requires_grad_(False)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     held_out = batch(env.sample_tasks(999, 128))
-    out, start, loss = [], time.perf_counter(), float("nan")
+    out, start, loss = [], time.perf_counter(), None
     for step in range(args.steps + 1):
         if step % args.eval_every == 0 or step == args.steps:
             with torch.no_grad():
                 acc = (last_logits(held_out).argmax(-1) == held_out[4]).float().mean().item()
-            out.append({"step": step, "accuracy": round(acc, 3), "loss": round(loss, 3),
+            out.append({"step": step, "accuracy": round(acc, 3), "loss": None if loss is None else round(loss, 3),
                         "s": round(time.perf_counter() - start, 1)})  # fmt: skip
             print(json.dumps(out[-1]), flush=True)
         if step == args.steps:
