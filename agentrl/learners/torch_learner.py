@@ -39,7 +39,6 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -60,7 +59,7 @@ from agentrl.learners.base import Learner, forget_momentum
 from agentrl.learners.batch import Batch, micro_batches
 from agentrl.learners.teacher import teacher_path
 from agentrl.learners.token_ops import token_entropy, token_logprobs
-from agentrl.vision import VisionSpec, image_pixels, mrope_positions
+from agentrl.vision import VisionSpec, image_pixels
 
 
 class TorchLearner(Learner):
@@ -271,12 +270,10 @@ class TorchLearner(Learner):
         if self.invariant_shape is not None and model in (self.model, self.ref_model):
             return self._invariant_forward(model, mb, entropy=entropy, values=values)
         positions = self._positions(mb)
-        with self._autocast(model):
-            if "placed" in positions:
-                positions = self._placed_inputs(model, mb, **positions)
-            else:
-                positions["input_ids"] = mb.input_ids
+        stray = positions.pop("stray", None)
+        with self._autocast(model), self._stray_placeholders(model, stray):
             out = model(
+                input_ids=mb.input_ids if stray is None else mb.input_ids.masked_fill(stray, self.pad_id),
                 attention_mask=None if mb.packed else mb.attention_mask,
                 output_hidden_states=values,
                 use_cache=False,
@@ -322,10 +319,9 @@ class TorchLearner(Learner):
 
     def _positions(self, mb: Batch) -> dict:
         """The forward's position inputs: `position_ids`; a VLM's rows with pictures: the pixels, their grids and
-        which tokens are image tokens, from which the model computes its multimodal positions. When a row holds
-        the image placeholder token outside its pictures' spans (a sampled token: an untrained model may sample
-        it) transformers would take that token for a picture's place; then `placed` (the spans' tokens) is
-        returned instead, for `_placed_inputs`."""
+        which tokens are image tokens (their spans), from which the model computes its multimodal positions;
+        `stray`: the image placeholder tokens outside the spans, when a row holds any (see
+        `_stray_placeholders`)."""
         if not mb.images or not any(mb.images):
             return {"position_ids": mb.position_ids}
         pixels, grids = [], []
@@ -344,30 +340,34 @@ class TorchLearner(Learner):
                         self._pixels.pop(next(iter(self._pixels)))
                 pixels.append(hit[0])
                 grids.append(grid)
-        out = {
+        placed = placed.to(self.device)
+        stray = (mb.input_ids == self.vision.image_token_id) & ~placed
+        return {
             "pixel_values": torch.cat(pixels).to(self.device),
             "image_grid_thw": torch.tensor(grids, dtype=torch.int64, device=self.device),
-        }
-        placed = placed.to(self.device)
-        if torch.equal(placed, mb.input_ids == self.vision.image_token_id):
-            return out | {"mm_token_type_ids": placed.int()}
-        return out | {"placed": placed}
+            "mm_token_type_ids": placed.int(),
+        } | ({"stray": stray} if bool(stray.any()) else {})
 
-    def _placed_inputs(self, model, mb: Batch, pixel_values, image_grid_thw, placed) -> dict:
-        """The forward's inputs with the pictures placed here rather than by transformers: the token embeddings
-        with the vision tower's output at the spans' tokens, and the multimodal positions of the spans alone
-        (agentrl.vision.mrope_positions, the engine's), so a sampled placeholder token is a text token, as it
-        was to the engine that sampled it."""
-        features = model.model.get_image_features(
-            pixel_values=pixel_values, image_grid_thw=image_grid_thw, return_dict=True
-        ).pooler_output
-        embeds = model.get_input_embeddings()(mb.input_ids)
-        embeds = embeds.masked_scatter(placed.unsqueeze(-1), torch.cat(list(features)).to(embeds.dtype))
-        width = mb.input_ids.shape[1]
-        rows = [mrope_positions(width, [(start, self.vision.n_tokens(grid), grid) for _, grid, start in row],
-                                self.vision.merge_size)[0] for row in mb.images]  # fmt: skip
-        positions = torch.from_numpy(np.stack(rows, axis=1)).to(self.device)
-        return {"inputs_embeds": embeds, "position_ids": positions}
+    @contextlib.contextmanager
+    def _stray_placeholders(self, model, stray: torch.Tensor | None):
+        """An untrained VLM samples its own image placeholder token now and then; the engine decodes it as a
+        text token, but transformers would take every placeholder in input_ids for a picture's place. So the
+        forward gets another token id there and this hook on the token embedding puts the placeholder's own
+        embedding back: a text token at a text position, inside the model's forward (where FSDP has gathered
+        the embedding)."""
+        if stray is None:
+            yield
+            return
+        mask, image_id = stray.unsqueeze(-1), self.vision.image_token_id
+
+        def put_back(module, args, output):
+            return torch.where(mask, module.weight[image_id].to(output.dtype), output)
+
+        handle = model.get_input_embeddings().register_forward_hook(put_back)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def _invariant_forward(self, model, mb: Batch, *, entropy: bool, values: bool):
         """`_forward` of the policy or the reference under run.true_on_policy (agentrl.learners.invariant_forward;
