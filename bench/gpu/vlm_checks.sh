@@ -10,9 +10,11 @@
 #       install: Ray (+ megatron-core, msgspec) into /tmp/site for `run` in a later call of the same hold (carry
 #             .whl; Ray and SGLang exceed one carry)
 #       run: after `install` (carry .sgl .gpu): `agentrl run examples/shapes.toml` async, colocated, SGLang
-#             serving the random Qwen2.5-VL-3B architecture (vlm_bench.py's) and the torch learner (bf16, vision
-#             tower trained), STEPS (default 50) steps, no warm-up -> $OUT/vlm_run.{log,metrics.jsonl} and the step
-#             and publish times in $OUT/vlm_run_summary.json (run_summary.py); ~6-9 min
+#             serving the random Qwen2.5-VL-3B architecture (vlm_bench.py's; SGLang with its tokenizer and
+#             processor, as vlm_bench.py starts it) and the torch learner (bf16, vision tower trained: every
+#             publish carries it), STEPS (default 50) steps, no warm-up, 64-token replies
+#             -> $OUT/vlm_run.{log,metrics.jsonl}, step and publish times in $OUT/vlm_run_summary.json
+#             (run_summary.py); ~6-9 min
 #   CPU smoke of the bench: python bench/gpu/vlm_bench.py --device cpu --arch tiny --n 4 --prompt-len 8 16 \
 #       --output-len 8 16 --no-sglang --runs 2 --check-logprobs 2 --image-size 56
 source bench/gpu/common.sh
@@ -32,15 +34,18 @@ for part in "${parts[@]}"; do
       cp /tmp/vlm_bench.log "$out/vlm_bench.log" ;;
     run)
       export RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1
+      SGLANG_VLM=()  # SGLANG_GPU without --sglang-skip-tokenizer-init: SGLang's processor reads the pictures
+      for flag in "${SGLANG_GPU[@]}"; do [ "$flag" = --sglang-skip-tokenizer-init ] || SGLANG_VLM+=("$flag"); done
       python3 -c "import ray" 2>/dev/null ||
         { echo "vlm_checks.sh run: no Ray here: run 'vlm_checks.sh install' (carry .whl) first in this hold" >&2; exit 1; }
-      timeout 300 python3 -c "import sys; sys.path.insert(0, 'bench/gpu'); from pathlib import Path
+      timeout 150 python3 -c "import sys; sys.path.insert(0, 'bench/gpu'); from pathlib import Path
 from vlm_bench import build_model; print(build_model('qwen2.5-vl-3b', Path('runs/vlm-3b'), 'cuda'))" \
         > "$out/vlm_model.log" 2>&1
       echo "vlm model rc=$?"; tail -1 "$out/vlm_model.log"
-      agentrl_run examples/shapes.toml vlm_run "${RUN_TIMEOUT:-480}" --model.path runs/vlm-3b/qwen2.5-vl-3b \
+      agentrl_run examples/shapes.toml vlm_run "${RUN_TIMEOUT:-420}" --model.path runs/vlm-3b/qwen2.5-vl-3b \
         --model.make-tiny false --run.steps "${STEPS:-50}" --run.placement colocated --warmup.steps 0 \
-        --learner.device cuda --learner.dtype bfloat16 "${SGLANG_GPU[@]}" --sglang-mem-fraction-static 0.3
+        --rollout.max-new-tokens 64 --learner.vision-tower trained --learner.device cuda \
+        --learner.dtype bfloat16 "${SGLANG_VLM[@]}" --sglang-mem-fraction-static 0.3
       run_summary vlm_run_summary runs/vlm_run ;;
   esac
 done
