@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 import torch
 
@@ -220,3 +221,44 @@ async def test_lora_trains_the_language_model_and_the_engine_merges_it(tiny_vlm)
     traj, logp = learner_agrees(learner, trajs[0], again)
     before = learner.compute_ref_logprobs(build_batch([traj], learner.pad_id, images=True))
     assert (logp[0, -4:] - before[0, -4:]).abs().max() > 1e-4  # the adapter changed what the engine serves
+
+
+async def test_a_sampled_image_placeholder_token_is_text_to_the_learner_as_to_the_engine(tiny_vlm):
+    """An untrained VLM samples its own `<|image_pad|>` now and then: the engine decodes it as a text token, and
+    the learner's forward must too (transformers would take it for a picture's place: a features/tokens mismatch
+    that stopped runs), giving the engine's log-probs for every token, those after it included; in the next
+    turn, with a new picture, the engine tells the sampled placeholder from the pictures' runs."""
+    from agentrl.envs.shapes import ShapesZoomEnv
+
+    engine = EmbeddedEngine(str(tiny_vlm), max_batch_size=64, max_seq_len=512)
+    image_id = engine.vision.image_token_id
+    chat = chat_tokens(load_tokenizer(tiny_vlm))
+    task = make_env("shapes", {}).sample_tasks(seed=0, n=1)[0]
+    opening = make_env("shapes", {}).opening(task)
+    ids, spans = chat.place_images(chat.prompt_ids(opening), opening)
+    pictures = [types.image(p) for p in types.message_images(opening)]
+    try:
+        gens = await asyncio.gather(*(engine.generate(
+            ids, SamplingParams(max_new_tokens=64, seed=s, ignore_eos=True), images=pictures) for s in range(64)))  # fmt: skip
+        gen = next((g for g in gens if image_id in g.output_ids[:-1]), None)
+        assert gen is not None, (
+            "no response of 64 x 64 sampled tokens held the image placeholder before its end"
+        )
+        zoom = [ShapesZoomEnv().zoomed(task, 1)]
+        delta, more = chat.place_images(chat.delta_ids(zoom, gen.output_ids), zoom)
+        before = len(ids) + len(gen.output_ids)
+        turn2 = ids + gen.output_ids + delta
+        both = pictures + [types.image(p) for p in types.message_images(zoom)]
+        gen2 = await engine.generate(
+            turn2, SamplingParams(max_new_tokens=8, seed=1, ignore_eos=True), images=both
+        )
+    finally:
+        await engine.close()
+    learner = TorchLearner(tiny_vlm, LearnerSection(micro_batch_tokens=512))
+    placed = [*spans, *(msgspec.structs.replace(s, start=s.start + before) for s in more)]
+    for prompt, out, shown, where in ((ids, gen, pictures, spans), (turn2, gen2, both, placed)):
+        traj = types.normalize(types.Trajectory(
+            id="stray", prompt_ids=prompt, response_ids=out.output_ids, logprobs=out.logprobs, images=shown,
+            image_spans=where))  # fmt: skip
+        logp = learner.compute_logprobs(build_batch([traj], learner.pad_id, images=True))
+        assert (logp[0, -len(out.output_ids) :] - torch.tensor(out.logprobs)).abs().max() <= 1e-4

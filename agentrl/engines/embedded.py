@@ -21,7 +21,7 @@ import torch
 
 from agentrl.engines.adapter import AdapterMerger, adapter_items
 from agentrl.engines.base import GenerateOutput, InvalidRequest, SamplingParams, WeightSource
-from agentrl.engines.runner import DTYPES, ModelRunner, Request, placeholder_runs
+from agentrl.engines.runner import DTYPES, ModelRunner, Request, pictures_runs, placeholder_runs
 from agentrl.engines.scheduler import BatchingEngine
 from agentrl.errors import EngineError, EnvError, WeightSyncError
 from agentrl.types import Image
@@ -117,25 +117,36 @@ class EmbeddedEngine(BatchingEngine):
     def vocab_size(self) -> int:
         return self.spec.vocab_size
 
-    def validate_images(self, input_ids: list[int], images: list[Image]) -> None:
-        """Raise InvalidRequest unless `images` are one per run of image placeholders, each as long as the
-        model's image processor makes that picture."""
+    def validate_images(self, input_ids: list[int], images: list[Image]) -> list[tuple[int, int]]:
+        """The (start, length) of each picture's run of image placeholders in `input_ids`; raise InvalidRequest
+        unless `images` are one per run, each as long as the model's image processor makes that picture. With
+        more runs than pictures, the pictures take the runs of their lengths, in order, and the other runs are
+        placeholders the model sampled itself in an earlier turn's reply: text tokens, as when it sampled them."""
         if images and self.vision is None:
             raise InvalidRequest("images", f"the served model ({self.spec.arch}) takes no images")
         if self.vision is None:
-            return
+            return []
         runs = placeholder_runs(input_ids, self.vision.image_token_id)
+        if len(runs) > len(images) and images:
+            lengths = [self.vision.n_tokens(self._grid(i, img)) for i, img in enumerate(images)]
+            placed = pictures_runs(runs, lengths)
+            if placed is not None:
+                return placed
         if len(runs) != len(images):
             raise InvalidRequest("images", f"{len(images)} images for {len(runs)} runs of the image placeholder "
                                  f"token {self.vision.image_token_id} in input_ids")  # fmt: skip
         for i, (img, (_, length)) in enumerate(zip(images, runs, strict=True)):
-            try:
-                grid = self.vision.grid_thw(img.data)
-            except EnvError as exc:
-                raise InvalidRequest(f"images[{i}]", str(exc)) from None
+            grid = self._grid(i, img)
             if self.vision.n_tokens(grid) != length:
                 raise InvalidRequest(f"images[{i}]", f"the picture makes {self.vision.n_tokens(grid)} tokens "
                                      f"(grid {list(grid)}) but its placeholder run has {length}")  # fmt: skip
+        return runs
+
+    def _grid(self, i: int, img: Image) -> tuple[int, int, int]:
+        try:
+            return self.vision.grid_thw(img.data)
+        except EnvError as exc:
+            raise InvalidRequest(f"images[{i}]", str(exc)) from None
 
     def validate(self, input_ids: list[int], sampling: SamplingParams) -> None:
         """Raise InvalidRequest naming the field when a request cannot run."""
@@ -179,7 +190,7 @@ class EmbeddedEngine(BatchingEngine):
         images: list[Image] | None = None,
     ) -> GenerateOutput:
         self.validate(input_ids, sampling)
-        self.validate_images(input_ids, images or [])
+        runs = self.validate_images(input_ids, images or [])
         self._ensure_loop()
         rid = request_id or uuid.uuid4().hex
         if rid in self._by_rid:
@@ -191,7 +202,7 @@ class EmbeddedEngine(BatchingEngine):
             stop.update(self.spec.eos_token_ids)
         req = Request(
             rid, list(input_ids), sampling, asyncio.get_running_loop().create_future(), frozenset(stop),
-            seed=self.runner.request_seed(sampling.seed), images=list(images or []),
+            seed=self.runner.request_seed(sampling.seed), images=list(images or []), image_runs=runs,
         )  # fmt: skip
         if sampling.seed is not None:
             req.generator = torch.Generator(device=self.device)

@@ -50,6 +50,7 @@ class Request:
     routes: list[np.ndarray] = field(default_factory=list)  # expert ids per forward, when sampling asks
     abort_requested: bool = False
     images: list[Image] = field(default_factory=list)  # one per run of image placeholders in the prompt
+    image_runs: list[tuple[int, int]] = field(default_factory=list)  # each picture's (start, length)
     rope_delta: int = 0  # rotary position - cache position of the tokens after the prompt's images
     serial: int = field(default_factory=lambda: next(_SERIALS))
 
@@ -294,7 +295,8 @@ class ModelRunner:
         offset = 0
         for req, n in zip(batch, lengths, strict=True):
             spans = []
-            for img, (start, length) in zip(req.images, placeholder_runs(req.prompt, image_id), strict=True):
+            runs = req.image_runs or placeholder_runs(req.prompt, image_id)
+            for img, (start, length) in zip(req.images, runs, strict=True):
                 pixels, grid = image_pixels(self.model_path, img.data)
                 embeds.append(vision.embed(img.sha256, pixels, grid))
                 spans.append((start, length, grid))
@@ -341,6 +343,19 @@ class ModelRunner:
             ids = self._routes(out_routes)  # [B, steps, layers, k]: one position per row and step
             routes = [[ids[i, s : s + 1] for i in range(len(batch))] for s in range(steps)]
         return (*out, routes)
+
+
+def pictures_runs(runs: list[tuple[int, int]], lengths: list[int]) -> list[tuple[int, int]] | None:
+    """The runs of image placeholders (start, length) that hold pictures of `lengths` tokens, in order: each
+    picture takes the next run of its length; None when one finds none."""
+    out: list[tuple[int, int]] = []
+    rest = iter(runs)
+    for n in lengths:
+        hit = next((run for run in rest if run[1] == n), None)
+        if hit is None:
+            return None
+        out.append(hit)
+    return out
 
 
 def placeholder_runs(ids: list[int], token: int | None) -> list[tuple[int, int]]:

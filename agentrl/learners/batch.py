@@ -15,8 +15,8 @@ so column 0 (and the first token of every packed sequence) never carries loss an
 (0.., one per run of loss tokens) of a loss token, -1 elsewhere; per-sequence tensors (`rewards`,
 `group_index`, ...) have length N and stay whole when rows are selected into micro-batches, together with the
 full-batch normalisers `total_loss_tokens` and `n_seqs`, so summing micro-batch losses equals the big-batch loss.
-Pictures (a vision-language model): `images[r]` lists row r's pictures in token order, `(Image, grid_thw)` per
-image span (unpacked batches only: the model computes multimodal positions per row); a learner's forward turns
+Pictures (a vision-language model): `images[r]` lists row r's pictures in token order, `(Image, grid_thw,
+start)` per image span (start: the span's first column) (unpacked batches only: the model computes multimodal positions per row); a learner's forward turns
 them into pixels. Building does no Python work per token: one loop per trajectory collects numpy views, the rest is
 concatenate/repeat/scatter.
 """
@@ -89,7 +89,7 @@ class Batch:
     # `types.RoutedExperts` (uint8 or int16) and -1; the learners widen a micro-batch's to int64 to index.
     routed_experts: torch.Tensor | None = None
     # per row: its pictures in token order, (Image, grid_thw) per span (see the module docstring); None: no pictures
-    images: list[list[tuple[types.Image, tuple[int, int, int]]]] | None = None
+    images: list[list[tuple[types.Image, tuple[int, int, int], int]]] | None = None
     extra: dict = field(default_factory=dict)
     # Used length of each row as known on the host when the batch was built (kept by `select` of listed rows);
     # None: read from the device. Saves a device read per step: the micro-batch plan and the token count.
@@ -259,12 +259,14 @@ def _turn_returns(trajectories: Sequence[types.Trajectory], n_turns: int) -> np.
     return out.astype(np.float32)
 
 
-def _images(trajectories: Sequence[types.Trajectory]) -> list[list[tuple[types.Image, tuple[int, int, int]]]]:
-    """Each (unpacked) row's pictures in token order, one per span."""
+def _images(
+    trajectories: Sequence[types.Trajectory],
+) -> list[list[tuple[types.Image, tuple[int, int, int], int]]]:
+    """Each (unpacked) row's pictures in token order, one per span, with the span's start."""
     out = []
     for tr in trajectories:
         stored = {img.sha256: img for img in tr.images or ()}
-        out.append([(stored[s.sha256], tuple(s.grid_thw)) for s in tr.image_spans or ()])
+        out.append([(stored[s.sha256], tuple(s.grid_thw), s.start) for s in tr.image_spans or ()])
     return out
 
 

@@ -270,9 +270,10 @@ class TorchLearner(Learner):
         if self.invariant_shape is not None and model in (self.model, self.ref_model):
             return self._invariant_forward(model, mb, entropy=entropy, values=values)
         positions = self._positions(mb)
-        with self._autocast(model):
+        stray = positions.pop("stray", None)
+        with self._autocast(model), self._stray_placeholders(model, stray):
             out = model(
-                input_ids=mb.input_ids,
+                input_ids=mb.input_ids if stray is None else mb.input_ids.masked_fill(stray, self.pad_id),
                 attention_mask=None if mb.packed else mb.attention_mask,
                 output_hidden_states=values,
                 use_cache=False,
@@ -318,12 +319,16 @@ class TorchLearner(Learner):
 
     def _positions(self, mb: Batch) -> dict:
         """The forward's position inputs: `position_ids`; a VLM's rows with pictures: the pixels, their grids and
-        which tokens are image tokens, from which the model computes its multimodal positions."""
+        which tokens are image tokens (their spans), from which the model computes its multimodal positions;
+        `stray`: the image placeholder tokens outside the spans, when a row holds any (see
+        `_stray_placeholders`)."""
         if not mb.images or not any(mb.images):
             return {"position_ids": mb.position_ids}
         pixels, grids = [], []
-        for row in mb.images:
-            for img, grid in row:
+        placed = torch.zeros(mb.input_ids.shape, dtype=torch.bool)
+        for r, row in enumerate(mb.images):
+            for img, grid, start in row:
+                placed[r, start : start + self.vision.n_tokens(grid)] = True
                 hit = self._pixels.get(img.sha256)
                 if hit is None:  # the engine's pixels: the same processor (agentrl.vision)
                     values, made = image_pixels(self.base_path, img.data)
@@ -335,11 +340,34 @@ class TorchLearner(Learner):
                         self._pixels.pop(next(iter(self._pixels)))
                 pixels.append(hit[0])
                 grids.append(grid)
+        placed = placed.to(self.device)
+        stray = (mb.input_ids == self.vision.image_token_id) & ~placed
         return {
             "pixel_values": torch.cat(pixels).to(self.device),
             "image_grid_thw": torch.tensor(grids, dtype=torch.int64, device=self.device),
-            "mm_token_type_ids": (mb.input_ids == self.vision.image_token_id).int(),
-        }
+            "mm_token_type_ids": placed.int(),
+        } | ({"stray": stray} if bool(stray.any()) else {})
+
+    @contextlib.contextmanager
+    def _stray_placeholders(self, model, stray: torch.Tensor | None):
+        """An untrained VLM samples its own image placeholder token now and then; the engine decodes it as a
+        text token, but transformers would take every placeholder in input_ids for a picture's place. So the
+        forward gets another token id there and this hook on the token embedding puts the placeholder's own
+        embedding back: a text token at a text position, inside the model's forward (where FSDP has gathered
+        the embedding)."""
+        if stray is None:
+            yield
+            return
+        mask, image_id = stray.unsqueeze(-1), self.vision.image_token_id
+
+        def put_back(module, args, output):
+            return torch.where(mask, module.weight[image_id].to(output.dtype), output)
+
+        handle = model.get_input_embeddings().register_forward_hook(put_back)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def _invariant_forward(self, model, mb: Batch, *, entropy: bool, values: bool):
         """`_forward` of the policy or the reference under run.true_on_policy (agentrl.learners.invariant_forward;

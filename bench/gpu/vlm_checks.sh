@@ -7,12 +7,21 @@
 #   bash bench/gpu/vlm_checks.sh [tests] [bench] [vlm_bench.py args]
 #       tests: the CPU-sized VLM tests on the GPU machine (engine log-probs vs transformers, learner, proxy)
 #       bench: bench/gpu/vlm_bench.py -> $OUT/vlm_bench.json (RUNS=3, CHECK_LOGPROBS=8)
+#       install: Ray (+ megatron-core, msgspec) into /tmp/site for `run` in a later call of the same hold (carry
+#             .whl; Ray and SGLang exceed one carry)
+#       run: after `install` (carry .sgl .gpu): `agentrl run examples/shapes.toml` async, colocated, SGLang
+#             serving the random Qwen2.5-VL-3B architecture (vlm_bench.py's; SGLang with its tokenizer and
+#             processor, as vlm_bench.py starts it) and the torch learner (bf16, vision tower trained: every
+#             publish carries it), STEPS (default 50) steps, no warm-up, 64-token replies
+#             -> $OUT/vlm_run.{log,metrics.jsonl}, step and publish times in $OUT/vlm_run_summary.json
+#             (run_summary.py); ~6-9 min
 #   CPU smoke of the bench: python bench/gpu/vlm_bench.py --device cpu --arch tiny --n 4 --prompt-len 8 16 \
 #       --output-len 8 16 --no-sglang --runs 2 --check-logprobs 2 --image-size 56
 source bench/gpu/common.sh
+if [ "${1:-}" = install ]; then gpu_install megatron 2>&1 | tail -1; exit; fi
 gpu_setup megatron sglang
 parts=()
-while [ $# -gt 0 ]; do case $1 in tests | bench) parts+=("$1"); shift ;; *) break ;; esac; done
+while [ $# -gt 0 ]; do case $1 in tests | bench | run) parts+=("$1"); shift ;; *) break ;; esac; done
 [ ${#parts[@]} -eq 0 ] && parts=(tests bench)
 for part in "${parts[@]}"; do
   case $part in
@@ -23,5 +32,20 @@ for part in "${parts[@]}"; do
         --out "$out/vlm_bench.json" "$@" > /tmp/vlm_bench.log 2>&1
       echo "vlm_bench rc=$?"; grep '^{' /tmp/vlm_bench.log | cut -c1-3000; tail -5 /tmp/vlm_bench.log
       cp /tmp/vlm_bench.log "$out/vlm_bench.log" ;;
+    run)
+      export RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1
+      SGLANG_VLM=()  # SGLANG_GPU without --sglang-skip-tokenizer-init: SGLang's processor reads the pictures
+      for flag in "${SGLANG_GPU[@]}"; do [ "$flag" = --sglang-skip-tokenizer-init ] || SGLANG_VLM+=("$flag"); done
+      python3 -c "import ray" 2>/dev/null ||
+        { echo "vlm_checks.sh run: no Ray here: run 'vlm_checks.sh install' (carry .whl) first in this hold" >&2; exit 1; }
+      timeout 150 python3 -c "import sys; sys.path.insert(0, 'bench/gpu'); from pathlib import Path
+from vlm_bench import build_model; print(build_model('qwen2.5-vl-3b', Path('runs/vlm-3b'), 'cuda'))" \
+        > "$out/vlm_model.log" 2>&1
+      echo "vlm model rc=$?"; tail -1 "$out/vlm_model.log"
+      agentrl_run examples/shapes.toml vlm_run "${RUN_TIMEOUT:-420}" --model.path runs/vlm-3b/qwen2.5-vl-3b \
+        --model.make-tiny false --run.steps "${STEPS:-50}" --run.placement colocated --warmup.steps 0 \
+        --rollout.max-new-tokens 64 --learner.vision-tower trained --learner.device cuda \
+        --learner.dtype bfloat16 "${SGLANG_VLM[@]}" --sglang-mem-fraction-static 0.3
+      run_summary vlm_run_summary runs/vlm_run ;;
   esac
 done
