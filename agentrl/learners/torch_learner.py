@@ -579,12 +579,6 @@ class TorchLearner(Learner):
         """Under FSDP a collective: every rank calls it, rank 0 writes (agentrl.learners.torch_checkpoint)."""
         return torch_checkpoint.begin_save(self, path)
 
-    def save(self, path: str) -> None:
-        """Written when it returns on any rank (rank 0 writes; the others wait for it)."""
-        super().save(path)
-        if self.world is not None:
-            torch.distributed.barrier()
-
     def load(self, path: str) -> None:
         torch_checkpoint.load(self, path)
 
