@@ -54,10 +54,10 @@ from agentrl.learners import (
     router_stats,
     routing_replay,
     torch_checkpoint,
+    torch_models,
 )
 from agentrl.learners.base import Learner, forget_momentum
 from agentrl.learners.batch import Batch, micro_batches
-from agentrl.learners.teacher import teacher_path
 from agentrl.learners.token_ops import position_entropy, token_entropy, token_logprobs
 from agentrl.learners.vision_inputs import VisionInputs
 from agentrl.vision import VisionSpec
@@ -81,7 +81,7 @@ class TorchLearner(Learner):
         ):  # the section's own checks (LoRA with FSDP, ...) for a learner built directly
             self.cfg.validate()
         self.lora = self.cfg.lora if self.cfg.lora.enabled else None
-        self.base_path = self._base_path()
+        self.base_path = torch_models.base_path(self.model_path, self.lora is not None)
         self.world = fsdp.World(self.cfg.device) if self.cfg.fsdp else None
         if self.world is not None and self.algo.needs().value_head:
             raise LearnerError(
@@ -96,8 +96,9 @@ class TorchLearner(Learner):
             VisionInputs(self.vision, self.base_path, self.device) if self.vision is not None else None
         )
         torch.manual_seed(seed)
-        self.model = self._policy_model()
-        self.ref_model, self.teacher_model = self._frozen_models()
+        bf16 = self._autocast_dtype() is not None
+        self.model = torch_models.policy_model(self, bf16)
+        self.ref_model, self.teacher_model = torch_models.frozen_models(self, bf16)
         self.invariant_shape = invariant_forward.check(self.model) if true_on_policy else None
         self.routers = routing_replay.hook(self.model, needed_by=self._moe_setting())
         self.ref_routers = None
@@ -140,46 +141,6 @@ class TorchLearner(Learner):
         ):
             if bad:
                 raise LearnerError(f"run.true_on_policy does not support {what}")
-
-    def _load_hf(self, dtype: torch.dtype, *, on_device: bool = True, path: Path | None = None):
-        """A Hugging Face causal LM from `path` (default: the base weights) without a KV cache, moved to this
-        learner's device unless `on_device` is False."""
-        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-        auto = AutoModelForImageTextToText if self.vision is not None else AutoModelForCausalLM
-        m = auto.from_pretrained(str(path or self.base_path), dtype=dtype)
-        m.config.use_cache = False
-        return m.to(self.device) if on_device else m
-
-    def _policy_model(self):
-        """The trained model: fp32, in train mode, checkpointed and FSDP-sharded or LoRA-wrapped as configured."""
-        model = self._load_hf(torch.float32, on_device=self.world is None)
-        model.train()
-        if self.cfg.gradient_checkpointing:
-            if hasattr(model, "activation_checkpointing_enable"):  # the newer transformers 5 name
-                model.activation_checkpointing_enable({"use_reentrant": False})
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.vision is not None and self.cfg.vision_tower == "frozen":
-            model.model.visual.requires_grad_(False)
-        if self.world is not None:  # shards move to the device; the full model never lands there
-            self.world.shard(model, self._autocast_dtype() is not None)
-        if self.lora is not None:
-            model = lora.wrap(model, self.lora, language_only=self.vision is not None)
-        return model
-
-    def _frozen_models(self) -> tuple:
-        """(reference, teacher), each None unless configured: frozen, in bf16 where the forward runs in bf16
-        anyway, replicated under FSDP. Under LoRA the reference is the model itself with the adapter disabled."""
-        dtype = torch.bfloat16 if self._autocast_dtype() is not None else torch.float32
-        ref = None
-        if self.cfg.reference_model:
-            ref = self.model if self.lora is not None else self._load_hf(dtype).eval().requires_grad_(False)
-        teacher = None
-        if self.algo.needs().teacher:
-            path = teacher_path(self.algo.teacher, self.base_path)
-            teacher = self._load_hf(dtype, path=path).eval().requires_grad_(False)
-        return ref, teacher
 
     def _moe_setting(self) -> str | None:
         """The learner setting that needs an MoE model's routers, if any (for the error without one)."""
@@ -229,16 +190,6 @@ class TorchLearner(Learner):
         if isinstance(total, torch.Tensor):
             metrics["loss"] = metrics["loss"] + total.detach()
         return total
-
-    def _base_path(self) -> Path:
-        """The HF directory the base weights load from: the model, or a LoRA checkpoint's base."""
-        if (self.model_path / checkpoint.METADATA_FILE).is_file():
-            base = checkpoint.read_metadata(self.model_path).get("lora_base")
-            if base is not None and self.lora is None:
-                raise LearnerError(f"{self.model_path}: a LoRA checkpoint needs learner.lora.rank > 0")
-            if base is not None:
-                return Path(base)
-        return self.model_path
 
     def _params(self) -> list[torch.nn.Parameter]:
         params = lora.trainable(self.model)  # every parameter, or the adapter's alone
