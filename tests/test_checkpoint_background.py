@@ -56,6 +56,34 @@ def test_a_save_written_after_the_next_step_holds_the_state_of_the_step_that_ask
         assert torch.equal(a, b), name
 
 
+def test_a_save_copies_the_weights_to_host_memory_once(model, tmp_path, monkeypatch):
+    """The host copies begin_save takes are the tensors the writer hands to safetensors: no second copy."""
+    import safetensors.torch
+
+    from agentrl.learners import checkpoint
+
+    learner = TorchLearner(model, LearnerSection(lr=1e-2), AlgorithmSection(advantage="rloo"))
+    copies: list[int] = []
+    snapshot = checkpoint.snapshot
+
+    def spy_snapshot(t, host=None):
+        out = snapshot(t, host)
+        copies.append(out.untyped_storage().data_ptr())
+        return out
+
+    written: dict[str, int] = {}
+    save_file = safetensors.torch.save_file
+
+    def spy_save_file(tensors, filename, metadata=None):
+        written.update({name: t.untyped_storage().data_ptr() for name, t in tensors.items()})
+        save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(checkpoint, "snapshot", spy_snapshot)
+    monkeypatch.setattr(safetensors.torch, "save_file", spy_save_file)
+    learner.save(str(tmp_path / "ckpt"))
+    assert written and set(written.values()) <= set(copies)
+
+
 class GatedLearner(LearnerWorker):
     """A real learner whose file writes wait for the test (a slow disk), or fail as a full disk would."""
 

@@ -286,7 +286,11 @@ class Learner(abc.ABC):
         thread while the next steps train (agentrl.actors.learner: background checkpoint saves)."""
 
     def save(self, path: str) -> None:
+        """The checkpoint written when it returns on any rank: each rank writes its share, then the ranks of
+        the default process group (FSDP, Megatron) wait for each other."""
         self.begin_save(path)()
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.barrier()
 
     @abc.abstractmethod
     def load(self, path: str) -> None: ...

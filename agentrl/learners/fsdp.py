@@ -99,8 +99,8 @@ class World:
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The blocks sharded one by one: the decoder layers (a vision-language model's are
     `model.language_model.layers`). A vision tower stays in the root's group: ranks whose micro-batches hold no
-    picture run it apart from the model's forward (torch_learner `_idle_vision`), and one group all-gathered
-    with the root's keeps every rank's collectives in the same order."""
+    picture run it apart from the model's forward (agentrl.learners.vision_inputs `idle_vision`), and one group
+    all-gathered with the root's keeps every rank's collectives in the same order."""
     base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     base = getattr(base, "language_model", base)
     layers = getattr(base, "layers", None)

@@ -89,10 +89,18 @@ def write_weights(path: str | Path, named_tensors: Iterable[tuple[str, torch.Ten
     from safetensors.torch import save_file
 
     tensors = {}
+    seen: set[int] = set()
     for name, tensor in named_tensors:
         if tied and name == "lm_head.weight":
             continue
-        tensors[name] = tensor.detach().to("cpu").contiguous().clone()
+        t = tensor.detach().to("cpu").contiguous()
+        # safetensors refuses tensors that share memory: a slice of a larger storage (a fused weight's part)
+        # or a storage already written is copied out; a tensor owning its storage (a checkpoint's host copy)
+        # is written as it is, without a second copy
+        storage = t.untyped_storage()
+        shared = storage.data_ptr() in seen or storage.nbytes() != t.numel() * t.element_size()
+        seen.add(storage.data_ptr())
+        tensors[name] = t.clone() if shared else t
     save_file(tensors, str(path), metadata={"format": "pt"})
     if (Path(path).parent / "config.json").is_file():
         stamp_dtype(Path(path).parent)

@@ -28,12 +28,12 @@ every forward of the policy and the reference routes the batch's recorded positi
 training forward keeps the replay open over its backward, which gradient checkpointing routes again);
 `moe_aux_loss_coeff` / `moe_z_loss_coeff` add the load-balancing and z losses to every update's micro-batches
 (not to `sft_step`); every update reports the router metrics. `weights()` names experts one by one.
+Vision-language models: a micro-batch's pictures enter the forward through agentrl.learners.vision_inputs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -54,12 +54,13 @@ from agentrl.learners import (
     router_stats,
     routing_replay,
     torch_checkpoint,
+    torch_models,
 )
 from agentrl.learners.base import Learner, forget_momentum
 from agentrl.learners.batch import Batch, micro_batches
-from agentrl.learners.teacher import teacher_path
 from agentrl.learners.token_ops import position_entropy, token_entropy, token_logprobs
-from agentrl.vision import VisionSpec, image_pixels
+from agentrl.learners.vision_inputs import VisionInputs
+from agentrl.vision import VisionSpec
 
 
 class TorchLearner(Learner):
@@ -80,7 +81,7 @@ class TorchLearner(Learner):
         ):  # the section's own checks (LoRA with FSDP, ...) for a learner built directly
             self.cfg.validate()
         self.lora = self.cfg.lora if self.cfg.lora.enabled else None
-        self.base_path = self._base_path()
+        self.base_path = torch_models.base_path(self.model_path, self.lora is not None)
         self.world = fsdp.World(self.cfg.device) if self.cfg.fsdp else None
         if self.world is not None and self.algo.needs().value_head:
             raise LearnerError(
@@ -91,11 +92,13 @@ class TorchLearner(Learner):
             self.base_path
         )  # a vision-language model (agentrl.vision), else None
         self.takes_images = self.vision is not None
-        self._pixels: dict[str, tuple[torch.Tensor, tuple[int, int, int]]] = {}
-        self._blank: tuple[torch.Tensor, tuple[int, int, int]] | None = None  # `_idle_vision`'s picture
+        self._images = (
+            VisionInputs(self.vision, self.base_path, self.device) if self.vision is not None else None
+        )
         torch.manual_seed(seed)
-        self.model = self._policy_model()
-        self.ref_model, self.teacher_model = self._frozen_models()
+        bf16 = self._autocast_dtype() is not None
+        self.model = torch_models.policy_model(self, bf16)
+        self.ref_model, self.teacher_model = torch_models.frozen_models(self, bf16)
         self.invariant_shape = invariant_forward.check(self.model) if true_on_policy else None
         self.routers = routing_replay.hook(self.model, needed_by=self._moe_setting())
         self.ref_routers = None
@@ -138,46 +141,6 @@ class TorchLearner(Learner):
         ):
             if bad:
                 raise LearnerError(f"run.true_on_policy does not support {what}")
-
-    def _load_hf(self, dtype: torch.dtype, *, on_device: bool = True, path: Path | None = None):
-        """A Hugging Face causal LM from `path` (default: the base weights) without a KV cache, moved to this
-        learner's device unless `on_device` is False."""
-        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-        auto = AutoModelForImageTextToText if self.vision is not None else AutoModelForCausalLM
-        m = auto.from_pretrained(str(path or self.base_path), dtype=dtype)
-        m.config.use_cache = False
-        return m.to(self.device) if on_device else m
-
-    def _policy_model(self):
-        """The trained model: fp32, in train mode, checkpointed and FSDP-sharded or LoRA-wrapped as configured."""
-        model = self._load_hf(torch.float32, on_device=self.world is None)
-        model.train()
-        if self.cfg.gradient_checkpointing:
-            if hasattr(model, "activation_checkpointing_enable"):  # the newer transformers 5 name
-                model.activation_checkpointing_enable({"use_reentrant": False})
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.vision is not None and self.cfg.vision_tower == "frozen":
-            model.model.visual.requires_grad_(False)
-        if self.world is not None:  # shards move to the device; the full model never lands there
-            self.world.shard(model, self._autocast_dtype() is not None)
-        if self.lora is not None:
-            model = lora.wrap(model, self.lora, language_only=self.vision is not None)
-        return model
-
-    def _frozen_models(self) -> tuple:
-        """(reference, teacher), each None unless configured: frozen, in bf16 where the forward runs in bf16
-        anyway, replicated under FSDP. Under LoRA the reference is the model itself with the adapter disabled."""
-        dtype = torch.bfloat16 if self._autocast_dtype() is not None else torch.float32
-        ref = None
-        if self.cfg.reference_model:
-            ref = self.model if self.lora is not None else self._load_hf(dtype).eval().requires_grad_(False)
-        teacher = None
-        if self.algo.needs().teacher:
-            path = teacher_path(self.algo.teacher, self.base_path)
-            teacher = self._load_hf(dtype, path=path).eval().requires_grad_(False)
-        return ref, teacher
 
     def _moe_setting(self) -> str | None:
         """The learner setting that needs an MoE model's routers, if any (for the error without one)."""
@@ -228,16 +191,6 @@ class TorchLearner(Learner):
             metrics["loss"] = metrics["loss"] + total.detach()
         return total
 
-    def _base_path(self) -> Path:
-        """The HF directory the base weights load from: the model, or a LoRA checkpoint's base."""
-        if (self.model_path / checkpoint.METADATA_FILE).is_file():
-            base = checkpoint.read_metadata(self.model_path).get("lora_base")
-            if base is not None and self.lora is None:
-                raise LearnerError(f"{self.model_path}: a LoRA checkpoint needs learner.lora.rank > 0")
-            if base is not None:
-                return Path(base)
-        return self.model_path
-
     def _params(self) -> list[torch.nn.Parameter]:
         params = lora.trainable(self.model)  # every parameter, or the adapter's alone
         if self.value_head is not None:
@@ -269,24 +222,27 @@ class TorchLearner(Learner):
         mb = mb.to(self.device)
         if self.invariant_shape is not None and model in (self.model, self.ref_model):
             return self._invariant_forward(model, mb, entropy=entropy, values=values)
-        positions = self._positions(mb)
+        positions = self._images.forward_inputs(mb) if self._images is not None else {}
         stray = positions.pop("stray", None)
-        with self._autocast(model), self._stray_placeholders(model, stray):
+        placeholders = (
+            contextlib.nullcontext() if stray is None else self._images.stray_placeholders(model, stray)
+        )
+        with self._autocast(model), placeholders:
             out = model(
                 input_ids=mb.input_ids if stray is None else mb.input_ids.masked_fill(stray, self.pad_id),
                 attention_mask=None if mb.packed else mb.attention_mask,
                 output_hidden_states=values,
                 use_cache=False,
-                **positions,
+                **(positions or {"position_ids": mb.position_ids}),
             )
         logp = token_logprobs(out.logits, mb.input_ids, self.temperature)
         if (
             self.world is not None
-            and self.vision is not None
+            and self._images is not None
             and model is self.model
             and "pixel_values" not in positions
         ):
-            logp = logp + 0.0 * self._idle_vision(model)
+            logp = logp + 0.0 * self._images.idle_vision(model, lambda: self._autocast(model))
         ent = None
         if entropy:
             with torch.set_grad_enabled(torch.is_grad_enabled() and self.algo.entropy_coef != 0.0):
@@ -296,78 +252,6 @@ class TorchLearner(Learner):
             hidden = out.hidden_states[-1].float()
             vals = F.pad(self.value_head(hidden[:, :-1]).squeeze(-1), (1, 0))
         return logp, ent, vals
-
-    def _idle_vision(self, model) -> torch.Tensor:
-        """The sum of the vision tower's output on a blank picture. Under FSDP every rank must reduce-scatter the
-        same gradients: a micro-batch without pictures still runs the vision tower (in the root's group,
-        agentrl.learners.fsdp), adding this times 0 to its log-probs, so a trained tower gets (zero) gradients
-        on every rank."""
-        if self._blank is None:
-            from PIL import Image
-
-            buf = io.BytesIO()
-            Image.new("RGB", (1, 1), "white").save(buf, "PNG")
-            values, grid = image_pixels(self.base_path, buf.getvalue())
-            self._blank = (torch.from_numpy(values), grid)
-        values, grid = self._blank
-        with self._autocast(model):
-            out = model.model.get_image_features(
-                pixel_values=values.to(self.device),
-                image_grid_thw=torch.tensor([grid], dtype=torch.int64, device=self.device),
-            )
-        return sum(t.float().sum() for t in _tensors(out))
-
-    def _positions(self, mb: Batch) -> dict:
-        """The forward's position inputs: `position_ids`; a VLM's rows with pictures: the pixels, their grids and
-        which tokens are image tokens (their spans), from which the model computes its multimodal positions;
-        `stray`: the image placeholder tokens outside the spans, when a row holds any (see
-        `_stray_placeholders`)."""
-        if not mb.images or not any(mb.images):
-            return {"position_ids": mb.position_ids}
-        pixels, grids = [], []
-        placed = torch.zeros(mb.input_ids.shape, dtype=torch.bool)
-        for r, row in enumerate(mb.images):
-            for img, grid, start in row:
-                placed[r, start : start + self.vision.n_tokens(grid)] = True
-                hit = self._pixels.get(img.sha256)
-                if hit is None:  # the engine's pixels: the same processor (agentrl.vision)
-                    values, made = image_pixels(self.base_path, img.data)
-                    if made != grid:
-                        raise LearnerError(f"an image span's grid_thw {list(grid)} is not the {list(made)} this "
-                                           "model's image processor makes of the picture")  # fmt: skip
-                    hit = self._pixels[img.sha256] = (torch.from_numpy(values), made)
-                    if len(self._pixels) > 1024:
-                        self._pixels.pop(next(iter(self._pixels)))
-                pixels.append(hit[0])
-                grids.append(grid)
-        placed = placed.to(self.device)
-        stray = (mb.input_ids == self.vision.image_token_id) & ~placed
-        return {
-            "pixel_values": torch.cat(pixels).to(self.device),
-            "image_grid_thw": torch.tensor(grids, dtype=torch.int64, device=self.device),
-            "mm_token_type_ids": placed.int(),
-        } | ({"stray": stray} if bool(stray.any()) else {})
-
-    @contextlib.contextmanager
-    def _stray_placeholders(self, model, stray: torch.Tensor | None):
-        """An untrained VLM samples its own image placeholder token now and then; the engine decodes it as a
-        text token, but transformers would take every placeholder in input_ids for a picture's place. So the
-        forward gets another token id there and this hook on the token embedding puts the placeholder's own
-        embedding back: a text token at a text position, inside the model's forward (where FSDP has gathered
-        the embedding)."""
-        if stray is None:
-            yield
-            return
-        mask, image_id = stray.unsqueeze(-1), self.vision.image_token_id
-
-        def put_back(module, args, output):
-            return torch.where(mask, module.weight[image_id].to(output.dtype), output)
-
-        handle = model.get_input_embeddings().register_forward_hook(put_back)
-        try:
-            yield
-        finally:
-            handle.remove()
 
     def _invariant_forward(self, model, mb: Batch, *, entropy: bool, values: bool):
         """`_forward` of the policy or the reference under run.true_on_policy (agentrl.learners.invariant_forward;
@@ -579,26 +463,8 @@ class TorchLearner(Learner):
         """Under FSDP a collective: every rank calls it, rank 0 writes (agentrl.learners.torch_checkpoint)."""
         return torch_checkpoint.begin_save(self, path)
 
-    def save(self, path: str) -> None:
-        """Written when it returns on any rank (rank 0 writes; the others wait for it)."""
-        super().save(path)
-        if self.world is not None:
-            torch.distributed.barrier()
-
     def load(self, path: str) -> None:
         torch_checkpoint.load(self, path)
-
-
-def _tensors(out) -> Iterator[torch.Tensor]:
-    """Every tensor of a model output (a tensor, a tuple or list of them, or a ModelOutput)."""
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, (tuple, list)):
-        for item in out:
-            yield from _tensors(item)
-    elif hasattr(out, "values"):
-        for item in out.values():
-            yield from _tensors(item)
 
 
 @contextlib.contextmanager

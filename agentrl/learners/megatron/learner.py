@@ -560,14 +560,6 @@ class MegatronLearner(Learner):
     def begin_save(self, path: str) -> Callable[[], None]:
         return checkpoint.begin_save(self, Path(path))
 
-    def save(self, path: str) -> None:
-        """Written when it returns on any rank (each rank writes its files; then they wait for each other)."""
-        super().save(path)
-        import torch.distributed as dist
-
-        if dist.get_world_size() > 1:
-            dist.barrier()
-
     def save_adapter_dir(self, path: str) -> None:
         """The LoRA adapter as a PEFT directory (collective under TP/PP; rank 0 writes)."""
         checkpoint.save_adapter_dir(self, Path(path))
