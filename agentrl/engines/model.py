@@ -2,7 +2,7 @@
 written directly in torch.
 
 Weights live in fused buffers (`qkv`, `gate_up`; an MoE layer's `experts_gate_up` [E, 2I, H] and `experts_down`
-[E, H, I]) and `params` maps every Hugging Face name to a view of them,
+[E, H, I]; laid out by agentrl.engines.weight_layout) and `params` maps every Hugging Face name to a view of them,
 so a learner's `(hf_name, tensor)` stream, or a safetensors file, loads by `params[name].copy_(tensor)` in
 place: no reallocation, so the KV cache, views and (later) captured graphs stay valid across weight updates.
 Expert weights answer to the per-expert names a checkpoint (and SGLang's loader) uses,
@@ -19,7 +19,6 @@ Numerics follow transformers: RMSNorm in fp32, RoPE tables in fp32 cast to the m
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from agentrl import invariant
+from agentrl.engines import weight_layout
 from agentrl.engines.layers import (
     grouped_mm_works,
     layer_in,
@@ -77,10 +77,10 @@ class CausalLM:
         moe_layers = set(s.moe.layers) if s.moe else set()
         for i in range(s.layers):
             if i in moe_layers:
-                layer, names, aliases = _moe_layer(s, f"model.layers.{i}.", empty, self.device)
+                layer, names, aliases = weight_layout.moe_layer(s, f"model.layers.{i}.", empty, self.device)
                 self.aliases.update(aliases)
             else:
-                layer, names = _fused_layer(s, f"model.layers.{i}.", empty)
+                layer, names = weight_layout.dense_layer(s, f"model.layers.{i}.", empty)
             self.layers.append(layer)
             self.params.update(names)
         # one matmul per projection over every expert's slice where the kernel runs (no host sync), else a loop
@@ -476,89 +476,3 @@ class CausalLM:
                 )
             x = self._out(layer, x, attn.reshape(b, self.q_dim), fused=True, record=record)
         return self.logits(x)
-
-
-def _attention(
-    s: ModelSpec, p: str, empty: Callable[..., torch.Tensor]
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """A layer's norms and attention buffers (`qkv` fused) and the HF name of every view into them."""
-    q_dim, kv_dim = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    layer = {
-        "ln1": empty(s.hidden),
-        "ln2": empty(s.hidden),
-        "qkv": empty(q_dim + 2 * kv_dim, s.hidden),
-        "o": empty(s.hidden, q_dim),
-    }
-    names = {
-        p + "input_layernorm.weight": layer["ln1"],
-        p + "post_attention_layernorm.weight": layer["ln2"],
-        p + "self_attn.q_proj.weight": layer["qkv"][:q_dim],
-        p + "self_attn.k_proj.weight": layer["qkv"][q_dim : q_dim + kv_dim],
-        p + "self_attn.v_proj.weight": layer["qkv"][q_dim + kv_dim :],
-        p + "self_attn.o_proj.weight": layer["o"],
-    }
-    if s.attn_bias:
-        layer["qkv_b"] = empty(q_dim + 2 * kv_dim)
-        names[p + "self_attn.q_proj.bias"] = layer["qkv_b"][:q_dim]
-        names[p + "self_attn.k_proj.bias"] = layer["qkv_b"][q_dim : q_dim + kv_dim]
-        names[p + "self_attn.v_proj.bias"] = layer["qkv_b"][q_dim + kv_dim :]
-    if s.qk_norm:
-        layer["q_norm"], layer["k_norm"] = empty(s.head_dim), empty(s.head_dim)
-        names[p + "self_attn.q_norm.weight"] = layer["q_norm"]
-        names[p + "self_attn.k_norm.weight"] = layer["k_norm"]
-    return layer, names
-
-
-def _fused_layer(
-    s: ModelSpec, p: str, empty: Callable[..., torch.Tensor]
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """One dense layer's fused buffers (`qkv`, `gate_up`, ...) and the HF name of every view into them."""
-    layer, names = _attention(s, p, empty)
-    layer["gate_up"], layer["down"] = empty(2 * s.intermediate, s.hidden), empty(s.hidden, s.intermediate)
-    names[p + "mlp.gate_proj.weight"] = layer["gate_up"][: s.intermediate]
-    names[p + "mlp.up_proj.weight"] = layer["gate_up"][s.intermediate :]
-    names[p + "mlp.down_proj.weight"] = layer["down"]
-    if s.mlp_bias:
-        layer["gate_up_b"], layer["down_b"] = empty(2 * s.intermediate), empty(s.hidden)
-        names[p + "mlp.gate_proj.bias"] = layer["gate_up_b"][: s.intermediate]
-        names[p + "mlp.up_proj.bias"] = layer["gate_up_b"][s.intermediate :]
-        names[p + "mlp.down_proj.bias"] = layer["down_b"]
-    return layer, names
-
-
-def _moe_layer(
-    s: ModelSpec, p: str, empty: Callable[..., torch.Tensor], device: torch.device
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, list[str]]]]:
-    """An MoE layer's buffers, the HF name of every view into them (per expert, as checkpoints and SGLang name
-    them) and the fused names transformers 5 uses in memory (each covering its per-expert names)."""
-    moe = s.moe
-    layer, names = _attention(s, p, empty)
-    e, inter = moe.experts, moe.intermediate
-    layer["experts_gate_up"] = empty(e, 2 * inter, s.hidden)
-    layer["experts_down"] = empty(e, s.hidden, inter)
-    if moe.router == "sigmoid":  # transformers keeps GLM-4.5's router and its bias in fp32
-        layer["router"] = torch.zeros(e, s.hidden, device=device, dtype=torch.float32)
-        layer["e_bias"] = torch.zeros(e, device=device, dtype=torch.float32)
-        names[p + "mlp.gate.e_score_correction_bias"] = layer["e_bias"]
-    else:
-        layer["router"] = empty(e, s.hidden)
-    names[p + "mlp.gate.weight"] = layer["router"]
-    covered: dict[str, list[str]] = {"gate_up_proj": [], "down_proj": []}
-    for i in range(e):
-        q = f"{p}mlp.experts.{i}."
-        names[q + "gate_proj.weight"] = layer["experts_gate_up"][i, :inter]
-        names[q + "up_proj.weight"] = layer["experts_gate_up"][i, inter:]
-        names[q + "down_proj.weight"] = layer["experts_down"][i]
-        covered["gate_up_proj"] += [q + "gate_proj.weight", q + "up_proj.weight"]
-        covered["down_proj"].append(q + "down_proj.weight")
-    aliases = {
-        p + "mlp.experts.gate_up_proj": (layer["experts_gate_up"], covered["gate_up_proj"]),
-        p + "mlp.experts.down_proj": (layer["experts_down"], covered["down_proj"]),
-    }
-    if moe.shared_intermediate:
-        si = moe.shared_intermediate
-        layer["shared_gate_up"], layer["shared_down"] = empty(2 * si, s.hidden), empty(s.hidden, si)
-        names[p + "mlp.shared_experts.gate_proj.weight"] = layer["shared_gate_up"][:si]
-        names[p + "mlp.shared_experts.up_proj.weight"] = layer["shared_gate_up"][si:]
-        names[p + "mlp.shared_experts.down_proj.weight"] = layer["shared_down"]
-    return layer, names, aliases
