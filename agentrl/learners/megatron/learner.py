@@ -39,6 +39,7 @@ from agentrl.learners.megatron import (
     lora,
     ops,
     pipeline,
+    routers,
     routing_replay,
     update,
 )
@@ -155,7 +156,7 @@ class MegatronLearner(Learner):
         model = build_gpt(
             arch, dtype=self.dtype, device=str(self.device), attention=self.attention, fused=self.fused,
             calculate_per_token_loss=True, use_te=False if self.lora is not None else None,
-            experts=self.cfg.moe_experts, **self._pipeline_config(), **self._moe_loss_config(arch),
+            experts=self.cfg.moe_experts, **self._pipeline_config(), **routers.loss_config(self.cfg, arch),
         )  # fmt: skip
         convert.check_hf_names(arch, checkpoint.weight_map(path))
         with checkpoint.hf_reader(path) as get_hf:
@@ -164,39 +165,6 @@ class MegatronLearner(Learner):
         if self.ep_size > 1 and self.moe_token_dispatcher() == "allgather":  # alltoall takes unequal counts
             expert_parallel.pad_tokens(model)
         return model
-
-    def _moe_loss_config(self, arch: ArchSpec) -> dict:
-        """The router's load-balancing and z-loss coefficients (MoE models; 0 = off), in megatron's terms.
-
-        Megatron adds each MoE layer's loss; the learner's coefficients weigh the mean over MoE layers (as the
-        torch learner's do), and megatron's Switch loss counts each expert's share of the tokens' top-k slots
-        (summing to 1) where transformers' counts its share of tokens (summing to top-k): times top-k."""
-        if not arch.num_experts:
-            return {}
-        layers = len(arch.moe_layer_indices)
-        return {
-            "moe_aux_loss_coeff": self.cfg.moe_aux_loss_coeff * arch.moe_topk / layers,
-            # None: megatron skips the term entirely
-            "moe_z_loss_coeff": self.cfg.moe_z_loss_coeff / layers if self.cfg.moe_z_loss_coeff else None,
-        }
-
-    def _scale_moe_losses(self, batch: Batch, on: bool = True) -> None:
-        """Megatron adds each router loss's gradient once per micro-batch, times that micro-batch's real tokens
-        (its per-token-loss convention): scaled by 1 / the update's real tokens (every DP rank's), the
-        coefficients weigh the token mean of the load-balancing and z losses over the mini-batch, as the policy
-        loss's normalisers do. `on = False`: no router losses (the SFT step, as the torch learner's)."""
-        if not self._router_losses():
-            return
-        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-        tokens = sum(batch.row_lengths_list())
-        scale = 1.0 / max(tokens, 1) if on else 0.0
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale, device=self.device))
-
-    def _router_losses(self) -> bool:
-        """Whether the routers add a load-balancing or z loss (a MoE model with either coefficient > 0)."""
-        lc = self.cfg
-        return bool(self.arch.num_experts) and (lc.moe_aux_loss_coeff > 0 or lc.moe_z_loss_coeff > 0)
 
     def _load_teacher(self) -> torch.nn.Module:
         """The distillation teacher, frozen: its own architecture, the student's parallel layout."""
@@ -376,7 +344,7 @@ class MegatronLearner(Learner):
 
     def _update(self, batch: Batch) -> tuple[dict[str, float], int]:
         self._zero_grad()
-        self._scale_moe_losses(batch)
+        routers.scale(self, batch)
         tally = None
         if self.arch.num_experts:
             tally = router_stats.RouterTally(
@@ -402,13 +370,13 @@ class MegatronLearner(Learner):
             # the lockstep passes first: an EP rank still owing its group a pass must not wait in the router
             # metrics' collective meanwhile
             self._lockstep(batch, owed)
-            moe = self._router_metrics(tally)
+            moe = routers.metrics(self, tally)
             norm = update.grad_norm(self)
             # with the step's batch metrics and the router metrics: one read
             parts = self._read_metrics(parts if moe is None else [*parts, (moe, 1.0)])
             moe_floats = parts.pop()[0] if moe is not None else {}
         else:
-            moe = self._router_metrics(tally)
+            moe = routers.metrics(self, tally)
             parts = pipeline.broadcast_from_last(parts)
             norm = update.grad_norm(self)
             moe_floats = metric_floats([(moe, 1.0)])[0][0] if moe is not None else {}
@@ -416,19 +384,6 @@ class MegatronLearner(Learner):
         metrics.update(moe_floats)  # already summed over the ranks
         metrics.update(self._apply_update(norm, loss=metrics.get("loss", 0.0)))
         return metrics, len(parts)
-
-    def _router_metrics(self, tally: router_stats.RouterTally | None) -> dict[str, torch.Tensor] | None:
-        """The update's router metrics from its tally summed over the data-parallel ranks (other tokens; under
-        EP too) and the pipeline stages (other layers); MoE models run TP = 1. None for a dense model."""
-        if tally is None:
-            return None
-        from megatron.core import parallel_state as ps
-
-        if self.dp_size > 1:
-            dist.all_reduce(tally.flat, group=ps.get_data_parallel_group())
-        if self.pp_size > 1:
-            dist.all_reduce(tally.flat, group=ps.get_pipeline_model_parallel_group())
-        return tally.metrics(replaying=self.cfg.routing_replay == "rollout")
 
     def _owed_passes(self, batch: Batch, mine: int) -> int:
         """The passes this rank will owe its EP group after its `mine` micro-batches of `batch`
@@ -450,12 +405,12 @@ class MegatronLearner(Learner):
         mbs = micro_batches(batch, self.cfg.micro_batch_tokens)
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        if self._router_losses():
+        if routers.enabled(self.cfg, self.arch):
             MoEAuxLossAutoScaler.set_loss_scale(torch.zeros((), device=self.device))
         for _ in range(owed):
             logp, _ = self._forward(self.model, mbs[-1])
             (logp.sum() * 0.0).backward()
-        self._scale_moe_losses(batch, on=router_losses)
+        routers.scale(self, batch, on=router_losses)
 
     def _loss_payload(self, mb: Batch, logits: torch.Tensor) -> tuple:
         logp, ent = self._from_logits(logits, mb, entropy=True)
@@ -479,7 +434,7 @@ class MegatronLearner(Learner):
         _check_batch(batch)
         batch = batch.to(self.device)
         self._zero_grad()
-        self._scale_moe_losses(batch, on=False)
+        routers.scale(self, batch, on=False)
         mbs = self._my_micro_batches(batch)
         payload = functools.partial(self._sft_payload, total_loss_tokens=batch.total_loss_tokens)
         if self.pp_size == 1:
