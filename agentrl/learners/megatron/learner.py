@@ -354,7 +354,7 @@ class MegatronLearner(Learner):
         try:
             if self.pp_size == 1:
                 parts, mbs = [], self._my_micro_batches(batch)
-                owed = self._owed_passes(batch, len(mbs))  # before any MoE layer's collective
+                owed = expert_parallel.owed_passes(self, batch, len(mbs))  # before any MoE layer's collective
                 for mb in mbs:
                     logp, ent = self._forward(self.model, mb, entropy=True)
                     loss, m = compute_loss(self.algo, mb, logp, entropy=ent, as_tensors=True)
@@ -369,7 +369,7 @@ class MegatronLearner(Learner):
         if self.pp_size == 1:
             # the lockstep passes first: an EP rank still owing its group a pass must not wait in the router
             # metrics' collective meanwhile
-            self._lockstep(batch, owed)
+            expert_parallel.run_owed(self, batch, owed)
             moe = routers.metrics(self, tally)
             norm = update.grad_norm(self)
             # with the step's batch metrics and the router metrics: one read
@@ -384,33 +384,6 @@ class MegatronLearner(Learner):
         metrics.update(moe_floats)  # already summed over the ranks
         metrics.update(self._apply_update(norm, loss=metrics.get("loss", 0.0)))
         return metrics, len(parts)
-
-    def _owed_passes(self, batch: Batch, mine: int) -> int:
-        """The passes this rank will owe its EP group after its `mine` micro-batches of `batch`
-        (expert_parallel.py). On data-parallel slices every rank runs all micro-batches of its own slice, so
-        the group agrees on its most in a collective: call it before the micro-batches (whose MoE layers run
-        collectives of the same group)."""
-        if self.ep_size == 1:
-            return 0
-        if self._sliced:
-            return expert_parallel.owed_in_group(mine, self.device)
-        return expert_parallel.lockstep_passes(len(micro_batches(batch, self.cfg.micro_batch_tokens)), mine,
-                                               self.dp_size)  # fmt: skip
-
-    def _lockstep(self, batch: Batch, owed: int, router_losses: bool = True) -> None:
-        """Under EP, the `owed` forward/backward passes (`_owed_passes`), on a micro-batch of the batch with zero
-        loss and zero router-loss scale: no gradient changes."""
-        if owed <= 0:
-            return
-        mbs = micro_batches(batch, self.cfg.micro_batch_tokens)
-        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-        if routers.enabled(self.cfg, self.arch):
-            MoEAuxLossAutoScaler.set_loss_scale(torch.zeros((), device=self.device))
-        for _ in range(owed):
-            logp, _ = self._forward(self.model, mbs[-1])
-            (logp.sum() * 0.0).backward()
-        routers.scale(self, batch, on=router_losses)
 
     def _loss_payload(self, mb: Batch, logits: torch.Tensor) -> tuple:
         logp, ent = self._from_logits(logits, mb, entropy=True)
@@ -443,7 +416,8 @@ class MegatronLearner(Learner):
                 loss = sft_loss(self._forward(self.model, mb)[0], mb.loss_mask, batch.total_loss_tokens)
                 loss.backward()
                 losses.append(loss.detach())
-            self._lockstep(batch, self._owed_passes(batch, len(mbs)), router_losses=False)
+            owed = expert_parallel.owed_passes(self, batch, len(mbs))
+            expert_parallel.run_owed(self, batch, owed, router_losses=False)
             norm = update.grad_norm(self)
             # a data-parallel rank may hold no micro-batch of a small batch (the warm-up's): it adds nothing
             total = float(torch.stack(losses).sum()) if losses else 0.0
