@@ -149,7 +149,9 @@ def test_unsupported_settings_are_refused(megatron_model):
         TorchLearner(str(moe), LearnerSection(kind="torch"), true_on_policy=True)
     with pytest.raises(LearnerError, match="gradient_checkpointing"):
         TorchLearner(
-            str(model_dir), LearnerSection(kind="torch", gradient_checkpointing=True), true_on_policy=True
+            str(megatron_model("qwen3")),
+            LearnerSection(kind="torch", gradient_checkpointing=True),
+            true_on_policy=True,
         )
 
 
