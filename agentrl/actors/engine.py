@@ -33,6 +33,7 @@ from typing import Any
 from agentrl.actors.images import ImageStore
 from agentrl.config import Config
 from agentrl.engines.base import Engine, GenerateOutput, SamplingParams, image_kwargs
+from agentrl.engines.wire import SERVE_ENGINE
 from agentrl.types import Image
 
 
@@ -70,9 +71,6 @@ def make_engine(cfg: Config, model_path: str, index: int = 0) -> Engine:
 def make_engines(cfg: Config, model_path: str, count: int | None = None) -> list[Engine]:
     n = cfg.engine.num_engines if count is None else count
     return [make_engine(cfg, model_path, i) for i in range(max(1, n))]
-
-
-SERVE_ENGINE = "agentrl-embedded"  # /get_model_info's `engine` from serve-engine (agentrl.engines.server)
 
 
 @dataclass(frozen=True)

@@ -378,7 +378,7 @@ class EngineServer:
                 "model_path": e.model_path,
                 "tokenizer_path": e.model_path,
                 "is_generation": True,
-                "engine": "agentrl-embedded",
+                "engine": wire.SERVE_ENGINE,
                 "weight_version": str(e.policy_version),
                 "vocab_size": e.vocab_size,
                 "max_seq_len": e.max_seq_len,
@@ -400,7 +400,7 @@ class EngineServer:
         return web.json_response(
             {
                 **info,
-                "engine": "agentrl-embedded",
+                "engine": wire.SERVE_ENGINE,
                 "tp_size": 1,
                 "model_path": self.engine.model_path,
                 # SGLang's names: stop strings need the tokenizer; no grammar backend (no structured output)

@@ -346,7 +346,7 @@ class SGLangEngine(Engine):
         """Whether the server is agentrl's serve-engine (/get_model_info's `engine`, asked once)."""
         if self._serve_engine is None:
             info = await self._call("GET", "/get_model_info", error=WeightSyncError)
-            self._serve_engine = info.get("engine") == "agentrl-embedded"
+            self._serve_engine = info.get("engine") == wire.SERVE_ENGINE
         return self._serve_engine
 
     async def _tensor_format(self) -> str:

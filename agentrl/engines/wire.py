@@ -48,6 +48,7 @@ ROUTED_WIRE_DTYPES = {
 # bounds decoding enforces (and /openapi.json states, engines/openapi.py); the engine checks the rest
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+SERVE_ENGINE = "agentrl-embedded"  # /get_model_info's `engine` from `agentrl serve-engine`
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
