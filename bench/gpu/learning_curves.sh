@@ -20,7 +20,7 @@ bg=/tmp/learning_curves; mkdir -p "$bg"
 part=${1:-}; shift || true
 case $part in
   start)
-    [ $# -gt 0 ] || { echo "learning_curves.sh start: name a stack (torch-embedded[-bf16] | torch-embedded-colocated-bf16 | megatron-sglang | cpu)" >&2; exit 2; }
+    [ $# -gt 0 ] || { echo "learning_curves.sh start: name a stack (torch-embedded[-bf16|-engine-bf16|-learner-bf16] | torch-embedded-colocated-bf16 | megatron-sglang | cpu)" >&2; exit 2; }
     for stack in "$@"; do
       case $stack in
         torch-embedded)  # what a user gets with the devices named: the quickstart's placement (split), float32
@@ -28,6 +28,12 @@ case $part in
         torch-embedded-bf16)  # the same in bfloat16 (the learner autocasts, float32 master weights)
           gpu_setup megatron; cores=${CORES:-6-11}; per=2; flags=(--engine.device cuda --learner.device cuda
             --engine.dtype bfloat16 --learner.dtype bfloat16) ;;
+        torch-embedded-engine-bf16)  # which side's bfloat16 matters: the engine alone in bfloat16
+          gpu_setup megatron; cores=${CORES:-0-5}; per=2; flags=(--engine.device cuda --learner.device cuda
+            --engine.dtype bfloat16) ;;
+        torch-embedded-learner-bf16)  # the learner alone in bfloat16 (autocast, float32 master weights)
+          gpu_setup megatron; cores=${CORES:-6-11}; per=2; flags=(--engine.device cuda --learner.device cuda
+            --learner.dtype bfloat16) ;;
         torch-embedded-colocated-bf16)  # learner and engine in one process
           gpu_setup megatron; cores=${CORES:-0-5}; per=2; flags=(--run.placement colocated --engine.device cuda
             --engine.dtype bfloat16 --learner.device cuda --learner.dtype bfloat16) ;;
@@ -35,7 +41,7 @@ case $part in
           gpu_setup megatron sglang; cores=${CORES:-8-13}; per=2
           flags=(--run.placement colocated "${MEGATRON_GPU[@]}" "${SGLANG_GPU[@]}" --sglang-mem-fraction-static 0.12) ;;
         cpu) gpu_setup megatron; cores=${CORES:-10-15}; per=2; flags=() ;;
-        *) echo "learning_curves.sh: unknown stack '$stack' (torch-embedded[-bf16] | torch-embedded-colocated-bf16 | megatron-sglang | cpu)" >&2; exit 2 ;;
+        *) echo "learning_curves.sh: unknown stack '$stack' (torch-embedded[-bf16|-engine-bf16|-learner-bf16] | torch-embedded-colocated-bf16 | megatron-sglang | cpu)" >&2; exit 2 ;;
       esac
       python3 -c "import ray, msgspec" || { echo "no Ray here: first call carries .whl" >&2; exit 1; }
       hide=(); [ "$stack" = cpu ] && hide=(env CUDA_VISIBLE_DEVICES=)
