@@ -70,6 +70,12 @@ def build_model(arch: str, root: Path, device: str) -> Path:
         else:
             setattr(text, key, value)
             setattr(cfg, key, value)
+    for c in {id(text): text, id(cfg): cfg}.values():  # the tiny model's per-layer list has its own depth
+        if getattr(c, "layer_types", None) is not None:
+            c.layer_types = ["full_attention"] * text.num_hidden_layers
+        if hasattr(c, "rope_parameters"):  # transformers 5 reads RoPE here (rope_scaling is its alias)
+            c.rope_parameters = {"rope_type": "default", "rope_theta": QWEN25_VL_3B["rope_theta"],
+                                 "mrope_section": QWEN25_VL_3B["rope_scaling"]["mrope_section"]}  # fmt: skip
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForImageTextToText.from_config(cfg, dtype=torch.bfloat16)

@@ -10,6 +10,7 @@
 # The GPU image: Python 3.12, torch 2.11.0+cu130, transformers 5.17 (SGLang 0.5.12 pins that torch; newer ones
 # pin a torch the image lacks). megatron-core needs a manylinux_2_28 tag, or pip silently picks 0.3.0.
 set -euo pipefail
+repo=$(cd "$(dirname "$0")/../.." && pwd)
 dl() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
   --platform manylinux_2_26_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
@@ -37,22 +38,8 @@ zip -q -d "$k" 'sgl_kernel/flash_ops.abi3.so' 'sgl_kernel/sm100/*' 'sgl_kernel/f
 mkdir -p rec/$kd
 unzip -p "$k" $kd/RECORD | grep -v -E '^(sgl_kernel/flash_ops\.abi3\.so|sgl_kernel/sm100/|sgl_kernel/flashmla_ops\.abi3\.so|_mscclpp\.|lib/|lib64/|include/)' > rec/$kd/RECORD
 (cd rec && zip -q "../$k" $kd/RECORD); mv "$k" wheels/
-# transformers 5.17 already registers "qwen3_asr": make sglang's two AutoConfig.register calls tolerate it.
-python3 - wheels/sglang-0.5.12-*.whl <<'PY'
-import base64, hashlib, re, sys, zipfile, os
-src = sys.argv[1]; tmp = src + ".tmp"; target = "sglang/srt/configs/qwen3_asr.py"
-zin = zipfile.ZipFile(src); text = zin.read(target).decode()
-new = re.sub(r'AutoConfig\.register\(("qwen3_asr(?:_thinker)?"), (\w+)\)', r'AutoConfig.register(\1, \2, exist_ok=True)', text)
-assert new.count("exist_ok=True") == 2
-digest = base64.urlsafe_b64encode(hashlib.sha256(new.encode()).digest()).rstrip(b"=").decode()
-rec = [n for n in zin.namelist() if n.endswith(".dist-info/RECORD")][0]
-lines = [f"{target},sha256={digest},{len(new.encode())}" if l.startswith(target + ",") else l
-         for l in zin.read(rec).decode().splitlines()]
-with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
-    for i in zin.infolist():
-        z.writestr(i, new if i.filename == target else ("\n".join(lines) + "\n" if i.filename == rec else zin.read(i.filename)))
-os.replace(tmp, src)
-PY
+# SGLang pins transformers 5.6.0; the image has 5.17: two imports patched (bench/gpu/patch_sglang_wheel.py).
+python3 "$repo/bench/gpu/patch_sglang_wheel.py" wheels/sglang-0.5.12-*.whl
 tar -cf "$out/sglang_wheelhouse.tar" wheels
 ls -l "$out/sglang_wheelhouse.tar"
 }
