@@ -102,6 +102,7 @@ class SGLangEngine(Engine):
         self._unloads: set[asyncio.Task] = set()
         self.model_path = model_path
         self._moe: tuple[MoeSpec | None, int] | None = None  # the served model's MoE layers, once read
+        self._config: dict | None = None  # the served model's config.json, once read (_model_config)
         self._text: TextOptions | None = None  # what the server does with text, once asked (text_options)
         self._serve_engine: bool | None = None  # whether the server is agentrl's serve-engine, once asked
 
@@ -179,6 +180,8 @@ class SGLangEngine(Engine):
                                      "(no grammar backend, or --skip-tokenizer-init)")  # fmt: skip
             if sampling.stop and not text.stop:  # as the embedded engine: it runs on, the caller cuts
                 sampling = msgspec.structs.replace(sampling, stop=[])
+        if images and not await self.serve_engine():
+            input_ids = wire.collapse_image_runs(input_ids, await self._image_token_id())
         await self._gate.wait()
         body = wire.generate_body(input_ids, sampling, request_id, images)
         lora = self._lora.acquire()
@@ -207,22 +210,37 @@ class SGLangEngine(Engine):
             out.versions = [(lora[1], len(out.output_ids))] if out.output_ids else []
         return out
 
-    async def _moe_layout(self) -> tuple[MoeSpec | None, int]:
-        """The served model's MoE layers and its layer count, from its config.json (read once)."""
-        if self._moe is None:
+    async def _model_config(self, why: str) -> dict:
+        """The served model's config.json (read once; `why` names what needs it in the error)."""
+        if self._config is None:
             from pathlib import Path
 
             path = self.model_path or (await self._call("GET", "/get_model_info")).get("model_path")
             config = Path(str(path)) / "config.json"
             try:
-                cfg = json.loads(config.read_text())
+                self._config = json.loads(config.read_text())
             except (OSError, ValueError) as exc:
                 raise EngineError(
-                    f"{self.url}: routed experts: cannot read the model's config.json at {config} ({exc}); give "
+                    f"{self.url}: {why}: cannot read the model's config.json at {config} ({exc}); give "
                     "the client the model directory (SGLangEngine model_path)"
                 ) from None
+        return self._config
+
+    async def _moe_layout(self) -> tuple[MoeSpec | None, int]:
+        """The served model's MoE layers and its layer count, from its config.json."""
+        if self._moe is None:
+            cfg = await self._model_config("routed experts")
             self._moe = (moe_from_hf_config(cfg), int(cfg["num_hidden_layers"]))
         return self._moe
+
+    async def _image_token_id(self) -> int:
+        """The served VLM's image placeholder token, from its config.json."""
+        cfg = await self._model_config("images")
+        if "image_token_id" not in cfg:
+            raise InvalidRequest(
+                "image_data", f"{self.url} serves a model without images (no image_token_id)"
+            )
+        return int(cfg["image_token_id"])
 
     async def abort(self, request_id: str) -> None:
         await self._call("POST", "/abort_request", {"rid": request_id})

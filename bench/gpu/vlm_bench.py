@@ -145,7 +145,7 @@ def embedded(path: Path, requests, args) -> tuple[dict, list]:
 
     cuda = args.device.startswith("cuda")
     engine = EmbeddedEngine(str(path), device=args.device, dtype=args.dtype, max_batch_size=len(requests),
-                            max_seq_len=max(len(i) + m for i, _, m in requests) + 1, cuda_graphs=cuda,
+                            max_seq_len=max(len(i) + m for i, _, m in requests) + 1, cuda_graphs=None,  # none for a VLM
                             attention="triton" if cuda else "sdpa", compile=cuda, decode_steps=8 if cuda else 1)  # fmt: skip
 
     async def go():
@@ -182,7 +182,7 @@ def logprob_check(path: Path, requests, outs, args) -> dict:
             image_spans=SPANS[k]))  # fmt: skip
         logp = learner.compute_logprobs(build_batch([traj], learner.pad_id, images=True))
         got = logp[0, len(ids) : len(ids) + len(out.output_ids)]
-        deltas.append((got - torch.tensor(out.logprobs)).abs())
+        deltas.append((got.float().cpu() - torch.tensor(out.logprobs)).abs())
     every = torch.cat(deltas)
     return {
         "requests": len(deltas),

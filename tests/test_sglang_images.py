@@ -1,0 +1,78 @@
+"""The SGLang client sends a picture's placeholder once to real SGLang (its processor expands it) and the
+expanded run to agentrl's serve-engine (which takes the token stream as it is), over loopback HTTP."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from aiohttp import web
+
+from agentrl.engines import wire
+from agentrl.engines.base import InvalidRequest, SamplingParams
+from agentrl.engines.sglang import SGLangEngine
+from agentrl.types import image
+
+PAD = 151655  # Qwen2.5-VL's <|image_pad|>
+START, END = 151652, 151653
+PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 32
+
+
+def test_collapse_image_runs_keeps_one_placeholder_per_run():
+    ids = [1, START, PAD, PAD, PAD, END, 2, START, PAD, END, 3, PAD]
+    assert wire.collapse_image_runs(ids, PAD) == [1, START, PAD, END, 2, START, PAD, END, 3, PAD]
+    assert wire.collapse_image_runs([1, 2, 3], PAD) == [1, 2, 3]
+
+
+async def fake_server(tmp_path, engine: str, config: dict):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    seen: list[dict] = []
+
+    async def info(_):
+        return web.json_response({"model_path": str(tmp_path), "engine": engine})
+
+    async def generate(request):
+        body = await request.json()
+        seen.append(body)
+        return web.json_response({"output_ids": [7], "meta_info": {"output_token_logprobs": [[-0.5, 7, None]],
+                                                                   "finish_reason": {"type": "length"}}})  # fmt: skip
+
+    app = web.Application()
+    app.router.add_get("/get_model_info", info)
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}", seen
+
+
+@pytest.mark.parametrize("engine", ["sglang", wire.SERVE_ENGINE])
+async def test_placeholders_on_the_wire(tmp_path, engine):
+    runner, url, seen = await fake_server(tmp_path, engine, {"image_token_id": PAD, "num_hidden_layers": 2})
+    client = SGLangEngine(url)
+    try:
+        ids = [1, START, *[PAD] * 4, END, 2]
+        out = await client.generate(ids, SamplingParams(max_new_tokens=1), images=[image(PNG)])
+        assert out.output_ids == [7]
+        sent = seen[-1]["input_ids"]
+        assert sent == ([1, START, PAD, END, 2] if engine == "sglang" else ids)
+        assert len(seen[-1]["image_data"]) == 1
+        # text-only requests go as they are
+        await client.generate([1, 2, 3], SamplingParams(max_new_tokens=1))
+        assert seen[-1]["input_ids"] == [1, 2, 3]
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+async def test_pictures_to_a_text_model_name_the_field(tmp_path):
+    runner, url, _ = await fake_server(tmp_path, "sglang", {"num_hidden_layers": 2})
+    client = SGLangEngine(url)
+    try:
+        with pytest.raises(InvalidRequest, match="image_token_id"):
+            await client.generate([1, PAD, 2], SamplingParams(max_new_tokens=1), images=[image(PNG)])
+    finally:
+        await client.close()
+        await runner.cleanup()
