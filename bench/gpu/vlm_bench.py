@@ -51,7 +51,8 @@ QWEN25_VL_3B = {
 }  # fmt: skip
 SGLANG_FLAGS = {"attention_backend": "triton", "sampling_backend": "pytorch", "grammar_backend": "none",
                 "disable_piecewise_cuda_graph": True, "skip_server_warmup": True,
-                "mem_fraction_static": 0.6}  # fmt: skip
+                "mem_fraction_static": 0.6,
+                "mm_attention_backend": "triton_attn"}  # fmt: skip  (the trimmed sgl-kernel has no FA3)
 
 
 def build_model(arch: str, root: Path, device: str) -> Path:
