@@ -49,10 +49,15 @@ QWEN25_VL_3B = {
                       "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "in_chans": 3,
                       "hidden_act": "silu", "tokens_per_second": 2},
 }  # fmt: skip
-SGLANG_FLAGS = {"attention_backend": "triton", "sampling_backend": "pytorch", "grammar_backend": "none",
-                "disable_piecewise_cuda_graph": True, "skip_server_warmup": True,
-                "mem_fraction_static": 0.6,
-                "mm_attention_backend": "triton_attn"}  # fmt: skip  (the trimmed sgl-kernel has no FA3)
+SGLANG_FLAGS = {
+    "attention_backend": "triton",
+    "sampling_backend": "pytorch",
+    "grammar_backend": "none",
+    "disable_piecewise_cuda_graph": True,
+    "skip_server_warmup": True,
+    "mem_fraction_static": 0.6,
+    "mm_attention_backend": "triton_attn",
+}  # fmt: skip  (the trimmed sgl-kernel has no FA3)
 
 
 def build_model(arch: str, root: Path, device: str) -> Path:
@@ -167,28 +172,33 @@ def sglang(path: Path, requests, args) -> dict:
     return {**summary(result.pop("runs")), **result}
 
 
-def logprob_check(path: Path, requests, outs, args) -> dict:
-    """The torch learner's log-probs of K sampled responses (fp32, transformers' forward) against the engine's."""
+def logprob_check(path: Path, requests, outs, args, dtype: str = "float32") -> dict:
+    """The torch learner's log-probs of K sampled responses (transformers' forward; `dtype`: the learner's, bf16
+    being autocast on CUDA) against the engine's."""
     import torch
 
     from agentrl.config.learning import LearnerSection
     from agentrl.learners.batch import build_batch
     from agentrl.learners.torch_learner import TorchLearner
 
-    learner = TorchLearner(path, LearnerSection(micro_batch_tokens=4096, device=args.device))
-    deltas = []
+    learner = TorchLearner(path, LearnerSection(micro_batch_tokens=4096, device=args.device, dtype=dtype))
+    deltas, first = [], []
     for k, ((ids, imgs, _), out) in enumerate(zip(requests[: args.check_logprobs], outs, strict=False)):
         traj = types.normalize(types.Trajectory(
             id=f"r{k}", prompt_ids=ids, response_ids=out.output_ids, logprobs=out.logprobs, images=imgs,
             image_spans=SPANS[k]))  # fmt: skip
         logp = learner.compute_logprobs(build_batch([traj], learner.pad_id, images=True))
         got = logp[0, len(ids) : len(ids) + len(out.output_ids)]
-        deltas.append((got.float().cpu() - torch.tensor(out.logprobs)).abs())
+        delta = (got.float().cpu() - torch.tensor(out.logprobs)).abs()
+        deltas.append(delta)
+        first.append(float(delta[0]))  # the first reply token: prefill alone (no decode step yet)
     every = torch.cat(deltas)
     return {
+        "learner_dtype": dtype,
         "requests": len(deltas),
         "max": round(float(every.max()), 5),
         "mean": round(float(every.mean()), 5),
+        "first_token_mean": round(sum(first) / len(first), 5),
     }
 
 
@@ -218,6 +228,10 @@ def main(argv: list[str] | None = None) -> dict:
         result["embedded"], outs = embedded(path, requests, args)
         if args.check_logprobs:
             result["logprobs_vs_transformers"] = logprob_check(path, requests, outs, args)
+            if args.device.startswith("cuda"):  # the engine's precision: bf16 rounding alone, or more?
+                result["logprobs_vs_transformers_bf16"] = logprob_check(
+                    path, requests, outs, args, "bfloat16"
+                )
         if not args.no_sglang:
             result["sglang"] = sglang(path, requests, args)
             result["embedded_vs_sglang"] = round(
