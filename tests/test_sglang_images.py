@@ -76,3 +76,18 @@ async def test_pictures_to_a_text_model_name_the_field(tmp_path):
     finally:
         await client.close()
         await runner.cleanup()
+
+
+async def test_a_stray_placeholder_is_refused_before_sglang_sees_it(tmp_path):
+    """A placeholder the model sampled in an earlier turn is one run more than there are pictures: the client
+    names the field instead of passing SGLang a request its processor answers with a bare 500."""
+    runner, url, seen = await fake_server(tmp_path, "sglang", {"image_token_id": PAD, "num_hidden_layers": 2})
+    client = SGLangEngine(url)
+    try:
+        ids = [1, START, PAD, PAD, END, 9, PAD, 2]
+        with pytest.raises(InvalidRequest, match="2 image placeholder runs in input_ids for 1 pictures"):
+            await client.generate(ids, SamplingParams(max_new_tokens=1), images=[image(PNG)])
+        assert seen == []
+    finally:
+        await client.close()
+        await runner.cleanup()
