@@ -83,6 +83,36 @@ async def test_logprobs_match_transformers_with_and_without_pictures(tiny_vlm):
         assert (torch.tensor(out.logprobs) - expected).abs().max().item() <= 1e-5
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the engine's GPU path)")
+@pytest.mark.parametrize("dtype,mean_tol", [("float32", 1e-3), ("bfloat16", 3e-2)])
+async def test_cuda_graph_engine_matches_transformers(tiny_vlm, dtype, mean_tol):
+    """On a GPU the engine decodes a VLM through CUDA graphs (each row's rotary offset after its pictures is one
+    more graph input), with Triton attention and compiled layers; its log-probs stay transformers' (float32, on the
+    host), prefill's first token and the decoded ones alike, next to a text-only prompt in the same batch."""
+    red, blue = png("red", (60, 90)), png("blue", (112, 56))
+    requests = [prompt(tiny_vlm, m) for m in (
+        [Message("user", [ImagePart(red), TextPart("How many shapes?")])],
+        [Message("user", [TextPart("Which is bigger?"), ImagePart(blue), ImagePart(red)])],
+        [Message("user", "What is 2 + 3?")],
+    )]  # fmt: skip
+    eng = EmbeddedEngine(str(tiny_vlm), device="cuda", dtype=dtype, max_batch_size=4, max_seq_len=256)
+    try:
+        assert eng.runner.graphs is not None
+        sampling = [SamplingParams(max_new_tokens=24, seed=i, ignore_eos=True) for i in range(3)]
+        outs = await asyncio.gather(*[
+            eng.generate(ids, sp, images=[image(p) for p in pictures] or None)
+            for (ids, pictures), sp in zip(requests, sampling, strict=True)
+        ])  # fmt: skip
+    finally:
+        await eng.close()
+    for (ids, pictures), out in zip(requests, outs, strict=True):
+        delta = (torch.tensor(out.logprobs) - hf_logprobs(tiny_vlm, ids, out.output_ids, pictures)).abs()
+        assert delta.mean().item() <= mean_tol and delta.max().item() <= 30 * mean_tol, (
+            dtype,
+            delta.tolist(),
+        )
+
+
 async def test_bad_image_requests_name_the_field(tiny_vlm, tiny):
     red = png("red", (60, 90))
     ids, _ = prompt(tiny_vlm, [Message("user", [ImagePart(red), TextPart("Count.")])])

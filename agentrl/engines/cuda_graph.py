@@ -1,6 +1,7 @@
 """CUDA graphs of the embedded engine's decode step, captured lazily per batch-size bucket.
 
-Invariants: a graph reads its inputs from static buffers (`tokens`, `positions`) and reads weights and the KV
+Invariants: a graph reads its inputs from static buffers (`tokens`, `positions`, and for a vision-language model
+`rope_positions`: each row's rotary position, behind its cache position after pictures) and reads weights and the KV
 cache at fixed addresses; weight updates copy in place (model.py) and the cache is preallocated, so graphs
 stay valid across updates. A batch of `b` rows runs the graph of the smallest bucket `B >= b`; rows `b..B-1`
 are padding (token 0 at position 0) and write K/V only into slot rows `b..B-1`, which are free (running
@@ -37,6 +38,11 @@ class DecodeGraphs:
         device = model.device
         self.tokens = torch.zeros(self.buckets[-1], dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.buckets[-1], dtype=torch.int64, device=device)
+        self.rope_positions = (
+            torch.zeros(self.buckets[-1], dtype=torch.int64, device=device)
+            if model.spec.vision is not None
+            else None
+        )
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, list[torch.Tensor]]] = {}
 
@@ -53,9 +59,9 @@ class DecodeGraphs:
         return min(self.cache.max_seq_len, (max_len + step - 1) // step * step)
 
     def _step(self, b: int, length: int, record: list[torch.Tensor] | None = None) -> torch.Tensor:
-        return self.model.decode(
-            self.tokens[:b], self.positions[:b], self.cache, length, attention=self.attention, record=record
-        )
+        rope = None if self.rope_positions is None else self.rope_positions[:b]
+        return self.model.decode(self.tokens[:b], self.positions[:b], self.cache, length, attention=self.attention,
+                                 record=record, rope_positions=rope)  # fmt: skip
 
     def _capture(self, b: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, list[torch.Tensor]]:
         stream = torch.cuda.Stream(device=self.model.device)
@@ -74,15 +80,23 @@ class DecodeGraphs:
         return graph, out, routes
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int,
-                 record: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
-        """`record` (MoE) gets each MoE layer's expert ids [b, k], views valid until the next replay."""
+                 record: list[torch.Tensor] | None = None,
+                 rope_positions: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """`record` (MoE) gets each MoE layer's expert ids [b, k], views valid until the next replay;
+        `rope_positions` (VLM) each row's rotary position, None where they equal `positions`."""
         b = tokens.shape[0]
         size, length = self._bucket(b), self._length(max_len)
         self.tokens[:b].copy_(tokens, non_blocking=True)
         self.positions[:b].copy_(positions, non_blocking=True)
+        if self.rope_positions is not None:
+            self.rope_positions[:b].copy_(
+                positions if rope_positions is None else rope_positions, non_blocking=True
+            )
         if size > b:
             self.tokens[b:size].zero_()
             self.positions[b:size].zero_()
+            if self.rope_positions is not None:
+                self.rope_positions[b:size].zero_()
         graph, out, routes = self.graphs.get((size, length)) or self._capture(size, length)
         graph.replay()
         if record is not None:

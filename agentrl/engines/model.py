@@ -445,12 +445,11 @@ class CausalLM:
         s = self.spec
         b = tokens.shape[0]
         groups = s.heads // s.kv_heads
-        if rope_positions is None:
-            self.ensure_rope(max_len)
-            cos, sin = self._rope(positions)
-        else:  # host read of the largest position: VLM rows decode without CUDA graphs
-            self.ensure_rope(max(max_len, int(rope_positions.max()) + 1))
-            cos, sin = self._rope(rope_positions)
+        # a VLM row's rotary position is never past its cache position (a picture takes fewer rotary positions
+        # than tokens: agentrl.vision.mrope_positions), so the tables up to max_len cover both without a host
+        # read, and the step stays CUDA-graph capturable
+        self.ensure_rope(max_len)
+        cos, sin = self._rope(positions if rope_positions is None else rope_positions)
         if self.invariant:
             return self.logits(
                 self._invariant_decode(F.embedding(tokens, self.embed), cos, sin, positions, cache, max_len)

@@ -99,16 +99,14 @@ class ModelRunner:
         self.attention = "triton" if _use_triton("attention", attention, "sdpa", self.device) else "sdpa"
         self.graphs = None
         self.max_batch_size, self._recapture = max_batch_size, False
-        # an MoE model without the grouped kernel reads its expert counts on the host: no graph can hold that;
-        # a VLM's rows decode at rotary positions of their own (after their images), which no graph holds
-        graphable = (self.spec.moe is None or self.model.grouped_experts) and self.spec.vision is None
+        # an MoE model without the grouped kernel reads its expert counts on the host: no graph can hold that
+        # (a VLM's rows decode at rotary positions of their own: the graphs take them as one more input)
+        graphable = self.spec.moe is None or self.model.grouped_experts
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and graphable
         if cuda_graphs and not graphable:
             raise EngineError(
-                "engine cuda_graphs=True: a vision-language model decodes without CUDA graphs"
-                if self.spec.vision is not None
-                else "engine cuda_graphs=True: this MoE model's experts need torch.nn.functional.grouped_mm, "
+                "engine cuda_graphs=True: this MoE model's experts need torch.nn.functional.grouped_mm, "
                 f"which does not run on {self.device} in {dtype}"
             )
         if cuda_graphs:
@@ -325,7 +323,7 @@ class ModelRunner:
             max_len = min(self.max_seq_len, (top + step + 1 + 31) // 32 * 32)
             record: list[torch.Tensor] | None = [] if recording else None
             if self.graphs is not None:
-                logits = self.graphs(tokens, pos, max_len, record)
+                logits = self.graphs(tokens, pos, max_len, record, rope)
             else:
                 logits = self.model.decode(tokens, pos, self.cache, max_len, self.attention, record, rope)
             if record is not None:  # stacked now: a graph's outputs are only valid until the next replay
