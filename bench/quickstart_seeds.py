@@ -284,7 +284,8 @@ def main() -> None:
                     keep = paths[3] / name
                     keep.mkdir(parents=True, exist_ok=True)
                     for f in ("metrics.jsonl", "summary.json"):
-                        if (rundir / f).exists():
+                        # --root inside --out (DIR/runs) keeps the run where it is: nothing to copy
+                        if (rundir / f).exists() and (rundir / f).resolve() != (keep / f).resolve():
                             shutil.copy(rundir / f, keep / f)
         return row
 

@@ -20,7 +20,7 @@ bg=/tmp/learning_curves; mkdir -p "$bg"
 part=${1:-}; shift || true
 case $part in
   start)
-    [ $# -gt 0 ] || { echo "learning_curves.sh start: name a stack (torch-embedded[-bf16|-engine-bf16|-learner-bf16] | torch-embedded-colocated-bf16 | megatron-sglang | cpu)" >&2; exit 2; }
+    [ $# -gt 0 ] || { echo "learning_curves.sh start: name a stack (torch-embedded[-bf16|-engine-bf16|-learner-bf16] | torch-embedded-colocated-bf16 | same-start | megatron-sglang | cpu)" >&2; exit 2; }
     for stack in "$@"; do
       case $stack in
         torch-embedded)  # what a user gets with the devices named: the quickstart's placement (split), float32
@@ -37,11 +37,30 @@ case $part in
         torch-embedded-colocated-bf16)  # learner and engine in one process
           gpu_setup megatron; cores=${CORES:-0-5}; per=2; flags=(--run.placement colocated --engine.device cuda
             --engine.dtype bfloat16 --learner.device cuda --learner.dtype bfloat16) ;;
+        same-start)  # RL in bf16 and in float32 from ONE float32 warm-up (3 seeds each): the start or the updates?
+          gpu_setup megatron; python3 -c "import ray, msgspec" || { echo "no Ray here: carry .whl" >&2; exit 1; }
+          cores=${CORES:-0-11}; first=${cores%-*}; last=${cores#*-}; mid=$(((first + last + 1) / 2))
+          dev=(--engine.device "${DEVICE:-cuda}" --learner.device "${DEVICE:-cuda}")  # DEVICE=cpu: a smoke run
+          # shellcheck disable=SC2016  # expanded by the inner shell
+          setsid bash -c '
+            set -e; agentrl() { python3 -c "import sys; from agentrl.cli import main; sys.exit(main(sys.argv[1:]))" "$@"; }
+            taskset -c "$1" agentrl run examples/quickstart.toml --run.name lc-same-start-warmup --run.steps 0 \
+              --model.path runs/tiny-model-same-start "${@:4}"
+            agentrl export runs/lc-same-start-warmup --out runs/same-start-fp32
+            for dtype in float32 bfloat16; do
+              [ $dtype = float32 ] && c=$2 || c=$3
+              taskset -c "$c" python3 bench/quickstart_seeds.py --seeds "${SEEDS:-0-2}" --parallel 3 --cores-per-run 2 \
+                --goal-s 300 --label "same-start-$dtype" --root "runs/lc-same-start-$dtype" \
+                --out "/tmp/learning_curves/same-start-$dtype" -- --model.path runs/same-start-fp32 \
+                --model.make-tiny false --warmup.steps 0 --learner.dtype $dtype --run.time-limit-s 360 "${@:4}" &
+            done; wait' _ "$first-$((first + 1))" "$first-$((mid - 1))" "$mid-$last" "${dev[@]}" \
+            > "$bg/same-start.log" 2>&1 < /dev/null &
+          echo "same-start: started on cores $cores (pid $!), log $bg/same-start.log"; continue ;;
         megatron-sglang)  # Megatron (bf16) + real SGLang in one process group on the GPU
           gpu_setup megatron sglang; cores=${CORES:-8-13}; per=2
           flags=(--run.placement colocated "${MEGATRON_GPU[@]}" "${SGLANG_GPU[@]}" --sglang-mem-fraction-static 0.12) ;;
         cpu) gpu_setup megatron; cores=${CORES:-10-15}; per=2; flags=() ;;
-        *) echo "learning_curves.sh: unknown stack '$stack' (torch-embedded[-bf16|-engine-bf16|-learner-bf16] | torch-embedded-colocated-bf16 | megatron-sglang | cpu)" >&2; exit 2 ;;
+        *) echo "learning_curves.sh: unknown stack '$stack' (torch-embedded[-bf16|-engine-bf16|-learner-bf16] | torch-embedded-colocated-bf16 | same-start | megatron-sglang | cpu)" >&2; exit 2 ;;
       esac
       python3 -c "import ray, msgspec" || { echo "no Ray here: first call carries .whl" >&2; exit 1; }
       hide=(); [ "$stack" = cpu ] && hide=(env CUDA_VISIBLE_DEVICES=)
@@ -55,8 +74,9 @@ case $part in
     done ;;
   wait)
     deadline=$((SECONDS + ${1:-540}))
-    while pgrep -f "bench/quickstart_seeds.py" > /dev/null && [ $SECONDS -lt $deadline ]; do sleep 10; done
-    pgrep -f "bench/quickstart_seeds.py" > /dev/null && echo "still running after ${1:-540} s: copying what is there"
+    busy="bench/quickstart_seeds.py|lc-same-start-warmup"  # same-start's warm-up runs before its seeds
+    while pgrep -f "$busy" > /dev/null && [ $SECONDS -lt $deadline ]; do sleep 10; done
+    pgrep -f "$busy" > /dev/null && echo "still running after ${1:-540} s: copying what is there"
     for run in runs/lc-*/*/; do  # runs still going: their metrics so far
       [ -f "$run/metrics.jsonl" ] && mkdir -p "$bg/partial/${run%/}" && cp "$run/metrics.jsonl" "$bg/partial/${run%/}/"
     done
