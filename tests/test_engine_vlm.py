@@ -83,6 +83,7 @@ async def test_logprobs_match_transformers_with_and_without_pictures(tiny_vlm):
         assert (torch.tensor(out.logprobs) - expected).abs().max().item() <= 1e-5
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the engine's GPU path)")
 @pytest.mark.parametrize("dtype,mean_tol", [("float32", 1e-3), ("bfloat16", 3e-2)])
 async def test_cuda_graph_engine_matches_transformers(tiny_vlm, dtype, mean_tol):
