@@ -144,6 +144,8 @@ def test_a_sections_own_checks_are_its_validate_with_the_load_messages():
         (LearnerSection(kind="megatron", expert_parallel=2, data_parallel=3),
          ["--learner.kind", "megatron", "--learner.expert-parallel", "2", "--learner.data-parallel", "3"],
          r"learner\.expert_parallel = 2 must divide learner\.data_parallel = 3"),
+        (LearnerSection(dtype="bfloat16"), ["--learner.dtype", "bfloat16"],
+         r"learner\.dtype = 'bfloat16' needs learner\.device = 'cuda' with the torch learner"),
     ]  # fmt: skip
     for section, flags, message in cases:
         with pytest.raises(ConfigError, match=message):

@@ -56,7 +56,13 @@ class LearnerSection(_Section):
     key = "learner"
     kind: Annotated[Literal["torch", "megatron"], doc("training backend")] = "torch"
     device: Annotated[str, doc("torch device of the learner: 'cpu', 'cuda'", pattern=DEVICE)] = "cpu"
-    dtype: Annotated[Literal["float32", "bfloat16"], doc("weights' dtype in the learner")] = "float32"
+    dtype: Annotated[
+        Literal["float32", "bfloat16"],
+        doc(
+            "compute dtype of the learner (torch: bfloat16 = CUDA autocast over float32 weights; megatron: bf16 "
+            "weights with float32 master copies)"
+        ),
+    ] = "float32"
     lr: Annotated[float, doc("learning rate", gt=0)] = 3e-4
     weight_decay: Annotated[float, doc("AdamW weight decay", ge=0)] = 0.0
     betas: Annotated[tuple[Beta, Beta], doc("AdamW betas")] = (0.9, 0.999)
@@ -161,6 +167,11 @@ class LearnerSection(_Section):
         return self.data_parallel
 
     def validate(self, cfg: Config | None = None) -> None:
+        if self.kind == "torch" and self.dtype == "bfloat16" and not self.device.startswith("cuda"):
+            raise ConfigError(  # it would silently compute in float32: its bf16 is CUDA autocast
+                f"learner.dtype = 'bfloat16' needs learner.device = 'cuda' with the torch learner (its bf16 is CUDA "
+                f"autocast; on '{self.device}' it computes in float32), got learner.device = '{self.device}'"
+            )
         if self.compile is True and self.kind != "megatron":
             raise ConfigError(
                 "learner.compile = true needs learner.kind = 'megatron' (the torch learner is eager)"

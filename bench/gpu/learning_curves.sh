@@ -49,10 +49,11 @@ case $part in
             agentrl export runs/lc-same-start-warmup --out runs/same-start-fp32
             for dtype in float32 bfloat16; do
               [ $dtype = float32 ] && c=$2 || c=$3
-              taskset -c "$c" python3 bench/quickstart_seeds.py --seeds "${SEEDS:-0-2}" --parallel 3 --cores-per-run 2 \
-                --goal-s 300 --label "same-start-$dtype" --root "runs/lc-same-start-$dtype" \
+              taskset -c "$c" python3 bench/quickstart_seeds.py --seeds "${SEEDS:-0-2}" --parallel "${PARALLEL:-3}" \
+                --cores-per-run "${PER:-2}" --goal-s 300 --label "same-start-$dtype" --root "runs/lc-same-start-$dtype" \
                 --out "/tmp/learning_curves/same-start-$dtype" -- --model.path runs/same-start-fp32 \
-                --model.make-tiny false --warmup.steps 0 --learner.dtype $dtype --run.time-limit-s 360 "${@:4}" &
+                --model.make-tiny false --warmup.steps 0 --learner.dtype $dtype \
+                --run.time-limit-s "${TIME_LIMIT_S:-360}" "${@:4}" &
             done; wait' _ "$first-$((first + 1))" "$first-$((mid - 1))" "$mid-$last" "${dev[@]}" \
             > "$bg/same-start.log" 2>&1 < /dev/null &
           echo "same-start: started on cores $cores (pid $!), log $bg/same-start.log"; continue ;;
