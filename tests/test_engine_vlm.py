@@ -62,21 +62,34 @@ def hf_logprobs(path, ids: list[int], output: list[int], pictures: list[bytes]) 
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
 
 
-async def test_logprobs_match_transformers_with_and_without_pictures(tiny_vlm):
+def mixed_requests(path) -> list[tuple[list[int], list[bytes]]]:
+    """One picture, two pictures, none: the batch the log-prob tests serve."""
     red, blue = png("red", (60, 90)), png("blue", (112, 56))
-    one = [Message("user", [ImagePart(red), TextPart("How many shapes?")])]
-    two = [Message("user", [TextPart("Which is bigger?"), ImagePart(blue), ImagePart(red)])]
-    text = [Message("user", "What is 2 + 3?")]
-    requests = [prompt(tiny_vlm, m) for m in (one, two, text)]
-    eng = EmbeddedEngine(str(tiny_vlm), max_batch_size=4, max_seq_len=256)
+    return [prompt(path, m) for m in (
+        [Message("user", [ImagePart(red), TextPart("How many shapes?")])],
+        [Message("user", [TextPart("Which is bigger?"), ImagePart(blue), ImagePart(red)])],
+        [Message("user", "What is 2 + 3?")],
+    )]  # fmt: skip
+
+
+async def serve_all(eng: EmbeddedEngine, requests, new_tokens: list[int]) -> list:
+    """The requests at once (request i samples new_tokens[i] tokens with seed i), then the engine closed."""
     try:
-        sampling = [SamplingParams(max_new_tokens=8 + i, seed=i, ignore_eos=True) for i in range(3)]
-        outs = await asyncio.gather(*[
+        sampling = [
+            SamplingParams(max_new_tokens=n, seed=i, ignore_eos=True) for i, n in enumerate(new_tokens)
+        ]
+        return await asyncio.gather(*[
             eng.generate(ids, sp, images=[image(p) for p in pictures] or None)
             for (ids, pictures), sp in zip(requests, sampling, strict=True)
         ])  # fmt: skip
     finally:
         await eng.close()
+
+
+async def test_logprobs_match_transformers_with_and_without_pictures(tiny_vlm):
+    requests = mixed_requests(tiny_vlm)
+    eng = EmbeddedEngine(str(tiny_vlm), max_batch_size=4, max_seq_len=256)
+    outs = await serve_all(eng, requests, [8, 9, 10])
     for (ids, pictures), out in zip(requests, outs, strict=True):
         assert len(out.output_ids) == len(out.logprobs) > 1
         expected = hf_logprobs(tiny_vlm, ids, out.output_ids, pictures)
@@ -90,22 +103,10 @@ async def test_cuda_graph_engine_matches_transformers(tiny_vlm, dtype, mean_tol)
     """On a GPU the engine decodes a VLM through CUDA graphs (each row's rotary offset after its pictures is one
     more graph input), with Triton attention and compiled layers; its log-probs stay transformers' (float32, on the
     host), prefill's first token and the decoded ones alike, next to a text-only prompt in the same batch."""
-    red, blue = png("red", (60, 90)), png("blue", (112, 56))
-    requests = [prompt(tiny_vlm, m) for m in (
-        [Message("user", [ImagePart(red), TextPart("How many shapes?")])],
-        [Message("user", [TextPart("Which is bigger?"), ImagePart(blue), ImagePart(red)])],
-        [Message("user", "What is 2 + 3?")],
-    )]  # fmt: skip
+    requests = mixed_requests(tiny_vlm)
     eng = EmbeddedEngine(str(tiny_vlm), device="cuda", dtype=dtype, max_batch_size=4, max_seq_len=256)
-    try:
-        assert eng.runner.graphs is not None
-        sampling = [SamplingParams(max_new_tokens=24, seed=i, ignore_eos=True) for i in range(3)]
-        outs = await asyncio.gather(*[
-            eng.generate(ids, sp, images=[image(p) for p in pictures] or None)
-            for (ids, pictures), sp in zip(requests, sampling, strict=True)
-        ])  # fmt: skip
-    finally:
-        await eng.close()
+    assert eng.runner.graphs is not None
+    outs = await serve_all(eng, requests, [24, 24, 24])
     for (ids, pictures), out in zip(requests, outs, strict=True):
         delta = (torch.tensor(out.logprobs) - hf_logprobs(tiny_vlm, ids, out.output_ids, pictures)).abs()
         assert delta.mean().item() <= mean_tol and delta.max().item() <= 30 * mean_tol, (

@@ -11,6 +11,7 @@ from aiohttp import web
 from agentrl.engines import wire
 from agentrl.engines.base import InvalidRequest, SamplingParams
 from agentrl.engines.sglang import SGLangEngine
+from agentrl.net import serve
 from agentrl.types import image
 
 PAD = 151655  # Qwen2.5-VL's <|image_pad|>
@@ -40,11 +41,7 @@ async def fake_server(tmp_path, engine: str, config: dict):
     app = web.Application()
     app.router.add_get("/get_model_info", info)
     app.router.add_post("/generate", generate)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    runner, port = await serve(app, "127.0.0.1", 0, token="", what="a fake SGLang", how="")
     return runner, f"http://127.0.0.1:{port}", seen
 
 
