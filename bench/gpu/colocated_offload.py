@@ -93,7 +93,7 @@ async def rollout(engine, vocab: int, version: int, step: int, args) -> list[typ
 
 def make_learner(args, path: Path) -> TorchLearner:
     lora = LoraSection(rank=args.lora_rank, alpha=2.0 * args.lora_rank, target_modules=["all-linear"])
-    lc = LearnerSection(device=args.device, dtype="bfloat16", lr=1e-6, gradient_checkpointing=True,
+    lc = LearnerSection(device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32", lr=1e-6, gradient_checkpointing=True,
                         micro_batch_tokens=args.micro_batch_tokens,
                         lora=lora if args.lora else LoraSection())  # fmt: skip
     learner = TorchLearner(path, lc, AlgorithmSection(advantage="grpo"))
