@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Vision-language serving on one GPU: the embedded engine against real SGLang on 256 image+text requests (one
-# 224x224 random picture = 64 image tokens, then U[100,1024] text tokens; outputs U[100,1024]) on a random
-# Qwen2.5-VL-3B architecture, each engine 3 runs (medians compared; goal >= 0.9x), and the embedded engine's
-# log-probs of 8 sampled responses against transformers' (the torch learner's forward). nvidia-h200, carry
-# .sgl .gpu, ~10 min.
+# 224x224 random picture = 16 image tokens with the tiny processor, then U[100,1024] text tokens; outputs
+# U[100,1024]) on a random Qwen2.5-VL-3B architecture, each engine 3 runs (medians compared; goal >= 0.9x),
+# and the embedded engine's log-probs of 8 sampled responses against transformers' (the torch learner's
+# forward, float32 and bf16). nvidia-h200, carry .sgl .gpu, ~8 min.
 #   bash bench/gpu/vlm_checks.sh [tests] [bench] [vlm_bench.py args]
 #       tests: the CPU-sized VLM tests on the GPU machine (engine log-probs vs transformers, learner, proxy)
 #       bench: bench/gpu/vlm_bench.py -> $OUT/vlm_bench.json (RUNS=3, CHECK_LOGPROBS=8)
