@@ -9,9 +9,10 @@ Workload: `--n` requests (default 256), each one user turn holding one random-no
 pixels square: 224 -> 16 image tokens with the tiny VLM's processor, which caps a picture at 12,544 pixels;
 Qwen2.5-VL's own makes 64) and a question, followed by U[prompt-len] random text tokens; each asks
 U[output-len] new tokens with eos ignored. `--arch qwen2.5-vl-3b` is Qwen2.5-VL-3B's architecture with random
-weights (the tiny model's tokenizer and image processor, so the image tokens are the same ids). Each engine serves the whole set `--runs` times; the JSON gives every run's tok/s, the median,
-and the embedded / SGLang ratio of the medians. `--check-logprobs K`: K requests' sampled tokens scored by the
-torch learner (transformers' Qwen2.5-VL forward, pixels from the same processor), max and mean |Δ|.
+weights (the tiny model's tokenizer and image processor, so the image tokens are the same ids). Each engine
+serves the whole set `--runs` times; the JSON gives every run's tok/s, the median, and the embedded / SGLang
+ratio of the medians. `--check-logprobs K`: K requests' sampled tokens scored by the torch learner
+(transformers' Qwen2.5-VL forward, pixels from the same processor; on CUDA also in bf16), max and mean |Δ|.
 """
 
 from __future__ import annotations
