@@ -132,6 +132,17 @@ def image_pixels(model_dir: str | Path, data: bytes) -> tuple[Any, tuple[int, in
     return out["pixel_values"], (t, h, w)
 
 
+def placeholder_runs(ids: list[int], token: int | None) -> list[tuple[int, int]]:
+    """(start, length) of each run of `token` in `ids`: where a VLM prompt's images go."""
+    import numpy as np
+
+    if token is None:
+        return []
+    hit = np.concatenate(([0], np.asarray(ids) == token, [0])).astype(np.int8)
+    edges = np.flatnonzero(np.diff(hit))
+    return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
+
 def mrope_positions(n_tokens: int, spans: list[tuple[int, int, tuple[int, int, int]]], merge_size: int):
     """Multimodal RoPE positions [3, n_tokens] (time, height, width) of a token stream whose images sit at
     `spans` (start, length, grid_thw), in order, and the delta of the positions after it: text tokens count up

@@ -13,6 +13,7 @@ from agentrl.engines.base import InvalidRequest, SamplingParams
 from agentrl.engines.sglang import SGLangEngine
 from agentrl.net import serve
 from agentrl.types import image
+from agentrl.vision import placeholder_runs
 
 PAD = 151655  # Qwen2.5-VL's <|image_pad|>
 START, END = 151652, 151653
@@ -21,8 +22,9 @@ PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 32
 
 def test_collapse_image_runs_keeps_one_placeholder_per_run():
     ids = [1, START, PAD, PAD, PAD, END, 2, START, PAD, END, 3, PAD]
-    assert wire.collapse_image_runs(ids, PAD) == [1, START, PAD, END, 2, START, PAD, END, 3, PAD]
-    assert wire.collapse_image_runs([1, 2, 3], PAD) == [1, 2, 3]
+    runs = placeholder_runs(ids, PAD)
+    assert wire.collapse_image_runs(ids, runs) == [1, START, PAD, END, 2, START, PAD, END, 3, PAD]
+    assert wire.collapse_image_runs([1, 2, 3], placeholder_runs([1, 2, 3], PAD)) == [1, 2, 3]
 
 
 async def fake_server(tmp_path, engine: str, config: dict):

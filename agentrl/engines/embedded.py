@@ -21,11 +21,11 @@ import torch
 
 from agentrl.engines.adapter import AdapterMerger, adapter_items
 from agentrl.engines.base import GenerateOutput, InvalidRequest, SamplingParams, WeightSource
-from agentrl.engines.runner import DTYPES, ModelRunner, Request, pictures_runs, placeholder_runs
+from agentrl.engines.runner import DTYPES, ModelRunner, Request, pictures_runs
 from agentrl.engines.scheduler import BatchingEngine
 from agentrl.errors import EngineError, EnvError, WeightSyncError
 from agentrl.types import Image
-from agentrl.vision import VisionSpec
+from agentrl.vision import VisionSpec, placeholder_runs
 
 __all__ = ["DTYPES", "EmbeddedEngine"]
 

@@ -23,7 +23,7 @@ from agentrl.engines.model_spec import KVCache, ModelSpec
 from agentrl.engines.sampling import BatchSampling, sample, top_logprobs
 from agentrl.errors import EngineError, WeightSyncError
 from agentrl.types import Image
-from agentrl.vision import image_pixels, mrope_positions
+from agentrl.vision import image_pixels, mrope_positions, placeholder_runs
 
 log = logging.getLogger(__name__)
 _SERIALS = itertools.count()
@@ -354,15 +354,6 @@ def pictures_runs(runs: list[tuple[int, int]], lengths: list[int]) -> list[tuple
             return None
         out.append(hit)
     return out
-
-
-def placeholder_runs(ids: list[int], token: int | None) -> list[tuple[int, int]]:
-    """(start, length) of each run of `token` in `ids`: where a VLM prompt's images go."""
-    if token is None:
-        return []
-    hit = np.concatenate(([0], np.asarray(ids) == token, [0])).astype(np.int8)
-    edges = np.flatnonzero(np.diff(hit))
-    return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
 
 
 def _use_triton(option: str, value: str, other: str, device: torch.device) -> bool:

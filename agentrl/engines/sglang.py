@@ -53,6 +53,7 @@ from agentrl.engines.sglang_launcher import SGLangServer
 from agentrl.engines.sglang_lora import LoraVersions, adapter_name
 from agentrl.errors import EngineError, WeightSyncError
 from agentrl.types import Image
+from agentrl.vision import placeholder_runs
 
 __all__ = ["SGLangEngine", "SGLangServer"]
 log = logging.getLogger(__name__)
@@ -181,16 +182,15 @@ class SGLangEngine(Engine):
             if sampling.stop and not text.stop:  # as the embedded engine: it runs on, the caller cuts
                 sampling = msgspec.structs.replace(sampling, stop=[])
         if images and not await self.serve_engine():
-            token = await self._image_token_id()
-            input_ids = wire.collapse_image_runs(input_ids, token)
-            runs = input_ids.count(token)
-            if runs != len(images):  # SGLang would answer a bare 500 (its processor's count)
+            runs = placeholder_runs(input_ids, await self._image_token_id())
+            if len(runs) != len(images):  # SGLang would answer a bare 500 (its processor's count)
                 raise InvalidRequest(
                     "image_data",
-                    f"{runs} image placeholder runs in input_ids for {len(images)} pictures: SGLang's processor "
+                    f"{len(runs)} image placeholder runs in input_ids for {len(images)} pictures: SGLang's processor "
                     "takes each run as one picture (a sampled image placeholder in an earlier turn reads as "
                     "another; agentrl's embedded engine serves such a token as text)",
                 )
+            input_ids = wire.collapse_image_runs(input_ids, runs)
         await self._gate.wait()
         body = wire.generate_body(input_ids, sampling, request_id, images)
         lora = self._lora.acquire()

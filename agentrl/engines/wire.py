@@ -101,15 +101,17 @@ def generate_body(
     return body
 
 
-def collapse_image_runs(input_ids: list[int], image_token_id: int) -> list[int]:
-    """`input_ids` with each run of image placeholder tokens cut to one: agentrl's token streams hold each
-    picture's expanded placeholders (agentrl.vision), SGLang's multimodal processor takes one per picture and
-    expands it itself (an expanded run reaches transformers' processor as that many pictures)."""
+def collapse_image_runs(input_ids: list[int], runs: list[tuple[int, int]]) -> list[int]:
+    """`input_ids` with each image placeholder run (start, length; agentrl.vision.placeholder_runs) cut to its
+    first token: agentrl's token streams hold each picture's expanded placeholders (agentrl.vision), SGLang's
+    multimodal processor takes one per picture and expands it itself (an expanded run reaches transformers'
+    processor as that many pictures)."""
     out: list[int] = []
-    for i, t in enumerate(input_ids):
-        if t != image_token_id or i == 0 or input_ids[i - 1] != image_token_id:
-            out.append(t)
-    return out
+    at = 0
+    for start, length in runs:
+        out += input_ids[at : start + 1]
+        at = start + length
+    return out + input_ids[at:]
 
 
 def images_to_wire(images: list[Image]) -> list[str]:
