@@ -57,8 +57,8 @@ SGLANG_FLAGS = {
     "disable_piecewise_cuda_graph": True,
     "skip_server_warmup": True,
     "mem_fraction_static": 0.6,
-    "mm_attention_backend": "triton_attn",
-}  # fmt: skip  (the trimmed sgl-kernel has no FA3)
+    "mm_attention_backend": "triton_attn",  # the vision tower's attention: the trimmed sgl-kernel has no FA3
+}
 
 
 def build_model(arch: str, root: Path, device: str) -> Path:
@@ -152,7 +152,7 @@ def embedded(path: Path, requests, args) -> tuple[dict, list]:
 
     cuda = args.device.startswith("cuda")
     engine = EmbeddedEngine(str(path), device=args.device, dtype=args.dtype, max_batch_size=len(requests),
-                            max_seq_len=max(len(i) + m for i, _, m in requests) + 1, cuda_graphs=None,  # none for a VLM
+                            max_seq_len=max(len(i) + m for i, _, m in requests) + 1, cuda_graphs=cuda,
                             attention="triton" if cuda else "sdpa", compile=cuda, decode_steps=8 if cuda else 1)  # fmt: skip
 
     async def go():
