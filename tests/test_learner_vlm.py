@@ -17,6 +17,7 @@ from agentrl.engines.base import SamplingParams, TensorSource
 from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.envs import make_env
 from agentrl.errors import LearnerError
+from agentrl.learners import hf_io
 from agentrl.learners.batch import build_batch
 from agentrl.learners.torch_learner import TorchLearner
 from agentrl.tokenizer import load_tokenizer
@@ -146,6 +147,19 @@ def test_a_checkpoint_keeps_the_image_processor(tiny_vlm, tmp_path):
     learner.save(str(tmp_path / "ckpt"))
     again = TorchLearner(tmp_path / "ckpt", LearnerSection())
     assert again.takes_images and again.vision == learner.vision
+
+
+def test_published_weights_carry_the_checkpoint_names(tiny_vlm):
+    """A publish names the weights as the model's checkpoint files do (`visual.*`, `model.layers.*`), not as
+    transformers 5 holds them in memory (`model.visual.*`, `model.language_model.*`): SGLang's in-place update
+    (`load_weights`) takes only the file names, raising on an unknown vision name and skipping an unknown
+    language-model one without a word."""
+    learner = TorchLearner(tiny_vlm, LearnerSection())
+    files = set(hf_io.load_weights(tiny_vlm))
+    published = [name for name, _ in learner.weights()]
+    assert len(published) == len(set(published))
+    assert set(published) == files - ({"lm_head.weight"} if learner.tied else set())
+    assert any(name.startswith("visual.") for name in published)
 
 
 def fsdp_vlm_worker(rank: int, port: int, model: str, tmp: str) -> None:

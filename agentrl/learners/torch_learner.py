@@ -431,8 +431,10 @@ class TorchLearner(Learner):
         return modules
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named weights; an MoE model's in the names of its checkpoint files (experts one by one, as engines
-        load them), not transformers' in-memory fused expert tensors (`hf_io.file_names`)."""
+        """HF-named weights in the names of the model's checkpoint files, as engines load them
+        (`hf_io.file_names`): an MoE model's experts one by one, not transformers' in-memory fused tensors; a
+        VLM's `visual.*` and `model.layers.*`, not its in-memory `model.visual.*` and `model.language_model.*`
+        (SGLang's in-place update takes only the former and skips a name it does not know without a word)."""
         if self.world is not None:
             pairs = fsdp.full_weights(self.model, {"lm_head.weight"} if self.tied else set())
         else:
@@ -440,10 +442,8 @@ class TorchLearner(Learner):
                 lora.merged_weights(self.model) if self.lora is not None else self.model.state_dict().items()
             )
             pairs = ((n, t.detach()) for n, t in pairs if not (self.tied and n == "lm_head.weight"))
-        if self.routers is not None:
-            base = self.model.get_base_model() if self.lora is not None else self.model
-            pairs = hf_io.file_names(base, pairs)
-        yield from pairs
+        base = self.model.get_base_model() if self.lora is not None else self.model
+        yield from hf_io.file_names(base, pairs)
 
     def published_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """What a publish sends: the adapter alone under LoRA (agentrl.learners.lora), else `weights()`."""

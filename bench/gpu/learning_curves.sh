@@ -43,10 +43,10 @@ case $part in
           dev=(--engine.device "${DEVICE:-cuda}" --learner.device "${DEVICE:-cuda}")  # DEVICE=cpu: a smoke run
           # shellcheck disable=SC2016  # expanded by the inner shell
           setsid bash -c '
-            set -e; agentrl() { python3 -c "import sys; from agentrl.cli import main; sys.exit(main(sys.argv[1:]))" "$@"; }
-            taskset -c "$1" agentrl run examples/quickstart.toml --run.name lc-same-start-warmup --run.steps 0 \
-              --model.path runs/tiny-model-same-start "${@:4}"
-            agentrl export runs/lc-same-start-warmup --out runs/same-start-fp32
+            set -e; cli=(python3 -c "import sys; from agentrl.cli import main; sys.exit(main(sys.argv[1:]))")
+            taskset -c "$1" "${cli[@]}" run examples/quickstart.toml --run.name lc-same-start-warmup --run.steps 0 \
+              --model.path runs/tiny-model-same-start $WARMUP_ARGS "${@:4}"
+            "${cli[@]}" export runs/lc-same-start-warmup --out runs/same-start-fp32
             for dtype in float32 bfloat16; do
               [ $dtype = float32 ] && c=$2 || c=$3
               taskset -c "$c" python3 bench/quickstart_seeds.py --seeds "${SEEDS:-0-2}" --parallel "${PARALLEL:-3}" \

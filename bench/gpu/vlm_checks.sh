@@ -36,6 +36,8 @@ for part in "${parts[@]}"; do
       export RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1
       SGLANG_VLM=()  # SGLANG_GPU without --sglang-skip-tokenizer-init: SGLang's processor reads the pictures
       for flag in "${SGLANG_GPU[@]}"; do [ "$flag" = --sglang-skip-tokenizer-init ] || SGLANG_VLM+=("$flag"); done
+      SGLANG_VLM+=(--sglang-mm-attention-backend triton_attn)  # its vision attention defaults to FA3, which the
+      # trimmed sgl-kernel lacks (vlm_bench.py passes the same flag)
       python3 -c "import ray" 2>/dev/null ||
         { echo "vlm_checks.sh run: no Ray here: run 'vlm_checks.sh install' (carry .whl) first in this hold" >&2; exit 1; }
       timeout 150 python3 -c "import sys; sys.path.insert(0, 'bench/gpu'); from pathlib import Path
