@@ -8,6 +8,10 @@ the engine samples) scored by `compute_logprobs` in float32 and in bfloat16 vari
 runs it (`learner.dtype = "bfloat16"`), autocast with eager attention instead of SDPA, and the weights cast to
 bfloat16 (the engine's precision). Per variant: mean and max |Δ log p| over loss tokens, the share above 1 nat,
 and the five largest with their row, column and the row's length (is it where padding or a turn starts?).
+Then the backward: the gradient of the demonstrations' SFT loss (and of a sampled batch's) under each variant
+against float32's (cosine and relative error, over all weights and for the worst weight), and a race: the
+warm-up from one fresh model in float32 and in bfloat16 (`learner.dtype`), same batches, its loss every 10
+steps (`--race-steps`): does bfloat16 SFT descend as fast per step?
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=150)
     ap.add_argument("--model", default="runs/tiny-model-diag")
     ap.add_argument("--samples", type=int, default=256)
+    ap.add_argument("--race-steps", type=int, default=250)
     args = ap.parse_args()
 
     from agentrl.actors.learner import make_learner
@@ -129,6 +134,52 @@ def main() -> None:
             print(json.dumps({"batch": bname, "variant": name, "tokens": int(mask.sum()),
                               "mean": round(float(d.mean()), 5), "max": round(float(d.max()), 4),
                               "frac_gt_1nat": round(float((d > 1).float().mean()), 5), "worst": worst}), flush=True)  # fmt: skip
+
+    def sft_grads(batch) -> dict[str, torch.Tensor]:
+        """The gradient of the mean -log p over the batch's loss tokens, as the learner's forward computes it."""
+        model.zero_grad(set_to_none=True)
+        model.train()
+        for mb in learner._split(batch):
+            logp, _, _ = learner._forward(model, mb[1])
+            m = mb[1].loss_mask.to(args.device).float()
+            (-(logp * m).sum() / batch.loss_mask.sum()).backward()
+        model.eval()
+        return {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    for bname in ("demonstrations", "sampled"):
+        batch = build_batch(batches[bname], learner.pad_id, args.device)
+        ref = sft_grads(batch)
+        for name in ("autocast", "autocast_eager"):
+            with variant(name):
+                got = sft_grads(batch)
+            flat_r = torch.cat([g.flatten() for g in ref.values()])
+            flat_g = torch.cat([got[n].flatten() for n in ref])
+            per = {n: (float(torch.nn.functional.cosine_similarity(got[n].flatten(), g.flatten(), dim=0)),
+                       float((got[n] - g).norm() / g.norm().clamp_min(1e-30))) for n, g in ref.items()}  # fmt: skip
+            worst = sorted(per.items(), key=lambda kv: kv[1][0])[:3]
+            print(json.dumps({"grads": bname, "variant": name,
+                              "cosine": round(float(torch.nn.functional.cosine_similarity(flat_g, flat_r, dim=0)), 6),
+                              "rel_err": round(float((flat_g - flat_r).norm() / flat_r.norm()), 5),
+                              "worst": [{"weight": n, "cosine": round(c, 4), "rel_err": round(e, 4)} for n, (c, e) in worst]}), flush=True)  # fmt: skip
+
+    # the race: one fresh model, warmed up in float32 and in bfloat16 on the same batches
+    curves = {}
+    for dtype in ("float32", "bfloat16"):
+        if dtype == "bfloat16" and args.device == "cpu":
+            continue  # the learner refuses bf16 on a CPU (its bf16 is CUDA autocast)
+        fresh = Path(f"{args.model}-race")
+        if not (fresh / "config.json").is_file():
+            make_tiny_model(str(fresh))
+        rcfg = load_config("examples/quickstart.toml", ["--model.path", str(fresh), "--learner.device", args.device,
+                                                      "--learner.dtype", dtype])  # fmt: skip
+        racer = make_learner(rcfg, str(fresh))
+        race = Warmup(rcfg, racer, load_tokenizer(str(fresh)), racer.pad_id)
+        race.advance(args.race_steps)
+        curves[dtype] = [round(sum(race.losses[i : i + 10]) / 10, 4) for i in range(0, len(race.losses), 10)]
+        print(
+            json.dumps({"race": dtype, "steps": len(race.losses), "loss_per_10_steps": curves[dtype]}),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@
 # Each stack takes CORES (a taskset list; defaults below keep the stacks apart on a 16-core host) and
 # TIME_LIMIT_S (each run's own limit, 420); SEEDS (0-2) and PARALLEL (3) for a smoke run:
 #   CORES=0-1 PARALLEL=1 SEEDS=0 TIME_LIMIT_S=60 bash bench/gpu/learning_curves.sh start cpu; ... wait 200
+# same-start takes WARMUP_ARGS for its one warm-up (e.g. WARMUP_ARGS="--warmup.stop-eval 0.35", a lower start);
+# its RL runs start from an export of it, so with a fresh AdamW (docs/benchmarks/gpu.md 5.6 says what that does).
+# The machine is given back when a hold sits idle: follow a `start` with the next call (or `wait`) at once.
 # The curves: `agentrl plot cpu=cpu/runs/... --smooth 10`, one NAME= per stack (docs/benchmarks/gpu.md).
 source bench/gpu/common.sh
 export RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1
@@ -20,7 +23,7 @@ bg=/tmp/learning_curves; mkdir -p "$bg"
 part=${1:-}; shift || true
 case $part in
   start)
-    [ $# -gt 0 ] || { echo "learning_curves.sh start: name a stack (torch-embedded[-bf16|-engine-bf16|-learner-bf16] | torch-embedded-colocated-bf16 | same-start | megatron-sglang | cpu)" >&2; exit 2; }
+    [ $# -gt 0 ] || { echo "learning_curves.sh start: name a stack (torch-embedded[-bf16|-engine-bf16|-learner-bf16] | torch-embedded-colocated-bf16 | same-start | megatron-sglang[-fp32] | cpu)" >&2; exit 2; }
     for stack in "$@"; do
       case $stack in
         torch-embedded)  # what a user gets with the devices named: the quickstart's placement (split), float32
@@ -40,6 +43,7 @@ case $part in
         same-start)  # RL in bf16 and in float32 from ONE float32 warm-up (3 seeds each): the start or the updates?
           gpu_setup megatron; python3 -c "import ray, msgspec" || { echo "no Ray here: carry .whl" >&2; exit 1; }
           cores=${CORES:-0-11}; first=${cores%-*}; last=${cores#*-}; mid=$(((first + last + 1) / 2))
+          rm -rf runs/lc-same-start-* runs/same-start-fp32 runs/tiny-model-same-start "$bg"/same-start*  # a new start
           dev=(--engine.device "${DEVICE:-cuda}" --learner.device "${DEVICE:-cuda}")  # DEVICE=cpu: a smoke run
           # shellcheck disable=SC2016  # expanded by the inner shell
           setsid bash -c '
@@ -60,8 +64,12 @@ case $part in
         megatron-sglang)  # Megatron (bf16) + real SGLang in one process group on the GPU
           gpu_setup megatron sglang; cores=${CORES:-8-13}; per=2
           flags=(--run.placement colocated "${MEGATRON_GPU[@]}" "${SGLANG_GPU[@]}" --sglang-mem-fraction-static 0.12) ;;
+        megatron-sglang-fp32)  # the same with Megatron in float32 (SGLang stays bf16): is it the bf16 warm-up?
+          gpu_setup megatron sglang; cores=${CORES:-8-13}; per=2
+          flags=(--run.placement colocated "${MEGATRON_GPU[@]}" --learner.dtype float32 "${SGLANG_GPU[@]}"
+            --sglang-mem-fraction-static 0.12) ;;
         cpu) gpu_setup megatron; cores=${CORES:-10-15}; per=2; flags=() ;;
-        *) echo "learning_curves.sh: unknown stack '$stack' (torch-embedded[-bf16|-engine-bf16|-learner-bf16] | torch-embedded-colocated-bf16 | same-start | megatron-sglang | cpu)" >&2; exit 2 ;;
+        *) echo "learning_curves.sh: unknown stack '$stack' (torch-embedded[-bf16|-engine-bf16|-learner-bf16] | torch-embedded-colocated-bf16 | same-start | megatron-sglang[-fp32] | cpu)" >&2; exit 2 ;;
       esac
       python3 -c "import ray, msgspec" || { echo "no Ray here: first call carries .whl" >&2; exit 1; }
       hide=(); [ "$stack" = cpu ] && hide=(env CUDA_VISIBLE_DEVICES=)

@@ -43,12 +43,12 @@ from agentrl.tokenizer import load_tokenizer
 QWEN25_VL_3B = {
     "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
     "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 128000,
-    "tie_word_embeddings": True, "vocab_size": 151936,
+    "tie_word_embeddings": True, "vocab_size": 151936, "initializer_range": 0.02,
     "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
     "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
                       "out_hidden_size": 2048, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
                       "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "in_chans": 3,
-                      "hidden_act": "silu", "tokens_per_second": 2},
+                      "hidden_act": "silu", "tokens_per_second": 2, "initializer_range": 0.02},
 }  # fmt: skip
 SGLANG_FLAGS = {
     "attention_backend": "triton",
