@@ -35,3 +35,10 @@ def test_algorithm_checked_against_the_learner_section(cls, tmp_path):
 def test_options_of_another_learner_are_rejected(tmp_path):
     with pytest.raises(TypeError, match="attention"):
         TorchLearner(tmp_path / "no-model", attention="sdpa")
+
+
+def test_a_torch_learner_built_directly_refuses_bf16_off_cuda(tmp_path):
+    """Its bf16 is CUDA autocast: on a CPU it would compute in float32 without a word, whether built from a
+    config (which checks it) or directly."""
+    with pytest.raises(ConfigError, match=r"learner\.dtype = 'bfloat16' needs learner\.device = 'cuda'"):
+        TorchLearner(tmp_path / "no-model", LearnerSection(dtype="bfloat16", device="cpu"))

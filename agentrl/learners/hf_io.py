@@ -164,6 +164,21 @@ def file_names(
         yield from revert_weight_conversion(model, {name: tensor}).items()
 
 
+def memory_names(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` named as the model's checkpoint files name them, renamed to its `state_dict`'s names where
+    transformers renames one weight to one (a VLM's `visual.*` -> `model.visual.*`); other names pass through
+    (a checkpoint written in the in-memory names loads as before). Fused weights (MoE experts) need
+    `model_weights`."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    renames = {}
+    for name, tensor in model.state_dict().items():
+        files = list(revert_weight_conversion(model, {name: tensor}))
+        if files != [name] and len(files) == 1:
+            renames[files[0]] = name
+    return {renames.get(name, name): tensor for name, tensor in weights.items()}
+
+
 def model_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """The weights of the HF directory `path` in the names of the model's `state_dict` (what `file_names`
     undoes), by loading it with transformers on the CPU (fp32)."""

@@ -98,7 +98,7 @@ def load(learner: TorchLearner, path: str) -> None:
     if learner.routers is not None:  # MoE files name experts one by one: transformers fuses them on load
         weights = hf_io.model_weights(path)
     else:
-        weights = hf_io.load_weights(Path(path) / hf_io.WEIGHTS_FILE)
+        weights = hf_io.memory_names(learner.model, hf_io.load_weights(Path(path) / hf_io.WEIGHTS_FILE))
     if learner.world is not None:
         names = set(learner.model.state_dict())
         missing, unexpected = sorted(names - set(weights)), sorted(set(weights) - names)

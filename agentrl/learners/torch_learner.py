@@ -76,10 +76,7 @@ class TorchLearner(Learner):
         if true_on_policy:
             self._check_true_on_policy()
         self._offload_store: dict = {}  # CPU copies kept between offloads (agentrl.learners.offload)
-        if (
-            self.cfg.lora.enabled
-        ):  # the section's own checks (LoRA with FSDP, ...) for a learner built directly
-            self.cfg.validate()
+        self.cfg.validate()  # the section's own checks for a learner built directly (bf16 on a CPU, LoRA with FSDP)
         self.lora = self.cfg.lora if self.cfg.lora.enabled else None
         self.base_path = torch_models.base_path(self.model_path, self.lora is not None)
         self.world = fsdp.World(self.cfg.device) if self.cfg.fsdp else None
