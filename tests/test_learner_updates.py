@@ -166,3 +166,22 @@ def test_mismatch_metrics_per_turn_through_the_learner(model_dir):
     assert not any(k.endswith("_sum") or k.startswith("turn") for k in m)
     assert 0.0 < m["mismatch_turn0"] < 5.0 and 0.0 <= m["masked_frac_turn1"] <= 1.0
     assert m["mismatch_masked_frac"] > 0.0 and m["mismatch_ratio_max"] >= m["ratio_turn1_max"]
+
+
+def test_lr_warmup_ramps_the_rl_updates_not_the_sft_ones(model_dir):
+    """learner.lr_warmup_steps = 3: train steps 1, 2, 3 update at lr/3, 2lr/3, lr, then lr; a fresh AdamW's first
+    update moves the weight it moves most by the rate applied (m / sqrt(v) = sign(g)), so the ramp is what
+    reached the weights, not only the metric. An SFT step's own lr is left alone."""
+    lrn = learner(model_dir, AlgorithmSection(advantage="grpo"), lr=1e-2, lr_warmup_steps=3)
+    before = {n: p.detach().clone() for n, p in lrn.model.named_parameters()}
+    rates = [lrn.train_step(build_batch(make_trajs(seed=s), lrn.pad_id))["lr"] for s in range(4)]
+    assert rates == pytest.approx([1e-2 / 3, 2e-2 / 3, 1e-2, 1e-2])
+    assert all(g["lr"] == 1e-2 for g in lrn.optimizer.param_groups)  # the optimizer's own rate is kept
+
+    first = learner(model_dir, AlgorithmSection(advantage="grpo"), lr=1e-2, lr_warmup_steps=3)
+    first.train_step(build_batch(make_trajs(seed=0), first.pad_id))
+    moved = max((p.detach() - before[n]).abs().max().item() for n, p in first.model.named_parameters())
+    assert moved == pytest.approx(1e-2 / 3, rel=0.01)
+
+    sft = learner(model_dir, AlgorithmSection(advantage="grpo"), lr=1e-2, lr_warmup_steps=3)
+    assert sft.sft_step(build_batch(make_trajs(), sft.pad_id), lr=1e-3)["lr"] == 1e-3

@@ -64,6 +64,16 @@ class LearnerSection(_Section):
         ),
     ] = "float32"
     lr: Annotated[float, doc("learning rate", gt=0)] = 3e-4
+    lr_warmup_steps: Annotated[
+        int,
+        doc(
+            "train steps over which the RL learning rate rises linearly, lr/N at the first to lr at the N-th "
+            "(slime's --lr-warmup-iters): a fresh AdamW's first updates move every weight by lr whatever its "
+            "gradient, which can undo a checkpoint's skill before RL has a signal; 0 = lr from the first step. "
+            "The warm-up hands RL its AdamW second moment instead, and its own SFT steps use warmup.lr",
+            ge=0,
+        ),
+    ] = 0
     weight_decay: Annotated[float, doc("AdamW weight decay", ge=0)] = 0.0
     betas: Annotated[tuple[Beta, Beta], doc("AdamW betas")] = (0.9, 0.999)
     grad_clip: Annotated[float, doc("gradient norm clip; 0 = none", ge=0)] = 1.0

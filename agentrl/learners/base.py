@@ -246,8 +246,11 @@ class Learner(abc.ABC):
 
     @contextlib.contextmanager
     def _step_lr(self, lr: float | None) -> Iterator[float]:
-        """The learning rate `lr` for one optimizer update (None: the optimizer's own), the groups' own after it;
-        yields the rate used (the `lr` metric)."""
+        """The learning rate `lr` for one optimizer update (None: an RL update, at learner.lr ramped over
+        learner.lr_warmup_steps train steps; `self.step` counts them and comes back with a checkpoint), the
+        groups' own after it; yields the rate used (the `lr` metric)."""
+        if lr is None and self.cfg.lr_warmup_steps > self.step:
+            lr = self.cfg.lr * (self.step + 1) / self.cfg.lr_warmup_steps
         groups = self.optimizer.param_groups
         saved = [g["lr"] for g in groups]
         if lr is not None:
