@@ -33,9 +33,12 @@ gpu_install() {
         python3 -m pip install -q --no-index --no-deps --no-compile /tmp/wheels/*.whl || return 1
         python3 -c "import sglang; print('sglang', sglang.__version__)" ;;
       megatron | ray)  # .gpu/megatron-whl/*.whl and/or .whl/*.whl (Ray, msgspec, megatron-core, ...) -> /tmp/site
-        if [ -f /tmp/site/.done ]; then echo "/tmp/site already installed"; continue; fi
-        local wheels
-        wheels=$(shopt -s nullglob; echo .gpu/megatron-whl/*.whl .whl/*.whl)
+        # installed, unless .whl came in a later call of the hold and its Ray is not there yet
+        if [ -f /tmp/site/.done ] && { [ ! -d .whl ] || PYTHONPATH=/tmp/site python3 -c "import ray" 2>/dev/null; }; then
+          echo "/tmp/site already installed"; continue
+        fi
+        local wheels  # .whl holds all of .gpu/megatron-whl and more: one of them (pip refuses a wheel twice)
+        wheels=$(shopt -s nullglob; w=(.whl/*.whl); [ ${#w[@]} -gt 0 ] || w=(.gpu/megatron-whl/*.whl); echo "${w[@]}")
         [ -n "$wheels" ] || { echo "no wheels in .gpu/megatron-whl or .whl (bench/gpu/wheels.sh)" >&2; return 1; }
         # shellcheck disable=SC2086  # wheel paths have no spaces
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
