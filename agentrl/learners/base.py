@@ -246,18 +246,16 @@ class Learner(abc.ABC):
 
     @contextlib.contextmanager
     def _step_lr(self, lr: float | None) -> Iterator[float]:
-        """The learning rate `lr` for one optimizer update (None: an RL update, at learner.lr ramped over
-        learner.lr_warmup_steps train steps; `self.step` counts them and comes back with a checkpoint), the
-        groups' own after it; yields the rate used (the `lr` metric)."""
-        if lr is None and self.cfg.lr_warmup_steps > self.step:
-            lr = self.cfg.lr * (self.step + 1) / self.cfg.lr_warmup_steps
+        """The learning rate `lr` for one optimizer update (None: an RL update, at the groups' own rates, scaled
+        by the ramp of learner.lr_warmup_steps train steps; `self.step` counts them and comes back with a
+        checkpoint), the groups' own after it; yields the rate used (the `lr` metric)."""
         groups = self.optimizer.param_groups
         saved = [g["lr"] for g in groups]
-        if lr is not None:
-            for g in groups:
-                g["lr"] = lr
+        ramp = (self.step + 1) / self.cfg.lr_warmup_steps if self.cfg.lr_warmup_steps > self.step else 1.0
+        for g, own in zip(groups, saved, strict=True):
+            g["lr"] = lr if lr is not None else own * ramp
         try:
-            yield float(lr if lr is not None else saved[0])
+            yield float(groups[0]["lr"])
         finally:
             for g, old in zip(groups, saved, strict=True):
                 g["lr"] = old
