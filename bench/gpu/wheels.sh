@@ -4,7 +4,7 @@
 # in separate calls of one hold); bench/gpu/common.sh `gpu_install` installs them there.
 #   bash bench/gpu/wheels.sh sglang [DIR]   # DIR/sglang_wheelhouse.tar (default .sgl): trimmed SGLang 0.5.12,
 #                                           # torch_memory_saver, peft, accelerate: ~54 MB
-#   bash bench/gpu/wheels.sh megatron       # .gpu/megatron-whl: megatron-core 0.16.1 + msgspec (~3 MB)
+#   bash bench/gpu/wheels.sh megatron       # .gpu/megatron-whl: megatron-core 0.16.1, msgspec, pytest-asyncio (~3 MB)
 #   bash bench/gpu/wheels.sh ray            # .whl: Ray 2.60 trimmed to 44.6 MB + msgspec, megatron-core, jsonschema,
 #                                           # rich, pytest-asyncio (~48 MB): what `agentrl run` needs there
 # The GPU image: Python 3.12, torch 2.11.0+cu130, transformers 5.17 (SGLang 0.5.12 pins that torch; newer ones
@@ -47,7 +47,7 @@ ls -l "$out/sglang_wheelhouse.tar"
 case ${1:-} in
   sglang) sglang_wheelhouse "${2:-.sgl}" ;;
   megatron)
-    dl .gpu/megatron-whl megatron-core==0.16.1 msgspec==0.22.0
+    dl .gpu/megatron-whl megatron-core==0.16.1 msgspec==0.22.0 pytest-asyncio==1.5.0  # the async tests beside .sgl
     ls -la .gpu/megatron-whl ;;
   ray)
     dl .whl ray==2.60.0 msgspec==0.22.0 megatron-core==0.16.1 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 \
