@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import uuid
+import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -152,16 +153,40 @@ def save_hf_dir(
     return out
 
 
+_RENAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {state_dict name: file name}
+
+
+def _renames(model: torch.nn.Module) -> dict[str, str]:
+    """Each `state_dict` name that its checkpoint files hold as one tensor, with that file name (itself for most
+    models; a VLM's `model.visual.*` -> `visual.*`). Worked out once per model: asking transformers tensor by
+    tensor costs ~0.2 s for a 28-layer model, every publish; a fused weight (an MoE layer's experts) is left out."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    if model not in _RENAMES:
+        out = {}
+        for name, tensor in model.state_dict().items():
+            files = list(revert_weight_conversion(model, {name: tensor}))
+            if len(files) == 1:
+                out[name] = files[0]
+        _RENAMES[model] = out
+    return _RENAMES[model]
+
+
 def file_names(
     model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """`(name, tensor)` pairs of a model's `state_dict` in the names its checkpoint files use: transformers 5
-    fuses some weights in memory (an MoE layer's experts into 3-D tensors) and splits them back when it saves
-    (`revert_weight_conversion`, applied here one tensor at a time: the stream is never held whole)."""
+    renames some weights in memory (a VLM's towers) and fuses others (an MoE layer's experts into 3-D tensors),
+    and undoes both when it saves (`revert_weight_conversion`, applied to a fused tensor one at a time: the stream
+    is never held whole)."""
     from transformers.core_model_loading import revert_weight_conversion
 
+    renames = _renames(model)
     for name, tensor in pairs:
-        yield from revert_weight_conversion(model, {name: tensor}).items()
+        if name in renames:
+            yield renames[name], tensor
+        else:
+            yield from revert_weight_conversion(model, {name: tensor}).items()
 
 
 def memory_names(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -169,14 +194,8 @@ def memory_names(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> di
     transformers renames one weight to one (a VLM's `visual.*` -> `model.visual.*`); other names pass through
     (a checkpoint written in the in-memory names loads as before). Fused weights (MoE experts) need
     `model_weights`."""
-    from transformers.core_model_loading import revert_weight_conversion
-
-    renames = {}
-    for name, tensor in model.state_dict().items():
-        files = list(revert_weight_conversion(model, {name: tensor}))
-        if files != [name] and len(files) == 1:
-            renames[files[0]] = name
-    return {renames.get(name, name): tensor for name, tensor in weights.items()}
+    back = {file: name for name, file in _renames(model).items()}
+    return {back.get(name, name): tensor for name, tensor in weights.items()}
 
 
 def model_weights(path: str | Path) -> dict[str, torch.Tensor]:
