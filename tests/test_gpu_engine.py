@@ -42,7 +42,7 @@ def test_triton_decode_attention_matches_sdpa(dtype):
         v = vc[row, :, :n].double().repeat_interleave(heads // kv_heads, 0)
         ref = F.scaled_dot_product_attention(q[row].double()[:, None], k, v)[:, 0]
         err = (out[row] - ref).norm() / ref.norm()
-        assert err < (2e-2 if dtype == torch.bfloat16 else 5e-3), (row, float(err))
+        assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), (row, float(err))  # float32: IEEE dots
 
 
 def test_triton_decode_attention_writes_the_new_token():

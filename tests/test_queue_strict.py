@@ -4,8 +4,10 @@ a blank token and says whether token ids are checked."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import subprocess
 
 import numpy as np
@@ -15,6 +17,7 @@ from agentrl.config.serving import QueueSection
 from agentrl.errors import ConfigError
 from agentrl.queue import ReplayQueue
 from agentrl.queue.server import BackgroundServer, QueueServer
+from agentrl.tokenizer import load_tokenizer
 from agentrl.types import Trajectory, floats, tokens
 from tests.test_queue_http import TOKEN, http, one, post_json, post_msgpack, serve_queue_cmd
 
@@ -101,6 +104,24 @@ def test_unknown_chat_role_is_refused(bg, tmp_path):
     status, _, body = post_json(server.url, {"id": "c", "messages": messages[::2], "logprobs": [-1.0]})
     assert (status, body["field"]) == (422, "logprobs")  # the client never saw the tokens
     assert post_json(server.url, {"id": "c", "messages": messages[::2]})[0] == 202
+
+
+def test_a_model_bounds_token_ids_by_its_embedding_rows(bg, tiny, tmp_path):
+    """An engine samples from every embedding row, and models pad theirs past the tokenizer (Qwen: 151,665
+    tokens, 151,936 rows; a random model samples them often): a padding id is a sampled token the queue keeps,
+    one past the rows a 422. A VLM's config has its vocabulary under `text_config`."""
+    n = len(load_tokenizer(tiny))
+    for name, text_config in (("dense", False), ("vlm", True)):
+        model = tmp_path / name
+        shutil.copytree(tiny, model)
+        cfg = json.loads((model / "config.json").read_text())
+        del cfg["vocab_size"]
+        cfg.update({"text_config": {"vocab_size": n + 64}} if text_config else {"vocab_size": n + 64})
+        (model / "config.json").write_text(json.dumps(cfg))
+        server = bg(tokenizer_path=str(model))
+        assert post_json(server.url, one(f"{name}-pad", response_ids=[4, n + 63]))[0] == 202
+        status, _, body = post_json(server.url, one(f"{name}-past", response_ids=[4, n + 64]))
+        assert (status, body["field"]) == (422, "response_ids") and f"size {n + 64}" in body["error"]
 
 
 def test_absurd_logprobs_never_reach_the_queue(bg):

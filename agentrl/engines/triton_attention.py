@@ -7,7 +7,8 @@ and attended from registers (no separate scatter kernels; without them the calle
 length (no padding to the longest row) and its launch shape depends on the batch size alone, so it can be
 captured in a CUDA graph once per batch bucket. One program per (row, kv head) handles the whole GQA group
 (query rows padded to 16 for `tl.dot`); scores and the running softmax are fp32, `p @ v` runs in the cache
-dtype with fp32 accumulation, as flash attention does.
+dtype with fp32 accumulation, as flash attention does. A float32 cache gets IEEE float32 dots: `tl.dot` on
+float32 defaults to TF32 (10-bit mantissa, ~1e-3 on a log-prob), and whoever serves in float32 asked for exactness.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def _decode_kernel(
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_ob, stride_oh,
     stride_knb, stride_knh, stride_vnb, stride_vnh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, NEW: tl.constexpr,
+    IEEE: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -48,14 +50,20 @@ def _decode_kernel(
         n = blk * BLOCK_N + offs_n
         nmask = n < length
         k = tl.load(k_base + n[:, None] * stride_ks + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * sm_scale
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * sm_scale
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
         v = tl.load(v_base + n[:, None] * stride_ks + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     if NEW:  # the current token: store its K/V, then fold it into the softmax from registers
         k_new = tl.load(K_NEW + b * stride_knb + kvh * stride_knh + offs_d)
@@ -122,6 +130,6 @@ def decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, D=dim, NEW=new,
-        num_warps=warps, num_stages=stages,
+        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

@@ -31,6 +31,19 @@ IMAGES_IN_CHAT = (
 )
 
 
+def embedding_rows(model_dir: str | Path | None) -> int | None:
+    """The model's vocabulary as its embedding has it: config.json's `vocab_size` (a VLM's under `text_config`
+    when not at the top); None without a readable config (a tokenizer directory alone)."""
+    if model_dir is None:
+        return None
+    try:
+        cfg = msgspec.json.decode((Path(model_dir) / "config.json").read_bytes())
+    except (OSError, msgspec.DecodeError):
+        return None
+    rows = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    return int(rows) if isinstance(rows, int) and rows > 0 else None
+
+
 class ChatTokenizer:
     def __init__(self, model_dir: str | Path | None = None, *, tokenizer: Any = None):
         if tokenizer is None:
@@ -46,7 +59,9 @@ class ChatTokenizer:
             self.chat = chat_tokens(tokenizer)
         except EnvError as exc:
             raise ConfigError(f"--model {model_dir}: {exc}") from None
-        self.vocab_size = len(tokenizer)
+        # The ids the queue accepts: the tokenizer's, or the model's embedding rows where it has more (Qwen pads
+        # 151,665 tokens to 151,936 rows); an engine samples from every row, so a padding id is a sampled token
+        self.vocab_size = max(len(tokenizer), embedding_rows(model_dir) or 0)
 
     def tokenize(self, traj: Trajectory) -> Trajectory:
         """Replace `messages` by prompt_ids / response_ids / loss_mask (see the module docstring)."""

@@ -76,8 +76,8 @@ class QueueServer:
             if queue.vocab_size is None:
                 queue.vocab_size = self.tokenizer.vocab_size
             elif queue.vocab_size < self.tokenizer.vocab_size:
-                raise ConfigError(f"--vocab-size {queue.vocab_size} is smaller than the tokenizer's vocabulary "
-                                  f"({self.tokenizer.vocab_size}): chat-form token ids would be refused")  # fmt: skip
+                raise ConfigError(f"--vocab-size {queue.vocab_size} is smaller than the model's vocabulary "
+                                  f"({self.tokenizer.vocab_size}): its token ids would be refused")  # fmt: skip
         self.draining = False
         self.port = 0
         self.host = self.cfg.host
