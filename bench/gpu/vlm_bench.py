@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -173,30 +174,37 @@ def sglang(path: Path, requests, args) -> dict:
     return {**summary(result.pop("runs")), **result}
 
 
-def logprob_check(path: Path, requests, outs, args, dtype: str = "float32") -> dict:
-    """The torch learner's log-probs of K sampled responses (transformers' forward; `dtype`: the learner's, bf16
-    being autocast on CUDA) against the engine's."""
+def learner_deltas(learner, requests, outs, k: int) -> tuple[Any, list[float]]:
+    """|engine - learner| log-prob of each sampled token of the first `k` replies (all concatenated), and each
+    reply's first token's (prefill alone: no decode step yet). The pictures' spans come from `SPANS`."""
     import torch
 
-    from agentrl.config.learning import LearnerSection
     from agentrl.learners.batch import build_batch
-    from agentrl.learners.torch_learner import TorchLearner
 
-    learner = TorchLearner(path, LearnerSection(micro_batch_tokens=4096, device=args.device, dtype=dtype))
     deltas, first = [], []
-    for k, ((ids, imgs, _), out) in enumerate(zip(requests[: args.check_logprobs], outs, strict=False)):
+    for i, ((ids, imgs, _), out) in enumerate(zip(requests[:k], outs, strict=False)):
         traj = types.normalize(types.Trajectory(
-            id=f"r{k}", prompt_ids=ids, response_ids=out.output_ids, logprobs=out.logprobs, images=imgs,
-            image_spans=SPANS[k]))  # fmt: skip
+            id=f"r{i}", prompt_ids=ids, response_ids=out.output_ids, logprobs=out.logprobs, images=imgs,
+            image_spans=SPANS[i]))  # fmt: skip
         logp = learner.compute_logprobs(build_batch([traj], learner.pad_id, images=True))
         got = logp[0, len(ids) : len(ids) + len(out.output_ids)]
         delta = (got.float().cpu() - torch.tensor(out.logprobs)).abs()
         deltas.append(delta)
-        first.append(float(delta[0]))  # the first reply token: prefill alone (no decode step yet)
-    every = torch.cat(deltas)
+        first.append(float(delta[0]))
+    return torch.cat(deltas), first
+
+
+def logprob_check(path: Path, requests, outs, args, dtype: str = "float32") -> dict:
+    """The torch learner's log-probs of K sampled responses (transformers' forward; `dtype`: the learner's, bf16
+    being autocast on CUDA) against the engine's."""
+    from agentrl.config.learning import LearnerSection
+    from agentrl.learners.torch_learner import TorchLearner
+
+    learner = TorchLearner(path, LearnerSection(micro_batch_tokens=4096, device=args.device, dtype=dtype))
+    every, first = learner_deltas(learner, requests, outs, args.check_logprobs)
     return {
         "learner_dtype": dtype,
-        "requests": len(deltas),
+        "requests": len(first),
         "max": round(float(every.max()), 5),
         "mean": round(float(every.mean()), 5),
         "first_token_mean": round(sum(first) / len(first), 5),

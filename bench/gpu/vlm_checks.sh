@@ -7,6 +7,10 @@
 #   bash bench/gpu/vlm_checks.sh [tests] [bench] [vlm_bench.py args]
 #       tests: the CPU-sized VLM tests on the GPU machine (engine log-probs vs transformers, learner, proxy)
 #       bench: bench/gpu/vlm_bench.py -> $OUT/vlm_bench.json (RUNS=3, CHECK_LOGPROBS=8)
+#       reload: bench/gpu/sglang_vlm_reload.py: the torch learner's publishes into SGLang on every path (tensor,
+#             distributed, bucketed, disk), the vision tower alone and the language model alone among them, each
+#             checked by log-probs against the learner's new and previous weights -> $OUT/sglang_vlm_reload.json;
+#             ~3 min
 #       install: Ray (+ megatron-core, msgspec) into /tmp/site for `run` in a later call of the same hold (carry
 #             .whl; Ray and SGLang exceed one carry)
 #       run: after `install` (carry .sgl .gpu): `agentrl run examples/shapes.toml` async, colocated, SGLang
@@ -21,7 +25,7 @@ source bench/gpu/common.sh
 if [ "${1:-}" = install ]; then gpu_install megatron 2>&1 | tail -1; exit; fi
 gpu_setup megatron sglang
 parts=()
-while [ $# -gt 0 ]; do case $1 in tests | bench | run) parts+=("$1"); shift ;; *) break ;; esac; done
+while [ $# -gt 0 ]; do case $1 in tests | bench | reload | run) parts+=("$1"); shift ;; *) break ;; esac; done
 [ ${#parts[@]} -eq 0 ] && parts=(tests bench)
 for part in "${parts[@]}"; do
   case $part in
@@ -32,6 +36,10 @@ for part in "${parts[@]}"; do
         --out "$out/vlm_bench.json" "$@" > /tmp/vlm_bench.log 2>&1
       echo "vlm_bench rc=$?"; grep '^{' /tmp/vlm_bench.log | cut -c1-3000; tail -5 /tmp/vlm_bench.log
       cp /tmp/vlm_bench.log "$out/vlm_bench.log" ;;
+    reload)
+      timeout "${VLM_RELOAD_TIMEOUT_S:-420}" python3 bench/gpu/sglang_vlm_reload.py --out "$out" "$@" \
+        > "$out/sglang_vlm_reload.log" 2>&1
+      echo "sglang_vlm_reload rc=$?"; grep '^{' "$out/sglang_vlm_reload.log" | cut -c1-3000 ;;
     run)
       export RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1
       SGLANG_VLM=()  # SGLANG_GPU without --sglang-skip-tokenizer-init: SGLang's processor reads the pictures
