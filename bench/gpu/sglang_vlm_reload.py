@@ -93,7 +93,7 @@ async def check(args) -> dict:
     root = Path(args.workdir or tempfile.mkdtemp())
     path = vlm_bench.build_model(args.arch, root, args.device)
     requests = vlm_bench.make_requests(path, SimpleNamespace(
-        seed=0, n=args.n, image_size=224, prompt_len=(4, 16), output_len=(24, 24)))  # fmt: skip
+        seed=0, n=args.n, image_size=args.image_size, prompt_len=(4, 16), output_len=(24, 24)))  # fmt: skip
     learner = TorchLearner(
         path, LearnerSection(micro_batch_tokens=4096, device=args.device, dtype=args.dtype)
     )
@@ -108,7 +108,8 @@ async def check(args) -> dict:
         server, engine = None, EmbeddedEngine(str(path), device=args.device, max_batch_size=args.n)
         versions = [(p, part) for p, part in VERSIONS if not p.startswith("distributed")]
     else:
-        server = SGLangServer(str(path), args=SGLANG_FLAGS, startup_timeout_s=600, restart_on_crash=False,
+        flags = {**SGLANG_FLAGS, "disable_fast_image_processor": args.slow_image_processor}
+        server = SGLangServer(str(path), args=flags, startup_timeout_s=600, restart_on_crash=False,
                               log_path=str(Path(args.out) / "sglang_vlm_server.log"))  # fmt: skip
         await asyncio.to_thread(server.start)
         engine = SGLangEngine(server.url, update_timeout_s=300)
@@ -152,6 +153,14 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="the learner's (default: bfloat16 on CUDA, float32 on CPU)")
     ap.add_argument("--n", type=int, default=4, help="prompts, each with one picture")
     ap.add_argument("--tol", type=float, default=0.1, help="mean |Δ| log-prob against the new weights")
+    ap.add_argument(
+        "--image-size", type=int, default=224, help="pixels square (56: no resize, 4 image tokens)"
+    )
+    ap.add_argument(
+        "--slow-image-processor",
+        action="store_true",
+        help="SGLang with Pillow's image processor, as the learner (its default: torchvision's, on the GPU)",
+    )
     ap.add_argument("--no-sglang", action="store_true")
     ap.add_argument("--dist-backend", default="gloo", choices=["gloo", "nccl"])
     ap.add_argument("--bucket-mb", type=int, default=256)
