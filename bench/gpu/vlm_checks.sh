@@ -18,7 +18,7 @@
 #             processor, as vlm_bench.py starts it) and the torch learner (bf16, vision tower trained: every
 #             publish carries it), STEPS (default 50) steps, no warm-up, 64-token replies
 #             -> $OUT/vlm_run.{log,metrics.jsonl}, step and publish times in $OUT/vlm_run_summary.json
-#             (run_summary.py); ~6-9 min
+#             (run_summary.py); only the closing checkpoint (a 3B with its optimizer is ~45 GB); ~8-10 min
 #   CPU smoke of the bench: python bench/gpu/vlm_bench.py --device cpu --arch tiny --n 4 --prompt-len 8 16 \
 #       --output-len 8 16 --no-sglang --runs 2 --check-logprobs 2 --image-size 56
 source bench/gpu/common.sh
@@ -52,8 +52,9 @@ for part in "${parts[@]}"; do
 from vlm_bench import build_model; print(build_model('qwen2.5-vl-3b', Path('runs/vlm-3b'), 'cuda'))" \
         > "$out/vlm_model.log" 2>&1
       echo "vlm model rc=$?"; tail -1 "$out/vlm_model.log"
-      agentrl_run examples/shapes.toml vlm_run "${RUN_TIMEOUT:-420}" --model.path runs/vlm-3b/qwen2.5-vl-3b \
+      agentrl_run examples/shapes.toml vlm_run "${RUN_TIMEOUT:-540}" --model.path runs/vlm-3b/qwen2.5-vl-3b \
         --model.make-tiny false --run.steps "${STEPS:-50}" --run.placement colocated --warmup.steps 0 \
+        --run.checkpoint-every 0 \
         --rollout.max-new-tokens 64 --learner.vision-tower trained --learner.device cuda \
         --learner.dtype bfloat16 "${SGLANG_VLM[@]}" --sglang-mem-fraction-static 0.3
       run_summary vlm_run_summary runs/vlm_run ;;
