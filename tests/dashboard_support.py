@@ -8,18 +8,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.run_support import make_model, tiny_config
+from tests.run_support import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def short_run(tmp_path_factory) -> Path:
+def short_run(tmp_path_factory, model: str) -> Path:
     root = tmp_path_factory.getbasetemp() / "short_run"
     run_dir = root / "t"
     if (run_dir / "summary.json").exists():
         return run_dir
     root.mkdir(exist_ok=True)
-    cfg = tiny_config(root, make_model(root), run={"placement": "colocated", "steps": 4, "progress": True})
+    cfg = tiny_config(root, model, run={"placement": "colocated", "steps": 4, "progress": True})
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-m", "agentrl.cli", "run", str(cfg)], cwd=root, env=env,
                          capture_output=True, text=True, timeout=300)  # fmt: skip

@@ -20,15 +20,15 @@ from agentrl.learners.batch import build_batch
 from agentrl.learners.torch_learner import TorchLearner
 from agentrl.runner.rundir import RunDir
 from agentrl.runner.state import pick_checkpoint, write_checkpoint
-from tests.run_support import Handle, make_model
+from tests.run_support import Handle
 from tests.test_torch_learner import make_trajs
 
 DRIVER = {"node_id": "head", "ip": "10.0.0.1"}
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    return make_model(tmp_path_factory.mktemp("background_save"))
+def model(run_model) -> str:
+    return run_model
 
 
 def test_a_save_written_after_the_next_step_holds_the_state_of_the_step_that_asked(model, tmp_path):

@@ -14,15 +14,15 @@ from agentrl.actors.coordinator import Coordinator
 from agentrl.actors.learner import LearnerWorker
 from agentrl.config import load_config
 from agentrl.errors import ConfigError
-from tests.run_support import Handle, make_model
+from tests.run_support import Handle
 
 DRIVER = {"node_id": "head", "ip": "10.0.0.1"}
 OTHER = {"node_id": "gpu-1", "ip": "10.0.0.2"}
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    return make_model(tmp_path_factory.mktemp("cluster"))
+def model(run_model) -> str:
+    return run_model
 
 
 class RecordingLearner(LearnerWorker):

@@ -47,8 +47,8 @@ def chromium() -> str:
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    return short_run(tmp_path_factory)
+def run_dir(tmp_path_factory, run_model):
+    return short_run(tmp_path_factory, run_model)
 
 
 class Page:

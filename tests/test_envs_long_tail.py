@@ -106,12 +106,12 @@ def test_bad_kwargs_named():
 
 
 @pytest.mark.slow
-def test_short_run_end_to_end(ray_session, tmp_path):
+def test_short_run_end_to_end(ray_session, tmp_path, run_model):
     from agentrl.config import load_config
     from agentrl.runner.loop import run
-    from tests.run_support import make_model, read_jsonl, tiny_config
+    from tests.run_support import read_jsonl, tiny_config
 
-    model = make_model(tmp_path)
+    model = run_model
     law = ["--env.kwargs.median_n", "4.0", "--env.kwargs.sigma", "1.0", "--env.kwargs.min_n", "1",
            "--env.kwargs.max_n", "40"]  # fmt: skip
     path = tiny_config(tmp_path, model, env={"name": "long_tail"}, rollout={"max_turns": 2, "max_new_tokens": 160},

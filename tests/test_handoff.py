@@ -17,7 +17,7 @@ from agentrl.engines.tiny import make_tiny_model
 from agentrl.errors import ConfigError
 from agentrl.learners.offload import move_state
 from agentrl.learners.torch_learner import TorchLearner
-from tests.run_support import make_model, read_jsonl, tiny_config
+from tests.run_support import read_jsonl, tiny_config
 from tests.test_lora import PROMPT, batch
 
 torch.set_num_threads(2)
@@ -307,12 +307,12 @@ def test_expandable_segments_only_where_the_learner_allocates_alone(overrides, e
 
 @pytest.mark.slow
 @pytest.mark.parametrize("learner", ["torch", "megatron"])
-def test_colocated_sync_run_hands_the_device_over(ray_session, tmp_path, learner):
+def test_colocated_sync_run_hands_the_device_over(ray_session, tmp_path, run_model, learner):
     from agentrl.runner.loop import run
 
     if learner == "megatron":
         pytest.importorskip("megatron.core")
-    path = tiny_config(tmp_path, make_model(tmp_path), run={"steps": 2, "eval_every": 0})
+    path = tiny_config(tmp_path, run_model, run={"steps": 2, "eval_every": 0})
     cfg = load_config(path, ["--run.placement", "colocated", "--run.mode", "sync", "--run.offload", "true",
                              "--learner.kind", learner])  # fmt: skip
     assert run(cfg)["ok"]

@@ -164,11 +164,11 @@ def test_tensor_and_pipeline_parallel_2_equal_torch_peft(megatron_model, tmp_pat
 
 
 @pytest.mark.slow
-def test_agentrl_run_with_megatron_lora_checkpoints_and_resumes(ray_session, tmp_path):
+def test_agentrl_run_with_megatron_lora_checkpoints_and_resumes(ray_session, tmp_path, run_model):
     from agentrl.runner.loop import run
-    from tests.run_support import make_model, read_jsonl, tiny_config
+    from tests.run_support import read_jsonl, tiny_config
 
-    path = tiny_config(tmp_path, make_model(tmp_path), run={"steps": 2, "eval_every": 0},
+    path = tiny_config(tmp_path, run_model, run={"steps": 2, "eval_every": 0},
                        learner={"lr": 1e-2, "kind": "megatron"})  # fmt: skip
     lora = ["--learner.lora.rank", "4", "--learner.lora.target-modules", '["all-linear"]']
     assert run(load_config(path, lora))["ok"]

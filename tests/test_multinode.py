@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from agentrl.net import free_port
-from tests.run_support import make_model, read_jsonl, tiny_config
+from tests.run_support import read_jsonl, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -90,8 +90,8 @@ def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout_s: float
     raise AssertionError(f"no step {step} within {timeout_s}s")
 
 
-def test_a_run_over_three_nodes_survives_losing_the_rollout_node(ray_cluster, tmp_path):
-    model = make_model(tmp_path)
+def test_a_run_over_three_nodes_survives_losing_the_rollout_node(ray_cluster, tmp_path, run_model):
+    model = run_model
     cfg = tiny_config(
         tmp_path, model, run={"steps": STEPS, "eval_every": 0, "placement": "disaggregated", "nodes": 3,
                               "mode": "async", "max_restarts": 4},

@@ -14,8 +14,8 @@ pytestmark = pytest.mark.slow  # one short real `agentrl run` per session (tests
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    return short_run(tmp_path_factory)
+def run_dir(tmp_path_factory, run_model):
+    return short_run(tmp_path_factory, run_model)
 
 
 def _image(path):

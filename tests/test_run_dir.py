@@ -172,7 +172,8 @@ def test_a_full_disk_is_one_line_naming_the_file_and_leaves_no_tmp_checkpoint(tm
 def test_tensorboard_is_installed_by_default_or_its_absence_is_said(tmp_path, monkeypatch, caplog):
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert any(d.split(">")[0].split("=")[0].strip() == "tensorboard" for d in deps)  # run.tensorboard = true
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as after `pip install --no-deps`
+    # as after `pip install --no-deps`
+    monkeypatch.setitem(sys.modules, "tensorboard.summary.writer.event_file_writer", None)
     with caplog.at_level(logging.WARNING, logger="agentrl.runner.loggers"):
         RunDir(config(tmp_path, "--run.tensorboard", "true")).close()
     warnings = [r.getMessage() for r in caplog.records]

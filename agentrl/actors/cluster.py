@@ -86,21 +86,28 @@ class Cluster:
         from agentrl.actors import placement
 
         placement.check(self.cfg)  # before the queue starts: a config error leaves nothing behind
-        await self.start_queue()
+        self._spawn_queue()
+        # the queue's start (its imports, the tokenizer, HTTP) runs while the other actors start up, not first
+        queue_url = self.queue.handle.start.remote()
         layout = await placement.place(self.cfg)
         self.groups = layout.groups
         await asyncio.to_thread(self._spawn_all, layout)
         await self.learner.learner_version.remote()  # fail fast if the learner cannot build
+        self.queue_url = await queue_url
+        self._write_queue_url()
         await self._locate()
 
     async def start_queue(self) -> None:
         """The queue actor, on the driver's node, serving HTTP (`queue_url`)."""
+        self._spawn_queue()
+        self.queue_url = await self.queue.handle.start.remote()
+        self._write_queue_url()
+
+    def _spawn_queue(self) -> None:
         from agentrl.actors import placement
 
         self.queue = self._slot("queue", 0, placement.queue_options(), cfg=self.cfg, run_dir=self.run_dir,
                                 policy_version=self.policy_version, tokenizer_path=self.model_path)  # fmt: skip
-        self.queue_url = await self.queue.handle.start.remote()
-        self._write_queue_url()
 
     def _spawn_all(self, layout: Placement) -> None:
         """Learner, engines, workers (blocking: a learner of several ranks rendezvouses first)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +29,21 @@ def scalars(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 class _TensorBoard:
-    def __init__(self, writer: Any):
-        self.writer = writer
+    """Scalars as TensorBoard events, written by tensorboard's own event-file writer (what
+    torch.utils.tensorboard.SummaryWriter wraps): the driver then never imports torch, ~2 s of every start."""
+
+    def __init__(self, logdir: Path):
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self.event, self.summary = event_pb2.Event, summary_pb2.Summary
+        self.writer = EventFileWriter(str(logdir))
 
     def log(self, values: dict[str, float], step: int) -> None:
+        now = time.time()
         for key, value in values.items():
-            self.writer.add_scalar(key, value, step)
+            summary = self.summary(value=[self.summary.Value(tag=key, simple_value=value)])
+            self.writer.add_event(self.event(wall_time=now, step=step, summary=summary))
         self.writer.flush()
 
     def close(self) -> None:
@@ -77,15 +87,13 @@ def open_loggers(cfg: Config, path: Path, resume: bool) -> list[Any]:
     loggers: list[Any] = []
     if cfg.run.tensorboard:
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            loggers.append(_TensorBoard(path / EVENTS_DIR))
         except ImportError as exc:  # installed with --no-deps: say so once (metrics.jsonl still has it all)
             log.warning(
                 "run.tensorboard: no TensorBoard events are written (%s); `pip install tensorboard`, or set "
                 "run.tensorboard = false to silence this",
                 exc,
             )
-        else:
-            loggers.append(_TensorBoard(SummaryWriter(str(path / EVENTS_DIR))))
     if cfg.run.wandb_project:
         loggers.append(_Wandb(cfg, path, resume))
     return loggers

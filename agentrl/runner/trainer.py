@@ -32,7 +32,7 @@ from agentrl.runner.progress import Progress
 from agentrl.runner.rundir import RunDir
 from agentrl.runner.state import RunState, pick_checkpoint, write_checkpoint
 
-SAMPLE_SLICE_S = 5.0  # a sample waits this long at a time, then checks the rollouts for a failure or the end
+SAMPLE_SLICE_S = 1.0  # a sample waits this long at a time, then checks the rollouts for a failure or the end
 
 
 def _stop_if_cancelled() -> None:
