@@ -77,5 +77,10 @@ def test_async_at_staleness_0_trains_the_sync_batches(ray_session, tmp_path, run
     if concurrency > 1:
         return  # the schedule within a batch depends on timing (module docstring)
     for s, a in zip(sync, asyn, strict=True):
-        assert {k: s[k] for k in EQUAL} == {k: a[k] for k in EQUAL}, s["step"]
+        # the same trajectories, maybe packed in another order: the learner's float sums may differ in the last
+        # digits (seen: entropy 6.5374837 against 6.5374846 on a loaded machine), everything counted is exact
+        floats = [k for k in EQUAL if isinstance(s[k], float)]
+        counted = [k for k in EQUAL if k not in floats]
+        assert {k: s[k] for k in counted} == {k: a[k] for k in counted}, s["step"]
+        assert {k: s[k] for k in floats} == pytest.approx({k: a[k] for k in floats}, rel=1e-5), s["step"]
     assert any(m["reward_std"] > 0 and m["train/grad_norm"] > 0 for m in sync), "no step had a gradient"
