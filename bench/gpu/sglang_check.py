@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -86,18 +87,26 @@ async def sample_and_compare(engine: SGLangEngine, model, prompts, version: int,
     return row
 
 
-def perturb(model, base: dict[str, torch.Tensor], seed: int) -> None:
+def perturb(
+    model, base: dict[str, torch.Tensor], seed: int, only: Callable[[str], bool] | None = None
+) -> int:
     """New weights at the scale of the initial ones: matrices 0.8 * base + 0.6 * fresh noise of the base's std
-    (same variance, a different function), 1-D norms base + N(0, 0.02)."""
+    (same variance, a different function), 1-D norms base + N(0, 0.02); `only`: the parameter names to change
+    (default all). Returns how many tensors changed."""
     gen = torch.Generator(device=model.device).manual_seed(seed)
+    changed = 0
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if only is not None and not only(name):
+                continue
             b = base[name]
             noise = torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
             if p.dim() > 1:
                 p.copy_(0.8 * b.float() + 0.6 * b.float().std() * noise)
             else:
                 p.copy_(b.float() + 0.02 * noise)
+            changed += 1
+    return changed
 
 
 def snapshot(model):

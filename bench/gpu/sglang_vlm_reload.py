@@ -48,20 +48,14 @@ SGLANG_FLAGS = {**vlm_bench.SGLANG_FLAGS, "mem_fraction_static": 0.35}  # the le
 
 
 def perturb(model: torch.nn.Module, base: dict[str, torch.Tensor], part: str, seed: int) -> int:
-    """New weights at the scale of the drawn ones (matrices 0.8 * base + 0.6 * noise of the base's std, 1-D
-    base + N(0, 0.02)) for the parameters of `part`; returns how many tensors changed."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    changed = 0
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            vision = ".visual." in f".{name}"
-            if part != "all" and vision != (part == "vision"):
-                continue
-            b = base[name]
-            noise = torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
-            p.copy_(0.8 * b + 0.6 * b.std() * noise if p.dim() > 1 else b + 0.02 * noise)
-            changed += 1
-    return changed
+    """sglang_check's perturbation (new weights at the drawn ones' scale) of the parameters of `part`: all, the
+    vision tower (`model.visual.*`) or the language model; returns how many tensors changed."""
+    import sglang_check
+
+    def only(name: str) -> bool:
+        return part == "all" or (".visual." in f".{name}") == (part == "vision")
+
+    return sglang_check.perturb(model, base, seed, only)
 
 
 def learner_logprobs(learner: TorchLearner, requests, outs, k: int) -> float:
