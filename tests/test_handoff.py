@@ -271,7 +271,7 @@ def test_sglang_is_launched_with_the_memory_saver(monkeypatch):
     launched = {}
 
     class Server:
-        def __init__(self, model_path, cfg, args):
+        def __init__(self, model_path, cfg, args, env):
             launched.update(args)
 
         def start(self):

@@ -54,7 +54,12 @@ def make_engine(cfg: Config, model_path: str, index: int = 0) -> Engine:
     timeouts = {"request_timeout_s": e.request_timeout_s, "update_timeout_s": e.update_timeout_s}
     if e.external_urls:
         return SGLangEngine(e.external_urls[index % len(e.external_urls)], model_path=model_path, **timeouts)
-    from agentrl.engines.sglang_launcher import SGLangServer, lora_server_args, routing_replay_server_args
+    from agentrl.engines.sglang_launcher import (
+        SGLangServer,
+        lora_server_args,
+        routing_replay_server_args,
+        vision_server_env,
+    )
 
     # the user's own flags win
     args = {**lora_server_args(cfg.learner.lora), **routing_replay_server_args(cfg.learner), **e.sglang.args}
@@ -62,7 +67,8 @@ def make_engine(cfg: Config, model_path: str, index: int = 0) -> Engine:
         # back what a publish does not send (a LoRA run's base weights, buffers such as RoPE caches)
         args.setdefault("enable_memory_saver", True)
         args.setdefault("enable_weights_cpu_backup", True)
-    server = SGLangServer(model_path, e.sglang, args=args)
+    trained_tower = cfg.learner.vision_tower == "trained" and not cfg.learner.lora.enabled
+    server = SGLangServer(model_path, e.sglang, args=args, env=vision_server_env(model_path, trained_tower))
     engine = SGLangEngine(server.start(), model_path=model_path, **timeouts)
     engine._server = server  # type: ignore[attr-defined]  # kept alive with the client, stopped on close
     return engine

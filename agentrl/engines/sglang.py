@@ -181,6 +181,7 @@ class SGLangEngine(Engine):
                                      "(no grammar backend, or --skip-tokenizer-init)")  # fmt: skip
             if sampling.stop and not text.stop:  # as the embedded engine: it runs on, the caller cuts
                 sampling = msgspec.structs.replace(sampling, stop=[])
+        runs: list[tuple[int, int]] = []
         if images and not await self.serve_engine():
             runs = placeholder_runs(input_ids, await self._image_token_id())
             if len(runs) != len(images):  # SGLang would answer a bare 500 (its processor's count)
@@ -192,6 +193,7 @@ class SGLangEngine(Engine):
                 )
             input_ids = wire.collapse_image_runs(input_ids, runs)
         await self._gate.wait()
+        sent_tokens = len(input_ids) + sum(n - 1 for _, n in runs)  # the expanded prompt SGLang should serve
         body = wire.generate_body(input_ids, sampling, request_id, images)
         lora = self._lora.acquire()
         if lora is not None:
@@ -210,6 +212,13 @@ class SGLangEngine(Engine):
             out = wire.parse_generate_response(data, self._version, moe, num_layers)
         except (KeyError, TypeError, ValueError) as exc:
             raise EngineError(f"{self.url}/generate: malformed response ({exc!r})") from exc
+        if runs and out.prompt_tokens and out.prompt_tokens != sent_tokens:
+            raise EngineError(
+                f"{self.url}/generate served a prompt of {out.prompt_tokens} tokens for the {sent_tokens} sent: "
+                "this SGLang re-tokenized a prompt with images (SGLang before 0.5.13 decodes the ids to text and "
+                "tokenizes that again), so its reply answers another prompt than the one recorded; use SGLang "
+                ">= 0.5.13, which keeps the ids sent (SGLANG_MM_AVOID_RETOKENIZE, on by default)"
+            )
         if moe is not None and out.routed_experts is None and out.finish_reason != "abort":
             raise EngineError(
                 f"{self.url}/generate: routed experts were asked for and none came back (start SGLang with "

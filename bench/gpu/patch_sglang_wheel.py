@@ -8,6 +8,11 @@
   transformers backend, which refuses it ("Unsupported TP style 'embedding_rowwise'"). The old class (its
   transformers 5.6.0 text: inverse frequencies and their outer product with the positions) is defined in
   sglang's module instead.
+- SGLang 0.5.12 decodes a VLM prompt sent as token ids to text and serves the processor's re-tokenization of
+  it, which is not always the ids sent (random ids, or a sampled reply's non-canonical tokens in a later turn):
+  the model then runs on another prompt than the one recorded. SGLang 0.5.13 keeps the ids sent and expands
+  only the image placeholders (`SGLANG_MM_AVOID_RETOKENIZE`, on by default); the same for the Qwen-VL
+  processor here, each image's token count from the processor's own grid.
 """
 
 from __future__ import annotations
@@ -51,7 +56,57 @@ def qwen2_5_vl(text: str) -> str:
     return text[:at] + OLD_ROPE + text[at:]
 
 
-PATCHES = {"sglang/srt/configs/qwen3_asr.py": asr, "sglang/srt/models/qwen2_5_vl.py": qwen2_5_vl}
+KEEP_IDS = """
+
+def _agentrl_keep_ids(sent, ret, image_token_id, processor):  # agentrl: SGLang 0.5.13's token preservation
+    \"\"\"The ids sent, each image placeholder expanded to its image's token count (the processor's grid).\"\"\"
+    grids = ret["image_grid_thw"]
+    merge = int(getattr(processor.image_processor, "merge_size", 2))
+    counts = [int(n) for n in (grids.prod(-1) // merge**2).tolist()]
+    if sum(1 for t in sent if t == image_token_id) != len(counts):
+        raise ValueError(f"{len(counts)} images for another number of placeholders in the ids sent")
+    out, at = [], 0
+    for t in sent:
+        if t == image_token_id:
+            out += [image_token_id] * counts[at]
+            at += 1
+        else:
+            out.append(t)
+    return out
+"""
+KEEP_IDS_CALL = """            all_collected_items = collected_items
+            sent = getattr(base_output, "input_ids", None)  # agentrl: the ids sent, not their re-tokenization
+            if (sent is not None and raw_images and not raw_audios and not raw_videos
+                    and os.environ.get("SGLANG_MM_AVOID_RETOKENIZE", "1").lower() not in ("0", "false")):
+                try:
+                    input_ids = torch.tensor(_agentrl_keep_ids(sent, ret, mm_tokens.image_token_id,
+                                                               self._processor), dtype=input_ids.dtype)
+                except Exception as e:
+                    logger.warning(f"Due to {e}, serving the re-tokenized prompt (token drift).")
+"""
+
+
+def keep_ids_base(text: str) -> str:
+    anchor = "            all_collected_items = collected_items\n"
+    assert text.count(anchor) == 1 and "logger" in text, "sglang's process_and_combine_mm_data moved"
+    return text.replace(anchor, KEEP_IDS_CALL, 1) + KEEP_IDS
+
+
+def keep_ids_qwen_vl(text: str) -> str:
+    anchor = (
+        "            multimodal_tokens=self.mm_tokens,\n        )\n        load_time = time.perf_counter()\n"
+    )
+    assert text.count(anchor) == 1, "sglang's Qwen-VL process_mm_data_async moved"
+    keep = "        base_output.input_ids = input_text if isinstance(input_text, list) else None  # agentrl\n"
+    return text.replace(anchor, anchor.replace("        load_time", keep + "        load_time"), 1)
+
+
+PATCHES = {  # file -> its patches
+    "sglang/srt/configs/qwen3_asr.py": [asr],
+    "sglang/srt/models/qwen2_5_vl.py": [qwen2_5_vl],
+    "sglang/srt/multimodal/processors/base_processor.py": [keep_ids_base],
+    "sglang/srt/multimodal/processors/qwen_vl.py": [keep_ids_qwen_vl],
+}
 
 
 def record_line(name: str, data: bytes) -> str:
@@ -61,10 +116,19 @@ def record_line(name: str, data: bytes) -> str:
 
 def patch(src: str) -> None:
     zin = zipfile.ZipFile(src)
-    if b"agentrl: 5.17" in zin.read("sglang/srt/models/qwen2_5_vl.py"):
+    new = {}
+    for name, fixes in PATCHES.items():
+        text = out = zin.read(name).decode()
+        if (
+            "agentrl" not in text
+        ):  # a patch writes "agentrl" into the file (asr's needs no mark: it re-applies as is)
+            for fix in fixes:
+                out = fix(out)
+        if out != text:
+            new[name] = out.encode()
+    if not new:
         print(f"{src}: already patched")
         return
-    new = {name: fix(zin.read(name).decode()).encode() for name, fix in PATCHES.items()}
     rec = next(n for n in zin.namelist() if n.endswith(".dist-info/RECORD"))
     lines = [
         record_line(line.split(",")[0], new[line.split(",")[0]]) if line.split(",")[0] in new else line
@@ -78,7 +142,7 @@ def patch(src: str) -> None:
                 data = ("\n".join(lines) + "\n").encode()
             z.writestr(info, data if data is not None else zin.read(info.filename))
     os.replace(tmp, src)
-    print(f"{src}: patched {', '.join(PATCHES)}")
+    print(f"{src}: patched {', '.join(new)}")
 
 
 if __name__ == "__main__":

@@ -68,6 +68,34 @@ async def serve(engine, requests) -> list:
     return await asyncio.gather(*(engine.generate(ids, sp, images=imgs) for ids, imgs, _ in requests))
 
 
+async def probe(engine, learner: TorchLearner, path: Path, args) -> list[dict]:
+    """Mean |Δ| log-prob of the served replies against the learner before any publish, for each `--probe` entry:
+    `text` (the prompts' text after the picture, alone), or a picture kind and size (`noise224`: uniform noise;
+    `flat56`: one colour; `shapes56`: the shapes env's drawing), one picture per prompt: where the engine and
+    the learner part, when they do."""
+    rows = []
+    for entry in args.probe:
+        kind = entry.rstrip("0123456789") or "noise"
+        size = int(entry[len(kind) :] or 56) if kind != "text" else 56
+        if kind not in ("text", "noise", "flat", "shapes"):
+            raise SystemExit(f"--probe {entry!r}: use text, noiseN, flatN or shapesN")
+        requests = vlm_bench.make_requests(path, SimpleNamespace(
+            seed=0, n=args.n, image_size=size, picture="noise" if kind == "text" else kind, prompt_len=(4, 16),
+            output_len=(24, 24)))  # fmt: skip
+        if kind == "text":
+            start = [s[0].start + s[0].length for s in vlm_bench.SPANS]
+            requests = [(ids[at:], [], m) for (ids, _, m), at in zip(requests, start, strict=True)]
+            vlm_bench.SPANS[:] = [[] for _ in requests]
+        outs = await serve(engine, requests)
+        every, first = vlm_bench.learner_deltas(learner, requests, outs, args.n)
+        row = {"probe": entry, "image_tokens": sum(s.length for sp in vlm_bench.SPANS for s in sp) // args.n,
+               "mean": round(float(every.mean()), 5), "max": round(float(every.max()), 5),
+               "first_token_mean": round(sum(first) / len(first), 5)}  # fmt: skip
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 async def publish(engine, path_name: str, version: int, learner: TorchLearner, root: Path, args) -> dict:
     import sglang_check
 
@@ -82,7 +110,7 @@ async def publish(engine, path_name: str, version: int, learner: TorchLearner, r
 
 async def check(args) -> dict:
     from agentrl.engines.sglang import SGLangEngine
-    from agentrl.engines.sglang_launcher import SGLangServer
+    from agentrl.engines.sglang_launcher import SGLangServer, vision_server_env
 
     root = Path(args.workdir or tempfile.mkdtemp())
     path = vlm_bench.build_model(args.arch, root, args.device)
@@ -102,12 +130,17 @@ async def check(args) -> dict:
         server, engine = None, EmbeddedEngine(str(path), device=args.device, max_batch_size=args.n)
         versions = [(p, part) for p, part in VERSIONS if not p.startswith("distributed")]
     else:
-        flags = {**SGLANG_FLAGS, "disable_fast_image_processor": args.slow_image_processor}
+        flags = {**SGLANG_FLAGS, "disable_fast_image_processor": args.slow_image_processor,
+                 **dict(args.sglang_flag)}  # fmt: skip
         server = SGLangServer(str(path), args=flags, startup_timeout_s=600, restart_on_crash=False,
+                              env=vision_server_env(str(path), vision_tower_trained=True),
                               log_path=str(Path(args.out) / "sglang_vlm_server.log"))  # fmt: skip
         await asyncio.to_thread(server.start)
         engine = SGLangEngine(server.url, update_timeout_s=300)
     try:
+        if args.probe:  # version 0 alone, on pictures of several sizes and on text alone
+            result["probe"] = await probe(engine, learner, path, args)
+            return result
         outs = await serve(engine, requests)
         first = learner_logprobs(learner, requests, outs, args.n)
         result["checks"].append({"version": 0, "mean": first, "ok": first <= args.tol})
@@ -138,6 +171,14 @@ async def check(args) -> dict:
     return result
 
 
+def flag(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--sglang-flag takes KEY=VALUE, not {text!r}")
+    parsed = json.loads(value) if value in ("true", "false") or value.replace(".", "", 1).isdigit() else value
+    return key, parsed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="/tmp/sglang_vlm_reload")
@@ -154,6 +195,21 @@ def main() -> None:
         "--slow-image-processor",
         action="store_true",
         help="SGLang with Pillow's image processor, as the learner (its default: torchvision's, on the GPU)",
+    )
+    ap.add_argument(
+        "--probe",
+        type=lambda text: text.split(","),
+        default=None,
+        help="comma-separated: text, noiseN, flatN, shapesN (N pixels square): version 0's log-prob gap "
+        "for each, then stop",
+    )
+    ap.add_argument(
+        "--sglang-flag",
+        type=flag,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another SGLang server argument (its Python name; true/false/numbers parsed), repeatable",
     )
     ap.add_argument("--no-sglang", action="store_true")
     ap.add_argument("--dist-backend", default="gloo", choices=["gloo", "nccl"])

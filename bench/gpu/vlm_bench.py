@@ -99,10 +99,21 @@ def build_model(arch: str, root: Path, device: str) -> Path:
     return out
 
 
-def picture(rng: random.Random, size: int) -> bytes:
+def picture(rng: random.Random, size: int, kind: str = "noise") -> bytes:
+    """A `size`-pixel square PNG: uniform noise (every pixel its own; the default), one flat colour, or the
+    `shapes` env's coloured shapes on white."""
     from PIL import Image
 
-    pixels = Image.frombytes("RGB", (size, size), bytes(rng.getrandbits(8) for _ in range(size * size * 3)))
+    if kind == "shapes":
+        from agentrl.envs.shapes import draw, sample_shapes
+
+        return draw(size, sample_shapes(rng, size, rng.randint(1, 3), (size // 8, size // 5)))
+    if kind == "flat":
+        pixels = Image.new("RGB", (size, size), tuple(rng.randrange(256) for _ in range(3)))
+    else:
+        pixels = Image.frombytes(
+            "RGB", (size, size), bytes(rng.getrandbits(8) for _ in range(size * size * 3))
+        )
     buf = io.BytesIO()
     pixels.save(buf, "PNG")
     return buf.getvalue()
@@ -119,7 +130,7 @@ def make_requests(path: Path, args) -> list[tuple[list[int], list[types.Image], 
     text_ids = [i for i in range(len(tok)) if i not in specials][:4000]
     out = []
     for _ in range(args.n):
-        data = picture(rng, args.image_size)
+        data = picture(rng, args.image_size, getattr(args, "picture", "noise"))
         opening = [types.Message("user", [types.ImagePart(data), types.TextPart("Describe the picture.")])]
         ids, spans = chat.place_images(chat.prompt_ids(opening), opening)
         SPANS.append(spans)
