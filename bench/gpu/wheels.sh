@@ -38,7 +38,8 @@ zip -q -d "$k" 'sgl_kernel/flash_ops.abi3.so' 'sgl_kernel/sm100/*' 'sgl_kernel/f
 mkdir -p rec/$kd
 unzip -p "$k" $kd/RECORD | grep -v -E '^(sgl_kernel/flash_ops\.abi3\.so|sgl_kernel/sm100/|sgl_kernel/flashmla_ops\.abi3\.so|_mscclpp\.|lib/|lib64/|include/)' > rec/$kd/RECORD
 (cd rec && zip -q "../$k" $kd/RECORD); mv "$k" wheels/
-# SGLang pins transformers 5.6.0; the image has 5.17: two imports patched (bench/gpu/patch_sglang_wheel.py).
+# SGLang pins transformers 5.6.0; the image has 5.17: two imports patched, and SGLang 0.5.13's token preservation for
+# prompts with pictures added (bench/gpu/patch_sglang_wheel.py).
 python3 "$repo/bench/gpu/patch_sglang_wheel.py" wheels/sglang-0.5.12-*.whl
 tar -cf "$out/sglang_wheelhouse.tar" wheels
 ls -l "$out/sglang_wheelhouse.tar"
