@@ -32,15 +32,16 @@ IMAGES_IN_CHAT = (
 
 
 def embedding_rows(model_dir: str | Path | None) -> int | None:
-    """The model's vocabulary as its embedding has it: config.json's `vocab_size` (a VLM's under `text_config`
-    when not at the top); None without a readable config (a tokenizer directory alone)."""
+    """The model's vocabulary as its embedding has it: config.json's `vocab_size`, a VLM's `text_config` one first
+    (the language model's, as the engines read it: agentrl.engines.model_spec); None without a readable config
+    (a tokenizer directory alone)."""
     if model_dir is None:
         return None
     try:
         cfg = msgspec.json.decode((Path(model_dir) / "config.json").read_bytes())
     except (OSError, msgspec.DecodeError):
         return None
-    rows = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    rows = (cfg.get("text_config") or {}).get("vocab_size") or cfg.get("vocab_size")
     return int(rows) if isinstance(rows, int) and rows > 0 else None
 
 
