@@ -68,7 +68,7 @@ def make_engine(cfg: Config, model_path: str, index: int = 0) -> Engine:
         args.setdefault("enable_memory_saver", True)
         args.setdefault("enable_weights_cpu_backup", True)
     trained_tower = cfg.learner.vision_tower == "trained" and not cfg.learner.lora.enabled
-    server = SGLangServer(model_path, e.sglang, args=args, env=vision_server_env(model_path, trained_tower))
+    server = SGLangServer(model_path, e.sglang, args=args, env=vision_server_env(trained_tower))
     engine = SGLangEngine(server.start(), model_path=model_path, **timeouts)
     engine._server = server  # type: ignore[attr-defined]  # kept alive with the client, stopped on close
     return engine

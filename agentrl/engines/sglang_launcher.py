@@ -113,18 +113,15 @@ def routing_replay_server_args(learner: Any) -> dict[str, Any]:
     return {"enable_return_routed_experts": True} if learner.routing_replay == "rollout" else {}
 
 
-def vision_server_env(model_path: str, vision_tower_trained: bool) -> dict[str, str]:
-    """The environment a server serving a vision-language model needs to answer as the learner would, unless
-    the user's own environment sets the variable. SGLang keeps each picture's vision-tower output (100 MB by
+def vision_server_env(vision_tower_trained: bool) -> dict[str, str]:
+    """The environment SGLang needs to serve a vision-language model as the learner computes it, less what the
+    user's own environment sets (a text model reads neither variable, so every server gets them: a model given
+    by a name SGLang resolves is covered too). SGLang keeps each picture's vision-tower output (100 MB by
     default, keyed by the picture alone) and no weight update clears it, so after a publish that changed the
-    tower the pictures seen before would be read by the old tower: with a trained tower, the cache is off
-    (`SGLANG_VLM_CACHE_SIZE_MB=0`; the tower then runs once per request, a group's samples each). A frozen tower
-    (or LoRA, which leaves it frozen) keeps it. `SGLANG_MM_AVOID_RETOKENIZE=1`: serve the ids sent, not
-    their decode-and-tokenize-again (SGLang >= 0.5.13; its default there, named in case a user's turned it off)."""
-    from agentrl.vision import VisionSpec
-
-    if VisionSpec.from_dir(model_path) is None:
-        return {}
+    tower the pictures seen before would be read by the old tower: with a trained tower the cache is off
+    (`SGLANG_VLM_CACHE_SIZE_MB=0`; the tower then runs once per request, a group's samples each); a frozen tower
+    (or LoRA, which leaves it frozen) keeps it. `SGLANG_MM_AVOID_RETOKENIZE=1`: serve the ids sent, not their
+    decode-and-tokenize-again (SGLang >= 0.5.13, where it is the default; set in case a user's turned it off)."""
     env = {"SGLANG_MM_AVOID_RETOKENIZE": "1"}
     if vision_tower_trained:
         env["SGLANG_VLM_CACHE_SIZE_MB"] = "0"

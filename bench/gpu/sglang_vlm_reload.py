@@ -133,7 +133,7 @@ async def check(args) -> dict:
         flags = {**SGLANG_FLAGS, "disable_fast_image_processor": args.slow_image_processor,
                  **dict(args.sglang_flag)}  # fmt: skip
         server = SGLangServer(str(path), args=flags, startup_timeout_s=600, restart_on_crash=False,
-                              env=vision_server_env(str(path), vision_tower_trained=True),
+                              env=vision_server_env(vision_tower_trained=True),
                               log_path=str(Path(args.out) / "sglang_vlm_server.log"))  # fmt: skip
         await asyncio.to_thread(server.start)
         engine = SGLangEngine(server.url, update_timeout_s=300)
