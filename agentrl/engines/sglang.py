@@ -214,10 +214,11 @@ class SGLangEngine(Engine):
             raise EngineError(f"{self.url}/generate: malformed response ({exc!r})") from exc
         if runs and out.prompt_tokens and out.prompt_tokens != sent_tokens:
             raise EngineError(
-                f"{self.url}/generate served a prompt of {out.prompt_tokens} tokens for the {sent_tokens} sent: "
-                "this SGLang re-tokenized a prompt with images (SGLang before 0.5.13 decodes the ids to text and "
-                "tokenizes that again), so its reply answers another prompt than the one recorded; use SGLang "
-                ">= 0.5.13, which keeps the ids sent (SGLANG_MM_AVOID_RETOKENIZE, on by default)"
+                f"{self.url}/generate served a prompt of {out.prompt_tokens} tokens for the {sent_tokens} sent, so "
+                "its reply answers another prompt than the one recorded: SGLang re-tokenized a prompt with images "
+                "(before 0.5.13 it decodes the ids to text and tokenizes that again; use SGLang >= 0.5.13, which "
+                "keeps the ids sent: SGLANG_MM_AVOID_RETOKENIZE, on by default), or its image processor made "
+                "another number of tokens of a picture than the model directory's preprocessor_config.json says"
             )
         if moe is not None and out.routed_experts is None and out.finish_reason != "abort":
             raise EngineError(
