@@ -10,7 +10,8 @@
 #       reload: bench/gpu/sglang_vlm_reload.py: the torch learner's publishes into SGLang on every path (tensor,
 #             distributed, bucketed, disk), the vision tower alone and the language model alone among them, each
 #             checked by log-probs against the learner's new and previous weights -> $OUT/sglang_vlm_reload.json;
-#             ~3 min
+#             ~4 min. `reload --probe text,noise224,shapes56` measures version 0 alone per kind of prompt (where
+#             SGLang and the learner part, when they do); the script's other arguments pass through the same way
 #       install: Ray (+ megatron-core, msgspec) into /tmp/site for `run` in a later call of the same hold (carry
 #             .whl; Ray and SGLang exceed one carry)
 #       run: after `install` (carry .sgl .gpu): `agentrl run examples/shapes.toml` async, colocated, SGLang
