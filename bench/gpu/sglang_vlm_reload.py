@@ -2,6 +2,7 @@
 publish stream (its checkpoint-file names: `visual.*`, `model.layers.*`).
 
     python3 bench/gpu/sglang_vlm_reload.py --out $OUT            # CUDA + SGLang; ~3 min on one H200
+    python3 bench/gpu/sglang_vlm_reload.py --out $OUT --sglang-disable-fast-image-processor   # any SGLang flag
     python3 bench/gpu/sglang_vlm_reload.py --device cpu --arch tiny --no-sglang   # CPU smoke: the embedded
                                                     # engine in SGLang's place, the tensor and disk paths
 
@@ -35,6 +36,7 @@ import vlm_bench
 
 from agentrl.config.learning import LearnerSection
 from agentrl.engines.base import DiskSource, SamplingParams
+from agentrl.engines.sglang_launcher import SGLangServer, parse_sglang_flags, vision_server_env
 from agentrl.learners.hf_io import save_hf_dir
 from agentrl.learners.torch_learner import TorchLearner
 
@@ -110,12 +112,9 @@ async def publish(engine, path_name: str, version: int, learner: TorchLearner, r
 
 async def check(args) -> dict:
     from agentrl.engines.sglang import SGLangEngine
-    from agentrl.engines.sglang_launcher import SGLangServer, vision_server_env
 
     root = Path(args.workdir or tempfile.mkdtemp())
     path = vlm_bench.build_model(args.arch, root, args.device)
-    requests = vlm_bench.make_requests(path, SimpleNamespace(
-        seed=0, n=args.n, image_size=args.image_size, prompt_len=(4, 16), output_len=(24, 24)))  # fmt: skip
     learner = TorchLearner(
         path, LearnerSection(micro_batch_tokens=4096, device=args.device, dtype=args.dtype)
     )
@@ -130,8 +129,7 @@ async def check(args) -> dict:
         server, engine = None, EmbeddedEngine(str(path), device=args.device, max_batch_size=args.n)
         versions = [(p, part) for p, part in VERSIONS if not p.startswith("distributed")]
     else:
-        flags = {**SGLANG_FLAGS, "disable_fast_image_processor": args.slow_image_processor,
-                 **dict(args.sglang_flag)}  # fmt: skip
+        flags = {**SGLANG_FLAGS, **args.sglang_flags}
         server = SGLangServer(str(path), args=flags, startup_timeout_s=600, restart_on_crash=False,
                               env=vision_server_env(vision_tower_trained=True),
                               log_path=str(Path(args.out) / "sglang_vlm_server.log"))  # fmt: skip
@@ -141,6 +139,8 @@ async def check(args) -> dict:
         if args.probe:  # version 0 alone, on pictures of several sizes and on text alone
             result["probe"] = await probe(engine, learner, path, args)
             return result
+        requests = vlm_bench.make_requests(path, SimpleNamespace(
+            seed=0, n=args.n, image_size=args.image_size, prompt_len=(4, 16), output_len=(24, 24)))  # fmt: skip
         outs = await serve(engine, requests)
         first = learner_logprobs(learner, requests, outs, args.n)
         result["checks"].append({"version": 0, "mean": first, "ok": first <= args.tol})
@@ -171,14 +171,6 @@ async def check(args) -> dict:
     return result
 
 
-def flag(text: str) -> tuple[str, object]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"--sglang-flag takes KEY=VALUE, not {text!r}")
-    parsed = json.loads(value) if value in ("true", "false") or value.replace(".", "", 1).isdigit() else value
-    return key, parsed
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="/tmp/sglang_vlm_reload")
@@ -192,29 +184,20 @@ def main() -> None:
         "--image-size", type=int, default=224, help="pixels square (56: no resize, 4 image tokens)"
     )
     ap.add_argument(
-        "--slow-image-processor",
-        action="store_true",
-        help="SGLang with Pillow's image processor, as the learner (its default: torchvision's, on the GPU)",
-    )
-    ap.add_argument(
         "--probe",
         type=lambda text: text.split(","),
         default=None,
         help="comma-separated: text, noiseN, flatN, shapesN (N pixels square): version 0's log-prob gap "
         "for each, then stop",
     )
-    ap.add_argument(
-        "--sglang-flag",
-        type=flag,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="another SGLang server argument (its Python name; true/false/numbers parsed), repeatable",
-    )
     ap.add_argument("--no-sglang", action="store_true")
     ap.add_argument("--dist-backend", default="gloo", choices=["gloo", "nccl"])
     ap.add_argument("--bucket-mb", type=int, default=256)
-    args = ap.parse_args()
+    sglang_flags, rest = parse_sglang_flags(
+        sys.argv[1:]
+    )  # --sglang-<flag> [VALUE], as `agentrl run` takes them
+    args = ap.parse_args(rest)
+    args.sglang_flags = sglang_flags
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = asyncio.run(check(args))

@@ -11,7 +11,8 @@
 #             distributed, bucketed, disk), the vision tower alone and the language model alone among them, each
 #             checked by log-probs against the learner's new and previous weights -> $OUT/sglang_vlm_reload.json;
 #             ~4 min. `reload --probe text,noise224,shapes56` measures version 0 alone per kind of prompt (where
-#             SGLang and the learner part, when they do); the script's other arguments pass through the same way
+#             SGLang and the learner part, when they do); the script's other arguments, `--sglang-<flag> [VALUE]`
+#             among them, pass through the same way
 #       install: Ray (+ megatron-core, msgspec) into /tmp/site for `run` in a later call of the same hold (carry
 #             .whl; Ray and SGLang exceed one carry)
 #       run: after `install` (carry .sgl .gpu): `agentrl run examples/shapes.toml` async, colocated, SGLang
