@@ -182,6 +182,8 @@ class SGLangEngine(Engine):
             if sampling.stop and not text.stop:  # as the embedded engine: it runs on, the caller cuts
                 sampling = msgspec.structs.replace(sampling, stop=[])
         runs: list[tuple[int, int]] = []
+        # the expanded prompt: what SGLang should serve once it has expanded each picture's placeholder again
+        sent_tokens = len(input_ids)
         if images and not await self.serve_engine():
             runs = placeholder_runs(input_ids, await self._image_token_id())
             if len(runs) != len(images):  # SGLang would answer a bare 500 (its processor's count)
@@ -193,7 +195,6 @@ class SGLangEngine(Engine):
                 )
             input_ids = wire.collapse_image_runs(input_ids, runs)
         await self._gate.wait()
-        sent_tokens = len(input_ids) + sum(n - 1 for _, n in runs)  # the expanded prompt SGLang should serve
         body = wire.generate_body(input_ids, sampling, request_id, images)
         lora = self._lora.acquire()
         if lora is not None:
