@@ -119,9 +119,9 @@ def patch(src: str) -> None:
     new = {}
     for name, fixes in PATCHES.items():
         text = out = zin.read(name).decode()
-        if (
-            "agentrl" not in text
-        ):  # a patch writes "agentrl" into the file (asr's needs no mark: it re-applies as is)
+        # a patch writes "agentrl" into its file, so a patched file is left alone (asr's writes no mark: it
+        # re-applies to its own output unchanged)
+        if "agentrl" not in text:
             for fix in fixes:
                 out = fix(out)
         if out != text:
